@@ -1,0 +1,11 @@
+"""bumblebee: long-context Mixture-of-Experts training in pure PyTorch.
+
+Public API (stable): ``from_hf``, ``to_hf``, ``load_config``, ``build_model``.
+"""
+
+from bumblebee.config import Config, ConfigError, load_config
+from bumblebee.models import build_model
+from bumblebee.models.hf import from_hf, to_hf
+
+__version__ = "0.1.0"
+__all__ = ["Config", "ConfigError", "load_config", "build_model", "from_hf", "to_hf", "__version__"]

@@ -1,0 +1,274 @@
+"""Typed run configuration: TOML in, ``--set section.key=value`` overrides, validation.
+
+A run is described by five sections (model, parallel, primitives, train, data),
+each a keyword-only dataclass. ``load_config`` merges defaults, a TOML file and
+command-line overrides, then ``validate`` checks everything that can be checked
+without building a model or touching a device, so that bad input fails in
+milliseconds with one line that says what is wrong and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """Invalid user input. The message is one line, printed as-is by the CLI."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "qwen3_moe"  # model family: qwen3_moe | qwen3_5_moe
+    preset: str = "tiny"  # a name from bumblebee.models.presets, ignored when hf_path is set
+    hf_path: str = ""  # a Hugging Face directory (config.json + safetensors) to start from
+    # Architecture overrides on top of the preset, HF key names: {num_hidden_layers = 2, ...}
+    arch: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    dp_shard: Union[int, str] = "auto"  # "auto" = world / (cp * tp * pp)
+    cp: int = 1
+    ep: int = 1
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass(kw_only=True)
+class PrimitivesConfig:
+    attention: str = "varlen"
+    cp: str = "allgather"
+    linear_attention: str = "chunked"
+    router: str = "softmax_topk"
+    experts: str = "grouped"
+    moe_comm: str = "local"
+    moe_chunks: int = 2
+    loss: str = "ce"
+    sharding: str = "none"
+    recompute: str = "none"
+    recompute_modules: list = field(default_factory=list)
+    pipeline: str = "1f1b"
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 60
+    seq_len: int = 2048
+    global_batch: int = 4  # sequences per optimizer step over all data-parallel ranks
+    micro_batch: int = 1  # sequences per forward on one rank
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    min_lr: float = 3e-4
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay fp32)
+    seed: int = 0
+    deterministic: bool = False
+    out_dir: str = "runs/default"
+    log_every: int = 1
+    save_every: int = 0
+    keep_last: int = 2
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "synthetic"  # synthetic | jsonl
+    path: str = ""  # JSONL file when source = "jsonl"
+    # synthetic key-value retrieval task: records per document (min, max)
+    min_records: int = 16
+    max_records: int = 96
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    primitives: PrimitivesConfig = field(default_factory=PrimitivesConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_TYPES = get_type_hints(Config)
+
+
+# ----------------------------------------------------------------------------------------------
+# loading and overriding
+
+
+def _suggest(word: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(word, valid, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"{hint}; valid: {', '.join(valid)}"
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check/convert one value against a field's type hint."""
+    origin = get_origin(hint)
+    if origin is Union:
+        errors = []
+        for arm in get_args(hint):
+            try:
+                return _coerce(value, arm, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: {value!r} is not valid ({' or '.join(a.__name__ for a in get_args(hint))})")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if hint is list or origin is list:
+        if isinstance(value, list):
+            return value
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
+    if hint is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(f"{where}: expected a table, got {value!r}")
+    raise AssertionError(f"unhandled type hint {hint} for {where}")
+
+
+def _apply(cfg: Config, data: dict, source: str) -> None:
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{section}]{_suggest(section, list(SECTIONS))}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table")
+        obj = getattr(cfg, section)
+        hints = get_type_hints(type(obj))
+        for key, value in values.items():
+            if key not in hints:
+                raise ConfigError(f"{source}: unknown key {section}.{key}{_suggest(key, list(hints))}")
+            setattr(obj, key, _coerce(value, hints[key], f"{source}: {section}.{key}"))
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``section.key=value`` -> (["section", "key"], value). Values are TOML literals;
+    a bare word that is not a TOML literal is taken as a string (``--set model.preset=tiny``)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    key, raw = item.split("=", 1)
+    path = key.strip().split(".")
+    if len(path) < 2 or not all(path):
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- ``--set`` overrides, then ``validate``."""
+    cfg = Config()
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: malformed TOML: {e}") from None
+        _apply(cfg, data, path)
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        if len(keys) > 2 and keys[0] == "model" and keys[1] == "arch":
+            cfg.model.arch = {**cfg.model.arch, ".".join(keys[2:]): value}
+            continue
+        if len(keys) != 2:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        _apply(cfg, {keys[0]: {keys[1]: value}}, "--set")
+    validate(cfg)
+    return cfg
+
+
+def dump_toml(cfg: Config) -> str:
+    """The resolved config as TOML (written next to every run's metrics)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, dict):
+                inner = ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items())
+                lines.append(f"{key} = {{{inner}}}")
+            else:
+                lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation (cheap: no model is built, no device touched)
+
+
+def validate(cfg: Config) -> None:
+    from bumblebee import registry
+    from bumblebee.models import resolve_arch
+
+    t = cfg.train
+    for name in ("steps", "seq_len", "global_batch", "micro_batch"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"train.{name} must be a positive integer, got {getattr(t, name)}")
+    for name in ("warmup_steps", "log_every", "save_every", "keep_last"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"train.lr must be > 0 and 0 <= train.min_lr <= train.lr (got lr={t.lr}, min_lr={t.min_lr})")
+    if t.clip_grad < 0:
+        raise ConfigError(f"train.clip_grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
+    if t.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
+
+    p = cfg.parallel
+    for name in ("cp", "ep", "tp", "pp"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    if isinstance(p.dp_shard, str) and p.dp_shard != "auto":
+        raise ConfigError(f"parallel.dp_shard must be a positive integer or 'auto', got {p.dp_shard!r}")
+    if isinstance(p.dp_shard, int) and p.dp_shard < 1:
+        raise ConfigError(f"parallel.dp_shard must be >= 1, got {p.dp_shard}")
+
+    d = cfg.data
+    if d.source not in ("synthetic", "jsonl"):
+        raise ConfigError(f"data.source must be 'synthetic' or 'jsonl', got {d.source!r}")
+    if d.source == "jsonl":
+        if not d.path:
+            raise ConfigError("data.source = 'jsonl' needs data.path")
+        if not os.path.isfile(d.path):
+            raise ConfigError(f"data.path not found: {d.path}")
+    if not 1 <= d.min_records <= d.max_records:
+        raise ConfigError(f"data needs 1 <= min_records <= max_records, got {d.min_records}, {d.max_records}")
+
+    registry.validate_choices(cfg.primitives)
+    arch = resolve_arch(cfg.model)  # validates family, preset, hf_path and the architecture
+    if arch.vocab_size < 256 and d.source == "synthetic":
+        raise ConfigError(f"the synthetic task is byte-level and needs vocab_size >= 256, got {arch.vocab_size}")

@@ -1,0 +1,170 @@
+"""Hugging Face checkpoints in and out: ``from_hf`` and ``to_hf``.
+
+bumblebee's parameter names equal HF's except for the routed experts, which
+bumblebee stacks per layer (``mlp.experts.w_gate_up`` [E, 2F, H] and
+``mlp.experts.w_down`` [E, H, F]) while HF checkpoints store one tensor per
+expert and projection (``mlp.experts.{e}.{gate,up,down}_proj.weight``). Both
+directions are exact copies, so a load followed by a save is bit-identical.
+Checkpoints that already hold HF's fused expert tensors (``experts.gate_up_proj``,
+``experts.down_proj``) load too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from bumblebee.config import ConfigError
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded as asked (missing file, wrong shape, ...)."""
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            raise CheckpointError(f"{path}: index names missing shard(s) {missing}")
+        return [os.path.join(path, n) for n in files]
+    if os.path.isfile(single):
+        return [single]
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(src.shape)}, model {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+@torch.no_grad()
+def load_hf_weights(model, path: str, *, skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Copy every tensor of the HF checkpoint at ``path`` into ``model``; every model
+    parameter must be covered exactly once."""
+    params = dict(model.named_parameters())
+    F = model.arch.moe_intermediate_size
+    covered: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(skip_prefixes):
+                    continue
+                t = f.get_tensor(name)
+                if m := _EXPERT.match(name):
+                    base, e, proj = m.group(1), int(m.group(2)), m.group(3)
+                    stacked = params.get(f"{base}.w_down" if proj == "down_proj" else f"{base}.w_gate_up")
+                    if stacked is None or e >= stacked.shape[0]:
+                        raise CheckpointError(f"unexpected tensor {name} for this model")
+                    rows = {"gate_proj": slice(0, F), "up_proj": slice(F, 2 * F), "down_proj": slice(None)}[proj]
+                    _copy(stacked[e, rows], t, name)
+                    covered.add(name)
+                elif m := _FUSED.match(name):
+                    target = f"{m.group(1)}.{'w_gate_up' if m.group(2) == 'gate_up_proj' else 'w_down'}"
+                    if target not in params:
+                        raise CheckpointError(f"unexpected tensor {name} for this model")
+                    _copy(params[target], t, name)
+                    covered.update(_expert_names(target, params[target].shape[0]))
+                elif name in params:
+                    _copy(params[name], t, name)
+                    covered.add(name)
+                elif name == "lm_head.weight" and model.lm_head is None:
+                    continue  # tied checkpoints sometimes store the head too
+                else:
+                    raise CheckpointError(f"unexpected tensor {name} in {file}")
+    expected = set()
+    for name, p in params.items():
+        if name.endswith(("experts.w_gate_up", "experts.w_down")):
+            expected.update(_expert_names(name, p.shape[0]))
+        else:
+            expected.add(name)
+    missing = sorted(expected - covered)
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CheckpointError(f"{path}: checkpoint lacks {', '.join(missing[:3])}{more}")
+
+
+def _expert_names(stacked_name: str, num_experts: int) -> list[str]:
+    base = stacked_name.rsplit(".", 1)[0]
+    projs = ("gate_proj", "up_proj") if stacked_name.endswith("w_gate_up") else ("down_proj",)
+    return [f"{base}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
+
+
+def from_hf(path: str, dtype: torch.dtype = torch.float32, prims=None):
+    """Build a bumblebee model from a HF directory (config.json + safetensors)."""
+    from bumblebee.models import arch_from_hf_dict, build_model
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path}: config.json not found")
+    with open(cfg_path) as f:
+        arch = arch_from_hf_dict(json.load(f))
+    model = build_model(arch, prims)
+    load_hf_weights(model, path)
+    return model.to(dtype)
+
+
+def hf_state_dict(model):
+    """Yield (HF name, tensor) pairs of ``model``, experts split per expert."""
+    F = model.arch.moe_intermediate_size
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if name.endswith("experts.w_gate_up"):
+            base = name.rsplit(".", 1)[0]
+            for e in range(t.shape[0]):
+                yield f"{base}.{e}.gate_proj.weight", t[e, :F]
+                yield f"{base}.{e}.up_proj.weight", t[e, F:]
+        elif name.endswith("experts.w_down"):
+            base = name.rsplit(".", 1)[0]
+            for e in range(t.shape[0]):
+                yield f"{base}.{e}.down_proj.weight", t[e]
+        else:
+            yield name, t
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def to_hf(model, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write ``model`` as a HF directory: config.json and safetensors, sharded with an
+    index when larger than ``max_shard_bytes``."""
+    os.makedirs(out_dir, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    dtype = None
+    for name, t in hf_state_dict(model):
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous().cpu().clone()
+        size += nbytes
+        dtype = dtype or t.dtype
+    cfg = model.arch.to_hf_dict()
+    cfg["dtype"] = _DTYPE_NAMES.get(dtype, "float32")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

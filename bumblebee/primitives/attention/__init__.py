@@ -1,0 +1,3 @@
+"""Attention primitives: causal attention cores over packed documents."""
+
+from bumblebee.primitives.attention import sdpa  # noqa: F401  (registers implementations)

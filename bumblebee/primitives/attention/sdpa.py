@@ -1,0 +1,51 @@
+"""Causal attention cores for packed documents (slot ``attention``).
+
+Both implementations compute, for every query token, softmax attention over the
+keys of the *same document* at positions <= its own, with GQA (KV heads shared
+by groups of query heads).
+
+- ``sdpa`` (reference): one ``scaled_dot_product_attention`` call with a dense
+  [B, 1, T, T] boolean mask (causal AND same-document). Obviously correct; the
+  mask costs T^2 bytes per row.
+- ``varlen``: one causal SDPA call per document (or one call for the batch when
+  every row is a single document). No mask is built, so it can use the fused
+  causal kernels and skips all cross-document blocks; a Python loop over
+  documents is its cost.
+
+Legend: B batch, N query heads, K kv heads, T tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bumblebee.primitives.packed import DocLayout
+from bumblebee.registry import register
+
+
+@register("attention", "sdpa", reference=True, summary="dense causal+document mask, one SDPA call")
+def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
+    T = q_BNTD.shape[2]
+    doc_BT = layout.doc_ids(q_BNTD.device)
+    same_doc = doc_BT[:, :, None] == doc_BT[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q_BNTD.device).tril()
+    mask = (same_doc & causal)[:, None]
+    return F.scaled_dot_product_attention(q_BNTD, k_BKTD, v_BKTD, attn_mask=mask, scale=scale,
+                                          enable_gqa=q_BNTD.shape[1] != k_BKTD.shape[1])
+
+
+@register("attention", "varlen", summary="causal SDPA per packed document, no mask")
+def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
+    gqa = q_BNTD.shape[1] != k_BKTD.shape[1]
+    if layout.single_doc:
+        return F.scaled_dot_product_attention(q_BNTD, k_BKTD, v_BKTD, is_causal=True, scale=scale, enable_gqa=gqa)
+    rows = []
+    for b, bounds in enumerate(layout.bounds):
+        docs = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            docs.append(F.scaled_dot_product_attention(
+                q_BNTD[b:b + 1, :, s:e], k_BKTD[b:b + 1, :, s:e], v_BKTD[b:b + 1, :, s:e],
+                is_causal=True, scale=scale, enable_gqa=gqa))
+        rows.append(torch.cat(docs, dim=2))
+    return torch.cat(rows, dim=0)

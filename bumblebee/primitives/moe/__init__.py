@@ -1,0 +1,3 @@
+"""MoE primitives: router, expert FFNs, token dispatch/combine."""
+
+from bumblebee.primitives.moe import experts, local, router  # noqa: F401  (registers implementations)
