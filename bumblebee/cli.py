@@ -1,0 +1,90 @@
+"""The ``bumblebee`` command: one subcommand per job.
+
+Every subcommand takes ``--help``; bad input (a config error, malformed data, a
+missing file) prints one line ``bumblebee: error: ...`` and exits with code 2,
+without a traceback. Subcommands register in ``SUBCOMMANDS`` as
+(help, add_arguments, run) triples; ``run(args)`` returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="F", help="TOML config file (default: the embedded default run)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, e.g. --set train.steps=20 (repeatable)")
+
+
+# ------------------------------------------------------------------------------ train
+def _train_args(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+
+
+def _train_run(args) -> int:
+    from bumblebee.config import load_config
+    from bumblebee.runtime.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    Trainer(cfg).run()
+    return 0
+
+
+# ------------------------------------------------------------------------------ primitives
+def _primitives_args(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _primitives_run(args) -> int:
+    from bumblebee import registry
+    from bumblebee.config import PrimitivesConfig
+
+    defaults = PrimitivesConfig()
+    for slot, desc in registry.SLOTS.items():
+        impls = registry.implementations(slot)
+        print(f"{slot}: {desc}")
+        if not impls:
+            print("    (no implementation yet)")
+        for name, impl in impls.items():
+            tags = [t for t, on in (("reference", impl.reference), ("default", getattr(defaults, slot) == name)) if on]
+            tag = f" [{', '.join(tags)}]" if tags else ""
+            print(f"    {name:<14}{tag:<22} {impl.summary}")
+    return 0
+
+
+SUBCOMMANDS = {
+    "train": ("train a model (no arguments: the embedded default run on CPU)", _train_args, _train_run),
+    "primitives": ("list every primitive slot and its implementations", _primitives_args, _primitives_run),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bumblebee", description="Long-context MoE training in pure PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, add_args, _) in SUBCOMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bumblebee.config import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return SUBCOMMANDS[args.command][2](args)
+    except ConfigError as e:
+        print(f"bumblebee: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bumblebee: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

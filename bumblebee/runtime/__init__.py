@@ -1,0 +1,1 @@
+"""The training protocol: launch, device mesh, step loop, optimizer, checkpoints, metrics."""

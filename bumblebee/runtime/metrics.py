@@ -1,0 +1,88 @@
+"""Per-step metrics (``metrics.jsonl``), the live progress line, and the run summary.
+
+Only the writer on rank 0 is active; other ranks get a writer that drops
+everything. Each metrics line is flushed as it is written, so a crash loses at
+most the step in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import IO
+
+
+class MetricsWriter:
+    def __init__(self, out_dir: str | None, *, total_steps: int, log_every: int = 1, stream: IO = sys.stdout):
+        self.active = out_dir is not None
+        self.total_steps, self.log_every, self.stream = total_steps, max(log_every, 1), stream
+        self.tty = getattr(stream, "isatty", lambda: False)()
+        self.history: list[dict] = []
+        self._file = None
+        if self.active:
+            os.makedirs(out_dir, exist_ok=True)
+            self.path = os.path.join(out_dir, "metrics.jsonl")
+            self._file = open(self.path, "w")
+        self._start = time.perf_counter()
+
+    def log(self, record: dict) -> None:
+        if not self.active:
+            return
+        self.history.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        step = record["step"]
+        if step % self.log_every == 0 or step == self.total_steps:
+            self._progress(record)
+
+    def _progress(self, r: dict) -> None:
+        done = r["step"] / self.total_steps
+        bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
+        elapsed = time.perf_counter() - self._start
+        eta = elapsed / done - elapsed if done > 0 else 0.0
+        line = (f"[{bar}] step {r['step']}/{self.total_steps}  loss {r['loss']:.4f}  aux {r['aux_loss']:.3f}  "
+                f"gnorm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_s']:.0f} tok/s  "
+                f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB  eta {eta:.0f}s")
+        if self.tty:
+            end = "\n" if r["step"] == self.total_steps else ""
+            self.stream.write("\r\033[K" + line + end)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def summary(self) -> dict:
+        """Aggregate figures of the run (also printed by ``close``)."""
+        h = self.history
+        if not h:
+            return {}
+        k = max(1, len(h) // 10)
+        first = sum(r["loss"] for r in h[:k]) / k
+        last = sum(r["loss"] for r in h[-k:]) / k
+        steady = h[1:] if len(h) > 1 else h  # the first step includes warm-up
+        return {
+            "steps": len(h),
+            "loss_first": first,
+            "loss_last": last,
+            "tokens_per_s": sum(r["tokens"] for r in steady) / sum(r["step_time_s"] for r in steady),
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in h),
+            "wall_time_s": time.perf_counter() - self._start,
+        }
+
+    def close(self) -> dict:
+        s = self.summary()
+        if self.active and s:
+            self.stream.write(
+                f"done: {s['steps']} steps in {s['wall_time_s']:.1f}s; loss {s['loss_first']:.4f} -> "
+                f"{s['loss_last']:.4f} (mean of first/last 10%); {s['tokens_per_s']:.0f} tok/s; "
+                f"peak {s['peak_mem_bytes'] / 2**20:.0f} MiB; metrics in {self.path}\n")
+            self.stream.flush()
+        if self._file:
+            self._file.close()
+        return s
+
+
+def finite(x: float) -> float:
+    return x if math.isfinite(x) else float("nan")
