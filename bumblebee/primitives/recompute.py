@@ -9,26 +9,46 @@ A policy is asked at two granularities by the model:
 ``none`` (reference) stores every activation. ``full`` stores only each layer's
 input and recomputes the layer in backward (``torch.utils.checkpoint``,
 non-reentrant): about one extra forward (~30% more compute, REFERENCE.md) for
-activation memory independent of depth. Gradients equal ``none`` exactly: the
-recomputed forward runs the same ops on the same inputs.
+activation memory independent of depth. ``selective`` checkpoints only the
+named sub-computations (``recompute_modules``): each stores its inputs and
+recomputes its internals in backward, so the cheap-to-recompute,
+memory-hungry pieces (norm outputs, the attention core, the whole MoE block)
+are traded for compute while the rest of the layer keeps its activations.
+Gradients of every policy equal ``none`` exactly: the recomputed forward runs
+the same ops on the same inputs (RNG state is restored by ``checkpoint``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 from torch.utils.checkpoint import checkpoint
 
 from bumblebee.registry import register
 
 # Sub-computations a model exposes to ``module``; selective recompute may name these.
+# qwen3_moe calls norm / attn_core / moe / mlp; qwen3_5_moe adds linear_attn_core and
+# shared_expert; moe_act is for an experts primitive that recomputes its activation.
 MODULE_NAMES = ("norm", "attn_core", "moe", "moe_act", "mlp", "shared_expert", "linear_attn_core")
+
+
+def check_module_names(modules: Iterable[str]) -> tuple[str, ...]:
+    """The validated ``recompute_modules`` (a ValueError names the valid ones)."""
+    if isinstance(modules, str):
+        raise ValueError(f"recompute_modules must be a list of names, got the string {modules!r}")
+    names = tuple(modules)
+    unknown = [n for n in names if n not in MODULE_NAMES]
+    if unknown:
+        raise ValueError(f"unknown recompute_modules {unknown}; valid: {', '.join(MODULE_NAMES)}")
+    return names
 
 
 @register("recompute", "none", reference=True, summary="keep all activations")
 class NoRecompute:
     def __init__(self, modules=()):
-        pass
+        # none/full need no module list; the names are still checked so that a typo
+        # is caught even before switching to selective.
+        self.modules = check_module_names(modules)
 
     def layer(self, fn: Callable, *args):
         return fn(*args)
@@ -41,3 +61,19 @@ class NoRecompute:
 class FullRecompute(NoRecompute):
     def layer(self, fn: Callable, *args):
         return checkpoint(fn, *args, use_reentrant=False)
+
+
+@register("recompute", "selective", summary="checkpoint the named sub-modules (recompute_modules) only")
+class SelectiveRecompute(NoRecompute):
+    def __init__(self, modules=()):
+        super().__init__(modules)
+        if not self.modules:
+            raise ValueError("recompute = 'selective' needs recompute_modules, e.g. ['norm', 'attn_core']; "
+                             f"valid: {', '.join(MODULE_NAMES)}")
+        self.selected = frozenset(self.modules)
+
+    def module(self, name: str, fn: Callable, *args):
+        assert name in MODULE_NAMES, f"model asked for unknown recompute module {name!r}"
+        if name in self.selected:
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
