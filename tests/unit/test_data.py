@@ -1,0 +1,55 @@
+"""Data: packing (labels, positions, padding), the synthetic task, the JSONL loader."""
+
+import json
+
+import pytest
+
+from bumblebee.data.jsonl import DataError, JsonlSource, read_samples
+from bumblebee.data.packing import IGNORE, RowPacker
+from bumblebee.data.synthetic import BOS, KeyValueRetrieval
+
+
+def test_row_packer_labels_and_positions():
+    p = RowPacker(10, pad_id=0)
+    p.add([5, 6, 7], [False, True, True])
+    p.add([8, 9], [False, True])
+    ids, labels, pos = p.finish()
+    assert ids == [5, 6, 7, 8, 9, 0, 0, 0, 0, 0]
+    assert pos == [0, 1, 2, 0, 1, 0, 1, 2, 3, 4]
+    # target of t is token t+1 of the same document, only where marked; never across documents
+    assert labels == [6, 7, IGNORE, 9, IGNORE] + [IGNORE] * 5
+
+
+def test_synthetic_answer_is_retrievable_and_deterministic():
+    src = KeyValueRetrieval(seq_len=1024, global_batch=3, seed=1)
+    b1, b2 = src.global_batch_at(5), src.global_batch_at(5)
+    assert b1.input_ids.equal(b2.input_ids) and not b1.input_ids.equal(src.global_batch_at(6).input_ids)
+    row, labels = b1.input_ids[0].tolist(), b1.labels[0].tolist()
+    starts = [i for i, t in enumerate(row) if t == BOS]
+    assert len(starts) >= 2  # several documents per row
+    doc = bytes(t for t in row[starts[0] + 1:starts[1]]).decode()
+    body, answer = doc.rstrip("\n").split("?")
+    key, value = answer.split(":")
+    assert f"{key}={value};" in body  # the answer was stated earlier in the document
+    targets = [labels[i] for i in range(starts[0], starts[1]) if labels[i] != IGNORE]
+    assert bytes(targets).decode() == value
+
+
+def test_jsonl_packing_and_errors(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps(s) for s in [
+        {"input_ids": [1, 2, 3, 4]}, {"input_ids": [5, 6], "loss_mask": [0, 1]}, {"input_ids": list(range(9))}]))
+    src = JsonlSource(str(f), seq_len=6, global_batch=2, seed=0, vocab_size=16)
+    rows = src.rows
+    assert rows.input_ids.shape[1] == 6
+    assert rows.input_ids.shape[0] == 3  # [1 2 3 4 5 6], [0..5], [6 7 8 pad pad pad]
+    b = src.global_batch_at(0)
+    assert b.input_ids.shape == (2, 6)
+    bad = tmp_path / "bad.jsonl"
+    for text, msg in [('{"input_ids": [1, 2]}\nnot json\n', ":2: not valid JSON"),
+                      ('{"input_ids": [1, 99]}\n', ":1: token id 99 outside"),
+                      ('{"input_ids": [1, 2], "loss_mask": [1]}\n', ":1: 'loss_mask' must be"),
+                      ('{"tokens": [1]}\n', ":1: expected an object")]:
+        bad.write_text(text)
+        with pytest.raises(DataError, match=msg):
+            read_samples(str(bad), vocab_size=16)
