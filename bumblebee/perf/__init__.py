@@ -1,0 +1,3 @@
+"""Performance accounting: peak memory of a step (CPU and CUDA)."""
+
+from bumblebee.perf.memory import CATEGORIES, MemoryTracker  # noqa: F401
