@@ -1,0 +1,145 @@
+"""Layouts (tp, pp, ep, cp, dp) and primitive choices the planner evaluates.
+
+Rank order follows Megatron / torchtitan: tp innermost, then cp, then dp, then
+pp (``world = tp * cp * dp * pp``). Expert parallelism folds into the ranks of
+one pipeline stage (``ep`` divides ``tp * cp * dp``); each expert shard is then
+replicated over ``edp = world / (pp * ep)`` expert-data-parallel ranks. An
+``ep`` group is contiguous in rank order, so it stays inside one node when
+``ep <= gpus_per_node``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from bumblebee.config import ConfigError, parse_override
+from bumblebee.plan.spec import ModelSpec
+
+SHARDING = ("none", "zero1", "fsdp2")
+LOSS = ("ce", "linear_ce")
+RECOMPUTE = ("none", "selective", "full")
+MOE_COMM = ("local", "alltoall", "chunked")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """Replicas of each expert shard (expert data parallel)."""
+        return self.world // (self.pp * self.ep)
+
+    def short(self) -> str:
+        return f"tp={self.tp} pp={self.pp} ep={self.ep} cp={self.cp} dp={self.dp}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Primitives:
+    sharding: str = "fsdp2"
+    loss: str = "linear_ce"
+    recompute: str = "full"
+    moe_comm: str = "chunked"
+    moe_chunks: int = 2
+
+    def short(self) -> str:
+        comm = f"{self.moe_comm}x{self.moe_chunks}" if self.moe_comm == "chunked" else self.moe_comm
+        return f"{self.sharding} {self.loss} {self.recompute} {comm}"
+
+    def as_dict(self) -> dict:
+        return {"sharding": self.sharding, "loss": self.loss, "recompute": self.recompute,
+                "moe_comm": self.moe_comm}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What is trained: sequence length, sequences per optimizer step, micro-batch."""
+
+    seq: int
+    global_batch: int
+    micro_batch: int = 1
+
+
+def parse_layout(text: str, gpus: int) -> Layout:
+    """``"tp=1 pp=2 ep=8 cp=4"`` (comma or space separated; dp derived if absent)."""
+    values: dict[str, int] = {}
+    for item in text.replace(",", " ").split():
+        key, sep, raw = item.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("tp", "pp", "ep", "cp", "dp"):
+            raise ConfigError(f"--layout: bad item {item!r}; expected e.g. \"tp=1 pp=2 ep=8 cp=4\"")
+        try:
+            values[key] = int(raw)
+        except ValueError:
+            raise ConfigError(f"--layout: {key} must be an integer, got {raw!r}") from None
+        if values[key] < 1:
+            raise ConfigError(f"--layout: {key} must be >= 1, got {values[key]}")
+    if not values:
+        raise ConfigError("--layout: empty; expected e.g. \"tp=1 pp=2 ep=8 cp=4\"")
+    inner = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
+    if gpus % inner:
+        raise ConfigError(f"--layout: tp*pp*cp = {inner} does not divide --gpus {gpus}")
+    dp = values.get("dp", gpus // inner)
+    if inner * dp != gpus:
+        raise ConfigError(f"--layout: tp*pp*cp*dp = {inner * dp} != --gpus {gpus}")
+    return Layout(tp=values.get("tp", 1), pp=values.get("pp", 1), ep=values.get("ep", 1),
+                  cp=values.get("cp", 1), dp=dp)
+
+
+def apply_overrides(prims: Primitives, items: list[str]) -> tuple[Primitives, set[str]]:
+    """``--set primitives.loss=ce`` ... -> (primitives, names of the fixed fields)."""
+    changes: dict = {}
+    choices = {"sharding": SHARDING, "loss": LOSS, "recompute": RECOMPUTE, "moe_comm": MOE_COMM}
+    for item in items:
+        keys, value = parse_override(item)
+        if len(keys) != 2 or keys[0] != "primitives":
+            raise ConfigError(f"--set {item!r}: the planner takes primitives.KEY=VALUE "
+                              f"(KEY: {', '.join([*choices, 'moe_chunks'])})")
+        key = keys[1]
+        if key == "moe_chunks":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--set {item!r}: moe_chunks must be a positive integer")
+        elif key in choices:
+            if value not in choices[key]:
+                raise ConfigError(f"--set {item!r}: {key} must be one of {', '.join(choices[key])}")
+        else:
+            raise ConfigError(f"--set {item!r}: unknown planner primitive {key!r}; "
+                              f"valid: {', '.join([*choices, 'moe_chunks'])}")
+        changes[key] = value
+    return dataclasses.replace(prims, **changes), set(changes)
+
+
+def check(spec: ModelSpec, layout: Layout, prims: Primitives, work: Workload, gpus: int) -> str:
+    """Why this configuration cannot run at all ('' if it can). Memory is checked elsewhere."""
+    lay = layout
+    if lay.world != gpus:
+        return f"tp*pp*cp*dp = {lay.world} != {gpus} GPUs"
+    if (lay.tp * lay.cp * lay.dp) % lay.ep:
+        return f"ep={lay.ep} must divide tp*cp*dp = {lay.tp * lay.cp * lay.dp} (the ranks of one stage)"
+    if spec.experts % lay.ep:
+        return f"ep={lay.ep} must divide num_experts={spec.experts}"
+    if lay.pp > spec.layers:
+        return f"pp={lay.pp} exceeds {spec.layers} layers"
+    heads = [spec.n_heads] + ([spec.gdn_v_heads, spec.gdn_k_heads] if spec.gdn_v_heads else [])
+    if any(h % lay.tp for h in heads):
+        return f"tp={lay.tp} must divide the head counts {heads}"
+    if work.seq % (2 * lay.cp * lay.tp) and (lay.cp > 1 or lay.tp > 1):
+        return f"seq {work.seq} must be divisible by 2*cp*tp = {2 * lay.cp * lay.tp} (load-balanced shards)"
+    if work.global_batch % (lay.dp * work.micro_batch):
+        return f"global batch {work.global_batch} not divisible by dp*micro_batch = {lay.dp * work.micro_batch}"
+    if lay.ep == 1 and prims.moe_comm != "local":
+        return "moe_comm alltoall/chunked needs ep > 1"
+    if lay.ep > 1 and prims.moe_comm == "local":
+        return "moe_comm local needs ep = 1"
+    if prims.moe_comm == "chunked" and prims.recompute == "selective":
+        return "chunked EP overlap is validated under full (or no) recompute only (REFERENCE.md)"
+    return ""

@@ -1,0 +1,246 @@
+"""Throughput model: per-op roofline + communication, what each primitive hides.
+
+One micro-batch on one GPU of pipeline stage s costs, per decoder layer:
+
+- GEMMs (projections, router, shared expert, dense MLP) and grouped expert GEMMs:
+  FLOPs / (peak x efficiency x shape factor), the shape factor d / (d + d_half)
+  penalizing thin matrices (small experts, tp-split heads, few rows per expert);
+- the token-mixer core: causal flash attention (half the square, load-balanced
+  over cp) or the chunked gated delta rule;
+- elementwise / norm / permute traffic at HBM bandwidth, and a fixed cost per
+  kernel launch (what makes short local sequences and many EP chunks slow);
+- exposed communication: tensor-parallel all-gather/reduce-scatter (sequence
+  parallel), CP K/V exchange or DeltaNet state hand-off, EP all-to-all (fully
+  exposed for ``alltoall``; ``chunked`` pipelines c chunks of dispatch/combine
+  against the expert GEMMs: max(comm, gemm) + min(comm, gemm) / c), FSDP2
+  all-gather/reduce-scatter beyond what prefetch hides under the layer's compute.
+
+Backward is 2x the forward GEMM work (attention 2.5x); ``full`` recompute adds a
+forward (under chunked EP without the combine all-to-all), ``selective`` the
+elementwise part. The step is the 1F1B schedule: the slowest stage runs m
+micro-batches, the others add their ramp-up/down (the bubble), plus exposed
+data-parallel gradient sync and the optimizer step. TFLOPs/GPU are model FLOPs
+(3x forward, no recompute, causal attention at half): the convention of the
+published figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bumblebee.plan.hardware import GPU, Efficiency
+from bumblebee.plan.layout import Layout, Primitives, Workload
+from bumblebee.plan.memory import (BF16, FP32, kind_params, local_tokens, micro_batches, mixer_act, mlp_act,
+                                   stage_kinds, stage_layers)
+from bumblebee.plan.spec import ATTN, MOE, ModelSpec
+
+KERNELS = {ATTN: 22, "gdn": 30, MOE: 28, "dense": 8, "chunk": 10}  # forward launches per sub-layer / per EP chunk
+P2P_LATENCY_S = 20e-6  # one small NCCL send/recv hop
+
+
+@dataclass
+class PerfEstimate:
+    step_s: float
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    stage_s: list[float] = field(default_factory=list)  # one micro-batch fwd+bwd per stage
+    parts_s: dict[str, float] = field(default_factory=dict)  # bottleneck stage, one micro-batch
+
+
+class _Clock:
+    """Accumulates named time components."""
+
+    def __init__(self):
+        self.parts: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.parts[name] = self.parts.get(name, 0.0) + seconds
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def _sat(d: float, eff: Efficiency) -> float:
+    return d / (d + eff.gemm_half_dim)
+
+
+def _gemm(flops: float, min_dim: float, gpu: GPU, eff: Efficiency, grouped: bool = False) -> float:
+    e = eff.gemm * _sat(min_dim, eff) * (eff.grouped if grouped else 1.0)
+    return flops / (gpu.bf16_tflops * 1e12 * e)
+
+
+def _link(group: int, inner: int, gpu: GPU) -> float:
+    """Bandwidth (GB/s) of a collective over ``group`` ranks spaced ``inner`` apart in rank
+    order: NVLink if they share a node, else the inter-node fabric bounds the ring."""
+    return gpu.nvlink_gbps if group * inner <= gpu.gpus_per_node else gpu.ib_gbps
+
+
+def _a2a(nbytes: float, ep: int, gpu: GPU, eff: Efficiency) -> float:
+    """All-to-all of ``nbytes`` per GPU over ep ranks (contiguous): on-node peers over
+    NVLink, off-node peers over the fabric, concurrently."""
+    remote = nbytes * (ep - 1) / ep
+    on_node = min(ep, gpu.gpus_per_node)
+    nv = remote * (on_node - 1) / max(ep - 1, 1)
+    ib = remote - nv
+    return max(nv / (gpu.nvlink_gbps * 1e9), ib / (gpu.ib_gbps * 1e9)) / eff.all_to_all + P2P_LATENCY_S
+
+
+def _layer_time(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Primitives, work: Workload, gpu: GPU,
+                eff: Efficiency, clock: _Clock) -> float:
+    """One layer, one micro-batch, forward + backward (+ recompute). Returns its compute time."""
+    t = local_tokens(work, lay)
+    ts = t / lay.tp  # sequence-parallel tokens
+    h, tp = spec.hidden, lay.tp
+    mixer, mlp = kind
+    rc = prims.recompute
+    fwd_passes = 2.0 if rc == "full" else 1.0  # forward + recompute forward
+    hbm = gpu.hbm_gbps * 1e9 * eff.hbm
+
+    # token mixer: projections + core
+    proj = _gemm(t * spec.mixer_gemm_flops(mixer) / tp, min(h, spec.n_heads * spec.head_dim / tp), gpu, eff)
+    if mixer == ATTN:
+        core_f = t * spec.attn_core_flops(work.seq) / tp
+        core = core_f / (gpu.bf16_tflops * 1e12 * eff.attn_fwd)
+        core_b = 2.5 * core_f / (gpu.bf16_tflops * 1e12 * eff.attn_bwd)
+    else:
+        core_f = t * spec.gdn_core_flops() / tp
+        core = core_f / (gpu.bf16_tflops * 1e12 * eff.gdn)
+        core_b = 2.0 * core
+    clock.add("gemm", proj * (fwd_passes + 2))
+    clock.add("attention" if mixer == ATTN else "gdn", core * fwd_passes + core_b)
+
+    # MLP: dense GEMMs and routed experts
+    dense_f, routed_f = spec.moe_gemm_flops(mlp)
+    ffn = spec.expert_ffn if mlp == MOE else spec.dense_ffn
+    dense = _gemm(ts * dense_f, min(h, ffn if mlp != MOE else spec.shared_ffn or h), gpu, eff)
+    clock.add("gemm", dense * (fwd_passes + 2))
+    compute = (proj + dense) * (fwd_passes + 2) + core * fwd_passes + core_b
+    if mlp == MOE:
+        rows = spec.top_k * ts  # routed rows this GPU computes (balanced routing)
+        per_expert = rows * lay.ep / spec.experts
+        experts = _gemm(ts * routed_f, min(per_expert, spec.expert_ffn, h), gpu, eff, grouped=True)
+        routed_bytes = rows * h * BF16
+        a2a = _a2a(routed_bytes, lay.ep, gpu, eff) if lay.ep > 1 else 0.0
+        # passes: (expert GEMM share, number of all-to-alls) for forward, recompute, backward
+        passes = [(1.0, 2), (2.0, 2)]
+        if rc == "full":
+            passes.append((1.0, 1 if prims.moe_comm == "chunked" else 2))
+        for gemm_mult, n_a2a in passes:
+            g, c = experts * gemm_mult, a2a * n_a2a
+            if prims.moe_comm == "chunked" and c > 0:
+                n = max(1, prims.moe_chunks)
+                clock.add("experts", g)
+                clock.add("ep_comm", min(g, c) / n + max(0.0, c - g))
+                clock.add("launch", (n - 1) * KERNELS["chunk"] * eff.kernel_us * 1e-6)
+            else:
+                clock.add("experts", g)
+                clock.add("ep_comm", c)
+        compute += experts * (fwd_passes + 2)
+
+    # elementwise / norm / permute traffic: each activation written and read once per pass
+    mk, mc = mixer_act(spec, mixer, tp)
+    fk, fc, routed = mlp_act(spec, mlp, tp)
+    act = mk + mc + fk + fc + 3 * routed
+    elem_passes = 1 + 2 + (1 if rc == "full" else 0)
+    elem = 2 * t * act / hbm
+    clock.add("elementwise", elem * elem_passes + (2 * t * (mc + fc) / hbm if rc == "selective" else 0.0))
+    kernels = KERNELS[mixer if mixer == ATTN else "gdn"] + KERNELS[mlp]
+    clock.add("launch", kernels * (elem_passes) * eff.kernel_us * 1e-6)
+
+    # tensor parallel (sequence parallel): all-gather + reduce-scatter around both sub-layers
+    if tp > 1:
+        coll = t * h * BF16 * (tp - 1) / tp / (gpu.nvlink_gbps * 1e9 * eff.collective)
+        clock.add("tp_comm", 4 * coll * (fwd_passes + 1))
+    # context parallel
+    if lay.cp > 1:
+        bw = _link(lay.cp, lay.tp, gpu) * 1e9 * eff.collective
+        if mixer == ATTN:
+            kv = (lay.cp - 1) * t * 2 * max(1.0, spec.n_kv_heads / tp) * spec.head_dim * BF16 / bw
+            hidden = core * fwd_passes + core_b
+            clock.add("cp_comm", max(0.0, kv * (fwd_passes + 1) - hidden) + (fwd_passes + 1) * P2P_LATENCY_S)
+        else:
+            state = spec.gdn_v_heads / tp * spec.gdn_k_dim * spec.gdn_v_dim * FP32
+            hop = P2P_LATENCY_S + state / bw
+            clock.add("cp_comm", (lay.cp - 1) * hop * (fwd_passes + 1))
+    return compute
+
+
+def _fsdp_layer_comm(spec: ModelSpec, kind: tuple[str, str], lay: Layout, gpu: GPU, eff: Efficiency) -> float:
+    """FSDP2 traffic of one layer per micro-batch: all-gather (forward), all-gather
+    (backward, covering the recompute), fp32 reduce-scatter of the gradients."""
+    dense, expert = kind_params(spec, kind)
+    g_d, g_e = lay.dp * lay.cp, lay.edp
+    t = 0.0
+    for n, g, inner in ((dense / lay.tp, g_d, lay.tp), (expert / lay.ep, g_e, lay.tp * lay.cp * lay.dp // g_e)):
+        if g > 1:
+            bw = _link(g, inner, gpu) * 1e9 * eff.collective
+            t += n * (BF16 + BF16 + FP32) * (g - 1) / g / bw
+    return t
+
+
+def _loss_time(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gpu: GPU, eff: Efficiency) -> float:
+    t = local_tokens(work, lay)
+    vshard = spec.vocab / lay.tp
+    gemm = _gemm(3 * 2.0 * t * spec.hidden * vshard, spec.hidden, gpu, eff)
+    ce = gemm + t * vshard * eff.ce_bytes_per_logit / (gpu.hbm_gbps * 1e9 * eff.hbm)
+    return ce * eff.linear_ce_slowdown if prims.loss == "linear_ce" else ce
+
+
+def estimate(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gpu: GPU,
+             eff: Efficiency | None = None) -> PerfEstimate:
+    eff = eff or Efficiency()
+    m = micro_batches(work, lay)
+    stages, clocks = [], []
+    for s, layers in enumerate(stage_layers(spec, lay.pp)):
+        clock = _Clock()
+        for kind, n in stage_kinds(spec, layers).items():
+            one = _Clock()
+            compute = _layer_time(spec, kind, lay, prims, work, gpu, eff, one)
+            if prims.sharding == "fsdp2":
+                one.add("fsdp_comm", max(0.0, _fsdp_layer_comm(spec, kind, lay, gpu, eff) - eff.comm_overlap * compute))
+            for name, sec in one.parts.items():
+                clock.add(name, n * sec)
+        if s == lay.pp - 1:
+            clock.add("loss", _loss_time(spec, lay, prims, work, gpu, eff))
+        if lay.pp > 1:
+            act = local_tokens(work, lay) / lay.tp * spec.hidden * BF16
+            clock.add("pp_comm", 2 * (act / (gpu.ib_gbps * 1e9 * eff.collective) + P2P_LATENCY_S))
+        stages.append(clock.total)
+        clocks.append(clock)
+    slow = max(range(len(stages)), key=lambda s: stages[s])
+    step = m * stages[slow] + (sum(stages) - stages[slow])  # 1F1B: bottleneck x m + ramp up/down
+    step += _dp_sync(spec, lay, prims, gpu, eff, stages[slow]) + _optimizer(spec, lay, prims, gpu, eff)
+    tokens = work.global_batch * work.seq
+    world = lay.world
+    tok_s = tokens / step / world
+    tflops = spec.model_flops_per_token(work.seq) * tokens / step / world / 1e12
+    parts = dict(clocks[slow].parts)
+    parts["bubble"] = (sum(stages) - stages[slow]) / m
+    return PerfEstimate(step, tok_s, tflops, stages, parts)
+
+
+def _dp_sync(spec: ModelSpec, lay: Layout, prims: Primitives, gpu: GPU, eff: Efficiency, micro_s: float) -> float:
+    """Once-per-step gradient sync for none/zero1 (reduce-scatter or all-reduce of fp32 grads,
+    all-gather of bf16 params), overlapped with the last micro-batch's backward."""
+    if prims.sharding == "fsdp2":
+        return 0.0
+    n = spec.num_params()
+    d = (n["dense"] / lay.pp) / lay.tp
+    e = (n["expert"] / lay.pp) / lay.ep
+    t = 0.0
+    for params, g, inner in ((d, lay.dp * lay.cp, lay.tp), (e, lay.edp, lay.tp * lay.cp * lay.dp // lay.edp)):
+        if g > 1:
+            bw = _link(g, inner, gpu) * 1e9 * eff.collective
+            vol = params * (2 * FP32 if prims.sharding == "none" else FP32 + BF16) * (g - 1) / g
+            t += vol / bw
+    return max(0.0, t - eff.comm_overlap * 2 / 3 * micro_s)
+
+
+def _optimizer(spec: ModelSpec, lay: Layout, prims: Primitives, gpu: GPU, eff: Efficiency) -> float:
+    """Adam over this GPU's shard: read param/grad/m/v, write param/m/v and the bf16 copy."""
+    n = spec.num_params()
+    d, e = n["dense"] / lay.pp / lay.tp, n["expert"] / lay.pp / lay.ep
+    if prims.sharding != "none":
+        d, e = d / (lay.dp * lay.cp), e / lay.edp
+    return (d + e) * (7 * FP32 + BF16) / (gpu.hbm_gbps * 1e9 * eff.hbm)
