@@ -110,7 +110,10 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, prims=None):
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{path}: config.json not found")
     with open(cfg_path) as f:
-        arch = arch_from_hf_dict(json.load(f))
+        try:
+            arch = arch_from_hf_dict(json.load(f))
+        except ValueError as e:  # unsupported model_type, invalid architecture, malformed JSON
+            raise CheckpointError(f"{cfg_path}: {e}") from None
     model = build_model(arch, prims)
     load_hf_weights(model, path)
     return model.to(dtype)
