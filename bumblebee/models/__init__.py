@@ -6,11 +6,12 @@ import json
 import os
 
 from bumblebee.models.arch import ArchError, Qwen3MoeArch
+from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
 from bumblebee.models.presets import PRESETS, preset
 
-FAMILIES = {"qwen3_moe": Qwen3MoeArch}
-# HF model_type -> family
-HF_MODEL_TYPES = {"qwen3_moe": "qwen3_moe"}
+FAMILIES = {"qwen3_moe": Qwen3MoeArch, "qwen3_5_moe": Qwen3_5MoeArch}
+# HF model_type -> family (qwen3_5_moe is the multimodal wrapper: its text_config is loaded)
+HF_MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_moe": "qwen3_5_moe"}
 
 
 def arch_from_hf_dict(d: dict):
@@ -52,7 +53,8 @@ def resolve_arch(model_cfg):
 
 def build_model(arch, prims=None):
     """An initialized model of ``arch``'s family with the chosen primitives."""
+    from bumblebee.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
     from bumblebee.models.qwen3_moe import Qwen3MoeForCausalLM
 
-    classes = {"qwen3_moe": Qwen3MoeForCausalLM}
+    classes = {"qwen3_moe": Qwen3MoeForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM}
     return classes[HF_MODEL_TYPES[arch.model_type]](arch, prims)

@@ -6,7 +6,10 @@ bumblebee stacks per layer (``mlp.experts.w_gate_up`` [E, 2F, H] and
 expert and projection (``mlp.experts.{e}.{gate,up,down}_proj.weight``). Both
 directions are exact copies, so a load followed by a save is bit-identical.
 Checkpoints that already hold HF's fused expert tensors (``experts.gate_up_proj``,
-``experts.down_proj``) load too.
+``experts.down_proj``) load too. Multimodal checkpoints (``qwen3_5_moe``:
+``Qwen3_5MoeForConditionalGeneration``) nest the language model under
+``model.language_model.``, read as ``model.``; their vision tower (``model.visual.``)
+and multi-token-prediction head (``mtp.``) are skipped with a one-line notice.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 
 import torch
 from safetensors import safe_open
@@ -23,6 +27,9 @@ from bumblebee.config import ConfigError
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_LANGUAGE_MODEL = "model.language_model."  # multimodal checkpoints nest the LM here
+# family -> checkpoint prefixes that are not part of the language model (skipped with a notice)
+_NOT_LANGUAGE_MODEL = {"qwen3_5_moe": ("model.visual.", "mtp.")}
 
 
 class CheckpointError(ConfigError):
@@ -57,12 +64,16 @@ def load_hf_weights(model, path: str, *, skip_prefixes: tuple[str, ...] = ()) ->
     params = dict(model.named_parameters())
     F = model.arch.moe_intermediate_size
     covered: set[str] = set()
+    skipped = 0
     for file in _weight_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name.startswith(skip_prefixes):
+                    skipped += 1
                     continue
                 t = f.get_tensor(name)
+                if name.startswith(_LANGUAGE_MODEL):
+                    name = "model." + name[len(_LANGUAGE_MODEL):]
                 if m := _EXPERT.match(name):
                     base, e, proj = m.group(1), int(m.group(2)), m.group(3)
                     stacked = params.get(f"{base}.w_down" if proj == "down_proj" else f"{base}.w_gate_up")
@@ -90,6 +101,9 @@ def load_hf_weights(model, path: str, *, skip_prefixes: tuple[str, ...] = ()) ->
             expected.update(_expert_names(name, p.shape[0]))
         else:
             expected.add(name)
+    if skipped:
+        print(f"bumblebee: ignored {skipped} checkpoint tensor(s) under {', '.join(skip_prefixes)} "
+              f"(not part of the language model)", file=sys.stderr)
     missing = sorted(expected - covered)
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
@@ -115,7 +129,7 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, prims=None):
         except ValueError as e:  # unsupported model_type, invalid architecture, malformed JSON
             raise CheckpointError(f"{cfg_path}: {e}") from None
     model = build_model(arch, prims)
-    load_hf_weights(model, path)
+    load_hf_weights(model, path, skip_prefixes=_NOT_LANGUAGE_MODEL.get(model.family, ()))
     return model.to(dtype)
 
 

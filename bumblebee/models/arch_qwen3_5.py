@@ -1,0 +1,168 @@
+"""Architecture hyper-parameters of the Qwen3.5-MoE hybrid (HF ``Qwen3_5MoeTextConfig``).
+
+Field names are HF's ``config.json`` keys so configs map in and out without a
+table; defaults are HF's defaults (the Qwen3.5-35B-A3B text model), so a key a
+config omits means what it means to ``transformers``. ``from_hf_dict`` also
+takes the multimodal ``qwen3_5_moe`` config (its ``text_config`` is the language
+model) and flattens ``rope_parameters`` (``rope_theta``, ``partial_rotary_factor``;
+the M-RoPE sections are ignored: with text positions all three are equal, so
+M-RoPE is plain RoPE). The router always renormalizes its top-k weights in
+Qwen3.5, hence the constant ``norm_topk_prob``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from bumblebee.models.arch import ArchError
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def default_layer_types(num_layers: int, full_attention_interval: int = 4) -> list[str]:
+    """HF's default pattern: every ``full_attention_interval``-th layer is full attention."""
+    return ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+            for i in range(num_layers)]
+
+
+@dataclass(kw_only=True)
+class Qwen3_5MoeArch:
+    model_type: str = "qwen3_5_moe_text"
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    layer_types: list = field(default_factory=lambda: default_layer_types(40))
+    # gated full attention
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    # Gated DeltaNet
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    # MoE with a shared expert
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    router_aux_loss_coef: float = 0.001
+    # rest
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    norm_topk_prob = True  # not a field: Qwen3.5's router always renormalizes the top-k weights
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return True  # every Qwen3.5 layer has a sparse MoE block
+
+    def validate(self) -> None:
+        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                    "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
+                    "shared_expert_intermediate_size", "num_experts")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ArchError(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
+                            f"{self.num_hidden_layers}")
+        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        if bad:
+            raise ArchError(f"unknown layer_types {bad}; valid: {', '.join(LAYER_TYPES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ArchError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                            f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ArchError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be divisible by "
+                            f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ArchError(f"head_dim * partial_rotary_factor must be a positive even number, got "
+                            f"{self.head_dim} * {self.partial_rotary_factor}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ArchError(f"need 1 <= num_experts_per_tok <= num_experts, got "
+                            f"{self.num_experts_per_tok} and {self.num_experts}")
+        if self.hidden_act != "silu":
+            raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
+        if self.attention_bias:
+            raise ArchError("attention_bias = true is not supported (Qwen3.5 checkpoints have none)")
+
+    # ------------------------------------------------------------------ HF mapping
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen3_5MoeArch":
+        if d.get("model_type") == "qwen3_5_moe":  # multimodal wrapper: the language model is text_config
+            if not isinstance(d.get("text_config"), dict):
+                raise ArchError("a qwen3_5_moe config needs a text_config section")
+            top = d
+            d = dict(d["text_config"], model_type="qwen3_5_moe_text")
+            if "tie_word_embeddings" in top:
+                d["tie_word_embeddings"] = top["tie_word_embeddings"]
+        d = dict(d)
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key not in d and key in rope:
+                d[key] = rope[key]
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ArchError(f"rope_type {rope['rope_type']!r} is not supported; valid: default")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        if "layer_types" not in kwargs:
+            kwargs["layer_types"] = default_layer_types(
+                kwargs.get("num_hidden_layers", cls.num_hidden_layers), d.get("full_attention_interval", 4))
+        kwargs["layer_types"] = list(kwargs["layer_types"])
+        arch = cls(**kwargs)
+        arch.validate()
+        return arch
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
+                                "partial_rotary_factor": d.pop("partial_rotary_factor")}
+        d["architectures"] = ["Qwen3_5MoeForCausalLM"]
+        d["output_router_logits"] = False
+        return d
+
+    def with_overrides(self, overrides: dict[str, Any]) -> "Qwen3_5MoeArch":
+        """Replace fields; changing ``num_hidden_layers`` without ``layer_types`` re-derives the
+        layer pattern with HF's default rule (every 4th layer full attention)."""
+        names = {f.name for f in dataclasses.fields(self)} - {"model_type"}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ArchError(f"unknown architecture key(s) {unknown}; valid: {', '.join(sorted(names))}")
+        overrides = dict(overrides)
+        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+            overrides["layer_types"] = default_layer_types(overrides["num_hidden_layers"])
+        arch = dataclasses.replace(self, **overrides)
+        arch.validate()
+        return arch
+
+    # ------------------------------------------------------------------ sizes
+    def num_params(self) -> dict[str, int]:
+        """Parameter counts: total, and the routed-expert part."""
+        h = self.hidden_size
+        n, kv, d = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        full = h * d * (2 * n + 2 * kv) + n * d * h + 2 * d  # q (+gate), k, v, o, q/k norms
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        conv = 2 * key_dim + value_dim
+        linear = (h * (conv + value_dim + 2 * self.linear_num_value_heads) + conv * self.linear_conv_kernel_dim
+                  + 2 * self.linear_num_value_heads + self.linear_value_head_dim + value_dim * h)
+        experts_per_layer = self.num_experts * 3 * h * self.moe_intermediate_size
+        moe_dense = self.num_experts * h + 3 * h * self.shared_expert_intermediate_size + h
+        mixers = sum(full if t == "full_attention" else linear for t in self.layer_types)
+        layers = self.num_hidden_layers
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        total = mixers + layers * (2 * h + experts_per_layer + moe_dense) + embed + h
+        return {"total": total, "experts": layers * experts_per_layer}

@@ -1,0 +1,157 @@
+"""The gated delta rule over packed documents (slot ``linear_attention``).
+
+Gated DeltaNet (Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving
+Mamba2 with Delta Rule", ICLR 2025, eq. 10) keeps a matrix state S [K, V] per
+value head. With decay a_t = exp(g_t) (g_t <= 0) and write strength b_t:
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,      o_t = S_t^T q_t
+
+q and k are L2-normalized (eps 1e-6 inside the rsqrt) and q is scaled by K^-1/2,
+all in fp32, as HF ``qwen3_5_moe`` does (FLA's ``use_qk_l2norm_in_kernel``).
+With fewer key heads G than value heads H, key head j serves value heads
+[j*H/G, (j+1)*H/G).
+
+- ``recurrent`` (reference): the recurrence above, token by token.
+- ``chunked``: chunks of C = 64 tokens. Inside a chunk (Gamma_i = prod_{s<=i} a_s,
+  all products restricted to one document) the updates collapse into the WY / UT
+  form (Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
+  Sequence Length", NeurIPS 2024, §3.2; gated in Gated DeltaNet §3.3):
+
+      (I + A) D = V_b - diag(b Gamma) K S_0,  A_ij = b_i k_i.k_j Gamma_i/Gamma_j  (j < i)
+      => D = U - W S_0 with U = (I+A)^-1 V_b, W = (I+A)^-1 diag(b Gamma) K
+      o_i   = Gamma_i q_i^T S_0 + sum_{j<=i} Gamma_i/Gamma_j (q_i.k_j) D_j
+      S_C   = Gamma_C S_0 + sum_j Gamma_C/Gamma_j k_j D_j^T
+
+  so one triangular solve and a few matmuls per chunk replace C sequential
+  steps; only the S_0 -> S_C pass runs in a Python loop over T/C chunks.
+
+Packed documents: the state restarts from zero at every document start, except
+the first document of each row, which starts from ``initial_state`` (zeros if
+None). The returned final state is the state after the row's last token (its
+last document). Calling on x[:s] and then on x[s:] with that state equals one
+call on x: the contract context parallelism builds on.
+
+Both compute in fp32 (fp64 when v is fp64, for ground-truth runs) and return
+(o [B, T, H, V] in v's dtype, final state [B, H, K, V] in the compute dtype).
+
+Legend: B batch, T tokens, G key heads, H value heads, K key dim, V value dim,
+N chunks, C chunk size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bumblebee.primitives.packed import DocLayout
+from bumblebee.registry import register
+
+CHUNK_SIZE = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the FLA / HF convention)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout, initial_BHKV):
+    """Validate shapes; return fp32 tensors in [B, H, T, *] layout with q/k normalized and expanded to H."""
+    if q_BTGK.dim() != 4 or q_BTGK.shape != k_BTGK.shape or v_BTHV.dim() != 4:
+        raise ValueError(f"gated delta rule: need q, k [B, T, G, K] (equal) and v [B, T, H, V], got "
+                         f"{tuple(q_BTGK.shape)}, {tuple(k_BTGK.shape)}, {tuple(v_BTHV.shape)}")
+    B, T, G, K = q_BTGK.shape
+    H, V = v_BTHV.shape[2:]
+    if v_BTHV.shape[:2] != (B, T) or H % G:
+        raise ValueError(f"gated delta rule: v {tuple(v_BTHV.shape)} must share [B, T] with q "
+                         f"{tuple(q_BTGK.shape)} and have a multiple of {G} heads")
+    for name, t in (("g", g_BTH), ("beta", beta_BTH)):
+        if tuple(t.shape) != (B, T, H):
+            raise ValueError(f"gated delta rule: {name} must be [B, T, H] = {(B, T, H)}, got {tuple(t.shape)}")
+    if T == 0 or layout.seq_len != T or len(layout.bounds) != B:
+        raise ValueError(f"gated delta rule: layout is for {len(layout.bounds)} rows x {layout.seq_len} tokens, "
+                         f"input has {B} x {T} (need T >= 1)")
+    if initial_BHKV is not None and tuple(initial_BHKV.shape) != (B, H, K, V):
+        raise ValueError(f"gated delta rule: initial_state must be [B, H, K, V] = {(B, H, K, V)}, "
+                         f"got {tuple(initial_BHKV.shape)}")
+    dt = torch.float64 if v_BTHV.dtype == torch.float64 else torch.float32  # fp64 for ground-truth runs
+    q = l2norm(q_BTGK.to(dt)) * K ** -0.5
+    k = l2norm(k_BTGK.to(dt))
+    if H != G:
+        q, k = q.repeat_interleave(H // G, dim=2), k.repeat_interleave(H // G, dim=2)
+    q_BHTK, k_BHTK, v_BHTV, g_BHT, beta_BHT = (
+        t.to(dt).transpose(1, 2) for t in (q, k, v_BTHV, g_BTH, beta_BTH))
+    S0 = (q.new_zeros(B, H, K, V) if initial_BHKV is None else initial_BHKV.to(dt))
+    return q_BHTK, k_BHTK, v_BHTV, g_BHT, beta_BHT, S0
+
+
+@register("linear_attention", "recurrent", reference=True, summary="gated delta rule token by token")
+def gated_delta_rule_recurrent(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout,
+                               initial_state=None):
+    q, k, v, g, beta, S_BHKV = _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
+    T = q.shape[2]
+    doc_BT = layout.doc_ids(q.device)
+    keep_BT = torch.ones(doc_BT.shape, dtype=q.dtype, device=q.device)
+    keep_BT[:, 1:] = (doc_BT[:, 1:] == doc_BT[:, :-1]).to(q.dtype)  # 0 at a document start: reset
+    decay_BHT = g.exp() * keep_BT[:, None]
+    outs = []
+    for t in range(T):
+        k_BHK = k[:, :, t]
+        S_BHKV = S_BHKV * decay_BHT[:, :, t, None, None]
+        pred_BHV = (k_BHK.unsqueeze(-2) @ S_BHKV).squeeze(-2)  # what the state recalls for k_t
+        delta_BHV = (v[:, :, t] - pred_BHV) * beta[:, :, t, None]
+        S_BHKV = S_BHKV + k_BHK.unsqueeze(-1) * delta_BHV.unsqueeze(-2)
+        outs.append((q[:, :, t].unsqueeze(-2) @ S_BHKV).squeeze(-2))
+    o_BHTV = torch.stack(outs, dim=2)
+    return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S_BHKV
+
+
+@register("linear_attention", "chunked", summary="WY/UT-transform chunks of 64, one loop step per chunk")
+def gated_delta_rule_chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout,
+                             initial_state=None, chunk_size: int = CHUNK_SIZE):
+    q, k, v, g, beta, S_BHKV = _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
+    B, H, T, K = q.shape
+    V, C = v.shape[-1], chunk_size
+    pad = (-T) % C
+    doc_BT = layout.doc_ids(q.device)
+    if pad:  # zero tokens (g = 0, beta = 0, k = 0) in the last document leave the state unchanged
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+        doc_BT = torch.cat([doc_BT, doc_BT[:, -1:].expand(B, pad)], dim=1)
+    N = (T + pad) // C
+    q, k, v = (t.reshape(B, H, N, C, t.shape[-1]) for t in (q, k, v))
+    g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
+
+    # Document masks, shared by all heads: `same` pairs tokens of one document inside a chunk;
+    # `cont` marks tokens of the document that was live before the chunk (its state S_0 reaches them).
+    doc_B1NC = doc_BT.reshape(B, 1, N, C)
+    prev_B1N = torch.cat([doc_B1NC.new_zeros(B, 1, 1), doc_B1NC[..., :-1, -1]], dim=-1)
+    cont_B1NC = (doc_B1NC == prev_B1N[..., None]).to(q.dtype)
+    same_B1NCC = doc_B1NC[..., :, None] == doc_B1NC[..., None, :]
+    live_B1NCC = same_B1NCC & torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+
+    # log Gamma inside the chunk, summed in fp64: fast-decaying heads reach |log Gamma| ~ 1e3, where
+    # fp32 differences log Gamma_i - log Gamma_j would lose ~1e-4 relative (the tiny decays are exactly
+    # what d/dg sees). The differences are cast back to fp32 at once, so nothing fp64 is stored.
+    cum64_BHNC = g.double().cumsum(-1)
+    cum_BHNC = cum64_BHNC.to(q.dtype)
+    decay_BHNCC = (cum64_BHNC[..., :, None] - cum64_BHNC[..., None, :]).to(q.dtype)
+    decay_BHNCC = decay_BHNCC.masked_fill(~live_B1NCC, float("-inf")).exp()
+    kb_BHNCK = k * beta[..., None]
+    A_BHNCC = ((kb_BHNCK @ k.transpose(-1, -2)) * decay_BHNCC).tril(-1)
+    gamma0_BHNC = cum_BHNC.exp() * cont_B1NC  # Gamma_i where S_0 reaches token i, else 0
+    rhs = torch.cat([v * beta[..., None], kb_BHNCK * gamma0_BHNC[..., None]], dim=-1)
+    UW = torch.linalg.solve_triangular(A_BHNCC, rhs, upper=False, unitriangular=True)  # (I + A)^-1 rhs
+    U_BHNCV, W_BHNCK = UW.split([V, K], dim=-1)
+    attn_BHNCC = (q @ k.transpose(-1, -2)) * decay_BHNCC
+    q0_BHNCK = q * gamma0_BHNC[..., None]
+    to_end_BHNC = (cum64_BHNC[..., -1:] - cum64_BHNC).to(q.dtype).exp() * same_B1NCC[..., -1, :]  # Gamma_C/Gamma_j
+    kend_BHNCK = k * to_end_BHNC[..., None]
+    chunk_decay_BHN = gamma0_BHNC[..., -1]
+
+    outs = []
+    for n in range(N):  # the only sequential part: carry S across chunks
+        D_BHCV = U_BHNCV[:, :, n] - W_BHNCK[:, :, n] @ S_BHKV
+        outs.append(q0_BHNCK[:, :, n] @ S_BHKV + attn_BHNCC[:, :, n] @ D_BHCV)
+        S_BHKV = S_BHKV * chunk_decay_BHN[:, :, n, None, None] + kend_BHNCK[:, :, n].transpose(-1, -2) @ D_BHCV
+    o_BHTV = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
+    return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S_BHKV

@@ -1,0 +1,106 @@
+"""The Gated DeltaNet token mixer (HF ``Qwen3_5MoeGatedDeltaNet``, ``linear_attn.*``).
+
+Yang et al., "Gated Delta Networks: Improving Mamba2 with Delta Rule" (ICLR
+2025), as parameterized by Qwen3.5 / HF ``qwen3_5_moe``:
+
+    qkv = conv1d(in_proj_qkv(x)) -> SiLU -> split [q (G*K) | k (G*K) | v (H*V)]
+    z = in_proj_z(x)                             # output gate, [H, V]
+    beta = sigmoid(in_proj_b(x))                 # write strength per value head
+    g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)   # log decay (Mamba2-style), fp32
+    o = gated_delta_rule(q, k, v, g, beta)       # the ``linear_attention`` slot
+    y = out_proj(GatedRMSNorm(o, z))             # RMSNorm over V, weight, then * SiLU(z)
+
+The conv window and the recurrent state restart at every packed document; both
+can be carried in (``GDNState``) and are returned for the row ends, which is what
+context parallelism passes from one rank to the next.
+
+Legend: B batch, T tokens, D hidden, G key heads, H value heads, K key dim,
+V value dim, C conv channels (2*G*K + H*V), P conv window (kernel - 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bumblebee.primitives.linear_attention.conv import CausalConv1d
+from bumblebee.primitives.packed import DocLayout
+
+
+@dataclass
+class GDNState:
+    """What one Gated DeltaNet layer carries across a sequence split (per row)."""
+
+    conv_BPC: torch.Tensor  # last kernel-1 pre-conv inputs of the qkv projection
+    recurrent_BHKV: torch.Tensor  # delta-rule state, fp32
+
+
+class GatedRMSNorm(nn.Module):
+    """HF ``Qwen3_5MoeRMSNormGated``: ``(w * rmsnorm(x).to(dtype)) * silu(z)`` (the gate in fp32),
+    cast back to x's dtype. The weight multiplies directly (init ones), unlike the model's norms."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32.to(dtype) * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet layer; ``core`` is a ``linear_attention`` implementation."""
+
+    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int, eps: float, core: Callable, recompute):
+        super().__init__()
+        if min(hidden, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel) <= 0:
+            raise ValueError("GatedDeltaNet: all sizes must be positive")
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"GatedDeltaNet: value heads ({num_v_heads}) must be a multiple of key heads "
+                             f"({num_k_heads})")
+        self.G, self.H, self.K, self.V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.in_proj_qkv = nn.Linear(hidden, 2 * key_dim + value_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False)
+        self.conv1d = CausalConv1d(2 * key_dim + value_dim, conv_kernel)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps)
+        self.out_proj = nn.Linear(value_dim, hidden, bias=False)
+        self.core, self.recompute = core, recompute
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """HF init: matrices and conv normal(0, std), dt_bias 1, A = exp(A_log) ~ U(0.01, 16), norm 1."""
+        for lin in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a, self.out_proj, self.conv1d):
+            lin.weight.normal_(0.0, std)
+        self.dt_bias.fill_(1.0)
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
+        self.norm.weight.fill_(1.0)
+
+    def forward(self, x_BTD: torch.Tensor, layout: DocLayout, state: GDNState | None = None):
+        """-> (y [B, T, D], GDNState at the end of every row). ``state`` continues each row's
+        first document (see ``gated_delta_rule``); None starts from zeros."""
+        B, T, _ = x_BTD.shape
+        G, H, K, V = self.G, self.H, self.K, self.V
+        qkv_BTC, conv_BPC = self.conv1d(self.in_proj_qkv(x_BTD), layout, None if state is None else state.conv_BPC)
+        q, k, v = F.silu(qkv_BTC).split([G * K, G * K, H * V], dim=-1)
+        z_BTHV = self.in_proj_z(x_BTD).view(B, T, H, V)
+        beta_BTH = torch.sigmoid(self.in_proj_b(x_BTD))
+        g_BTH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
+        o_BTHV, S_BHKV = self.recompute.module(
+            "linear_attn_core", self.core, q.reshape(B, T, G, K), k.reshape(B, T, G, K), v.reshape(B, T, H, V),
+            g_BTH, beta_BTH, layout, None if state is None else state.recurrent_BHKV)
+        y_BTD = self.out_proj(self.norm(o_BTHV, z_BTHV).reshape(B, T, H * V))
+        return y_BTD, GDNState(conv_BPC, S_BHKV)
