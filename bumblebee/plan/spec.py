@@ -18,6 +18,7 @@ outside the plan (text training only).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -92,6 +93,10 @@ class ModelSpec:
         return (0 if self.tied else self.vocab * self.hidden) + self.hidden
 
     def num_params(self) -> dict[str, int]:
+        return dict(self._param_counts)
+
+    @functools.cached_property
+    def _param_counts(self) -> dict[str, int]:
         dense = sum(self.layer_params(i)[0] for i in range(self.layers)) + self.embed_params + self.head_params
         expert = sum(self.layer_params(i)[1] for i in range(self.layers))
         return {"total": dense + expert, "dense": dense, "expert": expert}

@@ -1,0 +1,130 @@
+"""``bumblebee plan``: argument parsing and the run function.
+
+``add_arguments(parser)`` and ``run(args) -> int`` are what the top-level CLI
+wires in; ``main`` (and ``python -m bumblebee.plan``) runs the planner alone.
+Bad input raises ``ConfigError`` (one line, exit code 2 through ``main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from bumblebee.config import ConfigError
+from bumblebee.plan import report
+from bumblebee.plan.hardware import GPUS, get_gpu
+from bumblebee.plan.layout import Primitives, Workload, apply_overrides, check, parse_layout
+from bumblebee.plan.recipe import Recommendation, evaluate, recipe, search
+from bumblebee.plan.spec import load_spec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset name (qwen3.5-35b-a3b, qwen3-30b-a3b, qwen3-235b-a22b) "
+                                                   "or a Hugging Face config.json / model directory")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpu", default="h100", help=f"GPU type: {', '.join(GPUS)} (default h100)")
+    p.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step (default: one per GPU)")
+    p.add_argument("--layout", default=None, help='evaluate exactly one layout, e.g. "tp=1 pp=2 ep=8 cp=4"')
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="primitives.KEY=VALUE",
+                   help="fix a primitive (sharding, loss, recompute, moe_comm, moe_chunks); repeatable")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--dry-run", action="store_true",
+                   help="also run the real model code for one rank under FakeTensorMode and report its peak")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="draw memory and throughput of the top candidates")
+    p.add_argument("--top", type=int, default=10, help="alternatives to list (default 10)")
+
+
+def _one_layout(args, spec, gpu, work, base: Primitives, fixed: set[str]) -> Recommendation:
+    lay = parse_layout(args.layout, args.gpus)
+    prims = base
+    if lay.ep == 1 and "moe_comm" not in fixed:
+        prims = dataclasses.replace(prims, moe_comm="local")
+    why = check(spec, lay, prims, work, args.gpus)
+    if why:
+        raise ConfigError(f"--layout {args.layout!r}: {why}")
+    cand = evaluate(spec, lay, prims, work, gpu)
+    return Recommendation(cand, {"layout": f"{lay.short()} (given by --layout)",
+                                 "primitives": f"{prims.short()}" + (" (recipe defaults + --set)" if fixed
+                                                                     else " (recipe defaults)")})
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.seq < 1:
+        raise ConfigError(f"--seq must be >= 1, got {args.seq}")
+    if args.top < 1:
+        raise ConfigError(f"--top must be >= 1, got {args.top}")
+    spec, hf = load_spec(args.model)
+    gpu = get_gpu(args.gpu)
+    batch = args.global_batch if args.global_batch is not None else args.gpus
+    if batch < 1:
+        raise ConfigError(f"--global-batch must be >= 1, got {batch}")
+    work = Workload(seq=args.seq, global_batch=batch)
+    base, fixed = apply_overrides(Primitives(), args.overrides)
+    notes: list[str] = []
+    counts = None
+    if args.layout:
+        rec = _one_layout(args, spec, gpu, work, base, fixed)
+        cands = [rec.candidate]
+    else:
+        if args.gpus > 4096:
+            raise ConfigError(f"--gpus {args.gpus}: the search covers up to 4096 GPUs")
+        rec = recipe(spec, args.gpus, gpu, work, base, fixed)
+        cands = search(spec, args.gpus, gpu, work, base, fixed)
+        if not cands:
+            raise ConfigError(f"no valid layout of {spec.name} on {args.gpus} GPUs with seq {args.seq} and global "
+                              f"batch {batch} (--gpus must allow tp*pp*cp*dp splits that divide the heads, experts "
+                              f"and the batch)")
+        best = next((c for c in cands if c.feasible), None)
+        if not rec.candidate.feasible and best is not None:
+            notes.append(f"the recipe's defaults do not fit ({rec.candidate.reason}); recommending the fastest "
+                         f"feasible layout instead")
+            rec = Recommendation(best, {"layout": f"{best.layout.short()} (fastest feasible in the search)",
+                                        "primitives": best.prims.short()})
+        elif best is None:
+            notes.append(f"nothing fits on {args.gpus} x {gpu.name}: add GPUs, use a larger GPU or a shorter --seq")
+        elif best.tokens_per_s > rec.candidate.tokens_per_s * 1.03:
+            gain = best.tokens_per_s / rec.candidate.tokens_per_s - 1
+            notes.append(f"the search beats the recipe: {best.layout.short()} | {best.prims.short()} is predicted "
+                         f"{gain:+.0%} tokens/s ({best.memory.total / 1e9:.1f} GB/GPU)")
+        else:
+            notes.append("the search finds nothing more than 3% faster than the recipe")
+        counts = (sum(c.feasible for c in cands), sum(not c.feasible for c in cands))
+        cands = [c for c in cands if c.feasible][:args.top] + [c for c in cands if not c.feasible][:args.top]
+    dry = None
+    if args.dry_run:
+        from bumblebee.plan.dryrun import dry_run
+
+        dry = dry_run(spec, hf, rec.candidate, work)
+        notes.append(dry.summary())
+    if args.plot:
+        report.plot(args.plot, cands if args.layout else [rec.candidate] + [c for c in cands if c is not rec.candidate])
+        notes.append(f"plot written to {args.plot}")
+    if args.json:
+        out = report.to_json(rec, cands)
+        if dry is not None:
+            out["dry_run"] = dry.as_json()
+        print(json.dumps(out, indent=1))
+    else:
+        print(report.text(spec, args.gpus, gpu, work, rec, cands, args.top, notes, counts))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bumblebee plan", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
