@@ -54,9 +54,23 @@ def _primitives_run(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ plan
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    from bumblebee.plan.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _plan_run(args) -> int:
+    from bumblebee.plan.cli import run
+
+    return run(args)
+
+
 SUBCOMMANDS = {
     "train": ("train a model (no arguments: the embedded default run on CPU)", _train_args, _train_run),
     "primitives": ("list every primitive slot and its implementations", _primitives_args, _primitives_run),
+    "plan": ("plan a layout: per-GPU memory, predicted throughput, the default recipe (no GPU)", _plan_args, _plan_run),
 }
 
 

@@ -3,7 +3,7 @@
 It builds the bumblebee model of the candidate's per-rank share -- the layers of
 the stage that needs the most memory, ``num_experts / ep`` local experts, and
 ``seq / cp`` tokens -- and runs two training steps (forward, backward, AdamW,
-zero_grad) with bf16 autocast over fp32 parameters, as the trainer does. Every
+zero_grad) in bf16 with an fp32 master copy, the precision the planner models. Every
 tensor is fake: only shapes exist. A dispatch mode watches every op's outputs
 and tracks the bytes of live storages (weakref callbacks on free), giving the
 peak of the second (steady-state) step.
@@ -11,8 +11,8 @@ peak of the second (steady-state) step.
 What a single process cannot do yet is scaled rather than run: tensor
 parallelism is ignored (tp = 1 shapes), expert parallelism becomes local
 experts with the ``local`` dispatch (no all-to-all buffers), pipeline in-flight
-micro-batches are one, and parameters are unsharded (fp32 parameters, grads and
-Adam moments: 16 B each). The analytic figure it is compared with is the memory
+micro-batches are one, and parameters are unsharded (bf16 parameter and
+gradient, fp32 master and Adam moments: 16 B each). The analytic figure it is compared with is the memory
 model evaluated on exactly that executed shape, without the allocator overhead.
 
 Data-dependent values do not exist under fake tensors, so the run assumes what
@@ -41,7 +41,7 @@ from bumblebee.plan.memory import local_tokens, stage_layers, stage_memory
 from bumblebee.plan.recipe import Candidate
 from bumblebee.plan.spec import ModelSpec
 
-STATIC_B = 16  # bumblebee's trainer: fp32 parameters, fp32 gradients, fp32 Adam moments
+STATIC_B = 2 + 2 + 12  # executed: bf16 parameters and gradients, fp32 master + Adam moments
 aten = torch.ops.aten
 
 
@@ -153,7 +153,7 @@ def executed_shape(spec: ModelSpec, cand: Candidate, work: Workload) -> tuple[Mo
     if lay.tp > 1:
         notes.append(f"tp={lay.tp} ignored (no tensor-parallel runtime): tp=1 shapes")
     if cand.prims.sharding != "none":
-        notes.append(f"{cand.prims.sharding} not run: unsharded fp32 state (16 B/param)")
+        notes.append(f"{cand.prims.sharding} not run: unsharded state (16 B/param)")
     sub = dataclasses.replace(spec, mixers=tuple(spec.mixers[i] for i in layers),
                               mlps=tuple(spec.mlps[i] for i in layers), experts=experts, top_k=top_k)
     return sub, Workload(seq=local_tokens(work, lay), global_batch=1, micro_batch=work.micro_batch), layers, notes
@@ -192,19 +192,37 @@ def analytic_executed(sub: ModelSpec, prims: Primitives, work: Workload) -> tupl
     return static + mem.activations + mem.logits + mem.moe_buffers, static
 
 
+def _build_bf16(build_model, arch, prims):
+    """Build with bf16 parameters (``Module.to`` cannot swap fake parameters in place)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return build_model(arch, prims)
+    finally:
+        torch.set_default_dtype(old)
+
+
 @torch.no_grad()
-def _adamw_step(params: list[torch.Tensor], moments: dict, lr: float = 1e-4, betas=(0.9, 0.95),
-                eps: float = 1e-8, wd: float = 0.01) -> None:
-    """torch.optim.AdamW's single-tensor update, written out: its step counter is read on the
-    host (``.item()``), which fake tensors cannot do. Same state (two fp32 moments) and the
-    same per-parameter temporary (the denominator). Frees the gradients (zero_grad)."""
+def _adamw_step(params: list[torch.Tensor], state: dict, lr: float = 1e-4, betas=(0.9, 0.95),
+                eps: float = 1e-8, wd: float = 0.01, chunk: int = 1 << 22) -> None:
+    """Mixed-precision AdamW as the planner models it (Megatron-style fused Adam): bf16
+    parameters and gradients, fp32 master copy and moments (12 B/param), temporaries no
+    larger than one chunk. Written out because torch.optim reads its step counter on the
+    host, which fake tensors cannot do. Frees the gradients (zero_grad)."""
     for p in params:
         if p.grad is None:
             continue
-        m, v = moments.setdefault(id(p), (torch.zeros_like(p), torch.zeros_like(p)))
-        m.lerp_(p.grad, 1 - betas[0])
-        v.mul_(betas[1]).addcmul_(p.grad, p.grad, value=1 - betas[1])
-        p.mul_(1 - lr * wd).addcdiv_(m, v.sqrt().add_(eps), value=-lr)
+        if id(p) not in state:
+            state[id(p)] = (p.float(), torch.zeros_like(p, dtype=torch.float32),
+                            torch.zeros_like(p, dtype=torch.float32))
+        master, m, v = (t.view(-1) for t in state[id(p)])
+        g_all, p_all = p.grad.view(-1), p.view(-1)
+        for s in range(0, g_all.numel(), chunk):
+            g = g_all[s:s + chunk].float()
+            m[s:s + chunk].lerp_(g, 1 - betas[0])
+            v[s:s + chunk].mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+            master[s:s + chunk].mul_(1 - lr * wd).addcdiv_(m[s:s + chunk], v[s:s + chunk].sqrt().add_(eps), value=-lr)
+            p_all[s:s + chunk].copy_(master[s:s + chunk])
         p.grad = None
 
 
@@ -226,20 +244,21 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload) -> DryRu
             for mod in ("bumblebee.models.qwen3_moe", "bumblebee.models.qwen3_5_moe"):
                 stack.enter_context(mock.patch(f"{mod}.doc_layout", lambda pos: one_doc, create=False))
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
+            model = _build_bf16(build_model, arch, prims)  # fake: shapes only
             stack.enter_context(tracker)
-            model = build_model(arch, prims)
+            for p in model.parameters():
+                tracker._track(p)
             params = [p for p in model.parameters() if p.requires_grad]
             moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             ids = torch.zeros(sub_work.micro_batch, sub_work.seq, dtype=torch.long)
             for step in range(2):  # the second step is the steady state (optimizer state exists)
                 if step == 1:
                     tracker.reset_peak()
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = model(ids, labels=ids)
+                loss = model(ids, labels=ids)
                 loss.backward()
                 _adamw_step(params, moments)
                 del loss
-            static = tracker.current + 4 * sum(p.numel() for p in params)  # + the grads set to None
+            static = tracker.current + 2 * sum(p.numel() for p in params)  # + the bf16 grads set to None
             peak = tracker.peak
     except _DataDependent as e:
         raise ConfigError(f"--dry-run: the model code reads tensor values ({e}), which a fake-tensor run cannot; "

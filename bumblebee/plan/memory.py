@@ -15,8 +15,9 @@ in bytes, then reported in GB. The arithmetic follows REFERENCE.md:
   (``selective``) or only each layer's input (``full``) -- plus the working set of
   one layer's (re)forward and backward.
 - loss temporaries on the last stage: ``ce`` materializes [tokens, vocab/tp]
-  logits (bf16 GEMM output, fp32 copy, fp32 log-probs and gradient);
-  ``linear_ce`` only a token chunk of them.
+  logits (bf16 GEMM output, fp32 copy, fp32 log-probs / gradient); ``linear_ce``
+  only a token chunk of them. They do not coexist with a layer's backward working
+  set, so a stage's peak is the larger of the two moments.
 - MoE dispatch buffers: the routed-token copies [k * tokens, H] that all-to-all
   sends and receives; chunked EP keeps two chunks' worth of send/receive buffers
   in flight and, under full recompute, skips the combine in the recompute forward.
@@ -36,8 +37,10 @@ from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 BF16, FP32 = 2, 4
 PARAM_B, GRAD_B, OPTIM_B = 2, 4, 12  # REFERENCE.md memory arithmetic
-BWD_GRAD_FRACTION = 0.5  # gradient buffers alive in a layer's backward, relative to its saved tensors
-CE_BYTES_PER_LOGIT = BF16 + FP32 + FP32 + FP32  # bf16 logits, fp32 copy, fp32 log-probs, fp32 grad (ce.py)
+# Gradient buffers alive in a layer's backward, relative to its saved tensors: small,
+# because autograd frees each saved tensor once its node has run (dry run: 0.1-0.2).
+BWD_GRAD_FRACTION = 0.15
+CE_BYTES_PER_LOGIT = BF16 + FP32 + FP32  # ce.py's peak: bf16 logits, fp32 copy and fp32 log-probs / grad (dry run: 10 B)
 
 
 @dataclass
@@ -110,14 +113,16 @@ def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
         g = 1 if spec.attn_gate else 0
         # q(+gate) and k, v projections, flash-attention output + fp32 logsumexp
         kept = nd * (1 + g) + 2 * kvd + nd + 2 * spec.n_heads / tp
-        cheap = h / tp + nd + kvd + nd * g  # norm output, normed+roped q/k, gated output
-        return kept * BF16 + h / tp * BF16, cheap * BF16  # + the sub-layer input
+        cheap = nd + kvd + nd * g  # roped q/k, gated output
+        # + the sub-layer input; RMSNorms keep their fp32 upcast for backward (norms.py)
+        return kept * BF16 + h / tp * BF16, cheap * BF16 + (h / tp + nd + kvd) * FP32
     kd = spec.gdn_k_heads * spec.gdn_k_dim / tp
     vd = spec.gdn_v_heads * spec.gdn_v_dim / tp
     vh = spec.gdn_v_heads / tp
     kept = (2 * kd + vd) + vd + 2 * vh + vd  # in_proj qkv, z, b/a, core output
-    cheap = h / tp + (2 * kd + vd) + 2 * kd + vd  # norm output, conv output, l2-normed q/k, gated-norm output
-    return kept * BF16 + 2 * vh * FP32 + h / tp * BF16, cheap * BF16  # + fp32 decay/beta, the input
+    cheap = (2 * kd + vd) + 2 * kd  # conv output, l2-normed q/k
+    # + fp32 decay/beta, the input; fp32 upcasts of the input RMSNorm and the gated output norm
+    return kept * BF16 + 2 * vh * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
 
 
 def gdn_state_bytes(spec: ModelSpec, tp: int, chunk: int = 64) -> float:
@@ -134,7 +139,7 @@ def mlp_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float, float]:
         return (h + 2 * f) * BF16 / tp, (h + f) * BF16 / tp, 0.0
     f, fs = spec.expert_ffn, spec.shared_ffn
     kept = h * BF16 + spec.experts * FP32 + k * (2 * f) * BF16  # input, router probs, expert fc1 output
-    cheap = h * BF16 + spec.experts * FP32 + k * f * BF16  # norm output, softmax, SwiGLU output
+    cheap = h * FP32 + spec.experts * FP32 + 2 * k * f * BF16  # fp32 norm upcast, softmax, silu(gate), SwiGLU out
     if fs:
         kept += (2 * fs + h) * BF16
         cheap += fs * BF16
@@ -145,13 +150,14 @@ def mlp_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float, float]:
 def moe_buffer_count(prims: Primitives) -> float:
     """Routed-token [k*t, H] tensors alive at a MoE layer's peak: dispatch receive (the
     expert input, saved) + combine receive (saved for the routing-weight gradient) +
-    one send and one receive buffer in flight. Chunked EP holds two chunks of the
-    in-flight pair and, under full recompute, keeps no combine receive."""
+    one send and one receive buffer in flight (none for the single-rank ``local``).
+    Chunked EP holds two chunks of the in-flight pair and, under full recompute,
+    keeps no combine receive."""
     if prims.moe_comm == "chunked":
         c = max(1, prims.moe_chunks)
         saved = 1 if prims.recompute == "full" else 2
         return saved + 2 * min(1.0, 2.0 / c)
-    return 4.0
+    return 2.0 if prims.moe_comm == "local" else 4.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,15 +228,20 @@ def stage_memory(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload
                 layer_work += gdn_state_bytes(spec, lay.tp)
             working = max(working, layer_work)
             moe = max(moe, routed * moe_buffer_count(prims))
+        # the peak is either in a layer's (re)forward + backward or in the loss (last stage):
+        # both sit on top of what the in-flight micro-batches keep; the breakdown is the one
+        # at the larger of the two moments
         mem.activations = t * (inflight * stored + working)
         mem.moe_buffers = t * moe
         if last:
             vshard = spec.vocab / lay.tp
             if prims.loss == "ce":
-                mem.logits = t * vshard * CE_BYTES_PER_LOGIT
+                loss = t * vshard * CE_BYTES_PER_LOGIT
             else:  # token chunks of ~H*t/V tokens: chunk logits + grad, fp32 dh, fp32 dW
-                mem.logits = 3 * FP32 * t * spec.hidden + FP32 * vshard * spec.hidden
-            mem.logits += t * spec.hidden * FP32  # final hidden states in fp32 for the loss
+                loss = 3 * FP32 * t * spec.hidden + FP32 * vshard * spec.hidden
+            loss += t * spec.hidden * FP32  # final hidden states in fp32 for the loss
+            if loss > t * (working + moe):
+                mem.activations, mem.moe_buffers, mem.logits = t * inflight * stored, 0.0, loss
         if prims.sharding == "fsdp2":
             mem.allgather = _allgather(spec, lay, layers, first, last)
         transient = mem.activations + mem.moe_buffers + mem.allgather
