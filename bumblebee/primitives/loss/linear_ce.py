@@ -6,21 +6,24 @@ weight^T / temperature`` -- without ever materializing ``[tokens, vocab]``: the
 logits exist one ``[token_tile, vocab_tile]`` tile at a time (REFERENCE.md:
 65,536 x 124,160 fp32 logits are 32.55 GB, the tiles a few tens of MB).
 
-Forward keeps three fp32 statistics per token, merged tile by tile as in the
-online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for
-softmax"): the running max ``m``, ``s = sum_j exp(z_j - m)`` and, for the
-entropy, ``u = sum_j exp(z_j - m) (z_j - m)``; then ``lse = m + log s`` and
-``entropy = log s - u / s`` (no cancellation of large logits). Without entropy a
-tile contributes one fused ``logsumexp`` instead. Backward recomputes each
+Forward keeps fp32 statistics per token and vocab tile -- the max ``m``,
+``s = sum_j exp(z_j - m)`` and, for the entropy, ``u = sum_j exp(z_j - m)(z_j - m)``
+(one fused ``log_softmax`` pass per tile gives ``log s`` at the arg-max) -- and
+merges them after the loop as in the online softmax (Milakov & Gimelshein 2018,
+"Online normalizer calculation for softmax"): ``lse = m + log s``, ``entropy =
+log s - u / s`` (no cancellation of large logits). Backward recomputes each
 logits tile and applies, with ``p = softmax(z)``, ``g`` the incoming per-token
 loss gradient and ``e`` the incoming entropy gradient,
 
     dL/dz_j = g (p_j - [j = label]) - e p_j (log p_j + entropy),
 
-then accumulates ``dhidden += dz @ W_tile`` and ``dW_tile += dz^T @ h_tile``
-in fp32 (GEMMs run in the input dtype, as in ``ce``). Reductions (mean/sum) are
-ordinary autograd ops on the per-token output, so per-token losses and entropy
-carry gradients (RL) and all reductions share one kernel.
+then accumulates ``dhidden += dz @ W_tile`` and ``dW_tile += dz^T @ h_tile`` in
+fp32 (GEMMs run in the input dtype, as in ``ce``). Without entropy ``g`` is
+applied to the small ``[t, H]`` operands instead of the ``[t, v]`` tile, and in
+fp32 ``- lse`` is folded into the logits GEMM, so a tile costs one GEMM and one
+``exp`` more than ``ce``'s share. Reductions (mean/sum) are ordinary autograd
+ops on the per-token output, so per-token losses and entropy carry gradients
+(RL) and every reduction shares one kernel.
 
 Vocabulary parallel (``vocab_group``): each rank holds a contiguous row slice of
 ``weight`` (rank order, sizes may differ); labels are global ids. The max is
@@ -39,21 +42,16 @@ import torch.distributed as dist
 from bumblebee.primitives.loss.ce import check_loss_args, reduce_loss
 from bumblebee.registry import register
 
-# (token_tile, vocab_tile) defaults: a tile's fp32 temporaries stay ~16 MB on CPU
-# (cache-friendly, GEMMs of 1024 x 4096 x H already run at full speed) and ~64 MB
-# on GPU (fewer launches per tile); both are small next to a [T, V] fp32 tensor.
-DEFAULT_TILES = {"cpu": (1024, 4096), "cuda": (2048, 8192)}
+# (token_tile, vocab_tile) defaults: one fp32 [t, v] tile is 32 MB on CPU and 64 MB on GPU,
+# a few of them live at once -- small next to [T, V] fp32 logits (5 GB at 8K x 152K) --
+# and large enough that the per-tile fp32 accumulation of bf16 GEMM partials (dW over token
+# tiles, dhidden over vocab tiles: ~H / (2 x tile) of the tile traffic) stays minor.
+DEFAULT_TILES = {"cpu": (2048, 4096), "cuda": (2048, 8192)}
 _FP32_MIN = torch.finfo(torch.float32).min  # "no logit seen yet": exp(_FP32_MIN - m) == 0
 
 
 def default_tiles(device: torch.device) -> tuple[int, int]:
     return DEFAULT_TILES.get(device.type, DEFAULT_TILES["cuda"])
-
-
-def _rebase(m_T, s_T, u_T, new_m_T):
-    """Re-express (s, u) relative to a larger max ``new_m``."""
-    scale_T = torch.exp(m_T - new_m_T)
-    return s_T * scale_T, scale_T * (u_T + s_T * (m_T - new_m_T))
 
 
 def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:
@@ -70,50 +68,64 @@ def _logits(h_tH, w_vH, temperature):
     return z_tv.div_(temperature) if temperature != 1.0 else z_tv
 
 
+def _rebase(m_T, s_T, u_T, new_m_T):
+    """Re-express (s, u) relative to a larger max ``new_m`` (any leading dims broadcast)."""
+    scale = torch.exp(m_T - new_m_T)
+    return s_T * scale, None if u_T is None else scale * (u_T + s_T * (m_T - new_m_T))
+
+
+def _merge_tiles(m_NT, logs_NT, negh_NT):
+    """Combine per-tile stats of N vocab tiles into one (m, s, u) per token.
+
+    Per tile: max m, log s = log sum exp(z - m) and -H of the in-tile softmax q;
+    then u = sum exp(z - m)(z - m) = s (log s - H)."""
+    if m_NT.shape[0] == 0:  # empty vocabulary slice: contributes nothing
+        zeros_T = torch.zeros(m_NT.shape[1], dtype=torch.float32, device=m_NT.device)
+        return zeros_T + _FP32_MIN, zeros_T, None if negh_NT is None else zeros_T
+    m_T = m_NT.amax(dim=0)
+    s_NT = torch.exp(logs_NT)
+    u_NT = None if negh_NT is None else s_NT * (logs_NT + negh_NT)
+    s_NT, u_NT = _rebase(m_NT, s_NT, u_NT, m_T)
+    return m_T, s_NT.sum(0), None if u_NT is None else u_NT.sum(0)
+
+
 class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, labels_T, valid_T, offset, temperature, with_entropy, group,
                 token_tile, vocab_tile):
         T, V = hidden_TH.shape[0], weight_VH.shape[0]
-        dev = hidden_TH.device
+        N = -(-V // vocab_tile)  # vocab tiles
         local_T = torch.where(valid_T, labels_T - offset, -1)  # label's row in this slice, or out of range
-        target_T = torch.zeros(T, dtype=torch.float32, device=dev)  # target logit (0 off this slice)
-        m_T = torch.full((T,), _FP32_MIN, dtype=torch.float32, device=dev)
-        s_T = torch.zeros(T, dtype=torch.float32, device=dev)
-        u_T = torch.zeros(T, dtype=torch.float32, device=dev) if with_entropy else None
-        lse_T = torch.full((T,), float("-inf"), dtype=torch.float32, device=dev)
-        for v0 in range(0, V, vocab_tile):
+        on_slice_T = (local_T >= 0) & (local_T < V)
+        tile_T = torch.where(on_slice_T, local_T // vocab_tile, 0)  # vocab tile holding the label
+        col_T = torch.where(on_slice_T, local_T % vocab_tile, 0)  # its column in that tile
+        # per (vocab tile, token) statistics; merged once after the loop (a few bytes per token and tile)
+        m_NT, logs_NT, pick_NT = (torch.empty(N, T, dtype=torch.float32, device=hidden_TH.device) for _ in "123")
+        negh_NT = torch.empty_like(m_NT) if with_entropy else None
+        for j, v0 in enumerate(range(0, V, vocab_tile)):
             w_vH = weight_VH[v0:v0 + vocab_tile]
-            nv = w_vH.shape[0]
+            col_t = col_T.clamp(max=w_vH.shape[0] - 1)[:, None]
             for t0 in range(0, T, token_tile):
                 t = slice(t0, t0 + token_tile)
                 z_tv = _logits(hidden_TH[t], w_vH, temperature)
-                idx_t = local_T[t] - v0
-                here_t = (idx_t >= 0) & (idx_t < nv)
-                picked_t = z_tv.gather(1, idx_t.clamp(0, nv - 1)[:, None]).squeeze(1)
-                target_T[t] += torch.where(here_t, picked_t, 0.0)
-                if not with_entropy:  # one fused pass per tile
-                    lse_T[t] = torch.logaddexp(lse_T[t], torch.logsumexp(z_tv, dim=1))
-                    continue
-                mt_t = z_tv.amax(dim=1)
-                d_tv = z_tv.sub_(mt_t[:, None])  # z - tile max, in place
-                e_tv = torch.exp(d_tv)
-                st_t = e_tv.sum(dim=1)
-                ut_t = torch.einsum("tv,tv->t", e_tv, d_tv)
-                new_m_t = torch.maximum(m_T[t], mt_t)
-                s_a, u_a = _rebase(m_T[t], s_T[t], u_T[t], new_m_t)
-                s_b, u_b = _rebase(mt_t, st_t, ut_t, new_m_t)
-                m_T[t], s_T[t], u_T[t] = new_m_t, s_a + s_b, u_a + u_b
-        if not with_entropy:  # express as (m, s) so one code path combines ranks
-            m_T = torch.where(torch.isfinite(lse_T), lse_T, _FP32_MIN)
-            s_T = torch.isfinite(lse_T).float()
+                torch.gather(z_tv, 1, col_t[t], out=pick_NT[j, t, None])
+                m_t, arg_t = z_tv.max(dim=1)
+                m_NT[j, t] = m_t
+                lsm_tv = torch.log_softmax(z_tv, dim=1)  # z - m - log s: one fused pass
+                del z_tv
+                torch.gather(lsm_tv, 1, arg_t[:, None], out=logs_NT[j, t, None])  # = -log s
+                if with_entropy:  # -H of the in-tile softmax
+                    negh_NT[j, t] = torch.einsum("tv,tv->t", torch.exp(lsm_tv), lsm_tv)
+        m_T, s_T, u_T = _merge_tiles(m_NT, logs_NT.neg_(), negh_NT)
+        target_T = pick_NT.gather(0, tile_T[None]).squeeze(0) * on_slice_T  # 0 where the label is elsewhere
         if group is not None and dist.get_world_size(group) > 1:
             global_m_T = m_T.clone()
             dist.all_reduce(global_m_T, op=dist.ReduceOp.MAX, group=group)
-            s_T, u_T = _rebase(m_T, s_T, u_T if with_entropy else torch.zeros_like(s_T), global_m_T)
-            stats_3T = torch.stack([s_T, u_T, target_T])
-            dist.all_reduce(stats_3T, group=group)
-            m_T, (s_T, u_T, target_T) = global_m_T, stats_3T.unbind(0)
+            s_T, u_T = _rebase(m_T, s_T, u_T, global_m_T)
+            stats_KT = torch.stack([s_T, target_T] + ([u_T] if with_entropy else []))
+            dist.all_reduce(stats_KT, group=group)
+            m_T, s_T, target_T = global_m_T, stats_KT[0], stats_KT[1]
+            u_T = stats_KT[2] if with_entropy else None
         lse_T = m_T + torch.log(s_T)
         loss_T = torch.where(valid_T, lse_T - target_T, 0.0)
         entropy_T = torch.log(s_T) - u_T / s_T if with_entropy else None
@@ -131,31 +143,36 @@ class _LinearCE(torch.autograd.Function):
         if (grad_loss_T is None and grad_entropy_T is None) or not (need_h or need_w):
             return (None,) * 10
         T, V = hidden_TH.shape[0], weight_VH.shape[0]
-        zeros_T = torch.zeros_like(lse_T)
-        # fold 1/temperature (dz/dlogits) into the per-token coefficients
-        gl_T = (grad_loss_T.float() if grad_loss_T is not None else zeros_T) * valid_T / temperature
+        dtype, lowp = hidden_TH.dtype, hidden_TH.dtype != torch.float32
+        # dL/dz = gl (p - onehot) - ge p (log p + entropy); 1/temperature (dz/dlogits) folded in
+        gl_T = (grad_loss_T.float() * valid_T if grad_loss_T is not None else torch.zeros_like(lse_T)) / temperature
         ge_T = grad_entropy_T.float() / temperature if grad_entropy_T is not None else None
-        lowp = hidden_TH.dtype != torch.float32
+        if ge_T is None:  # dz = gl (p - onehot): keep gl out of the tile, scale [t, H] rows instead
+            row_T, hs_TH, onehot_T = gl_T, (hidden_TH * gl_T[:, None]).to(dtype), torch.ones_like(gl_T)
+        else:  # dz = p (c - ge log p) - gl onehot, c = gl - ge entropy
+            row_T, hs_TH, onehot_T, c_T = None, hidden_TH, gl_T, gl_T - ge_T * entropy_T
         gh_TH = torch.zeros(T, hidden_TH.shape[1], dtype=torch.float32, device=hidden_TH.device) if need_h else None
         gw_VH = torch.empty_like(weight_VH) if need_w else None
         for v0 in range(0, V, vocab_tile):
             w_vH = weight_VH[v0:v0 + vocab_tile]
             nv = w_vH.shape[0]
+            idx_T = local_T - v0
+            here_T = (idx_T >= 0) & (idx_T < nv)
+            idx_T1, sub_T1 = idx_T.clamp(0, nv - 1)[:, None], (-onehot_T * here_T)[:, None]
             gw_vH = torch.zeros(w_vH.shape, dtype=torch.float32, device=w_vH.device) if need_w else None
             for t0 in range(0, T, token_tile):
                 t = slice(t0, t0 + token_tile)
-                h_tH = hidden_TH[t]
-                logp_tv = _logits(h_tH, w_vH, temperature).sub_(lse_T[t, None])
-                p_tv = torch.exp(logp_tv)
+                if lowp:
+                    logp_tv = _logits(hidden_TH[t], w_vH, temperature).sub_(lse_T[t, None])
+                else:  # fp32: subtract lse inside the GEMM
+                    logp_tv = torch.addmm(lse_T[t, None], hidden_TH[t], w_vH.T, beta=-1, alpha=1 / temperature)
                 if ge_T is None:
-                    dz_tv = p_tv.mul_(gl_T[t, None])
-                else:  # p * (g - e (log p + entropy))
-                    coef_tv = logp_tv.add_(entropy_T[t, None]).mul_(-ge_T[t, None]).add_(gl_T[t, None])
-                    dz_tv = p_tv.mul_(coef_tv)
-                idx_t = local_T[t] - v0
-                here_t = (idx_t >= 0) & (idx_t < nv)
-                dz_tv.scatter_add_(1, idx_t.clamp(0, nv - 1)[:, None], -(gl_T[t] * here_t)[:, None])
-                dz_tv = dz_tv.to(hidden_TH.dtype)
+                    dz_tv = logp_tv.exp_()  # p; gl is applied to the [t, H] operands
+                else:
+                    coef_tv = torch.addcmul(c_T[t, None], logp_tv, ge_T[t, None], value=-1.0)
+                    dz_tv = logp_tv.exp_().mul_(coef_tv)
+                    del coef_tv
+                dz_tv = dz_tv.scatter_add_(1, idx_T1[t], sub_T1[t]).to(dtype)  # the onehot term
                 if need_h:
                     if lowp:
                         gh_TH[t] += dz_tv @ w_vH
@@ -163,14 +180,17 @@ class _LinearCE(torch.autograd.Function):
                         gh_TH[t].addmm_(dz_tv, w_vH)
                 if need_w:
                     if lowp:
-                        gw_vH += dz_tv.T @ h_tH
+                        gw_vH += dz_tv.T @ hs_TH[t]
                     else:
-                        gw_vH.addmm_(dz_tv.T, h_tH)
+                        gw_vH.addmm_(dz_tv.T, hs_TH[t])
             if need_w:
                 gw_VH[v0:v0 + nv] = gw_vH
-        if need_h and group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(gh_TH, group=group)  # every vocab slice contributes to dhidden
-        gh_TH = gh_TH.to(hidden_TH.dtype) if need_h else None
+        if need_h:
+            if row_T is not None:
+                gh_TH *= row_T[:, None]
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(gh_TH, group=group)  # every vocab slice contributes to dhidden
+            gh_TH = gh_TH.to(dtype)
         return (gh_TH, gw_VH) + (None,) * 8
 
 
