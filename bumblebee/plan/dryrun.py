@@ -2,11 +2,12 @@
 
 It builds the bumblebee model of the candidate's per-rank share -- the layers of
 the stage that needs the most memory, ``num_experts / ep`` local experts, and
-``seq / cp`` tokens -- and runs two training steps (forward, backward, AdamW,
-zero_grad) in bf16 with an fp32 master copy, the precision the planner models. Every
+``seq / cp`` tokens -- and runs one steady-state training step (optimizer state
+already allocated; forward, backward, AdamW, zero_grad) in bf16 with an fp32
+master copy, the precision the planner models. Every
 tensor is fake: only shapes exist. A dispatch mode watches every op's outputs
 and tracks the bytes of live storages (weakref callbacks on free), giving the
-peak of the second (steady-state) step.
+peak of that step.
 
 What a single process cannot do yet is scaled rather than run: tensor
 parallelism is ignored (tp = 1 shapes), expert parallelism becomes local
@@ -24,6 +25,7 @@ values are never read; the grouped expert GEMM keeps the routed row count).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import time
 import weakref
 from contextlib import ExitStack
@@ -110,7 +112,7 @@ def _grouped_mm_shape(func, args, kwargs):
 
 @dataclass
 class DryRunResult:
-    peak_gb: float  # measured: steady-state step peak
+    peak_gb: float  # measured: peak of a steady-state step
     static_gb: float  # measured: parameters + gradients + optimizer state
     analytic_gb: float  # memory model on the executed shape, no allocator overhead
     analytic_static_gb: float
@@ -203,6 +205,12 @@ def _build_bf16(build_model, arch, prims):
 
 
 @torch.no_grad()
+def _init_adamw(params: list[torch.Tensor], state: dict) -> None:
+    for p in params:
+        state[id(p)] = (p.float(), torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32))
+
+
+@torch.no_grad()
 def _adamw_step(params: list[torch.Tensor], state: dict, lr: float = 1e-4, betas=(0.9, 0.95),
                 eps: float = 1e-8, wd: float = 0.01, chunk: int = 1 << 22) -> None:
     """Mixed-precision AdamW as the planner models it (Megatron-style fused Adam): bf16
@@ -212,9 +220,6 @@ def _adamw_step(params: list[torch.Tensor], state: dict, lr: float = 1e-4, betas
     for p in params:
         if p.grad is None:
             continue
-        if id(p) not in state:
-            state[id(p)] = (p.float(), torch.zeros_like(p, dtype=torch.float32),
-                            torch.zeros_like(p, dtype=torch.float32))
         master, m, v = (t.view(-1) for t in state[id(p)])
         g_all, p_all = p.grad.view(-1), p.view(-1)
         for s in range(0, g_all.numel(), chunk):
@@ -235,34 +240,33 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload) -> DryRu
     sub, sub_work, layers, notes = executed_shape(spec, cand, work)
     arch = _arch(hf, sub, layers)
     prims = _prims(cand.prims)
-    t = sub_work.seq * sub_work.micro_batch
     one_doc = packed.DocLayout(bounds=((0, sub_work.seq),) * sub_work.micro_batch, seq_len=sub_work.seq)
     tracker = _LiveBytes(sub_work.seq)
     try:
         with ExitStack() as stack:
             # one document per row: boundaries are data, which fake tensors do not have
-            for mod in ("bumblebee.models.qwen3_moe", "bumblebee.models.qwen3_5_moe"):
-                stack.enter_context(mock.patch(f"{mod}.doc_layout", lambda pos: one_doc, create=False))
+            for name in ("bumblebee.models.qwen3_moe", "bumblebee.models.qwen3_5_moe"):
+                module = importlib.import_module(name)
+                if hasattr(module, "doc_layout"):
+                    stack.enter_context(mock.patch.object(module, "doc_layout", lambda pos: one_doc))
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
             model = _build_bf16(build_model, arch, prims)  # fake: shapes only
             stack.enter_context(tracker)
             for p in model.parameters():
                 tracker._track(p)
             params = [p for p in model.parameters() if p.requires_grad]
-            moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            state: dict[int, tuple[torch.Tensor, ...]] = {}
+            _init_adamw(params, state)  # steady state: optimizer state exists before the step
+            tracker.reset_peak()
             ids = torch.zeros(sub_work.micro_batch, sub_work.seq, dtype=torch.long)
-            for step in range(2):  # the second step is the steady state (optimizer state exists)
-                if step == 1:
-                    tracker.reset_peak()
-                loss = model(ids, labels=ids)
-                loss.backward()
-                _adamw_step(params, moments)
-                del loss
+            loss = model(ids, labels=ids)
+            loss.backward()
+            _adamw_step(params, state)
+            del loss
             static = tracker.current + 2 * sum(p.numel() for p in params)  # + the bf16 grads set to None
             peak = tracker.peak
     except _DataDependent as e:
         raise ConfigError(f"--dry-run: the model code reads tensor values ({e}), which a fake-tensor run cannot; "
                           f"the analytic estimate stands alone") from None
     total, a_static = analytic_executed(sub, cand.prims, sub_work)
-    assert t > 0
     return DryRunResult(peak / GB, static / GB, total / GB, a_static / GB, notes, time.perf_counter() - start)

@@ -89,5 +89,9 @@ class Efficiency:
 # buffers; a few huge logits blocks fragment little). Calibrated against
 # the two published Qwen3.5-35B-A3B points in REFERENCE.md, within the ranges
 # commonly seen (context ~0.5-1 GB; NCCL ~0.5-2 GB; fragmentation 10-30%).
+# A candidate fits when its peak is at most (1 - MEMORY_MARGIN) x the spec-sheet HBM
+# (decimal GB; an "80 GB" H100 exposes ~85 GB to PyTorch, so the total margin is ~10%):
+# room for the model's error (within ~3% on the calibration points, more elsewhere).
+MEMORY_MARGIN = 0.05
 FIXED_OVERHEAD_GB = 2.5
 FRAGMENTATION = 0.20

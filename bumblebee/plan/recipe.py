@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from bumblebee.plan.hardware import GB, GPU, Efficiency
+from bumblebee.plan.hardware import GB, GPU, MEMORY_MARGIN, Efficiency
 from bumblebee.plan.layout import Layout, Primitives, Workload, check
 from bumblebee.plan.memory import MemoryBreakdown, local_tokens, stage_memory
 from bumblebee.plan.perf import PerfEstimate, estimate
@@ -62,13 +62,15 @@ def evaluate(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gp
     mem = stages[peak]
     perf = estimate(spec, lay, prims, work, gpu, eff)
     cand = Candidate(lay, prims, True, "", mem, [round(m.total / GB, 2) for m in stages], perf)
-    if mem.total > gpu.hbm_gb * GB:
+    limit = gpu.hbm_gb * (1 - MEMORY_MARGIN)
+    if mem.total > limit * GB:
         top = max(mem.as_gb().items(), key=lambda kv: kv[1] if kv[0] != "total" else -1)
         where = f"stage {peak}" if lay.pp > 1 else "each GPU"
         cand.feasible = False
-        cand.reason = f"needs {mem.total / GB:.1f} GB > {gpu.hbm_gb:.0f} GB on {where} (largest: {top[0]} {top[1]:.1f} GB)"
+        cand.reason = (f"needs {mem.total / GB:.1f} GB > {limit:.0f} GB usable of {gpu.hbm_gb:.0f} on {where} "
+                       f"(largest: {top[0]} {top[1]:.1f} GB)")
     else:
-        cand.reason = f"fits: {mem.total / GB:.1f} of {gpu.hbm_gb:.0f} GB"
+        cand.reason = f"fits: {mem.total / GB:.1f} of {limit:.0f} GB usable ({gpu.hbm_gb:.0f} GB HBM)"
     return cand
 
 

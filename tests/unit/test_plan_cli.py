@@ -51,7 +51,7 @@ def test_search_json_schema(capsys):
     # the recipe: EP 8 (< 100B params), CP for a 32K local sequence, TP 1, FSDP2, linear CE, full recompute
     assert rec["feasible"] and rec["layout"]["tp"] == 1 and rec["layout"]["ep"] == 8 and rec["layout"]["cp"] == 4
     assert rec["primitives"] == {"sharding": "fsdp2", "loss": "linear_ce", "recompute": "full", "moe_comm": "chunked"}
-    assert rec["memory_gb"]["total"] <= 80
+    assert rec["memory_gb"]["total"] <= 80 * 0.95
     for c in data["candidates"]:
         _check_candidate(c)
         lay = c["layout"]
