@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 
 from bumblebee.config import ConfigError
 from bumblebee.plan import report
-from bumblebee.plan.hardware import GPUS, get_gpu
+from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.layout import Primitives, Workload, apply_overrides, check, parse_layout
 from bumblebee.plan.recipe import Recommendation, evaluate, recipe, search
 from bumblebee.plan.spec import load_spec
@@ -87,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
             rec = Recommendation(best, {"layout": f"{best.layout.short()} (fastest feasible in the search)",
                                         "primitives": best.prims.short()})
         elif best is None:
-            notes.append(f"nothing fits on {args.gpus} x {gpu.name}: add GPUs, use a larger GPU or a shorter --seq")
+            static = spec.num_params()["total"] * 18 / (gpu.hbm_gb * (1 - MEMORY_MARGIN) * 1e9)
+            notes.append(f"nothing fits on {args.gpus} x {gpu.name}: the static state alone (18 B/param) needs "
+                         f">= {math.ceil(static)} GPUs; add GPUs, use a larger GPU or a shorter --seq")
         elif best.tokens_per_s > rec.candidate.tokens_per_s * 1.03:
             gain = best.tokens_per_s / rec.candidate.tokens_per_s - 1
             notes.append(f"the search beats the recipe: {best.layout.short()} | {best.prims.short()} is predicted "

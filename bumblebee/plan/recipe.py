@@ -182,7 +182,8 @@ def explain(spec: ModelSpec, cand: Candidate, tried: list[Candidate], ep_rule: i
     r["cp"] = f"{work.seq} tokens / cp {lay.cp} = {local} per GPU (target 16K-32K)"
     r["tp"] = "off by default: no model or hardware reason to split matrices"
     fails = [c for c in tried if not c.feasible and c is not cand]
-    r["pp"] = ("1: fits without pipelining (no bubble)" if lay.pp == 1 else
+    r["pp"] = (f"{lay.pp}: no depth the recipe tries (pp 1-8, local sequence down to half) fits" if not cand.feasible
+               else "1: fits without pipelining (no bubble)" if lay.pp == 1 else
                f"{lay.pp}: smaller layouts do not fit ({fails[-1].layout.short()}: {fails[-1].reason})"
                if fails else f"{lay.pp}")
     r["dp"] = f"{lay.dp} = GPUs / (tp*cp*pp); experts replicated over edp={lay.edp}"
