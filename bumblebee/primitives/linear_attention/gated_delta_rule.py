@@ -88,19 +88,21 @@ def _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout, initial
 def gated_delta_rule_recurrent(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout,
                                initial_state=None):
     q, k, v, g, beta, S_BHKV = _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
-    T = q.shape[2]
     doc_BT = layout.doc_ids(q.device)
     keep_BT = torch.ones(doc_BT.shape, dtype=q.dtype, device=q.device)
     keep_BT[:, 1:] = (doc_BT[:, 1:] == doc_BT[:, :-1]).to(q.dtype)  # 0 at a document start: reset
     decay_BHT = g.exp() * keep_BT[:, None]
+    # unbind (not x[:, :, t]): its backward stacks the T slice gradients once, where per-step
+    # indexing would scatter each into a fresh [B, H, T, *] zero tensor (O(T^2) backward)
+    steps = zip(q.unbind(2), k.unbind(2), v.unbind(2), decay_BHT[..., None, None].unbind(2),
+                beta[..., None].unbind(2))
     outs = []
-    for t in range(T):
-        k_BHK = k[:, :, t]
-        S_BHKV = S_BHKV * decay_BHT[:, :, t, None, None]
+    for q_BHK, k_BHK, v_BHV, decay_BH11, beta_BH1 in steps:
+        S_BHKV = S_BHKV * decay_BH11
         pred_BHV = (k_BHK.unsqueeze(-2) @ S_BHKV).squeeze(-2)  # what the state recalls for k_t
-        delta_BHV = (v[:, :, t] - pred_BHV) * beta[:, :, t, None]
+        delta_BHV = (v_BHV - pred_BHV) * beta_BH1
         S_BHKV = S_BHKV + k_BHK.unsqueeze(-1) * delta_BHV.unsqueeze(-2)
-        outs.append((q[:, :, t].unsqueeze(-2) @ S_BHKV).squeeze(-2))
+        outs.append((q_BHK.unsqueeze(-2) @ S_BHKV).squeeze(-2))
     o_BHTV = torch.stack(outs, dim=2)
     return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S_BHKV
 
@@ -148,10 +150,14 @@ def gated_delta_rule_chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: Do
     kend_BHNCK = k * to_end_BHNC[..., None]
     chunk_decay_BHN = gamma0_BHNC[..., -1]
 
+    # unbind (not indexing) per chunk: its backward stacks the N slice gradients once instead of
+    # scattering each into a fresh full-size zero tensor (O(N^2) memory traffic)
+    per_chunk = zip(U_BHNCV.unbind(2), W_BHNCK.unbind(2), q0_BHNCK.unbind(2), attn_BHNCC.unbind(2),
+                    kend_BHNCK.transpose(-1, -2).unbind(2), chunk_decay_BHN[..., None, None].unbind(2))
     outs = []
-    for n in range(N):  # the only sequential part: carry S across chunks
-        D_BHCV = U_BHNCV[:, :, n] - W_BHNCK[:, :, n] @ S_BHKV
-        outs.append(q0_BHNCK[:, :, n] @ S_BHKV + attn_BHNCC[:, :, n] @ D_BHCV)
-        S_BHKV = S_BHKV * chunk_decay_BHN[:, :, n, None, None] + kend_BHNCK[:, :, n].transpose(-1, -2) @ D_BHCV
+    for U_BHCV, W_BHCK, q0_BHCK, attn_BHCC, kendT_BHKC, decay_BH11 in per_chunk:  # the sequential part
+        D_BHCV = U_BHCV - W_BHCK @ S_BHKV
+        outs.append(q0_BHCK @ S_BHKV + attn_BHCC @ D_BHCV)
+        S_BHKV = S_BHKV * decay_BH11 + kendT_BHKC @ D_BHCV
     o_BHTV = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
     return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S_BHKV

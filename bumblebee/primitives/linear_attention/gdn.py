@@ -38,6 +38,13 @@ class GDNState:
     conv_BPC: torch.Tensor  # last kernel-1 pre-conv inputs of the qkv projection
     recurrent_BHKV: torch.Tensor  # delta-rule state, fp32
 
+    def continued(self, continues_B: torch.Tensor) -> "GDNState":
+        """The state to pass on: zero for rows whose next segment starts a new document
+        (e.g. ``continues_B = position_ids_next[:, 0] != 0``), kept for rows that continue one."""
+        keep = continues_B.to(self.recurrent_BHKV.dtype)
+        return GDNState(self.conv_BPC * keep[:, None, None].to(self.conv_BPC.dtype),
+                        self.recurrent_BHKV * keep[:, None, None, None])
+
 
 class GatedRMSNorm(nn.Module):
     """HF ``Qwen3_5MoeRMSNormGated``: ``(w * rmsnorm(x).to(dtype)) * silu(z)`` (the gate in fp32),
@@ -91,7 +98,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, layout: DocLayout, state: GDNState | None = None):
         """-> (y [B, T, D], GDNState at the end of every row). ``state`` continues each row's
-        first document (see ``gated_delta_rule``); None starts from zeros."""
+        first document (see ``gated_delta_rule``); None starts from zeros. The layout cannot tell
+        whether row b's first token opens a new document, so a caller carrying a state across a
+        split passes ``state.continued(continues_B)``."""
         B, T, _ = x_BTD.shape
         G, H, K, V = self.G, self.H, self.K, self.V
         qkv_BTC, conv_BPC = self.conv1d(self.in_proj_qkv(x_BTD), layout, None if state is None else state.conv_BPC)
