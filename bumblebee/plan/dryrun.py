@@ -124,10 +124,11 @@ class DryRunResult:
         return self.peak_gb / self.analytic_gb if self.analytic_gb else float("nan")
 
     def summary(self) -> str:
+        dyn, a_dyn = self.peak_gb - self.static_gb, self.analytic_gb - self.analytic_static_gb
         return (f"dry run (one rank, FakeTensorMode, {self.seconds:.1f} s): peak {self.peak_gb:.2f} GB "
-                f"(static {self.static_gb:.2f}) vs analytic {self.analytic_gb:.2f} GB (static "
-                f"{self.analytic_static_gb:.2f}) for the executed shape: {self.ratio - 1:+.1%}; "
-                + "; ".join(self.scaled))
+                f"(static {self.static_gb:.2f} + dynamic {dyn:.2f}) vs analytic {self.analytic_gb:.2f} GB "
+                f"({self.analytic_static_gb:.2f} + {a_dyn:.2f}) for the executed shape, no allocator overhead: "
+                f"{self.ratio - 1:+.1%}; " + "; ".join(self.scaled))
 
     def as_json(self) -> dict:
         return {"peak_gb": round(self.peak_gb, 3), "static_gb": round(self.static_gb, 3),
