@@ -33,13 +33,16 @@ MODULE_NAMES = ("norm", "attn_core", "moe", "moe_act", "mlp", "shared_expert", "
 
 
 def check_module_names(modules: Iterable[str]) -> tuple[str, ...]:
-    """The validated ``recompute_modules`` (a ValueError names the valid ones)."""
+    """The validated ``recompute_modules``. Errors are ``ConfigError`` (a ``ValueError``,
+    printed as one line by the CLI) naming the valid modules."""
+    from bumblebee.config import ConfigError  # lazily, as registry.get does
+
     if isinstance(modules, str):
-        raise ValueError(f"recompute_modules must be a list of names, got the string {modules!r}")
+        raise ConfigError(f"recompute_modules must be a list of names, got the string {modules!r}")
     names = tuple(modules)
     unknown = [n for n in names if n not in MODULE_NAMES]
     if unknown:
-        raise ValueError(f"unknown recompute_modules {unknown}; valid: {', '.join(MODULE_NAMES)}")
+        raise ConfigError(f"unknown recompute_modules {unknown}; valid: {', '.join(MODULE_NAMES)}")
     return names
 
 
@@ -68,7 +71,9 @@ class SelectiveRecompute(NoRecompute):
     def __init__(self, modules=()):
         super().__init__(modules)
         if not self.modules:
-            raise ValueError("recompute = 'selective' needs recompute_modules, e.g. ['norm', 'attn_core']; "
+            from bumblebee.config import ConfigError
+
+            raise ConfigError("recompute = 'selective' needs recompute_modules, e.g. ['norm', 'attn_core']; "
                              f"valid: {', '.join(MODULE_NAMES)}")
         self.selected = frozenset(self.modules)
 
