@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         dry = dry_run(spec, hf, rec.candidate, work)
         notes.append(dry.summary())
     if args.plot:
-        report.plot(args.plot, cands if args.layout else [rec.candidate] + [c for c in cands if c is not rec.candidate])
+        shown = [rec.candidate] + [c for c in cands if c.feasible and c is not rec.candidate]
+        report.plot(args.plot, shown)
         notes.append(f"plot written to {args.plot}")
     if args.json:
         out = report.to_json(rec, cands)
