@@ -1,7 +1,7 @@
 """Vocab-parallel ``linear_ce`` on 2 gloo ranks equals the unsharded computation.
 
 Each rank holds a contiguous row slice of the LM-head weight (uneven slices:
-V = 101 splits 51 / 50); labels are global ids, so a label's logit lives on one
+V = 101 splits 51 / 50, V = 1 leaves rank 1 an empty slice); labels are global ids, so a label's logit lives on one
 rank only. The sharded per-token loss, reduced losses and entropy must equal the
 unsharded ``ce`` reference on every rank, ``dhidden`` must be the full gradient
 (all-reduced) and ``dweight`` the reference gradient's rows of the local slice.
@@ -22,6 +22,7 @@ CASES = [  # (T, V, reduction, temperature, with_entropy, all_ignored)
     (37, 101, "mean", 0.7, True, False),
     (1, 64, "sum", 1.0, False, False),
     (9, 33, "mean", 1.0, True, True),
+    (5, 1, "none", 1.0, True, False),  # rank 1 holds an empty slice
 ]
 
 

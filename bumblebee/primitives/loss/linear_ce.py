@@ -117,7 +117,8 @@ class _LinearCE(torch.autograd.Function):
                 if with_entropy:  # -H of the in-tile softmax
                     negh_NT[j, t] = torch.einsum("tv,tv->t", torch.exp(lsm_tv), lsm_tv)
         m_T, s_T, u_T = _merge_tiles(m_NT, logs_NT.neg_(), negh_NT)
-        target_T = pick_NT.gather(0, tile_T[None]).squeeze(0) * on_slice_T  # 0 where the label is elsewhere
+        # target logit from the label's tile; 0 where the label is on another rank's slice
+        target_T = pick_NT.gather(0, tile_T[None]).squeeze(0) * on_slice_T if N else torch.zeros_like(m_T)
         if group is not None and dist.get_world_size(group) > 1:
             global_m_T = m_T.clone()
             dist.all_reduce(global_m_T, op=dist.ReduceOp.MAX, group=group)
@@ -214,6 +215,7 @@ def linear_cross_entropy(hidden_TH, weight_VH, labels_T, *, ignore_index: int = 
     vocab_tile = tiles[1] if vocab_tile is None else vocab_tile
     if token_tile <= 0 or vocab_tile <= 0:
         raise ValueError(f"token_tile and vocab_tile must be positive, got {token_tile} and {vocab_tile}")
+    labels_T = labels_T.long()
     valid_T = labels_T != ignore_index
     offset, v_total = (0, weight_VH.shape[0]) if vocab_group is None else \
         _vocab_offset(weight_VH.shape[0], vocab_group, dev)
