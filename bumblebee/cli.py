@@ -21,13 +21,25 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------------------ train
 def _train_args(p: argparse.ArgumentParser) -> None:
     _add_config_args(p)
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="local ranks to start (torch.distributed elastic); under torchrun leave it out")
 
 
 def _train_run(args) -> int:
-    from bumblebee.config import load_config
-    from bumblebee.runtime.trainer import Trainer
+    from bumblebee.config import ConfigError, load_config
+    from bumblebee.runtime import launch
+    from bumblebee.runtime.trainer import Trainer, check_run
 
     cfg = load_config(args.config, args.overrides)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if launch.started_by_torchrun():
+        launch.init_distributed()
+        Trainer(cfg).run()
+        return 0
+    check_run(cfg, args.nproc)  # reject impossible layouts before any process starts
+    if args.nproc > 1:
+        return launch.launch_local(cfg, args.nproc)
     Trainer(cfg).run()
     return 0
 

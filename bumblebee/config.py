@@ -52,10 +52,10 @@ class PrimitivesConfig:
     linear_attention: str = "chunked"
     router: str = "softmax_topk"
     experts: str = "grouped"
-    moe_comm: str = "local"
+    moe_comm: str = "alltoall"
     moe_chunks: int = 2
     loss: str = "ce"
-    sharding: str = "none"
+    sharding: str = "fsdp2"
     recompute: str = "none"
     recompute_modules: list = field(default_factory=list)
     pipeline: str = "1f1b"
@@ -75,6 +75,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0
+    offload_optimizer: bool = False  # fsdp2: keep sharded params/grads/optimizer state in host memory
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay fp32)
     seed: int = 0
     deterministic: bool = False

@@ -10,6 +10,7 @@ function (it is pickled by name).
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -32,7 +33,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        buf = io.BytesIO()  # by value: shared-memory tensors would die with this process
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report everything, including assertion errors
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -52,7 +55,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors[rank] = payload
                 break  # the others may now hang on a collective

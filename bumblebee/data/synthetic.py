@@ -37,7 +37,9 @@ class KeyValueRetrieval:
         keys: set[str] = set()
         while len(keys) < n_records:
             keys.add("".join(rng.choices(string.ascii_lowercase, k=3)))
-        records = [(k, "".join(rng.choices(string.digits, k=4))) for k in sorted(keys, key=lambda _: rng.random())]
+        order = sorted(keys)  # a set's iteration order varies per process (string hashing)
+        rng.shuffle(order)
+        records = [(k, "".join(rng.choices(string.digits, k=4))) for k in order]
         key, value = records[rng.randrange(n_records)]
         body = "".join(f"{k}={v};" for k, v in records) + f"?{key}:"
         tokens = [BOS] + list(body.encode()) + list(value.encode()) + [ord("\n")]

@@ -51,10 +51,11 @@ def resolve_arch(model_cfg):
         raise ConfigError(f"model.arch: {e}") from None
 
 
-def build_model(arch, prims=None):
-    """An initialized model of ``arch``'s family with the chosen primitives."""
+def build_model(arch, prims=None, groups=None):
+    """An initialized model of ``arch``'s family with the chosen primitives; ``groups``
+    (``primitives.parallel.ParallelGroups``) when it is split over ranks."""
     from bumblebee.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
     from bumblebee.models.qwen3_moe import Qwen3MoeForCausalLM
 
     classes = {"qwen3_moe": Qwen3MoeForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM}
-    return classes[HF_MODEL_TYPES[arch.model_type]](arch, prims)
+    return classes[HF_MODEL_TYPES[arch.model_type]](arch, prims, groups)

@@ -24,6 +24,7 @@ from bumblebee.models.arch import Qwen3MoeArch
 from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.moe.router import load_balancing_loss
 from bumblebee.primitives.norms import RMSNorm
+from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.packed import DocLayout, default_position_ids, doc_layout
 from bumblebee.primitives.rope import apply_rope, rope_cos_sin
 
@@ -76,16 +77,17 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Router -> dispatch -> experts -> combine. Returns (output, balance loss)."""
 
-    def __init__(self, arch: Qwen3MoeArch, prims, dispatch):
+    def __init__(self, arch: Qwen3MoeArch, prims, dispatch, ep_size: int):
         super().__init__()
         router_cls = registry.get("router", prims.router).factory
         self.gate = router_cls(arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob)
-        self.experts = Experts(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size)
+        # only this rank's E / ep experts live here (expert parallelism)
+        self.experts = Experts(arch.num_experts // ep_size, arch.hidden_size, arch.moe_intermediate_size)
         self.expert_fn = registry.get("experts", prims.experts).factory
         self.dispatch = dispatch
 
     def _run_experts(self, x_NH, counts_E):
-        return self.expert_fn(x_NH, counts_E, self.experts.w_gate_up, self.experts.w_down)
+        return self.experts(x_NH, counts_E, self.expert_fn)
 
     def forward(self, x_BTH):
         B, T, H = x_BTH.shape
@@ -96,14 +98,14 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: Qwen3MoeArch, idx: int, prims, attend, dispatch, recompute):
+    def __init__(self, arch: Qwen3MoeArch, idx: int, prims, attend, dispatch, recompute, ep_size: int):
         super().__init__()
         self.recompute = recompute
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, attend, recompute)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.is_moe = arch.is_moe_layer(idx)
-        self.mlp = MoE(arch, prims, dispatch) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = MoE(arch, prims, dispatch, ep_size) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size)
 
     def forward(self, x_BTH, cos, sin, layout: DocLayout):
         rc = self.recompute
@@ -119,11 +121,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """HF ``model.*``: embeddings, decoder layers, final norm."""
 
-    def __init__(self, arch: Qwen3MoeArch, prims, dispatch, recompute):
+    def __init__(self, arch: Qwen3MoeArch, prims, dispatch, recompute, ep_size: int):
         super().__init__()
         attend = registry.get("attention", prims.attention).factory
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, prims, attend, dispatch, recompute)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, prims, attend, dispatch, recompute, ep_size)
                                     for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -133,25 +135,32 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     family = "qwen3_moe"
 
-    def __init__(self, arch: Qwen3MoeArch, prims=None):
+    def __init__(self, arch: Qwen3MoeArch, prims=None, groups: ParallelGroups | None = None):
         super().__init__()
         from bumblebee.config import PrimitivesConfig
 
         self.arch = arch
         self.prims = prims or PrimitivesConfig()
-        dispatch = registry.get("moe_comm", self.prims.moe_comm).factory(num_experts=arch.num_experts)
+        self.groups = groups or ParallelGroups()
+        dispatch = registry.get("moe_comm", self.prims.moe_comm).factory(
+            num_experts=arch.num_experts, ep_group=self.groups.ep_group, num_chunks=self.prims.moe_chunks)
         self.recompute = registry.get("recompute", self.prims.recompute).factory(self.prims.recompute_modules)
         self.loss_fn = registry.get("loss", self.prims.loss).factory
-        self.model = Backbone(arch, self.prims, dispatch, self.recompute)
+        self.model = Backbone(arch, self.prims, dispatch, self.recompute, self.groups.ep_size)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        """HF-style init: normal(0, 0.02) for matrices, ones for norms."""
+        """HF-style init: normal(0, 0.02) for matrices, ones for norms. Expert weights are
+        drawn at full size and sliced, so every layout initializes identically for a seed."""
+        ep, r = self.groups.ep_size, self.groups.ep_rank
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
+            elif name.endswith(("experts.w_gate_up", "experts.w_down")) and ep > 1:
+                full = torch.empty((p.shape[0] * ep,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
+                p.copy_(full.normal_(0.0, std)[r * p.shape[0]:(r + 1) * p.shape[0]])
             else:
                 p.normal_(0.0, std)
 

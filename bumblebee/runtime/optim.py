@@ -1,26 +1,12 @@
-"""AdamW and the warmup + cosine learning-rate schedule.
+"""The learning-rate schedule: linear warmup, then cosine decay to ``min_lr``.
 
-Parameters are fp32 (the master copy); bf16 only appears in compute through
-autocast (or FSDP2's mixed-precision policy). Weight decay applies to matrices
-and stacked expert weights, not to norms.
+(The optimizer itself, AdamW over fp32 master parameters, belongs to the
+sharding primitive, which decides where its state lives.)
 """
 
 from __future__ import annotations
 
 import math
-
-import torch
-
-
-def build_optimizer(model: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": train_cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
-                             eps=train_cfg.eps)
 
 
 def lr_at(step: int, train_cfg) -> float:
@@ -34,6 +20,7 @@ def lr_at(step: int, train_cfg) -> float:
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer, lr: float) -> None:
+    """Set the learning rate of every param group (an optimizer or a sharding wrapper)."""
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -22,12 +22,17 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
+from bumblebee import registry
 from bumblebee.config import Config, ConfigError, dump_toml
 from bumblebee.data import build_source
 from bumblebee.models import build_model, resolve_arch
+from bumblebee.primitives.parallel import ParallelGroups
+from bumblebee.primitives.sharding import ShardingGroups
+from bumblebee.runtime.mesh import ParallelContext, build_context, plan_layout, single_process
 from bumblebee.runtime.metrics import MetricsWriter
-from bumblebee.runtime.optim import build_optimizer, lr_at, set_lr
+from bumblebee.runtime.optim import lr_at, set_lr
 
 
 def pick_device() -> torch.device:
@@ -41,44 +46,89 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def build_initial_model(cfg: Config, device: torch.device):
-    """The model a config describes, initialized identically on every rank (same seed),
-    or loaded from ``model.hf_path``."""
+def build_initial_model(cfg: Config, device: torch.device, groups: ParallelGroups | None = None):
+    """The model a config describes, initialized identically on every rank and for every
+    layout (same seed), or loaded from ``model.hf_path``; holds this rank's experts only."""
     arch = resolve_arch(cfg.model)
+    groups = groups or ParallelGroups()
     torch.manual_seed(cfg.train.seed)
+    model = build_model(arch, cfg.primitives, groups)
     if cfg.model.hf_path:
         from bumblebee.models.hf import load_hf_weights
 
-        model = build_model(arch, cfg.primitives)
-        load_hf_weights(model, cfg.model.hf_path)
-    else:
-        model = build_model(arch, cfg.primitives)
+        full = model if groups.ep_size == 1 else build_model(arch, cfg.primitives)
+        load_hf_weights(full, cfg.model.hf_path)
+        if full is not model:
+            copy_expert_slice(full, model, groups.ep_rank, groups.ep_size)
     return model.to(device)
 
 
+@torch.no_grad()
+def copy_expert_slice(full: torch.nn.Module, part: torch.nn.Module, ep_rank: int, ep_size: int) -> None:
+    """Copy a full model's weights into an expert-parallel model (its share of experts)."""
+    src = dict(full.named_parameters())
+    for name, p in part.named_parameters():
+        t = src[name]
+        if t.shape != p.shape:
+            n = p.shape[0]
+            t = t[ep_rank * n:(ep_rank + 1) * n]
+        p.copy_(t)
+
+
+def check_run(cfg: Config, world: int):
+    """Everything about a run on ``world`` ranks that can be rejected before any process
+    group exists (the launcher calls this in the parent process)."""
+    layout = plan_layout(cfg.parallel, world, resolve_arch(cfg.model))
+    if world > 1 and cfg.primitives.sharding == "none":
+        raise ConfigError(f"primitives.sharding = 'none' needs a single process (world size is {world}); "
+                          "use 'fsdp2' or 'zero1'")
+    if layout.ep > 1 and cfg.primitives.moe_comm == "local":
+        raise ConfigError("primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use 'alltoall'")
+    rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
+    if rem or rows % cfg.train.micro_batch:
+        raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
+                          f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch})")
+    return layout
+
+
+def build_parallel_context(cfg: Config, device: torch.device) -> ParallelContext:
+    """Single process, or the meshes of the current process group."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    layout = check_run(cfg, world)
+    return single_process(device) if world == 1 else build_context(layout, device)
+
+
 class Trainer:
-    def __init__(self, cfg: Config, *, stream=sys.stdout):
+    def __init__(self, cfg: Config, *, stream=sys.stdout, device: torch.device | None = None):
         self.cfg = cfg
         t = cfg.train
-        self.device = pick_device()
-        self.dp_rank, self.dp_size = 0, 1
-        rows_per_rank, rem = divmod(t.global_batch, self.dp_size)
-        if rem or rows_per_rank % t.micro_batch:
-            raise ConfigError(f"train.global_batch ({t.global_batch}) must be a multiple of data-parallel size "
-                              f"({self.dp_size}) x train.micro_batch ({t.micro_batch})")
+        self.device = device or pick_device()
+        self.ctx = build_parallel_context(cfg, self.device)
+        self.rank = self.ctx.rank
+        self.dp_rank, self.dp_size = self.ctx.dp_rank, self.ctx.layout.dp_shard
+        rows_per_rank = t.global_batch // self.dp_size
         self.rows_per_rank = rows_per_rank
         self.accum = rows_per_rank // t.micro_batch
         seed_everything(t.seed, t.deterministic)
-        self.model = build_initial_model(cfg, self.device)
-        self.optimizer = build_optimizer(self.model, t)
+        ctx = self.ctx
+        self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group))
+        groups = ShardingGroups(dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
+                                expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
+                                ep_group=ctx.ep_group)
+        self.sharding = registry.get("sharding", cfg.primitives.sharding).factory(groups, t)
+        self.model = self.sharding.wrap(self.model)
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16"
                          else contextlib.nullcontext())
         self.step = 0
-        os.makedirs(t.out_dir, exist_ok=True)
-        with open(os.path.join(t.out_dir, "config.toml"), "w") as f:
-            f.write(dump_toml(cfg))
-        self.metrics = MetricsWriter(t.out_dir, total_steps=t.steps, log_every=t.log_every, stream=stream)
+        if self.rank == 0:
+            os.makedirs(t.out_dir, exist_ok=True)
+            with open(os.path.join(t.out_dir, "config.toml"), "w") as f:
+                f.write(dump_toml(cfg))
+            if ctx.distributed:
+                stream.write(f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n")
+        self.metrics = MetricsWriter(t.out_dir if self.rank == 0 else None, total_steps=t.steps,
+                                     log_every=t.log_every, stream=stream)
 
     def train_step(self) -> dict:
         t, model = self.cfg.train, self.model
@@ -92,20 +142,27 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         aux_sum = torch.zeros((), device=self.device)
         for i in range(self.accum):
+            self.sharding.set_grad_sync(i == self.accum - 1)
             mb = local.rows(i * t.micro_batch, (i + 1) * t.micro_batch)
             with self.autocast:
                 terms = model.loss_terms(mb.input_ids, mb.labels, mb.position_ids)
-            loss = terms.loss_sum / global_tokens + coef * terms.aux_loss / self.accum
+            # the balance loss is a mean over all micro-batches of the global batch (all dp ranks)
+            loss = terms.loss_sum / global_tokens + coef * terms.aux_loss / (self.accum * self.dp_size)
             loss.backward()
             loss_sum += terms.loss_sum.detach().float()
             aux_sum += terms.aux_loss.detach() / self.accum
+        self.sharding.reduce_grads()
         max_norm = t.clip_grad if t.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        grad_norm = self.sharding.clip_grad_norm(max_norm)
         lr = lr_at(self.step, t)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        set_lr(self.sharding, lr)
+        self.sharding.step()
+        self.sharding.zero_grad()
         self.step += 1
+        if self.ctx.distributed:  # the logged loss covers the whole global batch
+            stats = torch.stack([loss_sum, aux_sum / self.dp_size])
+            dist.all_reduce(stats, group=self.ctx.dp_cp_group)
+            loss_sum, aux_sum = stats[0], stats[1]
         elapsed = time.perf_counter() - start
         tokens = batch.input_ids.numel()
         return {
@@ -118,8 +175,17 @@ class Trainer:
             "valid_tokens": batch.num_valid,
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
-            "peak_mem_bytes": peak_memory(self.device),
+            "peak_mem_bytes": self._peak_memory(),
         }
+
+    def _peak_memory(self) -> int:
+        """Peak bytes of the most loaded rank."""
+        peak = peak_memory(self.device)
+        if self.ctx.distributed:
+            t = torch.tensor([peak], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            peak = int(t.item())
+        return peak
 
     def run(self) -> dict:
         while self.step < self.cfg.train.steps:

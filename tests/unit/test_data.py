@@ -53,3 +53,15 @@ def test_jsonl_packing_and_errors(tmp_path):
         bad.write_text(text)
         with pytest.raises(DataError, match=msg):
             read_samples(str(bad), vocab_size=16)
+
+
+def test_synthetic_stream_is_identical_across_processes():
+    """The batch must not depend on per-process state such as string-hash randomization."""
+    import subprocess
+    import sys
+
+    code = ("from bumblebee.data.synthetic import KeyValueRetrieval as K;"
+            "print(K(seq_len=512, global_batch=2, seed=3).global_batch_at(4).input_ids.sum().item())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={"PYTHONHASHSEED": str(h), "PATH": ""}).stdout for h in (1, 2)}
+    assert len(outs) == 1 and outs.pop().strip().isdigit()

@@ -34,6 +34,11 @@ class Experts(nn.Module):
     def num_experts(self) -> int:
         return self.w_gate_up.shape[0]
 
+    def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor, expert_fn) -> torch.Tensor:
+        """Run ``expert_fn`` (an ``experts`` slot implementation) on tokens sorted by expert.
+        Going through ``forward`` lets wrappers such as FSDP2 gather the weights first."""
+        return expert_fn(x_NH, counts_E, self.w_gate_up, self.w_down)
+
 
 @register("experts", "loop", reference=True, summary="per-expert matmul loop")
 def experts_loop(x_NH: torch.Tensor, counts_E: torch.Tensor, w_gate_up_EGH, w_down_EHF) -> torch.Tensor:

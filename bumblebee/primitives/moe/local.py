@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed
 
 from bumblebee.registry import register
 
@@ -37,7 +38,9 @@ def unpermute(y_NH: torch.Tensor, order_N: torch.Tensor, weight_TK: torch.Tensor
 
 @register("moe_comm", "local", reference=True, summary="all experts on this rank: permute, FFN, unpermute")
 class LocalDispatch:
-    def __init__(self, num_experts: int, **_unused):
+    def __init__(self, num_experts: int, ep_group=None, **_unused):
+        if ep_group is not None and torch.distributed.get_world_size(ep_group) > 1:
+            raise ValueError("moe_comm = 'local' keeps every expert on one rank; with ep > 1 use 'alltoall'")
         self.num_experts = num_experts
 
     def __call__(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,

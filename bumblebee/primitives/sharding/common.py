@@ -1,0 +1,107 @@
+"""What every sharding implementation shares: the groups it shards over, how to tell
+expert parameters from dense ones, the global gradient norm and clipping.
+
+Gradient convention (all implementations): the training loss on each rank is its
+*share* of the global mean (summed token losses / global token count), so the
+true gradient is the SUM of the ranks' local gradients -- never an average.
+Dense parameters are summed over the ``dense`` group (all ranks holding the same
+dense parameters: dp_shard x cp); expert parameters over the ``expert`` group
+(edp: ranks holding the same experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class ShardingGroups:
+    dense_mesh: object = None  # 1-D DeviceMesh over dp_shard x cp (None: single process)
+    expert_mesh: object = None  # 1-D DeviceMesh over edp
+    ep_group: object = None  # ranks holding different experts of a layer
+
+    @property
+    def dense_group(self):
+        return None if self.dense_mesh is None else self.dense_mesh.get_group()
+
+    @property
+    def expert_group(self):
+        return None if self.expert_mesh is None else self.expert_mesh.get_group()
+
+
+def is_expert_param(name: str) -> bool:
+    return name.endswith(("experts.w_gate_up", "experts.w_down"))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def clip_grad_norm(named_params, groups: ShardingGroups, max_norm: float, *, dense_sharded: bool,
+                   expert_sharded: bool) -> torch.Tensor:
+    """Global L2 norm of all gradients, then scale them by min(1, max_norm / (norm + 1e-6))
+    (the same rule as ``torch.nn.utils.clip_grad_norm_``). ``*_sharded`` says whether each rank
+    holds a disjoint shard of those gradients (sum the squares over the group) or a replica."""
+    dense_sq = expert_sq = None
+    grads = []
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        g = local(p.grad)
+        grads.append(g)
+        sq = g.detach().float().pow(2).sum()
+        if is_expert_param(name):
+            expert_sq = sq if expert_sq is None else expert_sq + sq
+        else:
+            dense_sq = sq if dense_sq is None else dense_sq + sq
+    device = grads[0].device if grads else torch.device("cpu")
+    dense_sq = torch.zeros((), device=device) if dense_sq is None else dense_sq
+    expert_sq = torch.zeros((), device=device) if expert_sq is None else expert_sq
+    if dense_sharded:
+        _all_reduce(dense_sq, groups.dense_group)
+    if expert_sharded:
+        _all_reduce(expert_sq, groups.expert_group)
+    _all_reduce(expert_sq, groups.ep_group)  # different experts on every ep rank
+    total = (dense_sq + expert_sq).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state."""
+    params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    grads = sum(local(p.grad).numel() * local(p.grad).element_size() for p in model.parameters()
+                if p.grad is not None)
+    opt = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                opt += local(v).numel() * local(v).element_size()
+    return {"params": params, "grads": grads, "optimizer": opt}
+
+
+@torch.no_grad()
+def full_named_parameters(model: torch.nn.Module, ep_group=None):
+    """Yield (name, full tensor) for every parameter of a possibly sharded model: FSDP
+    shards are all-gathered, and expert tensors are concatenated over the ep group.
+    Collective: every rank must iterate it to the end."""
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if ep > 1 and is_expert_param(name):
+            parts = [torch.empty_like(t) for _ in range(ep)]
+            dist.all_gather(parts, t.contiguous(), group=ep_group)
+            t = torch.cat(parts)
+        yield name, t

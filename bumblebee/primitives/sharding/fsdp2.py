@@ -1,0 +1,71 @@
+"""Fully sharded data parallel, ZeRO stage 3 (slot ``sharding``, ``fsdp2``; the default).
+
+Built on ``torch.distributed.fsdp.fully_shard``:
+
+- each MoE layer's experts are one FSDP unit over the *expert* mesh (edp): every
+  ep rank's own experts are sharded across the ranks that replicate them;
+- each decoder layer is one unit over the *dense* mesh (dp_shard x cp), and the
+  root (embeddings, final norm, LM head) is the last unit;
+- parameters are sharded fp32 DTensors (the master copy the optimizer updates);
+  with bf16 training the all-gathered compute copy is bf16
+  (``MixedPrecisionPolicy(param_dtype=bf16)``) and gradients are reduced in fp32;
+- gradients are *summed* across ranks (divide factor 1): each rank's loss is its
+  share of the global mean, see sharding/common.py;
+- with gradient accumulation, gradients are reduce-scattered only after the last
+  micro-batch;
+- ``offload_optimizer`` keeps sharded parameters, gradients and optimizer state
+  in host memory (``CPUOffloadPolicy``); the optimizer step runs on the CPU.
+
+Memory per rank (REFERENCE.md): (params + grads) x 6 / nGPU, optimizer x 12 /
+nGPU, plus the all-gather buffers of the unit being computed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
+
+from bumblebee.primitives.moe.experts import Experts
+from bumblebee.primitives.sharding.common import clip_grad_norm
+from bumblebee.primitives.sharding.none import NoSharding, adamw, decay_groups
+from bumblebee.registry import register
+
+
+@register("sharding", "fsdp2", summary="FSDP2 fully_shard per layer; experts over the edp mesh")
+class FSDP2(NoSharding):
+    def wrap(self, model):
+        t, g = self.train_cfg, self.groups
+        if g.dense_mesh is None:  # single process: nothing to shard
+            return super().wrap(model)
+        bf16 = t.dtype == "bfloat16"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                  reduce_dtype=torch.float32 if bf16 else None)
+        offload = CPUOffloadPolicy() if getattr(t, "offload_optimizer", False) else OffloadPolicy()
+        units = []
+        for layer in model.model.layers:
+            for m in layer.modules():
+                if isinstance(m, Experts):
+                    units.append(fully_shard(m, mesh=g.expert_mesh, mp_policy=mp, offload_policy=offload))
+            units.append(fully_shard(layer, mesh=g.dense_mesh, mp_policy=mp, offload_policy=offload))
+        units.append(fully_shard(model, mesh=g.dense_mesh, mp_policy=mp, offload_policy=offload))
+        for method in ("loss_terms", "hidden_states"):  # entry points other than forward()
+            register_fsdp_forward_method(model, method)
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        self.model, self.units = model, units
+        self.named = list(model.named_parameters())
+        # foreach kernels cannot mix DTensors of different meshes (dense vs expert)
+        self.optimizer = adamw(decay_groups(self.named, t.weight_decay), t, foreach=False)
+        return model
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        if self.groups.dense_mesh is not None:
+            for unit in self.units:
+                unit.set_requires_gradient_sync(enabled, recurse=False)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        if self.groups.dense_mesh is None:
+            return super().clip_grad_norm(max_norm)
+        return clip_grad_norm(self.named, self.groups, max_norm, dense_sharded=True, expert_sharded=True)

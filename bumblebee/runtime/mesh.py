@@ -1,0 +1,130 @@
+"""Device meshes with parallel folding, built once and passed explicitly.
+
+Ranks are laid out as (pp, dp_shard, cp, tp), tp fastest. Dense modules see
+that mesh. MoE experts see a second mesh over the *same* ranks, (pp, edp, ep)
+with ep fastest: inside one pipeline stage, the dp_shard*cp*tp ranks are
+refolded into ep groups of consecutive ranks (so an EP group stays inside a
+node when it can) and edp replicas of each group. ep therefore need not divide
+dp_shard: it only has to divide dp_shard*cp*tp (ep * edp = dp_shard * cp * tp).
+
+``plan_layout`` checks a layout against a world size and the model without
+creating any process group, so impossible layouts fail in the launcher with a
+one-line reason before a single process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from bumblebee.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    pp: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+
+    @property
+    def edp(self) -> int:
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    def describe(self) -> str:
+        return (f"world={self.world}: pp={self.pp} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}; "
+                f"experts: ep={self.ep} edp={self.edp}")
+
+
+def plan_layout(parallel_cfg, world: int, arch) -> Layout:
+    """Resolve ``dp_shard="auto"`` and reject impossible layouts (no process group needed)."""
+    p = parallel_cfg
+    if p.tp > 1:
+        raise ConfigError("parallel.tp > 1 is not implemented; the recipe keeps TP = 1 (use ep and cp)")
+    if p.pp > 1:
+        raise ConfigError("parallel.pp > 1 is not implemented yet; use pp = 1")
+    if p.cp > 1:
+        raise ConfigError("parallel.cp > 1 is not implemented yet; use cp = 1")
+    inner = p.cp * p.tp * p.pp
+    if p.dp_shard == "auto":
+        if world % inner:
+            raise ConfigError(f"world size {world} is not divisible by cp*tp*pp = {inner}")
+        dp_shard = world // inner
+    else:
+        dp_shard = p.dp_shard
+    if dp_shard * inner != world:
+        raise ConfigError(f"pp*dp_shard*cp*tp = {p.pp}*{dp_shard}*{p.cp}*{p.tp} = {dp_shard * inner} "
+                          f"!= world size {world}")
+    fold = dp_shard * p.cp * p.tp
+    if fold % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} must divide dp_shard*cp*tp = {fold} (ep folds over those ranks)")
+    num_experts = getattr(arch, "num_experts", 0)
+    if p.ep > 1 and num_experts % p.ep:
+        raise ConfigError(f"num_experts = {num_experts} is not divisible by parallel.ep = {p.ep}")
+    return Layout(world=world, pp=p.pp, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=p.ep)
+
+
+@dataclass
+class ParallelContext:
+    """Everything a rank needs to know about the layout; built once per run."""
+
+    layout: Layout
+    rank: int
+    device: torch.device
+    dense: DeviceMesh | None  # (pp, dp_shard, cp, tp)
+    dp_cp: DeviceMesh | None  # (pp, dp_cp): ranks that hold the same dense parameters
+    experts: DeviceMesh | None  # (pp, edp, ep)
+
+    @property
+    def distributed(self) -> bool:
+        return self.layout.world > 1
+
+    def _coord(self, mesh: DeviceMesh | None, axis: str) -> int:
+        return 0 if mesh is None else mesh.get_local_rank(axis)
+
+    def _group(self, mesh: DeviceMesh | None, axis: str):
+        return None if mesh is None else mesh.get_group(axis)
+
+    @property
+    def dp_rank(self) -> int:
+        return self._coord(self.dense, "dp_shard")
+
+    @property
+    def ep_rank(self) -> int:
+        return self._coord(self.experts, "ep")
+
+    @property
+    def ep_group(self):
+        return self._group(self.experts, "ep")
+
+    @property
+    def dp_cp_group(self):
+        return self._group(self.dp_cp, "dp_cp")
+
+    @property
+    def edp_group(self):
+        return self._group(self.experts, "edp")
+
+
+def single_process(device: torch.device) -> ParallelContext:
+    layout = Layout(world=1, pp=1, dp_shard=1, cp=1, tp=1, ep=1)
+    return ParallelContext(layout, 0, device, None, None, None)
+
+
+def build_context(layout: Layout, device: torch.device) -> ParallelContext:
+    """Create the meshes (collective: every rank calls this with the same layout)."""
+    assert dist.is_initialized() and dist.get_world_size() == layout.world
+    if layout.world == 1:
+        return single_process(device)
+    ranks = torch.arange(layout.world)
+    kind = device.type
+    L = layout
+    dense = DeviceMesh(kind, ranks.view(L.pp, L.dp_shard, L.cp, L.tp), mesh_dim_names=("pp", "dp_shard", "cp", "tp"))
+    dp_cp = DeviceMesh(kind, ranks.view(L.pp, L.dp_shard * L.cp * L.tp), mesh_dim_names=("pp", "dp_cp"))
+    experts = DeviceMesh(kind, ranks.view(L.pp, L.edp, L.ep), mesh_dim_names=("pp", "edp", "ep"))
+    return ParallelContext(layout, dist.get_rank(), device, dense, dp_cp, experts)
