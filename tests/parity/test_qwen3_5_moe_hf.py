@@ -158,7 +158,7 @@ def test_labels_path_and_recompute_policies():
     from bumblebee.config import PrimitivesConfig
     from bumblebee.models import arch_from_hf_dict, build_model
 
-    arch = arch_from_hf_dict(hf_config(**CONFIGS["lll-f_gqa2_gva2"]).to_dict())
+    arch = arch_from_hf_dict(hf_config(**CONFIGS["f-l_mha_gva1_tied"]).to_dict())
     pos = torch.cat([torch.arange(30), torch.arange(50)])[None].expand(2, T)
     ids, labels = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
     labels[0, :5] = -100
@@ -177,3 +177,18 @@ def test_labels_path_and_recompute_policies():
     for policy in ("full", "selective"):
         for n, g in grads["none"].items():
             assert torch.equal(g, grads[policy][n]), (policy, n)
+
+
+def test_bf16_error_budget(tmp_path):
+    """bf16 logits: bumblebee's error against the fp32 result stays within HF's own bf16 error
+    (x1.5); the conv accumulates in fp32 and every cast sits where HF puts it."""
+    torch.manual_seed(5)
+    hf = perturbed(transformers.Qwen3_5MoeForCausalLM(hf_config(**CONFIGS["lll-f_gqa2_gva2"])))
+    hf.save_pretrained(tmp_path)
+    bb = bumblebee.from_hf(str(tmp_path))
+    ids = torch.randint(0, VOCAB, (2, T))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        hf_err = (hf.to(torch.bfloat16)(ids).logits.float() - ref).abs().max().item()
+        bb_err = (bb.to(torch.bfloat16)(ids).float() - ref).abs().max().item()
+    assert bb_err <= 1.5 * hf_err + 1e-3, (bb_err, hf_err)

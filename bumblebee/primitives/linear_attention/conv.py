@@ -61,15 +61,17 @@ def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, layout: DocLayou
     B, T, C = x_BTC.shape
     W = weight_CW.shape[1]
     P = W - 1
-    x = x_BTC.to(weight_CW.dtype)
-    init = x.new_zeros(B, P, C) if initial_BPC is None else initial_BPC.to(x.dtype)
+    # accumulate in fp32 (as a conv kernel does) and round once; the window is kept in x's dtype
+    acc = torch.float64 if x_BTC.dtype == torch.float64 else torch.float32
+    x, w_CW = x_BTC.to(weight_CW.dtype).to(acc), weight_CW.to(acc)
+    init = x.new_zeros(B, P, C) if initial_BPC is None else initial_BPC.to(acc)
     x_ext = torch.cat([init, x], dim=1)  # [B, P + T, C]; x_ext[:, P + t] = x[:, t]
     doc_BT, offset_BT = doc_offsets(layout, x.device)
     first_BT = doc_BT == 0  # the first document of a row continues the initial window
-    y = x * weight_CW[:, P]  # lag 0: the token itself
+    y = x * w_CW[:, P]  # lag 0: the token itself
     for i in range(P):
         lag = P - i  # tap i reads x[t - lag]
-        tap = x_ext[:, i:i + T] * weight_CW[:, i]
+        tap = x_ext[:, i:i + T] * w_CW[:, i]
         if not layout.single_doc:
             tap = tap * ((offset_BT >= lag) | first_BT)[..., None].to(tap.dtype)
         y = y + tap
@@ -79,7 +81,7 @@ def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, layout: DocLayou
     last_start_B = torch.tensor([b[-2] for b in layout.bounds], device=x.device)
     keep_BP = (idx_P[None] >= last_start_B[:, None]) | (last_start_B[:, None] == 0)
     final_BPC = x_ext[:, T:T + P] * keep_BP[..., None].to(x.dtype)
-    return y.to(x_BTC.dtype), final_BPC
+    return y.to(x_BTC.dtype), final_BPC.to(x_BTC.dtype)
 
 
 class CausalConv1d(nn.Module):
