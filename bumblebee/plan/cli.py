@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
             out["dry_run"] = dry.as_json()
         print(json.dumps(out, indent=1))
     else:
-        print(report.text(spec, args.gpus, gpu, work, rec, cands, args.top, notes, counts))
+        print(report.text(spec, args.gpus, gpu, work, rec, cands, args.top, notes, counts,
+                          title="evaluated" if args.layout else "recommended"))
     return 0
 
 

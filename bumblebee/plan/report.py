@@ -38,8 +38,9 @@ def _header() -> str:
 
 def text(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, rec: Recommendation | None,
          cands: list[Candidate], top: int = 10, notes: list[str] | None = None,
-         counts: tuple[int, int] | None = None) -> str:
-    """``counts``: (feasible, infeasible) totals when ``cands`` is a shortlist."""
+         counts: tuple[int, int] | None = None, title: str = "recommended") -> str:
+    """``counts``: (feasible, infeasible) totals when ``cands`` is a shortlist; ``title``
+    names the headline configuration ("evaluated" for --layout)."""
     n = spec.num_params()
     lines = [f"model {spec.name}: {n['total'] / 1e9:.1f}B parameters ({n['expert'] / 1e9:.1f}B in routed experts), "
              f"{spec.layers} layers; {gpus} x {gpu.name} ({gpu.hbm_gb:.0f} GB); seq {work.seq}, "
@@ -47,7 +48,7 @@ def text(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, rec: Recommendati
     if rec:
         c = rec.candidate
         status = "fits" if c.feasible else "DOES NOT FIT"
-        lines += ["", f"recommended ({status}): {c.layout.short()} | {c.prims.short()}"]
+        lines += ["", f"{title} ({status}): {c.layout.short()} | {c.prims.short()}"]
         for key, why in rec.reasons.items():
             lines.append(f"  {key:<10} {why}")
         if c.memory:

@@ -80,7 +80,7 @@ def test_text_output(capsys):
     code, out, _ = _run(["--model", "qwen3-30b-a3b", "--gpus", "16", "--seq", "32768",
                          "--layout", "tp=1 pp=1 ep=8 cp=2"], capsys)
     assert code == 0
-    assert "recommended" in out and "TFLOPs/GPU" in out and "memory" in out
+    assert "evaluated (fits)" in out and "TFLOPs/GPU" in out and "memory" in out
 
 
 @pytest.mark.parametrize("argv,needle", [
