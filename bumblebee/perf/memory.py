@@ -18,7 +18,8 @@ RSS is dominated by the allocator's caching and the Python heap).
   and in-place results count once) with a weakref callback on each storage, which
   fires when the storage is freed. Counted: the model's parameters / gradients /
   optimizer state (found from ``model`` and ``optimizer``) plus every tensor
-  allocated inside the context. A storage is labelled "activations" (saved
+  allocated inside the context (views and in-place results of older tensors are
+  not allocations and are not counted). A storage is labelled "activations" (saved
   activations and temporaries) when allocated, "gradients" when autograd
   accumulates it into a parameter's ``.grad`` (post-accumulate-grad hook), and
   "optimizer_state" when allocated inside ``optimizer.step``. ``breakdown("peak")``
@@ -72,21 +73,34 @@ def _state_tensors(model, optimizer):
 
 
 class _AllocationMode(TorchDispatchMode):
-    """Reports every op output to the tracker."""
+    """Reports every op's freshly allocated outputs to the tracker.
+
+    Outputs the op schema marks as aliasing an input (views, in-place and out=
+    results) are skipped: their storage is either tracked already or predates the
+    context (a view of a weight made inside the step is not a new allocation)."""
 
     def __init__(self, tracker: "MemoryTracker"):
         super().__init__()
         self.tracker = tracker
+        self.fresh = {}  # op -> per return: True if it is a new tensor (no alias annotation)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        fresh = self.fresh.get(func)
+        if fresh is None:
+            fresh = self.fresh[func] = tuple(r.alias_info is None for r in func._schema.returns)
         track = self.tracker._track
         if isinstance(out, torch.Tensor):
-            track(out, None)
-        else:
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    track(t, None)
+            if fresh[0]:
+                track(out, None)
+        elif any(fresh):
+            # several returns pair up with the schema's; a single Tensor[] return covers them all
+            groups = zip(fresh, out) if len(fresh) > 1 else [(fresh[0], out)]
+            for is_fresh, value in groups:
+                if is_fresh:
+                    for t in tree_leaves(value):
+                        if isinstance(t, torch.Tensor):
+                            track(t, None)
         return out
 
 

@@ -52,6 +52,16 @@ def test_views_and_inplace_count_once():
         assert mem.current_bytes == 0
 
 
+def test_views_of_preexisting_tensors_are_not_allocations():
+    w = torch.zeros(1024, 256)  # 1 MiB, allocated before the context
+    with MemoryTracker("cpu") as mem:
+        parts = [w[:512], w.T, w.view(-1), w.add_(1.0), torch.split(w, 100)[0], w.unbind(0)[3], w.detach()]
+        assert mem.current_bytes == 0
+        y = w[:512] * 2  # a real allocation: 0.5 MiB
+        assert mem.current_bytes == MiB // 2
+        del parts, y
+
+
 def test_autograd_saved_activation_and_backward_temporaries():
     x = torch.randn(MiB // 4, requires_grad=True)  # 1 MiB leaf, allocated before: not counted
     with MemoryTracker("cpu") as mem:
