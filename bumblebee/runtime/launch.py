@@ -57,8 +57,9 @@ def _worker(cfg) -> None:
         dist.destroy_process_group()
 
 
-def launch_local(cfg, nproc: int) -> int:
-    """Run ``Trainer(cfg)`` on ``nproc`` local ranks; returns the exit code."""
+def launch_local(cfg, nproc: int, worker=None) -> int:
+    """Run ``worker(cfg)`` (default: join the group and train) on ``nproc`` local ranks.
+    Returns the exit code; a failure prints one line per failed rank."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -67,7 +68,7 @@ def launch_local(cfg, nproc: int) -> int:
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                           monitor_interval=0.2, start_method="spawn")
     try:
-        elastic_launch(config, _worker)(cfg)
+        elastic_launch(config, worker or _worker)(cfg)
     except ChildFailedError as e:
         for rank, failure in sorted(e.failures.items()):
             message = failure.message

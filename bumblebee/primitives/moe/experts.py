@@ -36,7 +36,12 @@ class Experts(nn.Module):
 
     def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor, expert_fn) -> torch.Tensor:
         """Run ``expert_fn`` (an ``experts`` slot implementation) on tokens sorted by expert.
-        Going through ``forward`` lets wrappers such as FSDP2 gather the weights first."""
+        Going through ``forward`` lets wrappers such as FSDP2 gather the weights first.
+        Under autocast the tokens are cast to the autocast dtype (grouped GEMMs are not
+        autocast ops, and the residual stream they come from is fp32)."""
+        kind = x_NH.device.type
+        if torch.is_autocast_enabled(kind):
+            x_NH = x_NH.to(torch.get_autocast_dtype(kind))
         return expert_fn(x_NH, counts_E, self.w_gate_up, self.w_down)
 
 

@@ -97,7 +97,7 @@ class Zero1(NoSharding):
             return
         mine = torch.cat([torch.nn.functional.pad(s.master.detach(), (0, s.s - (s.hi - s.lo))) for s in slices])
         gathered = mine.new_empty(w * mine.numel())
-        dist.all_gather_into_tensor(gathered, mine, group=slices[0].group)
+        dist.all_gather_single(gathered, mine, group=slices[0].group)
         gathered = gathered.view(w, -1)
         offset = 0
         for s in slices:
