@@ -111,6 +111,9 @@ class MemoryTracker:
         self.device = torch.device(device)
         self.model, self.optimizer = model, optimizer
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._cuda_live = False  # inside the context on CUDA: read the allocator's counters
         self._lock = threading.RLock()
         self._live: dict[int, list] = {}  # storage id -> [weakref, nbytes, category]
         self._bytes = dict.fromkeys(CATEGORIES, 0)
@@ -123,15 +126,13 @@ class MemoryTracker:
     # ------------------------------------------------------------------ public API
     @property
     def peak_bytes(self) -> int:
-        """Largest number of live bytes since entry or the last ``reset_peak``."""
-        if self.cuda:
-            return torch.cuda.max_memory_allocated(self.device)
-        return self._peak
+        """Largest number of live bytes since entry or the last ``reset_peak`` (frozen at exit)."""
+        return torch.cuda.max_memory_allocated(self.device) if self._cuda_live else self._peak
 
     @property
     def current_bytes(self) -> int:
-        """Live bytes now (frozen at exit on CPU)."""
-        return torch.cuda.memory_allocated(self.device) if self.cuda else self._total
+        """Live bytes now (frozen at exit)."""
+        return torch.cuda.memory_allocated(self.device) if self._cuda_live else self._total
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current usage (e.g. at the start of each step)."""
@@ -165,6 +166,7 @@ class MemoryTracker:
     def __enter__(self) -> "MemoryTracker":
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_live = True
             return self
         self._label_state()
         if self.model is not None:
@@ -180,6 +182,9 @@ class MemoryTracker:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._cuda_live:
+            self._peak, self._total = self.peak_bytes, self.current_bytes
+            self._cuda_live = False
         if self._mode is None:
             return
         self._mode.__exit__(*exc)
