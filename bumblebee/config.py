@@ -48,7 +48,7 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class PrimitivesConfig:
     attention: str = "varlen"
-    cp: str = "allgather"
+    cp: str = "ring"
     linear_attention: str = "chunked"
     router: str = "softmax_topk"
     experts: str = "grouped"

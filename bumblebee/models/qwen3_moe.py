@@ -21,6 +21,7 @@ from torch import nn
 
 from bumblebee import registry
 from bumblebee.models.arch import Qwen3MoeArch
+from bumblebee.primitives.cp.layout import build_cp_layout
 from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.moe.router import load_balancing_loss
 from bumblebee.primitives.norms import RMSNorm
@@ -77,8 +78,10 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Router -> dispatch -> experts -> combine. Returns (output, balance loss)."""
 
-    def __init__(self, arch: Qwen3MoeArch, prims, dispatch, ep_size: int):
+    def __init__(self, arch: Qwen3MoeArch, prims, dispatch, groups: ParallelGroups):
         super().__init__()
+        ep_size = groups.ep_size
+        self.cp_group = groups.cp_group if groups.cp_size > 1 else None  # balance stats span the sequence
         router_cls = registry.get("router", prims.router).factory
         self.gate = router_cls(arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob)
         # only this rank's E / ep experts live here (expert parallelism)
@@ -94,18 +97,18 @@ class MoE(nn.Module):
         x_TH = x_BTH.reshape(-1, H)
         r = self.gate(x_TH)
         y_TH = self.dispatch(x_TH, r.idx_TK, r.weight_TK, self._run_experts)
-        return y_TH.view(B, T, H), load_balancing_loss(r.probs_TE, r.idx_TK)
+        return y_TH.view(B, T, H), load_balancing_loss(r.probs_TE, r.idx_TK, self.cp_group)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: Qwen3MoeArch, idx: int, prims, attend, dispatch, recompute, ep_size: int):
+    def __init__(self, arch: Qwen3MoeArch, idx: int, prims, attend, dispatch, recompute, groups: ParallelGroups):
         super().__init__()
         self.recompute = recompute
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, attend, recompute)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.is_moe = arch.is_moe_layer(idx)
-        self.mlp = MoE(arch, prims, dispatch, ep_size) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = MoE(arch, prims, dispatch, groups) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size)
 
     def forward(self, x_BTH, cos, sin, layout: DocLayout):
         rc = self.recompute
@@ -121,11 +124,13 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """HF ``model.*``: embeddings, decoder layers, final norm."""
 
-    def __init__(self, arch: Qwen3MoeArch, prims, dispatch, recompute, ep_size: int):
+    def __init__(self, arch: Qwen3MoeArch, prims, dispatch, recompute, groups: ParallelGroups):
         super().__init__()
-        attend = registry.get("attention", prims.attention).factory
+        # one attention core for the whole model: the CP implementation when the sequence is split
+        attend = registry.get("cp", prims.cp).factory if groups.cp_size > 1 else \
+            registry.get("attention", prims.attention).factory
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, prims, attend, dispatch, recompute, ep_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, prims, attend, dispatch, recompute, groups)
                                     for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -146,7 +151,7 @@ class Qwen3MoeForCausalLM(nn.Module):
             num_experts=arch.num_experts, ep_group=self.groups.ep_group, num_chunks=self.prims.moe_chunks)
         self.recompute = registry.get("recompute", self.prims.recompute).factory(self.prims.recompute_modules)
         self.loss_fn = registry.get("loss", self.prims.loss).factory
-        self.model = Backbone(arch, self.prims, dispatch, self.recompute, self.groups.ep_size)
+        self.model = Backbone(arch, self.prims, dispatch, self.recompute, self.groups)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.reset_parameters()
 
@@ -172,7 +177,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         """Final-norm hidden states [B, T, H] and the mean balance loss over MoE layers."""
         if position_ids_BT is None:
             position_ids_BT = default_position_ids(input_ids_BT)
-        layout = doc_layout(position_ids_BT)
+        cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
+        layout = build_cp_layout(position_ids_BT, cp_group) if cp_group is not None else doc_layout(position_ids_BT)
         x = self.model.embed_tokens(input_ids_BT)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         cos, sin = rope_cos_sin(position_ids_BT, self.arch.head_dim, self.arch.rope_theta, dtype)

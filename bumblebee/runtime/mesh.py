@@ -48,8 +48,6 @@ def plan_layout(parallel_cfg, world: int, arch) -> Layout:
         raise ConfigError("parallel.tp > 1 is not implemented; the recipe keeps TP = 1 (use ep and cp)")
     if p.pp > 1:
         raise ConfigError("parallel.pp > 1 is not implemented yet; use pp = 1")
-    if p.cp > 1:
-        raise ConfigError("parallel.cp > 1 is not implemented yet; use cp = 1")
     inner = p.cp * p.tp * p.pp
     if p.dp_shard == "auto":
         if world % inner:
@@ -93,6 +91,14 @@ class ParallelContext:
     @property
     def dp_rank(self) -> int:
         return self._coord(self.dense, "dp_shard")
+
+    @property
+    def cp_rank(self) -> int:
+        return self._coord(self.dense, "cp")
+
+    @property
+    def cp_group(self):
+        return self._group(self.dense, "cp") if self.layout.cp > 1 else None
 
     @property
     def ep_rank(self) -> int:

@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError, dump_toml
-from bumblebee.data import build_source
+from bumblebee.data import Batch, build_source
 from bumblebee.models import build_model, resolve_arch
+from bumblebee.primitives.cp.layout import shard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding import ShardingGroups
 from bumblebee.runtime.mesh import ParallelContext, build_context, plan_layout, single_process
@@ -84,6 +85,11 @@ def check_run(cfg: Config, world: int):
                           "use 'fsdp2' or 'zero1'")
     if layout.ep > 1 and cfg.primitives.moe_comm == "local":
         raise ConfigError("primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use 'alltoall'")
+    if cfg.train.seq_len % (2 * layout.cp):
+        raise ConfigError(f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
+                          f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks")
+    if layout.cp > 1 and cfg.model.name != "qwen3_moe":
+        raise ConfigError(f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; valid: qwen3_moe")
     rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
     if rem or rows % cfg.train.micro_batch:
         raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
@@ -111,7 +117,9 @@ class Trainer:
         self.accum = rows_per_rank // t.micro_batch
         seed_everything(t.seed, t.deterministic)
         ctx = self.ctx
-        self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group))
+        self.cp, self.cp_rank = ctx.layout.cp, ctx.cp_rank
+        self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group,
+                                                                          cp_group=ctx.cp_group))
         groups = ShardingGroups(dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
                                 expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
                                 ep_group=ctx.ep_group)
@@ -137,6 +145,9 @@ class Trainer:
         batch = self.source.global_batch_at(self.step)
         global_tokens = max(batch.num_valid, 1)
         local = batch.rows(self.dp_rank * self.rows_per_rank, (self.dp_rank + 1) * self.rows_per_rank)
+        if self.cp > 1:  # this rank's zigzag share of every row (tokens, labels, positions alike)
+            local = Batch(*(shard_sequence(x, self.cp, self.cp_rank)
+                            for x in (local.input_ids, local.labels, local.position_ids)))
         local = local.to(self.device)
         coef = model.arch.router_aux_loss_coef
         loss_sum = torch.zeros((), device=self.device)
@@ -146,8 +157,9 @@ class Trainer:
             mb = local.rows(i * t.micro_batch, (i + 1) * t.micro_batch)
             with self.autocast:
                 terms = model.loss_terms(mb.input_ids, mb.labels, mb.position_ids)
-            # the balance loss is a mean over all micro-batches of the global batch (all dp ranks)
-            loss = terms.loss_sum / global_tokens + coef * terms.aux_loss / (self.accum * self.dp_size)
+            # the balance loss is a mean over all micro-batches of the global batch (all dp ranks);
+            # cp ranks hold identical copies of it (statistics reduced over the sequence)
+            loss = terms.loss_sum / global_tokens + coef * terms.aux_loss / (self.accum * self.dp_size * self.cp)
             loss.backward()
             loss_sum += terms.loss_sum.detach().float()
             aux_sum += terms.aux_loss.detach() / self.accum
@@ -160,7 +172,7 @@ class Trainer:
         self.sharding.zero_grad()
         self.step += 1
         if self.ctx.distributed:  # the logged loss covers the whole global batch
-            stats = torch.stack([loss_sum, aux_sum / self.dp_size])
+            stats = torch.stack([loss_sum, aux_sum / (self.dp_size * self.cp)])
             dist.all_reduce(stats, group=self.ctx.dp_cp_group)
             loss_sum, aux_sum = stats[0], stats[1]
         elapsed = time.perf_counter() - start

@@ -41,10 +41,25 @@ class SoftmaxTopKRouter(nn.Module):
         return Routing(probs_TE, top_i, top_w.to(logits_TE.dtype))
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:
+def load_balancing_loss(probs_TE: torch.Tensor, idx_TK: torch.Tensor, group=None) -> torch.Tensor:
     """Switch-Transformer balance loss (Fedus et al. 2021, eq. 4-6), HF's scaling:
-    ``E * sum_e (assignments to e / T) * mean_t p[t, e]``; equals K at perfect balance."""
+    ``E * sum_e (assignments to e / T) * mean_t p[t, e]``; equals K at perfect balance.
+
+    With ``group`` (the CP group: ranks holding pieces of the same sequences) the
+    statistics are summed over the group first, so the value is that of the whole
+    sequence on every rank, whatever the CP size. The probability sum goes through a
+    differentiable all-reduce, so each rank's tokens get their exact gradient once the
+    caller weights the (identical) per-rank losses by 1 / group size."""
     T, E = probs_TE.shape
     counts_E = torch.zeros(E, device=probs_TE.device, dtype=torch.float32)
     counts_E.scatter_add_(0, idx_TK.flatten(), torch.ones(idx_TK.numel(), device=probs_TE.device))
-    return E * torch.sum(counts_E / T * probs_TE.mean(dim=0))
+    prob_sum_E = probs_TE.sum(dim=0)
+    if group is not None:
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_reduce
+
+        stats = torch.cat([counts_E, counts_E.new_tensor([T])])
+        dist.all_reduce(stats, group=group)
+        counts_E, T = stats[:E], stats[E]
+        prob_sum_E = all_reduce(prob_sum_E, group=group)
+    return E * torch.sum(counts_E / T * prob_sum_E / T)

@@ -1,0 +1,140 @@
+"""Ring attention for context parallelism (slot ``cp``, ``ring``).
+
+K/V blocks travel around the CP ring (rank r sends to r+1, receives from r-1)
+while each rank attends its local queries to the block it holds; partial
+results are merged with an online log-sum-exp (Liu et al., Ring Attention,
+2023; the merge is the one of FlashAttention, Dao et al. 2022). The next block
+is in flight while the current one is computed, so a rank holds at most two
+remote K/V blocks. Block pairs that the causal or document mask excludes
+entirely are skipped (no matmul at all).
+
+Backward runs the same ring: the K/V blocks travel again, each carrying its
+dK/dV accumulator, which every rank adds its queries' contribution to; one last
+pass brings the accumulators home. Per block pair, with P = exp(S - lse) and
+Delta = rowsum(dO * O): dV += P^T dO, dS = P * (dO V^T - Delta), dQ += dS K s,
+dK += dS^T Q s.
+
+Scores are computed per (query tile, key chunk) pair in fp32, so memory is
+O(tile x chunk), never O(T^2).
+
+Legend: B batch, K kv heads, G query heads per kv head, L local tokens (Tl),
+D head dim, q/k tile rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.registry import register
+
+Q_TILE = 1024  # query rows per score tile
+
+
+def _ring_pass(tensors: list[torch.Tensor], layout: CPLayout):
+    """Start sending ``tensors`` to the next rank and receiving the previous rank's.
+    Returns (received buffers, a wait() callable)."""
+    g = layout.group
+    nxt = dist.get_global_rank(g, (layout.rank + 1) % layout.size)
+    prv = dist.get_global_rank(g, (layout.rank - 1) % layout.size)
+    bufs = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, g) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, b, prv, g) for b in bufs]
+    works = dist.batch_isend_irecv(ops)
+    return bufs, lambda: [w.wait() for w in works]
+
+
+def _pairs(layout: CPLayout, src: int):
+    """(query slice, key slice, mask [B, 1, 1, q, k]) for every block pair of local queries
+    x the K/V block of rank ``src`` that the causal + document mask does not fully exclude."""
+    n, L = layout.chunk, 2 * layout.chunk
+    q_idx, k_idx, doc = layout.index_L, layout.rank_index(src), layout.doc_BT
+    for qs in range(0, L, min(Q_TILE, n)):
+        q_sl = slice(qs, min(qs + min(Q_TILE, n), L))
+        qg = q_idx[q_sl]
+        for kc in range(2):
+            k_sl = slice(kc * n, (kc + 1) * n)
+            kg = k_idx[k_sl]
+            if int(kg[0]) > int(qg[-1]):
+                continue  # every key is in the future of every query
+            mask = (kg[None, :] <= qg[:, None]) & (doc[:, kg][:, None, :] == doc[:, qg][:, :, None])
+            if not bool(mask.any()):
+                continue  # causal or document boundary excludes the whole pair
+            yield q_sl, k_sl, mask[:, None, None]
+
+
+def _scores(q_BKGqD, k_BKkD, mask, scale):
+    s = torch.matmul(q_BKGqD, k_BKkD.unsqueeze(2).transpose(-1, -2)) * scale
+    return s.masked_fill(~mask, float("-inf"))
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
+        B, N, L, D = q_BNLD.shape
+        K = k_BKLD.shape[1]
+        q = q_BNLD.float().view(B, K, N // K, L, D)
+        o = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        k, v = k_BKLD.contiguous(), v_BKLD.contiguous()
+        for step in range(layout.size):
+            src = (layout.rank - step) % layout.size
+            if step + 1 < layout.size:
+                (k_next, v_next), wait = _ring_pass([k, v], layout)
+            for q_sl, k_sl, mask in _pairs(layout, src):
+                s = _scores(q[:, :, :, q_sl], k[:, :, k_sl].float(), mask, scale)
+                lse_p = torch.logsumexp(s, dim=-1)
+                safe = torch.where(torch.isinf(lse_p), torch.zeros_like(lse_p), lse_p)
+                o_p = torch.matmul(torch.exp(s - safe[..., None]), v[:, :, k_sl].float().unsqueeze(2))
+                old = lse[:, :, :, q_sl]
+                new = torch.logaddexp(old, lse_p)
+                new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+                o[:, :, :, q_sl] = (o[:, :, :, q_sl] * torch.exp(old - new_safe)[..., None]
+                                    + o_p * torch.exp(lse_p - new_safe)[..., None])
+                lse[:, :, :, q_sl] = new
+            if step + 1 < layout.size:
+                wait()
+                k, v = k_next, v_next
+        ctx.save_for_backward(q_BNLD, k_BKLD, v_BKLD, o, lse)
+        ctx.layout, ctx.scale = layout, scale
+        return o.view(B, N, L, D).to(q_BNLD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_BNLD):
+        q_BNLD, k_BKLD, v_BKLD, o, lse = ctx.saved_tensors
+        layout, scale = ctx.layout, ctx.scale
+        B, N, L, D = q_BNLD.shape
+        K = k_BKLD.shape[1]
+        q = q_BNLD.float().view(B, K, N // K, L, D)
+        do = grad_BNLD.float().reshape(B, K, N // K, L, D)
+        delta = (do * o).sum(-1)  # [B, K, G, L]
+        dq = torch.zeros_like(q)
+        k, v = k_BKLD.float().contiguous(), v_BKLD.float().contiguous()
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for step in range(layout.size):
+            src = (layout.rank - step) % layout.size
+            for q_sl, k_sl, mask in _pairs(layout, src):
+                kc, vc = k[:, :, k_sl].unsqueeze(2), v[:, :, k_sl].unsqueeze(2)
+                s = _scores(q[:, :, :, q_sl], k[:, :, k_sl], mask, scale)
+                p = torch.exp(s - lse[:, :, :, q_sl, None])  # 0 where masked
+                dv[:, :, k_sl] += torch.matmul(p.transpose(-1, -2), do[:, :, :, q_sl]).sum(2)
+                dp = torch.matmul(do[:, :, :, q_sl], vc.transpose(-1, -2))
+                ds = p * (dp - delta[:, :, :, q_sl, None])
+                dq[:, :, :, q_sl] += torch.matmul(ds, kc) * scale
+                dk[:, :, k_sl] += torch.matmul(ds.transpose(-1, -2), q[:, :, :, q_sl]).sum(2) * scale
+            # pass the block on with its gradient accumulators; after the last pass each
+            # block (and the gradients every rank added to it) is back with its owner
+            tensors = [dk, dv] if step + 1 == layout.size else [k, v, dk, dv]
+            received, wait = _ring_pass(tensors, layout)
+            wait()
+            if step + 1 == layout.size:
+                dk, dv = received
+            else:
+                k, v, dk, dv = received
+        return (dq.view(B, N, L, D).to(q_BNLD.dtype), dk.to(k_BKLD.dtype), dv.to(v_BKLD.dtype), None, None)
+
+
+@register("cp", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")
+def ring_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
+    return RingAttention.apply(q_BNLD, k_BKLD, v_BKLD, layout, scale)
