@@ -66,8 +66,8 @@ class GatedAttention(nn.Module):
 class SharedExpertMoE(MoE):
     """HF ``Qwen3_5MoeSparseMoeBlock``: routed experts (Qwen3-MoE's block) + gated shared expert."""
 
-    def __init__(self, arch: Qwen3_5MoeArch, prims, dispatch, recompute, ep_size: int):
-        super().__init__(arch, prims, dispatch, ep_size)
+    def __init__(self, arch: Qwen3_5MoeArch, prims, dispatch, recompute, groups: ParallelGroups):
+        super().__init__(arch, prims, dispatch, groups)
         self.shared_expert = MLP(arch.hidden_size, arch.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)
         self.recompute = recompute
@@ -81,7 +81,7 @@ class SharedExpertMoE(MoE):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: Qwen3_5MoeArch, idx: int, prims, attend, linear_core, dispatch, recompute, ep_size):
+    def __init__(self, arch: Qwen3_5MoeArch, idx: int, prims, attend, linear_core, dispatch, recompute, groups):
         super().__init__()
         self.recompute = recompute
         self.layer_type = arch.layer_types[idx]
@@ -93,7 +93,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(arch, attend, recompute)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = SharedExpertMoE(arch, prims, dispatch, recompute, ep_size)
+        self.mlp = SharedExpertMoE(arch, prims, dispatch, recompute, groups)
         self.is_moe = True
 
     def forward(self, x_BTD, cos, sin, layout: DocLayout):
@@ -111,12 +111,12 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """HF ``model.*``: embeddings, decoder layers, final norm."""
 
-    def __init__(self, arch: Qwen3_5MoeArch, prims, dispatch, recompute, ep_size: int):
+    def __init__(self, arch: Qwen3_5MoeArch, prims, dispatch, recompute, groups: ParallelGroups):
         super().__init__()
         attend = registry.get("attention", prims.attention).factory
         linear_core = registry.get("linear_attention", prims.linear_attention).factory
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, prims, attend, linear_core, dispatch, recompute, ep_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, prims, attend, linear_core, dispatch, recompute, groups)
                                     for i in range(arch.num_hidden_layers))
         self.norm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -140,7 +140,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             num_experts=arch.num_experts, ep_group=self.groups.ep_group, num_chunks=self.prims.moe_chunks)
         self.recompute = registry.get("recompute", self.prims.recompute).factory(self.prims.recompute_modules)
         self.loss_fn = registry.get("loss", self.prims.loss).factory
-        self.model = Backbone(arch, self.prims, dispatch, self.recompute, self.groups.ep_size)
+        self.model = Backbone(arch, self.prims, dispatch, self.recompute, self.groups)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.reset_parameters()
 
