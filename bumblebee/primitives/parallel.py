@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -31,3 +32,21 @@ class ParallelGroups:
     @property
     def cp_rank(self) -> int:
         return 0 if self.cp_group is None else dist.get_rank(self.cp_group)
+
+
+class AllReduceSum(torch.autograd.Function):
+    """Differentiable sum over a group: every rank gets the sum, and in backward every
+    rank's input gets the sum of all ranks' output gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

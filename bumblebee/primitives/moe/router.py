@@ -56,10 +56,11 @@ def load_balancing_loss(probs_TE: torch.Tensor, idx_TK: torch.Tensor, group=None
     prob_sum_E = probs_TE.sum(dim=0)
     if group is not None:
         import torch.distributed as dist
-        from torch.distributed.nn.functional import all_reduce
+
+        from bumblebee.primitives.parallel import AllReduceSum
 
         stats = torch.cat([counts_E, counts_E.new_tensor([T])])
         dist.all_reduce(stats, group=group)
         counts_E, T = stats[:E], stats[E]
-        prob_sum_E = all_reduce(prob_sum_E, group=group)
+        prob_sum_E = AllReduceSum.apply(prob_sum_E, group)
     return E * torch.sum(counts_E / T * prob_sum_E / T)
