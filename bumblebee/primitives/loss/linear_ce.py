@@ -152,15 +152,19 @@ class _LinearCE(torch.autograd.Function):
             row_T, hs_TH, onehot_T = gl_T, (hidden_TH * gl_T[:, None]).to(dtype), torch.ones_like(gl_T)
         else:  # dz = p (c - ge log p) - gl onehot, c = gl - ge entropy
             row_T, hs_TH, onehot_T, c_T = None, hidden_TH, gl_T, gl_T - ge_T * entropy_T
+        # dhidden accumulates over vocab tiles in fp32; dW over token tiles -- straight into the
+        # output in fp32, through an fp32 buffer for bf16 partials only when there are several
         gh_TH = torch.zeros(T, hidden_TH.shape[1], dtype=torch.float32, device=hidden_TH.device) if need_h else None
         gw_VH = torch.empty_like(weight_VH) if need_w else None
+        one_token_tile = T <= token_tile
         for v0 in range(0, V, vocab_tile):
             w_vH = weight_VH[v0:v0 + vocab_tile]
             nv = w_vH.shape[0]
             idx_T = local_T - v0
             here_T = (idx_T >= 0) & (idx_T < nv)
             idx_T1, sub_T1 = idx_T.clamp(0, nv - 1)[:, None], (-onehot_T * here_T)[:, None]
-            gw_vH = torch.zeros(w_vH.shape, dtype=torch.float32, device=w_vH.device) if need_w else None
+            gw_vH = gw_VH[v0:v0 + nv] if need_w else None
+            acc_vH = None  # fp32 sum of bf16 dW partials
             for t0 in range(0, T, token_tile):
                 t = slice(t0, t0 + token_tile)
                 if lowp:
@@ -180,12 +184,16 @@ class _LinearCE(torch.autograd.Function):
                     else:
                         gh_TH[t].addmm_(dz_tv, w_vH)
                 if need_w:
-                    if lowp:
-                        gw_vH += dz_tv.T @ hs_TH[t]
-                    else:
+                    if not lowp and t0 > 0:
                         gw_vH.addmm_(dz_tv.T, hs_TH[t])
-            if need_w:
-                gw_VH[v0:v0 + nv] = gw_vH
+                    elif not lowp or one_token_tile:  # the GEMM writes the output rows directly
+                        torch.mm(dz_tv.T, hs_TH[t], out=gw_vH)
+                    elif acc_vH is None:
+                        acc_vH = (dz_tv.T @ hs_TH[t]).float()
+                    else:
+                        acc_vH += dz_tv.T @ hs_TH[t]
+            if acc_vH is not None:
+                gw_vH.copy_(acc_vH)
         if need_h:
             if row_T is not None:
                 gh_TH *= row_T[:, None]
