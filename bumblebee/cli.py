@@ -66,6 +66,20 @@ def _primitives_run(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ pair
+def _pair_args(p: argparse.ArgumentParser) -> None:
+    from bumblebee.runtime.pair import add_arguments
+
+    _add_config_args(p)
+    add_arguments(p)
+
+
+def _pair_run(args) -> int:
+    from bumblebee.runtime.pair import run
+
+    return run(args)
+
+
 # ------------------------------------------------------------------------------ plan
 def _plan_args(p: argparse.ArgumentParser) -> None:
     from bumblebee.plan.cli import add_arguments
@@ -83,6 +97,8 @@ SUBCOMMANDS = {
     "train": ("train a model (no arguments: the embedded default run on CPU)", _train_args, _train_run),
     "primitives": ("list every primitive slot and its implementations", _primitives_args, _primitives_run),
     "plan": ("plan a layout: per-GPU memory, predicted throughput, the default recipe (no GPU)", _plan_args, _plan_run),
+    "pair": ("run two implementations of one primitive slot side by side and compare them step by step",
+             _pair_args, _pair_run),
 }
 
 
