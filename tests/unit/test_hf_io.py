@@ -224,3 +224,8 @@ def test_error_unexpected_tensor_names_it(checkpoint):
     name = "model.layers.0.self_attn.q_proj.bias"
     rewrite_weights(checkpoint, lambda t: t.update({name: torch.zeros(32)}))
     assert name in load_error(checkpoint)
+
+
+def test_error_malformed_config(checkpoint):
+    (checkpoint / "config.json").write_text('{"model_type": "qwen3_moe",')
+    assert "config.json" in load_error(checkpoint)
