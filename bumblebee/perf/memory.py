@@ -50,7 +50,9 @@ def _storages(t: torch.Tensor):
     """The storages behind ``t`` (the inner tensors' for wrapper subclasses such as DTensor)."""
     if is_traceable_wrapper_subclass(t):
         for attr in t.__tensor_flatten__()[0]:
-            yield from _storages(getattr(t, attr))
+            inner = getattr(t, attr)
+            if isinstance(inner, torch.Tensor):  # skip non-tensor metadata (e.g. a DeviceMesh)
+                yield from _storages(inner)
         return
     try:
         yield t.untyped_storage()

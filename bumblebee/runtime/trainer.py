@@ -28,11 +28,14 @@ from bumblebee import registry
 from bumblebee.config import Config, ConfigError, dump_toml
 from bumblebee.data import Batch, build_source
 from bumblebee.models import build_model, resolve_arch
+from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives.cp.layout import shard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding import ShardingGroups
+from bumblebee.runtime.checkpoint import Checkpointer
 from bumblebee.runtime.mesh import ParallelContext, build_context, plan_layout, single_process
 from bumblebee.runtime.metrics import MetricsWriter
+from bumblebee.runtime.pipeline import Pipeline, check_pipeline
 from bumblebee.runtime.optim import lr_at, set_lr
 
 
@@ -94,6 +97,7 @@ def check_run(cfg: Config, world: int):
     if rem or rows % cfg.train.micro_batch:
         raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
                           f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch})")
+    check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
     return layout
 
 
@@ -120,6 +124,10 @@ class Trainer:
         self.cp, self.cp_rank = ctx.layout.cp, ctx.cp_rank
         self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group,
                                                                           cp_group=ctx.cp_group))
+        self.pipeline = None
+        if ctx.layout.pp > 1:  # keep this rank's pipeline stages only; that part is what gets sharded
+            self.pipeline = Pipeline(cfg, ctx, self.model, self.device)
+            self.model = self.pipeline.part
         groups = ShardingGroups(dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
                                 expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
                                 ep_group=ctx.ep_group)
@@ -128,7 +136,8 @@ class Trainer:
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16"
                          else contextlib.nullcontext())
-        self.step = 0
+        self.checkpoint = Checkpointer(cfg, ctx, self.model, self.sharding, stream=stream)
+        self.step = self.checkpoint.resume(t.resume)  # 0 unless train.resume names a checkpoint
         if self.rank == 0:
             os.makedirs(t.out_dir, exist_ok=True)
             with open(os.path.join(t.out_dir, "config.toml"), "w") as f:
@@ -139,9 +148,17 @@ class Trainer:
                                      log_every=t.log_every, stream=stream)
 
     def train_step(self) -> dict:
+        """One optimizer step, with its peak live memory measured (perf.memory)."""
+        with MemoryTracker(self.device, self.model, self.sharding.optimizer) as memory:
+            record = self._step()
+        record["peak_mem_bytes"] = self._max_over_ranks(memory.peak_bytes)
+        return record
+
+    def _step(self) -> dict:
+        if self.pipeline is not None:
+            return self._pipeline_step()
         t, model = self.cfg.train, self.model
         start = time.perf_counter()
-        reset_peak_memory(self.device)
         batch = self.source.global_batch_at(self.step)
         global_tokens = max(batch.num_valid, 1)
         local = batch.rows(self.dp_rank * self.rows_per_rank, (self.dp_rank + 1) * self.rows_per_rank)
@@ -187,12 +204,16 @@ class Trainer:
             "valid_tokens": batch.num_valid,
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
-            "peak_mem_bytes": self._peak_memory(),
         }
 
-    def _peak_memory(self) -> int:
+    def _pipeline_step(self) -> dict:
+        """The step when pp > 1: the pipeline schedule runs every micro-batch (runtime/pipeline.py)."""
+        record = self.pipeline.step(self)
+        self.step += 1
+        return record
+
+    def _max_over_ranks(self, peak: int) -> int:
         """Peak bytes of the most loaded rank."""
-        peak = peak_memory(self.device)
         if self.ctx.distributed:
             t = torch.tensor([peak], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -202,19 +223,6 @@ class Trainer:
     def run(self) -> dict:
         while self.step < self.cfg.train.steps:
             self.metrics.log(self.train_step())
+            self.checkpoint.on_step(self.step)  # saves every train.save_every steps
+        self.checkpoint.on_end(self.step)  # final save; Hugging Face export if train.export_hf
         return self.metrics.close()
-
-
-# ------------------------------------------------------------------------------ memory figures
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory(device: torch.device) -> int:
-    """Peak bytes: the CUDA allocator's peak on GPU; the process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
