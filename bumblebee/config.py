@@ -59,6 +59,9 @@ class PrimitivesConfig:
     recompute: str = "none"
     recompute_modules: list = field(default_factory=list)
     pipeline: str = "1f1b"
+    pp_microbatches: int = 0  # micro-batches per pipeline step; 0: this rank's rows / train.micro_batch
+    pp_virtual_stages: int = 1  # pipeline stages per rank (interleaved_1f1b: >= 2)
+    pp_layout: list = field(default_factory=list)  # decoder layers of each stage, [[0, 1], [2, 3]]; []: balance cost
 
 
 @dataclass(kw_only=True)

@@ -166,14 +166,34 @@ class Qwen3_5MoeForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def layer_context(self, position_ids_BT, dtype):
+        """What every decoder layer takes besides its input: partial-RoPE (cos, sin) in ``dtype``
+        and the document layout. Pipeline stages rebuild it."""
+        cos, sin = rope_cos_sin(position_ids_BT, self.arch.rotary_dim, self.arch.rope_theta, dtype)
+        return cos, sin, doc_layout(position_ids_BT)
+
+    def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
+        """Estimated forward FLOPs of one ``seq_len``-token sequence through each decoder layer and
+        through the LM head (see ``Qwen3MoeForCausalLM.layer_flops``). Gated DeltaNet: projections
+        plus the chunked delta rule (64-token chunks: state update and intra-chunk products)."""
+        a, T, H = self.arch, seq_len, self.arch.hidden_size
+        nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
+        dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
+        full = 2 * T * H * a.head_dim * (3 * a.num_attention_heads + 2 * a.num_key_value_heads)  # q doubled: gate
+        full += 2 * T * T * a.num_attention_heads * a.head_dim
+        linear = 2 * T * H * (2 * nk * dk + 3 * nv * dv + 2 * nv) + 2 * T * nv * (2 * dk * dv + 64 * (dk + dv))
+        moe = 2 * T * H * (a.num_experts + 3 * a.num_experts_per_tok * a.moe_intermediate_size
+                           + 3 * a.shared_expert_intermediate_size + 1)
+        layers = [(full if kind == "full_attention" else linear) + moe for kind in a.layer_types]
+        return layers, 2 * T * H * a.vocab_size
+
     def hidden_states(self, input_ids_BT, position_ids_BT=None):
         """Final-norm hidden states [B, T, D] and the mean balance loss over MoE layers."""
         if position_ids_BT is None:
             position_ids_BT = default_position_ids(input_ids_BT)
-        layout = doc_layout(position_ids_BT)
         x = self.model.embed_tokens(input_ids_BT)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        cos, sin = rope_cos_sin(position_ids_BT, self.arch.rotary_dim, self.arch.rope_theta, dtype)
+        cos, sin, layout = self.layer_context(position_ids_BT, dtype)
         aux_total = x.new_zeros((), dtype=torch.float32)
         for layer in self.model.layers:
             x, aux = self.recompute.layer(layer, x, cos, sin, layout)

@@ -173,15 +173,33 @@ class Qwen3MoeForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def layer_context(self, position_ids_BT, dtype):
+        """What every decoder layer takes besides its input: RoPE (cos, sin) in ``dtype`` and the
+        document layout (the CP layout when the sequence is split). Pipeline stages rebuild it."""
+        cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
+        layout = build_cp_layout(position_ids_BT, cp_group) if cp_group is not None else doc_layout(position_ids_BT)
+        cos, sin = rope_cos_sin(position_ids_BT, self.arch.head_dim, self.arch.rope_theta, dtype)
+        return cos, sin, layout
+
+    def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
+        """Estimated forward FLOPs of one ``seq_len``-token sequence through each decoder layer
+        (attention projections + causal core, then the router + top-k experts, or the dense
+        MLP), and through the LM head (the embedding is a lookup). Pipeline stages balance on these."""
+        a, T, H = self.arch, seq_len, self.arch.hidden_size
+        attn = 2 * T * H * a.head_dim * (2 * a.num_attention_heads + 2 * a.num_key_value_heads)
+        attn += 2 * T * T * a.num_attention_heads * a.head_dim  # QK^T and PV, half of them causal-masked
+        moe = 2 * T * H * (a.num_experts + 3 * a.num_experts_per_tok * a.moe_intermediate_size)
+        mlp = 6 * T * H * a.intermediate_size
+        layers = [attn + (moe if a.is_moe_layer(i) else mlp) for i in range(a.num_hidden_layers)]
+        return layers, 2 * T * H * a.vocab_size
+
     def hidden_states(self, input_ids_BT, position_ids_BT=None):
         """Final-norm hidden states [B, T, H] and the mean balance loss over MoE layers."""
         if position_ids_BT is None:
             position_ids_BT = default_position_ids(input_ids_BT)
-        cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
-        layout = build_cp_layout(position_ids_BT, cp_group) if cp_group is not None else doc_layout(position_ids_BT)
         x = self.model.embed_tokens(input_ids_BT)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        cos, sin = rope_cos_sin(position_ids_BT, self.arch.head_dim, self.arch.rope_theta, dtype)
+        cos, sin, layout = self.layer_context(position_ids_BT, dtype)
         aux_total, n_moe = x.new_zeros((), dtype=torch.float32), 0
         for layer in self.model.layers:
             x, aux = self.recompute.layer(layer, x, cos, sin, layout)

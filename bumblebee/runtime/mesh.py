@@ -46,8 +46,9 @@ def plan_layout(parallel_cfg, world: int, arch) -> Layout:
     p = parallel_cfg
     if p.tp > 1:
         raise ConfigError("parallel.tp > 1 is not implemented; the recipe keeps TP = 1 (use ep and cp)")
-    if p.pp > 1:
-        raise ConfigError("parallel.pp > 1 is not implemented yet; use pp = 1")
+    if p.pp > arch.num_hidden_layers:
+        raise ConfigError(f"parallel.pp = {p.pp} stages need at least as many decoder layers, "
+                          f"the model has {arch.num_hidden_layers}")
     inner = p.cp * p.tp * p.pp
     if p.dp_shard == "auto":
         if world % inner:
@@ -115,6 +116,15 @@ class ParallelContext:
     @property
     def edp_group(self):
         return self._group(self.experts, "edp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self._coord(self.dense, "pp")
+
+    @property
+    def pp_group(self):
+        """Ranks holding the pipeline stages of the same data (same dp_shard, cp, tp coordinates)."""
+        return self._group(self.dense, "pp") if self.layout.pp > 1 else None
 
 
 def single_process(device: torch.device) -> ParallelContext:
