@@ -29,7 +29,7 @@ import torch.distributed as dist
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.registry import register
 
-Q_TILE = 1024  # query rows per score tile
+Q_TILE = 512  # query rows per score tile
 
 
 def _ring_pass(tensors: list[torch.Tensor], layout: CPLayout):
@@ -65,8 +65,8 @@ def _pairs(layout: CPLayout, src: int):
 
 
 def _scores(q_BKGqD, k_BKkD, mask, scale):
-    s = torch.matmul(q_BKGqD, k_BKkD.unsqueeze(2).transpose(-1, -2)) * scale
-    return s.masked_fill(~mask, float("-inf"))
+    s = torch.matmul(q_BKGqD, k_BKkD.unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    return s.masked_fill_(~mask, float("-inf"))
 
 
 class RingAttention(torch.autograd.Function):
@@ -86,7 +86,7 @@ class RingAttention(torch.autograd.Function):
                 s = _scores(q[:, :, :, q_sl], k[:, :, k_sl].float(), mask, scale)
                 lse_p = torch.logsumexp(s, dim=-1)
                 safe = torch.where(torch.isinf(lse_p), torch.zeros_like(lse_p), lse_p)
-                o_p = torch.matmul(torch.exp(s - safe[..., None]), v[:, :, k_sl].float().unsqueeze(2))
+                o_p = torch.matmul(s.sub_(safe[..., None]).exp_(), v[:, :, k_sl].float().unsqueeze(2))
                 old = lse[:, :, :, q_sl]
                 new = torch.logaddexp(old, lse_p)
                 new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
@@ -117,10 +117,10 @@ class RingAttention(torch.autograd.Function):
             for q_sl, k_sl, mask in _pairs(layout, src):
                 kc, vc = k[:, :, k_sl].unsqueeze(2), v[:, :, k_sl].unsqueeze(2)
                 s = _scores(q[:, :, :, q_sl], k[:, :, k_sl], mask, scale)
-                p = torch.exp(s - lse[:, :, :, q_sl, None])  # 0 where masked
+                p = s.sub_(lse[:, :, :, q_sl, None]).exp_()  # 0 where masked
                 dv[:, :, k_sl] += torch.matmul(p.transpose(-1, -2), do[:, :, :, q_sl]).sum(2)
                 dp = torch.matmul(do[:, :, :, q_sl], vc.transpose(-1, -2))
-                ds = p * (dp - delta[:, :, :, q_sl, None])
+                ds = dp.sub_(delta[:, :, :, q_sl, None]).mul_(p)
                 dq[:, :, :, q_sl] += torch.matmul(ds, kc) * scale
                 dk[:, :, k_sl] += torch.matmul(ds.transpose(-1, -2), q[:, :, :, q_sl]).sum(2) * scale
             # pass the block on with its gradient accumulators; after the last pass each
