@@ -54,9 +54,9 @@ class PrimitivesConfig:
     experts: str = "grouped"
     moe_comm: str = "alltoall"
     moe_chunks: int = 2
-    loss: str = "ce"
+    loss: str = "linear_ce"
     sharding: str = "fsdp2"
-    recompute: str = "none"
+    recompute: str = "full"
     recompute_modules: list = field(default_factory=list)
     pipeline: str = "1f1b"
     pp_microbatches: int = 0  # micro-batches per pipeline step; 0: this rank's rows / train.micro_batch
