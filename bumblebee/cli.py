@@ -9,6 +9,7 @@ without a traceback. Subcommands register in ``SUBCOMMANDS`` as
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -23,6 +24,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     _add_config_args(p)
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="local ranks to start (torch.distributed elastic); under torchrun leave it out")
+    p.add_argument("--resume", metavar="DIR|auto",
+                   help="continue from a checkpoint directory, or 'auto': the newest complete one in train.out_dir")
 
 
 def _train_run(args) -> int:
@@ -30,7 +33,8 @@ def _train_run(args) -> int:
     from bumblebee.runtime import launch
     from bumblebee.runtime.trainer import Trainer, check_run
 
-    cfg = load_config(args.config, args.overrides)
+    resume = [f"train.resume={json.dumps(args.resume)}"] if args.resume else []
+    cfg = load_config(args.config, args.overrides + resume)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     if launch.started_by_torchrun():
@@ -93,12 +97,45 @@ def _plan_run(args) -> int:
     return run(args)
 
 
+# ------------------------------------------------------------------------------ convert
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--to", required=True, choices=["hf"], help="output format: a Hugging Face directory")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR",
+                   help="a checkpoint (out_dir/checkpoints/step_N), or a run directory: its newest complete one")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30, metavar="N",
+                   help="split the safetensors into shards of at most N bytes, with an index (default 5 GiB)")
+
+
+def _convert_run(args) -> int:
+    from bumblebee.runtime.checkpoint import export_checkpoint
+
+    path = export_checkpoint(args.ckpt_dir, args.out_dir, args.max_shard_bytes)
+    print(f"bumblebee: wrote {args.out_dir} from {path}")
+    return 0
+
+
+# ------------------------------------------------------------------------------ rl
+def _rl_args(p: argparse.ArgumentParser) -> None:
+    from bumblebee.rl.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _rl_run(args) -> int:
+    from bumblebee.rl.cli import run
+
+    return run(args)
+
+
 SUBCOMMANDS = {
     "train": ("train a model (no arguments: the embedded default run on CPU)", _train_args, _train_run),
     "primitives": ("list every primitive slot and its implementations", _primitives_args, _primitives_run),
+    "convert": ("export a training checkpoint (--to hf: a Hugging Face directory)", _convert_args, _convert_run),
     "plan": ("plan a layout: per-GPU memory, predicted throughput, the default recipe (no GPU)", _plan_args, _plan_run),
     "pair": ("run two implementations of one primitive slot side by side and compare them step by step",
              _pair_args, _pair_run),
+    "rl": ("warm-up + GRPO on a built-in verifiable task (no arguments: a tiny model on CPU)", _rl_args, _rl_run),
 }
 
 

@@ -84,8 +84,10 @@ class TrainConfig:
     deterministic: bool = False
     out_dir: str = "runs/default"
     log_every: int = 1
-    save_every: int = 0
-    keep_last: int = 2
+    save_every: int = 0  # checkpoint every N steps and at the end (0: no checkpoints)
+    keep_last: int = 2  # complete checkpoints kept in out_dir/checkpoints (0: all)
+    resume: str = ""  # "auto" (newest complete checkpoint of out_dir, if any) | a checkpoint or run directory
+    export_hf: bool = False  # write a Hugging Face directory to out_dir/hf at the end of training
 
 
 @dataclass(kw_only=True)
@@ -249,6 +251,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.lr must be > 0 and 0 <= train.min_lr <= train.lr (got lr={t.lr}, min_lr={t.min_lr})")
     if t.clip_grad < 0:
         raise ConfigError(f"train.clip_grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
+    if t.resume not in ("", "auto") and not os.path.isdir(t.resume):
+        raise ConfigError(f"train.resume: no such directory {t.resume!r}; give a checkpoint directory or 'auto'")
     if t.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
 

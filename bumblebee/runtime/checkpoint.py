@@ -1,0 +1,312 @@
+"""Crash-safe training checkpoints: save, resume on any layout, export to Hugging Face.
+
+A checkpoint is a directory ``<out_dir>/checkpoints/step_<N>`` written with
+``torch.distributed.checkpoint`` (DCP): every rank writes the part of the state it
+owns, in parallel; nothing is gathered.
+
+Every rank writes the range of each flattened global tensor it owns, so a
+checkpoint saved on one layout loads into any other (checkpoint_state.py says how).
+
+Crash safety. Ranks write into ``.tmp-step_<N>``; after a barrier (every rank has
+written), rank 0 writes ``complete.json`` (step, model shapes, the size of every
+file) and renames the directory to ``step_<N>`` (atomic on POSIX), then prunes to
+``keep_last``. A crash at any point leaves earlier checkpoints untouched, and
+``resume = "auto"`` takes the newest directory whose marker exists and whose files
+all have their recorded sizes.
+
+Safety: the config is TOML, the marker JSON, DCP's metadata goes through an
+allow-list unpickler and tensors load with ``weights_only`` (checkpoint_state.py).
+
+Stored: fp32 parameters, optimizer state, the step (which is also the data position
+and the LR-schedule position: both are pure functions of seed and step), each
+rank's RNG states, the resolved config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from bumblebee.config import dump_toml, tomllib
+from bumblebee.models import arch_from_hf_dict, build_model
+from bumblebee.models.hf import CheckpointError, to_hf
+from bumblebee.primitives.sharding.common import full_named_parameters
+from bumblebee.primitives.sharding.zero1 import Zero1
+from bumblebee.runtime.checkpoint_state import (Piece, load_pieces, read_dcp_metadata, rng_states, save_pieces,
+                                                set_rng_states, state_pieces)
+
+FORMAT, VERSION = "bumblebee-checkpoint", 1
+MARKER = "complete.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+HF_SHARD_BYTES = 5 * 2**30
+
+
+# ------------------------------------------------------------------------------ directories
+def checkpoint_root(out_dir: str) -> str:
+    return os.path.join(out_dir, "checkpoints")
+
+
+def read_marker(path: str) -> dict:
+    """Validate checkpoint directory ``path`` and return its marker; a one-line
+    ``CheckpointError`` for anything incomplete, truncated or foreign."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker):
+        if os.path.isfile(os.path.join(path, ".metadata")) or os.path.basename(path).startswith(".tmp-"):
+            raise CheckpointError(f"{path}: incomplete checkpoint (no {MARKER}: its save did not finish)")
+        if os.path.isfile(os.path.join(path, "config.json")):
+            raise CheckpointError(f"{path}: a Hugging Face model directory, not a training checkpoint "
+                                  "(start a run from it with model.hf_path)")
+        raise CheckpointError(f"{path}: not a bumblebee checkpoint (no {MARKER})")
+    try:
+        with open(marker) as f:
+            info = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable {MARKER} ({e})") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: {MARKER} does not describe a bumblebee checkpoint")
+    if info.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {info.get('version')!r}; this bumblebee reads {VERSION}")
+    for name, size in info.get("files", {}).items():
+        file = os.path.join(path, name)
+        if os.path.basename(name) != name:
+            raise CheckpointError(f"{path}: {MARKER} names a file outside the checkpoint: {name!r}")
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{path}: truncated checkpoint: {name} is missing")
+        if os.path.getsize(file) != size:
+            raise CheckpointError(f"{path}: truncated checkpoint: {name} has {os.path.getsize(file)} bytes, "
+                                  f"{size} expected")
+    return info
+
+
+def newest_complete(root: str, notify=None) -> str | None:
+    """The newest valid ``step_<N>`` under ``root`` (None if none); others are reported."""
+    steps = sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := _STEP_DIR.match(n))) \
+        if os.path.isdir(root) else []
+    for _, name in reversed(steps):
+        try:
+            read_marker(os.path.join(root, name))
+            return os.path.join(root, name)
+        except CheckpointError as e:
+            if notify:
+                notify(f"skipping {e}")
+    return None
+
+
+def find_checkpoint(spec: str, out_dir: str, notify=None) -> str | None:
+    """The directory a ``train.resume`` value names: ``auto`` = the newest complete checkpoint
+    of the run in ``out_dir`` (None if there is none yet), else ``named_checkpoint(spec)``."""
+    if spec == "auto":
+        return newest_complete(checkpoint_root(out_dir), notify)
+    return named_checkpoint(spec, notify)
+
+
+def named_checkpoint(spec: str, notify=None) -> str:
+    """A checkpoint directory as is, or the newest complete checkpoint of a run directory
+    (or of its ``checkpoints`` directory); validated."""
+    if not os.path.isfile(os.path.join(spec, MARKER)):
+        for root in (spec, checkpoint_root(spec)):
+            if os.path.isdir(root) and any(_STEP_DIR.match(n) for n in os.listdir(root)):
+                found = newest_complete(root, notify)
+                if found is None:
+                    raise CheckpointError(f"{root}: no complete checkpoint")
+                return found
+    read_marker(spec)
+    return spec
+
+
+def _write_durably(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_fits(path: str, info: dict, md: Metadata, pieces: dict[str, Piece]) -> None:
+    """Every piece's tensor exists in the checkpoint at its global size (else one line)."""
+    shapes = {f"model/{n}": tuple(s) for n, s in info.get("shapes", {}).items()}
+    mine = {k for k in pieces if k.startswith("model/")}
+    extra = sorted(set(shapes) - mine)
+    for key, p in pieces.items():
+        saved = md.state_dict_metadata.get(key)
+        if saved is None:
+            raise CheckpointError(f"{path}: checkpoint lacks {key[6:] if key in mine else key} (a different model?)")
+        if not isinstance(saved, TensorStorageMetadata):
+            raise CheckpointError(f"{path}: {key} is not a tensor in the checkpoint")
+        if key in shapes and shapes[key] != p.shape or tuple(saved.size) != (p.numel,):
+            raise CheckpointError(f"{path}: {key[6:]} has shape {list(shapes.get(key, saved.size))} in the checkpoint, "
+                                  f"{list(p.shape)} in this model (a different architecture?)")
+    if extra:
+        raise CheckpointError(f"{path}: checkpoint has tensors this model lacks: {', '.join(k[6:] for k in extra[:3])}")
+
+
+# ------------------------------------------------------------------------------ the trainer's hook
+_STREAM_KEYS = [("train", k) for k in ("seed", "global_batch", "seq_len", "steps", "lr", "min_lr", "warmup_steps")]
+
+
+class Checkpointer:
+    """Saves and restores one run's state. Every rank creates one right after the sharding
+    wrap; ``resume``, ``save``, ``on_step``, ``on_end`` and ``export_hf`` are collective."""
+
+    def __init__(self, cfg, ctx, model: torch.nn.Module, sharding, *, stream=sys.stdout):
+        self.cfg, self.ctx, self.model, self.sharding, self.stream = cfg, ctx, model, sharding, stream
+        self.root = checkpoint_root(cfg.train.out_dir)
+        self.group = dist.group.WORLD if ctx.distributed else None  # every rank saves its part
+        self.last_saved = -1
+
+    def _say(self, text: str) -> None:
+        if self.ctx.rank == 0:
+            self.stream.write(f"bumblebee: {text}\n")
+            self.stream.flush()
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def _pieces(self) -> dict[str, Piece]:
+        return state_pieces(self.model, self.sharding, self.ctx.ep_rank, self.ctx.layout.ep)
+
+    # -------------------------------------------------------------------- resume
+    def resume(self, spec: str) -> int:
+        """Load what ``train.resume`` names ("" = nothing); returns the step to continue from."""
+        if not spec:
+            return 0
+        path = find_checkpoint(spec, self.cfg.train.out_dir, self._say)
+        if path is None:
+            self._say(f"no complete checkpoint in {self.root}; starting at step 0")
+            return 0
+        step = self.load(path)
+        self.last_saved = step if os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.root) else -1
+        self._say(f"resumed from {path} at step {step}")
+        return step
+
+    def load(self, path: str) -> int:
+        info = read_marker(path)
+        md = read_dcp_metadata(path)
+        pieces = self._pieces()
+        _check_fits(path, info, md, pieces)
+        rng = {k: Piece(torch.empty(tuple(s.size), dtype=s.properties.dtype), 0, tuple(s.size))
+               for k, s in md.state_dict_metadata.items() if k.startswith(f"rng/{self.ctx.rank}/")}
+        load_pieces(path, {**pieces, **rng}, self.group)
+        if isinstance(self.sharding, Zero1):  # its fp32 masters are slices of the parameters
+            with torch.no_grad():
+                for s in self.sharding.slices.values():
+                    s.master.copy_(s.p.detach().view(-1)[s.lo:s.hi])
+        set_rng_states(self.ctx.rank, {k: p.local for k, p in rng.items()})
+        self._note_changes(path)
+        return int(info["step"])
+
+    def _note_changes(self, path: str) -> None:
+        try:
+            with open(os.path.join(path, "config.toml"), "rb") as f:
+                saved = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError):
+            return
+        now = self.cfg.to_dict()
+        keys = _STREAM_KEYS + [("data", k) for k in now["data"]]
+        changed = [f"{s}.{k} {saved.get(s, {}).get(k)!r} -> {now[s][k]!r}" for s, k in keys
+                   if saved.get(s, {}).get(k) != now[s][k]]
+        if changed:
+            self._say(f"note: resuming with changed {', '.join(changed)}: the run will not continue the saved one exactly")
+
+    # -------------------------------------------------------------------- save
+    def save(self, step: int) -> str:
+        """Write ``step_<step>``: every rank its pieces, then rank 0 publishes atomically."""
+        name = f"step_{step:08d}"
+        final, tmp = os.path.join(self.root, name), os.path.join(self.root, f".tmp-{name}")
+        if self.ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+            os.makedirs(tmp)
+        self._barrier()
+        pieces = self._pieces()
+        pieces.update({k: Piece(v, 0, tuple(v.shape)) for k, v in rng_states(self.ctx.rank).items()})
+        save_pieces(tmp, pieces, self.group)
+        self._barrier()  # every rank has written all of its files
+        if self.ctx.rank == 0:
+            self._publish(tmp, final, step, pieces)
+        self._barrier()  # nobody moves on before the checkpoint is published
+        self.last_saved = step
+        return final
+
+    def _publish(self, tmp: str, final: str, step: int, pieces: dict[str, Piece]) -> None:
+        _write_durably(os.path.join(tmp, "config.toml"), dump_toml(self.cfg))
+        info = {"format": FORMAT, "version": VERSION, "step": step, "layout": self.ctx.layout.describe(),
+                "sharding": self.cfg.primitives.sharding, "arch": self.model.arch.to_hf_dict(),
+                "shapes": {k[6:]: list(p.shape) for k, p in pieces.items() if k.startswith("model/")},
+                "files": {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}}
+        _write_durably(os.path.join(tmp, MARKER), json.dumps(info, indent=1))
+        if os.path.exists(final):  # an older save of this step (a run resumed from before it)
+            shutil.rmtree(final)
+        os.rename(tmp, final)  # the publication: atomic within one filesystem
+        _fsync_dir(self.root)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` complete checkpoints (0: all); drop stale temporaries."""
+        for name in os.listdir(self.root):
+            if name.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        keep = self.cfg.train.keep_last
+        if keep:
+            done = sorted((int(m.group(1)), n) for n in os.listdir(self.root) if (m := _STEP_DIR.match(n))
+                          and os.path.isfile(os.path.join(self.root, n, MARKER)))
+            for _, name in done[:-keep]:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    # -------------------------------------------------------------------- run hooks, export
+    def on_step(self, step: int) -> None:
+        """After optimizer step ``step``: save every ``train.save_every`` steps (0: never)."""
+        every = self.cfg.train.save_every
+        if every and step % every == 0:
+            self.save(step)
+
+    def on_end(self, step: int) -> None:
+        """End of training: a final save (when saving is on), the HF export if asked for."""
+        if self.cfg.train.save_every and self.last_saved != step:
+            self.save(step)
+        if self.cfg.train.export_hf:
+            out = os.path.join(self.cfg.train.out_dir, "hf")
+            self.export_hf(out)
+            self._say(f"exported a Hugging Face model to {out}")
+
+    @torch.no_grad()
+    def export_hf(self, out_dir: str, max_shard_bytes: int = HF_SHARD_BYTES) -> None:
+        """Gather the full parameters (collective); rank 0 writes a HF directory."""
+        full = build_model(self.model.arch) if self.ctx.rank == 0 else None
+        params = dict(full.named_parameters()) if full is not None else {}
+        for name, t in full_named_parameters(self.model, self.ctx.ep_group):
+            if full is not None:
+                params[name].copy_(t)
+        if full is not None:
+            to_hf(full, out_dir, max_shard_bytes)
+        self._barrier()
+
+
+def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_BYTES) -> str:
+    """``bumblebee convert --to hf``: the parameters of a checkpoint (or the newest complete
+    one under a run / checkpoints directory) as a HF directory; one process. Returns the
+    checkpoint used."""
+    path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
+    info = read_marker(path)
+    model = build_model(arch_from_hf_dict(info["arch"]))
+    pieces = {f"model/{n}": Piece(p.detach().view(-1), 0, tuple(p.shape)) for n, p in model.named_parameters()}
+    _check_fits(path, info, read_dcp_metadata(path), pieces)
+    load_pieces(path, pieces)
+    to_hf(model, out_dir, max_shard_bytes)
+    return path

@@ -1,0 +1,245 @@
+"""What each rank owns of the training state, and how DCP writes and reads it.
+
+Layout independence. Every tensor (a parameter or its optimizer state) is stored
+flattened to 1-D at its *global* size, expert tensors with all E experts. Every
+layout gives a rank one contiguous range of that flat tensor: FSDP2 shards dim 0
+(a row range), expert parallelism owns a block of experts (dim 0), zero1 slices
+the flattened parameter, a single process owns everything. A rank therefore
+describes its state as pieces (key, offset, 1-D view of live memory); the save
+planner writes each piece as one chunk (DCP drops replicas and checks that the
+chunks tile each tensor), and the load planner reads, for each piece, the overlap
+of every saved chunk with the range the rank owns now. So any save layout
+(sharding none/zero1/fsdp2, any dp_shard x cp x ep) loads into any other.
+``get_state_dict`` cannot describe this: with ep > 1 one parameter name holds
+different experts on different ranks, and zero1's optimizer state belongs to flat
+slices of the parameters.
+
+Safety. DCP's reader would unpickle ``.metadata`` and byte items; here the metadata
+goes through an allow-list unpickler (DCP's metadata classes, torch sizes and
+dtypes), byte items are refused, and tensors load with ``weights_only=True``.
+
+Keys: ``model/<param>``, ``optim/<param>/<state>``, ``rng/<rank>/<generator>``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import random
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor, Shard
+
+from bumblebee.models.hf import CheckpointError
+from bumblebee.primitives.sharding.common import is_expert_param
+from bumblebee.primitives.sharding.zero1 import Zero1
+
+# ------------------------------------------------------------------------------ what a rank owns
+@dataclass
+class Piece:
+    """This rank's part of one stored tensor: ``local`` (a 1-D view of live memory) holds
+    elements [offset, offset + local.numel()) of the flattened global tensor."""
+
+    local: torch.Tensor
+    offset: int
+    shape: tuple[int, ...]  # global shape (experts: all E)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _param_piece(name: str, t: torch.Tensor, ep_rank: int, ep: int) -> Piece:
+    """The piece of a parameter-shaped tensor ``t`` (the parameter or its optimizer state)."""
+    shape, offset, local = tuple(t.shape), 0, t
+    if isinstance(t, DTensor):  # fsdp2: dim 0 sharded over a 1-D mesh in torch.chunk sizes
+        assert t.device_mesh.ndim == 1 and t.placements == (Shard(0),), (name, t.placements)
+        w, r = t.device_mesh.size(), t.device_mesh.get_local_rank()
+        rows = shape[0]
+        chunk = -(-rows // w)
+        start = min(rows, r * chunk)
+        local = t.to_local()
+        assert local.shape[0] == min(chunk, rows - start), (name, local.shape, rows, w, r)
+        offset = start * math.prod(shape[1:])
+    if ep > 1 and is_expert_param(name):  # this rank's block of experts among all E
+        offset += ep_rank * math.prod(shape)
+        shape = (shape[0] * ep, *shape[1:])
+    return Piece(local.detach().view(-1), offset, shape)
+
+
+def ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Give every parameter the state AdamW creates at its first step (step 0, zero
+    moments), so every rank saves and loads the same keys; AdamW then uses it as is."""
+    assert isinstance(opt, torch.optim.AdamW), type(opt)
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if opt.state[p]:
+                continue
+            on_device = group.get("capturable") or group.get("fused")
+            state = {"step": torch.zeros((), dtype=step_dtype, device=p.device if on_device else "cpu"),
+                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            opt.state[p] = state
+
+
+def state_pieces(model: torch.nn.Module, sharding, ep_rank: int, ep: int) -> dict[str, Piece]:
+    """Keys ``model/<param>`` and ``optim/<param>/<state>`` -> this rank's pieces."""
+    named = list(model.named_parameters())
+    pieces = {f"model/{name}": _param_piece(name, p, ep_rank, ep) for name, p in named}
+    opt = sharding.optimizer
+    ensure_optimizer_state(opt)
+    zero1 = isinstance(sharding, Zero1)
+    for name, p in named:
+        state = opt.state[sharding.slices[name].master if zero1 else p]
+        for k, v in state.items():
+            key = f"optim/{name}/{k}"
+            if v.dim() == 0:  # a scalar such as Adam's step count
+                pieces[key] = Piece(v.view(-1), 0, (1,))
+            elif zero1:  # the slice [lo, hi) of the flattened parameter
+                base = pieces[f"model/{name}"]
+                pieces[key] = Piece(v.detach().view(-1), base.offset + sharding.slices[name].lo, base.shape)
+            else:
+                pieces[key] = _param_piece(name, v, ep_rank, ep)
+    return pieces
+
+
+def rng_states(rank: int) -> dict[str, torch.Tensor]:
+    states = {"torch": torch.get_rng_state(), "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return {f"rng/{rank}/{k}": v for k, v in states.items()}
+
+
+def set_rng_states(rank: int, states: dict[str, torch.Tensor]) -> None:
+    for key, v in states.items():
+        kind = key.rsplit("/", 1)[1]
+        if kind == "torch":
+            torch.set_rng_state(v)
+        elif kind == "python":
+            random.setstate((3, tuple(v.tolist()), None))
+        elif kind == "cuda" and torch.cuda.is_available():
+            torch.cuda.set_rng_state(v)
+
+
+# ------------------------------------------------------------------------------ DCP planners
+def _chunk(p: Piece) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size([p.offset]), sizes=torch.Size([p.local.numel()]))
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Each non-empty piece is one chunk of its flat global tensor; DCP's global plan drops
+    replicas (equal key and offset) and checks that the chunks tile every tensor."""
+
+    def __init__(self, pieces: dict[str, Piece]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = pieces
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(key, _chunk(p).offsets), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(chunk=_chunk(p), size=torch.Size([p.numel]),
+                                                       properties=TensorProperties.create_from_tensor(p.local)))
+                 for key, p in self.pieces.items() if p.local.numel()]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[index.fqn].local
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Reads, for each piece, the overlap of every saved chunk with the range it owns."""
+
+    def __init__(self, pieces: dict[str, Piece]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = pieces
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, p in self.pieces.items():
+            if p.local.numel():
+                items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [_chunk(p)])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[index.fqn].local
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(f"refusing to unpickle {read_item.dest_index.fqn}: a checkpoint holds tensors only")
+
+
+_SAFE_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+    "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata objects and nothing else (no arbitrary callables)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _SAFE_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"refusing to load {module}.{name} from checkpoint metadata (not a DCP metadata type)")
+
+
+def read_dcp_metadata(path: str) -> Metadata:
+    """The DCP ``.metadata`` of checkpoint directory ``path``, through the allow-list unpickler."""
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise CheckpointError(f"{path}: {e}") from None
+        raise CheckpointError(f"{path}: unreadable .metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{path}: .metadata is not DCP metadata")
+    return md
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with the metadata read through the allow-list unpickler."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        md = read_dcp_metadata(str(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+# ------------------------------------------------------------------------------ save / load
+def _single_process(process_group) -> bool:
+    return process_group is None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def save_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None:
+    """Write ``pieces`` into directory ``path`` (collective over ``process_group``; ``None``:
+    this process alone). Data files are fsynced before DCP writes ``.metadata``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({k: p.local for k, p in pieces.items()}, storage_writer=FileSystemWriter(path, sync_files=True),
+                 planner=_SavePlanner(pieces), process_group=process_group, no_dist=_single_process(process_group))
+
+
+def load_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None:
+    """Fill ``pieces`` in place from checkpoint ``path`` (collective over ``process_group``;
+    ``None`` with no process group: this process alone)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({k: p.local for k, p in pieces.items()}, storage_reader=_SafeReader(path),
+                 planner=_LoadPlanner(pieces), process_group=process_group, no_dist=_single_process(process_group))

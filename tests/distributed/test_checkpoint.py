@@ -1,0 +1,164 @@
+"""Checkpoints across ranks (gloo).
+
+- Resume continues the exact run: on 2 ranks, fsdp2 (dp_shard=2 x ep=2, folded) and
+  zero1 (ep=2) runs resumed from their step-2 checkpoint give bit-identical losses.
+- Resharding: the fsdp2 dp_shard=2 x ep=2 checkpoint resumes at ep=4 on 4 ranks, at
+  ep=1 on 2 ranks (fsdp2 and zero1) and in a single process, with the same losses.
+- Export: ``train.export_hf`` at the end of a sharded run writes the same tensors as
+  ``convert`` of its last checkpoint.
+- Crash safety: a rank killed in the middle of a save (its data written, the save
+  not finished) ends the job; the previous checkpoint is intact and ``resume = "auto"``
+  picks it and finishes the run with the same losses.
+"""
+
+import io
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from bumblebee.config import load_config
+from bumblebee.runtime.checkpoint import export_checkpoint, find_checkpoint, read_marker
+from bumblebee.runtime.launch import init_distributed, launch_local
+from bumblebee.runtime.trainer import Trainer
+
+STEPS, SAVE = 4, 2
+BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
+        "model.arch.moe_intermediate_size=16", "model.arch.intermediate_size=48", "model.arch.num_experts=4",
+        "model.arch.num_experts_per_tok=2", "model.arch.mlp_only_layers=[1]", "train.seq_len=64",
+        "train.global_batch=4", "train.micro_batch=1", "data.min_records=2", "data.max_records=4", "train.lr=1e-2",
+        "train.warmup_steps=1", "train.deterministic=true", f"train.steps={STEPS}", f"train.save_every={SAVE}"]
+FSDP2_EP2 = ["primitives.sharding=fsdp2", "parallel.ep=2"]
+SAME_LAYOUT = {"fsdp2 ep=2": FSDP2_EP2, "zero1 ep=2": ["primitives.sharding=zero1", "parallel.ep=2"]}
+RESHARD_2 = {"fsdp2 ep=1": ["primitives.sharding=fsdp2", "parallel.ep=1"],
+             "zero1 ep=1": ["primitives.sharding=zero1", "parallel.ep=1"]}
+RESHARD_4 = {"fsdp2 ep=4": ["primitives.sharding=fsdp2", "parallel.ep=4"]}
+
+
+def config(out_dir, *extra):
+    return load_config(None, BASE + [*extra, f"train.out_dir={out_dir}"])
+
+
+def losses(cfg) -> tuple[int, list[float]]:
+    """(step the run started at, its per-step losses); losses are logged on rank 0 only."""
+    trainer = Trainer(cfg, stream=io.StringIO())
+    start = trainer.step
+    trainer.run()
+    return start, [r["loss"] for r in trainer.metrics.history]
+
+
+def step2(root, name):
+    return os.path.join(root, name, "checkpoints", "step_00000002")
+
+
+def _save_and_resume(rank, world, root):
+    """Per layout: an uninterrupted run (saving at steps 2 and 4), then a run resumed from
+    its step-2 checkpoint; then the fsdp2 ep=2 checkpoint resumed on 2-rank ep=1 layouts."""
+    out = {}
+    for name, layout in SAME_LAYOUT.items():
+        full = losses(config(f"{root}/{name}", *layout, "train.export_hf=true"))
+        resumed = losses(config(f"{root}/{name}-resumed", *layout, f"train.resume={step2(root, name)}"))
+        out[name] = (full, resumed)
+    for name, layout in RESHARD_2.items():
+        out[name] = losses(config(f"{root}/{name}", *layout, f"train.resume={step2(root, 'fsdp2 ep=2')}"))
+    return out
+
+
+def _resume(rank, world, root, layouts):
+    return {name: losses(config(f"{root}/{name}", *layout, f"train.resume={step2(root, 'fsdp2 ep=2')}"))
+            for name, layout in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    return root, run_distributed(_save_and_resume, 2, root)[0]
+
+
+def check_same(result, reference, rel):
+    (start, trace), ref = result, reference[SAVE:]
+    assert start == SAVE and len(trace) == len(ref) == STEPS - SAVE
+    if rel == 0:
+        assert trace == ref  # bit-identical
+    else:
+        assert trace == pytest.approx(ref, rel=rel)
+
+
+def test_resume_is_bit_identical_on_two_ranks(runs):
+    _, out = runs
+    for name in SAME_LAYOUT:
+        (start, full), resumed = out[name]
+        assert start == 0 and len(full) == STEPS
+        check_same(resumed, full, rel=0)
+
+
+def test_reshard_to_ep1_on_two_ranks(runs):
+    _, out = runs
+    reference = out["fsdp2 ep=2"][0][1]
+    for name in RESHARD_2:
+        check_same(out[name], reference, rel=1e-5)
+
+
+def test_export_at_the_end_of_a_sharded_run_equals_convert(runs, tmp_path):
+    root, _ = runs
+    for name in SAME_LAYOUT:
+        ckpt = os.path.join(root, name, "checkpoints", "step_00000004")
+        export_checkpoint(ckpt, str(tmp_path / name))
+        exported, converted = (load_file(os.path.join(d, "model.safetensors")) for d in
+                               (os.path.join(root, name, "hf"), tmp_path / name))
+        assert exported.keys() == converted.keys()
+        assert all(torch.equal(exported[k], converted[k]) for k in exported), name
+
+
+def test_reshard_to_ep4_on_four_ranks(runs):
+    root, out = runs
+    result = run_distributed(_resume, 4, root, RESHARD_4)[0]
+    check_same(result["fsdp2 ep=4"], out["fsdp2 ep=2"][0][1], rel=1e-5)
+
+
+def test_reshard_to_single_process(runs, tmp_path):
+    root, out = runs
+    result = losses(config(tmp_path, f"train.resume={step2(root, 'fsdp2 ep=2')}"))
+    check_same(result, out["fsdp2 ep=2"][0][1], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------ crash mid-save
+@record
+def _rank1_dies_in_second_save(cfg):
+    """Train with checkpoints; rank 1 exits abruptly right after writing its data of the
+    second save, before the save completes (no .metadata, no marker)."""
+    init_distributed(timeout_s=120)
+    if dist.get_rank() == 1:
+        write = FileSystemWriter.write_data
+        calls = []
+
+        def write_then_die(self, plan, planner):
+            future = write(self, plan, planner)
+            calls.append(1)
+            if len(calls) == 2:
+                future.wait()
+                os._exit(17)
+            return future
+
+        FileSystemWriter.write_data = write_then_die
+    Trainer(cfg, stream=io.StringIO()).run()
+
+
+def test_rank_killed_mid_save_keeps_previous_checkpoint(runs, tmp_path, capfd):
+    _, out = runs
+    cfg = config(tmp_path, *FSDP2_EP2)
+    assert launch_local(cfg, 2, worker=_rank1_dies_in_second_save) == 1
+    assert "rank 1 failed (exit 17)" in capfd.readouterr().err
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == [".tmp-step_00000004", "step_00000002"]
+    assert read_marker(str(ckpts / "step_00000002"))["step"] == 2  # complete, every file at its size
+    assert find_checkpoint("auto", str(tmp_path)) == str(ckpts / "step_00000002")
+    # the same run, resumed with "auto" (here in one process), finishes with the same losses
+    result = losses(config(tmp_path, *FSDP2_EP2[:1], "train.resume=auto"))
+    check_same(result, out["fsdp2 ep=2"][0][1], rel=1e-5)
+    assert sorted(os.listdir(ckpts)) == ["step_00000002", "step_00000004"]  # the stale temporary is gone
