@@ -13,6 +13,7 @@ V vocabulary, E experts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,8 +90,13 @@ class MoE(nn.Module):
         self.expert_fn = registry.get("experts", prims.experts).factory
         self.dispatch = dispatch
 
-    def _run_experts(self, x_NH, counts_E):
-        return self.experts(x_NH, counts_E, self.expert_fn)
+    def _run_experts(self, x_NH, counts_E, schedule=None):
+        """The experts primitive on rows sorted by expert. A dispatcher that schedules the expert
+        GEMMs itself (moe_comm = chunked) passes ``schedule(x, counts, w_gate_up, w_down, expert_fn=)``
+        instead: it runs once per layer inside ``Experts.forward`` (one FSDP2 all-gather)."""
+        if schedule is None:
+            return self.experts(x_NH, counts_E, self.expert_fn)
+        return self.experts(x_NH, counts_E, functools.partial(schedule, expert_fn=self.expert_fn))
 
     def forward(self, x_BTH):
         B, T, H = x_BTH.shape

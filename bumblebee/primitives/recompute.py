@@ -16,10 +16,21 @@ memory-hungry pieces (norm outputs, the attention core, the whole MoE block)
 are traded for compute while the rest of the layer keeps its activations.
 Gradients of every policy equal ``none`` exactly: the recomputed forward runs
 the same ops on the same inputs (RNG state is restored by ``checkpoint``).
+
+``in_recompute()`` tells a primitive that it is running inside such a recompute
+forward (set through ``checkpoint``'s ``context_fn``, per thread, only for the
+duration of the re-run). That run exists only to re-create the tensors autograd
+saved; its return value is discarded. A primitive may therefore skip work whose
+result feeds nothing but its own return value, provided the model does not feed
+that value into an op inside the checkpointed region that saves it for backward
+(in both model families the MoE output only enters additions). ``moe_comm =
+chunked`` uses this to skip its second expert GEMM and its combine all-to-all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable, Iterable
 
 from torch.utils.checkpoint import checkpoint
@@ -30,6 +41,29 @@ from bumblebee.registry import register
 # qwen3_moe calls norm / attn_core / moe / mlp; qwen3_5_moe adds linear_attn_core and
 # shared_expert; moe_act is for an experts primitive that recomputes its activation.
 MODULE_NAMES = ("norm", "attn_core", "moe", "moe_act", "mlp", "shared_expert", "linear_attn_core")
+
+# Dynamic scope, not configuration: True only on the thread re-running a checkpointed function.
+_RECOMPUTING = contextvars.ContextVar("bumblebee_recomputing", default=False)
+
+
+def in_recompute() -> bool:
+    """True inside the recompute forward of a checkpoint taken by a policy below."""
+    return _RECOMPUTING.get()
+
+
+@contextlib.contextmanager
+def _recomputing():
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
+def _checkpoint(fn: Callable, *args):
+    """Non-reentrant ``checkpoint`` whose recompute forward sees ``in_recompute() == True``."""
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=lambda: (contextlib.nullcontext(), _recomputing()))
 
 
 def check_module_names(modules: Iterable[str]) -> tuple[str, ...]:
@@ -63,7 +97,7 @@ class NoRecompute:
 @register("recompute", "full", summary="checkpoint every decoder layer; recompute it in backward")
 class FullRecompute(NoRecompute):
     def layer(self, fn: Callable, *args):
-        return checkpoint(fn, *args, use_reentrant=False)
+        return _checkpoint(fn, *args)
 
 
 @register("recompute", "selective", summary="checkpoint the named sub-modules (recompute_modules) only")
@@ -80,5 +114,5 @@ class SelectiveRecompute(NoRecompute):
     def module(self, name: str, fn: Callable, *args):
         assert name in MODULE_NAMES, f"model asked for unknown recompute module {name!r}"
         if name in self.selected:
-            return checkpoint(fn, *args, use_reentrant=False)
+            return _checkpoint(fn, *args)
         return fn(*args)

@@ -1,0 +1,296 @@
+"""Chunked expert-parallel overlap (slot ``moe_comm``, ``chunked``), valid under full recompute.
+
+``alltoall`` runs dispatch -> expert GEMMs -> combine one after the other, so both
+all-to-alls are exposed. Overlapping them across micro-batches (1F1B) does not
+work under full recompute, the default here; splitting the local tokens of one
+MoE layer into k chunks (``[primitives] moe_chunks``, 2..4) does. Per chunk c:
+own count exchange, dispatch all-to-all, grouped GEMMs, combine all-to-all, all
+issued asynchronously (gloo/CPU: ``async_op=True`` work handles; CUDA: a side
+communication stream joined by events), in this order (REFERENCE.md):
+
+  forward   comm:    counts 0..k-1 | dispatch 0, 1, ..., k-1 | combine 0 | combine 1 ...
+            compute:                 GEMM 0        | GEMM 1    | GEMM 2 ...
+            (dispatch c+1 runs under GEMM c, combine c under GEMM c+1)
+  backward  comm:    combine-bwd 0..k-1 | dispatch-bwd 0 | ... | dispatch-bwd k-1
+            compute:   dgrad 0 | dgrad 1 | ... | dgrad k-1 | wgrad (all chunks)
+            (expert weight gradients wait until after the last dgrad, so they
+            overlap the tail dispatch-bwd)
+
+Every rank takes part in every chunk's collectives, also with zero rows. The
+whole layer is one ``autograd.Function`` (so the backward order is ours, not the
+engine's), called once per layer inside ``Experts.forward`` through
+``MoE._run_experts(schedule=...)``: FSDP2 gathers the expert weights once per
+layer and reduce-scatters their gradients once. The SwiGLU maths is the one of
+``experts.py``, with ``torch._grouped_mm`` where ``experts = grouped`` would use
+it and the per-expert loop otherwise.
+
+Router weights (gradient placement). The forward weights and sums the k choices
+at home after the combine, exactly as ``alltoall``. Backward sends the
+*unweighted* output gradient g and the router weight w of each row to the
+experts; there dA' = g W_down (fc2 dgrad), grad w = <dA', a> (equal to <g, fc2(a)>
+because fc2 is linear), dA = w dA', dW_down = g^T (w a). So nothing in backward
+reads the expert output or the combined rows.
+
+Full recompute. Under ``recompute = full`` (or ``selective`` with ``moe``) the
+layer is re-run in backward only to re-create what autograd saved; the return
+value of that run is discarded (``recompute.in_recompute()``). What backward
+reads is saved: router weights, W_gate_up, W_down and per chunk the row order,
+the expert grouping, the fc1 input and fc1 output h. The recompute forward
+therefore runs routing, count exchanges, dispatch and fc1, and skips (a) the
+SwiGLU product and the fc2 GEMM (a is rebuilt from h in backward; fc2's output
+feeds only the combine), (b) the combine all-to-all and (c) the weighted sum,
+returning zeros [T, H] backed by one element. Safe because no saved tensor depends on
+them and the models only add the MoE output to the residual (an add saves
+nothing); the paired tests check gradients against ``alltoall`` under full.
+
+Legend: T local tokens, H hidden, K choices per token, E experts, L local experts,
+R ep ranks, N routed rows of a chunk at home (sorted by expert), M rows a chunk
+brings to this rank's experts (grouped by local expert), F expert FFN, G = 2F.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.profiler import record_function
+
+from bumblebee.primitives.moe.alltoall import regroup_by_expert
+from bumblebee.primitives.moe.experts import experts_grouped, experts_loop, grouped_mm_supported
+from bumblebee.primitives.moe.local import permute
+from bumblebee.primitives.recompute import in_recompute
+from bumblebee.registry import register
+
+CHUNKS = (2, 3, 4)
+
+
+class _Pending:
+    """One all-to-all in flight; ``wait()`` orders the caller after it and returns its output."""
+
+    def __init__(self, out, work=None, event=None, keep=None):
+        self.out, self.work, self.event, self.keep = out, work, event, keep
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        if self.event is not None:
+            torch.cuda.current_stream(self.out.device).wait_event(self.event)
+        self.keep = None  # the input may be freed (its memory reused) only after this point
+        return self.out
+
+
+@dataclass
+class _Comm:
+    """Asynchronous ``all_to_all_single`` over the ep group (splits None: even split)."""
+
+    group: object
+    ep: int
+    stream: object  # CUDA side stream, or None (work handles)
+
+    def a2a(self, x: torch.Tensor, send=None, recv=None) -> _Pending:
+        if self.ep == 1:
+            return _Pending(x)
+        x = x.contiguous()
+        out = torch.empty_like(x) if recv is None else x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        if self.stream is None:
+            work = dist.all_to_all_single(out, x, recv, send, group=self.group, async_op=True)
+            return _Pending(out, work=work, keep=x)
+        self.stream.wait_stream(torch.cuda.current_stream(x.device))  # x is ready
+        with torch.cuda.stream(self.stream):
+            dist.all_to_all_single(out, x, recv, send, group=self.group)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return _Pending(out, event=event, keep=x)
+
+
+class _Gemm:
+    """Expert GEMMs on rows grouped by local expert (``counts`` rows each)."""
+
+    def __init__(self, counts: list[int], grouped: bool, device):
+        self.counts, self.grouped = counts, grouped
+        if grouped:
+            self.offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+
+    def _loop(self, x, width, fn):
+        parts, start = [], 0
+        for e, n in enumerate(self.counts):
+            if n:
+                parts.append(fn(e, x[start:start + n]))
+                start += n
+        return torch.cat(parts) if parts else x.new_zeros(0, width)
+
+    def fwd(self, x_MI, w_EOI):  # y_m = W_e x_m -> [M, O]
+        if self.grouped:
+            return torch._grouped_mm(x_MI, w_EOI.transpose(-2, -1), offs=self.offs)
+        return self._loop(x_MI, w_EOI.shape[1], lambda e, x: F.linear(x, w_EOI[e]))
+
+    def dgrad(self, g_MO, w_EOI):  # dx_m = W_e^T g_m -> [M, I]
+        if self.grouped:
+            return torch._grouped_mm(g_MO, w_EOI, offs=self.offs)
+        return self._loop(g_MO, w_EOI.shape[2], lambda e, g: g @ w_EOI[e])
+
+    def wgrad(self, g_MO, x_MI):  # dW_e = sum_m g_m x_m^T -> [E, O, I]
+        if self.grouped:
+            return torch._grouped_mm(g_MO.t(), x_MI, offs=self.offs)
+        out, start = g_MO.new_zeros(len(self.counts), g_MO.shape[1], x_MI.shape[1]), 0
+        for e, n in enumerate(self.counts):
+            out[e] = g_MO[start:start + n].t() @ x_MI[start:start + n]
+            start += n
+        return out
+
+
+@dataclass
+class _Setup:
+    num_experts: int
+    num_chunks: int
+    comm: _Comm
+    grouped: bool
+    recompute: bool  # inside a recompute forward: skip what only the discarded output needs
+
+
+def _bounds(T: int, k: int):
+    sizes = [T // k + (i < T % k) for i in range(k)]
+    starts = [sum(sizes[:i]) for i in range(k)]
+    return [(s, s + n) for s, n in zip(starts, sizes)]
+
+
+class _ChunkedExperts(torch.autograd.Function):
+    """x_TH, weight_TK, W_gate_up, W_down -> y_TH for one MoE layer, in k chunks."""
+
+    @staticmethod
+    def forward(ctx, x_TH, weight_TK, w1_EGH, w2_EHF, idx_TK, s: _Setup):
+        (T, K), H, ep = idx_TK.shape, x_TH.shape[1], s.comm.ep
+        chunks = []  # per chunk: [lo, hi, order_N, pending counts / send, recv, local, by_expert]
+        for lo, hi in _bounds(T, s.num_chunks):
+            order_N, counts_E = permute(idx_TK[lo:hi], s.num_experts)
+            chunks.append([lo, hi, order_N, s.comm.a2a(counts_E), counts_E])
+        pending_x = []
+        for i, c in enumerate(chunks):  # host-side splits of chunk i, then issue its dispatch
+            with record_function(f"chunked.fwd.dispatch_issue{i}"):
+                lo, hi, order_N, counts_pending, counts_E = c
+                recv_RL = counts_pending.wait().view(ep, -1).cpu()
+                send, recv = counts_E.view(ep, -1).sum(1).tolist(), recv_RL.sum(1).tolist()
+                by_expert = regroup_by_expert(recv_RL).to(x_TH.device, non_blocking=True)
+                c[3:] = [send, recv, recv_RL.sum(0).tolist(), by_expert]
+                pending_x.append(s.comm.a2a(x_TH[lo:hi][order_N // K], send, recv))
+        saved, pending_y = [], []
+        for i, (c, px) in enumerate(zip(chunks, pending_x)):
+            lo, hi, order_N, send, recv, local, by_expert = c
+            with record_function(f"chunked.fwd.dispatch_wait{i}"):
+                x_recv = px.wait()
+            with record_function(f"chunked.fwd.gemm{i}"):
+                gemm = _Gemm(local, s.grouped, x_TH.device)
+                x_MH = x_recv[by_expert]
+                h_MG = gemm.fwd(x_MH, w1_EGH)
+                saved += [order_N, by_expert, x_MH, h_MG]
+                if s.recompute:  # fc2 and the combine feed only the discarded output
+                    continue
+                gate, up = h_MG.chunk(2, dim=-1)
+                y_MH = gemm.fwd(F.silu(gate) * up, w2_EHF)
+                y_recv = torch.empty_like(y_MH).index_copy_(0, by_expert, y_MH)
+            pending_y.append(s.comm.a2a(y_recv, recv, send))
+        ctx.save_for_backward(weight_TK, w1_EGH, w2_EHF, *saved)
+        ctx.meta = [(c[0], c[1], c[3], c[4], c[5]) for c in chunks]  # lo, hi, send, recv, local
+        ctx.setup, ctx.K = s, K
+        if s.recompute:  # zeros backed by one element (not a view: FSDP2 warns about views)
+            return torch.empty_strided((T, H), (0, 0), dtype=x_TH.dtype, device=x_TH.device).zero_()
+        y_TH = x_TH.new_empty(T, H)
+        for i, ((lo, hi, order_N, *_), py) in enumerate(zip(chunks, pending_y)):
+            with record_function(f"chunked.fwd.combine_wait{i}"):
+                y_back = py.wait()
+            rows = torch.empty_like(y_back).index_copy_(0, order_N, y_back).view(hi - lo, K, H)
+            torch.sum(rows * weight_TK[lo:hi, :, None].to(rows.dtype), dim=1, out=y_TH[lo:hi])
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, g_TH):
+        s, K = ctx.setup, ctx.K
+        weight_TK, w1_EGH, w2_EHF, *saved = ctx.saved_tensors  # under checkpoint: recomputes the layer
+        per_chunk = [saved[4 * i:4 * i + 4] for i in range(len(ctx.meta))]
+        need_x, need_w, need_w1, need_w2 = ctx.needs_input_grad[:4]
+        g_TH, (T, H) = g_TH.contiguous(), g_TH.shape
+        sent = []  # 1. combine-backward: unweighted output gradients (+ router weights) to the experts
+        for (lo, hi, send, recv, _), (order_N, *_) in zip(ctx.meta, per_chunk):
+            w_N = weight_TK[lo:hi].reshape(-1)[order_N].to(g_TH.dtype)
+            sent.append((s.comm.a2a(g_TH[lo:hi][order_N // K], send, recv), s.comm.a2a(w_N, send, recv)))
+        later, back = [], []
+        for i, ((lo, hi, send, recv, local), (_, by_expert, x_MH, h_MG), (pg, pw)) in enumerate(
+                zip(ctx.meta, per_chunk, sent)):
+            with record_function(f"chunked.bwd.combine_wait{i}"):
+                g_MH, w_M = pg.wait()[by_expert], pw.wait()[by_expert, None]
+            with record_function(f"chunked.bwd.dgrad{i}"):  # 2. expert dgrad of chunk i
+                gemm = _Gemm(local, s.grouped, g_TH.device)
+                gate, up = h_MG.chunk(2, dim=-1)
+                sig = torch.sigmoid(gate)
+                silu = gate * sig
+                a_MF = silu * up
+                dA_MF = gemm.dgrad(g_MH, w2_EHF)  # unweighted: g W_down
+                dw_M = (dA_MF * a_MF).sum(-1)  # router-weight gradient <g, fc2(a)>
+                dA_MF = dA_MF * w_M
+                dh_MG = torch.cat([dA_MF * up * sig * (1 + gate * (1 - sig)), dA_MF * silu], dim=-1)
+                dx_MH = gemm.dgrad(dh_MG, w1_EGH)
+                later.append((gemm, x_MH, dh_MG, g_MH, a_MF * w_M))
+                dx_recv = torch.empty_like(dx_MH).index_copy_(0, by_expert, dx_MH)
+                dw_recv = torch.empty_like(dw_M).index_copy_(0, by_expert, dw_M)
+            back.append((s.comm.a2a(dx_recv, recv, send), s.comm.a2a(dw_recv, recv, send)))
+        dw1 = dw2 = None
+        with record_function("chunked.bwd.wgrad"):  # 3. delayed wgrad, under the tail dispatch-bwd
+            for gemm, x_MH, dh_MG, g_MH, aw_MF in later:
+                if need_w1:
+                    dw1 = gemm.wgrad(dh_MG, x_MH) if dw1 is None else dw1 + gemm.wgrad(dh_MG, x_MH)
+                if need_w2:
+                    dw2 = gemm.wgrad(g_MH, aw_MF) if dw2 is None else dw2 + gemm.wgrad(g_MH, aw_MF)
+            later.clear()
+        dx_TH, dweight_TK = g_TH.new_empty(T, H), torch.empty_like(weight_TK)
+        for i, ((lo, hi, *_), (order_N, *_), (px, pw)) in enumerate(zip(ctx.meta, per_chunk, back)):
+            with record_function(f"chunked.bwd.dispatch_wait{i}"):  # 4. back home, sum over choices
+                dx_N, dw_N = px.wait(), pw.wait()
+            rows = torch.empty_like(dx_N).index_copy_(0, order_N, dx_N).view(hi - lo, K, H)
+            torch.sum(rows, dim=1, out=dx_TH[lo:hi])
+            dweight_TK[lo:hi] = torch.empty_like(dw_N).index_copy_(0, order_N, dw_N).view(hi - lo, K)
+        return (dx_TH if need_x else None, dweight_TK if need_w else None, dw1, dw2, None, None)
+
+
+@register("moe_comm", "chunked", summary="k token chunks; async dispatch/combine under the expert GEMMs")
+class ChunkedDispatch:
+    def __init__(self, num_experts: int, ep_group=None, num_chunks: int = 2, **_unused):
+        if isinstance(num_chunks, bool) or num_chunks not in CHUNKS:
+            from bumblebee.config import ConfigError  # lazily, as registry.get does
+
+            raise ConfigError(f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', got "
+                              f"{num_chunks!r}")
+        self.num_experts, self.num_chunks, self.group = num_experts, num_chunks, ep_group
+        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        if num_experts % self.ep:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})")
+        self._streams = {}  # device -> CUDA communication stream
+
+    def __call__(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
+                 expert_fn) -> torch.Tensor:
+        if "schedule" not in inspect.signature(expert_fn).parameters:
+            raise ValueError("moe_comm = 'chunked' schedules the expert GEMMs itself and needs an expert_fn "
+                             "accepting schedule= (the MoE block's _run_experts)")
+        schedule = functools.partial(self._schedule, idx_TK=idx_TK, weight_TK=weight_TK)
+        return expert_fn(x_TH, None, schedule=schedule)
+
+    def _schedule(self, x_TH, _counts, w_gate_up_EGH, w_down_EHF, *, idx_TK, weight_TK, expert_fn):
+        """Runs inside ``Experts.forward`` with the (gathered) weights of this rank's experts."""
+        if expert_fn is experts_loop:
+            grouped = False
+        elif expert_fn is experts_grouped:
+            grouped = grouped_mm_supported(x_TH)
+        else:
+            raise ValueError("moe_comm = 'chunked' runs the SwiGLU expert GEMMs itself (split dgrad / wgrad); "
+                             "it supports experts = 'loop' or 'grouped'")
+        stream = None
+        if x_TH.device.type == "cuda" and self.ep > 1:
+            stream = self._streams.setdefault(x_TH.device, torch.cuda.Stream(x_TH.device))
+        setup = _Setup(self.num_experts, self.num_chunks, _Comm(self.group, self.ep, stream), grouped,
+                       recompute=in_recompute())
+        dtype = x_TH.dtype  # the experts' compute dtype (Experts.forward applied autocast)
+        return _ChunkedExperts.apply(x_TH, weight_TK, w_gate_up_EGH.to(dtype), w_down_EHF.to(dtype),
+                                     idx_TK, setup)
