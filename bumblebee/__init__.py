@@ -1,6 +1,7 @@
 """bumblebee: long-context Mixture-of-Experts training in pure PyTorch.
 
-Public API (stable): ``from_hf``, ``to_hf``, ``load_config``, ``build_model``.
+Public API (stable): ``from_hf``, ``to_hf``, ``load_config``, ``build_model``; ``Engine``
+(the RL actor, ``bumblebee.rl.actor``), imported on first use.
 """
 
 from bumblebee.config import Config, ConfigError, load_config
@@ -8,4 +9,12 @@ from bumblebee.models import build_model
 from bumblebee.models.hf import from_hf, to_hf
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "load_config", "build_model", "from_hf", "to_hf", "__version__"]
+__all__ = ["Config", "ConfigError", "load_config", "build_model", "from_hf", "to_hf", "Engine", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "Engine":  # lazy: the RL actor pulls in the runtime
+        from bumblebee.rl.actor import Engine
+
+        return Engine
+    raise AttributeError(f"module 'bumblebee' has no attribute {name!r}")

@@ -115,11 +115,25 @@ def _convert_run(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ rl
+def _rl_args(p: argparse.ArgumentParser) -> None:
+    from bumblebee.rl.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _rl_run(args) -> int:
+    from bumblebee.rl.cli import run
+
+    return run(args)
+
+
 SUBCOMMANDS = {
     "train": ("train a model (no arguments: the embedded default run on CPU)", _train_args, _train_run),
     "primitives": ("list every primitive slot and its implementations", _primitives_args, _primitives_run),
     "convert": ("export a training checkpoint (--to hf: a Hugging Face directory)", _convert_args, _convert_run),
     "plan": ("plan a layout: per-GPU memory, predicted throughput, the default recipe (no GPU)", _plan_args, _plan_run),
+    "rl": ("warm-up + GRPO on a built-in verifiable task (no arguments: a tiny model on CPU)", _rl_args, _rl_run),
     "pair": ("run two implementations of one primitive slot side by side and compare them step by step",
              _pair_args, _pair_run),
 }

@@ -1,0 +1,249 @@
+"""``bumblebee.Engine``: the training side of an RL loop, the surface an RL framework drives.
+
+Rollouts come from elsewhere (an inference engine, or ``rl/sampler.py``); the
+Engine scores them and updates the policy, on any layout the runtime supports
+(single process, or under torchrun with fsdp2 / zero1 and expert parallelism):
+
+    engine = Engine(cfg, hf_path=None)               # model, sharding, optimizer (runtime pieces)
+    lp = engine.compute_logprobs(batch, entropy=True)  # forward only, token-aligned [B, T]
+    metrics = engine.train_step(batch, loss_fn=PolicyLoss(...))  # one optimizer step
+    for name, tensor in engine.named_weights(): ...   # full HF-named tensors -> rollout engine
+    engine.export_hf(dir); engine.save(dir); engine.load(dir); engine.offload(); engine.onload()
+
+Every rank passes the same *global* batch (``rl/batch.py``: packed sequences, loss
+mask, advantages, old/reference log-probs); the Engine gives each data-parallel rank
+its rows (padding the batch with empty rows when it does not split evenly) and runs
+them in micro-batches of ``train.micro_batch`` rows. Aggregation weights are computed
+on the global batch first (``losses.aggregation_weights``), so each micro-batch's loss
+is its exact share of the global loss and the summed gradients -- the sharding
+primitives' convention -- are those of the full batch, whatever the layout.
+Log-probs never materialize ``[tokens, vocab]`` (``losses.token_logprobs``).
+
+Calls that touch the model are collective: every rank must make them, in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bumblebee import registry
+from bumblebee.config import Config, ConfigError
+from bumblebee.models.hf import hf_state_dict, to_hf
+from bumblebee.primitives.parallel import ParallelGroups
+from bumblebee.primitives.sharding import ShardingGroups
+from bumblebee.primitives.sharding.common import full_named_parameters
+from bumblebee.rl.batch import IGNORE, RLBatch, has_prefix, sequence_ids, shift_left, shift_right
+from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_weights, token_logprobs
+from bumblebee.rl.state import load_rank_state, move_state, rank_state
+from bumblebee.runtime.optim import lr_at, set_lr
+from bumblebee.runtime.trainer import build_initial_model, build_parallel_context, pick_device, seed_everything
+
+_OPTIONAL = ("advantages", "old_logprobs", "ref_logprobs")
+
+
+@dataclass
+class LogProbs:
+    logprobs: torch.Tensor  # [B, T] log p(token | its prefix), 0 where there is no prefix
+    entropy: torch.Tensor | None = None  # [B, T] entropy of the distribution the token came from
+
+
+class _FullModel:
+    """A model's architecture plus its full (gathered) parameters, as ``hf_state_dict`` reads them."""
+
+    def __init__(self, arch, named):
+        self.arch, self._named = arch, named
+
+    def named_parameters(self):
+        return self._named
+
+
+def _positions(batch: RLBatch, agg: str | None) -> dict[str, torch.Tensor]:
+    """Global batch -> [B, T] tensors at prediction positions. ``agg``: the training view
+    (targets only where trained, aggregation weights); None: every token with a prefix."""
+    prefix = has_prefix(batch.position_ids)
+    trained = batch.loss_mask & prefix if agg else prefix
+    out = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
+           "targets": shift_left(torch.where(trained, batch.input_ids, IGNORE), IGNORE)}
+    if agg:
+        out["weights"] = shift_left(aggregation_weights(trained, sequence_ids(batch.position_ids), agg))
+        for name in _OPTIONAL:
+            t = getattr(batch, name)
+            if t is not None:  # zero off the mask: garbage there must not reach the loss
+                out[name] = shift_left(torch.where(trained, t.float(), 0.0))
+    return out
+
+
+class Engine:
+    def __init__(self, cfg: Config, hf_path: str | None = None, *, device: torch.device | None = None,
+                 temperature: float = 1.0):
+        if hf_path:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=hf_path))
+        if temperature <= 0:
+            raise ConfigError(f"temperature must be > 0, got {temperature}")
+        self.cfg, self.temperature = cfg, temperature
+        self.device = device or pick_device()
+        self.ctx = build_parallel_context(cfg, self.device)
+        seed_everything(cfg.train.seed, cfg.train.deterministic)
+        ctx = self.ctx
+        model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group))
+        groups = ShardingGroups(dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
+                                expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
+                                ep_group=ctx.ep_group)
+        self.sharding = registry.get("sharding", cfg.primitives.sharding).factory(groups, cfg.train)
+        self.model = self.sharding.wrap(model)
+        self.arch = self.model.arch
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.train.dtype == "bfloat16"
+                         else contextlib.nullcontext())
+        self.step = 0
+        self.offloaded = False
+
+    # ------------------------------------------------------------------ rows of this rank
+    @property
+    def _dp(self) -> int:
+        return self.ctx.layout.dp_shard
+
+    def _local(self, P: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        """This data-parallel rank's rows (the batch padded with empty rows to split evenly)."""
+        B, T = P["input_ids"].shape
+        rows = -(-B // self._dp)
+        pad = rows * self._dp - B
+        if pad:
+            fill = {"targets": IGNORE}
+            P = {k: torch.cat([v, torch.full((pad, T), fill.get(k, 0), dtype=v.dtype, device=v.device)])
+                 for k, v in P.items()}
+            P["position_ids"][B:] = torch.arange(T, device=P["position_ids"].device)
+        r = self.ctx.dp_rank
+        return {k: v[r * rows:(r + 1) * rows].to(self.device) for k, v in P.items()}, rows
+
+    def _micro_batches(self, local: dict[str, torch.Tensor], rows: int):
+        m = self.cfg.train.micro_batch
+        for i in range(0, rows, m):
+            yield {k: v[i:i + m] for k, v in local.items()}
+
+    def _scores(self, mb: dict[str, torch.Tensor], with_entropy: bool):
+        """Forward one micro-batch: (logp [b, T], entropy [b, T] or None, balance loss)."""
+        with self.autocast:
+            h_BTH, aux = self.model.hidden_states(mb["input_ids"], mb["position_ids"])
+            logp_T, ent_T = token_logprobs(h_BTH.reshape(-1, h_BTH.shape[-1]), self.model.lm_head_weight,
+                                           mb["targets"].reshape(-1), temperature=self.temperature,
+                                           with_entropy=with_entropy)
+        shape = mb["targets"].shape
+        return logp_T.view(shape), None if ent_T is None else ent_T.view(shape), aux
+
+    def _check_onloaded(self) -> None:
+        if self.offloaded:
+            raise RuntimeError("the Engine is offloaded; call onload() before using the model")
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RLBatch, entropy: bool = False) -> LogProbs:
+        """Token-aligned log-probs (and entropies) of ``batch`` under the current policy,
+        forward only; the full [B, T] result on every rank, on the batch's device."""
+        self._check_onloaded()
+        local, rows = self._local(_positions(batch, None))
+        parts = [self._scores(mb, entropy)[:2] for mb in self._micro_batches(local, rows)]
+        out = [torch.cat([p[k] for p in parts]).float() for k in range(2 if entropy else 1)]
+        if self.ctx.distributed and self._dp > 1:  # every rank gets every row
+            group = self.ctx.dense.get_group("dp_shard")
+            for k, t in enumerate(out):
+                chunks = [torch.empty_like(t) for _ in range(self._dp)]
+                dist.all_gather(chunks, t.contiguous(), group=group)
+                out[k] = torch.cat(chunks)
+        prefix = has_prefix(batch.position_ids).to(self.device)
+        B = batch.rows
+        res = [torch.where(prefix, shift_right(t[:B]), 0.0).to(batch.input_ids.device) for t in out]
+        return LogProbs(res[0], res[1] if entropy else None)
+
+    # ------------------------------------------------------------------ update
+    def train_step(self, batch: RLBatch, loss_fn=None, *, lr: float | None = None) -> dict:
+        """One optimizer step on ``batch`` (micro-batched); returns the step's metrics.
+        ``loss_fn(PolicyInputs) -> (loss share, {name: sum over masked tokens})``, with
+        attributes ``agg`` and ``needs_entropy`` (default: ``PolicyLoss()``, PPO/GRPO)."""
+        self._check_onloaded()
+        loss_fn = loss_fn if loss_fn is not None else PolicyLoss()
+        t, start = self.cfg.train, time.perf_counter()
+        P = _positions(batch, getattr(loss_fn, "agg", "token-mean"))
+        n_tokens = int((P["targets"] != IGNORE).sum())
+        local, rows = self._local(P)
+        n_micro = -(-rows // t.micro_batch)
+        aux_scale = self.arch.router_aux_loss_coef / (n_micro * self._dp * self.ctx.layout.cp)
+        loss_sum = torch.zeros((), device=self.device)
+        stat_sums: dict[str, torch.Tensor] = {}
+        for i, mb in enumerate(self._micro_batches(local, rows)):
+            self.sharding.set_grad_sync(i == n_micro - 1)
+            logp, ent, aux = self._scores(mb, getattr(loss_fn, "needs_entropy", False))
+            mask = mb["targets"] != IGNORE
+            x = PolicyInputs(logp, ent, mask, mb["weights"], *(mb.get(k) for k in _OPTIONAL))
+            loss, stats = loss_fn(x)
+            (loss + aux_scale * aux).backward()
+            loss_sum += loss.detach().float()
+            for k, v in stats.items():
+                stat_sums[k] = stat_sums.get(k, 0.0) + v.detach().float()
+        self.sharding.reduce_grads()
+        grad_norm = self.sharding.clip_grad_norm(t.clip_grad if t.clip_grad > 0 else float("inf"))
+        lr = lr_at(self.step, t) if lr is None else lr
+        set_lr(self.sharding, lr)
+        self.sharding.step()
+        self.sharding.zero_grad()
+        self.step += 1
+        names = sorted(stat_sums)
+        totals = torch.stack([loss_sum] + [stat_sums[k] for k in names])
+        if self.ctx.distributed:  # sums over every rank's tokens
+            dist.all_reduce(totals, group=self.ctx.dp_cp_group)
+        metrics = {"step": self.step, "loss": float(totals[0]), "grad_norm": float(grad_norm), "lr": lr,
+                   "tokens": n_tokens}
+        metrics.update({k: float(v) / max(n_tokens, 1) for k, v in zip(names, totals[1:])})  # token means
+        metrics["step_time_s"] = time.perf_counter() - start
+        return metrics
+
+    # ------------------------------------------------------------------ weights out
+    def named_weights(self, *, hf_names: bool = True):
+        """Stream (name, full tensor) for every parameter: HF names (experts split per
+        expert) by default, bumblebee names with ``hf_names=False``. Collective: every
+        rank must iterate to the end; each tensor is valid until the next one is asked for."""
+        self._check_onloaded()
+        named = full_named_parameters(self.model, self.ctx.ep_group)
+        return hf_state_dict(_FullModel(self.arch, named)) if hf_names else named
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write a HF directory (config.json + safetensors) from rank 0. Collective."""
+        if self.ctx.rank == 0:
+            to_hf(_FullModel(self.arch, self.named_weights(hf_names=False)), out_dir)
+        else:
+            for _ in self.named_weights(hf_names=False):
+                pass
+        self._barrier()
+
+    # ------------------------------------------------------------------ checkpoint and memory
+    def save(self, path: str) -> None:
+        """Resumable state (parameters, optimizer, step), one file per rank. Collective."""
+        os.makedirs(path, exist_ok=True)
+        torch.save(rank_state(self), os.path.join(path, f"rank{self.ctx.rank:05d}.pt"))
+        self._barrier()
+
+    def load(self, path: str) -> None:
+        """Restore what ``save`` wrote, on the same layout and sharding. Collective."""
+        load_rank_state(self, os.path.join(path, f"rank{self.ctx.rank:05d}.pt"))
+        self._barrier()
+
+    def offload(self) -> None:
+        """Move parameters and optimizer state to host memory (between RL phases)."""
+        move_state(self, torch.device("cpu"))
+        self.offloaded = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        move_state(self, self.device)
+        self.offloaded = False
+
+    def _barrier(self) -> None:
+        if self.ctx.distributed:
+            dist.barrier()

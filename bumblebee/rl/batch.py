@@ -1,0 +1,143 @@
+"""RL batches: packed variable-length sequences with loss masks, advantages and log-probs.
+
+A rollout batch is a list of sequences (prompt + response) of different lengths,
+packed back to back into rows of ``seq_len`` tokens as in ``data/packing.py``:
+``position_ids`` restart at 0 at every sequence, which is what separates them for
+attention; the tail of a row is a padding pseudo-sequence.
+
+Alignment: every per-token tensor is aligned to ``input_ids``. ``x[b, t]`` concerns
+the token ``input_ids[b, t]``: its log-probability given its prefix *within its
+sequence*, whether the update trains on it (``loss_mask``: response tokens), its
+advantage, and its log-probability under the behaviour (old) and reference
+policies. A sequence's first token has no prefix: its log-prob is 0 and it is
+never trained. This is the convention ``Engine.compute_logprobs`` returns.
+
+The model predicts token ``t + 1`` at position ``t``; ``shift_left`` moves token-aligned
+values to those prediction positions and ``shift_right`` brings results back.
+
+Legend: B rows, T tokens per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+IGNORE = -100
+
+
+@dataclass
+class RLBatch:
+    input_ids: torch.Tensor  # [B, T] int64
+    position_ids: torch.Tensor  # [B, T] int64, restart at 0 per sequence
+    loss_mask: torch.Tensor  # [B, T] bool: tokens the update trains on
+    advantages: torch.Tensor | None = None  # [B, T] float32
+    old_logprobs: torch.Tensor | None = None  # [B, T] float32, behaviour policy
+    ref_logprobs: torch.Tensor | None = None  # [B, T] float32, reference policy (KL penalty)
+    seq_index: torch.Tensor | None = None  # [B, T] int64: packed sequence index, -1 on padding
+
+    def __post_init__(self):
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [rows, seq_len], got shape {tuple(self.input_ids.shape)}")
+        shape = self.input_ids.shape
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is not None and t.shape != shape:
+                raise ValueError(f"RLBatch.{f.name} has shape {tuple(t.shape)}, expected {tuple(shape)} "
+                                 "(every per-token tensor is aligned to input_ids)")
+        self.loss_mask = self.loss_mask.bool()
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def replace(self, **changes) -> "RLBatch":
+        return dataclasses.replace(self, **changes)
+
+    def select_rows(self, start: int, stop: int) -> "RLBatch":
+        return RLBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]
+                          for f in dataclasses.fields(self)})
+
+    def unpack(self, values_BT: torch.Tensor) -> list[torch.Tensor]:
+        """Per-sequence slices of a token-aligned tensor, in packing order (needs ``seq_index``)."""
+        if self.seq_index is None:
+            raise ValueError("unpack needs seq_index (batches from pack_sequences have it)")
+        n = int(self.seq_index.max()) + 1 if self.seq_index.numel() else 0
+        return [values_BT[self.seq_index == i] for i in range(n)]
+
+
+def pack_sequences(tokens: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]], seq_len: int, *,
+                   advantages=None, old_logprobs=None, ref_logprobs=None, pad_id: int = 0) -> RLBatch:
+    """Pack sequences first-fit, in order, into rows of ``seq_len`` tokens.
+    ``advantages``: one float per sequence (broadcast over its tokens) or one list per
+    sequence; ``old_logprobs`` / ``ref_logprobs``: one list per sequence (token-aligned)."""
+    n = len(tokens)
+    if len(loss_masks) != n:
+        raise ValueError(f"{n} sequences but {len(loss_masks)} loss masks")
+    for i, (t, m) in enumerate(zip(tokens, loss_masks)):
+        if not 0 < len(t) <= seq_len or len(m) != len(t):
+            raise ValueError(f"sequence {i}: length {len(t)} (mask {len(m)}) must be in 1..seq_len={seq_len}")
+    rows: list[list[int]] = []  # sequence indices per row
+    free: list[int] = []
+    for i, t in enumerate(tokens):
+        row = next((r for r, f in enumerate(free) if f >= len(t)), None)
+        if row is None:
+            rows.append([])
+            free.append(seq_len)
+            row = len(rows) - 1
+        rows[row].append(i)
+        free[row] -= len(t)
+    B = len(rows)
+    ids = torch.full((B, seq_len), pad_id, dtype=torch.long)
+    pos = torch.zeros(B, seq_len, dtype=torch.long)
+    mask = torch.zeros(B, seq_len, dtype=torch.bool)
+    index = torch.full((B, seq_len), -1, dtype=torch.long)
+    fields = {"advantages": advantages, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
+    out = {k: None if v is None else torch.zeros(B, seq_len) for k, v in fields.items()}
+    for b, members in enumerate(rows):
+        at = 0
+        for i in members:
+            L = len(tokens[i])
+            s = slice(at, at + L)
+            ids[b, s] = torch.as_tensor(tokens[i], dtype=torch.long)
+            pos[b, s] = torch.arange(L)
+            mask[b, s] = torch.as_tensor(loss_masks[i], dtype=torch.bool)
+            index[b, s] = i
+            for k, v in fields.items():
+                if v is not None:
+                    out[k][b, s] = torch.as_tensor(v[i], dtype=torch.float32)  # a float broadcasts
+            at += L
+        pos[b, at:] = torch.arange(seq_len - at)  # padding: its own pseudo-sequence
+    return RLBatch(ids, pos, mask, seq_index=index, **out)
+
+
+# ------------------------------------------------------------------------------ alignment helpers
+def has_prefix(position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the token continues a sequence (it has a predecessor in it)."""
+    out = torch.zeros_like(position_ids_BT, dtype=torch.bool)
+    out[:, 1:] = position_ids_BT[:, 1:] == position_ids_BT[:, :-1] + 1
+    return out
+
+
+def sequence_ids(position_ids_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T] int64, equal exactly within one packed sequence (distinct across rows)."""
+    B, T = position_ids_BT.shape
+    starts = ~has_prefix(position_ids_BT)
+    return torch.cumsum(starts.long(), dim=1) - 1 + torch.arange(B, device=starts.device)[:, None] * T
+
+
+def shift_left(x_BT: torch.Tensor, fill=0) -> torch.Tensor:
+    """Token-aligned -> prediction positions: ``out[:, t] = x[:, t + 1]``."""
+    out = torch.full_like(x_BT, fill)
+    out[:, :-1] = x_BT[:, 1:]
+    return out
+
+
+def shift_right(x_BT: torch.Tensor, fill=0) -> torch.Tensor:
+    """Prediction positions -> token-aligned: ``out[:, t] = x[:, t - 1]``."""
+    out = torch.full_like(x_BT, fill)
+    out[:, 1:] = x_BT[:, :-1]
+    return out

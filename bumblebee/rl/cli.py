@@ -1,0 +1,167 @@
+"""``bumblebee rl``: arguments, configuration (run config + ``RLConfig``), launch, plot.
+
+Configuration, lowest to highest precedence: the RL defaults below (a smaller tiny
+model and optimizer settings suited to the toy task), the ``--config`` TOML file,
+then ``--set`` overrides. Keys under ``rl.`` (``--set rl.steps=40`` or an ``[rl]``
+table) go to ``RLConfig``; everything else is the ordinary run config, validated by
+``load_config``. ``--plot out.png`` draws the reward curve (matplotlib, imported only
+when asked for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import get_type_hints
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from bumblebee.config import ConfigError, load_config, parse_override
+from bumblebee.rl.run import RLConfig, run as run_rl
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# the run config of the embedded RL run, before the user's file and overrides
+RL_DEFAULTS = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.num_attention_heads=4",
+               "model.arch.num_key_value_heads=2", "model.arch.head_dim=16", "model.arch.num_experts=4",
+               "model.arch.moe_intermediate_size=64", "train.micro_batch=16", "train.global_batch=32",
+               "train.weight_decay=0.0", "train.clip_grad=1.0", "train.out_dir=runs/rl"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="F", help="TOML config file; an [rl] table sets RLConfig")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one value, e.g. --set rl.steps=40 or --set train.lr=1e-3 (repeatable)")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="local ranks to start (torch.distributed elastic); under torchrun leave it out")
+    p.add_argument("--plot", metavar="OUT.png", help="write a PNG of the reward curve (needs matplotlib)")
+
+
+def _flatten(prefix: str, value) -> list[str]:
+    if isinstance(value, dict):
+        return [item for k, v in value.items() for item in _flatten(f"{prefix}.{k}", v)]
+    return [f"{prefix}={json.dumps(value)}"]  # JSON scalars and arrays are TOML literals
+
+
+def _set_rl(rl: RLConfig, key: str, value, where: str) -> None:
+    hints = get_type_hints(RLConfig)
+    if key not in hints:
+        raise ConfigError(f"{where}: unknown key rl.{key}; valid: {', '.join(hints)}")
+    hint = hints[key]
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = float(value)
+    elif not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+        raise ConfigError(f"{where}: rl.{key} expects {hint.__name__}, got {value!r}")
+    setattr(rl, key, value)
+
+
+def load_configs(path: str | None, overrides: list[str]):
+    """(run Config, RLConfig) from the defaults, an optional TOML file and ``--set`` items."""
+    data = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    rl = RLConfig()
+    rl_table = data.pop("rl", {})
+    if not isinstance(rl_table, dict):
+        raise ConfigError(f"{path}: [rl] must be a table")
+    for key, value in rl_table.items():
+        _set_rl(rl, key, value, path)
+    rest = []
+    for item in overrides:
+        keys, value = parse_override(item)
+        if keys[0] == "rl":
+            if len(keys) != 2:
+                raise ConfigError(f"--set {item!r}: expected rl.key=value")
+            _set_rl(rl, keys[1], value, "--set")
+        else:
+            rest.append(item)
+    file_items = [x for section, table in data.items() for x in _flatten(section, table)]
+    cfg = load_config(None, RL_DEFAULTS + file_items + rest)
+    rl.validate()
+    return cfg, rl
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib, which is not a bumblebee dependency: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_rewards(metrics_path: str, out_png: str) -> None:
+    """Mean reward and exact-match rate of the sampled rollouts per GRPO step."""
+    plt = _pyplot()
+    with open(metrics_path) as f:
+        recs = [r for r in map(json.loads, f) if r.get("phase") == "grpo"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [r["step"] for r in recs]
+    ax.plot(steps, [r["reward"] for r in recs], label="mean reward")
+    ax.plot(steps, [r["accuracy"] for r in recs], label="exact-match rate", alpha=0.6)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("bumblebee rl: reward of sampled rollouts")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
+@record
+def _worker(job) -> None:
+    from bumblebee.runtime import launch
+
+    cfg, rl, out_png = job
+    launch.init_distributed()
+    try:
+        _run_and_plot(cfg, rl, out_png)
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def _run_and_plot(cfg, rl, out_png) -> None:
+    import torch.distributed as dist
+
+    run_rl(cfg, rl)
+    if out_png and (not dist.is_initialized() or dist.get_rank() == 0):
+        plot_rewards(os.path.join(cfg.train.out_dir, "metrics.jsonl"), out_png)
+        print(f"reward curve: {out_png}")
+
+
+def run(args) -> int:
+    from bumblebee.runtime import launch
+    from bumblebee.runtime.trainer import check_run
+
+    cfg, rl = load_configs(args.config, args.overrides)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.plot:
+        _pyplot()  # fail before training, not after
+    if launch.started_by_torchrun():
+        launch.init_distributed()
+        _run_and_plot(cfg, rl, args.plot)
+        return 0
+    check_run(cfg, args.nproc)
+    if args.nproc > 1:
+        return launch.launch_local((cfg, rl, args.plot), args.nproc, worker=_worker)
+    _run_and_plot(cfg, rl, args.plot)
+    return 0
+
+

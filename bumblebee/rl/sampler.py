@@ -1,0 +1,139 @@
+"""A small batched sampler with a KV cache: the rollout side of the built-in GRPO run.
+
+Real RL runs generate with an inference engine and push weights to it
+(``Engine.named_weights``); this sampler plays that role for ``bumblebee rl`` and
+its tests. It holds its own full, unsharded copy of the policy (``load_weights``
+copies the Engine's gathered tensors in), and decodes a batch of prompts, each
+repeated ``group_size`` times (GRPO's group), token by token:
+
+- prompts of different lengths are left-padded; each row's positions start at 0 at
+  its first real token, and the attention mask hides the padding;
+- prefill runs the padded prompts once and fills the per-layer K/V cache
+  ``[rows, kv heads, prompt + max_new, head dim]``; every decode step then runs one
+  token per row against the cache (O(T) per step instead of O(T^2));
+- next tokens are drawn from ``softmax(logits / temperature)`` with an explicit
+  ``torch.Generator`` (``temperature = 0``: greedy); a row stops at ``eos_id``.
+
+The decoder-layer arithmetic mirrors ``models/qwen3_moe.py`` (q/k RMSNorm, RoPE on
+per-row positions, GQA, MoE or dense MLP) using the model's own modules; a unit test
+checks the cached logits against the model's full forward. Qwen3-MoE only: the
+hybrid family would need Gated DeltaNet's recurrent state here.
+
+Legend: R rows (prompts x group), P padded prompt length, S cache length, N query heads,
+K kv heads, D head dim, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from bumblebee.models.qwen3_moe import Qwen3MoeForCausalLM
+from bumblebee.primitives.rope import apply_rope, rope_cos_sin
+
+
+@dataclass
+class Rollouts:
+    prompts: list[list[int]]  # one per row (each prompt repeated group_size times, consecutively)
+    completions: list[list[int]]  # generated tokens per row, up to and including eos
+    logprobs: list[list[float]]  # sampler's log-prob of each generated token (at the temperature)
+    finished: list[bool]  # the row emitted eos within max_new_tokens
+
+
+class Sampler:
+    def __init__(self, model: Qwen3MoeForCausalLM):
+        if getattr(model, "family", None) != "qwen3_moe":
+            raise ValueError(f"the built-in sampler supports the qwen3_moe family, got {getattr(model, 'family', model)}")
+        self.model = model.eval()
+        self.arch = model.arch
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors) -> None:
+        """Copy (bumblebee name, full tensor) pairs, e.g. ``Engine.named_weights(hf_names=False)``."""
+        params = dict(self.model.named_parameters())
+        seen = set()
+        for name, t in named_tensors:
+            params[name].copy_(t)
+            seen.add(name)
+        if seen != params.keys():
+            raise ValueError(f"load_weights: missing {sorted(params.keys() - seen)[:3]}")
+
+    def _layer(self, layer, x_RTH, cos, sin, cache, start: int, mask_R1TS):
+        a = layer.self_attn
+        R, T, _ = x_RTH.shape
+        h = layer.input_layernorm(x_RTH)
+        q = a.q_norm(a.q_proj(h).view(R, T, a.n_heads, a.head_dim)).transpose(1, 2)
+        k = a.k_norm(a.k_proj(h).view(R, T, a.n_kv, a.head_dim)).transpose(1, 2)
+        v = a.v_proj(h).view(R, T, a.n_kv, a.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = cache
+        k_cache[:, :, start:start + T], v_cache[:, :, start:start + T] = k, v
+        end = start + T
+        o = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask_R1TS,
+                                           scale=a.head_dim ** -0.5, enable_gqa=a.n_heads != a.n_kv)
+        x_RTH = x_RTH + a.o_proj(o.transpose(1, 2).reshape(R, T, -1))
+        y = layer.mlp(layer.post_attention_layernorm(x_RTH))
+        return x_RTH + (y[0] if layer.is_moe else y)
+
+    def _forward(self, ids_RT, pos_RT, caches, start: int, mask_R1TS):
+        """Logits [R, T, V] (fp32) of new tokens ``ids_RT`` written to the cache at ``start``."""
+        m = self.model
+        x = m.model.embed_tokens(ids_RT)
+        cos, sin = rope_cos_sin(pos_RT, self.arch.head_dim, self.arch.rope_theta, x.dtype)
+        for layer, cache in zip(m.model.layers, caches):
+            x = self._layer(layer, x, cos, sin, cache, start, mask_R1TS)
+        return F.linear(m.model.norm(x), m.lm_head_weight).float()
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, group_size: int = 1, max_new_tokens: int = 16,
+                 temperature: float = 1.0, eos_id: int, pad_id: int = 0,
+                 generator: torch.Generator | None = None) -> Rollouts:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs non-empty prompts")
+        if temperature < 0 or max_new_tokens < 1 or group_size < 1:
+            raise ValueError("need temperature >= 0, max_new_tokens >= 1 and group_size >= 1")
+        rows = [p for p in prompts for _ in range(group_size)]
+        dev = self.model.lm_head_weight.device
+        R, P = len(rows), max(len(p) for p in rows)
+        S = P + max_new_tokens
+        pad_R = torch.tensor([P - len(p) for p in rows], device=dev)
+        ids = torch.full((R, P), pad_id, dtype=torch.long, device=dev)
+        for r, p in enumerate(rows):
+            ids[r, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        slot_S = torch.arange(S, device=dev)
+        valid_RS = slot_S[None] >= pad_R[:, None]  # cache slots holding real tokens
+        a = self.model.model.layers[0].self_attn
+        dtype = self.model.lm_head_weight.dtype
+        caches = [tuple(torch.zeros(R, a.n_kv, S, a.head_dim, dtype=dtype, device=dev) for _ in range(2))
+                  for _ in self.model.model.layers]
+        # prefill: causal over slots, padding hidden (a padding query sees itself only)
+        causal_PP = slot_S[:P, None] >= slot_S[None, :P]
+        mask = (causal_PP[None] & valid_RS[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
+        pos = (slot_S[None, :P] - pad_R[:, None]).clamp(min=0)
+        logits_RV = self._forward(ids, pos, caches, 0, mask[:, None])[:, -1]
+        out = torch.full((R, max_new_tokens), pad_id, dtype=torch.long, device=dev)
+        logp_out = torch.zeros(R, max_new_tokens, device=dev)
+        done_R = torch.zeros(R, dtype=torch.bool, device=dev)
+        n_R = torch.zeros(R, dtype=torch.long, device=dev)
+        for i in range(max_new_tokens):
+            logp_RV = torch.log_softmax(logits_RV / max(temperature, 1e-8), dim=-1)
+            if temperature == 0:
+                tok_R = logits_RV.argmax(dim=-1)
+            else:
+                tok_R = torch.multinomial(logp_RV.exp(), 1, generator=generator).squeeze(1)
+            live_R = ~done_R
+            out[live_R, i] = tok_R[live_R]
+            logp_out[live_R, i] = logp_RV.gather(1, tok_R[:, None]).squeeze(1)[live_R]
+            n_R += live_R.long()
+            done_R |= tok_R == eos_id
+            if bool(done_R.all()) or i == max_new_tokens - 1:
+                break
+            step_mask = valid_RS[:, None, None, :P + i + 1]
+            pos = (P + i - pad_R)[:, None]
+            logits_RV = self._forward(tok_R[:, None], pos, caches, P + i, step_mask)[:, -1]
+        n = n_R.tolist()
+        return Rollouts(prompts=rows, completions=[out[r, :n[r]].tolist() for r in range(R)],
+                        logprobs=[logp_out[r, :n[r]].tolist() for r in range(R)],
+                        finished=[bool(d) for d in done_R.tolist()])
