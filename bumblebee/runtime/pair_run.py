@@ -7,8 +7,12 @@ step runs
   1. a no-grad probe forward of each model on the step's first micro-batch, with
      its current weights: the per-token log-probs of the labels through that
      side's loss primitive, and the outputs of the hooked modules;
-  2. ``Trainer.train_step()`` of side a, then of side b, each inside a
-     ``MemoryTracker`` (the probe is outside the tracked and timed region).
+  2. ``Trainer.train_step()`` of side a, then of side b (the trainer measures the
+     step's time and its peak live memory with ``MemoryTracker``; the probe is
+     outside both).
+
+With pp > 1 a rank holds only its pipeline stages, so there is no probe: loss,
+grad norm, memory, time and the weights (gathered over the pipeline) are compared.
 
 Differences are computed on each rank and reduced over ranks (max of the
 absolute differences and magnitudes, bits identical only if identical on every
@@ -37,7 +41,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from bumblebee.config import Config, ConfigError
 from bumblebee.data import Batch
 from bumblebee.models import build_model, resolve_arch
-from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives.cp.layout import shard_sequence
 from bumblebee.primitives.sharding.common import full_named_parameters
 from bumblebee.runtime.launch import init_distributed, launch_local
@@ -57,6 +60,7 @@ class PairJob:
     cfg_b: Config
     rtol: float
     hooks: list = field(default_factory=list)  # module names (resolved by ``hook_names``)
+    probe: bool = True  # False with pp > 1: the model is split into stages
     diff: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     nproc: int = 1
@@ -129,13 +133,12 @@ def probe(trainer: Trainer, names: list[str]) -> dict[str, torch.Tensor]:
     return captured
 
 
-def measured_step(trainer: Trainer) -> tuple[dict, dict]:
-    """One ``train_step`` inside a MemoryTracker; (its metrics record, tracked peak bytes)."""
-    with MemoryTracker(trainer.device, model=trainer.model, optimizer=trainer.sharding.optimizer) as mem:
-        rec = trainer.train_step()
-    memory = {"peak": mem.peak_bytes, "activations": mem.breakdown("peak")["activations"]}
-    trainer.metrics.log({**rec, "tracked_peak_bytes": memory["peak"]})
-    return rec, memory
+def measured_step(trainer: Trainer) -> dict:
+    """One ``train_step``: its metrics record, with the peak live memory of the most loaded rank
+    (``peak_mem_bytes``, the trainer's MemoryTracker) and the step time. Logged to metrics.jsonl."""
+    rec = trainer.train_step()
+    trainer.metrics.log(rec)
+    return rec
 
 
 # ------------------------------------------------------------------------------ comparison
@@ -189,17 +192,27 @@ def measure_row(step, name: str, kind: str, a: float, b: float) -> dict:
             "max_abs": None, "rel": None, "identical": None, "checked": False}
 
 
+def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter of the model, unsharded, on every rank (collective). With pp > 1 each
+    rank holds its stages' layers only: the pipeline ranks' parameters are gathered (on the host)."""
+    weights = dict(full_named_parameters(trainer.model, trainer.ctx.ep_group))
+    if getattr(trainer, "pipeline", None) is not None:
+        parts: list = [None] * dist.get_world_size(trainer.ctx.pp_group)
+        dist.all_gather_object(parts, {n: t.cpu() for n, t in weights.items()}, group=trainer.ctx.pp_group)
+        weights = {n: t for part in parts for n, t in part.items()}
+    return weights
+
+
 def compare_weights(ta: Trainer, tb: Trainer) -> tuple[tuple[float, float, float, bool], str, str]:
     """Full (unsharded) parameters of both sides: (max|a-b|, max|a|, max|b|, identical), digests.
     Collective: every rank gathers every parameter."""
-    wa = dict(full_named_parameters(ta.model, ta.ctx.ep_group))
-    wb = dict(full_named_parameters(tb.model, tb.ctx.ep_group))
+    wa, wb = full_weights(ta), full_weights(tb)
     if {n: tuple(t.shape) for n, t in wa.items()} != {n: tuple(t.shape) for n, t in wb.items()}:
         raise ConfigError("the two implementations hold different parameters (names or shapes); "
                           "a pair needs the same weights on both sides")
     ha, hb = hashlib.sha256(), hashlib.sha256()
     d = mx = my = 0.0
-    for name in wa:
+    for name in sorted(wa):
         x, y = wa[name].float(), wb[name].float()
         ha.update(digest(wa[name]).encode())
         hb.update(digest(wb[name]).encode())
@@ -210,7 +223,7 @@ def compare_weights(ta: Trainer, tb: Trainer) -> tuple[tuple[float, float, float
 
 
 # ------------------------------------------------------------------------------ the pair
-def execute(job: PairJob, stream: IO = sys.stdout) -> dict:
+def execute(job: PairJob, stream: IO) -> dict:
     """Run both sides for ``train.steps`` steps; print the table on rank 0; return the result."""
     ta = Trainer(job.cfg_a, stream=io.StringIO())
     tb = Trainer(job.cfg_b, stream=io.StringIO())
@@ -226,17 +239,16 @@ def execute(job: PairJob, stream: IO = sys.stdout) -> dict:
               f"tolerance rel <= {job.rtol:g}\ninitial weights: identical (sha256 {ha[:12]})\n\n")
     rows: list[dict] = []
     for step in range(1, t.steps + 1):
-        pa, pb = probe(ta, job.hooks), probe(tb, job.hooks)
-        ra, ma = measured_step(ta)
-        rb, mb = measured_step(tb)
+        pa, pb = (probe(ta, job.hooks), probe(tb, job.hooks)) if job.probe else ({}, {})
+        ra, rb = measured_step(ta), measured_step(tb)
         step_rows = [scalar_row(step, "loss", ra["loss"], rb["loss"]),
                      scalar_row(step, "grad_norm", ra["grad_norm"], rb["grad_norm"])]
-        step_rows += [tensor_row(step, name, reduce.tensors(pa[name], pb[name])) for name in ["logprobs", *job.hooks]]
-        peak = reduce([ma["peak"], mb["peak"], ma["activations"], mb["activations"],
-                       ra["step_time_s"], rb["step_time_s"]], dist.ReduceOp.MAX)
-        step_rows += [measure_row(step, "peak_mem_MiB", "memory", peak[0] / MiB, peak[1] / MiB),
-                      measure_row(step, "peak_act_MiB", "memory", peak[2] / MiB, peak[3] / MiB),
-                      measure_row(step, "step_time_s", "time", peak[4], peak[5])]
+        step_rows += [tensor_row(step, name, reduce.tensors(pa[name], pb[name])) for name in ["logprobs", *job.hooks]
+                      if name in pa]
+        times = reduce([ra["step_time_s"], rb["step_time_s"]], dist.ReduceOp.MAX)  # the slowest rank's
+        step_rows += [measure_row(step, "peak_mem_MiB", "memory", ra["peak_mem_bytes"] / MiB,
+                                  rb["peak_mem_bytes"] / MiB),
+                      measure_row(step, "step_time_s", "time", times[0], times[1])]
         check(step_rows, job.rtol)
         out.write(format_rows(step_rows, job.a, job.b, header=step == 1) + "\n\n")
         out.flush()

@@ -1,0 +1,120 @@
+"""Layering (DESIGN.md, "Three layers"): dependencies point downward only.
+
+Every module under bumblebee/ is parsed with ``ast``; every import of a bumblebee
+module -- at the top or inside a function (a lazy import is still a dependency) --
+is checked against ``ALLOWED``: primitives import nothing above them, models only
+primitives, runtime and rl models and primitives (rl builds on runtime, not the
+reverse), plan models and primitives, and nothing but the CLI imports plan.
+``core`` is config + registry (every layer reads the config and registers or
+looks up primitives); ``api`` is the package root ``bumblebee/__init__.py``: the
+public facade users import (it may re-export anything but plan), which no layer
+below runtime may import from.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[2] / "bumblebee"
+
+# first component under bumblebee/ -> layer
+LAYER_OF = {
+    "config": "core", "registry": "core", "__init__": "api",
+    "primitives": "primitives", "models": "models", "data": "data", "perf": "perf",
+    "runtime": "runtime", "rl": "rl", "plan": "plan", "cli": "cli", "__main__": "cli",
+}
+BELOW_RUNTIME = {"core", "primitives", "models", "data", "perf"}
+ALLOWED = {
+    "core": {"core", "primitives", "models"},  # registry loads primitives; config validates via models
+    "api": {"api", "core", "models", "runtime", "rl"},  # the public facade (from_hf, Engine...), never plan
+    "primitives": {"core", "primitives"},
+    "models": {"core", "primitives", "models"},
+    "data": {"core", "data"},
+    "perf": {"core", "perf"},
+    "runtime": BELOW_RUNTIME | {"api", "runtime"},
+    "rl": BELOW_RUNTIME | {"api", "runtime", "rl"},
+    "plan": {"core", "primitives", "models", "perf", "plan"},
+    "cli": set(LAYER_OF.values()),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(dotted: str) -> bool:
+    rel = Path(*dotted.split("."))
+    return (PACKAGE.parent / rel).with_suffix(".py").is_file() or (PACKAGE.parent / rel / "__init__.py").is_file()
+
+
+def imported_modules(source: str, module: str, is_package: bool):
+    """(line, dotted bumblebee module) for every import in ``source``."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "bumblebee":
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            if base.split(".")[0] != "bumblebee":
+                continue
+            for alias in node.names:  # `from bumblebee.x import y`: y may be a submodule
+                yield node.lineno, f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base
+
+
+def layer(dotted: str) -> str | None:
+    parts = dotted.split(".")
+    return LAYER_OF.get(parts[1] if len(parts) > 1 else "__init__")
+
+
+def violations(path: Path, source: str) -> list[str]:
+    module = module_name(path)
+    own = layer(module)
+    found = []
+    for line, target in imported_modules(source, module, path.name == "__init__.py"):
+        other = layer(target)
+        if other is None or other not in ALLOWED[own]:
+            found.append(f"bumblebee/{path.relative_to(PACKAGE)}:{line}: {own} imports {target} ({other})")
+    return found
+
+
+def sources():
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_module_belongs_to_a_layer():
+    unknown = sorted({p.relative_to(PACKAGE).parts[0] for p in sources()} -
+                     {f"{name}.py" for name in LAYER_OF} - set(LAYER_OF))
+    assert not unknown, f"bumblebee/{unknown[0]} is in no layer of DESIGN.md: add it to LAYER_OF / ALLOWED"
+
+
+def test_imports_follow_the_layering():
+    found = [v for p in sources() for v in violations(p, p.read_text())]
+    assert not found, "imports across the layering in DESIGN.md:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("path,source", [
+    ("primitives/loss/fake.py", "from bumblebee.runtime.trainer import Trainer"),
+    ("primitives/fake.py", "def f():\n    from bumblebee.models import build_model"),
+    ("models/fake.py", "import bumblebee.rl.losses"),
+    ("runtime/fake.py", "from bumblebee.plan import recipe"),
+    ("rl/fake.py", "from bumblebee.plan.memory import stage_memory"),
+    ("primitives/fake.py", "from bumblebee import build_model"),
+    ("primitives/cp/fake.py", "from ...models import arch"),
+])
+def test_checker_catches_violations(path, source):
+    assert len(violations(PACKAGE / path, source)) == 1
+
+
+def test_checker_accepts_downward_imports():
+    ok = "from bumblebee import registry\nfrom bumblebee.primitives.packed import doc_layout\nfrom . import experts"
+    assert violations(PACKAGE / "primitives/moe/fake.py", ok) == []
+    assert violations(PACKAGE / "runtime/fake.py", "from bumblebee.models import build_model") == []
