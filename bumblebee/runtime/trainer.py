@@ -144,6 +144,8 @@ class Trainer:
                 f.write(dump_toml(cfg))
             if ctx.distributed:
                 stream.write(f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n")
+            if self.pipeline is not None:
+                stream.write(f"bumblebee: {self.pipeline.describe()}\n")
         self.metrics = MetricsWriter(t.out_dir if self.rank == 0 else None, total_steps=t.steps,
                                      log_every=t.log_every, stream=stream)
 
