@@ -7,8 +7,8 @@ owns, in parallel; nothing is gathered.
 Every rank writes the range of each flattened global tensor it owns, so a
 checkpoint saved on one layout loads into any other (checkpoint_state.py says how).
 
-Crash safety. Ranks write into ``.tmp-step_<N>``; after a barrier (every rank has
-written), rank 0 writes ``complete.json`` (step, model shapes, the size of every
+Crash safety. Ranks write into ``.tmp-step_<N>``; once every rank has written (a
+collective), rank 0 writes ``complete.json`` (step, model shapes, the size of every
 file) and renames the directory to ``step_<N>`` (atomic on POSIX), then prunes to
 ``keep_last``. A crash at any point leaves earlier checkpoints untouched, and
 ``resume = "auto"`` takes the newest directory whose marker exists and whose files
@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from bumblebee.config import dump_toml, tomllib
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.hf import CheckpointError, to_hf
-from bumblebee.primitives.sharding.common import full_named_parameters
 from bumblebee.primitives.sharding.zero1 import Zero1
 from bumblebee.runtime.checkpoint_state import (Piece, load_pieces, read_dcp_metadata, rng_states, save_pieces,
                                                 set_rng_states, state_pieces)
@@ -138,8 +137,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _check_fits(path: str, info: dict, md: Metadata, pieces: dict[str, Piece]) -> None:
-    """Every piece's tensor exists in the checkpoint at its global size (else one line)."""
+def _check_fits(path: str, info: dict, md: Metadata, pieces: dict[str, Piece], whole: bool = True) -> None:
+    """Every piece's tensor exists in the checkpoint at its global size and, for a ``whole``
+    model (not one pipeline stage), the checkpoint holds no parameter the model lacks."""
     shapes = {f"model/{n}": tuple(s) for n, s in info.get("shapes", {}).items()}
     mine = {k for k in pieces if k.startswith("model/")}
     extra = sorted(set(shapes) - mine)
@@ -149,10 +149,10 @@ def _check_fits(path: str, info: dict, md: Metadata, pieces: dict[str, Piece]) -
             raise CheckpointError(f"{path}: checkpoint lacks {key[6:] if key in mine else key} (a different model?)")
         if not isinstance(saved, TensorStorageMetadata):
             raise CheckpointError(f"{path}: {key} is not a tensor in the checkpoint")
-        if key in shapes and shapes[key] != p.shape or tuple(saved.size) != (p.numel,):
+        if (key in shapes and shapes[key] != p.shape) or tuple(saved.size) != (p.numel,):
             raise CheckpointError(f"{path}: {key[6:]} has shape {list(shapes.get(key, saved.size))} in the checkpoint, "
                                   f"{list(p.shape)} in this model (a different architecture?)")
-    if extra:
+    if extra and whole:
         raise CheckpointError(f"{path}: checkpoint has tensors this model lacks: {', '.join(k[6:] for k in extra[:3])}")
 
 
@@ -162,13 +162,13 @@ _STREAM_KEYS = [("train", k) for k in ("seed", "global_batch", "seq_len", "steps
 
 class Checkpointer:
     """Saves and restores one run's state. Every rank creates one right after the sharding
-    wrap; ``resume``, ``save``, ``on_step``, ``on_end`` and ``export_hf`` are collective."""
+    wrap; ``resume``, ``save``, ``on_step`` and ``on_end`` are collective."""
 
     def __init__(self, cfg, ctx, model: torch.nn.Module, sharding, *, stream=sys.stdout):
         self.cfg, self.ctx, self.model, self.sharding, self.stream = cfg, ctx, model, sharding, stream
         self.root = checkpoint_root(cfg.train.out_dir)
         self.group = dist.group.WORLD if ctx.distributed else None  # every rank saves its part
-        self.last_saved = -1
+        self.last_saved, self.last_path = -1, ""  # the newest checkpoint of this run
 
     def _say(self, text: str) -> None:
         if self.ctx.rank == 0:
@@ -192,7 +192,8 @@ class Checkpointer:
             self._say(f"no complete checkpoint in {self.root}; starting at step 0")
             return 0
         step = self.load(path)
-        self.last_saved = step if os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.root) else -1
+        if os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.root):
+            self.last_saved, self.last_path = step, path
         self._say(f"resumed from {path} at step {step}")
         return step
 
@@ -200,7 +201,7 @@ class Checkpointer:
         info = read_marker(path)
         md = read_dcp_metadata(path)
         pieces = self._pieces()
-        _check_fits(path, info, md, pieces)
+        _check_fits(path, info, md, pieces, whole=self.ctx.layout.pp == 1)
         rng = {k: Piece(torch.empty(tuple(s.size), dtype=s.properties.dtype), 0, tuple(s.size))
                for k, s in md.state_dict_metadata.items() if k.startswith(f"rng/{self.ctx.rank}/")}
         load_pieces(path, {**pieces, **rng}, self.group)
@@ -208,7 +209,7 @@ class Checkpointer:
             with torch.no_grad():
                 for s in self.sharding.slices.values():
                     s.master.copy_(s.p.detach().view(-1)[s.lo:s.hi])
-        set_rng_states(self.ctx.rank, {k: p.local for k, p in rng.items()})
+        set_rng_states({k: p.local for k, p in rng.items()})
         self._note_changes(path)
         return int(info["step"])
 
@@ -237,18 +238,22 @@ class Checkpointer:
         pieces = self._pieces()
         pieces.update({k: Piece(v, 0, tuple(v.shape)) for k, v in rng_states(self.ctx.rank).items()})
         save_pieces(tmp, pieces, self.group)
-        self._barrier()  # every rank has written all of its files
+        shapes = {k[6:]: list(p.shape) for k, p in pieces.items() if k.startswith("model/")}
+        if self.group is not None:  # every rank has written its files; pipeline stages hold different layers
+            every = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(every, shapes, group=self.group)
+            shapes = {k: v for d in every for k, v in d.items()}
         if self.ctx.rank == 0:
-            self._publish(tmp, final, step, pieces)
+            self._publish(tmp, final, step, shapes)
         self._barrier()  # nobody moves on before the checkpoint is published
-        self.last_saved = step
+        self.last_saved, self.last_path = step, final
         return final
 
-    def _publish(self, tmp: str, final: str, step: int, pieces: dict[str, Piece]) -> None:
+    def _publish(self, tmp: str, final: str, step: int, shapes: dict[str, list[int]]) -> None:
         _write_durably(os.path.join(tmp, "config.toml"), dump_toml(self.cfg))
         info = {"format": FORMAT, "version": VERSION, "step": step, "layout": self.ctx.layout.describe(),
                 "sharding": self.cfg.primitives.sharding, "arch": self.model.arch.to_hf_dict(),
-                "shapes": {k[6:]: list(p.shape) for k, p in pieces.items() if k.startswith("model/")},
+                "shapes": shapes,
                 "files": {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}}
         _write_durably(os.path.join(tmp, MARKER), json.dumps(info, indent=1))
         if os.path.exists(final):  # an older save of this step (a run resumed from before it)
@@ -277,25 +282,15 @@ class Checkpointer:
             self.save(step)
 
     def on_end(self, step: int) -> None:
-        """End of training: a final save (when saving is on), the HF export if asked for."""
-        if self.cfg.train.save_every and self.last_saved != step:
+        """End of training: a final save (when saving is on, or for the export) and, with
+        ``train.export_hf``, rank 0 converts it to a HF directory in ``out_dir/hf``."""
+        export = self.cfg.train.export_hf
+        if (self.cfg.train.save_every or export) and self.last_saved != step:
             self.save(step)
-        if self.cfg.train.export_hf:
+        if export and self.ctx.rank == 0:  # the other ranks are done
             out = os.path.join(self.cfg.train.out_dir, "hf")
-            self.export_hf(out)
-            self._say(f"exported a Hugging Face model to {out}")
-
-    @torch.no_grad()
-    def export_hf(self, out_dir: str, max_shard_bytes: int = HF_SHARD_BYTES) -> None:
-        """Gather the full parameters (collective); rank 0 writes a HF directory."""
-        full = build_model(self.model.arch) if self.ctx.rank == 0 else None
-        params = dict(full.named_parameters()) if full is not None else {}
-        for name, t in full_named_parameters(self.model, self.ctx.ep_group):
-            if full is not None:
-                params[name].copy_(t)
-        if full is not None:
-            to_hf(full, out_dir, max_shard_bytes)
-        self._barrier()
+            export_checkpoint(self.last_path, out)
+            self._say(f"exported {self.last_path} as a Hugging Face model to {out}")
 
 
 def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_BYTES) -> str:

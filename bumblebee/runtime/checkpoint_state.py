@@ -31,7 +31,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -44,6 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 from bumblebee.models.hf import CheckpointError
 from bumblebee.primitives.sharding.common import is_expert_param
 from bumblebee.primitives.sharding.zero1 import Zero1
+
 
 # ------------------------------------------------------------------------------ what a rank owns
 @dataclass
@@ -118,13 +118,15 @@ def state_pieces(model: torch.nn.Module, sharding, ep_rank: int, ep: int) -> dic
 
 
 def rng_states(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's generators: torch (CPU), Python's ``random`` (its 625-word state), CUDA."""
     states = {"torch": torch.get_rng_state(), "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return {f"rng/{rank}/{k}": v for k, v in states.items()}
 
 
-def set_rng_states(rank: int, states: dict[str, torch.Tensor]) -> None:
+def set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    """Restore generators from ``rng_states``-style keys (a CUDA state only where CUDA is)."""
     for key, v in states.items():
         kind = key.rsplit("/", 1)[1]
         if kind == "torch":
@@ -223,17 +225,13 @@ class _SafeReader(FileSystemReader):
 
 
 # ------------------------------------------------------------------------------ save / load
-def _single_process(process_group) -> bool:
-    return process_group is None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-
-
 def save_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None:
     """Write ``pieces`` into directory ``path`` (collective over ``process_group``; ``None``:
     this process alone). Data files are fsynced before DCP writes ``.metadata``."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({k: p.local for k, p in pieces.items()}, storage_writer=FileSystemWriter(path, sync_files=True),
-                 planner=_SavePlanner(pieces), process_group=process_group, no_dist=_single_process(process_group))
+                 planner=_SavePlanner(pieces), process_group=process_group, no_dist=process_group is None)
 
 
 def load_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None:
@@ -242,4 +240,4 @@ def load_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({k: p.local for k, p in pieces.items()}, storage_reader=_SafeReader(path),
-                 planner=_LoadPlanner(pieces), process_group=process_group, no_dist=_single_process(process_group))
+                 planner=_LoadPlanner(pieces), process_group=process_group, no_dist=process_group is None)

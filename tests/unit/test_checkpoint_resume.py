@@ -21,7 +21,8 @@ from bumblebee.runtime.trainer import Trainer
 STEPS = 4
 BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
         "model.arch.moe_intermediate_size=16", "model.arch.intermediate_size=48", "model.arch.num_experts=4",
-        "model.arch.num_experts_per_tok=2", "model.arch.mlp_only_layers=[1]", "train.seq_len=64",
+        "model.arch.num_experts_per_tok=2", "model.arch.mlp_only_layers=[1]", "primitives.loss=ce",
+        "primitives.recompute=none", "train.seq_len=64",
         "train.global_batch=2", "data.min_records=2", "data.max_records=4", "train.lr=1e-2",
         "train.warmup_steps=1", "train.deterministic=true", f"train.steps={STEPS}", "train.save_every=2"]
 
