@@ -75,12 +75,15 @@ class _Pending:
         self.out, self.work, self.event, self.keep = out, work, event, keep
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        if self.event is not None:
-            torch.cuda.current_stream(self.out.device).wait_event(self.event)
-        self.keep = None  # the input may be freed (its memory reused) only after this point
-        return self.out
+        """Once only: drops every reference (the input may be freed only after this point, the
+        output lives as long as the caller keeps it)."""
+        out, work, event = self.out, self.work, self.event
+        self.out = self.work = self.event = self.keep = None
+        if work is not None:
+            work.wait()
+        if event is not None:
+            torch.cuda.current_stream(out.device).wait_event(event)
+        return out
 
 
 @dataclass

@@ -1,0 +1,204 @@
+"""Chunked EP overlap vs no chunking: one MoE layer's forward + backward per local sequence.
+
+Two (``--nproc``) gloo ranks on this machine, ep = nproc, one MoE block (router,
+dispatch, SwiGLU experts, combine) on each rank's local tokens; ``moe_comm``
+``alltoall`` (no-chunk) against ``chunked`` with k = 2, 3, 4. Per configuration:
+
+- step time: slowest rank, median of ``--repeats`` runs after a warm-up; runs
+  alternate between configurations so background load hits them alike;
+- exposed comm: seconds the compute thread spent blocked on all-to-alls (inside a
+  blocking ``all_to_all_single`` for alltoall, inside ``wait()`` for chunked): the
+  part of the communication nothing overlapped;
+- peak memory: ``bumblebee.perf.MemoryTracker`` (live tensor bytes, one tracked run).
+
+``--recompute full`` wraps the layer in the full-recompute policy's checkpoint, so
+the backward includes the recompute forward (where chunked skips fc2 and the combine).
+``--profile-dir DIR`` also writes a ``torch.profiler`` Chrome trace of one forward +
+backward per configuration and rank (open in chrome://tracing or Perfetto); the
+``chunked.*`` spans mark issue / wait / GEMM phases and ``gloo:all_to_all`` the
+transfers on gloo's worker threads. Figures only; nothing is asserted.
+
+Issue setting (takes long on a CPU):
+
+    python benchmarks/ep_overlap.py --seqs 4096 8192 16384 32768
+
+Quick run with a trace:
+
+    python benchmarks/ep_overlap.py --seqs 1024 2048 --repeats 2 --profile-dir /tmp/ep_trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from bumblebee import registry
+from bumblebee.config import PrimitivesConfig
+from bumblebee.models.arch import Qwen3MoeArch
+from bumblebee.models.qwen3_moe import MoE
+from bumblebee.perf.memory import MemoryTracker
+from bumblebee.primitives.moe import chunked
+from bumblebee.primitives.parallel import ParallelGroups
+
+
+class ExposedComm:
+    """Seconds this thread spends blocked on all-to-alls (patched in the worker process only)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        a2a, wait = dist.all_to_all_single, chunked._Pending.wait
+
+        def blocking_a2a(*args, async_op=False, **kwargs):
+            if async_op:
+                return a2a(*args, async_op=True, **kwargs)
+            t0 = time.perf_counter()
+            out = a2a(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        def timed_wait(pending):
+            t0 = time.perf_counter()
+            out = wait(pending)
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        dist.all_to_all_single, chunked._Pending.wait = blocking_a2a, timed_wait
+
+
+def build(args, k: int):
+    arch = Qwen3MoeArch(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.ffn,
+                        moe_intermediate_size=args.ffn, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, num_experts=args.experts,
+                        num_experts_per_tok=args.topk)
+    comm = "alltoall" if k == 0 else "chunked"
+    dispatch = registry.get("moe_comm", comm).factory(num_experts=args.experts, ep_group=dist.group.WORLD,
+                                                       num_chunks=k or 2)
+    torch.manual_seed(0)  # same weights for every configuration (each rank its own experts)
+    moe = MoE(arch, PrimitivesConfig(experts=args.experts_impl), dispatch,
+              ParallelGroups(ep_group=dist.group.WORLD))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return moe
+
+
+def step(moe, x_BTH, probe_BTH, recompute):
+    x = x_BTH.detach().requires_grad_()
+    y, aux = recompute.layer(moe, x)
+    ((y * probe_BTH).sum() + aux).backward()
+    moe.zero_grad(set_to_none=True)
+
+
+def worker(args):
+    dist.init_process_group("gloo")
+    torch.set_num_threads(args.threads)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    configs = [("no-chunk", 0)] + [(f"chunk{k}", k) for k in args.chunks]
+    recompute = registry.get("recompute", args.recompute).factory([])
+    exposed = ExposedComm()
+    out = {}
+    for seq in args.seqs:
+        g = torch.Generator().manual_seed(rank)
+        x_BTH = torch.randn(1, seq, args.hidden, generator=g)
+        probe_BTH = torch.randn(1, seq, args.hidden, generator=g)
+        moes = {label: build(args, k) for label, k in configs}
+        for label, moe in moes.items():  # warm-up, tracked: peak live bytes
+            with MemoryTracker("cpu", model=moe) as mem:
+                step(moe, x_BTH, probe_BTH, recompute)
+            out[(seq, label, "peak")] = mem.peak_bytes
+        times = {label: [] for label in moes}
+        comm = {label: [] for label in moes}
+        for _ in range(args.repeats):
+            for label, moe in moes.items():
+                dist.barrier()
+                exposed.seconds, t0 = 0.0, time.perf_counter()
+                step(moe, x_BTH, probe_BTH, recompute)
+                elapsed = torch.tensor([time.perf_counter() - t0, exposed.seconds], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times[label].append(elapsed[0].item())
+                comm[label].append(elapsed[1].item())
+        for label in moes:
+            out[(seq, label, "time")] = statistics.median(times[label])
+            out[(seq, label, "comm")] = statistics.median(comm[label])
+        if args.profile_dir:
+            os.makedirs(args.profile_dir, exist_ok=True)
+            for label, moe in moes.items():
+                dist.barrier()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    step(moe, x_BTH, probe_BTH, recompute)
+                prof.export_chrome_trace(os.path.join(args.profile_dir, f"ep_overlap_{seq}_{label}_rank{rank}.json"))
+    dist.destroy_process_group()
+    return out
+
+
+COMPUTE_SPANS = ("chunked.fwd.gemm", "chunked.bwd.dgrad", "chunked.bwd.wgrad")
+
+
+def trace_overlap(path: str) -> tuple[float, float]:
+    """(ms of gloo all_to_all on gloo's worker threads, ms of it under an expert GEMM span of the
+    compute thread) in one Chrome trace. A gloo span also covers waiting for the peer rank."""
+    import json
+
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith(COMPUTE_SPANS))
+    main_tid = {e["tid"] for e in events if e["name"].startswith("chunked.")}
+    comm = [(e["ts"], e["ts"] + e["dur"]) for e in events
+            if e["name"] == "gloo:all_to_all" and e["tid"] not in main_tid]
+    under = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute)
+    return sum(b - a for a, b in comm) / 1e3, under / 1e3
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="local tokens per rank")
+    p.add_argument("--chunks", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--nproc", type=int, default=2, help="ranks = ep")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=128, help="expert FFN size")
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--experts-impl", default="grouped", help="experts primitive (loop | grouped)")
+    p.add_argument("--recompute", default="none", help="recompute policy around the layer (none | full)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--profile-dir", default="", help="write torch.profiler Chrome traces here")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=uuid.uuid4().hex[:8],
+                       rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn")
+    res = elastic_launch(cfg, worker)(args)[0]
+    print(f"one MoE layer fwd+bwd, ep={args.nproc} gloo ranks on {os.cpu_count()} cores, hidden {args.hidden}, "
+          f"expert ffn {args.ffn}, {args.experts} experts top-{args.topk}, experts={args.experts_impl}, "
+          f"recompute={args.recompute}, fp32, {args.threads} thread(s)/rank, median of {args.repeats}")
+    head = (f"{'local seq':>9} {'config':<9} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} | "
+            f"{'peak MiB':>9} {'vs no-chunk':>11}")
+    print(head)
+    print("-" * len(head))
+    labels = ["no-chunk"] + [f"chunk{k}" for k in args.chunks]
+    for seq in args.seqs:
+        base_t, base_m = res[(seq, "no-chunk", "time")], res[(seq, "no-chunk", "peak")]
+        for label in labels:
+            t, c, m = res[(seq, label, "time")], res[(seq, label, "comm")], res[(seq, label, "peak")]
+            print(f"{seq:>9} {label:<9} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} | {m / 2**20:>9.1f} "
+                  f"{m / base_m:>11.2f}")
+    if args.profile_dir:
+        print(f"torch.profiler traces in {args.profile_dir} (rank 0): gloo all_to_all time on gloo's threads, "
+              "and the part of it under an expert GEMM (fwd gemm / bwd dgrad / bwd wgrad spans)")
+        for seq in args.seqs:
+            for label in labels:
+                total, under = trace_overlap(os.path.join(args.profile_dir, f"ep_overlap_{seq}_{label}_rank0.json"))
+                print(f"{seq:>9} {label:<9} | all_to_all {total:>8.1f} ms | under expert GEMMs {under:>8.1f} ms")
+    print("step s: slowest rank; exposed comm: time blocked on all-to-alls (max over ranks); peak: rank 0's\n"
+          "live tensor bytes (MemoryTracker). On a CPU the ranks and gloo's transfer threads share the same\n"
+          "cores, so communication can only hide under compute where a core is idle.")
+
+
+if __name__ == "__main__":
+    main()
