@@ -73,7 +73,8 @@ def read_marker(path: str) -> dict:
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise CheckpointError(f"{path}: {MARKER} does not describe a bumblebee checkpoint")
     if info.get("version") != VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {info.get('version')!r}; this bumblebee reads {VERSION}")
+        raise CheckpointError(f"{path}: checkpoint format version {info.get('version')!r}; "
+                              f"this bumblebee reads {VERSION}")
     for name, size in info.get("files", {}).items():
         file = os.path.join(path, name)
         if os.path.basename(name) != name:
@@ -224,7 +225,8 @@ class Checkpointer:
         changed = [f"{s}.{k} {saved.get(s, {}).get(k)!r} -> {now[s][k]!r}" for s, k in keys
                    if saved.get(s, {}).get(k) != now[s][k]]
         if changed:
-            self._say(f"note: resuming with changed {', '.join(changed)}: the run will not continue the saved one exactly")
+            self._say(f"note: resuming with changed {', '.join(changed)}: "
+                      "the run will not continue the saved one exactly")
 
     # -------------------------------------------------------------------- save
     def save(self, step: int) -> str:

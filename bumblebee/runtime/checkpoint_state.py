@@ -194,7 +194,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata objects and nothing else (no arbitrary callables)."""
 
     def find_class(self, module: str, name: str):
-        if (module, name) in _SAFE_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _SAFE_GLOBALS or dtype:
             return super().find_class(module, name)
         raise CheckpointError(f"refusing to load {module}.{name} from checkpoint metadata (not a DCP metadata type)")
 
