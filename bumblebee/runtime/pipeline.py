@@ -1,34 +1,32 @@
 """Pipeline parallelism: decoder layers split into stages, run by a ``torch.distributed.pipelining``
 schedule (slot ``pipeline``), composed with FSDP2 / zero1, EP and CP on the same mesh.
 
-Placement. Ranks are (pp, dp_shard, cp, tp) (runtime/mesh.py); ranks with the same dp/cp/tp
-coordinates form one pipeline (the ``pp`` axis). With v virtual stages per rank there are
-S = pp x v stages and stage s runs on pipeline rank s mod pp (torch's loop placement, which the
-interleaved schedule assumes). Stage 0 also holds the embedding; stage S-1 the final norm, the
-LM head and the loss (any loss primitive, linear CE included).
+Placement. Ranks are (pp, dp_shard, cp, tp) (runtime/mesh.py); ranks with equal dp/cp/tp
+coordinates form one pipeline. With v virtual stages per rank there are S = pp x v stages, stage s
+on pipeline rank s mod pp (torch's loop placement). Stage 0 also holds the embedding; stage S-1
+the final norm, the LM head and the loss primitive (linear CE included).
 
 Splitting. ``primitives.pp_layout`` lists each stage's layers; otherwise contiguous stages
-minimize the most expensive stage on the model's estimated FLOPs per layer (``layer_flops``:
-full attention, linear attention, MoE and dense MLP layers differ), x3 for forward + backward
-(x4 with full recompute), the LM head counted on the last stage.
+minimize the most expensive one on the model's FLOPs per layer (``layer_flops``: full attention,
+linear attention, MoE and dense MLP layers differ) x3 for forward + backward (x4 with full
+recompute), the LM head counted on the last stage.
 
-What a rank holds. Every rank builds the whole model from the seed (the same initialization as
-any other layout), then keeps its stages' layers only: the others become parameter-free
-placeholders, so parameter names stay global (``model.layers.7.*``). This rank's part
-(``PipelinePart``) is what the sharding primitive wraps, as it would a whole model: FSDP2 makes
-each kept layer a unit over the stage's dp x cp ranks (experts over edp) and the part the root;
-the part's ``hidden_states`` / ``loss_terms`` (one stage at a time) are its FSDP entry points.
+What a rank holds. Every rank builds the whole model from the seed (the initialization of any
+other layout), then keeps its stages' layers: the others become parameter-free placeholders, so
+parameter names stay global. The sharding primitive wraps this part (``PipelinePart``) as it
+would a whole model (FSDP2: one unit per kept layer over the stage's dp x cp ranks, experts over
+edp, the part as root); its ``hidden_states`` / ``loss_terms`` run one stage and are the FSDP
+entry points.
 
 Loss and gradients keep pp = 1's convention. The last stage returns each micro-batch's summed
-token loss; the schedule's loss divides it by the global token count (``scale_grads=False``). A
-stage's balance loss does not travel down the pipeline: ``AttachAuxGrad`` gives its routers their
+token loss, divided by the global token count in the schedule's loss (``scale_grads=False``). A
+stage's balance loss never travels down the pipeline: ``AttachAuxGrad`` gives its routers their
 gradient in the backward of the stage output (as Megatron-LM's MoEAuxLossAutoScaler). FSDP units
-reduce-scatter only in their stage's last micro-batch backward. The gradient norm is global: the
-sharding primitive's norm of this stage, squared and summed over the pp axis, then clipped with
-the rule of sharding/common.py. Logged loss and balance loss are summed over every rank.
+reduce-scatter once, in their stage's last micro-batch backward. The gradient norm is global (the
+sharding primitive's norm of this stage, squared, summed over pp); logged losses cover all ranks.
 
-PipelineStage infers activation shapes and dtypes from the first micro-batch (one forward and an
-input-gradient backward on the first step; parameter gradients are untouched), so fp32 and bf16
+PipelineStage infers activation shapes and dtypes from the first micro-batch (a forward and an
+input-gradient backward on the first step, parameter gradients untouched), so fp32 and bf16
 residual streams cross stage boundaries exactly as they flow between layers at pp = 1.
 """
 
