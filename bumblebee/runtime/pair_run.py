@@ -156,29 +156,33 @@ class Reducer:
         dist.all_reduce(t, op=op)
         return t.tolist()
 
-    def tensors(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float, bool]:
-        """(max|x-y|, max|x|, max|y|, bit-identical) over all ranks."""
+    def tensors(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float, float, bool]:
+        """(max|x-y|, max|x|, max|y|, ||x-y|| / max(||x||, ||y||), bit-identical) over all ranks
+        (each rank holds different tokens: squares are summed, maxima taken)."""
         if x.shape != y.shape:
-            stats = [math.inf, math.inf, math.inf]
-            same = 0.0
+            maxes, squares, same = [math.inf] * 3, [math.inf, 1.0, 1.0], 0.0
         else:
-            mags = [float(t.abs().max()) if t.numel() else 0.0 for t in (x - y, x, y)]
-            stats = [math.inf if math.isnan(m) else m for m in mags]
             same = float(digest(x) == digest(y))
-        d, mx, my = self(stats, dist.ReduceOp.MAX)
-        return d, mx, my, bool(self([same], dist.ReduceOp.MIN)[0])
+            x, y = x.double(), y.double()
+            maxes = [float(t.abs().max()) if t.numel() else 0.0 for t in (x - y, x, y)]
+            squares = [float(t.pow(2).sum()) for t in (x - y, x, y)]
+        d, mx, my = self(maxes, dist.ReduceOp.MAX)
+        sq_d, sq_x, sq_y = self(squares, dist.ReduceOp.SUM)
+        return d, mx, my, _rel(math.sqrt(sq_d), math.sqrt(max(sq_x, sq_y))), bool(self([same], dist.ReduceOp.MIN)[0])
 
 
 def _rel(diff: float, scale: float) -> float:
     if diff == 0:
         return 0.0
+    if math.isnan(diff) or math.isnan(scale):
+        return math.inf
     return diff / scale if scale > 0 and math.isfinite(scale) else math.inf
 
 
 def tensor_row(step, name: str, stats) -> dict:
-    d, mx, my, same = stats
+    d, mx, my, rel, same = stats
     return {"step": step, "quantity": name, "kind": "tensor", "a": mx, "b": my, "ratio": None, "max_abs": d,
-            "rel": _rel(d, max(mx, my)), "identical": same, "checked": True}
+            "rel": rel, "identical": same, "checked": True}
 
 
 def scalar_row(step, name: str, a: float, b: float) -> dict:
@@ -203,23 +207,25 @@ def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return weights
 
 
-def compare_weights(ta: Trainer, tb: Trainer) -> tuple[tuple[float, float, float, bool], str, str]:
-    """Full (unsharded) parameters of both sides: (max|a-b|, max|a|, max|b|, identical), digests.
-    Collective: every rank gathers every parameter."""
+def compare_weights(ta: Trainer, tb: Trainer) -> tuple[tuple[float, float, float, float, bool], str, str]:
+    """Full (unsharded) parameters of both sides: (max|a-b|, max|a|, max|b|, ||a-b|| / max(||a||, ||b||)
+    over all parameters, identical) and the two digests. Collective."""
     wa, wb = full_weights(ta), full_weights(tb)
     if {n: tuple(t.shape) for n, t in wa.items()} != {n: tuple(t.shape) for n, t in wb.items()}:
         raise ConfigError("the two implementations hold different parameters (names or shapes); "
                           "a pair needs the same weights on both sides")
     ha, hb = hashlib.sha256(), hashlib.sha256()
-    d = mx = my = 0.0
+    d = mx = my = sq_d = sq_x = sq_y = 0.0
     for name in sorted(wa):
-        x, y = wa[name].float(), wb[name].float()
         ha.update(digest(wa[name]).encode())
         hb.update(digest(wb[name]).encode())
+        x, y = wa[name].double(), wb[name].double()
         if x.numel():
             d, mx, my = max(d, float((x - y).abs().max())), max(mx, float(x.abs().max())), max(my, float(y.abs().max()))
+            sq_d, sq_x, sq_y = sq_d + float((x - y).pow(2).sum()), sq_x + float(x.pow(2).sum()), sq_y + float(y.pow(2).sum())
     d = math.inf if math.isnan(d) else d
-    return (d, mx, my, ha.hexdigest() == hb.hexdigest()), ha.hexdigest(), hb.hexdigest()
+    rel = _rel(math.sqrt(sq_d), math.sqrt(max(sq_x, sq_y)))
+    return (d, mx, my, rel, ha.hexdigest() == hb.hexdigest()), ha.hexdigest(), hb.hexdigest()
 
 
 # ------------------------------------------------------------------------------ the pair
@@ -229,7 +235,7 @@ def execute(job: PairJob, stream: IO) -> dict:
     tb = Trainer(job.cfg_b, stream=io.StringIO())
     out = stream if ta.rank == 0 else io.StringIO()
     reduce = Reducer(ta.device)
-    (_, _, _, same), ha, _ = compare_weights(ta, tb)
+    (*_, same), ha, _ = compare_weights(ta, tb)
     if not same:
         raise ConfigError(f"initial weights differ between {job.a} and {job.b} (same seed): the implementations "
                           "initialize differently; a pair needs the same weights")
