@@ -228,26 +228,26 @@ class _ChunkedExperts(torch.autograd.Function):
             with record_function(f"chunked.bwd.dgrad{i}"):  # 2. expert dgrad of chunk i
                 gemm = _Gemm(local, s.grouped, g_TH.device)
                 gate, up = h_MG.chunk(2, dim=-1)
-                sig = torch.sigmoid(gate)
-                silu = gate * sig
-                a_MF = silu * up
+                sig, silu = torch.sigmoid(gate), F.silu(gate)
                 dA_MF = gemm.dgrad(g_MH, w2_EHF)  # unweighted: g W_down
-                dw_M = (dA_MF * a_MF).sum(-1)  # router-weight gradient <g, fc2(a)>
+                dw_M = (dA_MF * (silu * up)).sum(-1)  # router-weight gradient <g, fc2(a)>
                 dA_MF = dA_MF * w_M
                 dh_MG = torch.cat([dA_MF * up * sig * (1 + gate * (1 - sig)), dA_MF * silu], dim=-1)
                 dx_MH = gemm.dgrad(dh_MG, w1_EGH)
-                later.append((gemm, x_MH, dh_MG, g_MH, a_MF * w_M))
+                later.append((gemm, x_MH, h_MG, dh_MG, g_MH, w_M))  # a is rebuilt from h for wgrad
                 dx_recv = torch.empty_like(dx_MH).index_copy_(0, by_expert, dx_MH)
                 dw_recv = torch.empty_like(dw_M).index_copy_(0, by_expert, dw_M)
             back.append((s.comm.a2a(dx_recv, recv, send), s.comm.a2a(dw_recv, recv, send)))
         dw1 = dw2 = None
         with record_function("chunked.bwd.wgrad"):  # 3. delayed wgrad, under the tail dispatch-bwd
-            for gemm, x_MH, dh_MG, g_MH, aw_MF in later:
+            while later:
+                gemm, x_MH, h_MG, dh_MG, g_MH, w_M = later.pop(0)
                 if need_w1:
                     dw1 = gemm.wgrad(dh_MG, x_MH) if dw1 is None else dw1 + gemm.wgrad(dh_MG, x_MH)
                 if need_w2:
+                    gate, up = h_MG.chunk(2, dim=-1)
+                    aw_MF = F.silu(gate) * up * w_M  # dW_down = g^T (w a)
                     dw2 = gemm.wgrad(g_MH, aw_MF) if dw2 is None else dw2 + gemm.wgrad(g_MH, aw_MF)
-            later.clear()
         dx_TH, dweight_TK = g_TH.new_empty(T, H), torch.empty_like(weight_TK)
         for i, ((lo, hi, *_), (order_N, *_), (px, pw)) in enumerate(zip(ctx.meta, per_chunk, back)):
             with record_function(f"chunked.bwd.dispatch_wait{i}"):  # 4. back home, sum over choices
@@ -291,7 +291,9 @@ class ChunkedDispatch:
                              "it supports experts = 'loop' or 'grouped'")
         stream = None
         if x_TH.device.type == "cuda" and self.ep > 1:
-            stream = self._streams.setdefault(x_TH.device, torch.cuda.Stream(x_TH.device))
+            if x_TH.device not in self._streams:
+                self._streams[x_TH.device] = torch.cuda.Stream(x_TH.device)
+            stream = self._streams[x_TH.device]
         setup = _Setup(self.num_experts, self.num_chunks, _Comm(self.group, self.ep, stream), grouped,
                        recompute=in_recompute())
         dtype = x_TH.dtype  # the experts' compute dtype (Experts.forward applied autocast)
