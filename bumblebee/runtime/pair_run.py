@@ -242,7 +242,8 @@ def execute(job: PairJob, stream: IO) -> dict:
     t = job.cfg_a.train
     out.write(f"pair {job.slot}: a = {job.a}, b = {job.b}; {t.steps} step(s); {ta.ctx.layout.describe()}; "
               f"{ta.device.type}; {t.dtype}; deterministic {'on' if t.deterministic else 'off'}; "
-              f"tolerance rel <= {job.rtol:g}\ninitial weights: identical (sha256 {ha[:12]})\n\n")
+              f"tolerance rel <= {job.rtol:g}\ninitial weights: identical (sha256 {ha[:12]}); metrics.jsonl in "
+              f"{job.cfg_a.train.out_dir} and {job.cfg_b.train.out_dir}\n\n")
     rows: list[dict] = []
     for step in range(1, t.steps + 1):
         pa, pb = (probe(ta, job.hooks), probe(tb, job.hooks)) if job.probe else ({}, {})
