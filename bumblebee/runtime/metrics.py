@@ -16,7 +16,8 @@ from typing import IO
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: str | None, *, total_steps: int, log_every: int = 1, stream: IO = sys.stdout):
+    def __init__(self, out_dir: str | None, *, total_steps: int, log_every: int = 1, stream: IO = sys.stdout,
+                 first_step: int = 0):
         self.active = out_dir is not None
         self.total_steps, self.log_every, self.stream = total_steps, max(log_every, 1), stream
         self.tty = getattr(stream, "isatty", lambda: False)()
@@ -25,7 +26,15 @@ class MetricsWriter:
         if self.active:
             os.makedirs(out_dir, exist_ok=True)
             self.path = os.path.join(out_dir, "metrics.jsonl")
+            # a resumed run keeps the lines of the steps it continues from, and drops any
+            # lines past the checkpoint (steps that will be recomputed)
+            kept = []
+            if first_step > 0 and os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= first_step]
             self._file = open(self.path, "w")
+            self._file.writelines(kept)
+            self._file.flush()
         self._start = time.perf_counter()
 
     def log(self, record: dict) -> None:

@@ -147,7 +147,7 @@ class Trainer:
             if self.pipeline is not None:
                 stream.write(f"bumblebee: {self.pipeline.describe()}\n")
         self.metrics = MetricsWriter(t.out_dir if self.rank == 0 else None, total_steps=t.steps,
-                                     log_every=t.log_every, stream=stream)
+                                     log_every=t.log_every, stream=stream, first_step=self.step)
 
     def train_step(self) -> dict:
         """One optimizer step, with its peak live memory measured (perf.memory)."""
