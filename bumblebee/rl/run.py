@@ -38,18 +38,18 @@ from bumblebee.rl.toy import EOS, TASKS, make_task, rollout_batch, supervised_ba
 
 @dataclass(kw_only=True)
 class RLConfig:
-    task: str = "add"  # add | reverse
-    digits: int = 2
+    task: str = "reverse"  # reverse | add
+    digits: int = 3  # reverse: 1..digits+1 letters; add: operands of 1..digits digits
     partial: float = 0.0  # reward for a wrong answer: partial x fraction of characters right
     warmup_steps: int = 60  # supervised steps before RL
     warmup_batch: int = 64  # problems per warm-up step
     warmup_lr: float = 3e-3
-    steps: int = 30  # GRPO steps
-    prompts_per_step: int = 16
+    steps: int = 100  # GRPO steps
+    prompts_per_step: int = 32
     group_size: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
-    lr: float = 1e-3
+    lr: float = 3e-4
     updates_per_step: int = 2  # PPO mini-batches per rollout batch
     clip_low: float = 0.2
     clip_high: float = 0.28  # "clip-higher" (asymmetric upper bound)
@@ -59,14 +59,15 @@ class RLConfig:
     entropy_coef: float = 0.0
     agg: str = "token-mean"
     seq_len: int = 128  # row length rollouts are packed into
-    eval_problems: int = 128  # held-out problems, greedy accuracy after warm-up and at the end
+    eval_problems: int = 128  # held-out problems, evaluated after the warm-up and at the end
+    eval_samples: int = 4  # samples per held-out problem for the evaluation reward
     seed: int = 0
 
     def validate(self) -> None:
         if self.task not in TASKS:
             raise ConfigError(f"rl.task must be one of {', '.join(TASKS)}, got {self.task!r}")
         for name in ("digits", "warmup_batch", "prompts_per_step", "group_size", "max_new_tokens",
-                     "updates_per_step", "seq_len"):
+                     "updates_per_step", "seq_len", "eval_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "steps", "eval_problems", "kl_coef", "entropy_coef", "partial"):
@@ -126,14 +127,21 @@ def _push_weights(engine: Engine, sampler: Sampler | None) -> None:
             pass
 
 
-def _evaluate(sampler, task, problems) -> float:
-    r = sampler.generate([p.prompt for p in problems], max_new_tokens=len(max(problems, key=lambda p: len(p.answer))
-                                                                          .answer) + 1, temperature=0, eos_id=EOS)
-    return sum(c == p.answer for p, c in zip(problems, r.completions)) / len(problems)
+def _evaluate(sampler, task, problems, rl: RLConfig) -> dict:
+    """Greedy exact-match rate, and mean reward of ``eval_samples`` samples per problem at the
+    training temperature, on a fixed problem set with a fixed sampling seed (low-noise figures)."""
+    prompts = [p.prompt for p in problems]
+    greedy = sampler.generate(prompts, max_new_tokens=rl.max_new_tokens, temperature=0, eos_id=EOS)
+    sampled = sampler.generate(prompts, group_size=rl.eval_samples, max_new_tokens=rl.max_new_tokens,
+                               temperature=rl.temperature, eos_id=EOS,
+                               generator=torch.Generator().manual_seed(rl.seed + 17))
+    rewards = [task.reward(problems[i // rl.eval_samples], c) for i, c in enumerate(sampled.completions)]
+    return {"greedy_accuracy": sum(c == p.answer for p, c in zip(problems, greedy.completions)) / len(problems),
+            "reward": sum(rewards) / len(rewards)}
 
 
 def run(cfg: Config, rl: RLConfig, *, stream: IO = sys.stdout) -> dict:
-    """Warm-up + GRPO; returns a summary (rewards per step, greedy accuracy before/after)."""
+    """Warm-up + GRPO; returns a summary (reward per step, held-out evaluation before/after)."""
     rl.validate()
     start = time.perf_counter()
     engine = Engine(cfg, temperature=rl.temperature)
@@ -158,7 +166,10 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO = sys.stdout) -> dict:
     engine.export_hf(ref_dir)
     reference = Engine(cfg, hf_path=ref_dir, temperature=rl.temperature) if rl.kl_coef else None
     _push_weights(engine, sampler)
-    acc_before = _broadcast(_evaluate(sampler, task, eval_set) if sampler else None, ctx) if eval_set else None
+    before = _broadcast(_evaluate(sampler, task, eval_set, rl) if sampler else None, ctx) if eval_set else None
+    if before:
+        log({"phase": "eval", "step": 0, **before}, f"eval after warm-up: reward {before['reward']:.3f}  "
+                                                     f"greedy accuracy {before['greedy_accuracy']:.3f}")
 
     loss_fn, rewards_per_step = rl.loss(), []
     for step in range(1, rl.steps + 1):  # 2. GRPO
@@ -193,14 +204,17 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO = sys.stdout) -> dict:
                "rollout_logprob_err": float(mismatch.abs().max()), "step_time_s": time.perf_counter() - t0}
         log(rec, f"grpo {step}/{rl.steps}  reward {reward:.3f}  acc {rec['accuracy']:.3f}  kl {rec['kl']:.4f}  "
                  f"entropy {rec['entropy']:.3f}  clip {rec['clip_frac']:.3f}  ({rec['step_time_s']:.1f}s)")
-    acc_after = _broadcast(_evaluate(sampler, task, eval_set) if sampler else None, ctx) if eval_set else None
-    k = max(1, len(rewards_per_step) // 5)
-    summary = {"rewards": rewards_per_step, "reward_first": sum(rewards_per_step[:k]) / k if rewards_per_step else None,
+    after = _broadcast(_evaluate(sampler, task, eval_set, rl) if sampler else None, ctx) if eval_set else None
+    if after:
+        log({"phase": "eval", "step": rl.steps, **after}, None)
+    k = max(1, len(rewards_per_step) // 10)
+    summary = {"rewards": rewards_per_step, "eval_before": before, "eval_after": after,
+               "reward_first": sum(rewards_per_step[:k]) / k if rewards_per_step else None,
                "reward_last": sum(rewards_per_step[-k:]) / k if rewards_per_step else None,
-               "greedy_acc_before": acc_before, "greedy_acc_after": acc_after,
                "wall_time_s": time.perf_counter() - start}
     if ctx.rank == 0 and rewards_per_step:
-        acc = f"; greedy accuracy {acc_before:.3f} -> {acc_after:.3f}" if eval_set else ""
+        ev = (f"; held-out reward {before['reward']:.3f} -> {after['reward']:.3f}, greedy accuracy "
+              f"{before['greedy_accuracy']:.3f} -> {after['greedy_accuracy']:.3f}") if eval_set else ""
         stream.write(f"done: mean reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} "
-                     f"(first/last {k} steps){acc}; {summary['wall_time_s']:.0f}s; metrics in {log.path}\n")
+                     f"(first/last {k} steps){ev}; {summary['wall_time_s']:.0f}s; metrics in {log.path}\n")
     return summary
