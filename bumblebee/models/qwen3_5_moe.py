@@ -12,6 +12,13 @@ h + MoE(RMSNorm(h)) with
 - MoE: the routed experts (router, expert FFN and dispatch slots, as Qwen3-MoE)
   plus one shared SwiGLU expert scaled by ``sigmoid(shared_expert_gate(x))``.
 
+Context parallelism (``parallel.cp > 1``): the residual stream is zigzag-sharded
+(``primitives/cp/layout.py``) and the layout is a ``CPLayout``. Full attention runs
+the ``cp`` slot (allgather / ring) on it; Gated DeltaNet runs on the same zigzag
+shards with its state carried across ranks by an affine prefix scan
+(``primitives/linear_attention/cp.py``), so no layer converts the residual stream.
+The balance loss is reduced over the CP group (as Qwen3-MoE).
+
 Every RMSNorm except the GDN output norm is zero-centered, ``(1 + w)`` in fp32
 (HF ``Qwen3_5MoeRMSNorm``). Module and parameter names follow HF's
 ``Qwen3_5MoeForCausalLM`` so checkpoints map one to one (experts stacked, see
@@ -29,6 +36,7 @@ from torch import nn
 from bumblebee import registry
 from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
 from bumblebee.models.qwen3_moe import MLP, LossTerms, MoE
+from bumblebee.primitives.cp.layout import build_cp_layout
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet, GatedRMSNorm
 from bumblebee.primitives.norms import ZeroCenteredRMSNorm
 from bumblebee.primitives.packed import DocLayout, default_position_ids, doc_layout
@@ -113,7 +121,9 @@ class Backbone(nn.Module):
 
     def __init__(self, arch: Qwen3_5MoeArch, prims, dispatch, recompute, groups: ParallelGroups):
         super().__init__()
-        attend = registry.get("attention", prims.attention).factory
+        # full attention: the CP implementation when the sequence is split (zigzag shards)
+        attend = registry.get("cp", prims.cp).factory if groups.cp_size > 1 else \
+            registry.get("attention", prims.attention).factory
         linear_core = registry.get("linear_attention", prims.linear_attention).factory
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, prims, attend, linear_core, dispatch, recompute, groups)
@@ -133,9 +143,6 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         self.arch = arch
         self.prims = prims or PrimitivesConfig()
         self.groups = groups or ParallelGroups()
-        if self.groups.cp_group is not None and self.groups.cp_size > 1:
-            raise ValueError("qwen3_5_moe does not support context parallelism yet (Gated DeltaNet needs a "
-                             "carried state across ranks); use parallel.cp = 1")
         dispatch = registry.get("moe_comm", self.prims.moe_comm).factory(
             num_experts=arch.num_experts, ep_group=self.groups.ep_group, num_chunks=self.prims.moe_chunks)
         self.recompute = registry.get("recompute", self.prims.recompute).factory(self.prims.recompute_modules)
@@ -168,9 +175,11 @@ class Qwen3_5MoeForCausalLM(nn.Module):
 
     def layer_context(self, position_ids_BT, dtype):
         """What every decoder layer takes besides its input: partial-RoPE (cos, sin) in ``dtype``
-        and the document layout. Pipeline stages rebuild it."""
+        and the document layout (the CP layout when the sequence is split). Pipeline stages rebuild it."""
         cos, sin = rope_cos_sin(position_ids_BT, self.arch.rotary_dim, self.arch.rope_theta, dtype)
-        return cos, sin, doc_layout(position_ids_BT)
+        cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
+        layout = build_cp_layout(position_ids_BT, cp_group) if cp_group is not None else doc_layout(position_ids_BT)
+        return cos, sin, layout
 
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
         """Estimated forward FLOPs of one ``seq_len``-token sequence through each decoder layer and

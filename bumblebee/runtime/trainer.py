@@ -91,8 +91,9 @@ def check_run(cfg: Config, world: int):
     if cfg.train.seq_len % (2 * layout.cp):
         raise ConfigError(f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
                           f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks")
-    if layout.cp > 1 and cfg.model.name != "qwen3_moe":
-        raise ConfigError(f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; valid: qwen3_moe")
+    if layout.cp > 1 and cfg.model.name not in ("qwen3_moe", "qwen3_5_moe"):
+        raise ConfigError(f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; "
+                          "valid: qwen3_moe, qwen3_5_moe")
     rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
     if rem or rows % cfg.train.micro_batch:
         raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "

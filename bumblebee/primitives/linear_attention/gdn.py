@@ -11,8 +11,9 @@ Yang et al., "Gated Delta Networks: Improving Mamba2 with Delta Rule" (ICLR
     y = out_proj(GatedRMSNorm(o, z))             # RMSNorm over V, weight, then * SiLU(z)
 
 The conv window and the recurrent state restart at every packed document; both
-can be carried in (``GDNState``) and are returned for the row ends, which is what
-context parallelism passes from one rank to the next.
+can be carried in (``GDNState``) and are returned for the row ends. Under context
+parallelism (a ``CPLayout``) the layer hands its projections to ``cp.py``, which
+carries both across ranks.
 
 Legend: B batch, T tokens, D hidden, G key heads, H value heads, K key dim,
 V value dim, C conv channels (2*G*K + H*V), P conv window (kernel - 1).
@@ -27,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.linear_attention.conv import CausalConv1d
+from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
 from bumblebee.primitives.packed import DocLayout
 
 
@@ -96,20 +99,46 @@ class GatedDeltaNet(nn.Module):
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
         self.norm.weight.fill_(1.0)
 
-    def forward(self, x_BTD: torch.Tensor, layout: DocLayout, state: GDNState | None = None):
+    def project(self, x_BTD: torch.Tensor):
+        """The per-token input projections: (pre-conv qkv [B, T, C], z [B, T, H, V], beta [B, T, H],
+        g [B, T, H] fp32). Any token order works (context parallelism runs them on its shard)."""
+        B, T, _ = x_BTD.shape
+        qkv_pre_BTC = self.in_proj_qkv(x_BTD)
+        z_BTHV = self.in_proj_z(x_BTD).view(B, T, self.H, self.V)
+        beta_BTH = torch.sigmoid(self.in_proj_b(x_BTD))
+        g_BTH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
+        return qkv_pre_BTC, z_BTHV, beta_BTH, g_BTH
+
+    def split_heads(self, qkv_BTC: torch.Tensor):
+        """Post-conv qkv -> SiLU -> (q [B, T, G, K], k [B, T, G, K], v [B, T, H, V])."""
+        B, T, _ = qkv_BTC.shape
+        G, H, K, V = self.G, self.H, self.K, self.V
+        q, k, v = F.silu(qkv_BTC).split([G * K, G * K, H * V], dim=-1)
+        return q.reshape(B, T, G, K), k.reshape(B, T, G, K), v.reshape(B, T, H, V)
+
+    def finish(self, o_BTHV: torch.Tensor, z_BTHV: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm and the output projection -> y [B, T, D]."""
+        B, T = o_BTHV.shape[:2]
+        return self.out_proj(self.norm(o_BTHV, z_BTHV).reshape(B, T, self.H * self.V))
+
+    def forward(self, x_BTD: torch.Tensor, layout: DocLayout | CPLayout, state: GDNState | None = None):
         """-> (y [B, T, D], GDNState at the end of every row). ``state`` continues each row's
         first document (see ``gated_delta_rule``); None starts from zeros. The layout cannot tell
         whether row b's first token opens a new document, so a caller carrying a state across a
-        split passes ``state.continued(continues_B)``."""
-        B, T, _ = x_BTD.shape
-        G, H, K, V = self.G, self.H, self.K, self.V
-        qkv_BTC, conv_BPC = self.conv1d(self.in_proj_qkv(x_BTD), layout, None if state is None else state.conv_BPC)
-        q, k, v = F.silu(qkv_BTC).split([G * K, G * K, H * V], dim=-1)
-        z_BTHV = self.in_proj_z(x_BTD).view(B, T, H, V)
-        beta_BTH = torch.sigmoid(self.in_proj_b(x_BTD))
-        g_BTH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
+        split passes ``state.continued(continues_B)``.
+
+        With a ``CPLayout`` (the sequence is zigzag-sharded over a CP group) the layer runs
+        context-parallel (``linear_attention/cp.py``): the state is carried across ranks
+        internally, no ``state`` may be passed, and the returned state is None."""
+        if isinstance(layout, CPLayout):
+            if state is not None:
+                raise ValueError("GatedDeltaNet: a carried state cannot be combined with context parallelism "
+                                 "(the CP layout already carries the state across ranks); pass state=None")
+            return gated_delta_net_cp(self, x_BTD, layout), None
+        qkv_pre_BTC, z_BTHV, beta_BTH, g_BTH = self.project(x_BTD)
+        qkv_BTC, conv_BPC = self.conv1d(qkv_pre_BTC, layout, None if state is None else state.conv_BPC)
+        q_BTGK, k_BTGK, v_BTHV = self.split_heads(qkv_BTC)
         o_BTHV, S_BHKV = self.recompute.module(
-            "linear_attn_core", self.core, q.reshape(B, T, G, K), k.reshape(B, T, G, K), v.reshape(B, T, H, V),
+            "linear_attn_core", self.core, q_BTGK, k_BTGK, v_BTHV,
             g_BTH, beta_BTH, layout, None if state is None else state.recurrent_BHKV)
-        y_BTD = self.out_proj(self.norm(o_BTHV, z_BTHV).reshape(B, T, H * V))
-        return y_BTD, GDNState(conv_BPC, S_BHKV)
+        return self.finish(o_BTHV, z_BTHV), GDNState(conv_BPC, S_BHKV)
