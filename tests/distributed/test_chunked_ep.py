@@ -31,6 +31,7 @@ from bumblebee.models import build_model, resolve_arch
 from bumblebee.models.arch import Qwen3MoeArch
 from bumblebee.models.qwen3_moe import MoE
 from bumblebee.primitives.moe import chunked
+from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.runtime.trainer import Trainer
 
@@ -133,7 +134,12 @@ def _ranks(rank, world, cases, runs, out_dir):
     for i, run in enumerate(runs):
         cfg = load_config(None, BASE + trace_overrides(*run) + [f"train.out_dir={out_dir}/{i}/{rank}"])
         trainer = Trainer(cfg, stream=io.StringIO())
-        traces.append([(r["loss"], r["grad_norm"]) for r in (trainer.train_step() for _ in range(STEPS))])
+        calls = [0]  # Experts.forward calls (FSDP2 gathers the expert weights once per call)
+        for m in trainer.model.modules():
+            if isinstance(m, Experts):
+                m.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        traces.append(([(r["loss"], r["grad_norm"]) for r in (trainer.train_step() for _ in range(STEPS))],
+                       calls[0]))
     return layers, traces
 
 
@@ -150,16 +156,19 @@ def check_layers(cases, results):
             assert calls["gemm_fwd"] == (3 * k if policy == "full" else 2 * k), (case, calls)
 
 
-def check_traces(runs, traces):
+def check_traces(runs, traces, world):
     """runs: (ep, recompute, moe_chunks or None for alltoall); every chunked run is paired
     with the alltoall run of the same ep and recompute policy."""
     traces = dict(zip(runs, traces))
-    for (ep, rc, k), trace in traces.items():
+    for (ep, rc, k), (trace, calls) in traces.items():
+        # one Experts.forward (one FSDP2 gather) per MoE layer forward whatever k: one MoE layer,
+        # global_batch 4 / world micro-batches per step, twice under full recompute
+        assert calls == STEPS * (4 // world) * (2 if rc == "full" else 1), (ep, rc, k, calls)
         if k is None:
             losses = [loss for loss, _ in trace]
             assert losses[-1] < losses[0], (ep, rc, losses)  # it trains
             continue
-        for step, ((loss, gnorm), (ref_loss, ref_gnorm)) in enumerate(zip(trace, traces[(ep, rc, None)])):
+        for step, ((loss, gnorm), (ref_loss, ref_gnorm)) in enumerate(zip(trace, traces[(ep, rc, None)][0])):
             assert loss == pytest.approx(ref_loss, rel=RTOL), (ep, rc, k, step)
             assert gnorm == pytest.approx(ref_gnorm, rel=RTOL), (ep, rc, k, step)
 
@@ -170,7 +179,7 @@ def test_two_ranks(tmp_path):
     runs = [(2, rc, k) for k in (None, 2, 3, 4) for rc in ("none", "full")]
     results = run_distributed(_ranks, 2, cases, runs, str(tmp_path))
     check_layers(cases, results)
-    check_traces(runs, results[0][1])
+    check_traces(runs, results[0][1], 2)
 
 
 def test_four_ranks(tmp_path):
@@ -180,7 +189,7 @@ def test_four_ranks(tmp_path):
     runs = [(4, "none", None), (4, "none", 4), (2, "full", None), (2, "full", 3)]
     results = run_distributed(_ranks, 4, cases, runs, str(tmp_path))
     check_layers(cases, results)
-    check_traces(runs, results[0][1])
+    check_traces(runs, results[0][1], 4)
 
 
 # ------------------------------------------------------------------------------ single process
