@@ -207,7 +207,8 @@ class Engine:
     def named_weights(self, *, hf_names: bool = True):
         """Stream (name, full tensor) for every parameter: HF names (experts split per
         expert) by default, bumblebee names with ``hf_names=False``. Collective: every
-        rank must iterate to the end; each tensor is valid until the next one is asked for."""
+        rank must iterate to the end. A tensor may share storage with the live parameter
+        (replicated layouts): copy what you keep across an update."""
         self._check_onloaded()
         named = full_named_parameters(self.model, self.ctx.ep_group)
         return hf_state_dict(_FullModel(self.arch, named)) if hf_names else named

@@ -29,10 +29,10 @@ else:  # pragma: no cover
 
 # the run config of the embedded RL run, before the user's file and overrides; rows hold ~10
 # short rollouts each, so one masked SDPA call beats varlen's per-document loop
-RL_DEFAULTS = ["primitives.attention=sdpa", "model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.num_attention_heads=4",
-               "model.arch.num_key_value_heads=2", "model.arch.head_dim=16", "model.arch.num_experts=4",
-               "model.arch.moe_intermediate_size=64", "train.micro_batch=16", "train.global_batch=32",
-               "train.weight_decay=0.0", "train.clip_grad=1.0", "train.out_dir=runs/rl"]
+RL_DEFAULTS = ["primitives.attention=sdpa", "model.arch.num_hidden_layers=2", "model.arch.hidden_size=64",
+               "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.arch.head_dim=16",
+               "model.arch.num_experts=4", "model.arch.moe_intermediate_size=64", "train.micro_batch=16",
+               "train.global_batch=32", "train.weight_decay=0.0", "train.clip_grad=1.0", "train.out_dir=runs/rl"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,7 +101,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError("--plot needs matplotlib, which is not a bumblebee dependency: pip install matplotlib") from None
+        raise ConfigError("--plot needs matplotlib, which is not a bumblebee dependency: "
+                          "pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -195,8 +195,8 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO = sys.stdout) -> dict:
         mean = lambda k: sum(m.get(k, 0.0) for m in ms) / len(ms)  # noqa: E731
         reward = sum(rewards) / len(rewards)
         rewards_per_step.append(reward)
-        rec = {"phase": "grpo", "step": step, "reward": reward,
-               "reward_std": float(torch.tensor(rewards).std()), "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+        rec = {"phase": "grpo", "step": step, "reward": reward, "reward_std": float(torch.tensor(rewards).std()),
+               "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
                "kl": mean("kl"), "entropy": mean("entropy"), "clip_frac": mean("clip_frac"),
                "dual_clip_frac": mean("dual_clip_frac"), "approx_kl_old": mean("approx_kl_old"),
                "loss": mean("loss"), "grad_norm": mean("grad_norm"), "lr": rl.lr,

@@ -45,7 +45,8 @@ class Rollouts:
 class Sampler:
     def __init__(self, model: Qwen3MoeForCausalLM):
         if getattr(model, "family", None) != "qwen3_moe":
-            raise ValueError(f"the built-in sampler supports the qwen3_moe family, got {getattr(model, 'family', model)}")
+            raise ValueError(f"the built-in sampler supports the qwen3_moe family, "
+                             f"got {getattr(model, 'family', type(model).__name__)}")
         self.model = model.eval()
         self.arch = model.arch
 
