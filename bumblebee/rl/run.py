@@ -140,9 +140,10 @@ def _evaluate(sampler, task, problems, rl: RLConfig) -> dict:
             "reward": sum(rewards) / len(rewards)}
 
 
-def run(cfg: Config, rl: RLConfig, *, stream: IO = sys.stdout) -> dict:
+def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
     """Warm-up + GRPO; returns a summary (reward per step, held-out evaluation before/after)."""
     rl.validate()
+    stream = stream or sys.stdout
     start = time.perf_counter()
     engine = Engine(cfg, temperature=rl.temperature)
     ctx, out_dir = engine.ctx, cfg.train.out_dir
