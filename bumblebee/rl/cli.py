@@ -110,19 +110,27 @@ def _pyplot():
 
 
 def plot_rewards(metrics_path: str, out_png: str) -> None:
-    """Mean reward and exact-match rate of the sampled rollouts per GRPO step."""
+    """Mean reward of the sampled rollouts per GRPO step (raw and a 10-step moving average),
+    and the held-out evaluation reward after the warm-up and at the end."""
     plt = _pyplot()
     with open(metrics_path) as f:
-        recs = [r for r in map(json.loads, f) if r.get("phase") == "grpo"]
+        recs = [json.loads(line) for line in f]
+    grpo = [r for r in recs if r.get("phase") == "grpo"]
+    steps, reward = [r["step"] for r in grpo], [r["reward"] for r in grpo]
+    avg = [sum(reward[max(0, i - 9):i + 1]) / len(reward[max(0, i - 9):i + 1]) for i in range(len(reward))]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [r["step"] for r in recs]
-    ax.plot(steps, [r["reward"] for r in recs], label="mean reward")
-    ax.plot(steps, [r["accuracy"] for r in recs], label="exact-match rate", alpha=0.6)
+    ax.plot(steps, reward, color="tab:blue", alpha=0.35, lw=1, label="mean reward per step")
+    ax.plot(steps, avg, color="tab:blue", lw=2, label="10-step moving average")
+    evals = [r for r in recs if r.get("phase") == "eval"]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["reward"] for r in evals], "o", color="tab:red",
+                label="held-out reward (before / after)")
     ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("bumblebee rl: reward of sampled rollouts")
+    ax.legend(loc="lower right")
+    ax.set_title("bumblebee rl: GRPO on the built-in task")
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
