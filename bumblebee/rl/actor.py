@@ -1,8 +1,9 @@
 """``bumblebee.Engine``: the training side of an RL loop, the surface an RL framework drives.
 
 Rollouts come from elsewhere (an inference engine, or ``rl/sampler.py``); the
-Engine scores them and updates the policy, on any layout the runtime supports
-(single process, or under torchrun with fsdp2 / zero1 and expert parallelism):
+Engine scores them and updates the policy, on the layouts the runtime supports
+(single process, or under torchrun: fsdp2 / zero1 data parallelism, expert and
+context parallelism; not yet pipeline parallelism):
 
     engine = Engine(cfg, hf_path=None)               # model, sharding, optimizer (runtime pieces)
     lp = engine.compute_logprobs(batch, entropy=True)  # forward only, token-aligned [B, T]
@@ -12,8 +13,9 @@ Engine scores them and updates the policy, on any layout the runtime supports
 
 Every rank passes the same *global* batch (``rl/batch.py``: packed sequences, loss
 mask, advantages, old/reference log-probs); the Engine gives each data-parallel rank
-its rows (padding the batch with empty rows when it does not split evenly) and runs
-them in micro-batches of ``train.micro_batch`` rows. Aggregation weights are computed
+its rows (padding the batch with empty rows when it does not split evenly), each
+context-parallel rank its zigzag share of those rows' tokens, and runs them in
+micro-batches of ``train.micro_batch`` rows. Aggregation weights are computed
 on the global batch first (``losses.aggregation_weights``), so each micro-batch's loss
 is its exact share of the global loss and the summed gradients -- the sharding
 primitives' convention -- are those of the full batch, whatever the layout.
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError
 from bumblebee.models.hf import hf_state_dict, to_hf
+from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding import ShardingGroups
 from bumblebee.primitives.sharding.common import full_named_parameters
@@ -80,6 +83,12 @@ def _positions(batch: RLBatch, agg: str | None) -> dict[str, torch.Tensor]:
     return out
 
 
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
 class Engine:
     def __init__(self, cfg: Config, hf_path: str | None = None, *, device: torch.device | None = None,
                  temperature: float = 1.0):
@@ -92,7 +101,9 @@ class Engine:
         self.ctx = build_parallel_context(cfg, self.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         ctx = self.ctx
-        model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group))
+        if ctx.layout.pp > 1:
+            raise ConfigError("the RL Engine does not support pipeline parallelism yet; use parallel.pp = 1")
+        model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group))
         groups = ShardingGroups(dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
                                 expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
                                 ep_group=ctx.ep_group)
@@ -110,17 +121,28 @@ class Engine:
         return self.ctx.layout.dp_shard
 
     def _local(self, P: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
-        """This data-parallel rank's rows (the batch padded with empty rows to split evenly)."""
+        """This rank's part of the global batch: its data-parallel rows, and with CP its
+        zigzag share of every row. The batch is padded first with empty rows (to split
+        evenly over dp) and empty columns (a padding sequence, to split into 2 x cp chunks)."""
         B, T = P["input_ids"].shape
-        rows = -(-B // self._dp)
-        pad = rows * self._dp - B
-        if pad:
-            fill = {"targets": IGNORE}
-            P = {k: torch.cat([v, torch.full((pad, T), fill.get(k, 0), dtype=v.dtype, device=v.device)])
-                 for k, v in P.items()}
-            P["position_ids"][B:] = torch.arange(T, device=P["position_ids"].device)
+        cp = self.ctx.layout.cp
+        rows, cols = -(-B // self._dp), -(-T // (2 * cp)) * 2 * cp
+        if rows * self._dp != B or cols != T:
+            padded = {}
+            for k, v in P.items():
+                x = torch.full((rows * self._dp, cols), IGNORE if k == "targets" else 0, dtype=v.dtype,
+                               device=v.device)
+                x[:B, :T] = v
+                padded[k] = x
+            pos = padded["position_ids"]
+            pos[B:] = torch.arange(cols, device=pos.device)
+            pos[:B, T:] = torch.arange(cols - T, device=pos.device)  # restarts: a sequence of its own
+            P = padded
         r = self.ctx.dp_rank
-        return {k: v[r * rows:(r + 1) * rows].to(self.device) for k, v in P.items()}, rows
+        local = {k: v[r * rows:(r + 1) * rows] for k, v in P.items()}
+        if cp > 1:
+            local = {k: shard_sequence(v, cp, self.ctx.cp_rank) for k, v in local.items()}
+        return {k: v.to(self.device) for k, v in local.items()}, rows
 
     def _micro_batches(self, local: dict[str, torch.Tensor], rows: int):
         m = self.cfg.train.micro_batch
@@ -150,15 +172,13 @@ class Engine:
         local, rows = self._local(_positions(batch, None))
         parts = [self._scores(mb, entropy)[:2] for mb in self._micro_batches(local, rows)]
         out = [torch.cat([p[k] for p in parts]).float() for k in range(2 if entropy else 1)]
-        if self.ctx.distributed and self._dp > 1:  # every rank gets every row
-            group = self.ctx.dense.get_group("dp_shard")
-            for k, t in enumerate(out):
-                chunks = [torch.empty_like(t) for _ in range(self._dp)]
-                dist.all_gather(chunks, t.contiguous(), group=group)
-                out[k] = torch.cat(chunks)
+        if self.ctx.layout.cp > 1:  # the whole sequence of every local row
+            out = [unshard_sequence(_all_gather(t, self.ctx.cp_group)) for t in out]
+        if self._dp > 1:  # every rank gets every row
+            out = [torch.cat(_all_gather(t, self.ctx.dense.get_group("dp_shard"))) for t in out]
         prefix = has_prefix(batch.position_ids).to(self.device)
-        B = batch.rows
-        res = [torch.where(prefix, shift_right(t[:B]), 0.0).to(batch.input_ids.device) for t in out]
+        B, T = batch.input_ids.shape
+        res = [torch.where(prefix, shift_right(t[:B, :T]), 0.0).to(batch.input_ids.device) for t in out]
         return LogProbs(res[0], res[1] if entropy else None)
 
     # ------------------------------------------------------------------ update

@@ -1,7 +1,8 @@
 """The RL Engine on 2 gloo ranks equals the single-process Engine on the same global batch:
 per-token log-probs (with a row count that does not split evenly), PPO/GRPO train-step
-metrics over two steps, the gathered HF-named weights; plus export_hf, save / load
-(FSDP2 DTensor optimizer state, zero1 master slices) and offload / onload on 2 ranks."""
+metrics over two steps, the gathered HF-named weights -- with data, expert and context
+parallelism (zigzag CP shards, cp x ep folded); plus export_hf, save / load (FSDP2
+DTensor optimizer state, zero1 master slices) and offload / onload on 2 ranks."""
 
 from __future__ import annotations
 
@@ -21,22 +22,24 @@ LAYOUTS = {
     "fsdp2 ep=1": ["primitives.sharding=fsdp2", "parallel.ep=1"],
     "fsdp2 ep=2": ["primitives.sharding=fsdp2", "parallel.ep=2"],
     "zero1 ep=2": ["primitives.sharding=zero1", "parallel.ep=2"],
+    "fsdp2 cp=2": ["primitives.sharding=fsdp2", "parallel.cp=2"],
+    "zero1 cp=2 x ep=2": ["primitives.sharding=zero1", "parallel.cp=2", "parallel.ep=2"],
 }
 LOSS = PolicyLoss(kl_coef=0.05, entropy_coef=0.01, dual_clip=3.0, agg="seq-mean-token-sum")
 
 
-def batch(n: int):
+def batch(n: int, seq_len: int = 24):
     g = torch.Generator().manual_seed(n)
     tokens = [torch.randint(0, 256, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
               for _ in range(n)]
     masks = [[i >= 2 for i in range(len(t))] for t in tokens]
-    b = pack_sequences(tokens, masks, 24, advantages=torch.randn(n, generator=g).tolist())
+    b = pack_sequences(tokens, masks, seq_len, advantages=torch.randn(n, generator=g).tolist())
     return b.replace(ref_logprobs=-torch.rand(b.input_ids.shape, generator=g) * 6)
 
 
 def trace(engine: Engine):
     """Log-probs of an uneven batch, then two policy updates on a 4-row batch."""
-    odd, even = batch(13), batch(11)
+    odd, even = batch(13, seq_len=22), batch(11)  # odd: pad rows for dp, columns for 2 x cp chunks
     assert odd.rows % 2 == 1 and even.rows == 4
     lp = engine.compute_logprobs(odd, entropy=True)
     metrics = []
