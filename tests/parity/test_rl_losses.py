@@ -5,8 +5,11 @@ surrogate (Schulman et al. 2017), the dual clip, the KL estimators (Schulman 202
 and the three aggregation modes out directly (per-sequence loops), independently of
 ``bumblebee.rl.losses``. Compared: per-token log-probs, entropy, the loss, and the
 gradients of the hidden states and of the LM-head weight; small tiles make the fused
-path cross several token and vocabulary tiles. The vocabulary-sharded case runs the
-same comparison on 2 gloo ranks, each holding a row slice of the LM head.
+path cross several token and vocabulary tiles. On 2 gloo ranks, the same comparison
+runs vocabulary-sharded (each rank holds a row slice of the LM head, ``vocab_group``)
+and token-sharded as context parallelism shards them (zigzag; aggregation weights
+from the whole batch, losses and weight gradients all-reduced). The Engine's CP path
+end to end is in tests/distributed/test_rl_engine_dist.py.
 
 Legend: T tokens, H hidden, V vocabulary.
 """
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
+from bumblebee.primitives.cp.layout import zigzag_index
 from bumblebee.rl.losses import (AGGREGATIONS, PolicyLoss, aggregation_weights, fused_policy_loss, grpo_advantages,
                                  kl_penalty)
 
@@ -116,17 +120,49 @@ def test_clipping_is_exercised():
     assert 0 < stats["clip_frac"] < n and 0 < stats["dual_clip_frac"] < n
 
 
+def _token_sharded_errors(case, rank, world):
+    """Context-parallel view: this rank holds a zigzag share of the tokens; aggregation
+    weights come from the whole batch, so the shares' losses and weight gradients sum
+    (all-reduce) to the reference and each token's hidden-state gradient is its own."""
+    hidden, weight, targets, seq_ids, adv, old, ref = _inputs()
+    idx = zigzag_index(-(-T // (2 * world)) * 2 * world, world, rank)
+    idx = idx[idx < T]
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss_ref, logp_ref, ent_ref = _reference(h_ref, w_ref, targets, seq_ids, adv, old, ref, case)
+    loss_ref.backward()
+    agg, dual, est, kl_coef, ent_coef, temp = case
+    loss_fn = PolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=dual, kl_coef=kl_coef, kl_estimator=est,
+                         entropy_coef=ent_coef, agg=agg)
+    weights = aggregation_weights(targets != -100, seq_ids, agg)[idx]  # global weights, local tokens
+    h, w = hidden[idx].clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, _, logp, ent = fused_policy_loss(h, w, targets[idx], loss_fn, weights_T=weights, advantages_T=adv[idx],
+                                           old_logprobs_T=old[idx], ref_logprobs_T=ref[idx], temperature=temp,
+                                           **TILES)
+    loss.backward()
+    total, grad_w = loss.detach().clone(), w.grad.clone()
+    dist.all_reduce(total)
+    dist.all_reduce(grad_w)
+    errs = {}
+    for key, a, b in (("loss", total, loss_ref), ("logp", logp, logp_ref[idx]), ("entropy", ent, ent_ref[idx]),
+                      ("grad_hidden", h.grad, h_ref.grad[idx]), ("grad_weight", grad_w, w_ref.grad)):
+        a, b = a.detach().double(), b.detach().double()
+        errs[key] = ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+    return errs
+
+
 def _sharded(rank, world):
-    bounds = [0, 40, V]  # uneven slices
+    bounds = [0, 40, V]  # uneven vocabulary slices
     rows = slice(bounds[rank], bounds[rank + 1])
-    return [_errors(case, rows, dist.group.WORLD) for case in CASES]
+    return {"vocab": [_errors(case, rows, dist.group.WORLD) for case in CASES],
+            "tokens": [_token_sharded_errors(case, rank, world) for case in CASES]}
 
 
-def test_vocab_sharded_matches_materialized():
-    for rank, per_case in enumerate(run_distributed(_sharded, 2, timeout=120)):
-        for case, errs in zip(CASES, per_case):
-            for key, err in errs.items():
-                assert err <= 1e-5, (rank, case, key, err)
+def test_vocab_and_token_sharded_match_materialized():
+    for rank, result in enumerate(run_distributed(_sharded, 2, timeout=120)):
+        for kind, per_case in result.items():
+            for case, errs in zip(CASES, per_case):
+                for key, err in errs.items():
+                    assert err <= 1e-5, (rank, kind, case, key, err)
 
 
 def test_aggregation_weights_split_exactly():
