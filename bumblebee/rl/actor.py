@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import io
 import time
 from dataclasses import dataclass
 
@@ -41,10 +41,10 @@ from bumblebee.models.hf import hf_state_dict, to_hf
 from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding import ShardingGroups
-from bumblebee.primitives.sharding.common import full_named_parameters
+from bumblebee.primitives.sharding.common import full_named_parameters, local
 from bumblebee.rl.batch import IGNORE, RLBatch, has_prefix, sequence_ids, shift_left, shift_right
 from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_weights, token_logprobs
-from bumblebee.rl.state import load_rank_state, move_state, rank_state
+from bumblebee.runtime.checkpoint import Checkpointer, named_checkpoint
 from bumblebee.runtime.optim import lr_at, set_lr
 from bumblebee.runtime.trainer import build_initial_model, build_parallel_context, pick_device, seed_everything
 
@@ -243,27 +243,51 @@ class Engine:
         self._barrier()
 
     # ------------------------------------------------------------------ checkpoint and memory
-    def save(self, path: str) -> None:
-        """Resumable state (parameters, optimizer, step), one file per rank. Collective."""
-        os.makedirs(path, exist_ok=True)
-        torch.save(rank_state(self), os.path.join(path, f"rank{self.ctx.rank:05d}.pt"))
-        self._barrier()
+    def _checkpointer(self, out_dir: str) -> Checkpointer:
+        cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, out_dir=out_dir))
+        return Checkpointer(cfg, self.ctx, self.model, self.sharding, stream=io.StringIO())
+
+    def save(self, path: str) -> str:
+        """Resumable state (parameters, optimizer state, step, RNG) as a runtime checkpoint,
+        ``<path>/checkpoints/step_<N>`` (crash-safe; loads on any layout; the newest
+        ``train.keep_last`` are kept). Returns its directory. Collective."""
+        self._check_onloaded()
+        return self._checkpointer(path).save(self.step)
 
     def load(self, path: str) -> None:
-        """Restore what ``save`` wrote, on the same layout and sharding. Collective."""
-        load_rank_state(self, os.path.join(path, f"rank{self.ctx.rank:05d}.pt"))
-        self._barrier()
+        """Restore a checkpoint directory, or the newest complete one under ``path`` (what
+        ``save`` wrote, or a ``bumblebee train`` run directory). Collective."""
+        self._check_onloaded()
+        self.step = self._checkpointer(self.cfg.train.out_dir).load(named_checkpoint(path))
 
+    @torch.no_grad()
     def offload(self) -> None:
-        """Move parameters and optimizer state to host memory (between RL phases)."""
-        move_state(self, torch.device("cpu"))
+        """Move parameters and optimizer state to host memory (e.g. while rollouts run)."""
+        self._move(torch.device("cpu"))
         self.offloaded = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @torch.no_grad()
     def onload(self) -> None:
-        move_state(self, self.device)
+        self._move(self.device)
         self.offloaded = False
+
+    def _move(self, device: torch.device) -> None:
+        """Parameters (``Module.to`` keeps every Parameter object, and FSDP2 re-registers its
+        shards in ``_apply``), optimizer state, and optimizer-only parameters (zero1's fp32
+        master slices); scalar step counters stay where the optimizer keeps them."""
+        if any(local(p).device != device for p in self.model.parameters()):
+            self.model.to(device)
+        own = {id(p) for p in self.model.parameters()}
+        for group in self.sharding.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in own and p.device != device:
+                    p.data = p.data.to(device)
+        for entry in self.sharding.optimizer.state.values():
+            for k, v in entry.items():
+                if torch.is_tensor(v) and v.dim() > 0 and local(v).device != device:
+                    entry[k] = v.to(device)
 
     def _barrier(self) -> None:
         if self.ctx.distributed:

@@ -2,7 +2,8 @@
 per-token log-probs (with a row count that does not split evenly), PPO/GRPO train-step
 metrics over two steps, the gathered HF-named weights -- with data, expert and context
 parallelism (zigzag CP shards, cp x ep folded); plus export_hf, save / load (FSDP2
-DTensor optimizer state, zero1 master slices) and offload / onload on 2 ranks."""
+DTensor optimizer state, zero1 master slices; resumed on the same layout and on one
+process) and offload / onload on 2 ranks."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def _ranks(rank, world, out_dir):
             e.export_hf(f"{out_dir}/hf")
         ckpt = f"{out_dir}/{name.replace(' ', '_')}"
         e.save(ckpt)
+        results[name + " saved"] = e.compute_logprobs(batch(11)).logprobs
         e.offload()
         e.onload()
         resumed = Engine(load_config(None, BASE + overrides + [f"train.out_dir={out_dir}"]))
@@ -92,3 +94,11 @@ def test_two_ranks_match_single_process(tmp_path):
     assert torch.equal(exported["lm_head.weight"], full["lm_head.weight"])
     w0 = exported["model.layers.1.mlp.experts.w_down"]
     assert torch.equal(w0[3], full["model.layers.1.mlp.experts.3.down_proj.weight"])  # rank 1's expert
+    # cross-layout resume (the runtime's checkpoints): 2-rank checkpoints load on one process
+    for name in ("fsdp2 ep=2", "zero1 cp=2 x ep=2"):
+        single = Engine(load_config(None, BASE + ["primitives.sharding=none", "primitives.moe_comm=local",
+                                                  f"train.out_dir={tmp_path}/single"]))
+        single.load(f"{tmp_path}/{name.replace(' ', '_')}")
+        assert single.step == 2
+        want = per_rank[0][name + " saved"]
+        assert torch.allclose(single.compute_logprobs(batch(11)).logprobs, want, atol=1e-5), name
