@@ -17,8 +17,9 @@ loss gradient and ``e`` the incoming entropy gradient,
 
     dL/dz_j = g (p_j - [j = label]) - e p_j (log p_j + entropy),
 
-then accumulates ``dhidden += dz @ W_tile`` and ``dW_tile += dz^T @ h_tile`` in
-fp32 (GEMMs run in the input dtype, as in ``ce``). Without entropy ``g`` is
+then accumulates ``dhidden += dz @ W_tile`` (over vocab tiles, in an fp32 buffer)
+and ``dW_tile += dz^T @ h_tile`` (over token tiles; in fp32 straight into the
+gradient) -- GEMMs run in the input dtype, as in ``ce``. Without entropy ``g`` is
 applied to the small ``[t, H]`` operands instead of the ``[t, v]`` tile, and in
 fp32 ``- lse`` is folded into the logits GEMM, so a tile costs one GEMM and one
 ``exp`` more than ``ce``'s share. Reductions (mean/sum) are ordinary autograd
