@@ -109,6 +109,20 @@ def test_odd_sizes(case):
         assert plain.item() == 0.0
 
 
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_gradient_for_one_input_only(frozen):
+    hidden_TH, weight_VH, labels_T = make_inputs(T=21, V=70)
+    grads = []
+    for fn, kw in ((cross_entropy, {}), (linear_cross_entropy, TILES)):
+        h = hidden_TH.clone().requires_grad_(frozen != "hidden")
+        w = weight_VH.clone().requires_grad_(frozen != "weight")
+        loss, ent_T = fn(h, w, labels_T, with_entropy=True, **kw)
+        (loss + ent_T.mean()).backward()
+        assert (h.grad is None) == (frozen == "hidden") and (w.grad is None) == (frozen == "weight")
+        grads.append(w.grad if frozen == "hidden" else h.grad)
+    assert rel_err(grads[1], grads[0]) <= 1e-5
+
+
 def test_default_tiles_and_custom_ignore_index():
     hidden_TH, weight_VH, labels_T = make_inputs(T=40, V=90, ignore_every=0)
     labels_T[::3] = 7  # ignore_index=7: a real vocabulary id

@@ -150,7 +150,8 @@ class _LinearCE(torch.autograd.Function):
         gl_T = (grad_loss_T.float() * valid_T if grad_loss_T is not None else torch.zeros_like(lse_T)) / temperature
         ge_T = grad_entropy_T.float() / temperature if grad_entropy_T is not None else None
         if ge_T is None:  # dz = gl (p - onehot): keep gl out of the tile, scale [t, H] rows instead
-            row_T, hs_TH, onehot_T = gl_T, (hidden_TH * gl_T[:, None]).to(dtype), torch.ones_like(gl_T)
+            hs_TH = (hidden_TH * gl_T[:, None]).to(dtype) if need_w else None
+            row_T, onehot_T = gl_T, torch.ones_like(gl_T)
         else:  # dz = p (c - ge log p) - gl onehot, c = gl - ge entropy
             row_T, hs_TH, onehot_T, c_T = None, hidden_TH, gl_T, gl_T - ge_T * entropy_T
         # dhidden accumulates over vocab tiles in fp32; dW over token tiles -- straight into the
