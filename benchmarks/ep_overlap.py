@@ -9,7 +9,10 @@ dispatch, SwiGLU experts, combine) on each rank's local tokens; ``moe_comm``
 - exposed comm: seconds the compute thread spent blocked on all-to-alls (inside a
   blocking ``all_to_all_single`` for alltoall, inside ``wait()`` for chunked): the
   part of the communication nothing overlapped;
-- peak memory: ``bumblebee.perf.MemoryTracker`` (live tensor bytes, one tracked run).
+- peak memory: ``bumblebee.perf.MemoryTracker`` (live tensor bytes, one tracked run);
+- ``--sync-control`` adds ``chunkK-sync``: the same chunked code with every all-to-all
+  completed when issued, so its difference to ``chunkK`` is what the overlap itself buys
+  and its difference to no-chunk is what the leaner chunked backward buys.
 
 ``--recompute full`` wraps the layer in the full-recompute policy's checkpoint, so
 the backward includes the recompute forward (where chunked skips fc2 and the combine).
@@ -48,20 +51,27 @@ from bumblebee.primitives.moe import chunked
 from bumblebee.primitives.parallel import ParallelGroups
 
 
+class _Done:
+    def wait(self):
+        return True
+
+
 class ExposedComm:
-    """Seconds this thread spends blocked on all-to-alls (patched in the worker process only)."""
+    """Seconds this thread spends blocked on all-to-alls (patched in the worker process only).
+    With ``force_sync`` the chunked schedule's asynchronous all-to-alls complete at issue (the
+    no-overlap control: same code and work, nothing hidden)."""
 
     def __init__(self):
-        self.seconds = 0.0
+        self.seconds, self.force_sync = 0.0, False
         a2a, wait = dist.all_to_all_single, chunked._Pending.wait
 
         def blocking_a2a(*args, async_op=False, **kwargs):
-            if async_op:
+            if async_op and not self.force_sync:
                 return a2a(*args, async_op=True, **kwargs)
             t0 = time.perf_counter()
             out = a2a(*args, **kwargs)
             self.seconds += time.perf_counter() - t0
-            return out
+            return _Done() if async_op else out
 
         def timed_wait(pending):
             t0 = time.perf_counter()
@@ -100,6 +110,7 @@ def worker(args):
     torch.set_num_threads(args.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
     configs = [("no-chunk", 0)] + [(f"chunk{k}", k) for k in args.chunks]
+    configs += [(f"chunk{k}-sync", k) for k in args.chunks] if args.sync_control else []
     recompute = registry.get("recompute", args.recompute).factory([])
     exposed = ExposedComm()
     out = {}
@@ -109,6 +120,7 @@ def worker(args):
         probe_BTH = torch.randn(1, seq, args.hidden, generator=g)
         moes = {label: build(args, k) for label, k in configs}
         for label, moe in moes.items():  # warm-up, tracked: peak live bytes
+            exposed.force_sync = label.endswith("-sync")
             with MemoryTracker("cpu", model=moe) as mem:
                 step(moe, x_BTH, probe_BTH, recompute)
             out[(seq, label, "peak")] = mem.peak_bytes
@@ -117,6 +129,7 @@ def worker(args):
         for _ in range(args.repeats):
             for label, moe in moes.items():
                 dist.barrier()
+                exposed.force_sync = label.endswith("-sync")
                 exposed.seconds, t0 = 0.0, time.perf_counter()
                 step(moe, x_BTH, probe_BTH, recompute)
                 elapsed = torch.tensor([time.perf_counter() - t0, exposed.seconds], dtype=torch.float64)
@@ -130,6 +143,7 @@ def worker(args):
             os.makedirs(args.profile_dir, exist_ok=True)
             for label, moe in moes.items():
                 dist.barrier()
+                exposed.force_sync = label.endswith("-sync")
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     step(moe, x_BTH, probe_BTH, recompute)
                 prof.export_chrome_trace(os.path.join(args.profile_dir, f"ep_overlap_{seq}_{label}_rank{rank}.json"))
@@ -169,6 +183,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--profile-dir", default="", help="write torch.profiler Chrome traces here")
+    p.add_argument("--sync-control", action="store_true",
+                   help="also run chunkK-sync: the chunked code with every all-to-all completed at issue (no overlap)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=uuid.uuid4().hex[:8],
@@ -177,16 +193,17 @@ def main(argv=None) -> None:
     print(f"one MoE layer fwd+bwd, ep={args.nproc} gloo ranks on {os.cpu_count()} cores, hidden {args.hidden}, "
           f"expert ffn {args.ffn}, {args.experts} experts top-{args.topk}, experts={args.experts_impl}, "
           f"recompute={args.recompute}, fp32, {args.threads} thread(s)/rank, median of {args.repeats}")
-    head = (f"{'local seq':>9} {'config':<9} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} | "
+    head = (f"{'local seq':>9} {'config':<11} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} | "
             f"{'peak MiB':>9} {'vs no-chunk':>11}")
     print(head)
     print("-" * len(head))
     labels = ["no-chunk"] + [f"chunk{k}" for k in args.chunks]
+    labels += [f"chunk{k}-sync" for k in args.chunks] if args.sync_control else []
     for seq in args.seqs:
         base_t, base_m = res[(seq, "no-chunk", "time")], res[(seq, "no-chunk", "peak")]
         for label in labels:
             t, c, m = res[(seq, label, "time")], res[(seq, label, "comm")], res[(seq, label, "peak")]
-            print(f"{seq:>9} {label:<9} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} | {m / 2**20:>9.1f} "
+            print(f"{seq:>9} {label:<11} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} | {m / 2**20:>9.1f} "
                   f"{m / base_m:>11.2f}")
     if args.profile_dir:
         print(f"torch.profiler traces in {args.profile_dir} (rank 0): gloo all_to_all time on gloo's threads, "
@@ -194,7 +211,7 @@ def main(argv=None) -> None:
         for seq in args.seqs:
             for label in labels:
                 total, under = trace_overlap(os.path.join(args.profile_dir, f"ep_overlap_{seq}_{label}_rank0.json"))
-                print(f"{seq:>9} {label:<9} | all_to_all {total:>8.1f} ms | under expert GEMMs {under:>8.1f} ms")
+                print(f"{seq:>9} {label:<11} | all_to_all {total:>8.1f} ms | under expert GEMMs {under:>8.1f} ms")
     print("step s: slowest rank; exposed comm: time blocked on all-to-alls (max over ranks); peak: rank 0's\n"
           "live tensor bytes (MemoryTracker). On a CPU the ranks and gloo's transfer threads share the same\n"
           "cores, so communication can only hide under compute where a core is idle.")
