@@ -35,18 +35,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bumblebee import registry
 from bumblebee.config import Config, ConfigError
 from bumblebee.models.hf import hf_state_dict, to_hf
 from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
-from bumblebee.primitives.sharding import ShardingGroups
 from bumblebee.primitives.sharding.common import full_named_parameters, local
 from bumblebee.rl.batch import IGNORE, RLBatch, has_prefix, sequence_ids, shift_left, shift_right
 from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_weights, token_logprobs
 from bumblebee.runtime.checkpoint import Checkpointer, named_checkpoint
 from bumblebee.runtime.optim import lr_at, set_lr
-from bumblebee.runtime.trainer import build_initial_model, build_parallel_context, pick_device, seed_everything
+from bumblebee.runtime.trainer import (build_initial_model, build_parallel_context, build_sharding, pick_device,
+                                       seed_everything)
 
 _OPTIONAL = ("advantages", "old_logprobs", "ref_logprobs")
 
@@ -104,10 +103,7 @@ class Engine:
         if ctx.layout.pp > 1:
             raise ConfigError("the RL Engine does not support pipeline parallelism yet; use parallel.pp = 1")
         model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group))
-        groups = ShardingGroups(dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
-                                expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
-                                ep_group=ctx.ep_group)
-        self.sharding = registry.get("sharding", cfg.primitives.sharding).factory(groups, cfg.train)
+        self.sharding = build_sharding(cfg, ctx)
         self.model = self.sharding.wrap(model)
         self.arch = self.model.arch
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.train.dtype == "bfloat16"

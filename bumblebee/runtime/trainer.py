@@ -109,6 +109,14 @@ def build_parallel_context(cfg: Config, device: torch.device) -> ParallelContext
     return single_process(device) if world == 1 else build_context(layout, device)
 
 
+def build_sharding(cfg: Config, ctx: ParallelContext):
+    """The configured sharding primitive over this layout's groups (``wrap(model)`` comes next)."""
+    groups = ShardingGroups(dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
+                            expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
+                            ep_group=ctx.ep_group)
+    return registry.get("sharding", cfg.primitives.sharding).factory(groups, cfg.train)
+
+
 class Trainer:
     def __init__(self, cfg: Config, *, stream=sys.stdout, device: torch.device | None = None):
         self.cfg = cfg
@@ -129,10 +137,7 @@ class Trainer:
         if ctx.layout.pp > 1:  # keep this rank's pipeline stages only; that part is what gets sharded
             self.pipeline = Pipeline(cfg, ctx, self.model, self.device)
             self.model = self.pipeline.part
-        groups = ShardingGroups(dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
-                                expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
-                                ep_group=ctx.ep_group)
-        self.sharding = registry.get("sharding", cfg.primitives.sharding).factory(groups, t)
+        self.sharding = build_sharding(cfg, ctx)
         self.model = self.sharding.wrap(self.model)
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16"
