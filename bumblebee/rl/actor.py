@@ -89,6 +89,16 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 class Engine:
+    """The policy under training on this rank's share of the layout ``cfg`` describes.
+
+    ``hf_path``: start from a Hugging Face checkpoint (sets ``model.hf_path``; ``model.arch``
+    overrides still apply), else from the config's initialization (``train.seed``).
+    ``temperature``: the sampling temperature of the rollouts; log-probs, entropies and
+    the update use ``softmax(logits / temperature)``. The optimizer is the sharding
+    primitive's AdamW (``train.lr``, betas, weight decay, ``train.clip_grad``); the
+    learning rate follows ``train``'s schedule unless ``train_step(lr=...)`` sets it.
+    """
+
     def __init__(self, cfg: Config, hf_path: str | None = None, *, device: torch.device | None = None,
                  temperature: float = 1.0):
         if hf_path:
@@ -122,7 +132,7 @@ class Engine:
         evenly over dp) and empty columns (a padding sequence, to split into 2 x cp chunks)."""
         B, T = P["input_ids"].shape
         cp = self.ctx.layout.cp
-        rows, cols = -(-B // self._dp), -(-T // (2 * cp)) * 2 * cp
+        rows, cols = -(-B // self._dp), T if cp == 1 else -(-T // (2 * cp)) * 2 * cp
         if rows * self._dp != B or cols != T:
             padded = {}
             for k, v in P.items():
@@ -181,7 +191,11 @@ class Engine:
     def train_step(self, batch: RLBatch, loss_fn=None, *, lr: float | None = None) -> dict:
         """One optimizer step on ``batch`` (micro-batched); returns the step's metrics.
         ``loss_fn(PolicyInputs) -> (loss share, {name: sum over masked tokens})``, with
-        attributes ``agg`` and ``needs_entropy`` (default: ``PolicyLoss()``, PPO/GRPO)."""
+        attributes ``agg`` and ``needs_entropy`` (default: ``PolicyLoss()``, PPO/GRPO); it
+        must return the same metric names for every micro-batch. Metrics: ``loss`` (the
+        batch's aggregated loss), ``grad_norm`` (before clipping), ``lr``, ``tokens``
+        (trained tokens), and each loss metric as a mean over trained tokens (PolicyLoss:
+        ``clip_frac``, ``dual_clip_frac``, ``kl``, ``entropy``, ``approx_kl_old``)."""
         self._check_onloaded()
         loss_fn = loss_fn if loss_fn is not None else PolicyLoss()
         t, start = self.cfg.train, time.perf_counter()
