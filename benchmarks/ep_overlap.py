@@ -108,7 +108,7 @@ def step(moe, x_BTH, probe_BTH, recompute):
 def worker(args):
     dist.init_process_group("gloo")
     torch.set_num_threads(args.threads)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     configs = [("no-chunk", 0)] + [(f"chunk{k}", k) for k in args.chunks]
     configs += [(f"chunk{k}-sync", k) for k in args.chunks] if args.sync_control else []
     recompute = registry.get("recompute", args.recompute).factory([])
