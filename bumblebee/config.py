@@ -277,6 +277,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data needs 1 <= min_records <= max_records, got {d.min_records}, {d.max_records}")
 
     registry.validate_choices(cfg.primitives)
+    if cfg.primitives.moe_comm == "chunked" and cfg.primitives.moe_chunks not in (2, 3, 4):
+        raise ConfigError(f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', "
+                          f"got {cfg.primitives.moe_chunks}")
     arch = resolve_arch(cfg.model)  # validates family, preset, hf_path and the architecture
     if arch.vocab_size < 256 and d.source == "synthetic":
         raise ConfigError(f"the synthetic task is byte-level and needs vocab_size >= 256, got {arch.vocab_size}")
