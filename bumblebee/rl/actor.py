@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.config import Config, ConfigError
+from bumblebee.models import resolve_arch
 from bumblebee.models.hf import hf_state_dict, to_hf
 from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
@@ -43,6 +44,7 @@ from bumblebee.primitives.sharding.common import full_named_parameters, local
 from bumblebee.rl.batch import IGNORE, RLBatch, has_prefix, sequence_ids, shift_left, shift_right
 from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_weights, token_logprobs
 from bumblebee.runtime.checkpoint import Checkpointer, named_checkpoint
+from bumblebee.runtime.mesh import plan_layout
 from bumblebee.runtime.optim import lr_at, set_lr
 from bumblebee.runtime.trainer import (build_initial_model, build_parallel_context, build_sharding, pick_device,
                                        seed_everything)
@@ -105,6 +107,10 @@ class Engine:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=hf_path))
         if temperature <= 0:
             raise ConfigError(f"temperature must be > 0, got {temperature}")
+        # the caller's batch is the global batch: train.global_batch only has to pass the runtime's check
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        dp = plan_layout(cfg.parallel, world, resolve_arch(cfg.model)).dp_shard
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=dp * cfg.train.micro_batch))
         self.cfg, self.temperature = cfg, temperature
         self.device = device or pick_device()
         self.ctx = build_parallel_context(cfg, self.device)
