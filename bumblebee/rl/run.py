@@ -108,6 +108,10 @@ class _Log:
             self.stream.write(line + "\n")
             self.stream.flush()
 
+    def close(self) -> None:
+        if self.active:
+            self.file.close()
+
 
 def _broadcast(obj, ctx):
     if not ctx.distributed:
@@ -140,6 +144,35 @@ def _evaluate(sampler, task, problems, rl: RLConfig) -> dict:
             "reward": sum(rewards) / len(rewards)}
 
 
+def _grpo_step(step: int, engine: Engine, reference: Engine, sampler, task, rl: RLConfig, loss_fn, g) -> dict:
+    """Sample groups, score them, ``updates_per_step`` PPO updates; one metrics record."""
+    t0 = time.perf_counter()
+    problems = task.sample(rl.prompts_per_step, g)
+    ro = sampler.generate([p.prompt for p in problems], group_size=rl.group_size, max_new_tokens=rl.max_new_tokens,
+                          temperature=rl.temperature, eos_id=EOS,
+                          generator=torch.Generator().manual_seed(rl.seed * 7919 + step)) if sampler else None
+    ro = _broadcast(ro, engine.ctx)  # rank 0 samples, every rank trains on the same global batch
+    rewards = [task.reward(problems[i // rl.group_size], c) for i, c in enumerate(ro.completions)]
+    batch = rollout_batch(ro.prompts, ro.completions, rl.seq_len,
+                          advantages=grpo_advantages(rewards, rl.group_size).tolist())
+    old = engine.compute_logprobs(batch).logprobs
+    batch = batch.replace(old_logprobs=old, ref_logprobs=reference.compute_logprobs(batch).logprobs)
+    # the sampler's log-probs of its own tokens vs the Engine's (KV cache vs packed forward)
+    engine_lp = torch.cat([lp[m] for lp, m in zip(batch.unpack(old), batch.unpack(batch.loss_mask))])
+    mismatch = (engine_lp - torch.tensor([x for lp in ro.logprobs for x in lp])).abs().max()
+    per_update = -(-batch.rows // rl.updates_per_step)
+    ms = [engine.train_step(batch.select_rows(i, i + per_update), loss_fn, lr=rl.lr)
+          for i in range(0, batch.rows, per_update)]
+    _push_weights(engine, sampler)
+    mean = lambda k: sum(m[k] for m in ms) / len(ms)  # noqa: E731
+    return {"phase": "grpo", "step": step, "reward": sum(rewards) / len(rewards),
+            "reward_std": float(torch.tensor(rewards).std()), "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+            **{k: mean(k) for k in ("kl", "entropy", "clip_frac", "dual_clip_frac", "approx_kl_old", "loss",
+                                    "grad_norm")},
+            "lr": rl.lr, "response_len": sum(len(c) for c in ro.completions) / len(ro.completions),
+            "rollout_logprob_err": float(mismatch), "step_time_s": time.perf_counter() - t0}
+
+
 def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
     """Warm-up + GRPO; returns a summary (reward per step, held-out evaluation before/after)."""
     rl.validate()
@@ -155,8 +188,8 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
     task = make_task(rl.task, rl.digits, rl.partial)
     g = torch.Generator().manual_seed(rl.seed)
     eval_set = task.sample(rl.eval_problems, torch.Generator().manual_seed(rl.seed + 1_000_003))
-    rollout_model = build_model(engine.arch, dataclasses.replace(cfg.primitives, moe_comm="local")).to(engine.device)
-    sampler = Sampler(rollout_model) if ctx.rank == 0 else None
+    sampler = Sampler(build_model(engine.arch, dataclasses.replace(cfg.primitives, moe_comm="local"))
+                      .to(engine.device)) if ctx.rank == 0 else None  # the rollout side: a full copy on rank 0
 
     for step in range(1, rl.warmup_steps + 1):  # 1. supervised warm-up
         m = engine.train_step(supervised_batch(task.sample(rl.warmup_batch, g), rl.seq_len), TokenNLL(),
@@ -165,7 +198,7 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
             f"warmup {step}/{rl.warmup_steps}  loss {m['loss']:.4f}" if step % 10 == 0 or step == 1 else None)
     ref_dir = os.path.join(out_dir, "reference")
     engine.export_hf(ref_dir)
-    reference = Engine(cfg, hf_path=ref_dir, temperature=rl.temperature) if rl.kl_coef else None
+    reference = Engine(cfg, hf_path=ref_dir, temperature=rl.temperature)  # KL is tracked even at kl_coef = 0
     _push_weights(engine, sampler)
     before = _broadcast(_evaluate(sampler, task, eval_set, rl) if sampler else None, ctx) if eval_set else None
     if before:
@@ -174,37 +207,11 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
 
     loss_fn, rewards_per_step = rl.loss(), []
     for step in range(1, rl.steps + 1):  # 2. GRPO
-        t0 = time.perf_counter()
-        problems = task.sample(rl.prompts_per_step, g)
-        sample_g = torch.Generator().manual_seed(rl.seed * 7919 + step)
-        ro = sampler.generate([p.prompt for p in problems], group_size=rl.group_size,
-                              max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, eos_id=EOS,
-                              generator=sample_g) if sampler else None
-        ro = _broadcast(ro, ctx)
-        rewards = [task.reward(problems[i // rl.group_size], c) for i, c in enumerate(ro.completions)]
-        adv = grpo_advantages(rewards, rl.group_size)
-        batch = rollout_batch(ro.prompts, ro.completions, rl.seq_len, advantages=adv.tolist())
-        old = engine.compute_logprobs(batch).logprobs
-        batch = batch.replace(old_logprobs=old,
-                              ref_logprobs=reference.compute_logprobs(batch).logprobs if reference else None)
-        sampled = torch.tensor([x for lp in ro.logprobs for x in lp])
-        mismatch = (torch.cat([s[m] for s, m in zip(batch.unpack(old), batch.unpack(batch.loss_mask))]) - sampled)
-        per_update = -(-batch.rows // rl.updates_per_step)
-        ms = [engine.train_step(batch.select_rows(i, i + per_update), loss_fn, lr=rl.lr)
-              for i in range(0, batch.rows, per_update)]
-        _push_weights(engine, sampler)
-        mean = lambda k: sum(m.get(k, 0.0) for m in ms) / len(ms)  # noqa: E731
-        reward = sum(rewards) / len(rewards)
-        rewards_per_step.append(reward)
-        rec = {"phase": "grpo", "step": step, "reward": reward, "reward_std": float(torch.tensor(rewards).std()),
-               "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
-               "kl": mean("kl"), "entropy": mean("entropy"), "clip_frac": mean("clip_frac"),
-               "dual_clip_frac": mean("dual_clip_frac"), "approx_kl_old": mean("approx_kl_old"),
-               "loss": mean("loss"), "grad_norm": mean("grad_norm"), "lr": rl.lr,
-               "response_len": sum(len(c) for c in ro.completions) / len(ro.completions),
-               "rollout_logprob_err": float(mismatch.abs().max()), "step_time_s": time.perf_counter() - t0}
-        log(rec, f"grpo {step}/{rl.steps}  reward {reward:.3f}  acc {rec['accuracy']:.3f}  kl {rec['kl']:.4f}  "
-                 f"entropy {rec['entropy']:.3f}  clip {rec['clip_frac']:.3f}  ({rec['step_time_s']:.1f}s)")
+        rec = _grpo_step(step, engine, reference, sampler, task, rl, loss_fn, g)
+        rewards_per_step.append(rec["reward"])
+        log(rec, f"grpo {step}/{rl.steps}  reward {rec['reward']:.3f}  acc {rec['accuracy']:.3f}  "
+                 f"kl {rec['kl']:.4f}  entropy {rec['entropy']:.3f}  clip {rec['clip_frac']:.3f}  "
+                 f"({rec['step_time_s']:.1f}s)")
     after = _broadcast(_evaluate(sampler, task, eval_set, rl) if sampler else None, ctx) if eval_set else None
     if after:
         log({"phase": "eval", "step": rl.steps, **after}, None)
@@ -218,4 +225,5 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
               f"{before['greedy_accuracy']:.3f} -> {after['greedy_accuracy']:.3f}") if eval_set else ""
         stream.write(f"done: mean reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} "
                      f"(first/last {k} steps){ev}; {summary['wall_time_s']:.0f}s; metrics in {log.path}\n")
+    log.close()
     return summary
