@@ -38,7 +38,7 @@ RL_DEFAULTS = ["primitives.attention=sdpa", "model.arch.num_hidden_layers=2", "m
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="F", help="TOML config file; an [rl] table sets RLConfig")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one value, e.g. --set rl.steps=40 or --set train.lr=1e-3 (repeatable)")
+                   help="override one value, e.g. --set rl.steps=40 or --set model.arch.hidden_size=128 (repeatable)")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="local ranks to start (torch.distributed elastic); under torchrun leave it out")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG of the reward curve (needs matplotlib)")
