@@ -41,15 +41,14 @@ from bumblebee.models.hf import hf_state_dict, to_hf
 from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding.common import full_named_parameters, local
-from bumblebee.rl.batch import IGNORE, RLBatch, has_prefix, sequence_ids, shift_left, shift_right
-from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_weights, token_logprobs
+from bumblebee.rl.batch import IGNORE, OPTIONAL, RLBatch, has_prefix, prediction_view, shift_right
+from bumblebee.rl.losses import PolicyInputs, PolicyLoss, token_logprobs
 from bumblebee.runtime.checkpoint import Checkpointer, named_checkpoint
 from bumblebee.runtime.mesh import plan_layout
 from bumblebee.runtime.optim import lr_at, set_lr
 from bumblebee.runtime.trainer import (build_initial_model, build_parallel_context, build_sharding, pick_device,
                                        seed_everything)
 
-_OPTIONAL = ("advantages", "old_logprobs", "ref_logprobs")
 
 
 @dataclass
@@ -66,22 +65,6 @@ class _FullModel:
 
     def named_parameters(self):
         return self._named
-
-
-def _positions(batch: RLBatch, agg: str | None) -> dict[str, torch.Tensor]:
-    """Global batch -> [B, T] tensors at prediction positions. ``agg``: the training view
-    (targets only where trained, aggregation weights); None: every token with a prefix."""
-    prefix = has_prefix(batch.position_ids)
-    trained = batch.loss_mask & prefix if agg else prefix
-    out = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
-           "targets": shift_left(torch.where(trained, batch.input_ids, IGNORE), IGNORE)}
-    if agg:
-        out["weights"] = shift_left(aggregation_weights(trained, sequence_ids(batch.position_ids), agg))
-        for name in _OPTIONAL:
-            t = getattr(batch, name)
-            if t is not None:  # zero off the mask: garbage there must not reach the loss
-                out[name] = shift_left(torch.where(trained, t.float(), 0.0))
-    return out
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -181,7 +164,7 @@ class Engine:
         """Token-aligned log-probs (and entropies) of ``batch`` under the current policy,
         forward only; the full [B, T] result on every rank, on the batch's device."""
         self._check_onloaded()
-        local, rows = self._local(_positions(batch, None))
+        local, rows = self._local(prediction_view(batch, None))
         parts = [self._scores(mb, entropy)[:2] for mb in self._micro_batches(local, rows)]
         out = [torch.cat([p[k] for p in parts]).float() for k in range(2 if entropy else 1)]
         if self.ctx.layout.cp > 1:  # the whole sequence of every local row
@@ -205,7 +188,7 @@ class Engine:
         self._check_onloaded()
         loss_fn = loss_fn if loss_fn is not None else PolicyLoss()
         t, start = self.cfg.train, time.perf_counter()
-        P = _positions(batch, getattr(loss_fn, "agg", "token-mean"))
+        P = prediction_view(batch, getattr(loss_fn, "agg", "token-mean"))
         n_tokens = int((P["targets"] != IGNORE).sum())
         local, rows = self._local(P)
         n_micro = -(-rows // t.micro_batch)
@@ -216,7 +199,7 @@ class Engine:
             self.sharding.set_grad_sync(i == n_micro - 1)
             logp, ent, aux = self._scores(mb, getattr(loss_fn, "needs_entropy", False))
             mask = mb["targets"] != IGNORE
-            x = PolicyInputs(logp, ent, mask, mb["weights"], *(mb.get(k) for k in _OPTIONAL))
+            x = PolicyInputs(logp, ent, mask, mb["weights"], *(mb.get(k) for k in OPTIONAL))
             loss, stats = loss_fn(x)
             (loss + aux_scale * aux).backward()
             loss_sum += loss.detach().float()

@@ -14,6 +14,9 @@ never trained. This is the convention ``Engine.compute_logprobs`` returns.
 
 The model predicts token ``t + 1`` at position ``t``; ``shift_left`` moves token-aligned
 values to those prediction positions and ``shift_right`` brings results back.
+``prediction_view`` is what the Engine computes on: targets (next-token ids, -100 where
+nothing is trained), aggregation weights of the whole batch, and the per-token inputs,
+all at prediction positions.
 
 Legend: B rows, T tokens per row.
 """
@@ -26,7 +29,10 @@ from typing import Sequence
 
 import torch
 
+from bumblebee.rl.losses import aggregation_weights
+
 IGNORE = -100
+OPTIONAL = ("advantages", "old_logprobs", "ref_logprobs")  # per-token inputs of a loss
 
 
 @dataclass
@@ -140,4 +146,20 @@ def shift_right(x_BT: torch.Tensor, fill=0) -> torch.Tensor:
     """Prediction positions -> token-aligned: ``out[:, t] = x[:, t - 1]``."""
     out = torch.full_like(x_BT, fill)
     out[:, 1:] = x_BT[:, :-1]
+    return out
+
+
+def prediction_view(batch: RLBatch, agg: str | None) -> dict[str, torch.Tensor]:
+    """Global batch -> [B, T] tensors at prediction positions. ``agg``: the training view
+    (targets only where trained, aggregation weights); None: every token with a prefix."""
+    prefix = has_prefix(batch.position_ids)
+    trained = batch.loss_mask & prefix if agg else prefix
+    out = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
+           "targets": shift_left(torch.where(trained, batch.input_ids, IGNORE), IGNORE)}
+    if agg:
+        out["weights"] = shift_left(aggregation_weights(trained, sequence_ids(batch.position_ids), agg))
+        for name in OPTIONAL:
+            t = getattr(batch, name)
+            if t is not None:  # zero off the mask: garbage there must not reach the loss
+                out[name] = shift_left(torch.where(trained, t.float(), 0.0))
     return out
