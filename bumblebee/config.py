@@ -193,18 +193,22 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return path, value
 
 
+def read_toml(path: str) -> dict:
+    """A TOML file as a dict; a missing or malformed file is a one-line ConfigError."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- TOML file <- ``--set`` overrides, then ``validate``."""
     cfg = Config()
     if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: malformed TOML: {e}") from None
-        _apply(cfg, data, path)
+        _apply(cfg, read_toml(path), path)
     for item in overrides or []:
         keys, value = parse_override(item)
         if len(keys) > 2 and keys[0] == "model" and keys[1] == "arch":

@@ -13,19 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import get_type_hints
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from bumblebee.config import ConfigError, load_config, parse_override
+from bumblebee.config import ConfigError, load_config, parse_override, read_toml
 from bumblebee.rl.run import RLConfig, run as run_rl
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 # the run config of the embedded RL run, before the user's file and overrides; rows hold ~10
 # short rollouts each, so one masked SDPA call beats varlen's per-document loop
@@ -67,15 +61,7 @@ def _set_rl(rl: RLConfig, key: str, value, where: str) -> None:
 
 def load_configs(path: str | None, overrides: list[str]):
     """(run Config, RLConfig) from the defaults, an optional TOML file and ``--set`` items."""
-    data = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    data = read_toml(path) if path else {}
     rl = RLConfig()
     rl_table = data.pop("rl", {})
     if not isinstance(rl_table, dict):
