@@ -128,6 +128,31 @@ def _rl_run(args) -> int:
     return run(args)
 
 
+# ------------------------------------------------------------------------------ data, report
+def _data_args(p: argparse.ArgumentParser) -> None:
+    from bumblebee.data.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _data_run(args) -> int:
+    from bumblebee.data.cli import run
+
+    return run(args)
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    from bumblebee.report import add_arguments
+
+    add_arguments(p)
+
+
+def _report_run(args) -> int:
+    from bumblebee.report import run
+
+    return run(args)
+
+
 SUBCOMMANDS = {
     "train": ("train a model (no arguments: the embedded default run on CPU)", _train_args, _train_run),
     "primitives": ("list every primitive slot and its implementations", _primitives_args, _primitives_run),
@@ -136,6 +161,9 @@ SUBCOMMANDS = {
     "rl": ("warm-up + GRPO on a built-in verifiable task (no arguments: a tiny model on CPU)", _rl_args, _rl_run),
     "pair": ("run two implementations of one primitive slot side by side and compare them step by step",
              _pair_args, _pair_run),
+    "data": ("prepare (tokenize into memory-mapped tokens) or inspect training data", _data_args, _data_run),
+    "report": ("draw loss, grad norm, tokens/s, memory, expert load of runs (overlaid) into a PNG",
+               _report_args, _report_run),
 }
 
 

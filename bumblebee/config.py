@@ -88,12 +88,23 @@ class TrainConfig:
     keep_last: int = 2  # complete checkpoints kept in out_dir/checkpoints (0: all)
     resume: str = ""  # "auto" (newest complete checkpoint of out_dir, if any) | a checkpoint or run directory
     export_hf: bool = False  # write a Hugging Face directory to out_dir/hf at the end of training
+    eval_every: int = 0  # log eval_loss on held-out data every N steps and at the end (0: never)
+    tensorboard: bool = False  # also write the metrics as TensorBoard scalars to out_dir/tensorboard
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: str = "synthetic"  # synthetic | jsonl
-    path: str = ""  # JSONL file when source = "jsonl"
+    source: str = "synthetic"  # synthetic | jsonl | tokens | text | chat
+    # jsonl: a pre-tokenized JSONL file; tokens: a `bumblebee data prepare` directory;
+    # text / chat: a .jsonl / .parquet file or a `datasets` directory
+    path: str = ""
+    tokenizer: str = ""  # text / chat: a local Hugging Face tokenizer directory
+    chat_loss: str = "assistant"  # chat: loss on assistant turns only | "all"
+    on_error: str = "raise"  # a bad record: "raise" (file:line: reason, exit 2) | "skip" (counted)
+    too_long: str = "truncate"  # a document longer than train.seq_len: "truncate" | "drop" (counted)
+    eval_fraction: float = 0.0  # tokens / text / chat: rows held out for train.eval_every
+    eval_path: str = ""  # ... or a separate held-out input (same format as path)
+    eval_batches: int = 1  # held-out global batches per evaluation
     # synthetic key-value retrieval task: records per document (min, max)
     min_records: int = 16
     max_records: int = 96
@@ -269,14 +280,10 @@ def validate(cfg: Config) -> None:
     if isinstance(p.dp_shard, int) and p.dp_shard < 1:
         raise ConfigError(f"parallel.dp_shard must be >= 1, got {p.dp_shard}")
 
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every must be >= 0, got {t.eval_every}")
+    _validate_data(cfg.data, t)
     d = cfg.data
-    if d.source not in ("synthetic", "jsonl"):
-        raise ConfigError(f"data.source must be 'synthetic' or 'jsonl', got {d.source!r}")
-    if d.source == "jsonl":
-        if not d.path:
-            raise ConfigError("data.source = 'jsonl' needs data.path")
-        if not os.path.isfile(d.path):
-            raise ConfigError(f"data.path not found: {d.path}")
     if not 1 <= d.min_records <= d.max_records:
         raise ConfigError(f"data needs 1 <= min_records <= max_records, got {d.min_records}, {d.max_records}")
 
@@ -287,3 +294,29 @@ def validate(cfg: Config) -> None:
     arch = resolve_arch(cfg.model)  # validates family, preset, hf_path and the architecture
     if arch.vocab_size < 256 and d.source == "synthetic":
         raise ConfigError(f"the synthetic task is byte-level and needs vocab_size >= 256, got {arch.vocab_size}")
+
+
+DATA_SOURCES = ("synthetic", "jsonl", "tokens", "text", "chat")
+
+
+def _validate_data(d: DataConfig, t: TrainConfig) -> None:
+    choices = {"source": DATA_SOURCES, "chat_loss": ("assistant", "all"), "on_error": ("raise", "skip"),
+               "too_long": ("truncate", "drop")}
+    for key, valid in choices.items():
+        if getattr(d, key) not in valid:
+            raise ConfigError(f"data.{key} must be one of {', '.join(valid)}; got {getattr(d, key)!r}")
+    if d.source != "synthetic":
+        if not d.path:
+            raise ConfigError(f"data.source = '{d.source}' needs data.path")
+        for key in ("path", "eval_path"):
+            p = getattr(d, key)
+            if p and not os.path.exists(p):
+                raise ConfigError(f"data.{key} not found: {p}")
+    if d.source in ("text", "chat") and not d.tokenizer:
+        raise ConfigError(f"data.source = '{d.source}' needs data.tokenizer (a local Hugging Face tokenizer directory)")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    if t.eval_every and d.source in ("jsonl", "tokens", "text", "chat") and not (d.eval_fraction or d.eval_path):
+        raise ConfigError("train.eval_every needs held-out data: set data.eval_fraction or data.eval_path")
+    if d.eval_batches < 1:
+        raise ConfigError(f"data.eval_batches must be >= 1, got {d.eval_batches}")

@@ -1,9 +1,17 @@
 """Training data: a global batch per step, a deterministic function of (seed, step).
 
-Every source returns the *global* batch of a step (all data-parallel ranks
-together); each rank takes its rows. Because the batch depends only on the seed
-and the step, the same config gives the same token stream on any layout, and a
-resumed run continues the stream exactly.
+A source gives the rows of a step's global batch (all data-parallel ranks
+together) that one rank asks for: ``rows_at(step, lo, hi)``, and the global
+batch's label count ``num_valid_at(step)`` (the loss is a mean over all of its
+tokens whatever the layout). Because the batch depends only on the seed and the
+step, the same config gives the same token stream on any layout, and a resumed
+run continues the stream exactly.
+
+Sources: ``synthetic`` (the embedded task), ``jsonl`` (pre-tokenized, read
+whole), ``tokens`` (a prepared memory-mapped directory, read row by row),
+``text`` / ``chat`` (tokenized at start with a local Hugging Face tokenizer,
+then packed like ``tokens``). ``eval_batch_list()`` gives held-out global
+batches where the source has a held-out split.
 """
 
 from __future__ import annotations
@@ -11,18 +19,64 @@ from __future__ import annotations
 from bumblebee.data.packing import Batch
 
 
+class GlobalBatchRows:
+    """``rows_at`` / ``num_valid_at`` for a source that builds whole global batches
+    (``global_batch_at``): the step's batch is built once and sliced per request."""
+
+    def __init__(self, source):
+        self.source, self._step, self._batch = source, None, None
+        self.stats: dict = {}
+
+    def global_batch_at(self, step: int) -> Batch:
+        if step != self._step:
+            self._step, self._batch = step, self.source.global_batch_at(step)
+        return self._batch
+
+    def rows_at(self, step: int, lo: int, hi: int) -> Batch:
+        return self.global_batch_at(step).rows(lo, hi)
+
+    def num_valid_at(self, step: int) -> int:
+        return self.global_batch_at(step).num_valid
+
+    def eval_batch_list(self) -> list[Batch]:
+        return []
+
+    def describe(self) -> str:
+        return ""
+
+
+def _token_store(data_cfg, path: str):
+    from bumblebee.data.encode import Encoder
+    from bumblebee.data.prepare import encode_in_memory
+    from bumblebee.data.store import open_store
+
+    if data_cfg.source == "tokens":
+        return open_store(path)
+    enc = Encoder(data_cfg.source, data_cfg.tokenizer, chat_loss=data_cfg.chat_loss)
+    return encode_in_memory(path, enc, on_error=data_cfg.on_error)
+
+
 def build_source(data_cfg, train_cfg, vocab_size: int):
     """The data source a ``[data]`` section describes."""
     if data_cfg.source == "synthetic":
         from bumblebee.data.synthetic import KeyValueRetrieval
 
-        return KeyValueRetrieval(seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
-                                 seed=train_cfg.seed, min_records=data_cfg.min_records,
-                                 max_records=data_cfg.max_records)
-    from bumblebee.data.jsonl import JsonlSource
+        return GlobalBatchRows(KeyValueRetrieval(seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
+                                                 seed=train_cfg.seed, min_records=data_cfg.min_records,
+                                                 max_records=data_cfg.max_records))
+    if data_cfg.source == "jsonl":
+        from bumblebee.data.jsonl import JsonlSource
 
-    return JsonlSource(data_cfg.path, seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
-                       seed=train_cfg.seed, vocab_size=vocab_size)
+        return GlobalBatchRows(JsonlSource(data_cfg.path, seq_len=train_cfg.seq_len,
+                                           global_batch=train_cfg.global_batch, seed=train_cfg.seed,
+                                           vocab_size=vocab_size))
+    from bumblebee.data.stream import TokenSource
+
+    eval_store = _token_store(data_cfg, data_cfg.eval_path) if data_cfg.eval_path else None
+    return TokenSource(_token_store(data_cfg, data_cfg.path), seq_len=train_cfg.seq_len,
+                       global_batch=train_cfg.global_batch, seed=train_cfg.seed, vocab_size=vocab_size,
+                       too_long=data_cfg.too_long, eval_fraction=data_cfg.eval_fraction, eval_store=eval_store,
+                       eval_batches=data_cfg.eval_batches)
 
 
-__all__ = ["Batch", "build_source"]
+__all__ = ["Batch", "GlobalBatchRows", "build_source"]

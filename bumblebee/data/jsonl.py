@@ -14,12 +14,10 @@ import random
 
 import torch
 
-from bumblebee.config import ConfigError
+from bumblebee.data.errors import DataError
 from bumblebee.data.packing import Batch, RowPacker, stack_rows
 
-
-class DataError(ConfigError):
-    """Malformed user data (one line, ``file:line: reason``)."""
+__all__ = ["DataError", "JsonlSource", "read_samples"]
 
 
 def read_samples(path: str, vocab_size: int) -> list[tuple[list[int], list[bool]]]:

@@ -4,7 +4,7 @@ The text report is what a user reads before renting GPUs: the recommendation
 with a reason per choice, its memory breakdown, a ranked table of feasible
 alternatives and the infeasible ones with why. ``--json`` emits the schema of
 issue 8: ``{"recommended": C, "candidates": [C, ...]}``. ``--plot`` draws memory
-bars and predicted throughput for the top candidates (matplotlib is optional).
+bars and predicted throughput for the top candidates (matplotlib is optional; bumblebee/report.py loads it).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from bumblebee.plan.hardware import GB, GPU
 from bumblebee.plan.layout import Workload
 from bumblebee.plan.recipe import Candidate, Recommendation
 from bumblebee.plan.spec import ModelSpec
+from bumblebee.report import pyplot, save
 
 BREAKDOWN = (("parameters", "param"), ("gradients", "grad"), ("optimizer", "optim"), ("activations", "act"),
              ("logits", "logits"), ("moe_buffers", "moe"), ("allgather", "ag"), ("overhead", "ovh"))
@@ -76,12 +77,7 @@ def text(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, rec: Recommendati
 
 def plot(path: str, cands: list[Candidate], top: int = 8) -> None:
     """Stacked memory bars per candidate with predicted TFLOPs/GPU on a second axis."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib, which is not a bumblebee dependency: pip install matplotlib") from None
+    plt = pyplot()
     shown = [c for c in cands if c.memory][:top]
     if not shown:
         raise ConfigError("--plot: no candidate to draw")
@@ -99,6 +95,4 @@ def plot(path: str, cands: list[Candidate], top: int = 8) -> None:
     ax2.plot(range(len(shown)), [c.perf.tflops_per_gpu if c.perf else 0 for c in shown], "ko-", label="TFLOPs/GPU")
     ax2.set_ylabel("predicted TFLOPs/GPU")
     ax2.set_ylim(bottom=0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -4,8 +4,8 @@ Configuration, lowest to highest precedence: the RL defaults below (a smaller ti
 model and optimizer settings suited to the toy task), the ``--config`` TOML file,
 then ``--set`` overrides. Keys under ``rl.`` (``--set rl.steps=40`` or an ``[rl]``
 table) go to ``RLConfig``; everything else is the ordinary run config, validated by
-``load_config``. ``--plot out.png`` draws the reward curve (matplotlib, imported only
-when asked for).
+``load_config``. ``--plot out.png`` draws the reward curve (through bumblebee/report.py;
+matplotlib is imported only when asked for).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from bumblebee.config import ConfigError, load_config, parse_override, read_toml
+from bumblebee.report import plot_rewards, pyplot
 from bumblebee.rl.run import RLConfig, run as run_rl
 
 # the run config of the embedded RL run, before the user's file and overrides; rows hold ~10
@@ -83,45 +84,6 @@ def load_configs(path: str | None, overrides: list[str]):
     return cfg, rl
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib, which is not a bumblebee dependency: "
-                          "pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_rewards(metrics_path: str, out_png: str) -> None:
-    """Mean reward of the sampled rollouts per GRPO step (raw and a 10-step moving average),
-    and the held-out evaluation reward after the warm-up and at the end."""
-    plt = _pyplot()
-    with open(metrics_path) as f:
-        recs = [json.loads(line) for line in f]
-    grpo = [r for r in recs if r.get("phase") == "grpo"]
-    steps, reward = [r["step"] for r in grpo], [r["reward"] for r in grpo]
-    avg = [sum(reward[max(0, i - 9):i + 1]) / len(reward[max(0, i - 9):i + 1]) for i in range(len(reward))]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, reward, color="tab:blue", alpha=0.35, lw=1, label="mean reward per step")
-    ax.plot(steps, avg, color="tab:blue", lw=2, label="10-step moving average")
-    evals = [r for r in recs if r.get("phase") == "eval"]
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["reward"] for r in evals], "o", color="tab:red",
-                label="held-out reward (before / after)")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("reward")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title("bumblebee rl: GRPO on the built-in task")
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-
-
 @record
 def _worker(job) -> None:
     from bumblebee.runtime import launch
@@ -153,7 +115,7 @@ def run(args) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     if args.plot:
-        _pyplot()  # fail before training, not after
+        pyplot()  # fail before training, not after
     if launch.started_by_torchrun():
         launch.init_distributed()
         _run_and_plot(cfg, rl, args.plot)

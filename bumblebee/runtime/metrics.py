@@ -17,7 +17,7 @@ from typing import IO
 
 class MetricsWriter:
     def __init__(self, out_dir: str | None, *, total_steps: int, log_every: int = 1, stream: IO = sys.stdout,
-                 first_step: int = 0):
+                 first_step: int = 0, tensorboard: bool = False):
         self.active = out_dir is not None
         self.total_steps, self.log_every, self.stream = total_steps, max(log_every, 1), stream
         self.tty = getattr(stream, "isatty", lambda: False)()
@@ -35,6 +35,8 @@ class MetricsWriter:
             self._file = open(self.path, "w")
             self._file.writelines(kept)
             self._file.flush()
+        # the same scalars as TensorBoard events (train.tensorboard; the [data] extra)
+        self._tb = tensorboard_writer(os.path.join(out_dir, "tensorboard")) if self.active and tensorboard else None
         self._start = time.perf_counter()
 
     def log(self, record: dict) -> None:
@@ -43,6 +45,10 @@ class MetricsWriter:
         self.history.append(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, record["step"])
         step = record["step"]
         if step % self.log_every == 0 or step == self.total_steps:
             self._progress(record)
@@ -90,7 +96,21 @@ class MetricsWriter:
             self.stream.flush()
         if self._file:
             self._file.close()
+        if self._tb is not None:
+            self._tb.close()
         return s
+
+
+def tensorboard_writer(log_dir: str):
+    """A ``torch.utils.tensorboard.SummaryWriter``, or one line naming the extra when missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from bumblebee.config import ConfigError
+
+        raise ConfigError("train.tensorboard = true needs the optional package 'tensorboard': "
+                          "pip install 'bumblebee[data]'") from None
+    return SummaryWriter(log_dir=log_dir)
 
 
 def finite(x: float) -> float:

@@ -33,6 +33,7 @@ from bumblebee.primitives.cp.layout import shard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding import ShardingGroups
 from bumblebee.runtime.checkpoint import Checkpointer
+from bumblebee.runtime.eval import evaluate
 from bumblebee.runtime.mesh import ParallelContext, build_context, plan_layout, single_process
 from bumblebee.runtime.metrics import MetricsWriter
 from bumblebee.runtime.pipeline import Pipeline, check_pipeline
@@ -99,6 +100,8 @@ def check_run(cfg: Config, world: int):
         raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
                           f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch})")
     check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
+    if cfg.train.eval_every and layout.pp > 1:
+        raise ConfigError("train.eval_every is not supported with parallel.pp > 1 yet")
     return layout
 
 
@@ -153,7 +156,11 @@ class Trainer:
             if self.pipeline is not None:
                 stream.write(f"bumblebee: {self.pipeline.describe()}\n")
         self.metrics = MetricsWriter(t.out_dir if self.rank == 0 else None, total_steps=t.steps,
-                                     log_every=t.log_every, stream=stream, first_step=self.step)
+                                     log_every=t.log_every, stream=stream, first_step=self.step,
+                                     tensorboard=t.tensorboard)
+        self.stream = stream
+        if self.rank == 0 and self.source.describe():
+            stream.write(f"bumblebee: {self.source.describe()}\n")
 
     def train_step(self) -> dict:
         """One optimizer step, with its peak live memory measured (perf.memory)."""
@@ -167,9 +174,10 @@ class Trainer:
             return self._pipeline_step()
         t, model = self.cfg.train, self.model
         start = time.perf_counter()
-        batch = self.source.global_batch_at(self.step)
-        global_tokens = max(batch.num_valid, 1)
-        local = batch.rows(self.dp_rank * self.rows_per_rank, (self.dp_rank + 1) * self.rows_per_rank)
+        lo = self.dp_rank * self.rows_per_rank  # this rank's rows only are built (data/)
+        local = self.source.rows_at(self.step, lo, lo + self.rows_per_rank)
+        global_valid = self.source.num_valid_at(self.step)
+        global_tokens = max(global_valid, 1)
         if self.cp > 1:  # this rank's zigzag share of every row (tokens, labels, positions alike)
             local = Batch(*(shard_sequence(x, self.cp, self.cp_rank)
                             for x in (local.input_ids, local.labels, local.position_ids)))
@@ -201,7 +209,7 @@ class Trainer:
             dist.all_reduce(stats, group=self.ctx.dp_cp_group)
             loss_sum, aux_sum = stats[0], stats[1]
         elapsed = time.perf_counter() - start
-        tokens = batch.input_ids.numel()
+        tokens = t.global_batch * t.seq_len
         return {
             "step": self.step,
             "loss": float(loss_sum) / global_tokens,
@@ -209,7 +217,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "lr": lr,
             "tokens": tokens,
-            "valid_tokens": batch.num_valid,
+            "valid_tokens": global_valid,
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
         }
@@ -229,8 +237,17 @@ class Trainer:
         return peak
 
     def run(self) -> dict:
-        while self.step < self.cfg.train.steps:
-            self.metrics.log(self.train_step())
+        t = self.cfg.train
+        while self.step < t.steps:
+            record = self.train_step()
+            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                record.update(evaluate(self))
+            self.metrics.log(record)
             self.checkpoint.on_step(self.step)  # saves every train.save_every steps
         self.checkpoint.on_end(self.step)  # final save; Hugging Face export if train.export_hf
-        return self.metrics.close()
+        summary = self.metrics.close()
+        if self.source.stats:  # documents, rows, skipped / truncated / dropped records
+            summary["data"] = self.source.stats
+            if self.rank == 0:
+                self.stream.write(f"bumblebee: {self.source.describe()}\n")
+        return summary

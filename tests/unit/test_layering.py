@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).parents[2] / "bumblebee"
 
 # first component under bumblebee/ -> layer
 LAYER_OF = {
-    "config": "core", "registry": "core", "__init__": "api",
+    "config": "core", "registry": "core", "report": "core", "__init__": "api",
     "primitives": "primitives", "models": "models", "data": "data", "perf": "perf",
     "runtime": "runtime", "rl": "rl", "plan": "plan", "cli": "cli", "__main__": "cli",
 }

@@ -1,0 +1,165 @@
+"""Tokenize an input once into the memory-mapped format (``bumblebee data prepare``), or into
+memory for a run that reads text / chat data directly.
+
+The reader (records.py) cuts the input into chunks in file order; worker
+processes parse and encode chunks (encode.py) and return flat arrays; the
+parent writes them in input order, so the output does not depend on the number
+of workers. Bad records follow ``on_error``: ``"raise"`` stops at the first one
+in file order with ``file:line: reason`` (exit code 2 from the CLI), ``"skip"``
+drops it and counts it by reason; the counts go to meta.json and the run summary.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+from bumblebee.data.encode import Encoder
+from bumblebee.data.errors import BadRecord, DataError
+from bumblebee.data.records import Chunk, chunks, parse_line, scan
+from bumblebee.data.store import StoreWriter, TokenStore, doc_loss_counts
+
+ON_ERROR = ("raise", "skip")
+
+
+def encode_chunk(enc: Encoder, chunk: Chunk, on_error: str) -> dict:
+    """Encode one chunk: flat tokens / mask / lengths, skip counts, and the first error."""
+    ids: list[int] = []
+    mask: list[int] = []
+    lengths: list[int] = []
+    skipped: Counter = Counter()
+    first_error = None
+    for i, item in enumerate(chunk.items):
+        try:
+            rec = item if chunk.columnar else parse_line(item)
+            if rec is None:  # blank line
+                continue
+            t, m = enc.encode(rec)
+        except BadRecord as e:
+            reason = str(e)
+            if on_error == "raise":
+                first_error = f"{chunk.where(i)}: {reason}"
+                break
+            skipped[reason.split(" (")[0]] += 1
+            continue
+        ids += t
+        mask += m
+        lengths.append(len(t))
+    return {"tokens": np.asarray(ids, dtype=np.uint32), "mask": np.asarray(mask, dtype=np.uint8),
+            "lengths": np.asarray(lengths, dtype=np.int64), "skipped": skipped, "error": first_error,
+            "units": chunk.units}
+
+
+class Progress:
+    """A one-line progress bar on stderr (redrawn in place on a terminal, every 10% otherwise)."""
+
+    def __init__(self, total: int, unit: str, stream=sys.stderr, label: str = "prepare"):
+        self.total, self.unit, self.stream, self.label = max(total, 1), unit, stream, label
+        self.done, self.docs, self.start, self._tenth = 0, 0, time.perf_counter(), -1
+        self.tty = getattr(stream, "isatty", lambda: False)()
+
+    def update(self, units: int, docs: int) -> None:
+        self.done, self.docs = self.done + units, self.docs + docs
+        tenth = min(10, 10 * self.done // self.total)
+        if self.tty or tenth != self._tenth:
+            self._tenth = tenth
+            self._draw(end="" if self.tty else "\n")
+
+    def _fmt(self, n: float) -> str:
+        if self.unit != "B":
+            return f"{n:.0f} {self.unit}"
+        return f"{n / 2**20:.1f} MiB"
+
+    def _draw(self, end: str) -> None:
+        frac = min(self.done / self.total, 1.0)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        line = (f"{self.label} [{bar}] {100 * frac:3.0f}%  {self._fmt(self.done)} / {self._fmt(self.total)}  "
+                f"{self.docs} docs  {self._fmt(self.done / elapsed)}/s")
+        self.stream.write(("\r\033[K" if self.tty else "") + line + end)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self._draw(end="\n")
+
+
+_WORKER: dict = {}  # inside a worker process only: its encoder (the tokenizer loads once per worker)
+
+
+def _pool_init(enc: Encoder) -> None:
+    _WORKER["enc"] = enc
+
+
+def _pool_encode(args) -> dict:
+    chunk, on_error = args
+    return encode_chunk(_WORKER["enc"], chunk, on_error)
+
+
+def encode_input(path: str, enc: Encoder, *, on_error: str = "raise", workers: int = 1, progress: bool = False,
+                 stream=sys.stderr):
+    """Yield encoded chunks of ``path`` in input order (in ``workers`` processes when > 1)."""
+    if on_error not in ON_ERROR:
+        raise DataError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    files, total, unit = scan(path)
+    bar = Progress(total, unit, stream) if progress else None
+    jobs = ((c, on_error) for c in chunks(files))
+    pool = None
+    if workers > 1:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizers library warns after fork
+        pool = mp.get_context("fork").Pool(workers, initializer=_pool_init, initargs=(enc,))
+        results = pool.imap(_pool_encode, jobs, chunksize=1)
+    else:
+        results = (encode_chunk(enc, c, e) for c, e in jobs)
+    try:
+        for r in results:
+            if r["error"]:
+                raise DataError(r["error"])
+            if bar:
+                bar.update(r["units"], len(r["lengths"]))
+            yield r
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        if bar:
+            bar.close()
+
+
+def prepare(path: str, out_dir: str, enc: Encoder, *, on_error: str = "raise", workers: int = 1,
+            progress: bool = True, stream=sys.stderr) -> dict:
+    """Write ``out_dir`` in the memory-mapped format; returns its meta.json."""
+    writer = StoreWriter(out_dir)
+    skipped: Counter = Counter()
+    max_id = -1
+    for r in encode_input(path, enc, on_error=on_error, workers=workers, progress=progress, stream=stream):
+        writer.append(r["tokens"], r["mask"], r["lengths"])
+        skipped.update(r["skipped"])
+        if len(r["tokens"]):
+            max_id = max(max_id, int(r["tokens"].max()))
+    if writer.num_tokens == 0:
+        raise DataError(f"{path}: no usable records" + (f" (skipped: {dict(skipped)})" if skipped else ""))
+    return writer.close({"source": os.path.abspath(path), **enc.describe(), "max_token_id": max_id,
+                         "skipped": dict(skipped), "skipped_total": sum(skipped.values())})
+
+
+def encode_in_memory(path: str, enc: Encoder, *, on_error: str = "raise") -> TokenStore:
+    """The same encoding into an in-memory store (text / chat sources read directly by a run)."""
+    parts = list(encode_input(path, enc, on_error=on_error))
+    skipped: Counter = Counter()
+    for r in parts:
+        skipped.update(r["skipped"])
+    lengths = np.concatenate([r["lengths"] for r in parts]) if parts else np.zeros(0, np.int64)
+    if not len(lengths):
+        raise DataError(f"{path}: no usable records" + (f" (skipped: {dict(skipped)})" if skipped else ""))
+    tokens = np.concatenate([r["tokens"] for r in parts])
+    mask = np.concatenate([r["mask"] for r in parts])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    meta = {"source": os.path.abspath(path), **enc.describe(), "documents": len(lengths), "tokens": len(tokens),
+            "max_token_id": int(tokens.max()), "skipped": dict(skipped), "skipped_total": sum(skipped.values())}
+    return TokenStore(tokens, mask, offsets, doc_loss_counts(mask, offsets), meta)

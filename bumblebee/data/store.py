@@ -1,0 +1,138 @@
+"""The prepared-token format: flat memory-mapped arrays that any rank can read by offset.
+
+A prepared directory (``bumblebee data prepare ... OUT``) holds:
+
+    tokens.u32     uint32 [N]       every document's tokens, back to back
+    loss_mask.u8   uint8  [N]       1 where the token is a prediction target
+    offsets.i64    int64  [D + 1]   document d is tokens[offsets[d]:offsets[d + 1]]
+    doc_loss.i64   int64  [D]       labels each document gives when packed whole (sum of mask[1:])
+    meta.json      counts, the tokenizer, EOS id, skipped-record counts (written last: its
+                   presence marks a complete directory)
+
+All arrays are little-endian raw binaries (``numpy.memmap``), so opening a
+corpus costs no reads: a rank touches only the tokens of the rows it trains on.
+``doc_loss`` lets the packer count every row's labels without reading tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from bumblebee.data.errors import DataError
+
+FORMAT = "bumblebee-tokens"
+VERSION = 1
+FILES = {"tokens": ("tokens.u32", np.uint32), "mask": ("loss_mask.u8", np.uint8),
+         "offsets": ("offsets.i64", np.int64), "doc_loss": ("doc_loss.i64", np.int64)}
+
+
+@dataclass
+class TokenStore:
+    """Documents as flat arrays (memory-mapped from disk, or in memory for a run that
+    tokenizes on the fly). ``meta`` carries counts and provenance."""
+
+    tokens: np.ndarray  # uint32 [N]
+    mask: np.ndarray  # uint8 [N]
+    offsets: np.ndarray  # int64 [D + 1]
+    doc_loss: np.ndarray  # int64 [D]
+    meta: dict
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def document(self, d: int) -> tuple[np.ndarray, np.ndarray]:
+        s, e = int(self.offsets[d]), int(self.offsets[d + 1])
+        return self.tokens[s:e], self.mask[s:e]
+
+
+def doc_loss_counts(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per document, the number of labels it yields: mask[1:] of the document (its first
+    token is never a target: nothing in the same document precedes it)."""
+    csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    starts, ends = offsets[:-1], offsets[1:]
+    first = mask[starts].astype(np.int64) if len(starts) else np.zeros(0, np.int64)
+    return csum[ends] - csum[starts] - first
+
+
+def from_documents(docs: list[tuple[list[int], list[int]]], meta: dict) -> TokenStore:
+    """An in-memory store from (tokens, mask) pairs."""
+    lengths = np.array([len(t) for t, _ in docs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = np.fromiter((t for ids, _ in docs for t in ids), dtype=np.uint32, count=int(offsets[-1]))
+    mask = np.fromiter((m for _, ms in docs for m in ms), dtype=np.uint8, count=int(offsets[-1]))
+    return TokenStore(tokens, mask, offsets, doc_loss_counts(mask, offsets), meta)
+
+
+class StoreWriter:
+    """Appends documents chunk by chunk; ``close`` writes the offsets and meta.json."""
+
+    def __init__(self, out_dir: str):
+        if os.path.exists(os.path.join(out_dir, "meta.json")):
+            raise DataError(f"{out_dir} already holds prepared data (meta.json); choose a new directory")
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir = out_dir
+        self._tokens = open(os.path.join(out_dir, FILES["tokens"][0]), "wb")
+        self._mask = open(os.path.join(out_dir, FILES["mask"][0]), "wb")
+        self._lengths: list[np.ndarray] = []
+        self._doc_loss: list[np.ndarray] = []
+        self.num_tokens = 0
+        self.loss_tokens = 0
+
+    def append(self, tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> None:
+        assert tokens.dtype == np.uint32 and mask.dtype == np.uint8 and len(tokens) == int(lengths.sum())
+        self._tokens.write(tokens.tobytes())
+        self._mask.write(mask.tobytes())
+        self._lengths.append(lengths.astype(np.int64))
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self._doc_loss.append(doc_loss_counts(mask, offsets))
+        self.num_tokens += len(tokens)
+        self.loss_tokens += int(self._doc_loss[-1].sum())
+
+    def close(self, meta: dict) -> dict:
+        self._tokens.close()
+        self._mask.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        offsets.tofile(os.path.join(self.out_dir, FILES["offsets"][0]))
+        doc_loss = np.concatenate(self._doc_loss) if self._doc_loss else np.zeros(0, np.int64)
+        doc_loss.tofile(os.path.join(self.out_dir, FILES["doc_loss"][0]))
+        meta = {"format": FORMAT, "version": VERSION, "documents": len(lengths), "tokens": self.num_tokens,
+                "loss_tokens": self.loss_tokens, **meta}
+        tmp = os.path.join(self.out_dir, "meta.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, os.path.join(self.out_dir, "meta.json"))
+        return meta
+
+
+def open_store(path: str) -> TokenStore:
+    """Memory-map a prepared directory; a missing or incomplete one is a one-line error."""
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise DataError(f"{path}: not a prepared token directory (no meta.json); "
+                        "make one with `bumblebee data prepare`")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise DataError(f"{path}: unknown token format {meta.get('format')!r} v{meta.get('version')}")
+    arrays = {}
+    for key, (name, dtype) in FILES.items():
+        p = os.path.join(path, name)
+        if not os.path.isfile(p):
+            raise DataError(f"{path}: missing {name}")
+        n = os.path.getsize(p) // np.dtype(dtype).itemsize
+        arrays[key] = np.memmap(p, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+    store = TokenStore(meta=meta, **arrays)
+    if (store.num_docs != meta["documents"] or len(store.tokens) != meta["tokens"] or len(store.mask) != len(
+            store.tokens) or len(store.doc_loss) != store.num_docs or int(store.offsets[-1]) != len(store.tokens)):
+        raise DataError(f"{path}: array sizes disagree with meta.json (truncated or mixed files)")
+    return store

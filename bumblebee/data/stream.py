@@ -1,0 +1,166 @@
+"""Packed rows over a token store, read row by row: each rank builds only the rows it trains on.
+
+Documents are packed greedily in stored order into rows of ``seq_len`` tokens
+(positions restart at every document, labels never cross a document, the tail is
+unlabelled padding; the same rules as packing.py). The packing plan needs only
+the document lengths and per-document label counts (store.py), so building it
+reads no tokens. A document longer than ``seq_len`` is cut to its first
+``seq_len`` tokens (``too_long = "truncate"``) or left out (``"drop"``); both are
+counted.
+
+Step s of the run trains on global rows s*B .. s*B+B-1 of an endless stream of
+per-epoch shuffles of the training rows (``numpy`` PCG64 seeded with
+(seed, epoch)): a pure function of (seed, step), so every layout sees the same
+stream and a resumed run continues it. ``rows_at(step, lo, hi)`` reads rows
+lo..hi-1 of that global batch only; ``num_valid_at(step)`` counts the global
+batch's labels from the plan, without reading tokens.
+
+Held-out rows (``eval_fraction``) are a fixed seeded subset of the rows, never
+trained on.
+
+Legend: B global batch rows, T = seq_len.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from bumblebee.data.errors import DataError
+from bumblebee.data.packing import IGNORE, Batch
+from bumblebee.data.store import TokenStore
+
+TOO_LONG = ("truncate", "drop")
+
+
+class PackedRows:
+    """The rows of one store (plan only; tokens are read when a row is built)."""
+
+    def __init__(self, store: TokenStore, seq_len: int, too_long: str = "truncate", pad_id: int = 0):
+        if too_long not in TOO_LONG:
+            raise DataError(f"data.too_long must be 'truncate' or 'drop', got {too_long!r}")
+        self.store, self.seq_len, self.pad_id = store, seq_len, pad_id
+        lengths = store.lengths
+        over = lengths > seq_len
+        keep = ~over if too_long == "drop" else np.ones(len(lengths), dtype=bool)
+        self.docs = np.nonzero(keep)[0].astype(np.int64)  # stored document ids, in order
+        self.doc_len = np.minimum(lengths[self.docs], seq_len)
+        doc_labels = store.doc_loss[self.docs].copy()
+        for j in np.nonzero(over[self.docs])[0]:  # a truncated document: count its kept labels
+            s = int(store.offsets[self.docs[j]])
+            doc_labels[j] = int(store.mask[s + 1:s + seq_len].sum())
+        self.stats = {"documents": int(keep.sum()), "truncated": int(over.sum()) if too_long == "truncate" else 0,
+                      "dropped": int(over.sum()) if too_long == "drop" else 0}
+        starts, used = [0], 0  # greedy packing: row r holds self.docs[row_ptr[r]:row_ptr[r+1]]
+        for k, n in enumerate(self.doc_len.tolist()):
+            if used + n > seq_len:
+                starts.append(k)
+                used = 0
+            used += n
+        self.row_ptr = np.array(starts + [len(self.docs)], dtype=np.int64)
+        if len(self.docs) == 0:
+            self.row_ptr = np.zeros(1, dtype=np.int64)
+        csum = np.concatenate([[0], np.cumsum(doc_labels)])
+        self.row_labels = csum[self.row_ptr[1:]] - csum[self.row_ptr[:-1]]
+        self.stats["rows"] = self.num_rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_ptr) - 1
+
+    def build(self, rows: np.ndarray) -> Batch:
+        """Rows (by index) as a [len(rows), T] batch."""
+        T = self.seq_len
+        ids = np.full((len(rows), T), self.pad_id, dtype=np.int64)
+        labels = np.full((len(rows), T), IGNORE, dtype=np.int64)
+        pos = np.zeros((len(rows), T), dtype=np.int64)
+        for b, r in enumerate(rows.tolist()):
+            t = 0
+            for k in range(int(self.row_ptr[r]), int(self.row_ptr[r + 1])):
+                n = int(self.doc_len[k])
+                s = int(self.store.offsets[self.docs[k]])
+                tok = np.asarray(self.store.tokens[s:s + n], dtype=np.int64)
+                m = np.asarray(self.store.mask[s + 1:s + n], dtype=bool)
+                ids[b, t:t + n] = tok
+                labels[b, t:t + n - 1] = np.where(m, tok[1:], IGNORE)
+                pos[b, t:t + n] = np.arange(n)
+                t += n
+            pos[b, t:] = np.arange(T - t)  # padding: its own pseudo-document
+        return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(pos))
+
+
+class TokenSource:
+    """Training batches (and held-out batches) from a token store."""
+
+    def __init__(self, store: TokenStore, *, seq_len: int, global_batch: int, seed: int, vocab_size: int,
+                 too_long: str = "truncate", eval_fraction: float = 0.0, eval_store: TokenStore | None = None,
+                 eval_batches: int = 1):
+        for s in (store, eval_store):
+            if s is not None and s.meta.get("max_token_id", -1) >= vocab_size:
+                raise DataError(f"{s.meta.get('source', 'data')}: token id {s.meta['max_token_id']} outside the "
+                                f"model's vocabulary [0, {vocab_size}); the tokenizer does not match the model")
+        self.global_batch, self.seed, self.eval_batches = global_batch, seed, eval_batches
+        self.rows = PackedRows(store, seq_len, too_long)
+        n = self.rows.num_rows
+        self.train_rows = np.arange(n, dtype=np.int64)
+        self.eval_rows, self.eval_pack = np.zeros(0, np.int64), self.rows
+        if eval_store is not None:
+            self.eval_pack = PackedRows(eval_store, seq_len, too_long)
+            self.eval_rows = np.arange(self.eval_pack.num_rows, dtype=np.int64)
+        elif eval_fraction > 0:
+            k = max(1, int(round(eval_fraction * n)))
+            perm = np.random.default_rng([seed, 0xE7A1]).permutation(n)
+            self.eval_rows, self.train_rows = np.sort(perm[:k]), np.sort(perm[k:])
+        if len(self.train_rows) == 0:
+            raise DataError(f"{store.meta.get('source', 'data')}: no training rows "
+                            f"({store.num_docs} documents, {n} rows of {seq_len} tokens after the held-out split)")
+        self._perms: dict[int, np.ndarray] = {}
+        meta = store.meta
+        self.stats = {**self.rows.stats, "train_rows": len(self.train_rows), "eval_rows": len(self.eval_rows),
+                      "skipped": meta.get("skipped_total", 0)}
+        if meta.get("skipped"):
+            self.stats["skipped_by_reason"] = meta["skipped"]
+
+    def describe(self) -> str:
+        s = self.stats
+        extra = f", {s['eval_rows']} held out" if s["eval_rows"] else ""
+        return (f"data: {s['documents']} documents in {s['rows']} rows of {self.rows.seq_len} tokens{extra}; "
+                f"skipped {s['skipped']}, truncated {s['truncated']}, dropped {s['dropped']}")
+
+    def _global_rows(self, step: int) -> np.ndarray:
+        n, B = len(self.train_rows), self.global_batch
+        out = np.empty(B, dtype=np.int64)
+        for i, g in enumerate(range(step * B, (step + 1) * B)):
+            epoch = g // n
+            if epoch not in self._perms:
+                if len(self._perms) > 2:
+                    self._perms.pop(min(self._perms))
+                self._perms[epoch] = self.train_rows[np.random.default_rng([self.seed, epoch]).permutation(n)]
+            out[i] = self._perms[epoch][g % n]
+        return out
+
+    def rows_at(self, step: int, lo: int, hi: int) -> Batch:
+        """Rows lo..hi-1 of step's global batch (only these are read)."""
+        return self.rows.build(self._global_rows(step)[lo:hi])
+
+    def num_valid_at(self, step: int) -> int:
+        return int(self.rows.row_labels[self._global_rows(step)].sum())
+
+    def global_batch_at(self, step: int) -> Batch:
+        return self.rows_at(step, 0, self.global_batch)
+
+    def eval_batch_list(self) -> list[Batch]:
+        """Held-out global batches: the first ``eval_batches`` x B held-out rows (fewer if fewer exist)."""
+        B = self.global_batch
+        rows = self.eval_rows[:self.eval_batches * B]
+        out = []
+        for i in range(0, len(rows), B):
+            b = self.eval_pack.build(rows[i:i + B])
+            short = B - b.input_ids.shape[0]  # the last batch: unlabelled padding rows up to B
+            if short:
+                T = self.rows.seq_len
+                b = Batch(torch.cat([b.input_ids, torch.zeros(short, T, dtype=torch.long)]),
+                          torch.cat([b.labels, torch.full((short, T), IGNORE, dtype=torch.long)]),
+                          torch.cat([b.position_ids, torch.arange(T).expand(short, T)]))
+            out.append(b)
+        return out
