@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     "(default: the one recorded at prepare time)")
 
 
-def run(args, stream=sys.stdout) -> int:
+def run(args, stream=None) -> int:
+    stream = stream or sys.stdout
     from bumblebee.config import ConfigError
 
     if args.data_command == "prepare":

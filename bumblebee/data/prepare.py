@@ -58,8 +58,8 @@ def encode_chunk(enc: Encoder, chunk: Chunk, on_error: str) -> dict:
 class Progress:
     """A one-line progress bar on stderr (redrawn in place on a terminal, every 10% otherwise)."""
 
-    def __init__(self, total: int, unit: str, stream=sys.stderr, label: str = "prepare"):
-        self.total, self.unit, self.stream, self.label = max(total, 1), unit, stream, label
+    def __init__(self, total: int, unit: str, stream=None, label: str = "prepare"):
+        self.total, self.unit, self.stream, self.label = max(total, 1), unit, stream or sys.stderr, label
         self.done, self.docs, self.start, self._tenth = 0, 0, time.perf_counter(), -1
         self.tty = getattr(stream, "isatty", lambda: False)()
 
@@ -102,7 +102,7 @@ def _pool_encode(args) -> dict:
 
 
 def encode_input(path: str, enc: Encoder, *, on_error: str = "raise", workers: int = 1, progress: bool = False,
-                 stream=sys.stderr):
+                 stream=None):
     """Yield encoded chunks of ``path`` in input order (in ``workers`` processes when > 1)."""
     if on_error not in ON_ERROR:
         raise DataError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -132,7 +132,7 @@ def encode_input(path: str, enc: Encoder, *, on_error: str = "raise", workers: i
 
 
 def prepare(path: str, out_dir: str, enc: Encoder, *, on_error: str = "raise", workers: int = 1,
-            progress: bool = True, stream=sys.stderr) -> dict:
+            progress: bool = True, stream=None) -> dict:
     """Write ``out_dir`` in the memory-mapped format; returns its meta.json."""
     writer = StoreWriter(out_dir)
     skipped: Counter = Counter()
