@@ -96,10 +96,11 @@ def plot_runs(run_dirs: list[str], out_png: str, labels: list[str] | None = None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for j, (recs, label) in enumerate(zip(runs, labels)):
         c = colors[j % len(colors)]
+        lw = 1.2 + 1.6 * (len(runs) - 1 - j) / max(len(runs) - 1, 1)  # earlier runs wider: equal curves stay visible
         steps = [r["step"] for r in recs]
         for ax, (title, key, scale) in zip(axes.flat, PANELS):
             ys = [r[key] * scale if isinstance(r.get(key), (int, float)) else float("nan") for r in recs]
-            ax.plot(steps, ys, color=c, lw=1.4, label=label)
+            ax.plot(steps, ys, color=c, lw=lw, label=label)
             ax.set_title(title)
         ev = [r for r in recs if "eval_loss" in r]
         if ev:

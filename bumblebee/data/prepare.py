@@ -73,7 +73,7 @@ class Progress:
     def _fmt(self, n: float) -> str:
         if self.unit != "B":
             return f"{n:.0f} {self.unit}"
-        return f"{n / 2**20:.1f} MiB"
+        return f"{n / 2**20:.1f} MiB" if self.total >= 2**20 else f"{n / 2**10:.1f} KiB"
 
     def _draw(self, end: str) -> None:
         frac = min(self.done / self.total, 1.0)
@@ -134,16 +134,21 @@ def encode_input(path: str, enc: Encoder, *, on_error: str = "raise", workers: i
 def prepare(path: str, out_dir: str, enc: Encoder, *, on_error: str = "raise", workers: int = 1,
             progress: bool = True, stream=None) -> dict:
     """Write ``out_dir`` in the memory-mapped format; returns its meta.json."""
+    scan(path)  # a missing or unknown input fails before OUT is created
     writer = StoreWriter(out_dir)
     skipped: Counter = Counter()
     max_id = -1
-    for r in encode_input(path, enc, on_error=on_error, workers=workers, progress=progress, stream=stream):
-        writer.append(r["tokens"], r["mask"], r["lengths"])
-        skipped.update(r["skipped"])
-        if len(r["tokens"]):
-            max_id = max(max_id, int(r["tokens"].max()))
-    if writer.num_tokens == 0:
-        raise DataError(f"{path}: no usable records" + (f" (skipped: {dict(skipped)})" if skipped else ""))
+    try:
+        for r in encode_input(path, enc, on_error=on_error, workers=workers, progress=progress, stream=stream):
+            writer.append(r["tokens"], r["mask"], r["lengths"])
+            skipped.update(r["skipped"])
+            if len(r["tokens"]):
+                max_id = max(max_id, int(r["tokens"].max()))
+        if writer.num_tokens == 0:
+            raise DataError(f"{path}: no usable records" + (f" (skipped: {dict(skipped)})" if skipped else ""))
+    except BaseException:
+        writer.abort()
+        raise
     return writer.close({"source": os.path.abspath(path), **enc.describe(), "max_token_id": max_id,
                          "skipped": dict(skipped), "skipped_total": sum(skipped.values())})
 

@@ -78,6 +78,7 @@ class StoreWriter:
     def __init__(self, out_dir: str):
         if os.path.exists(os.path.join(out_dir, "meta.json")):
             raise DataError(f"{out_dir} already holds prepared data (meta.json); choose a new directory")
+        self._created = not os.path.isdir(out_dir)
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
         self._tokens = open(os.path.join(out_dir, FILES["tokens"][0]), "wb")
@@ -96,6 +97,17 @@ class StoreWriter:
         self._doc_loss.append(doc_loss_counts(mask, offsets))
         self.num_tokens += len(tokens)
         self.loss_tokens += int(self._doc_loss[-1].sum())
+
+    def abort(self) -> None:
+        """Remove what was written (a failed prepare leaves no half-written directory behind)."""
+        self._tokens.close()
+        self._mask.close()
+        for name, _ in FILES.values():
+            p = os.path.join(self.out_dir, name)
+            if os.path.exists(p):
+                os.remove(p)
+        if self._created and not os.listdir(self.out_dir):
+            os.rmdir(self.out_dir)
 
     def close(self, meta: dict) -> dict:
         self._tokens.close()

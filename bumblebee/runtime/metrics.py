@@ -61,6 +61,8 @@ class MetricsWriter:
         line = (f"[{bar}] step {r['step']}/{self.total_steps}  loss {r['loss']:.4f}  aux {r['aux_loss']:.3f}  "
                 f"gnorm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_s']:.0f} tok/s  "
                 f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB  eta {eta:.0f}s")
+        if "eval_loss" in r:
+            line += f"  eval_loss {r['eval_loss']:.4f}"
         if self.tty:
             end = "\n" if r["step"] == self.total_steps else ""
             self.stream.write("\r\033[K" + line + end)

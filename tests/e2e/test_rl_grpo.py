@@ -79,7 +79,7 @@ def test_plot(tmp_path, capsys):
         import matplotlib  # noqa: F401
     except ImportError:  # not a dependency: a clear error before any training
         assert main(["rl", "--plot", str(tmp_path / "r.png")]) == 2
-        assert "pip install matplotlib" in capsys.readouterr().err
+        assert "pip install 'bumblebee[data]'" in capsys.readouterr().err
         return
     from bumblebee.rl.cli import plot_rewards
 

@@ -67,6 +67,7 @@ def test_bad_data_exits_2_or_is_counted(tok_dir, tmp_path, capsys):
     path.write_text(f"{good}\n{{oops\n{good}\n")
     args = ["data", "prepare", "--source", "chat", "--tokenizer", tok_dir, str(path), "--no-progress"]
     assert main(args + [str(tmp_path / "o1")]) == 2
+    assert not (tmp_path / "o1").exists()  # nothing half-written left behind
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"bumblebee: error: {path}:2: not valid JSON (Expecting property name enclosed in double quotes)"]
     assert main(args + [str(tmp_path / "o2"), "--on-error", "skip"]) == 0

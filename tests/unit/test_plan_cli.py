@@ -127,7 +127,7 @@ def test_plot(tmp_path, capsys):
         import matplotlib  # noqa: F401
     except ImportError:
         code, _, err = _run(argv, capsys)
-        assert code == 2 and "pip install matplotlib" in err
+        assert code == 2 and "pip install 'bumblebee[data]'" in err
     else:
         code, _, _ = _run(argv, capsys)
         assert code == 0 and out_png.stat().st_size > 0
