@@ -26,25 +26,33 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="local ranks to start (torch.distributed elastic); under torchrun leave it out")
     p.add_argument("--resume", metavar="DIR|auto",
                    help="continue from a checkpoint directory, or 'auto': the newest complete one in train.out_dir")
+    p.add_argument("--max-restarts", type=int, metavar="N",
+                   help="with --nproc: restart every rank up to N times after a failure, resuming from the newest "
+                        "complete checkpoint (train.max_restarts)")
 
 
 def _train_run(args) -> int:
     from bumblebee.config import ConfigError, load_config
     from bumblebee.runtime import launch
+    from bumblebee.runtime.signals import Preempted
     from bumblebee.runtime.trainer import Trainer, check_run
 
     resume = [f"train.resume={json.dumps(args.resume)}"] if args.resume else []
-    cfg = load_config(args.config, args.overrides + resume)
+    restarts = [f"train.max_restarts={args.max_restarts}"] if args.max_restarts is not None else []
+    cfg = load_config(args.config, args.overrides + resume + restarts)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    if launch.started_by_torchrun():
-        launch.init_distributed()
+    try:
+        if launch.started_by_torchrun():
+            launch.train_worker(cfg)
+            return 0
+        check_run(cfg, args.nproc)  # reject impossible layouts before any process starts
+        if args.nproc > 1:
+            return launch.launch_local(cfg, args.nproc)
         Trainer(cfg).run()
-        return 0
-    check_run(cfg, args.nproc)  # reject impossible layouts before any process starts
-    if args.nproc > 1:
-        return launch.launch_local(cfg, args.nproc)
-    Trainer(cfg).run()
+    except Preempted as p:
+        print(f"bumblebee: {p}", file=sys.stderr)
+        return p.exit_code
     return 0
 
 
@@ -115,6 +123,20 @@ def _convert_run(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ checkpoint
+def _checkpoint_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    v = sub.add_parser("verify", help="check every file of a checkpoint against the checksums in its marker "
+                                      "(no model is built); a run or checkpoints directory: all of its checkpoints")
+    v.add_argument("path", metavar="DIR")
+
+
+def _checkpoint_run(args) -> int:
+    from bumblebee.runtime.integrity import verify_command
+
+    return verify_command(args.path)
+
+
 # ------------------------------------------------------------------------------ rl
 def _rl_args(p: argparse.ArgumentParser) -> None:
     from bumblebee.rl.cli import add_arguments
@@ -157,6 +179,8 @@ SUBCOMMANDS = {
     "train": ("train a model (no arguments: the embedded default run on CPU)", _train_args, _train_run),
     "primitives": ("list every primitive slot and its implementations", _primitives_args, _primitives_run),
     "convert": ("export a training checkpoint (--to hf: a Hugging Face directory)", _convert_args, _convert_run),
+    "checkpoint": ("checkpoint tools (verify: checksums of every file, without loading)", _checkpoint_args,
+                   _checkpoint_run),
     "plan": ("plan a layout: per-GPU memory, predicted throughput, the default recipe (no GPU)", _plan_args, _plan_run),
     "rl": ("warm-up + GRPO on a built-in verifiable task (no arguments: a tiny model on CPU)", _rl_args, _rl_run),
     "pair": ("run two implementations of one primitive slot side by side and compare them step by step",
@@ -177,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from bumblebee.config import ConfigError
+    from bumblebee.runtime.nonfinite import NonFiniteError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -188,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"bumblebee: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:  # a run stopped on a NaN/Inf step: its checkpoints are intact
+        print(f"bumblebee: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("bumblebee: interrupted", file=sys.stderr)
         return 130

@@ -90,6 +90,9 @@ class TrainConfig:
     export_hf: bool = False  # write a Hugging Face directory to out_dir/hf at the end of training
     eval_every: int = 0  # log eval_loss on held-out data every N steps and at the end (0: never)
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars to out_dir/tensorboard
+    max_restarts: int = 0  # --nproc runs: restart every rank after a failure, from the newest checkpoint
+    collective_timeout_s: float = 600.0  # every process group: a rank that hangs ends the job after this
+    on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: "stop" the run | "skip" the update
 
 
 @dataclass(kw_only=True)
@@ -259,7 +262,7 @@ def validate(cfg: Config) -> None:
     for name in ("steps", "seq_len", "global_batch", "micro_batch"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name} must be a positive integer, got {getattr(t, name)}")
-    for name in ("warmup_steps", "log_every", "save_every", "keep_last"):
+    for name in ("warmup_steps", "log_every", "save_every", "keep_last", "max_restarts"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
@@ -268,6 +271,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.clip_grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
     if t.resume not in ("", "auto") and not os.path.isdir(t.resume):
         raise ConfigError(f"train.resume: no such directory {t.resume!r}; give a checkpoint directory or 'auto'")
+    if not 0 < t.collective_timeout_s < 1e7:
+        raise ConfigError(f"train.collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s}")
+    if t.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"train.on_nonfinite must be 'stop' or 'skip', got {t.on_nonfinite!r}")
     if t.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
 

@@ -12,7 +12,8 @@ collective), rank 0 writes ``complete.json`` (step, model shapes, the size of ev
 file) and renames the directory to ``step_<N>`` (atomic on POSIX), then prunes to
 ``keep_last``. A crash at any point leaves earlier checkpoints untouched, and
 ``resume = "auto"`` takes the newest directory whose marker exists and whose files
-all have their recorded sizes.
+all have their recorded sizes. The marker also records a CRC-32 per file
+(integrity.py); loading verifies them and refuses a corrupt file by name.
 
 Safety: the config is TOML, the marker JSON, DCP's metadata goes through an
 allow-list unpickler and tensors load with ``weights_only`` (checkpoint_state.py).
@@ -40,6 +41,7 @@ from bumblebee.models.hf import CheckpointError, to_hf
 from bumblebee.primitives.sharding.zero1 import Zero1
 from bumblebee.runtime.checkpoint_state import (Piece, load_pieces, read_dcp_metadata, rng_states, save_pieces,
                                                 set_rng_states, state_pieces)
+from bumblebee.runtime.integrity import HASH, checksum_files, file_checksum, verify_checksums
 
 FORMAT, VERSION = "bumblebee-checkpoint", 1
 MARKER = "complete.json"
@@ -200,6 +202,7 @@ class Checkpointer:
 
     def load(self, path: str) -> int:
         info = read_marker(path)
+        verify_checksums(path, info, self.group)  # every rank checks a share of the files
         md = read_dcp_metadata(path)
         pieces = self._pieces()
         _check_fits(path, info, md, pieces, whole=self.ctx.layout.pp == 1)
@@ -245,18 +248,21 @@ class Checkpointer:
             every = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(every, shapes, group=self.group)
             shapes = {k: v for d in every for k, v in d.items()}
+        sums = checksum_files(tmp, sorted(os.listdir(tmp)), self.group)  # each rank hashes a share
         if self.ctx.rank == 0:
-            self._publish(tmp, final, step, shapes)
+            self._publish(tmp, final, step, shapes, sums)
         self._barrier()  # nobody moves on before the checkpoint is published
         self.last_saved, self.last_path = step, final
         return final
 
-    def _publish(self, tmp: str, final: str, step: int, shapes: dict[str, list[int]]) -> None:
+    def _publish(self, tmp: str, final: str, step: int, shapes: dict[str, list[int]], sums: dict[str, str]) -> None:
         _write_durably(os.path.join(tmp, "config.toml"), dump_toml(self.cfg))
+        sums = {**sums, "config.toml": file_checksum(os.path.join(tmp, "config.toml"))}
         info = {"format": FORMAT, "version": VERSION, "step": step, "layout": self.ctx.layout.describe(),
                 "sharding": self.cfg.primitives.sharding, "arch": self.model.arch.to_hf_dict(),
                 "shapes": shapes,
-                "files": {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}}
+                "files": {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))},
+                "hash": HASH, "checksums": dict(sorted(sums.items()))}
         _write_durably(os.path.join(tmp, MARKER), json.dumps(info, indent=1))
         if os.path.exists(final):  # an older save of this step (a run resumed from before it)
             shutil.rmtree(final)
@@ -301,6 +307,7 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
     checkpoint used."""
     path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
     info = read_marker(path)
+    verify_checksums(path, info)
     model = build_model(arch_from_hf_dict(info["arch"]))
     pieces = {f"model/{n}": Piece(p.detach().view(-1), 0, tuple(p.shape)) for n, p in model.named_parameters()}
     _check_fits(path, info, read_dcp_metadata(path), pieces)

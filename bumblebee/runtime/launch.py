@@ -4,8 +4,20 @@ joining a job that ``torchrun`` started (one node or many).
 ``bumblebee train --nproc N`` validates the config and the layout in the parent
 process, then starts N workers with ``elastic_launch`` (the machinery behind
 ``torchrun``; c10d rendezvous on a free local port). If any worker raises, the
-elastic agent stops the others and the parent prints one line per failed rank
-with its error, then exits non-zero: no hang, no orphans.
+elastic agent stops the others and the parent prints one line naming the rank that
+failed *first* (failures.py: per-rank reports with nanosecond timestamps; peer-loss
+and timeout errors on the other ranks are consequences), then exits non-zero: no
+hang, no orphans, no blame on a healthy rank.
+
+Restarts. With ``train.max_restarts = N`` the agent restarts every rank after a
+failure (up to N times); a restarted rank resumes from the newest complete
+checkpoint of ``train.out_dir`` (``resume = "auto"``), and rank 0 prints which rank
+caused the restart.
+
+Preemption. Workers stop at a step boundary on SIGTERM / SIGUSR1 (signals.py). The
+parent does not let torch elastic turn SIGTERM into "kill the workers": it forwards
+the signal to workers that have not received it themselves (a scheduler often
+signals every process), and a second signal stops everything at once.
 
 Under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set by it), ``bumblebee
 train`` joins the process group directly; that is the multi-node path.
@@ -14,13 +26,23 @@ train`` joins the process group directly; that is the multi-node path.
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import uuid
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from bumblebee.runtime.failures import diagnose, read_reports, write_report
+from bumblebee.runtime.signals import PREEMPT_SIGNALS, Preempted
+
+PREEMPTED = "preempted.json"
 
 
 def started_by_torchrun() -> bool:
@@ -28,8 +50,15 @@ def started_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def restart_count() -> int:
+    """How many times the elastic agent restarted this job's workers (0: first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def init_distributed(timeout_s: float = 600.0) -> torch.device:
-    """Join the process group (NCCL with CUDA, gloo otherwise); returns this rank's device."""
+    """Join the process group (NCCL with CUDA, gloo otherwise); returns this rank's device.
+    ``timeout_s`` bounds every collective of the world group (mesh.py gives the same
+    bound to every sub-group)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if torch.cuda.is_available():
@@ -46,36 +75,137 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     return device
 
 
-@record  # writes the worker's exception where the elastic agent reports it, with its rank
-def _worker(cfg) -> None:
+def resume_spec(cfg) -> str:
+    """What a worker resumes from: after a restart, the newest complete checkpoint of
+    this run when there is one, else what the config says."""
+    from bumblebee.runtime.checkpoint import checkpoint_root, newest_complete
+
+    if restart_count() > 0 and newest_complete(checkpoint_root(cfg.train.out_dir)) is not None:
+        return "auto"
+    return cfg.train.resume
+
+
+def train_worker(cfg) -> None:
+    """The default worker: join the group and train (resuming after a restart)."""
     from bumblebee.runtime.trainer import Trainer
 
-    init_distributed()
+    init_distributed(cfg.train.collective_timeout_s)
+    cfg.train.resume = resume_spec(cfg)
+    Trainer(cfg).run()
+
+
+@record  # also writes torch elastic's own error file for the agent's log
+def _entry(worker, report_dir: str, world: int, max_restarts: int, cfg) -> None:
+    rank, attempt = int(os.environ["RANK"]), restart_count()
+    if attempt and rank == 0:
+        cause = diagnose(read_reports(report_dir, attempt - 1), world)
+        print(f"bumblebee: restart {attempt}/{max_restarts} after: {cause}", file=sys.stderr, flush=True)
     try:
-        Trainer(cfg).run()
+        worker(cfg)
+    except Preempted as p:  # a clean stop: exit 0 so the agent does not restart, the parent reports it
+        if rank == 0:
+            with open(os.path.join(report_dir, PREEMPTED), "w") as f:
+                json.dump({"message": str(p), "exit_code": p.exit_code}, f)
+    except BaseException as e:  # noqa: BLE001 - recorded, then re-raised
+        write_report(report_dir, attempt, rank, e)  # before the group is torn down: ordered before its echoes
+        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def launch_local(cfg, nproc: int, worker=None) -> int:
+def _worker_pids_catching(signum: int) -> list[int]:
+    """Child processes of this one that still catch ``signum`` (a worker whose handler
+    already ran has reset it; the multiprocessing resource tracker ignores it)."""
+    me, pids = os.getpid(), []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(status.get("PPid", "0")) == me and int(status.get("SigCgt", "0"), 16) >> (signum - 1) & 1:
+            pids.append(int(name))
+    return pids
+
+
+class _ForwardPreemption:
+    """In the parent: the first SIGTERM / SIGUSR1 is forwarded (after a short delay) to
+    the workers that did not get it themselves; a second one stops the job at once."""
+
+    def __init__(self):
+        self.signum, self._previous = 0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in PREEMPT_SIGNALS:
+                self._previous[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum, frame):
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if self.signum:  # the second signal: torch elastic stops every worker with it
+            raise SignalException(f"second {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+        self.signum = signum
+        print(f"bumblebee: {signal.Signals(signum).name}: stopping after the current step "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+        def forward():
+            for pid in _worker_pids_catching(signum):
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+
+        threading.Timer(0.5, forward).start()
+
+
+def launch_local(cfg, nproc: int, worker=None, max_restarts: int | None = None) -> int:
     """Run ``worker(cfg)`` (default: join the group and train) on ``nproc`` local ranks.
-    Returns the exit code; a failure prints one line per failed rank."""
+    Returns the exit code; a failure prints one line naming the rank that failed first."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if max_restarts is None:
+        max_restarts = cfg.train.max_restarts if cfg is not None else 0
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # torch elastic's own handlers would kill the workers on SIGTERM; _ForwardPreemption owns it
+    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"bumblebee-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
                           monitor_interval=0.2, start_method="spawn")
+    report_dir = tempfile.mkdtemp(prefix="bumblebee-ranks-")
     try:
-        elastic_launch(config, worker or _worker)(cfg)
+        with _ForwardPreemption():
+            elastic_launch(config, _entry)(worker or train_worker, report_dir, nproc, max_restarts, cfg)
+        preempted = os.path.join(report_dir, PREEMPTED)
+        if os.path.exists(preempted):
+            with open(preempted) as f:
+                info = json.load(f)
+            print(f"bumblebee: {info['message']}", file=sys.stderr)
+            return int(info["exit_code"])
+        return 0
     except ChildFailedError as e:
-        for rank, failure in sorted(e.failures.items()):
-            message = failure.message
-            if isinstance(message, dict):
-                message = message.get("message", message)
-            last = str(message).strip().splitlines()
-            print(f"bumblebee: rank {rank} failed (exit {failure.exitcode}): {last[-1] if last else 'no message'}",
-                  file=sys.stderr)
+        rank, failure = min(e.failures.items())
+        cause = diagnose(read_reports(report_dir, max_restarts), nproc, (rank, failure.exitcode))  # the last attempt
+        print(f"bumblebee: {cause}" + (f" (after {max_restarts} restarts)" if max_restarts else ""),
+              file=sys.stderr)
         return 1
-    return 0
+    except SignalException as e:
+        print(f"bumblebee: stopped at once by a second {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
+    finally:
+        shutil.rmtree(report_dir, ignore_errors=True)
+        if handled is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled

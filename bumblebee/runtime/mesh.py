@@ -132,15 +132,32 @@ def single_process(device: torch.device) -> ParallelContext:
     return ParallelContext(layout, 0, device, None, None, None)
 
 
+def _group_options(device: torch.device):
+    """(backend, options) that give a new process group the world group's timeout:
+    torch gives sub-groups its own default (30 min) otherwise, whatever
+    ``init_process_group`` was told, and a hung rank would hold the job that long."""
+    backend = dist.get_backend()
+    world = dist.group.WORLD._get_backend(device)
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = world.options._timeout
+    return backend, options
+
+
 def build_context(layout: Layout, device: torch.device) -> ParallelContext:
-    """Create the meshes (collective: every rank calls this with the same layout)."""
+    """Create the meshes (collective: every rank calls this with the same layout). Every
+    group they create has the world group's collective timeout (train.collective_timeout_s)."""
     assert dist.is_initialized() and dist.get_world_size() == layout.world
     if layout.world == 1:
         return single_process(device)
     ranks = torch.arange(layout.world)
     kind = device.type
     L = layout
-    dense = DeviceMesh(kind, ranks.view(L.pp, L.dp_shard, L.cp, L.tp), mesh_dim_names=("pp", "dp_shard", "cp", "tp"))
-    dp_cp = DeviceMesh(kind, ranks.view(L.pp, L.dp_shard * L.cp * L.tp), mesh_dim_names=("pp", "dp_cp"))
-    experts = DeviceMesh(kind, ranks.view(L.pp, L.edp, L.ep), mesh_dim_names=("pp", "edp", "ep"))
+    opt = _group_options(device)
+
+    def mesh(shape, names):
+        return DeviceMesh(kind, ranks.view(*shape), mesh_dim_names=names, backend_override=(opt,) * len(names))
+
+    dense = mesh((L.pp, L.dp_shard, L.cp, L.tp), ("pp", "dp_shard", "cp", "tp"))
+    dp_cp = mesh((L.pp, L.dp_shard * L.cp * L.tp), ("pp", "dp_cp"))
+    experts = mesh((L.pp, L.edp, L.ep), ("pp", "edp", "ep"))
     return ParallelContext(layout, dist.get_rank(), device, dense, dp_cp, experts)

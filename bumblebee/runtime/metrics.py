@@ -22,6 +22,7 @@ class MetricsWriter:
         self.total_steps, self.log_every, self.stream = total_steps, max(log_every, 1), stream
         self.tty = getattr(stream, "isatty", lambda: False)()
         self.history: list[dict] = []
+        self.resumed: dict = {}
         self._file = None
         if self.active:
             os.makedirs(out_dir, exist_ok=True)
@@ -32,6 +33,7 @@ class MetricsWriter:
             if first_step > 0 and os.path.exists(self.path):
                 with open(self.path) as f:
                     kept = [line for line in f if line.strip() and json.loads(line)["step"] <= first_step]
+            self.resumed = json.loads(kept[-1]) if kept else {}  # the record of the step resumed from
             self._file = open(self.path, "w")
             self._file.writelines(kept)
             self._file.flush()

@@ -36,8 +36,10 @@ from bumblebee.runtime.checkpoint import Checkpointer
 from bumblebee.runtime.eval import evaluate
 from bumblebee.runtime.mesh import ParallelContext, build_context, plan_layout, single_process
 from bumblebee.runtime.metrics import MetricsWriter
+from bumblebee.runtime.nonfinite import check_finite
 from bumblebee.runtime.pipeline import Pipeline, check_pipeline
 from bumblebee.runtime.optim import lr_at, set_lr
+from bumblebee.runtime.signals import Preempted, Preemption
 
 
 def pick_device() -> torch.device:
@@ -158,6 +160,7 @@ class Trainer:
         self.metrics = MetricsWriter(t.out_dir if self.rank == 0 else None, total_steps=t.steps,
                                      log_every=t.log_every, stream=stream, first_step=self.step,
                                      tensorboard=t.tensorboard)
+        self.skipped = self.metrics.resumed.get("skipped_steps", 0)  # non-finite steps skipped so far
         self.stream = stream
         if self.rank == 0 and self.source.describe():
             stream.write(f"bumblebee: {self.source.describe()}\n")
@@ -199,15 +202,18 @@ class Trainer:
         self.sharding.reduce_grads()
         max_norm = t.clip_grad if t.clip_grad > 0 else float("inf")
         grad_norm = self.sharding.clip_grad_norm(max_norm)
-        lr = lr_at(self.step, t)
-        set_lr(self.sharding, lr)
-        self.sharding.step()
-        self.sharding.zero_grad()
-        self.step += 1
-        if self.ctx.distributed:  # the logged loss covers the whole global batch
+        if self.ctx.distributed:  # the logged loss covers the whole global batch (so every rank checks the same)
             stats = torch.stack([loss_sum, aux_sum / (self.dp_size * self.cp)])
             dist.all_reduce(stats, group=self.ctx.dp_cp_group)
             loss_sum, aux_sum = stats[0], stats[1]
+        lr = lr_at(self.step, t)
+        if check_finite(self.step + 1, loss_sum, grad_norm, t.on_nonfinite):  # else skip (or raise: "stop")
+            set_lr(self.sharding, lr)
+            self.sharding.step()
+        else:
+            self.skipped += 1
+        self.sharding.zero_grad()
+        self.step += 1
         elapsed = time.perf_counter() - start
         tokens = t.global_batch * t.seq_len
         return {
@@ -220,6 +226,7 @@ class Trainer:
             "valid_tokens": global_valid,
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
+            "skipped_steps": self.skipped,
         }
 
     def _pipeline_step(self) -> dict:
@@ -238,12 +245,18 @@ class Trainer:
 
     def run(self) -> dict:
         t = self.cfg.train
-        while self.step < t.steps:
-            record = self.train_step()
-            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                record.update(evaluate(self))
-            self.metrics.log(record)
-            self.checkpoint.on_step(self.step)  # saves every train.save_every steps
+        world = dist.group.WORLD if self.ctx.distributed else None
+        with Preemption() as preemption:  # SIGTERM / SIGUSR1: stop at the next step boundary
+            while self.step < t.steps:
+                record = self.train_step()
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                    record.update(evaluate(self))
+                self.metrics.log(record)
+                self.checkpoint.on_step(self.step)  # saves every train.save_every steps
+                if self.step < t.steps and (signum := preemption.requested(world, self.device)):
+                    path = self.checkpoint.save(self.step) if self.checkpoint.last_saved != self.step \
+                        else self.checkpoint.last_path
+                    raise Preempted(self.step, path, signum)
         self.checkpoint.on_end(self.step)  # final save; Hugging Face export if train.export_hf
         summary = self.metrics.close()
         if self.source.stats:  # documents, rows, skipped / truncated / dropped records

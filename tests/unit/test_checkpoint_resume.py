@@ -16,6 +16,7 @@ from bumblebee.cli import main
 from bumblebee.config import ConfigError, load_config
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.checkpoint import MARKER, find_checkpoint, read_marker
+from bumblebee.runtime.integrity import file_checksum
 from bumblebee.runtime.trainer import Trainer
 
 STEPS = 4
@@ -144,6 +145,7 @@ def test_metadata_is_not_unpickled_beyond_plain_data(ckpt, monkeypatch):
     (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload()))
     info = json.loads((ckpt / MARKER).read_text())
     info["files"][".metadata"] = os.path.getsize(ckpt / ".metadata")
+    info["checksums"][".metadata"] = file_checksum(ckpt / ".metadata")  # a checksum is no defence against tampering
     (ckpt / MARKER).write_text(json.dumps(info))
     assert "refusing to load posix.system" in resume_error(ckpt)
     assert not (ckpt / "PWNED").exists()

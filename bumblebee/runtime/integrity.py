@@ -1,0 +1,108 @@
+"""Checkpoint integrity: a CRC-32 per file in the marker, verified on load and by
+``bumblebee checkpoint verify DIR``.
+
+Why CRC-32 (``zlib.crc32``): the threat is corruption (a flipped bit on disk or in
+transit, a file overwritten by a stray copy), not an adversary, so a cryptographic
+hash buys nothing; CRC-32 catches every error burst up to 32 bits and any odd
+number of flipped bits, ships with Python (no dependency), and is the fastest hash
+in the standard library (measured on this CPU, 256 MiB buffer: crc32 0.9 GiB/s,
+sha256 0.4, blake2b 0.17; see the faults note). Tampering is a different question:
+checkpoints are loaded without unpickling arbitrary objects (checkpoint_state.py).
+
+The work is spread over the ranks: on save each rank hashes every ``world``-th file
+of the directory (sorted names) and rank 0 merges the results into the marker; on
+load each rank verifies its share and the ranks agree on the verdict, so a corrupt
+file fails every rank with the same one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import torch.distributed as dist
+
+from bumblebee.models.hf import CheckpointError
+
+HASH = "crc32"
+_CHUNK = 16 * 2**20
+
+
+def file_checksum(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def _share(names: list[str], rank: int, world: int) -> list[str]:
+    return sorted(names)[rank::world]
+
+
+def checksum_files(path: str, names: list[str], group=None) -> dict[str, str]:
+    """CRC-32 of ``names`` in ``path``; collective over ``group`` (each rank hashes a share)."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    mine = {n: file_checksum(os.path.join(path, n)) for n in _share(names, rank, world)}
+    if group is None:
+        return mine
+    every = [None] * world
+    dist.all_gather_object(every, mine, group=group)
+    return {k: v for d in every for k, v in d.items()}
+
+
+def _errors(path: str, info: dict, names: list[str]) -> list[str]:
+    sums = info.get("checksums", {})
+    out = []
+    for n in names:
+        got = file_checksum(os.path.join(path, n))
+        if got != sums[n]:
+            out.append(f"{path}: corrupt checkpoint: {n} has {HASH} {got}, the marker records {sums[n]}")
+    return out
+
+
+def verify_checksums(path: str, info: dict, group=None) -> None:
+    """Raise a one-line ``CheckpointError`` naming the first corrupt file (collective over
+    ``group``). Markers written before checksums existed are accepted as they are."""
+    names = sorted(info.get("checksums", {}))
+    if not names:
+        return
+    if info.get("hash", HASH) != HASH:
+        raise CheckpointError(f"{path}: checksums use {info.get('hash')!r}; this bumblebee knows {HASH}")
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    errors = _errors(path, info, _share(names, rank, world))
+    if group is not None:
+        every = [None] * world
+        dist.all_gather_object(every, errors, group=group)
+        errors = [e for part in every for e in part]
+    if errors:
+        raise CheckpointError(errors[0] + (f" (and {len(errors) - 1} more files)" if len(errors) > 1 else ""))
+
+
+def verify_command(spec: str) -> int:
+    """``bumblebee checkpoint verify DIR``: 0 if every checkpoint under DIR is intact, 1 if
+    one is corrupt or incomplete (each printed on one line)."""
+    from bumblebee.runtime.checkpoint import _STEP_DIR, MARKER, checkpoint_root, read_marker
+
+    if os.path.isfile(os.path.join(spec, MARKER)):
+        dirs = [spec]
+    else:
+        root = next((r for r in (spec, checkpoint_root(spec)) if os.path.isdir(r)
+                     and any(_STEP_DIR.match(n) for n in os.listdir(r))), None)
+        if root is None:
+            read_marker(spec)  # raises the one-line reason (missing, not a checkpoint, ...)
+        dirs = [os.path.join(root, n) for n in sorted(os.listdir(root)) if _STEP_DIR.match(n)]
+    bad = 0
+    for d in dirs:
+        try:
+            info = read_marker(d)
+            verify_checksums(d, info)
+        except CheckpointError as e:
+            print(f"bumblebee: FAILED {e}", file=sys.stderr)
+            bad += 1
+            continue
+        n, size = len(info.get("files", {})), sum(info.get("files", {}).values())
+        how = f"{len(info['checksums'])} {HASH} checksums" if info.get("checksums") else "sizes only (no checksums)"
+        print(f"bumblebee: ok {d}: {n} files, {size / 2**20:.1f} MiB, {how}")
+    return 1 if bad else 0

@@ -1,0 +1,166 @@
+"""Faults in one process: root-cause diagnosis, checkpoint checksums, NaN/Inf steps,
+preemption by SIGTERM (the multi-rank versions are in tests/distributed/test_launch.py)."""
+
+import io
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bumblebee.cli import main
+from bumblebee.config import load_config
+from bumblebee.models.hf import CheckpointError
+from bumblebee.runtime.failures import classify, diagnose
+from bumblebee.runtime.nonfinite import NonFiniteError
+from bumblebee.runtime.signals import Preempted
+from bumblebee.runtime.trainer import Trainer
+
+BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
+        "model.arch.moe_intermediate_size=16", "model.arch.intermediate_size=48", "model.arch.num_experts=4",
+        "model.arch.num_experts_per_tok=2", "model.arch.mlp_only_layers=[1]", "primitives.loss=ce",
+        "primitives.recompute=none", "train.seq_len=64", "train.global_batch=2", "data.min_records=2",
+        "data.max_records=4", "train.lr=1e-2", "train.warmup_steps=1", "train.deterministic=true", "train.steps=4"]
+
+
+def trainer(out_dir, *extra) -> Trainer:
+    return Trainer(load_config(None, BASE + [*extra, f"train.out_dir={out_dir}"]), stream=io.StringIO())
+
+
+# ------------------------------------------------------------------------------ root cause
+def _report(rank, t, exc):
+    return {"rank": rank, "time_ns": t, "kind": classify(exc), "error": f"{type(exc).__name__}: {exc}"}
+
+
+def test_root_cause_wins_whatever_the_arrival_order():
+    cause = ValueError("bad sample in shard 1")
+    echoes = [RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234"),
+              RuntimeError("Gloo connectFullMesh failed ... Connection reset by peer"),
+              RuntimeError("[../gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]: Broken pipe")]
+    for times in itertools.permutations(range(4)):  # the echoes may even be stamped before the cause
+        reports = {1: _report(1, times[0], cause), **{r: _report(r, times[i], e)
+                                                      for i, (r, e) in enumerate(zip((0, 2, 3), echoes), 1)}}
+        assert diagnose(reports, 4) == ("rank 1 failed first (exit 1): ValueError: bad sample in shard 1; "
+                                        "3 other ranks stopped after it")
+    two = {0: _report(0, 5, ValueError("late")), 3: _report(3, 2, KeyError("early"))}
+    assert diagnose(two, 4).startswith("rank 3 failed first (exit 1): KeyError")
+
+
+def test_silent_rank_is_blamed_for_the_echoes():
+    peer = {0: _report(0, 1, RuntimeError("Connection closed by peer"))}
+    assert diagnose(peer, 2, (1, -9)).startswith("rank 1 failed first (killed by SIGKILL); rank 0 then saw")
+    hung = {0: _report(0, 1, RuntimeError("[gloo] Timed out waiting 3000ms for recv operation to complete"))}
+    assert diagnose(hung, 2).startswith("rank 1 did not arrive at a collective within train.collective_timeout_s")
+
+
+# ------------------------------------------------------------------------------ integrity
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    trainer(out, "train.save_every=2").run()
+    return out
+
+
+def _flip_byte(path, at=None):
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_is_refused_by_verify_and_by_load(saved, tmp_path, capsys):
+    ckpt = saved / "checkpoints" / "step_00000004"
+    marker = json.loads((ckpt / "complete.json").read_text())
+    assert marker["hash"] == "crc32" and set(marker["checksums"]) == set(marker["files"])
+    assert main(["checkpoint", "verify", str(saved)]) == 0
+    assert capsys.readouterr().out.count("bumblebee: ok ") == 2
+    victim = max((p for p in ckpt.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    _flip_byte(victim)
+    assert main(["checkpoint", "verify", str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert f"corrupt checkpoint: {victim.name} has crc32" in err and err.count("\n") == 1
+    with pytest.raises(CheckpointError, match=f"corrupt checkpoint: {victim.name}"):
+        trainer(tmp_path, f"train.resume={ckpt}")
+    assert main(["train", *sum((["--set", x] for x in BASE), []), "--set", f"train.out_dir={tmp_path}",
+                 "--resume", str(ckpt)]) == 2
+    assert "corrupt checkpoint" in capsys.readouterr().err
+    _flip_byte(victim)  # flipped back: intact again
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0
+
+
+# ------------------------------------------------------------------------------ non-finite steps
+def _poison(t: Trainer, at_step: int, value=float("nan")):
+    """Make the loss of optimizer step ``at_step`` (1-based) non-finite."""
+    inner = t.model.loss_terms
+
+    def loss_terms(*a, **k):
+        terms = inner(*a, **k)
+        if t.step + 1 == at_step:
+            terms.loss_sum = terms.loss_sum * value
+        return terms
+
+    t.model.loss_terms = loss_terms
+
+
+def test_nonfinite_stop_names_the_step_and_applies_nothing(tmp_path):
+    t = trainer(tmp_path, "train.save_every=1")
+    _poison(t, 3)
+    with pytest.raises(NonFiniteError, match="step 3: non-finite loss nan"):
+        t.run()
+    ref = trainer(tmp_path / "ref", "train.steps=2")
+    ref.run()
+    for (name, p), q in zip(t.model.named_parameters(), ref.model.parameters()):
+        assert torch.equal(p, q), name  # the weights are those after step 2
+    for state in t.sharding.optimizer.state.values():
+        assert all(torch.isfinite(v).all() for v in state.values() if torch.is_tensor(v))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002"]
+    assert main(["checkpoint", "verify", str(tmp_path)]) == 0
+
+
+def test_nonfinite_skip_counts_and_keeps_weights_finite(tmp_path):
+    t = trainer(tmp_path, "train.on_nonfinite=skip", "train.steps=5")
+    _poison(t, 2, float("inf"))
+    t.run()
+    assert [r["skipped_steps"] for r in t.metrics.history] == [0, 1, 1, 1, 1]
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    losses = [r["loss"] for r in t.metrics.history]
+    assert losses[1] == float("inf") and all(x == x and x < 1e3 for x in losses[2:])
+
+
+# ------------------------------------------------------------------------------ preemption
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path):
+    full = trainer(tmp_path / "full", "train.steps=5")
+    full.run()
+    t = trainer(tmp_path / "run", "train.steps=5")
+    inner = t.train_step
+
+    def train_step():
+        if t.step == 2:  # arrives during step 3
+            os.kill(os.getpid(), signal.SIGTERM)
+        return inner()
+
+    t.train_step = train_step
+    with pytest.raises(Preempted) as e:
+        t.run()
+    path = str(tmp_path / "run" / "checkpoints" / "step_00000003")
+    assert (e.value.step, e.value.path, e.value.exit_code) == (3, path, 128 + signal.SIGTERM)
+    assert str(e.value) == f"preempted at step 3 (SIGTERM); saved {path}; resume with --resume auto"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored (pytest's default)
+    resumed = trainer(tmp_path / "run", "train.steps=5", "train.resume=auto")
+    assert resumed.step == 3
+    resumed.run()
+    assert [r["loss"] for r in resumed.metrics.history] == [r["loss"] for r in full.metrics.history][3:]
+
+
+def test_second_signal_stops_at_once(tmp_path):
+    code = ("import os, signal, sys, time\n"
+            "from bumblebee.runtime.signals import Preemption\n"
+            "with Preemption() as p:\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1); assert p.signum == signal.SIGUSR1\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(5); sys.exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert r.returncode == -signal.SIGUSR1, r.stderr
