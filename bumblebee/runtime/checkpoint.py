@@ -306,11 +306,16 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
     one under a run / checkpoints directory) as a HF directory; one process. Returns the
     checkpoint used."""
     path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
+    to_hf(load_model(path), out_dir, max_shard_bytes)
+    return path
+
+
+def load_model(path: str) -> torch.nn.Module:
+    """The whole model of checkpoint directory ``path`` in one process (checksums verified)."""
     info = read_marker(path)
     verify_checksums(path, info)
     model = build_model(arch_from_hf_dict(info["arch"]))
     pieces = {f"model/{n}": Piece(p.detach().view(-1), 0, tuple(p.shape)) for n, p in model.named_parameters()}
     _check_fits(path, info, read_dcp_metadata(path), pieces)
     load_pieces(path, pieces)
-    to_hf(model, out_dir, max_shard_bytes)
-    return path
+    return model

@@ -70,8 +70,19 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
         backend = "gloo"
         # share the host's cores between the local ranks instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        return device
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # the elastic agent keeps one store across restarts: without a per-attempt prefix a
+        # restarted rank reads the addresses its dead predecessors published and fails to connect
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"bumblebee/attempt_{restart_count()}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return device
 
 
@@ -177,12 +188,10 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int | None = None) 
     if max_restarts is None:
         max_restarts = cfg.train.max_restarts if cfg is not None else 0
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # torch elastic's own handlers would kill the workers on SIGTERM; _ForwardPreemption owns it
-    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
+    # signals_to_handle: torch elastic's own SIGTERM handler would kill the workers; _ForwardPreemption owns it
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"bumblebee-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
-                          monitor_interval=0.2, start_method="spawn")
+                          monitor_interval=0.2, start_method="spawn", signals_to_handle="SIGINT,SIGHUP,SIGQUIT")
     report_dir = tempfile.mkdtemp(prefix="bumblebee-ranks-")
     try:
         with _ForwardPreemption():
@@ -205,7 +214,3 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int | None = None) 
         return 128 + int(e.sigval)
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
-        if handled is None:
-            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        else:
-            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = handled

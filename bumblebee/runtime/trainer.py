@@ -207,7 +207,7 @@ class Trainer:
             dist.all_reduce(stats, group=self.ctx.dp_cp_group)
             loss_sum, aux_sum = stats[0], stats[1]
         lr = lr_at(self.step, t)
-        if check_finite(self.step + 1, loss_sum, grad_norm, t.on_nonfinite):  # else skip (or raise: "stop")
+        if check_finite(self.step + 1, loss_sum / global_tokens, grad_norm, t.on_nonfinite):  # False: skip; "stop" raises
             set_lr(self.sharding, lr)
             self.sharding.step()
         else:
