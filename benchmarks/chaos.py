@@ -49,23 +49,22 @@ def last_step(out_dir: str) -> int:
 
 
 def workers(launcher: int) -> dict[int, int]:
-    """rank -> pid of the launcher's live worker processes."""
-    out = {}
+    """rank -> pid of the launcher's live worker processes (spawned in local-rank order, so
+    by increasing pid; their RANK is set inside the process, invisible in /proc/*/environ)."""
+    pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/status") as f:
                 ppid = next(int(x.split()[1]) for x in f if x.startswith("PPid:"))
-            if ppid != launcher:
-                continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
         except (OSError, StopIteration):
             continue
-        if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
-            out[int(env[b"RANK"])] = int(name)
-    return out
+        if ppid == launcher and b"multiprocessing.spawn" in cmd:
+            pids.append(int(name))
+    return dict(enumerate(sorted(pids)))
 
 
 def losses(out_dir: str) -> list[float]:

@@ -48,14 +48,16 @@ def classify(exc: BaseException) -> str:
     return "error"
 
 
-def write_report(report_dir: str, attempt: int, rank: int, exc: BaseException) -> None:
-    """Record this rank's failure (called from the worker's ``except``, before teardown)."""
+def write_report(report_dir: str, attempt: int, rank: int, exc: BaseException) -> str:
+    """Record this rank's failure (called from the worker's ``except``, before teardown);
+    returns its kind."""
     report = {"rank": rank, "attempt": attempt, "time_ns": time.time_ns(), "kind": classify(exc),
               "error": f"{type(exc).__name__}: {_first_line(str(exc)) or 'no message'}"}
     tmp = os.path.join(report_dir, f".a{attempt}_r{rank}.json")
     with open(tmp, "w") as f:
         json.dump(report, f)
     os.replace(tmp, os.path.join(report_dir, f"a{attempt}_r{rank}.json"))
+    return report["kind"]
 
 
 def read_reports(report_dir: str, attempt: int) -> dict[int, dict]:

@@ -33,6 +33,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import uuid
 
 import torch
@@ -118,7 +119,9 @@ def _entry(worker, report_dir: str, world: int, max_restarts: int, cfg) -> None:
             with open(os.path.join(report_dir, PREEMPTED), "w") as f:
                 json.dump({"message": str(p), "exit_code": p.exit_code}, f)
     except BaseException as e:  # noqa: BLE001 - recorded, then re-raised
-        write_report(report_dir, attempt, rank, e)  # before the group is torn down: ordered before its echoes
+        # before the group is torn down, so a cause is stamped before its echoes on other ranks
+        if write_report(report_dir, attempt, rank, e) != "error":
+            time.sleep(1.0)  # an echo lingers: the agent then sees (and gives the exit code of) the cause's death first
         raise
     finally:
         if dist.is_initialized():

@@ -170,7 +170,7 @@ def test_rank_killed_mid_save_keeps_previous_checkpoint(runs, tmp_path, capfd):
     _, out = runs
     cfg = config(tmp_path, *FSDP2_EP2)
     assert launch_local(cfg, 2, worker=_rank1_dies_in_second_save) == 1
-    assert "rank 1 failed (exit 17)" in capfd.readouterr().err
+    assert "bumblebee: rank 1 failed first (exit 17)" in capfd.readouterr().err
     ckpts = tmp_path / "checkpoints"
     assert sorted(os.listdir(ckpts)) == [".tmp-step_00000004", "step_00000002"]
     assert read_marker(str(ckpts / "step_00000002"))["step"] == 2  # complete, every file at its size
