@@ -48,7 +48,7 @@ def _train_run(args) -> int:
             return 0
         check_run(cfg, args.nproc)  # reject impossible layouts before any process starts
         if args.nproc > 1:
-            return launch.launch_local(cfg, args.nproc)
+            return launch.launch_local(cfg, args.nproc, max_restarts=cfg.train.max_restarts)
         Trainer(cfg).run()
     except Preempted as p:
         print(f"bumblebee: {p}", file=sys.stderr)

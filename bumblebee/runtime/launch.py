@@ -181,15 +181,14 @@ class _ForwardPreemption:
         threading.Timer(0.5, forward).start()
 
 
-def launch_local(cfg, nproc: int, worker=None, max_restarts: int | None = None) -> int:
-    """Run ``worker(cfg)`` (default: join the group and train) on ``nproc`` local ranks.
-    Returns the exit code; a failure prints one line naming the rank that failed first."""
+def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
+    """Run ``worker(cfg)`` (default: join the group and train) on ``nproc`` local ranks,
+    restarting all of them up to ``max_restarts`` times after a failure. Returns the exit
+    code; a failure prints one line naming the rank that failed first."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if max_restarts is None:
-        max_restarts = cfg.train.max_restarts if cfg is not None else 0
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # signals_to_handle: torch elastic's own SIGTERM handler would kill the workers; _ForwardPreemption owns it
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"bumblebee-{uuid.uuid4().hex[:8]}",

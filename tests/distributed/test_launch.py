@@ -90,8 +90,8 @@ def _losses(out_dir):
 def test_sigkilled_rank_restarts_and_resumes_bit_identical(tmp_path, capfd):
     ref = load_config(None, TINY + [f"train.out_dir={tmp_path / 'ref'}"])
     assert launch_local(ref, 2) == 0
-    cfg = load_config(None, TINY + [f"train.out_dir={tmp_path / 'run'}", "train.max_restarts=1"])
-    assert launch_local(cfg, 2, worker=_rank1_killed_after_first_checkpoint) == 0
+    cfg = load_config(None, TINY + [f"train.out_dir={tmp_path / 'run'}"])
+    assert launch_local(cfg, 2, worker=_rank1_killed_after_first_checkpoint, max_restarts=1) == 0
     captured = capfd.readouterr()
     out = captured.out + captured.err
     assert "bumblebee: restart 1/1 after: rank 1 failed first (killed by SIGKILL)" in out or \
