@@ -1,37 +1,40 @@
 """Spawn N gloo ranks from inside a test and collect what each returns.
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes with
-the ``spawn`` start method, initializes a gloo process group on a free local
-port, calls ``fn(rank, world_size, *args)`` and returns the per-rank results
-(anything picklable). A rank that raises fails the test with that rank's
-traceback; a hang fails after ``timeout`` seconds. ``fn`` must be a module-level
-function (it is pickled by name).
+the ``spawn`` start method, joins them in a gloo process group, calls
+``fn(rank, world_size, *args)`` and returns the per-rank results (anything
+picklable). A rank that raises fails the test with that rank's traceback; a hang
+fails after ``timeout`` seconds. ``fn`` must be a module-level function (it is
+pickled by name).
+
+Rendezvous without a port race: the parent process opens the c10d ``TCPStore``
+itself on port 0 (the kernel picks a free port and the store keeps it bound for
+the whole run) and the ranks connect to it as clients. Picking a "free" port,
+closing it and letting a child bind it later (check-then-bind) can collide with
+any other process on the machine, e.g. another test's ranks.
 """
 
 from __future__ import annotations
 
+import datetime
 import io
 import os
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+HOST = "127.0.0.1"
 
 
 def _worker(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()  # by value: shared-memory tensors would die with this process
         torch.save(result, buf)
@@ -46,8 +49,11 @@ def _worker(rank, world_size, port, fn, args, queue):
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    # the parent owns the store (and so the port) until every rank has finished
+    store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, fn, args, queue))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, {}
@@ -64,6 +70,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
             p.join(timeout=5 if errors else timeout)
             if p.is_alive():
                 p.kill()
+        del store
     if errors:
         rank, tb = next(iter(errors.items()))
         raise AssertionError(f"rank {rank} failed:\n{tb}")

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
 
 import bumblebee  # noqa: E402
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_mod  # noqa: E402

@@ -15,7 +15,7 @@ from bumblebee.cli import main
 from bumblebee.config import load_config
 from bumblebee.runtime.trainer import Trainer
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
 
 BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
         "model.arch.moe_intermediate_size=16", "model.arch.intermediate_size=48", "model.arch.num_experts=4",

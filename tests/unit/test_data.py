@@ -35,16 +35,29 @@ def test_synthetic_answer_is_retrievable_and_deterministic():
     assert bytes(targets).decode() == value
 
 
-def test_jsonl_packing_and_errors(tmp_path):
+def test_jsonl_packing_exact_rows_and_errors(tmp_path):
+    """Greedy packing in file order; a sample longer than a row is split into row-sized
+    pieces, each starting at position 0; the padding tail is its own pseudo-document."""
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(json.dumps(s) for s in [
         {"input_ids": [1, 2, 3, 4]}, {"input_ids": [5, 6], "loss_mask": [0, 1]}, {"input_ids": list(range(9))}]))
     src = JsonlSource(str(f), seq_len=6, global_batch=2, seed=0, vocab_size=16)
-    rows = src.rows
-    assert rows.input_ids.shape[1] == 6
-    assert rows.input_ids.shape[0] == 3  # [1 2 3 4 5 6], [0..5], [6 7 8 pad pad pad]
-    b = src.global_batch_at(0)
-    assert b.input_ids.shape == (2, 6)
+    I = IGNORE  # noqa: E741
+    assert src.rows.input_ids.tolist() == [[1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5], [6, 7, 8, 0, 0, 0]]
+    assert src.rows.labels.tolist() == [[2, 3, 4, I, 6, I], [1, 2, 3, 4, 5, I], [7, 8, I, I, I, I]]
+    assert src.rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]]
+    # the stream: global batch g covers rows g*B .. g*B+B-1 of per-epoch shuffles of all rows
+    table = [tuple(r) for r in src.rows.input_ids.tolist()]
+    seen = []
+    for step in range(3):  # 6 rows = two epochs of 3
+        b = src.global_batch_at(step)
+        for r in range(2):
+            i = table.index(tuple(b.input_ids[r].tolist()))
+            assert b.labels[r].tolist() == src.rows.labels[i].tolist()
+            assert b.position_ids[r].tolist() == src.rows.position_ids[i].tolist()
+            seen.append(i)
+    assert sorted(seen[:3]) == sorted(seen[3:]) == [0, 1, 2]
+    assert src.global_batch_at(1).input_ids.equal(src.global_batch_at(1).input_ids)
     bad = tmp_path / "bad.jsonl"
     for text, msg in [('{"input_ids": [1, 2]}\nnot json\n', ":2: not valid JSON"),
                       ('{"input_ids": [1, 99]}\n', ":1: token id 99 outside"),
@@ -53,6 +66,23 @@ def test_jsonl_packing_and_errors(tmp_path):
         bad.write_text(text)
         with pytest.raises(DataError, match=msg):
             read_samples(str(bad), vocab_size=16)
+
+
+def test_jsonl_loss_mask_token_by_token(tmp_path):
+    """A chat-like sample (prompt unmasked, two answer spans): position t has a label iff
+    token t+1 is marked, and the label is that token."""
+    ids = [3, 10, 11, 12, 4, 20, 21, 5, 13, 14, 4, 22, 6]
+    mask = [0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1]
+    f = tmp_path / "chat.jsonl"
+    f.write_text(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
+    rows = JsonlSource(str(f), seq_len=16, global_batch=1, seed=0, vocab_size=32).rows
+    labels = rows.labels[0].tolist()
+    want = [ids[t + 1] if t + 1 < len(ids) and mask[t + 1] else IGNORE for t in range(16)]
+    assert labels == want
+    # written out: targets 20 21 5 (first answer) and 22 6 (second), predicted one position early
+    assert [(t, labels[t]) for t in range(16) if labels[t] != IGNORE] == [(4, 20), (5, 21), (6, 5), (10, 22), (11, 6)]
+    assert rows.position_ids[0].tolist() == list(range(13)) + [0, 1, 2]
+    assert rows.input_ids[0].tolist() == ids + [0, 0, 0]
 
 
 def test_synthetic_stream_is_identical_across_processes():

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
 
 import bumblebee  # noqa: E402
 from bumblebee.models import build_model  # noqa: E402

@@ -1,14 +1,26 @@
-"""Planner calibration against the published Qwen3.5-35B-A3B / 32 x H100 / 128K points
-(REFERENCE.md), and sanity of the memory and throughput models.
+"""Planner calibration: which published points the model was fitted on, and which
+published behaviour it is checked against out of sample.
 
-The published layouts are evaluated by the same formulas as every other layout
-(no lookup). The published peak is read from rank 0, i.e. the first pipeline
-stage: the last stage of the TP=2 PP=4 row holds the 32.55 GB fp32 logits of
-REFERENCE.md's arithmetic on top of ~20 GB of static state, so 42.91 GB cannot be
-that stage's peak (see the last test).
+Source of every GPU figure below: published measurements of Qwen3.5-35B-A3B training on
+32 x H100 80GB at a 128K sequence (full recompute in both rows, Megatron-style
+distributed optimizer), and the published memory and overlap figures from the same
+long-context MoE practice (the project records them without a URL; see README).
+
+FITTED (in-sample). Four constants were tuned on the two points ``FIT_POINTS``:
+``Efficiency.attn_fwd`` / ``attn_bwd`` (throughput) and ``FIXED_OVERHEAD_GB`` /
+``FRAGMENTATION`` (peak memory), all in ``plan/hardware.py``. Re-evaluating those points
+only shows the fit's residual; the test pins it (tolerance = the residual at fit time,
+rounded up) so that a change elsewhere in the model cannot move them silently. The
+published peak is rank 0's, i.e. the first pipeline stage's (see ``test_published_peak_
+is_not_the_last_stage``).
+
+CHECKED (out of sample; no constant was fitted on these): full recompute's ~30% extra
+compute, chunked EP overlap's gain at 4K and 64K, the fp32 logits arithmetic, plus the
+monotone sanity properties at the end.
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import pytest
 
@@ -20,11 +32,30 @@ from bumblebee.plan.recipe import evaluate
 from bumblebee.plan.spec import load_spec, spec_from_hf_dict
 
 H100 = GPUS["h100"]
-WORK = Workload(seq=131072, global_batch=32)  # the planner's default global batch: one sequence per GPU
-PUBLISHED = [  # (layout, loss, TFLOPs/GPU, peak GB): REFERENCE.md, full recompute, distributed optimizer
-    (Layout(tp=2, pp=4, ep=8, cp=2, dp=2), "ce", 127.53, 42.91),
-    (Layout(tp=1, pp=2, ep=8, cp=4, dp=4), "linear_ce", 162.07, 55.91),
-]
+WORK = Workload(seq=131072, global_batch=32)  # one 128K sequence per GPU
+
+
+class Published(NamedTuple):
+    layout: Layout
+    loss: str
+    tflops_per_gpu: float
+    peak_gb: float
+
+
+# published, Qwen3.5-35B-A3B / 32 x H100 / 128K / full recompute / distributed optimizer
+PUBLISHED_TP2_PP4_EP8_CP2_CE = Published(Layout(tp=2, pp=4, ep=8, cp=2, dp=2), "ce", 127.53, 42.91)
+PUBLISHED_TP1_PP2_EP8_CP4_LINEAR_CE = Published(Layout(tp=1, pp=2, ep=8, cp=4, dp=4), "linear_ce", 162.07, 55.91)
+FIT_POINTS = [PUBLISHED_TP2_PP4_EP8_CP2_CE, PUBLISHED_TP1_PP2_EP8_CP4_LINEAR_CE]
+# residual of the fit (model / published - 1), measured when the constants were set:
+# memory +2.0 % / -3.1 %, throughput +9.4 % / +3.7 %
+FIT_RESIDUAL_MEMORY, FIT_RESIDUAL_TFLOPS = 0.035, 0.10
+
+# published facts used out of sample
+PUBLISHED_RECOMPUTE_EXTRA_COMPUTE = 0.30  # "full recompute costs about 30% extra compute"
+PUBLISHED_LOGITS_GB = 32.55  # fp32 logits, 65,536 local tokens x 124,160 vocab shard (TP=2) x 4 B
+# chunked EP overlap (2 chunks), gain on one MoE layer forward + backward:
+# "single-digit percent at 4K, around a quarter at 64K"
+PUBLISHED_CHUNKED_GAIN_4K_MAX, PUBLISHED_CHUNKED_GAIN_64K = 0.10, 0.25
 
 
 @pytest.fixture(scope="module")
@@ -36,31 +67,60 @@ def _prims(loss):
     return Primitives(sharding="zero1", loss=loss, recompute="full", moe_comm="alltoall")
 
 
-@pytest.mark.parametrize("layout,loss,tflops,peak_gb", PUBLISHED)
-def test_published_points(qwen35, layout, loss, tflops, peak_gb):
-    stages = stage_memory(qwen35, layout, _prims(loss), WORK)
-    rank0 = stages[0].total / GB
-    assert rank0 == pytest.approx(peak_gb, rel=0.10), stages[0].as_gb()
-    perf = estimate(qwen35, layout, _prims(loss), WORK, H100)
-    assert perf.tflops_per_gpu == pytest.approx(tflops, rel=0.15), perf.parts_s
-    # the ordering of the two published layouts is reproduced
-    assert perf.tokens_per_s_per_gpu == pytest.approx(
-        perf.tflops_per_gpu * 1e12 / qwen35.model_flops_per_token(WORK.seq))
+# ------------------------------------------------------------------------ fitted (in-sample)
+@pytest.mark.parametrize("point", FIT_POINTS, ids=["tp2_pp4_ce", "tp1_pp2_linear_ce"])
+def test_fit_residual_on_the_fitted_points(qwen35, point):
+    stages = stage_memory(qwen35, point.layout, _prims(point.loss), WORK)
+    assert stages[0].total / GB == pytest.approx(point.peak_gb, rel=FIT_RESIDUAL_MEMORY), stages[0].as_gb()
+    perf = estimate(qwen35, point.layout, _prims(point.loss), WORK, H100)
+    assert perf.tflops_per_gpu == pytest.approx(point.tflops_per_gpu, rel=FIT_RESIDUAL_TFLOPS), perf.parts_s
 
 
-def test_published_ordering(qwen35):
-    (l1, c1, *_), (l2, c2, *_) = PUBLISHED
-    t1 = estimate(qwen35, l1, _prims(c1), WORK, H100).tflops_per_gpu
-    t2 = estimate(qwen35, l2, _prims(c2), WORK, H100).tflops_per_gpu
-    assert t2 > t1  # TP=1 PP=2 CP=4 linear CE beats TP=2 PP=4 CP=2 materialized CE
+def test_fitted_points_keep_their_order(qwen35):
+    """The linear-CE TP=1 layout is the faster one by 27% published; the model must keep
+    the order with a margin (not merely by rounding)."""
+    t1, t2 = (estimate(qwen35, p.layout, _prims(p.loss), WORK, H100).tflops_per_gpu for p in FIT_POINTS)
+    assert t2 / t1 > 1.15
 
 
-def test_reference_logits_arithmetic_and_last_stage(qwen35):
-    """65,536 x 124,160 x 4 B = 32.55 GB fp32 logits (REFERENCE.md) sit on the last stage."""
-    layout, loss, _, peak_gb = PUBLISHED[0]
-    assert 65536 * (qwen35.vocab // layout.tp) * 4 / GB == pytest.approx(32.55, abs=0.01)
-    last = stage_memory(qwen35, layout, _prims(loss), WORK)[-1]
-    assert last.logits / GB > 32.55 and last.total / GB > peak_gb * 1.2
+# -------------------------------------------------------------------- checked (out of sample)
+def test_full_recompute_costs_about_30_percent(qwen35):
+    lay = Layout(ep=8, cp=8, dp=4)
+    t = {r: estimate(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK, H100).step_s
+         for r in ("full", "none")}
+    assert t["full"] / t["none"] - 1 == pytest.approx(PUBLISHED_RECOMPUTE_EXTRA_COMPUTE, abs=0.1)
+
+
+def _moe_layer_gain(spec, seq):
+    """1 - (chunk2 / no-chunk) time of the MoE part (expert GEMMs, exposed all-to-all and
+    the extra kernel launches of chunking), forward + backward."""
+    lay, w = Layout(ep=8, cp=1, dp=32), Workload(seq=seq, global_batch=32)
+    moe = lambda p: p["experts"] + p["ep_comm"] + p["launch"]  # noqa: E731
+    a = estimate(spec, lay, Primitives(moe_comm="alltoall"), w, H100).parts_s
+    c = estimate(spec, lay, Primitives(moe_comm="chunked", moe_chunks=2), w, H100).parts_s
+    return 1 - moe(c) / moe(a)
+
+
+def test_chunked_ep_gain_at_64k_is_about_a_quarter(qwen35):
+    g4, g64 = _moe_layer_gain(qwen35, 4096), _moe_layer_gain(qwen35, 65536)
+    assert g64 > g4 > 0
+    assert g64 == pytest.approx(PUBLISHED_CHUNKED_GAIN_64K, abs=0.07)
+
+
+@pytest.mark.xfail(strict=True, reason="known disagreement: the model hides ~25% of the MoE layer at 4K "
+                                       "(published: single-digit percent); it under-counts small-chunk costs")
+def test_chunked_ep_gain_at_4k_is_single_digit(qwen35):
+    assert _moe_layer_gain(qwen35, 4096) < PUBLISHED_CHUNKED_GAIN_4K_MAX
+
+
+def test_published_peak_is_not_the_last_stage(qwen35):
+    """The last stage of the TP=2 PP=4 row holds the published 32.55 GB of fp32 logits on
+    top of its static state, so the published 42.91 GB peak cannot be that stage's."""
+    point = PUBLISHED_TP2_PP4_EP8_CP2_CE
+    assert qwen35.vocab == 248_320  # 124,160 per TP=2 shard, as the published arithmetic uses
+    last = stage_memory(qwen35, point.layout, _prims(point.loss), WORK)[-1]
+    assert last.logits / GB > PUBLISHED_LOGITS_GB  # the model adds the bf16 copy and the gradient
+    assert last.total / GB > point.peak_gb * 1.2
 
 
 def test_param_counts_match_hf_and_arch():
@@ -125,21 +185,6 @@ def test_recompute_ordering(qwen35):
     full, sel, none = (stage_memory(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK)[0].activations
                        for r in ("full", "selective", "none"))
     assert full < sel < none
-    t = {r: estimate(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK, H100).step_s
-         for r in ("full", "none")}
-    assert 1.1 < t["full"] / t["none"] < 1.45  # ~30% extra compute (REFERENCE.md)
-
-
-def test_chunked_ep_hides_more_at_long_local_seq(qwen35):
-    lay = Layout(ep=8, cp=1, dp=32)
-
-    def gain(seq):
-        w = Workload(seq=seq, global_batch=32)
-        a = estimate(qwen35, lay, Primitives(moe_comm="alltoall"), w, H100).parts_s["ep_comm"]
-        c = estimate(qwen35, lay, Primitives(moe_comm="chunked", moe_chunks=2), w, H100).parts_s["ep_comm"]
-        return 1 - c / a
-
-    assert 0 < gain(4096) < gain(65536)
 
 
 def test_short_local_sequences_pay_launch_overhead(qwen35):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import bumblebee
+from engine_checks import check_offload_moves_everything
 from bumblebee.config import ConfigError, load_config
 from bumblebee.rl.actor import Engine
 from bumblebee.rl.batch import RLBatch, has_prefix, pack_sequences
@@ -99,6 +100,13 @@ def test_micro_batching_and_row_padding_do_not_change_the_step(tmp_path):
         assert torch.allclose(lp, results[0][1], atol=1e-5)
 
 
+@pytest.mark.parametrize("sharding", ["none", "zero1"])
+def test_offload_moves_every_state_tensor(tmp_path, sharding):
+    e = engine(tmp_path, f"primitives.sharding={sharding}")
+    e.train_step(rollouts(), TokenNLL(), lr=1e-3)  # creates optimizer state
+    check_offload_moves_everything(e)
+
+
 def test_offload_onload_keeps_training_identical(tmp_path):
     a, b_ = engine(tmp_path / "a"), engine(tmp_path / "b")
     batch = rollouts()
@@ -125,8 +133,12 @@ def test_sampler_kv_cache_matches_full_forward(tmp_path):
         lsm = torch.log_softmax(model(torch.tensor([p + c])).float()[0], -1)
         want = [lsm[len(p) - 1 + i, tok].item() for i, tok in enumerate(c)]
         assert lp == pytest.approx(want, abs=1e-5)
-    greedy = sampler.generate(prompts, max_new_tokens=3, temperature=0, eos_id=999)
-    assert greedy.completions == sampler.generate(prompts, max_new_tokens=3, temperature=0, eos_id=999).completions
+    # greedy decoding through the cache = the argmax of a full forward, token by token
+    greedy = sampler.generate(prompts, max_new_tokens=4, temperature=0, eos_id=999)
+    for p, c in zip(greedy.prompts, greedy.completions):
+        assert len(c) == 4
+        logits = model(torch.tensor([p + c])).float()[0]
+        assert c == logits[len(p) - 1:-1].argmax(-1).tolist(), (p, c)
 
 
 def test_packing_and_errors(tmp_path):
