@@ -24,14 +24,20 @@ RSS is dominated by the allocator's caching and the Python heap).
   accumulates it into a parameter's ``.grad`` (post-accumulate-grad hook), and
   "optimizer_state" when allocated inside ``optimizer.step``. ``breakdown("peak")``
   is the labelling at the moment of the peak. Overhead: a few microseconds per op.
+  Storages resized in place (``untyped_storage().resize_``, which bypasses the
+  dispatcher) are seen too: inside the context ``UntypedStorage.resize_`` is wrapped
+  so that a tracked storage's size follows it, and a storage grown from outside the
+  context starts being counted (as the current phase: FSDP2 grows and frees its
+  gathered parameters this way in every forward and backward, transient buffers like
+  activations).
 - CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` (all tensors on
   the device, including ones allocated before the context). Parameters,
   gradients and optimizer state are counted by walking the model and optimizer;
   "activations" is the rest, at the peak taken as peak minus the current static
   state.
 
-Limits: op-internal workspaces and storages resized in place
-(``untyped_storage().resize_``, as FSDP2 does) are not seen by the CPU tracker.
+Limits: op-internal workspaces (memory a kernel takes without returning a tensor) are
+not seen by the CPU tracker.
 """
 
 from __future__ import annotations
@@ -124,6 +130,7 @@ class MemoryTracker:
         self._phase = "activations"  # label for new storages ("optimizer_state" inside opt.step)
         self._mode = None
         self._hooks = []
+        self._resize = None  # (original UntypedStorage.resize_, our wrapper) inside the context
 
     # ------------------------------------------------------------------ public API
     @property
@@ -179,6 +186,7 @@ class MemoryTracker:
             self._hooks.append(self.optimizer.register_step_pre_hook(lambda *_: self._set_phase("optimizer_state")))
             self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
         self.reset_peak()
+        self._watch_resizes()
         self._mode = _AllocationMode(self)
         self._mode.__enter__()
         return self
@@ -191,6 +199,13 @@ class MemoryTracker:
             return
         self._mode.__exit__(*exc)
         self._mode = None
+        original, wrapper = self._resize
+        if torch.UntypedStorage.__dict__.get("resize_") is wrapper:  # nested trackers exit in reverse order
+            if original is None:
+                del torch.UntypedStorage.resize_  # the inherited method again
+            else:
+                torch.UntypedStorage.resize_ = original
+        self._resize = None
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -201,23 +216,54 @@ class MemoryTracker:
     def _track(self, t: torch.Tensor, category) -> None:
         """Count ``t``'s storages if new; with a ``category``, (re)label them."""
         for s in _storages(t):
-            if s.device.type != self.device.type:
-                continue
-            key = s._cdata
-            with self._lock:
-                entry = self._live.get(key)
-                if entry is None:
-                    nbytes, cat = s.nbytes(), category or self._phase
-                    ref = weakref.ref(s, lambda _, key=key: self._on_free(key))
-                    self._live[key] = [ref, nbytes, cat]
-                    self._bytes[cat] += nbytes
-                    self._total += nbytes
-                    if self._total > self._peak:
-                        self._peak, self._peak_bytes = self._total, dict(self._bytes)
-                elif category is not None and entry[2] != category:
-                    self._bytes[entry[2]] -= entry[1]
-                    self._bytes[category] += entry[1]
-                    entry[2] = category
+            if s.device.type == self.device.type:
+                self._track_storage(s, category)
+
+    def _track_storage(self, s, category) -> None:
+        key = s._cdata
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is None:
+                nbytes, cat = s.nbytes(), category or self._phase
+                ref = weakref.ref(s, lambda _, key=key: self._on_free(key))
+                self._live[key] = [ref, nbytes, cat]
+                self._bytes[cat] += nbytes
+                self._total += nbytes
+                if self._total > self._peak:
+                    self._peak, self._peak_bytes = self._total, dict(self._bytes)
+            elif category is not None and entry[2] != category:
+                self._bytes[entry[2]] -= entry[1]
+                self._bytes[category] += entry[1]
+                entry[2] = category
+
+    def _watch_resizes(self) -> None:
+        """Wrap ``UntypedStorage.resize_`` until exit (it does not go through the dispatcher)."""
+        original = torch.UntypedStorage.__dict__.get("resize_")  # None: inherited from the C base
+        call = original or torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = call(storage, size)
+            self._on_resize(storage)
+            return out
+
+        self._resize = (original, resize_)
+        torch.UntypedStorage.resize_ = resize_
+
+    def _on_resize(self, s) -> None:
+        if s.device.type != self.device.type:
+            return
+        with self._lock:
+            entry = self._live.get(s._cdata)
+            if entry is None:  # allocated before the context, grown inside it
+                if s.nbytes() > 0:
+                    self._track_storage(s, None)
+                return
+            delta = s.nbytes() - entry[1]
+            entry[1] += delta
+            self._bytes[entry[2]] += delta
+            self._total += delta
+            if self._total > self._peak:
+                self._peak, self._peak_bytes = self._total, dict(self._bytes)
 
     def _on_free(self, key: int) -> None:
         with self._lock:

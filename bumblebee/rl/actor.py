@@ -90,6 +90,8 @@ class Engine:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=hf_path))
         if temperature <= 0:
             raise ConfigError(f"temperature must be > 0, got {temperature}")
+        if cfg.parallel.pp > 1:  # before the layout checks, whose pipeline messages would mislead
+            raise ConfigError("the RL Engine does not support pipeline parallelism yet; use parallel.pp = 1")
         # the caller's batch is the global batch: train.global_batch only has to pass the runtime's check
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp = plan_layout(cfg.parallel, world, resolve_arch(cfg.model)).dp_shard
@@ -99,8 +101,6 @@ class Engine:
         self.ctx = build_parallel_context(cfg, self.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         ctx = self.ctx
-        if ctx.layout.pp > 1:
-            raise ConfigError("the RL Engine does not support pipeline parallelism yet; use parallel.pp = 1")
         model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group))
         self.sharding = build_sharding(cfg, ctx)
         self.model = self.sharding.wrap(model)

@@ -3,8 +3,8 @@ per-token log-probs (with a row count that does not split evenly), PPO/GRPO trai
 metrics over two steps, the gathered HF-named weights -- with data, expert and context
 parallelism (zigzag CP shards, cp x ep folded); plus export_hf, save / load (FSDP2
 DTensor optimizer state, zero1 master slices; resumed on the same layout and on one
-process), offload / onload on 2 ranks (every FSDP2 DTensor shard, zero1 master slice and
-optimizer state tensor is moved), and the refusal of pipeline parallelism."""
+process), and offload / onload on 2 ranks (every FSDP2 DTensor shard, zero1 master slice
+and optimizer state tensor is moved)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from dist_utils import run_distributed
 from engine_checks import check_offload_moves_everything
 
-from bumblebee.config import ConfigError, load_config
+from bumblebee.config import load_config
 from bumblebee.rl.actor import Engine
 from bumblebee.rl.batch import pack_sequences
 from bumblebee.rl.losses import PolicyLoss
@@ -55,11 +55,6 @@ def trace(engine: Engine):
 
 def _ranks(rank, world, out_dir):
     results = {}
-    try:
-        Engine(load_config(None, BASE + ["parallel.pp=2", f"train.out_dir={out_dir}"]))
-        results["pp"] = "accepted"
-    except ConfigError as e:
-        results["pp"] = str(e)
     for name, overrides in LAYOUTS.items():
         e = Engine(load_config(None, BASE + overrides + [f"train.out_dir={out_dir}"]))
         results[name] = trace(e)
@@ -76,15 +71,13 @@ def _ranks(rank, world, out_dir):
         b = b.replace(old_logprobs=e.compute_logprobs(b).logprobs)
         results[name + " resumed"] = tuple(x.train_step(b, LOSS, lr=1e-2)["loss"] for x in (e, resumed))
         check_offload_moves_everything(e)  # raises on a tensor left behind (last use of e)
-    return results if rank == 0 else {k: v for k, v in results.items() if k.endswith("resumed") or k == "pp"}
+    return results if rank == 0 else {k: v for k, v in results.items() if k.endswith("resumed")}
 
 
 def test_two_ranks_match_single_process(tmp_path):
     ref = trace(Engine(load_config(None, BASE + ["primitives.sharding=none", "primitives.moe_comm=local",
                                                  f"train.out_dir={tmp_path}"])))
     per_rank = run_distributed(_ranks, 2, str(tmp_path), timeout=300)
-    for rank in range(2):
-        assert "does not support pipeline parallelism" in per_rank[rank]["pp"]
     for name in LAYOUTS:
         lp, ent, metrics, weights = per_rank[0][name]
         assert torch.allclose(lp, ref[0], atol=1e-5) and torch.allclose(ent, ref[1], atol=1e-5), name

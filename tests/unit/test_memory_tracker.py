@@ -2,7 +2,9 @@
 
 Checks exact byte counts for plain allocations, views and in-place ops (a
 storage counts once), frees, the peak window, tensors created and freed by
-autograd in backward, and the per-category breakdown for a model + AdamW step.
+autograd in backward, storages resized in place (FSDP2's gathered parameters; the
+FSDP2 case itself runs on 2 ranks in tests/distributed/test_static_memory.py), and
+the per-category breakdown for a model + AdamW step.
 """
 
 from __future__ import annotations
@@ -60,6 +62,27 @@ def test_views_of_preexisting_tensors_are_not_allocations():
         y = w[:512] * 2  # a real allocation: 0.5 MiB
         assert mem.current_bytes == MiB // 2
         del parts, y
+
+
+def test_storages_resized_in_place_are_counted():
+    """``untyped_storage().resize_`` bypasses the dispatcher; FSDP2 frees and regrows its
+    gathered parameters with it in every forward and backward."""
+    old = torch.empty(MiB, dtype=torch.uint8)  # allocated before the context, then freed in place
+    old.untyped_storage().resize_(0)
+    with MemoryTracker("cpu") as mem:
+        a = torch.empty(MiB, dtype=torch.uint8)
+        a.untyped_storage().resize_(0)
+        assert (mem.current_bytes, mem.peak_bytes) == (0, MiB)
+        a.untyped_storage().resize_(3 * MiB)
+        assert (mem.current_bytes, mem.peak_bytes) == (3 * MiB, 3 * MiB)
+        old.untyped_storage().resize_(2 * MiB)  # grown inside the context: now counted
+        assert (mem.current_bytes, mem.peak_bytes) == (5 * MiB, 5 * MiB)
+        old.untyped_storage().resize_(0)
+        del a
+        assert (mem.current_bytes, mem.peak_bytes) == (0, 5 * MiB)
+    old.untyped_storage().resize_(4 * MiB)  # after exit: not watched, figures frozen
+    assert (mem.current_bytes, mem.peak_bytes) == (0, 5 * MiB)
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # the wrapper is gone
 
 
 def test_autograd_saved_activation_and_backward_temporaries():
