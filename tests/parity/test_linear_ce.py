@@ -171,3 +171,30 @@ def test_bad_input_raises():
         linear_cross_entropy(hidden_TH.bfloat16(), weight_VH, labels_T)
     with pytest.raises(ValueError, match="tile"):
         linear_cross_entropy(hidden_TH, weight_VH, labels_T, vocab_tile=0)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_extra_memory_never_holds_tokens_by_vocab(with_entropy):
+    """What the loss slot exists for, measured: the extra live bytes of forward + backward
+    (MemoryTracker; inputs allocated before) stay within the outputs, the gradients and a
+    few [token_tile, vocab_tile] tiles. A change that materialized [T, V] (one full-vocab
+    tile, a logits cache for backward, ...) fails; ``ce`` itself is seen to exceed T*V*4."""
+    from bumblebee.perf import MemoryTracker
+
+    T, H, V, tiles = 1024, 32, 4096, dict(token_tile=128, vocab_tile=512)
+    hidden_TH, weight_VH, labels_T = make_inputs(T=T, H=H, V=V)
+    h, w = hidden_TH.requires_grad_(), weight_VH.requires_grad_()
+    logits_bytes, tile_bytes = T * V * 4, 128 * 512 * 4
+    needed = (T * H + V * H) * 4 * 2 + T * 4 * 8  # grads (+ fp32 accumulators), per-token stats
+
+    def extra_peak(fn, **kw):
+        with MemoryTracker("cpu") as mem:
+            out = fn(h, w, labels_T, reduction="sum", with_entropy=with_entropy, **kw)
+            (out[0] + out[1].sum() if with_entropy else out).backward()
+        h.grad = w.grad = None
+        return mem.peak_bytes
+
+    got = extra_peak(linear_cross_entropy, **tiles)
+    assert got <= needed + 8 * tile_bytes, (got, needed, tile_bytes)
+    assert got < logits_bytes / 4
+    assert extra_peak(cross_entropy) > logits_bytes  # the tracker does see a materialization

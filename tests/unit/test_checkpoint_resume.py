@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import random
 import shutil
 
 import pytest
@@ -54,6 +55,23 @@ def test_resume_is_bit_identical(full_run, tmp_path):
     assert run(t) == losses[2:]
     for name, p in t.model.named_parameters():
         assert torch.equal(p, params[name]), name
+
+
+def noisy(t: Trainer) -> Trainer:
+    """Make the step depend on the global generators: noise from torch's RNG, scaled by a
+    draw from Python's, on the embedding output (training itself draws no random numbers)."""
+    def hook(module, args, out):
+        return out + torch.randn_like(out) * (0.05 + 0.05 * random.random())
+
+    t.model.model.embed_tokens.register_forward_hook(hook)
+    return t
+
+
+def test_resume_restores_the_random_generators(tmp_path):
+    full = run(noisy(trainer(tmp_path / "a")))
+    assert full != run(trainer(tmp_path / "b", "train.save_every=0"))  # the noise does change the losses
+    resumed = noisy(trainer(tmp_path / "c", f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002'}"))
+    assert resumed.step == 2 and run(resumed) == full[2:]
 
 
 def test_auto_takes_the_newest_complete_checkpoint(full_run, tmp_path):
