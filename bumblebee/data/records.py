@@ -57,7 +57,7 @@ def scan(path: str) -> tuple[list[tuple[str, str]], int, str]:
 
 
 def _kind(f: str) -> str:
-    if f.endswith(".jsonl") or f.endswith(".json"):
+    if f.endswith(".jsonl"):
         return "jsonl"
     if f.endswith(".parquet"):
         return "parquet"
