@@ -18,7 +18,7 @@ import uuid
 import torch
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.runtime.launch import init_distributed
 from bumblebee.runtime.trainer import Trainer
 
@@ -38,8 +38,8 @@ def measure(cfg) -> dict[str, int]:
     terms = trainer.model.loss_terms(rows.input_ids, rows.labels, rows.position_ids)
     (terms.loss_sum / max(batch.num_valid, 1)).backward()
     trainer.sharding.reduce_grads()
-    trainer.sharding.step()  # creates the optimizer state
-    return trainer.sharding.state_bytes()
+    trainer.sharding.step(trainer.optimizer)  # creates the optimizer state
+    return trainer.sharding.state_bytes(trainer.optimizer)
 
 
 def worker(args, layouts):

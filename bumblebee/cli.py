@@ -32,10 +32,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _train_run(args) -> int:
-    from bumblebee.config import ConfigError, load_config
+    from bumblebee.config import ConfigError
     from bumblebee.runtime import launch
+    from bumblebee.runtime.resolve import check_run, load_config
     from bumblebee.runtime.signals import Preempted
-    from bumblebee.runtime.trainer import Trainer, check_run
+    from bumblebee.runtime.trainer import Trainer
 
     resume = [f"train.resume={json.dumps(args.resume)}"] if args.resume else []
     restarts = [f"train.max_restarts={args.max_restarts}"] if args.max_restarts is not None else []

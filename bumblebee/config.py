@@ -1,10 +1,13 @@
-"""Typed run configuration: TOML in, ``--set section.key=value`` overrides, validation.
+"""Typed run configuration: TOML in, ``--set section.key=value`` overrides, value checks.
 
 A run is described by five sections (model, parallel, primitives, train, data),
-each a keyword-only dataclass. ``load_config`` merges defaults, a TOML file and
-command-line overrides, then ``validate`` checks everything that can be checked
-without building a model or touching a device, so that bad input fails in
-milliseconds with one line that says what is wrong and what would be valid.
+each a keyword-only dataclass. ``parse_config`` merges defaults, a TOML file and
+command-line overrides, then ``validate`` checks every value on its own (types,
+ranges, files), so that bad input fails in milliseconds with one line that says what
+is wrong and what would be valid. This module is part of the core and imports no
+model or primitive: what needs them (the architecture, the registered primitives,
+the layout at a world size) is checked by ``runtime/resolve.py``, and
+``bumblebee.load_config`` runs both.
 """
 
 from __future__ import annotations
@@ -22,9 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-
-class ConfigError(ValueError):
-    """Invalid user input. The message is one line, printed as-is by the CLI."""
+from bumblebee.errors import ConfigError  # noqa: F401  (re-exported: ``from bumblebee.config import ConfigError``)
 
 
 @dataclass(kw_only=True)
@@ -218,8 +219,9 @@ def read_toml(path: str) -> dict:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- TOML file <- ``--set`` overrides, then ``validate``."""
+def parse_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- ``--set`` overrides, then ``validate`` (values only; see
+    ``bumblebee.load_config`` for the full check)."""
     cfg = Config()
     if path:
         _apply(cfg, read_toml(path), path)
@@ -255,9 +257,6 @@ def dump_toml(cfg: Config) -> str:
 
 
 def validate(cfg: Config) -> None:
-    from bumblebee import registry
-    from bumblebee.models import resolve_arch
-
     t = cfg.train
     for name in ("steps", "seq_len", "global_batch", "micro_batch"):
         if getattr(t, name) <= 0:
@@ -294,13 +293,9 @@ def validate(cfg: Config) -> None:
     if not 1 <= d.min_records <= d.max_records:
         raise ConfigError(f"data needs 1 <= min_records <= max_records, got {d.min_records}, {d.max_records}")
 
-    registry.validate_choices(cfg.primitives)
     if cfg.primitives.moe_comm == "chunked" and cfg.primitives.moe_chunks not in (2, 3, 4):
         raise ConfigError(f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', "
                           f"got {cfg.primitives.moe_chunks}")
-    arch = resolve_arch(cfg.model)  # validates family, preset, hf_path and the architecture
-    if arch.vocab_size < 256 and d.source == "synthetic":
-        raise ConfigError(f"the synthetic task is byte-level and needs vocab_size >= 256, got {arch.vocab_size}")
 
 
 DATA_SOURCES = ("synthetic", "jsonl", "tokens", "text", "chat")

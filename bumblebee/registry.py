@@ -5,13 +5,17 @@ communication, ...). Each slot has exactly one *reference* implementation: the
 obviously-correct one every optimized implementation is paired against.
 Implementations register themselves at import time with ``@register``; the
 config names them (``[primitives] loss = "ce"``) and the model resolves the
-name with ``get``. The registry holds factories only, never state.
+name with ``get``. The registry holds factories only, never state. It is a leaf:
+importing ``bumblebee.primitives`` (or any module under it) registers every
+implementation, so whoever looks names up has imported them already.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from bumblebee.errors import ConfigError
 
 # slot -> one-line description; the order is the order `bumblebee primitives` prints.
 SLOTS: dict[str, str] = {
@@ -55,18 +59,11 @@ def register(slot: str, name: str, *, reference: bool = False, summary: str = ""
     return deco
 
 
-def _load() -> None:
-    import bumblebee.primitives  # noqa: F401  (registers every implementation)
-
-
 def implementations(slot: str) -> dict[str, Impl]:
-    _load()
     return dict(_IMPLS[slot])
 
 
 def get(slot: str, name: str) -> Impl:
-    from bumblebee.config import ConfigError
-
     impls = implementations(slot)
     if name not in impls:
         valid = ", ".join(impls) or "none implemented yet"

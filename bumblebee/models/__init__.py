@@ -15,7 +15,7 @@ HF_MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "qwen3_5_moe_text": "qwen3_5_moe", "
 
 
 def arch_from_hf_dict(d: dict):
-    from bumblebee.config import ConfigError
+    from bumblebee.errors import ConfigError
 
     model_type = d.get("model_type")
     if model_type not in HF_MODEL_TYPES:
@@ -28,7 +28,7 @@ def arch_from_hf_dict(d: dict):
 
 def resolve_arch(model_cfg):
     """The architecture a ``[model]`` section describes (preset or HF dir, plus overrides)."""
-    from bumblebee.config import ConfigError
+    from bumblebee.errors import ConfigError
 
     if model_cfg.name not in PRESETS:
         raise ConfigError(f"unknown model.name {model_cfg.name!r}; valid: {', '.join(PRESETS)}")

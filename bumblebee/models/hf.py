@@ -23,17 +23,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bumblebee.config import ConfigError
+from bumblebee.errors import CheckpointError
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _LANGUAGE_MODEL = "model.language_model."  # multimodal checkpoints nest the LM here
 # family -> checkpoint prefixes that are not part of the language model (skipped with a notice)
 _NOT_LANGUAGE_MODEL = {"qwen3_5_moe": ("model.visual.", "mtp.")}
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be loaded as asked (missing file, wrong shape, ...)."""
 
 
 def _weight_files(path: str) -> list[str]:

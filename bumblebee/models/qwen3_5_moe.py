@@ -30,18 +30,17 @@ Legend: B batch, T tokens, D hidden, N query heads, K kv heads, E head dim, V vo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bumblebee import registry
 from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
-from bumblebee.models.qwen3_moe import MLP, LossTerms, MoE
-from bumblebee.primitives.cp.layout import build_cp_layout
-from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet, GatedRMSNorm
+from bumblebee.models.base import CausalLM, LayerParts
+from bumblebee.models.qwen3_moe import MLP, MoE
+from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
 from bumblebee.primitives.norms import ZeroCenteredRMSNorm
-from bumblebee.primitives.packed import DocLayout, default_position_ids, doc_layout
+from bumblebee.primitives.packed import DocLayout
 from bumblebee.primitives.parallel import ParallelGroups
-from bumblebee.primitives.rope import apply_rope, rope_cos_sin
+from bumblebee.primitives.rope import apply_rope
 
 
 class GatedAttention(nn.Module):
@@ -89,8 +88,10 @@ class SharedExpertMoE(MoE):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: Qwen3_5MoeArch, idx: int, prims, attend, linear_core, dispatch, recompute, groups):
+    def __init__(self, arch: Qwen3_5MoeArch, idx: int, parts: LayerParts, linear_core):
         super().__init__()
+        prims, attend, dispatch, recompute, groups = (parts.prims, parts.attend, parts.dispatch, parts.recompute,
+                                                      parts.groups)
         self.recompute = recompute
         self.layer_type = arch.layer_types[idx]
         self.input_layernorm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -116,74 +117,31 @@ class DecoderLayer(nn.Module):
         return h + y, aux
 
 
-class Backbone(nn.Module):
-    """HF ``model.*``: embeddings, decoder layers, final norm."""
-
-    def __init__(self, arch: Qwen3_5MoeArch, prims, dispatch, recompute, groups: ParallelGroups):
-        super().__init__()
-        # full attention: the CP implementation when the sequence is split (zigzag shards)
-        attend = registry.get("cp", prims.cp).factory if groups.cp_size > 1 else \
-            registry.get("attention", prims.attention).factory
-        linear_core = registry.get("linear_attention", prims.linear_attention).factory
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, prims, attend, linear_core, dispatch, recompute, groups)
-                                    for i in range(arch.num_hidden_layers))
-        self.norm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-
-
-class Qwen3_5MoeForCausalLM(nn.Module):
-    """The public model object (see DESIGN.md, public API); same surface as ``Qwen3MoeForCausalLM``."""
+class Qwen3_5MoeForCausalLM(CausalLM):
+    """Qwen3.5-MoE: the shared causal LM (models/base.py) over this family's hybrid decoder layer."""
 
     family = "qwen3_5_moe"
+    norm_cls = ZeroCenteredRMSNorm
 
-    def __init__(self, arch: Qwen3_5MoeArch, prims=None, groups: ParallelGroups | None = None):
-        super().__init__()
-        from bumblebee.config import PrimitivesConfig
+    def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
+        linear_core = registry.get("linear_attention", parts.prims.linear_attention).factory
+        return DecoderLayer(self.arch, index, parts, linear_core)
 
-        self.arch = arch
-        self.prims = prims or PrimitivesConfig()
-        self.groups = groups or ParallelGroups()
-        dispatch = registry.get("moe_comm", self.prims.moe_comm).factory(
-            num_experts=arch.num_experts, ep_group=self.groups.ep_group, num_chunks=self.prims.moe_chunks)
-        self.recompute = registry.get("recompute", self.prims.recompute).factory(self.prims.recompute_modules)
-        self.loss_fn = registry.get("loss", self.prims.loss).factory
-        self.model = Backbone(arch, self.prims, dispatch, self.recompute, self.groups)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.reset_parameters()
+    def rotary_dim(self) -> int:
+        return self.arch.rotary_dim
 
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """HF init: normal(0, std) for matrices, zeros for the (1 + w) norms, ones for the GDN
-        output norm and dt_bias, A_log = log U(0.01, 16). Expert weights are drawn at full size
-        and sliced (as Qwen3-MoE), so every expert-parallel layout initializes alike for a seed."""
-        ep, r = self.groups.ep_size, self.groups.ep_rank
-        for name, p in self.named_parameters():
-            if p.dim() > 1 and name.endswith(("experts.w_gate_up", "experts.w_down")) and ep > 1:
-                full = torch.empty((p.shape[0] * ep,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
-                p.copy_(full.normal_(0.0, std)[r * p.shape[0]:(r + 1) * p.shape[0]])
-            elif p.dim() > 1:
-                p.normal_(0.0, std)
+    def init_extra(self, std: float) -> None:
+        """Zeros for the (1 + w) norms, then the GDN vectors (ones for its output norm and
+        dt_bias, A_log = log U(0.01, 16))."""
         for m in self.modules():
             if isinstance(m, ZeroCenteredRMSNorm):
                 m.weight.zero_()
             elif isinstance(m, GatedDeltaNet):
                 m.reset_parameters(std)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def layer_context(self, position_ids_BT, dtype):
-        """What every decoder layer takes besides its input: partial-RoPE (cos, sin) in ``dtype``
-        and the document layout (the CP layout when the sequence is split). Pipeline stages rebuild it."""
-        cos, sin = rope_cos_sin(position_ids_BT, self.arch.rotary_dim, self.arch.rope_theta, dtype)
-        cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
-        layout = build_cp_layout(position_ids_BT, cp_group) if cp_group is not None else doc_layout(position_ids_BT)
-        return cos, sin, layout
-
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
         """Estimated forward FLOPs of one ``seq_len``-token sequence through each decoder layer and
-        through the LM head (see ``Qwen3MoeForCausalLM.layer_flops``). Gated DeltaNet: projections
+        through the LM head (as ``Qwen3MoeForCausalLM.layer_flops``). Gated DeltaNet: projections
         plus the chunked delta rule (64-token chunks: state update and intra-chunk products)."""
         a, T, H = self.arch, seq_len, self.arch.hidden_size
         nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
@@ -195,31 +153,3 @@ class Qwen3_5MoeForCausalLM(nn.Module):
                            + 3 * a.shared_expert_intermediate_size + 1)
         layers = [(full if kind == "full_attention" else linear) + moe for kind in a.layer_types]
         return layers, 2 * T * H * a.vocab_size
-
-    def hidden_states(self, input_ids_BT, position_ids_BT=None):
-        """Final-norm hidden states [B, T, D] and the mean balance loss over MoE layers."""
-        if position_ids_BT is None:
-            position_ids_BT = default_position_ids(input_ids_BT)
-        x = self.model.embed_tokens(input_ids_BT)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        cos, sin, layout = self.layer_context(position_ids_BT, dtype)
-        aux_total = x.new_zeros((), dtype=torch.float32)
-        for layer in self.model.layers:
-            x, aux = self.recompute.layer(layer, x, cos, sin, layout)
-            aux_total = aux_total + aux
-        return self.model.norm(x), aux_total / max(len(self.model.layers), 1)
-
-    def loss_terms(self, input_ids_BT, labels_BT, position_ids_BT=None) -> LossTerms:
-        h_BTD, aux = self.hidden_states(input_ids_BT, position_ids_BT)
-        labels_T = labels_BT.reshape(-1)
-        loss_sum = self.loss_fn(h_BTD.reshape(-1, h_BTD.shape[-1]), self.lm_head_weight, labels_T, reduction="sum")
-        return LossTerms(loss_sum, (labels_T != -100).sum(), aux)
-
-    def forward(self, input_ids, position_ids=None, labels=None):
-        """Logits [B, T, V] without labels; with labels (already shifted, -100 ignored)
-        the mean cross-entropy through the configured loss primitive."""
-        if labels is None:
-            h_BTD, _ = self.hidden_states(input_ids, position_ids)
-            return F.linear(h_BTD, self.lm_head_weight)
-        terms = self.loss_terms(input_ids, labels, position_ids)
-        return terms.loss_sum / terms.num_tokens.clamp(min=1)

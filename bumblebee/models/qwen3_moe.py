@@ -14,7 +14,6 @@ V vocabulary, E experts.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,22 +21,13 @@ from torch import nn
 
 from bumblebee import registry
 from bumblebee.models.arch import Qwen3MoeArch
-from bumblebee.primitives.cp.layout import build_cp_layout
+from bumblebee.models.base import CausalLM, LayerParts
 from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.moe.router import load_balancing_loss
 from bumblebee.primitives.norms import RMSNorm
 from bumblebee.primitives.parallel import ParallelGroups
-from bumblebee.primitives.packed import DocLayout, default_position_ids, doc_layout
-from bumblebee.primitives.rope import apply_rope, rope_cos_sin
-
-
-@dataclass
-class LossTerms:
-    """What a training step needs from one micro-batch's forward."""
-
-    loss_sum: torch.Tensor  # summed token losses over the valid labels of this micro-batch
-    num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
-    aux_loss: torch.Tensor  # load-balancing loss, mean over MoE layers (0 if none)
+from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.rope import apply_rope
 
 
 class Attention(nn.Module):
@@ -107,14 +97,15 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: Qwen3MoeArch, idx: int, prims, attend, dispatch, recompute, groups: ParallelGroups):
+    def __init__(self, arch: Qwen3MoeArch, idx: int, parts: LayerParts):
         super().__init__()
-        self.recompute = recompute
+        self.recompute = parts.recompute
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, attend, recompute)
+        self.self_attn = Attention(arch, parts.attend, parts.recompute)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.is_moe = arch.is_moe_layer(idx)
-        self.mlp = MoE(arch, prims, dispatch, groups) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = (MoE(arch, parts.prims, parts.dispatch, parts.groups) if self.is_moe
+                    else MLP(arch.hidden_size, arch.intermediate_size))
 
     def forward(self, x_BTH, cos, sin, layout: DocLayout):
         rc = self.recompute
@@ -127,65 +118,19 @@ class DecoderLayer(nn.Module):
         return h + y, aux
 
 
-class Backbone(nn.Module):
-    """HF ``model.*``: embeddings, decoder layers, final norm."""
-
-    def __init__(self, arch: Qwen3MoeArch, prims, dispatch, recompute, groups: ParallelGroups):
-        super().__init__()
-        # one attention core for the whole model: the CP implementation when the sequence is split
-        attend = registry.get("cp", prims.cp).factory if groups.cp_size > 1 else \
-            registry.get("attention", prims.attention).factory
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, prims, attend, dispatch, recompute, groups)
-                                    for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-
-
-class Qwen3MoeForCausalLM(nn.Module):
-    """The public model object (see DESIGN.md, public API)."""
+class Qwen3MoeForCausalLM(CausalLM):
+    """Qwen3-MoE: the shared causal LM (models/base.py) over this family's decoder layer."""
 
     family = "qwen3_moe"
+    norm_cls = RMSNorm
 
-    def __init__(self, arch: Qwen3MoeArch, prims=None, groups: ParallelGroups | None = None):
-        super().__init__()
-        from bumblebee.config import PrimitivesConfig
+    def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
+        return DecoderLayer(self.arch, index, parts)
 
-        self.arch = arch
-        self.prims = prims or PrimitivesConfig()
-        self.groups = groups or ParallelGroups()
-        dispatch = registry.get("moe_comm", self.prims.moe_comm).factory(
-            num_experts=arch.num_experts, ep_group=self.groups.ep_group, num_chunks=self.prims.moe_chunks)
-        self.recompute = registry.get("recompute", self.prims.recompute).factory(self.prims.recompute_modules)
-        self.loss_fn = registry.get("loss", self.prims.loss).factory
-        self.model = Backbone(arch, self.prims, dispatch, self.recompute, self.groups)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """HF-style init: normal(0, 0.02) for matrices, ones for norms. Expert weights are
-        drawn at full size and sliced, so every layout initializes identically for a seed."""
-        ep, r = self.groups.ep_size, self.groups.ep_rank
-        for name, p in self.named_parameters():
+    def init_extra(self, std: float) -> None:
+        for p in self.parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
-            elif name.endswith(("experts.w_gate_up", "experts.w_down")) and ep > 1:
-                full = torch.empty((p.shape[0] * ep,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
-                p.copy_(full.normal_(0.0, std)[r * p.shape[0]:(r + 1) * p.shape[0]])
-            else:
-                p.normal_(0.0, std)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def layer_context(self, position_ids_BT, dtype):
-        """What every decoder layer takes besides its input: RoPE (cos, sin) in ``dtype`` and the
-        document layout (the CP layout when the sequence is split). Pipeline stages rebuild it."""
-        cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
-        layout = build_cp_layout(position_ids_BT, cp_group) if cp_group is not None else doc_layout(position_ids_BT)
-        cos, sin = rope_cos_sin(position_ids_BT, self.arch.head_dim, self.arch.rope_theta, dtype)
-        return cos, sin, layout
 
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
         """Estimated forward FLOPs of one ``seq_len``-token sequence through each decoder layer
@@ -198,31 +143,3 @@ class Qwen3MoeForCausalLM(nn.Module):
         mlp = 6 * T * H * a.intermediate_size
         layers = [attn + (moe if a.is_moe_layer(i) else mlp) for i in range(a.num_hidden_layers)]
         return layers, 2 * T * H * a.vocab_size
-
-    def hidden_states(self, input_ids_BT, position_ids_BT=None):
-        """Final-norm hidden states [B, T, H] and the mean balance loss over MoE layers."""
-        if position_ids_BT is None:
-            position_ids_BT = default_position_ids(input_ids_BT)
-        x = self.model.embed_tokens(input_ids_BT)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        cos, sin, layout = self.layer_context(position_ids_BT, dtype)
-        aux_total, n_moe = x.new_zeros((), dtype=torch.float32), 0
-        for layer in self.model.layers:
-            x, aux = self.recompute.layer(layer, x, cos, sin, layout)
-            aux_total, n_moe = aux_total + aux, n_moe + int(layer.is_moe)
-        return self.model.norm(x), aux_total / max(n_moe, 1)
-
-    def loss_terms(self, input_ids_BT, labels_BT, position_ids_BT=None) -> LossTerms:
-        h_BTH, aux = self.hidden_states(input_ids_BT, position_ids_BT)
-        labels_T = labels_BT.reshape(-1)
-        loss_sum = self.loss_fn(h_BTH.reshape(-1, h_BTH.shape[-1]), self.lm_head_weight, labels_T, reduction="sum")
-        return LossTerms(loss_sum, (labels_T != -100).sum(), aux)
-
-    def forward(self, input_ids, position_ids=None, labels=None):
-        """Logits [B, T, V] without labels; with labels (already shifted, -100 ignored)
-        the mean cross-entropy through the configured loss primitive."""
-        if labels is None:
-            h_BTH, _ = self.hidden_states(input_ids, position_ids)
-            return F.linear(h_BTH, self.lm_head_weight)
-        terms = self.loss_terms(input_ids, labels, position_ids)
-        return terms.loss_sum / terms.num_tokens.clamp(min=1)

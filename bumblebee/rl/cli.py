@@ -18,8 +18,9 @@ from typing import get_type_hints
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from bumblebee.config import ConfigError, load_config, parse_override, read_toml
+from bumblebee.config import ConfigError, parse_override, read_toml
 from bumblebee.report import plot_rewards, pyplot
+from bumblebee.runtime.resolve import load_config
 from bumblebee.rl.run import RLConfig, run as run_rl
 
 # the run config of the embedded RL run, before the user's file and overrides; rows hold ~10
@@ -109,7 +110,7 @@ def _run_and_plot(cfg, rl, out_png) -> None:
 
 def run(args) -> int:
     from bumblebee.runtime import launch
-    from bumblebee.runtime.trainer import check_run
+    from bumblebee.runtime.resolve import check_run
 
     cfg, rl = load_configs(args.config, args.overrides)
     if args.nproc < 1:

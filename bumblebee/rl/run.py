@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from bumblebee.config import Config, ConfigError, dump_toml
 from bumblebee.models import build_model
-from bumblebee.rl.actor import Engine
+from bumblebee.rl.engine import Engine
 from bumblebee.rl.losses import AGGREGATIONS, KL_ESTIMATORS, PolicyLoss, TokenNLL, grpo_advantages
 from bumblebee.rl.sampler import Sampler
 from bumblebee.rl.toy import EOS, TASKS, make_task, rollout_batch, supervised_batch

@@ -38,7 +38,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from bumblebee.config import dump_toml, tomllib
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.hf import CheckpointError, to_hf
-from bumblebee.primitives.sharding.zero1 import Zero1
 from bumblebee.runtime.checkpoint_state import (Piece, load_pieces, read_dcp_metadata, rng_states, save_pieces,
                                                 set_rng_states, state_pieces)
 from bumblebee.runtime.integrity import HASH, checksum_files, file_checksum, verify_checksums
@@ -167,8 +166,9 @@ class Checkpointer:
     """Saves and restores one run's state. Every rank creates one right after the sharding
     wrap; ``resume``, ``save``, ``on_step`` and ``on_end`` are collective."""
 
-    def __init__(self, cfg, ctx, model: torch.nn.Module, sharding, *, stream=sys.stdout):
-        self.cfg, self.ctx, self.model, self.sharding, self.stream = cfg, ctx, model, sharding, stream
+    def __init__(self, cfg, ctx, model: torch.nn.Module, sharding, optimizer, *, stream=sys.stdout):
+        self.cfg, self.ctx, self.model, self.stream = cfg, ctx, model, stream
+        self.sharding, self.optimizer = sharding, optimizer
         self.root = checkpoint_root(cfg.train.out_dir)
         self.group = dist.group.WORLD if ctx.distributed else None  # every rank saves its part
         self.last_saved, self.last_path = -1, ""  # the newest checkpoint of this run
@@ -183,7 +183,7 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     def _pieces(self) -> dict[str, Piece]:
-        return state_pieces(self.model, self.sharding, self.ctx.ep_rank, self.ctx.layout.ep)
+        return state_pieces(self.model, self.sharding, self.optimizer, self.ctx.ep_rank, self.ctx.layout.ep)
 
     # -------------------------------------------------------------------- resume
     def resume(self, spec: str) -> int:
@@ -209,10 +209,7 @@ class Checkpointer:
         rng = {k: Piece(torch.empty(tuple(s.size), dtype=s.properties.dtype), 0, tuple(s.size))
                for k, s in md.state_dict_metadata.items() if k.startswith(f"rng/{self.ctx.rank}/")}
         load_pieces(path, {**pieces, **rng}, self.group)
-        if isinstance(self.sharding, Zero1):  # its fp32 masters are slices of the parameters
-            with torch.no_grad():
-                for s in self.sharding.slices.values():
-                    s.master.copy_(s.p.detach().view(-1)[s.lo:s.hi])
+        self.sharding.after_load()  # e.g. zero1 refreshes its fp32 masters from the parameters
         set_rng_states({k: p.local for k, p in rng.items()})
         self._note_changes(path)
         return int(info["step"])

@@ -41,8 +41,6 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor, Shard
 
 from bumblebee.models.hf import CheckpointError
-from bumblebee.primitives.sharding.common import is_expert_param
-from bumblebee.primitives.sharding.zero1 import Zero1
 
 
 # ------------------------------------------------------------------------------ what a rank owns
@@ -60,7 +58,7 @@ class Piece:
         return math.prod(self.shape)
 
 
-def _param_piece(name: str, t: torch.Tensor, ep_rank: int, ep: int) -> Piece:
+def _param_piece(name: str, t: torch.Tensor, ep_rank: int, ep: int, is_expert: bool) -> Piece:
     """The piece of a parameter-shaped tensor ``t`` (the parameter or its optimizer state)."""
     shape, offset, local = tuple(t.shape), 0, t
     if isinstance(t, DTensor):  # fsdp2: dim 0 sharded over a 1-D mesh in torch.chunk sizes
@@ -72,7 +70,7 @@ def _param_piece(name: str, t: torch.Tensor, ep_rank: int, ep: int) -> Piece:
         local = t.to_local()
         assert local.shape[0] == min(chunk, rows - start), (name, local.shape, rows, w, r)
         offset = start * math.prod(shape[1:])
-    if ep > 1 and is_expert_param(name):  # this rank's block of experts among all E
+    if ep > 1 and is_expert:  # this rank's block of experts among all E
         offset += ep_rank * math.prod(shape)
         shape = (shape[0] * ep, *shape[1:])
     return Piece(local.detach().view(-1), offset, shape)
@@ -96,24 +94,24 @@ def ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
             opt.state[p] = state
 
 
-def state_pieces(model: torch.nn.Module, sharding, ep_rank: int, ep: int) -> dict[str, Piece]:
-    """Keys ``model/<param>`` and ``optim/<param>/<state>`` -> this rank's pieces."""
+def state_pieces(model: torch.nn.Module, sharding, optimizer, ep_rank: int, ep: int) -> dict[str, Piece]:
+    """Keys ``model/<param>`` and ``optim/<param>/<state>`` -> this rank's pieces. The sharding
+    primitive says which optimizer parameter holds each parameter's state and where in the
+    flattened parameter that state starts (zero1: a slice of it)."""
     named = list(model.named_parameters())
-    pieces = {f"model/{name}": _param_piece(name, p, ep_rank, ep) for name, p in named}
-    opt = sharding.optimizer
-    ensure_optimizer_state(opt)
-    zero1 = isinstance(sharding, Zero1)
+    pieces = {f"model/{name}": _param_piece(name, p, ep_rank, ep, model.is_expert_param(name)) for name, p in named}
+    ensure_optimizer_state(optimizer)
     for name, p in named:
-        state = opt.state[sharding.slices[name].master if zero1 else p]
-        for k, v in state.items():
+        holder, start = sharding.optimizer_param(name, optimizer)
+        for k, v in optimizer.state[holder].items():
             key = f"optim/{name}/{k}"
             if v.dim() == 0:  # a scalar such as Adam's step count
                 pieces[key] = Piece(v.view(-1), 0, (1,))
-            elif zero1:  # the slice [lo, hi) of the flattened parameter
+            elif start is not None:  # the range [start, start + numel) of the flattened parameter
                 base = pieces[f"model/{name}"]
-                pieces[key] = Piece(v.detach().view(-1), base.offset + sharding.slices[name].lo, base.shape)
+                pieces[key] = Piece(v.detach().view(-1), base.offset + start, base.shape)
             else:
-                pieces[key] = _param_piece(name, v, ep_rank, ep)
+                pieces[key] = _param_piece(name, v, ep_rank, ep, model.is_expert_param(name))
     return pieces
 
 

@@ -7,8 +7,8 @@ refolded into ep groups of consecutive ranks (so an EP group stays inside a
 node when it can) and edp replicas of each group. ep therefore need not divide
 dp_shard: it only has to divide dp_shard*cp*tp (ep * edp = dp_shard * cp * tp).
 
-``plan_layout`` checks a layout against a world size and the model without
-creating any process group, so impossible layouts fail in the launcher with a
+The layout itself (sizes only) is resolved and checked without any process group
+by ``runtime/resolve.py``, so impossible layouts fail in the launcher with a
 one-line reason before a single process starts.
 """
 
@@ -20,52 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from bumblebee.config import ConfigError
-
-
-@dataclass(frozen=True)
-class Layout:
-    world: int
-    pp: int
-    dp_shard: int
-    cp: int
-    tp: int
-    ep: int
-
-    @property
-    def edp(self) -> int:
-        return self.dp_shard * self.cp * self.tp // self.ep
-
-    def describe(self) -> str:
-        return (f"world={self.world}: pp={self.pp} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}; "
-                f"experts: ep={self.ep} edp={self.edp}")
-
-
-def plan_layout(parallel_cfg, world: int, arch) -> Layout:
-    """Resolve ``dp_shard="auto"`` and reject impossible layouts (no process group needed)."""
-    p = parallel_cfg
-    if p.tp > 1:
-        raise ConfigError("parallel.tp > 1 is not implemented; the recipe keeps TP = 1 (use ep and cp)")
-    if p.pp > arch.num_hidden_layers:
-        raise ConfigError(f"parallel.pp = {p.pp} stages need at least as many decoder layers, "
-                          f"the model has {arch.num_hidden_layers}")
-    inner = p.cp * p.tp * p.pp
-    if p.dp_shard == "auto":
-        if world % inner:
-            raise ConfigError(f"world size {world} is not divisible by cp*tp*pp = {inner}")
-        dp_shard = world // inner
-    else:
-        dp_shard = p.dp_shard
-    if dp_shard * inner != world:
-        raise ConfigError(f"pp*dp_shard*cp*tp = {p.pp}*{dp_shard}*{p.cp}*{p.tp} = {dp_shard * inner} "
-                          f"!= world size {world}")
-    fold = dp_shard * p.cp * p.tp
-    if fold % p.ep:
-        raise ConfigError(f"parallel.ep = {p.ep} must divide dp_shard*cp*tp = {fold} (ep folds over those ranks)")
-    num_experts = getattr(arch, "num_experts", 0)
-    if p.ep > 1 and num_experts % p.ep:
-        raise ConfigError(f"num_experts = {num_experts} is not divisible by parallel.ep = {p.ep}")
-    return Layout(world=world, pp=p.pp, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=p.ep)
+from bumblebee.runtime.resolve import Layout
 
 
 @dataclass

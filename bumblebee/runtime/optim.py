@@ -1,12 +1,26 @@
-"""The learning-rate schedule: linear warmup, then cosine decay to ``min_lr``.
+"""The optimizer and its learning-rate schedule, built by the runtime for every layout.
 
-(The optimizer itself, AdamW over fp32 master parameters, belongs to the
-sharding primitive, which decides where its state lives.)
+The sharding primitive decides which tensors the optimizer updates (full parameters,
+FSDP2 shards, or zero1's fp32 master slices: ``sharding.param_groups``) and wraps the
+update (``sharding.step(optimizer)``); the optimizer itself is chosen here, once, so a
+new optimizer touches this file only. Today: AdamW (Loshchilov & Hutter, 2019) with
+``train.beta1/beta2/eps/weight_decay``; no weight decay on vectors (norms, biases).
+
+Schedule: linear warmup, then cosine decay to ``min_lr``.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
+
+
+def build_optimizer(train_cfg, sharding) -> torch.optim.Optimizer:
+    """AdamW over the tensors ``sharding`` says this rank updates."""
+    t = train_cfg
+    return torch.optim.AdamW(sharding.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                             **sharding.optimizer_options)
 
 
 def lr_at(step: int, train_cfg) -> float:
@@ -21,6 +35,6 @@ def lr_at(step: int, train_cfg) -> float:
 
 
 def set_lr(optimizer, lr: float) -> None:
-    """Set the learning rate of every param group (an optimizer or a sharding wrapper)."""
+    """Set the learning rate of every param group."""
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -38,13 +38,13 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import math
 import os
 import sys
 from typing import IO, Any
 
 from bumblebee import registry
-from bumblebee.config import Config, ConfigError, load_config, parse_override, validate
+from bumblebee.config import Config, ConfigError, parse_override, validate
+from bumblebee.runtime.resolve import load_config, validate_run
 
 # Relative tolerance per slot: (float32, bfloat16) runs, applied to every compared quantity
 # over a few steps of the tiny models. fp32 budgets cover reassociation (different summation
@@ -203,6 +203,7 @@ def build_pair(args) -> tuple[Config, Config, list[str]]:
             cfg.train.deterministic = True
         _prepare_slot(cfg, slot, args.nproc, notes if not sides else [])
         validate(cfg)
+        validate_run(cfg)
         sides.append(cfg)
     notes += _coverage_notes(sides[0], sides[1], slot, args.nproc)
     if args.a == args.b:
@@ -217,55 +218,12 @@ def set_out_dirs(cfg_a: Config, cfg_b: Config, slot: str) -> None:
     cfg_b.train.out_dir = os.path.join(base, f"b-{getattr(cfg_b.primitives, slot)}")
 
 
-# ------------------------------------------------------------------------------ verdict and table
-def check(rows: list[dict], rtol: float) -> list[str]:
-    """Mark every checked row ok / not ok against ``rtol``; returns the failures as text."""
-    failures = []
-    for r in rows:
-        if not r.get("checked"):
-            continue
-        rel = r["rel"]
-        r["ok"] = rel is not None and not math.isnan(rel) and rel <= rtol
-        if not r["ok"]:
-            failures.append(f"step {r['step']} {r['quantity']}: rel {rel:.3g} > {rtol:g}")
-    return failures
-
-
-def _num(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def format_rows(rows: list[dict], a: str, b: str, header: bool) -> str:
-    """Fixed-width table lines; tensor rows show max|x| in the a / b columns."""
-    w = max(14, len(a) + 3, len(b) + 3)
-    cols = f"{'step':>4}  {'quantity':<18} {'a: ' + a:>{w}} {'b: ' + b:>{w}} {'b/a':>7} {'max|a-b|':>10} " \
-           f"{'rel':>9}  {'bits':<9} check"
-    lines = [cols] if header else []
-    for r in rows:
-        fmt = {"tensor": ".4g", "scalar": ".7g", "memory": ".2f", "time": ".3f"}[r["kind"]]
-        check_txt = "" if not r.get("checked") else ("ok" if r.get("ok") else "FAIL")
-        bits = "" if r.get("identical") is None else ("identical" if r["identical"] else "different")
-        step = "end" if r["step"] is None else str(r["step"])
-        lines.append(f"{step:>4}  {r['quantity']:<18} {_num(r['a'], fmt):>{w}} {_num(r['b'], fmt):>{w}} "
-                     f"{_num(r['ratio'], '.3f'):>7} {_num(r['max_abs'], '.2e'):>10} {_num(r['rel'], '.2e'):>9}  "
-                     f"{bits:<9} {check_txt}".rstrip())
-    return "\n".join(lines)
-
-
-def summarize(result: dict) -> str:
-    if result["passed"]:
-        return (f"pass: every compared difference within the {result['slot']} tolerance for {result['dtype']} "
-                f"(rel <= {result['tolerance']:g})")
-    return f"FAIL: {len(result['failures'])} difference(s) above rel {result['tolerance']:g}: " + \
-        "; ".join(result["failures"][:5])
-
-
 # ------------------------------------------------------------------------------ the command
 def run(args, stream: IO | None = None) -> int:
     """``bumblebee pair``: returns the exit code (0 pass, 1 above tolerance or a rank failed)."""
     from bumblebee.runtime import launch
     from bumblebee.runtime import pair_run
-    from bumblebee.runtime.trainer import check_run
+    from bumblebee.runtime.resolve import check_run
 
     torchrun = launch.started_by_torchrun()
     rank0 = not torchrun or os.environ.get("RANK", "0") == "0"

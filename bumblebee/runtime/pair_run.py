@@ -41,10 +41,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from bumblebee.config import Config, ConfigError
 from bumblebee.data import Batch
 from bumblebee.models import build_model, resolve_arch
-from bumblebee.primitives.cp.layout import shard_sequence
 from bumblebee.primitives.sharding.common import full_named_parameters
 from bumblebee.runtime.launch import init_distributed, launch_local
-from bumblebee.runtime.pair import check, format_rows, summarize
+from bumblebee.runtime.pair_report import check, format_rows, summarize
+from bumblebee.runtime.step import local_batch, micro_batches
 from bumblebee.runtime.trainer import Trainer
 
 MiB = 2 ** 20
@@ -91,11 +91,10 @@ def digest(t: torch.Tensor) -> str:
 def first_micro_batch(trainer: Trainer) -> Batch:
     """The first micro-batch this rank trains on in the trainer's next step (the same slicing
     as ``Trainer.train_step``: this dp rank's rows, then its cp shard)."""
-    start = trainer.dp_rank * trainer.rows_per_rank
-    mb = trainer.source.global_batch_at(trainer.step).rows(start, start + trainer.cfg.train.micro_batch)
-    if trainer.cp > 1:
-        mb = Batch(*(shard_sequence(x, trainer.cp, trainer.cp_rank) for x in (mb.input_ids, mb.labels, mb.position_ids)))
-    return mb.to(trainer.device)
+    lo = trainer.dp_rank * trainer.rows_per_rank
+    local = local_batch(trainer.source.rows_at(trainer.step, lo, lo + trainer.rows_per_rank), trainer.cp,
+                        trainer.cp_rank, trainer.device)
+    return micro_batches(local, trainer.cfg.train.micro_batch)[0]
 
 
 @torch.no_grad()

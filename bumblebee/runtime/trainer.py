@@ -1,22 +1,19 @@
-"""The training loop: one optimizer step reads top to bottom.
+"""The training loop: build the run's pieces once, then one step per batch.
 
-step:
-  1. take this rank's rows of the step's global batch (a pure function of seed and step);
-  2. count the valid labels of the *global* batch, so the loss is a mean over all
-     of its tokens whatever the layout;
-  3. for each micro-batch: forward through the model's loss primitive, scale the
-     summed token loss by 1 / global tokens (plus the balance loss averaged over
-     micro-batches), backward;
-  4. clip the gradient norm, set the scheduled learning rate, optimizer step;
+step (runtime/step.py does the work):
+  1. take the step's global batch (a pure function of seed and step) and count its valid
+     labels, so the loss is a mean over all of its tokens whatever the layout;
+  2. this rank's rows and CP share of them;
+  3. forward + backward over micro-batches (or the pipeline schedule when pp > 1);
+  4. the optimizer tail: reduce, clip, LR, update, zero;
   5. log one metrics line.
 
 The trainer knows nothing of a model's internals: it builds the model through
-``bumblebee.models`` and talks to it through ``loss_terms``.
+``bumblebee.models`` and talks to it through the protocol of ``models/base.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -25,21 +22,21 @@ import torch
 import torch.distributed as dist
 
 from bumblebee import registry
-from bumblebee.config import Config, ConfigError, dump_toml
-from bumblebee.data import Batch, build_source
+from bumblebee.config import Config, dump_toml
+from bumblebee.data import build_source
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.perf.memory import MemoryTracker
-from bumblebee.primitives.cp.layout import shard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding import ShardingGroups
 from bumblebee.runtime.checkpoint import Checkpointer
 from bumblebee.runtime.eval import evaluate
-from bumblebee.runtime.mesh import ParallelContext, build_context, plan_layout, single_process
+from bumblebee.runtime.mesh import ParallelContext, build_context, single_process
+from bumblebee.runtime.resolve import check_run
 from bumblebee.runtime.metrics import MetricsWriter
-from bumblebee.runtime.nonfinite import check_finite
-from bumblebee.runtime.pipeline import Pipeline, check_pipeline
-from bumblebee.runtime.optim import lr_at, set_lr
+from bumblebee.runtime.optim import build_optimizer
+from bumblebee.runtime.pipeline import Pipeline
 from bumblebee.runtime.signals import Preempted, Preemption
+from bumblebee.runtime.step import accumulate, autocast_for, lm_forward, local_batch, micro_batches, optimizer_tail
 
 
 def pick_device() -> torch.device:
@@ -82,31 +79,6 @@ def copy_expert_slice(full: torch.nn.Module, part: torch.nn.Module, ep_rank: int
         p.copy_(t)
 
 
-def check_run(cfg: Config, world: int):
-    """Everything about a run on ``world`` ranks that can be rejected before any process
-    group exists (the launcher calls this in the parent process)."""
-    layout = plan_layout(cfg.parallel, world, resolve_arch(cfg.model))
-    if world > 1 and cfg.primitives.sharding == "none":
-        raise ConfigError(f"primitives.sharding = 'none' needs a single process (world size is {world}); "
-                          "use 'fsdp2' or 'zero1'")
-    if layout.ep > 1 and cfg.primitives.moe_comm == "local":
-        raise ConfigError("primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use 'alltoall'")
-    if cfg.train.seq_len % (2 * layout.cp):
-        raise ConfigError(f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
-                          f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks")
-    if layout.cp > 1 and cfg.model.name not in ("qwen3_moe", "qwen3_5_moe"):
-        raise ConfigError(f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; "
-                          "valid: qwen3_moe, qwen3_5_moe")
-    rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
-    if rem or rows % cfg.train.micro_batch:
-        raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
-                          f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch})")
-    check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
-    if cfg.train.eval_every and layout.pp > 1:
-        raise ConfigError("train.eval_every is not supported with parallel.pp > 1 yet")
-    return layout
-
-
 def build_parallel_context(cfg: Config, device: torch.device) -> ParallelContext:
     """Single process, or the meshes of the current process group."""
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -138,16 +110,15 @@ class Trainer:
         self.cp, self.cp_rank = ctx.layout.cp, ctx.cp_rank
         self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group,
                                                                           cp_group=ctx.cp_group))
+        self.autocast = autocast_for(self.device, t.dtype)
         self.pipeline = None
         if ctx.layout.pp > 1:  # keep this rank's pipeline stages only; that part is what gets sharded
-            self.pipeline = Pipeline(cfg, ctx, self.model, self.device)
-            self.model = self.pipeline.part
+            self.pipeline = Pipeline(cfg, ctx, self.model, self.device, self.autocast)
         self.sharding = build_sharding(cfg, ctx)
         self.model = self.sharding.wrap(self.model)
+        self.optimizer = build_optimizer(t, self.sharding)
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16"
-                         else contextlib.nullcontext())
-        self.checkpoint = Checkpointer(cfg, ctx, self.model, self.sharding, stream=stream)
+        self.checkpoint = Checkpointer(cfg, ctx, self.model, self.sharding, self.optimizer, stream=stream)
         self.step = self.checkpoint.resume(t.resume)  # 0 unless train.resume names a checkpoint
         if self.rank == 0:
             os.makedirs(t.out_dir, exist_ok=True)
@@ -167,59 +138,42 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step, with its peak live memory measured (perf.memory)."""
-        with MemoryTracker(self.device, self.model, self.sharding.optimizer) as memory:
+        with MemoryTracker(self.device, self.model, self.optimizer) as memory:
             record = self._step()
         record["peak_mem_bytes"] = self._max_over_ranks(memory.peak_bytes)
         return record
 
     def _step(self) -> dict:
-        if self.pipeline is not None:
-            return self._pipeline_step()
-        t, model = self.cfg.train, self.model
+        t = self.cfg.train
         start = time.perf_counter()
         lo = self.dp_rank * self.rows_per_rank  # this rank's rows only are built (data/)
-        local = self.source.rows_at(self.step, lo, lo + self.rows_per_rank)
         global_valid = self.source.num_valid_at(self.step)
         global_tokens = max(global_valid, 1)
-        if self.cp > 1:  # this rank's zigzag share of every row (tokens, labels, positions alike)
-            local = Batch(*(shard_sequence(x, self.cp, self.cp_rank)
-                            for x in (local.input_ids, local.labels, local.position_ids)))
-        local = local.to(self.device)
-        coef = model.arch.router_aux_loss_coef
-        loss_sum = torch.zeros((), device=self.device)
-        aux_sum = torch.zeros((), device=self.device)
-        for i in range(self.accum):
-            self.sharding.set_grad_sync(i == self.accum - 1)
-            mb = local.rows(i * t.micro_batch, (i + 1) * t.micro_batch)
-            with self.autocast:
-                terms = model.loss_terms(mb.input_ids, mb.labels, mb.position_ids)
-            # the balance loss is a mean over all micro-batches of the global batch (all dp ranks);
-            # cp ranks hold identical copies of it (statistics reduced over the sequence)
-            loss = terms.loss_sum / global_tokens + coef * terms.aux_loss / (self.accum * self.dp_size * self.cp)
-            loss.backward()
-            loss_sum += terms.loss_sum.detach().float()
-            aux_sum += terms.aux_loss.detach() / self.accum
-        self.sharding.reduce_grads()
-        max_norm = t.clip_grad if t.clip_grad > 0 else float("inf")
-        grad_norm = self.sharding.clip_grad_norm(max_norm)
-        if self.ctx.distributed:  # the logged loss covers the whole global batch (so every rank checks the same)
-            stats = torch.stack([loss_sum, aux_sum / (self.dp_size * self.cp)])
-            dist.all_reduce(stats, group=self.ctx.dp_cp_group)
-            loss_sum, aux_sum = stats[0], stats[1]
-        lr = lr_at(self.step, t)
-        if check_finite(self.step + 1, loss_sum / global_tokens, grad_norm, t.on_nonfinite):  # False: skip; "stop" raises
-            set_lr(self.sharding, lr)
-            self.sharding.step()
+        local = local_batch(self.source.rows_at(self.step, lo, lo + self.rows_per_rank), self.cp, self.cp_rank,
+                            self.device)
+        if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
+            loss_sum, aux = self.pipeline.run(local, global_tokens)
         else:
-            self.skipped += 1
-        self.sharding.zero_grad()
+            forward = lm_forward(self.model, global_tokens, self.model.arch.router_aux_loss_coef, self.accum,
+                                 self.dp_size, self.cp, self.autocast)
+            sums = accumulate(micro_batches(local, t.micro_batch), self.sharding, forward)
+            loss_sum, aux = sums["loss_sum"], sums["aux"] / (self.dp_size * self.cp)
+        if self.ctx.distributed:  # the logged loss covers the whole global batch (so every rank checks the same)
+            stats = torch.stack([loss_sum, aux])
+            dist.all_reduce(stats, group=None if self.pipeline is not None else self.ctx.dp_cp_group)
+            loss_sum, aux = stats[0], stats[1]
+        grad_norm, lr, applied = optimizer_tail(self.sharding, self.optimizer, t, self.step,
+                                                loss=loss_sum / global_tokens,
+                                                pp_group=self.ctx.pp_group if self.pipeline is not None else None,
+                                                params=self.model.parameters())
+        self.skipped += not applied
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = t.global_batch * t.seq_len
         return {
             "step": self.step,
             "loss": float(loss_sum) / global_tokens,
-            "aux_loss": float(aux_sum),
+            "aux_loss": float(aux),
             "grad_norm": float(grad_norm),
             "lr": lr,
             "tokens": tokens,
@@ -228,12 +182,6 @@ class Trainer:
             "step_time_s": elapsed,
             "skipped_steps": self.skipped,
         }
-
-    def _pipeline_step(self) -> dict:
-        """The step when pp > 1: the pipeline schedule runs every micro-batch (runtime/pipeline.py)."""
-        record = self.pipeline.step(self)
-        self.step += 1
-        return record
 
     def _max_over_ranks(self, peak: int) -> int:
         """Peak bytes of the most loaded rank."""

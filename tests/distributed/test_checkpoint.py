@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.models.hf import hf_state_dict
 from bumblebee.primitives.sharding.common import full_named_parameters
 from bumblebee.runtime.checkpoint import export_checkpoint, find_checkpoint, read_marker

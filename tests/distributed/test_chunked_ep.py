@@ -26,7 +26,8 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from bumblebee import registry
-from bumblebee.config import PrimitivesConfig, load_config
+from bumblebee.config import PrimitivesConfig
+from bumblebee import load_config
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.models.arch import Qwen3MoeArch
 from bumblebee.models.qwen3_moe import MoE

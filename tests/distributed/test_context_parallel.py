@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from dist_utils import run_distributed
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence, zigzag_index
 from bumblebee.runtime.trainer import Trainer
 
@@ -108,7 +108,7 @@ def test_cp4_matches_cp1(reference, data, tmp_path):
 
 def test_bad_cp_layout_is_rejected():
     from bumblebee.config import ConfigError
-    from bumblebee.runtime.trainer import check_run
+    from bumblebee.runtime.resolve import check_run
 
     cfg = load_config(None, ["parallel.cp=3", "train.seq_len=100"])
     with pytest.raises(ConfigError, match="divisible by 2 x parallel.cp"):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence, unshard_sequence
 from bumblebee.primitives.cp.relayout import contiguous_to_zigzag, moved_fraction, zigzag_to_contiguous
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
@@ -190,7 +190,7 @@ def test_gdn_cp_matches_single_process(world, cases, reference, data, tmp_path):
 
 
 def test_moved_fraction_and_check_run(data):
-    from bumblebee.runtime.trainer import check_run
+    from bumblebee.runtime.resolve import check_run
 
     assert moved_fraction(2) == 0.5 and moved_fraction(4) == 0.75
     check_run(load_config(None, BASE + [f"data.path={data}", "parallel.cp=2"]), 2)  # qwen3_5_moe accepts cp

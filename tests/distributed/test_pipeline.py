@@ -10,10 +10,12 @@ import torch
 from dist_utils import run_distributed
 
 from bumblebee import registry
-from bumblebee.config import ConfigError, load_config
+from bumblebee.config import ConfigError
+from bumblebee import load_config
 from bumblebee.primitives.sharding.common import full_named_parameters
 from bumblebee.runtime.pipeline import balance_layers
-from bumblebee.runtime.trainer import Trainer, check_run
+from bumblebee.runtime.trainer import Trainer
+from bumblebee.runtime.resolve import check_run
 
 STEPS = 5
 SMALL = ["model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32", "model.arch.num_experts=8",

@@ -13,8 +13,8 @@ import torch
 from dist_utils import run_distributed
 from engine_checks import check_offload_moves_everything
 
-from bumblebee.config import load_config
-from bumblebee.rl.actor import Engine
+from bumblebee import load_config
+from bumblebee.rl.engine import Engine
 from bumblebee.rl.batch import pack_sequences
 from bumblebee.rl.losses import PolicyLoss
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.primitives.sharding.common import full_named_parameters
 from bumblebee.runtime.trainer import Trainer
 
@@ -24,7 +24,7 @@ def run(overrides, out_dir):
     trainer = Trainer(cfg, stream=io.StringIO())
     trace = [trainer.train_step() for _ in range(STEPS)]
     params = dict(full_named_parameters(trainer.model, trainer.ctx.ep_group))
-    return [(r["loss"], r["grad_norm"]) for r in trace], params, trainer.sharding.state_bytes()
+    return [(r["loss"], r["grad_norm"]) for r in trace], params, trainer.sharding.state_bytes(trainer.optimizer)
 
 
 def _ranks(rank, world, layouts, out_dir):

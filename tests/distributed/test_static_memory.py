@@ -11,7 +11,7 @@ from dist_utils import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.perf import MemoryTracker
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.runtime.trainer import Trainer
 
 SMALL = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=64",

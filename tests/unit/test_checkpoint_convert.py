@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bumblebee.cli import main
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.runtime.trainer import Trainer
 
 import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)

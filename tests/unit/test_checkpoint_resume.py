@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from bumblebee.cli import main
-from bumblebee.config import ConfigError, load_config
+from bumblebee.config import ConfigError
+from bumblebee import load_config
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.checkpoint import MARKER, find_checkpoint, read_marker
 from bumblebee.runtime.integrity import file_checksum

@@ -2,7 +2,8 @@
 
 import pytest
 
-from bumblebee.config import ConfigError, dump_toml, load_config, parse_override
+from bumblebee.config import ConfigError, dump_toml, parse_override
+from bumblebee import load_config
 
 
 def test_defaults_validate():

@@ -1,14 +1,17 @@
-"""Layering (DESIGN.md, "Three layers"): dependencies point downward only.
+"""Layering (README, "Architecture"): dependencies point downward only, and no cycles.
 
 Every module under bumblebee/ is parsed with ``ast``; every import of a bumblebee
 module -- at the top or inside a function (a lazy import is still a dependency) --
-is checked against ``ALLOWED``: primitives import nothing above them, models only
-primitives, runtime and rl models and primitives (rl builds on runtime, not the
-reverse), plan models and primitives, and nothing but the CLI imports plan.
-``core`` is config + registry (every layer reads the config and registers or
-looks up primitives); ``api`` is the package root ``bumblebee/__init__.py``: the
-public facade users import (it may re-export anything but plan), which no layer
-below runtime may import from.
+is checked against ``ALLOWED``:
+
+    core (errors, config, registry)  <-  primitives  <-  models  <-  runtime  <-  rl
+    data and perf sit beside primitives (core only); plan reads models and the
+    runtime's resolver; nothing but the CLI imports plan.
+
+``core`` is a leaf: it imports nothing but itself. ``api`` is the package root
+``bumblebee/__init__.py``: the public facade users import (it may re-export anything
+but plan), which no layer below runtime may import from. On top of the layer rules,
+the module import graph (every explicit import, lazy ones included) must be acyclic.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ PACKAGE = Path(__file__).parents[2] / "bumblebee"
 
 # first component under bumblebee/ -> layer
 LAYER_OF = {
-    "config": "core", "registry": "core", "report": "core", "__init__": "api",
+    "config": "core", "registry": "core", "errors": "core", "report": "core", "__init__": "api",
     "primitives": "primitives", "models": "models", "data": "data", "perf": "perf",
     "runtime": "runtime", "rl": "rl", "plan": "plan", "cli": "cli", "__main__": "cli",
 }
 BELOW_RUNTIME = {"core", "primitives", "models", "data", "perf"}
 ALLOWED = {
-    "core": {"core", "primitives", "models"},  # registry loads primitives; config validates via models
+    "core": {"core"},  # a leaf: what needs models or the registry is checked in runtime/resolve.py
     "api": {"api", "core", "models", "runtime", "rl"},  # the public facade (from_hf, Engine...), never plan
     "primitives": {"core", "primitives"},
     "models": {"core", "primitives", "models"},
@@ -36,7 +39,7 @@ ALLOWED = {
     "perf": {"core", "perf"},
     "runtime": BELOW_RUNTIME | {"api", "runtime"},
     "rl": BELOW_RUNTIME | {"api", "runtime", "rl"},
-    "plan": {"core", "primitives", "models", "perf", "plan"},
+    "plan": {"core", "primitives", "models", "perf", "runtime", "plan"},  # runtime: its resolver, for runnable configs
     "cli": set(LAYER_OF.values()),
 }
 
@@ -107,6 +110,8 @@ def test_imports_follow_the_layering():
     ("models/fake.py", "import bumblebee.rl.losses"),
     ("runtime/fake.py", "from bumblebee.plan import recipe"),
     ("rl/fake.py", "from bumblebee.plan.memory import stage_memory"),
+    ("config.py", "def f():\n    from bumblebee.models import resolve_arch"),
+    ("registry.py", "import bumblebee.primitives"),
     ("primitives/fake.py", "from bumblebee import build_model"),
     ("primitives/cp/fake.py", "from ...models import arch"),
 ])
@@ -118,3 +123,63 @@ def test_checker_accepts_downward_imports():
     ok = "from bumblebee import registry\nfrom bumblebee.primitives.packed import doc_layout\nfrom . import experts"
     assert violations(PACKAGE / "primitives/moe/fake.py", ok) == []
     assert violations(PACKAGE / "runtime/fake.py", "from bumblebee.models import build_model") == []
+
+
+# ------------------------------------------------------------------------------ cycles
+def import_graph(overrides: dict[str, str] | None = None) -> dict[str, set[str]]:
+    """module -> the bumblebee modules it imports; ``overrides`` replaces sources by path."""
+    graph = {}
+    for p in sources():
+        source = (overrides or {}).get(str(p.relative_to(PACKAGE)), None) or p.read_text()
+        m = module_name(p)
+        graph[m] = {t for _, t in imported_modules(source, m, p.name == "__init__.py") if t != m}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, on, stack, found, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next((x for x in it if x in graph), None)
+            if w is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        x = stack.pop()
+                        on.discard(x)
+                        comp.append(x)
+                        if x == v:
+                            break
+                    if len(comp) > 1:
+                        found.append(sorted(comp))
+            elif w not in index:
+                index[w] = low[w] = counter[0]
+                counter[0] += 1
+                stack.append(w)
+                on.add(w)
+                work.append((w, iter(sorted(graph[w]))))
+            elif w in on:
+                low[v] = min(low[v], index[w])
+    return found
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_cycle_checker_catches_a_planted_cycle():
+    planted = {"data/packing.py": (PACKAGE / "data/packing.py").read_text() + "\nimport bumblebee.data.jsonl\n"}
+    assert any("bumblebee.data.packing" in c for c in cycles(import_graph(planted)))

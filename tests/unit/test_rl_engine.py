@@ -9,8 +9,9 @@ import torch
 
 import bumblebee
 from engine_checks import check_offload_moves_everything
-from bumblebee.config import ConfigError, load_config
-from bumblebee.rl.actor import Engine
+from bumblebee import load_config
+from bumblebee.config import ConfigError
+from bumblebee.rl.engine import Engine
 from bumblebee.rl.batch import RLBatch, has_prefix, pack_sequences
 from bumblebee.rl.losses import PolicyLoss, TokenNLL
 from bumblebee.rl.sampler import Sampler

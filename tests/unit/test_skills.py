@@ -100,7 +100,7 @@ def test_commands_parse_and_tests_exist(doc, command):
         except SystemExit:
             pytest.fail(f"{doc}: `{command}` does not parse")
         if args.command == "train":
-            from bumblebee.config import load_config
+            from bumblebee import load_config
 
             load_config(args.config, args.overrides)
         elif args.command == "pair":

@@ -33,10 +33,6 @@ class ShardingGroups:
         return None if self.expert_mesh is None else self.expert_mesh.get_group()
 
 
-def is_expert_param(name: str) -> bool:
-    return name.endswith(("experts.w_gate_up", "experts.w_down"))
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -47,11 +43,12 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def clip_grad_norm(named_params, groups: ShardingGroups, max_norm: float, *, dense_sharded: bool,
-                   expert_sharded: bool) -> torch.Tensor:
+def clip_grad_norm(named_params, groups: ShardingGroups, max_norm: float, is_expert_param, *,
+                   dense_sharded: bool, expert_sharded: bool) -> torch.Tensor:
     """Global L2 norm of all gradients, then scale them by min(1, max_norm / (norm + 1e-6))
     (the same rule as ``torch.nn.utils.clip_grad_norm_``). ``*_sharded`` says whether each rank
-    holds a disjoint shard of those gradients (sum the squares over the group) or a replica."""
+    holds a disjoint shard of those gradients (sum the squares over the group) or a replica;
+    ``is_expert_param(name)`` tells routed-expert parameters (the model's protocol)."""
     dense_sq = expert_sq = None
     grads = []
     for name, p in named_params:
@@ -95,12 +92,12 @@ def state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
 @torch.no_grad()
 def full_named_parameters(model: torch.nn.Module, ep_group=None):
     """Yield (name, full tensor) for every parameter of a possibly sharded model: FSDP
-    shards are all-gathered, and expert tensors are concatenated over the ep group.
-    Collective: every rank must iterate it to the end."""
+    shards are all-gathered, and expert tensors (``model.is_expert_param``) are
+    concatenated over the ep group. Collective: every rank must iterate it to the end."""
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     for name, p in model.named_parameters():
         t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        if ep > 1 and is_expert_param(name):
+        if ep > 1 and model.is_expert_param(name):
             parts = [torch.empty_like(t) for _ in range(ep)]
             dist.all_gather(parts, t.contiguous(), group=ep_group)
             t = torch.cat(parts)

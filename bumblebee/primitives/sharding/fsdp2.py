@@ -2,10 +2,11 @@
 
 Built on ``torch.distributed.fsdp.fully_shard``:
 
-- each MoE layer's experts are one FSDP unit over the *expert* mesh (edp): every
-  ep rank's own experts are sharded across the ranks that replicate them;
-- each decoder layer is one unit over the *dense* mesh (dp_shard x cp), and the
-  root (embeddings, final norm, LM head) is the last unit;
+- the model says which modules are units (``fsdp_units``): each MoE layer's experts
+  are one unit over the *expert* mesh (edp): every ep rank's own experts are sharded
+  across the ranks that replicate them; each decoder layer is one unit over the
+  *dense* mesh (dp_shard x cp), and the root (embeddings, final norm, LM head) is the
+  last unit;
 - parameters are sharded fp32 DTensors (the master copy the optimizer updates);
   with bf16 training the all-gathered compute copy is bf16
   (``MixedPrecisionPolicy(param_dtype=bf16)``) and gradients are reduced in fp32;
@@ -26,9 +27,8 @@ import torch
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 
-from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.sharding.common import clip_grad_norm
-from bumblebee.primitives.sharding.none import NoSharding, adamw, decay_groups
+from bumblebee.primitives.sharding.none import NoSharding
 from bumblebee.registry import register
 
 
@@ -42,12 +42,8 @@ class FSDP2(NoSharding):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32 if bf16 else None)
         offload = CPUOffloadPolicy() if getattr(t, "offload_optimizer", False) else OffloadPolicy()
-        units = []
-        for layer in model.model.layers:
-            for m in layer.modules():
-                if isinstance(m, Experts):
-                    units.append(fully_shard(m, mesh=g.expert_mesh, mp_policy=mp, offload_policy=offload))
-            units.append(fully_shard(layer, mesh=g.dense_mesh, mp_policy=mp, offload_policy=offload))
+        units = [fully_shard(m, mesh=g.expert_mesh if kind == "expert" else g.dense_mesh, mp_policy=mp,
+                             offload_policy=offload) for m, kind in list(model.fsdp_units())]
         units.append(fully_shard(model, mesh=g.dense_mesh, mp_policy=mp, offload_policy=offload))
         for method in ("loss_terms", "hidden_states"):  # entry points other than forward()
             register_fsdp_forward_method(model, method)
@@ -56,8 +52,7 @@ class FSDP2(NoSharding):
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
         self.model, self.units = model, units
         self.named = list(model.named_parameters())
-        # foreach kernels cannot mix DTensors of different meshes (dense vs expert)
-        self.optimizer = adamw(decay_groups(self.named, t.weight_decay), t, foreach=False)
+        self.optimizer_options = {"foreach": False}  # foreach kernels cannot mix DTensors of two meshes
         return model
 
     def set_grad_sync(self, enabled: bool) -> None:
@@ -68,4 +63,5 @@ class FSDP2(NoSharding):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.groups.dense_mesh is None:
             return super().clip_grad_norm(max_norm)
-        return clip_grad_norm(self.named, self.groups, max_norm, dense_sharded=True, expert_sharded=True)
+        return clip_grad_norm(self.named, self.groups, max_norm, self.model.is_expert_param, dense_sharded=True,
+                              expert_sharded=True)

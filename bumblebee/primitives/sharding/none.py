@@ -1,7 +1,10 @@
 """No sharding (slot ``sharding``, ``none``): one process holds everything.
 
 Also what ``fsdp2`` and ``zero1`` reduce to on a single process, where there is
-nothing to shard.
+nothing to shard, and the interface every sharding primitive implements. A sharding
+primitive decides where parameters, gradients and optimizer state live; it does not
+choose the optimizer: the runtime builds one (``runtime/optim.py``) over
+``param_groups(weight_decay)`` with ``optimizer_options`` and hands it back to ``step``.
 """
 
 from __future__ import annotations
@@ -10,11 +13,6 @@ import torch
 
 from bumblebee.primitives.sharding.common import ShardingGroups, state_bytes
 from bumblebee.registry import register
-
-
-def adamw(param_groups, train_cfg, **kwargs) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
-                             eps=train_cfg.eps, **kwargs)
 
 
 def decay_groups(named_params, weight_decay: float) -> list[dict]:
@@ -30,14 +28,20 @@ class NoSharding:
     def __init__(self, groups: ShardingGroups, train_cfg):
         self.groups, self.train_cfg = groups, train_cfg
 
+    optimizer_options: dict = {}  # extra keyword arguments for the optimizer (e.g. foreach)
+
     def wrap(self, model):
         self.model = model
-        self.optimizer = adamw(decay_groups(model.named_parameters(), self.train_cfg.weight_decay), self.train_cfg)
         return model
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """The tensors the optimizer updates, with their weight decay."""
+        return decay_groups(self.model.named_parameters(), weight_decay)
+
+    def optimizer_param(self, name: str, optimizer) -> tuple[torch.Tensor, int | None]:
+        """The optimizer's parameter holding parameter ``name``'s state, and where that state
+        starts in the flattened parameter (None: it covers this rank's whole local tensor)."""
+        return dict(self.model.named_parameters())[name], None
 
     def set_grad_sync(self, enabled: bool) -> None:
         pass
@@ -48,11 +52,14 @@ class NoSharding:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def after_load(self) -> None:
+        """Called after a checkpoint wrote into the parameters and optimizer state."""
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def step(self, optimizer) -> None:
+        optimizer.step()
 
-    def state_bytes(self) -> dict[str, int]:
-        return state_bytes(self.model, self.optimizer)
+    def zero_grad(self, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self, optimizer) -> dict[str, int]:
+        return state_bytes(self.model, optimizer)

@@ -23,8 +23,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from bumblebee.primitives.sharding.common import ShardingGroups, clip_grad_norm, is_expert_param
-from bumblebee.primitives.sharding.none import NoSharding, adamw
+from bumblebee.primitives.sharding.common import clip_grad_norm
+from bumblebee.primitives.sharding.none import NoSharding
 from bumblebee.registry import register
 
 
@@ -57,31 +57,44 @@ class Zero1(NoSharding):
         self.model = model
         self.named = list(model.named_parameters())
         g = self.groups
-        self.slices = {name: _Slice(p, g.expert_group if is_expert_param(name) else g.dense_group)
+        self.is_expert = model.is_expert_param
+        self.slices = {name: _Slice(p, g.expert_group if self.is_expert(name) else g.dense_group)
                        for name, p in self.named}
+        return model
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """The fp32 master slices this rank owns (decay on matrices and stacked experts)."""
         decay = [s.master for n, s in self.slices.items() if s.p.dim() >= 2]
         no_decay = [s.master for n, s in self.slices.items() if s.p.dim() < 2]
-        self.optimizer = adamw([{"params": decay, "weight_decay": self.train_cfg.weight_decay},
-                                {"params": no_decay, "weight_decay": 0.0}], self.train_cfg)
-        return model
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def optimizer_param(self, name: str, optimizer):
+        s = self.slices[name]
+        return s.master, s.lo
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        for s in self.slices.values():  # the fp32 masters are slices of the (just loaded) parameters
+            s.master.copy_(s.p.detach().view(-1)[s.lo:s.hi])
 
     def reduce_grads(self) -> None:
         for name, p in self.named:
             if p.grad is None:  # e.g. an expert that saw no token: its gradient is zero
                 p.grad = torch.zeros_like(p)
-        dense = [p.grad for n, p in self.named if not is_expert_param(n)]
-        experts = [p.grad for n, p in self.named if is_expert_param(n)]
+        dense = [p.grad for n, p in self.named if not self.is_expert(n)]
+        experts = [p.grad for n, p in self.named if self.is_expert(n)]
         _flat_all_reduce(dense, self.groups.dense_group)
         _flat_all_reduce(experts, self.groups.expert_group)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm(self.named, self.groups, max_norm, dense_sharded=False, expert_sharded=False)
+        return clip_grad_norm(self.named, self.groups, max_norm, self.is_expert, dense_sharded=False,
+                              expert_sharded=False)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, optimizer) -> None:
         for s in self.slices.values():
             s.master.grad = s.p.grad.flatten()[s.lo:s.hi]
-        self.optimizer.step()
+        optimizer.step()
         for group in (self.groups.dense_group, self.groups.expert_group):
             self._all_gather([s for s in self.slices.values() if s.group is group])
 
@@ -105,6 +118,6 @@ class Zero1(NoSharding):
             s.p.copy_(full.view_as(s.p))
             offset += s.s
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, optimizer) -> None:
         self.model.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)

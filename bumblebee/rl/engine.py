@@ -26,7 +26,6 @@ Calls that touch the model are collective: every rank must make them, in the sam
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import time
@@ -38,14 +37,15 @@ import torch.distributed as dist
 from bumblebee.config import Config, ConfigError
 from bumblebee.models import resolve_arch
 from bumblebee.models.hf import hf_state_dict, to_hf
-from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
+from bumblebee.primitives.cp.layout import unshard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding.common import full_named_parameters, local
 from bumblebee.rl.batch import IGNORE, OPTIONAL, RLBatch, has_prefix, prediction_view, shift_right
 from bumblebee.rl.losses import PolicyInputs, PolicyLoss, token_logprobs
 from bumblebee.runtime.checkpoint import Checkpointer, named_checkpoint
-from bumblebee.runtime.mesh import plan_layout
-from bumblebee.runtime.optim import lr_at, set_lr
+from bumblebee.runtime.resolve import resolve_layout
+from bumblebee.runtime.optim import build_optimizer
+from bumblebee.runtime.step import accumulate, autocast_for, balance_denominator, optimizer_tail, shard_rows
 from bumblebee.runtime.trainer import (build_initial_model, build_parallel_context, build_sharding, pick_device,
                                        seed_everything)
 
@@ -79,8 +79,8 @@ class Engine:
     ``hf_path``: start from a Hugging Face checkpoint (sets ``model.hf_path``; ``model.arch``
     overrides still apply), else from the config's initialization (``train.seed``).
     ``temperature``: the sampling temperature of the rollouts; log-probs, entropies and
-    the update use ``softmax(logits / temperature)``. The optimizer is the sharding
-    primitive's AdamW (``train.lr``, betas, weight decay, ``train.clip_grad``); the
+    the update use ``softmax(logits / temperature)``. The optimizer is the runtime's
+    AdamW (``runtime/optim.py``) (``train.lr``, betas, weight decay, ``train.clip_grad``); the
     learning rate follows ``train``'s schedule unless ``train_step(lr=...)`` sets it.
     """
 
@@ -94,7 +94,7 @@ class Engine:
             raise ConfigError("the RL Engine does not support pipeline parallelism yet; use parallel.pp = 1")
         # the caller's batch is the global batch: train.global_batch only has to pass the runtime's check
         world = dist.get_world_size() if dist.is_initialized() else 1
-        dp = plan_layout(cfg.parallel, world, resolve_arch(cfg.model)).dp_shard
+        dp = resolve_layout(cfg.parallel, world, resolve_arch(cfg.model)).dp_shard
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=dp * cfg.train.micro_batch))
         self.cfg, self.temperature = cfg, temperature
         self.device = device or pick_device()
@@ -104,9 +104,9 @@ class Engine:
         model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group))
         self.sharding = build_sharding(cfg, ctx)
         self.model = self.sharding.wrap(model)
+        self.optimizer = build_optimizer(cfg.train, self.sharding)
         self.arch = self.model.arch
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.train.dtype == "bfloat16"
-                         else contextlib.nullcontext())
+        self.autocast = autocast_for(self.device, cfg.train.dtype)
         self.step = 0
         self.offloaded = False
 
@@ -133,10 +133,7 @@ class Engine:
             pos[B:] = torch.arange(cols, device=pos.device)
             pos[:B, T:] = torch.arange(cols - T, device=pos.device)  # restarts: a sequence of its own
             P = padded
-        r = self.ctx.dp_rank
-        local = {k: v[r * rows:(r + 1) * rows] for k, v in P.items()}
-        if cp > 1:
-            local = {k: shard_sequence(v, cp, self.ctx.cp_rank) for k, v in local.items()}
+        local = shard_rows(P, rows, self.ctx.dp_rank, cp, self.ctx.cp_rank)
         return {k: v.to(self.device) for k, v in local.items()}, rows
 
     def _micro_batches(self, local: dict[str, torch.Tensor], rows: int):
@@ -191,26 +188,19 @@ class Engine:
         P = prediction_view(batch, getattr(loss_fn, "agg", "token-mean"))
         n_tokens = int((P["targets"] != IGNORE).sum())
         local, rows = self._local(P)
-        n_micro = -(-rows // t.micro_batch)
-        aux_scale = self.arch.router_aux_loss_coef / (n_micro * self._dp * self.ctx.layout.cp)
-        loss_sum = torch.zeros((), device=self.device)
-        stat_sums: dict[str, torch.Tensor] = {}
-        for i, mb in enumerate(self._micro_batches(local, rows)):
-            self.sharding.set_grad_sync(i == n_micro - 1)
+        parts = list(self._micro_batches(local, rows))
+        denominator = balance_denominator(len(parts), self._dp, self.ctx.layout.cp)
+        aux_scale = self.arch.router_aux_loss_coef / denominator  # d loss / d (one micro-batch's balance loss)
+
+        def forward(mb):
             logp, ent, aux = self._scores(mb, getattr(loss_fn, "needs_entropy", False))
             mask = mb["targets"] != IGNORE
-            x = PolicyInputs(logp, ent, mask, mb["weights"], *(mb.get(k) for k in OPTIONAL))
-            loss, stats = loss_fn(x)
-            (loss + aux_scale * aux).backward()
-            loss_sum += loss.detach().float()
-            for k, v in stats.items():
-                stat_sums[k] = stat_sums.get(k, 0.0) + v.detach().float()
-        self.sharding.reduce_grads()
-        grad_norm = self.sharding.clip_grad_norm(t.clip_grad if t.clip_grad > 0 else float("inf"))
-        lr = lr_at(self.step, t) if lr is None else lr
-        set_lr(self.sharding, lr)
-        self.sharding.step()
-        self.sharding.zero_grad()
+            loss, stats = loss_fn(PolicyInputs(logp, ent, mask, mb["weights"], *(mb.get(k) for k in OPTIONAL)))
+            return loss + aux_scale * aux, {"loss": loss, **stats}
+
+        stat_sums = accumulate(parts, self.sharding, forward)
+        loss_sum = stat_sums.pop("loss")
+        grad_norm, lr, _ = optimizer_tail(self.sharding, self.optimizer, t, self.step, lr=lr)
         self.step += 1
         names = sorted(stat_sums)
         totals = torch.stack([loss_sum] + [stat_sums[k] for k in names])
@@ -244,7 +234,7 @@ class Engine:
     # ------------------------------------------------------------------ checkpoint and memory
     def _checkpointer(self, out_dir: str) -> Checkpointer:
         cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, out_dir=out_dir))
-        return Checkpointer(cfg, self.ctx, self.model, self.sharding, stream=io.StringIO())
+        return Checkpointer(cfg, self.ctx, self.model, self.sharding, self.optimizer, stream=io.StringIO())
 
     def save(self, path: str) -> str:
         """Resumable state (parameters, optimizer state, step, RNG) as a runtime checkpoint,
@@ -279,11 +269,11 @@ class Engine:
         if any(local(p).device != device for p in self.model.parameters()):
             self.model.to(device)
         own = {id(p) for p in self.model.parameters()}
-        for group in self.sharding.optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in own and p.device != device:
                     p.data = p.data.to(device)
-        for entry in self.sharding.optimizer.state.values():
+        for entry in self.optimizer.state.values():
             for k, v in entry.items():
                 if torch.is_tensor(v) and v.dim() > 0 and local(v).device != device:
                     entry[k] = v.to(device)

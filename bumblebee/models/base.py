@@ -1,0 +1,224 @@
+"""The outer causal language model every family shares, and the protocol the runtime uses.
+
+A family (``qwen3_moe.py``, ``qwen3_5_moe.py``) brings a decoder layer, its arch, presets and
+a Hugging Face name map; everything around the layers lives here once:
+
+- construction: the primitives named in the config are resolved (attention or the CP
+  attention when the sequence is split, MoE dispatch, recompute policy, loss), the
+  HF-named backbone ``model.{embed_tokens, layers, norm}`` and ``lm_head`` are built, and
+  weights are initialized identically for every layout of a seed;
+- entry points: ``hidden_states`` (optionally one pipeline stage of it), ``loss_terms``
+  (what a training step needs from one micro-batch) and ``forward`` (the public API);
+- the protocol the runtime and the sharding primitives call instead of reaching into
+  attribute paths or parameter names: ``fsdp_units``, ``is_expert_param``, ``keep_stages``
+  (what a pipeline stage holds), ``layer_flops``.
+
+Legend: B batch, T tokens, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bumblebee import registry
+from bumblebee.primitives.cp.layout import build_cp_layout
+from bumblebee.primitives.moe.experts import Experts
+from bumblebee.primitives.packed import default_position_ids, doc_layout
+from bumblebee.primitives.parallel import ParallelGroups
+from bumblebee.primitives.rope import rope_cos_sin
+
+
+@dataclass
+class LossTerms:
+    """What a training step needs from one micro-batch's forward."""
+
+    loss_sum: torch.Tensor  # summed token losses over the valid labels of this micro-batch
+    num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
+    aux_loss: torch.Tensor  # load-balancing loss, mean over MoE layers (0 if none)
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """What a family's decoder layer is built from (resolved once per model)."""
+
+    prims: object  # the [primitives] section
+    attend: object  # attention core: the attention slot, or the cp slot when the sequence is split
+    dispatch: object  # moe_comm: token dispatch/combine around the experts
+    recompute: object  # recompute policy
+    groups: ParallelGroups
+
+
+class Backbone(nn.Module):
+    """HF ``model.*``: embeddings, decoder layers, final norm."""
+
+    def __init__(self, embed_tokens: nn.Module, layers: list[nn.Module], norm: nn.Module):
+        super().__init__()
+        self.embed_tokens, self.layers, self.norm = embed_tokens, nn.ModuleList(layers), norm
+
+
+class Elsewhere(nn.Module):
+    """Stands in for a decoder layer that another pipeline stage holds (no parameters)."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args):
+        raise RuntimeError(f"decoder layer {self.index} lives on another pipeline stage")
+
+
+class CausalLM(nn.Module):
+    """The public model object: ``model(input_ids, position_ids=None, labels=None)``.
+
+    Subclasses set ``family`` and ``norm_cls`` and implement ``make_layer`` (and may
+    override ``rotary_dim``, ``init_extra`` and ``layer_flops``)."""
+
+    family = ""
+    norm_cls: type = nn.Module
+
+    def __init__(self, arch, prims=None, groups: ParallelGroups | None = None):
+        super().__init__()
+        from bumblebee.config import PrimitivesConfig
+
+        self.arch = arch
+        self.prims = prims = prims or PrimitivesConfig()
+        self.groups = groups = groups or ParallelGroups()
+        dispatch = registry.get("moe_comm", prims.moe_comm).factory(
+            num_experts=arch.num_experts, ep_group=groups.ep_group, num_chunks=prims.moe_chunks)
+        self.recompute = registry.get("recompute", prims.recompute).factory(prims.recompute_modules)
+        self.loss_fn = registry.get("loss", prims.loss).factory
+        # one attention core for the whole model: the CP implementation when the sequence is split
+        attend = (registry.get("cp", prims.cp) if groups.cp_size > 1 else registry.get("attention", prims.attention))
+        parts = LayerParts(prims, attend.factory, dispatch, self.recompute, groups)
+        embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        layers = [self.make_layer(i, parts) for i in range(arch.num_hidden_layers)]
+        self.model = Backbone(embed, layers, self.norm_cls(arch.hidden_size, arch.rms_norm_eps))
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.num_moe_layers = max(sum(int(layer.is_moe) for layer in self.model.layers), 1)
+        self.stage_layers: dict[int, list[int]] | None = None  # pipeline stage -> its layers (keep_stages)
+        self.num_stages = 1
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ family hooks
+    def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
+        """Decoder layer ``index``: ``forward(x_BTH, cos, sin, layout) -> (x_BTH, balance loss)``,
+        with a boolean attribute ``is_moe``."""
+        raise NotImplementedError
+
+    def rotary_dim(self) -> int:
+        return self.arch.head_dim
+
+    def init_extra(self, std: float) -> None:
+        """Initialize what ``reset_parameters`` leaves alone (vectors: norms, gates, ...)."""
+
+    def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
+        """Forward FLOPs of one ``seq_len``-token sequence per decoder layer, and of the LM head."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """HF-style init: normal(0, std) for matrices (then ``init_extra`` for the rest).
+        Expert weights are drawn at full size and sliced, so every expert-parallel layout
+        initializes identically for a seed."""
+        ep, r = self.groups.ep_size, self.groups.ep_rank
+        for name, p in self.named_parameters():
+            if p.dim() > 1 and ep > 1 and self.is_expert_param(name):
+                full = torch.empty((p.shape[0] * ep,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
+                p.copy_(full.normal_(0.0, std)[r * p.shape[0]:(r + 1) * p.shape[0]])
+            elif p.dim() > 1:
+                p.normal_(0.0, std)
+        self.init_extra(std)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    # ------------------------------------------------------------------ protocol for the runtime
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def expert_modules(self) -> list[nn.Module]:
+        return [m for m in self.modules() if isinstance(m, Experts)]
+
+    def is_expert_param(self, name: str) -> bool:
+        """Whether parameter ``name`` is a routed-expert weight (sharded over ep, reduced over edp)."""
+        names = self.__dict__.get("_expert_names")
+        if names is None:
+            names = {f"{mn}.{pn}" for mn, m in self.named_modules() if isinstance(m, Experts)
+                     for pn, _ in m.named_parameters()}
+            self.__dict__["_expert_names"] = names
+        return name in names
+
+    def fsdp_units(self):
+        """(module, "expert" | "dense") in wrapping order: each decoder layer's experts (over the
+        expert mesh), then the layer itself (dense mesh). The model itself is the root unit."""
+        for layer in self.model.layers:
+            for m in layer.modules():
+                if isinstance(m, Experts):
+                    yield m, "expert"
+            yield layer, "dense"
+
+    def keep_stages(self, stage_layers: dict[int, list[int]], num_stages: int) -> None:
+        """Keep only this rank's pipeline stages: their layers (placeholders elsewhere, so
+        parameter names stay global), the embedding with stage 0, the final norm and LM head
+        with the last stage."""
+        kept = {i for layers in stage_layers.values() for i in layers}
+        for i in range(len(self.model.layers)):
+            if i not in kept:
+                self.model.layers[i] = Elsewhere(i)
+        if 0 not in stage_layers:
+            self.model.embed_tokens = None
+        if num_stages - 1 not in stage_layers:
+            self.model.norm = self.lm_head = None
+        self.stage_layers, self.num_stages = stage_layers, num_stages
+        self.__dict__.pop("_expert_names", None)
+
+    def layer_context(self, position_ids_BT, dtype):
+        """What every decoder layer takes besides its input: RoPE (cos, sin) in ``dtype`` and the
+        document layout (the CP layout when the sequence is split)."""
+        cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
+        layout = build_cp_layout(position_ids_BT, cp_group) if cp_group is not None else doc_layout(position_ids_BT)
+        cos, sin = rope_cos_sin(position_ids_BT, self.rotary_dim(), self.arch.rope_theta, dtype)
+        return cos, sin, layout
+
+    # ------------------------------------------------------------------ entry points
+    def hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None):
+        """Final-norm hidden states [B, T, H] and this part's share of the mean balance loss over
+        MoE layers. With ``stage`` (pipeline parallelism) only that stage runs: ``inputs`` are token
+        ids on stage 0, else the previous stage's hidden states, and the final norm runs on the
+        last stage only."""
+        if position_ids_BT is None:
+            position_ids_BT = default_position_ids(inputs)
+        first = stage is None or stage == 0
+        last = stage is None or stage == self.num_stages - 1
+        layer_ids = range(len(self.model.layers)) if stage is None else self.stage_layers[stage]
+        x = self.model.embed_tokens(inputs) if first else inputs
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        cos, sin, layout = self.layer_context(position_ids_BT, dtype)
+        aux = x.new_zeros((), dtype=torch.float32)
+        for i in layer_ids:
+            x, a = self.recompute.layer(self.model.layers[i], x, cos, sin, layout)
+            aux = aux + a
+        return (self.model.norm(x) if last else x), aux / self.num_moe_layers
+
+    def loss_terms(self, inputs, labels_BT, position_ids_BT=None, *, stage: int | None = None) -> LossTerms:
+        """The summed token loss through the loss primitive (``stage``: the last pipeline stage)."""
+        h_BTH, aux = self.hidden_states(inputs, position_ids_BT, stage=stage)
+        labels_T = labels_BT.reshape(-1)
+        loss_sum = self.loss_fn(h_BTH.reshape(-1, h_BTH.shape[-1]), self.lm_head_weight, labels_T, reduction="sum")
+        return LossTerms(loss_sum, (labels_T != -100).sum(), aux)
+
+    def forward(self, input_ids, position_ids=None, labels=None):
+        """Logits [B, T, V] without labels; with labels (already shifted, -100 ignored)
+        the mean cross-entropy through the configured loss primitive."""
+        if labels is None:
+            h_BTH, _ = self.hidden_states(input_ids, position_ids)
+            return F.linear(h_BTH, self.lm_head_weight)
+        terms = self.loss_terms(input_ids, labels, position_ids)
+        return terms.loss_sum / terms.num_tokens.clamp(min=1)

@@ -1,0 +1,148 @@
+"""Everything about a run that can be checked before any process group exists.
+
+One resolver shared by the CLI, the launcher (in the parent process), the Trainer, the
+RL Engine and the planner, so they cannot disagree about what runs:
+
+- ``validate_run(cfg)``: the registered primitives, the model family, preset or HF
+  directory and its architecture (``config.validate`` has already checked each value);
+- ``resolve_layout(parallel, world, arch)``: ``dp_shard = "auto"`` resolved and the
+  layout checked against a world size (EP folding, divisibility);
+- ``check_run(cfg, world)``: both, plus what the step needs (rows per rank, zigzag
+  chunks, pipeline stages); returns the ``Layout``;
+- ``load_config(path, overrides)``: parse + ``validate_run`` (``bumblebee.load_config``).
+
+"Layout" means one thing in bumblebee: the sizes of the parallel dimensions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import bumblebee.primitives  # noqa: F401  (registers every implementation)
+from bumblebee import registry
+from bumblebee.config import Config, ConfigError, parse_config
+from bumblebee.models import resolve_arch
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    pp: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+
+    @property
+    def edp(self) -> int:
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp_shard * self.cp
+
+    def describe(self) -> str:
+        return (f"world={self.world}: pp={self.pp} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}; "
+                f"experts: ep={self.ep} edp={self.edp}")
+
+
+def resolve_layout(parallel_cfg, world: int, arch) -> Layout:
+    """Resolve ``dp_shard="auto"`` and reject impossible layouts (no process group needed)."""
+    p = parallel_cfg
+    if p.tp > 1:
+        raise ConfigError("parallel.tp > 1 is not implemented; the recipe keeps TP = 1 (use ep and cp)")
+    if p.pp > arch.num_hidden_layers:
+        raise ConfigError(f"parallel.pp = {p.pp} stages need at least as many decoder layers, "
+                          f"the model has {arch.num_hidden_layers}")
+    inner = p.cp * p.tp * p.pp
+    if p.dp_shard == "auto":
+        if world % inner:
+            raise ConfigError(f"world size {world} is not divisible by cp*tp*pp = {inner}")
+        dp_shard = world // inner
+    else:
+        dp_shard = p.dp_shard
+    if dp_shard * inner != world:
+        raise ConfigError(f"pp*dp_shard*cp*tp = {p.pp}*{dp_shard}*{p.cp}*{p.tp} = {dp_shard * inner} "
+                          f"!= world size {world}")
+    fold = dp_shard * p.cp * p.tp
+    if fold % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} must divide dp_shard*cp*tp = {fold} (ep folds over those ranks)")
+    num_experts = getattr(arch, "num_experts", 0)
+    if p.ep > 1 and num_experts % p.ep:
+        raise ConfigError(f"num_experts = {num_experts} is not divisible by parallel.ep = {p.ep}")
+    return Layout(world=world, pp=p.pp, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=p.ep)
+
+
+def validate_run(cfg: Config):
+    """The checks that need the registry and the model families; returns the architecture."""
+    registry.validate_choices(cfg.primitives)
+    arch = resolve_arch(cfg.model)  # validates family, preset, hf_path and the architecture
+    if arch.vocab_size < 256 and cfg.data.source == "synthetic":
+        raise ConfigError(f"the synthetic task is byte-level and needs vocab_size >= 256, got {arch.vocab_size}")
+    return arch
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- ``--set`` overrides; every value and the model checked."""
+    cfg = parse_config(path, overrides)
+    validate_run(cfg)
+    return cfg
+
+
+def check_run(cfg: Config, world: int):
+    """Everything about a run on ``world`` ranks that can be rejected before any process
+    group exists (the launcher calls this in the parent process)."""
+    layout = resolve_layout(cfg.parallel, world, resolve_arch(cfg.model))
+    if world > 1 and cfg.primitives.sharding == "none":
+        raise ConfigError(f"primitives.sharding = 'none' needs a single process (world size is {world}); "
+                          "use 'fsdp2' or 'zero1'")
+    if layout.ep > 1 and cfg.primitives.moe_comm == "local":
+        raise ConfigError("primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use 'alltoall'")
+    if cfg.train.seq_len % (2 * layout.cp):
+        raise ConfigError(f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
+                          f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks")
+    if layout.cp > 1 and cfg.model.name not in ("qwen3_moe", "qwen3_5_moe"):
+        raise ConfigError(f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; "
+                          "valid: qwen3_moe, qwen3_5_moe")
+    rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
+    if rem or rows % cfg.train.micro_batch:
+        raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
+                          f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch})")
+    check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
+    if cfg.train.eval_every and layout.pp > 1:
+        raise ConfigError("train.eval_every is not supported with parallel.pp > 1 yet")
+    return layout
+
+
+
+def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:
+    """Reject pipeline settings that cannot run (one-line ConfigErrors, before any process starts)."""
+    p = cfg.primitives
+    if p.pp_microbatches < 0 or p.pp_virtual_stages < 1:
+        raise ConfigError(f"primitives.pp_microbatches must be >= 0 and pp_virtual_stages >= 1, "
+                          f"got {p.pp_microbatches} and {p.pp_virtual_stages}")
+    if layout.pp == 1:
+        if p.pp_layout or p.pp_virtual_stages != 1:
+            raise ConfigError("primitives.pp_layout and pp_virtual_stages need parallel.pp > 1")
+        return
+    m = p.pp_microbatches or rows_per_rank // cfg.train.micro_batch
+    if rows_per_rank % m:
+        raise ConfigError(f"primitives.pp_microbatches = {m} must divide the {rows_per_rank} rows of each "
+                          f"pipeline (train.global_batch / dp_shard)")
+    problem = registry.get("pipeline", p.pipeline).factory.check(layout.pp, m, p.pp_virtual_stages)
+    if problem:
+        raise ConfigError(f"primitives.pipeline = {p.pipeline!r} {problem}")
+    stages, n = layout.pp * p.pp_virtual_stages, arch.num_hidden_layers
+    if stages > n:
+        raise ConfigError(f"pp x pp_virtual_stages = {stages} stages need at least as many decoder layers, "
+                          f"the model has {n}")
+    if arch.tie_word_embeddings:
+        raise ConfigError("tied embeddings cannot be split over pipeline stages (embedding on the first, "
+                          "LM head on the last); use parallel.pp = 1")
+    if p.pp_layout:
+        ok = (isinstance(p.pp_layout, list) and len(p.pp_layout) == stages
+              and all(isinstance(s, list) and s for s in p.pp_layout)
+              and [i for s in p.pp_layout for i in s] == list(range(n)))
+        if not ok:
+            raise ConfigError(f"primitives.pp_layout must list {stages} non-empty stages of consecutive decoder "
+                              f"layers covering 0..{n - 1} in order, e.g. [[0, 1], [2, 3]]; got {p.pp_layout}")

@@ -1,0 +1,126 @@
+"""One optimizer step, shared by the Trainer, the pipeline schedule, the RL Engine and ``pair``.
+
+    local = local_batch(rows, ...)           1. this rank's rows, then its zigzag CP share of them
+    sums = accumulate(micro_batches, ...)    2. forward + backward per micro-batch, gradients
+                                                reduced on the last one only
+    (or the pipeline schedule runs step 2 when pp > 1: runtime/pipeline.py)
+    optimizer_tail(...)                      3. reduce -> clip (global norm, pp-aware) -> finite? ->
+                                                LR -> update -> zero
+
+Loss scaling (what makes every layout give the single-process loss): each rank's
+loss is its share of the global mean, the summed token loss of a micro-batch divided
+by the valid tokens of the *global* batch, so gradients are summed across ranks, never
+averaged (primitives/sharding/common.py). The balance loss is a mean over every
+micro-batch of the global batch: its coefficient is divided by ``balance_denominator``
+(micro-batches x dp ranks x cp ranks; cp ranks hold identical copies of it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from bumblebee.data import Batch
+from bumblebee.primitives.cp.layout import shard_sequence
+from bumblebee.runtime.nonfinite import check_finite
+from bumblebee.runtime.optim import lr_at, set_lr
+
+
+def autocast_for(device: torch.device, dtype: str):
+    """The compute-dtype context of a run: bf16 autocast, or nothing for fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
+
+
+def shard_rows(tensors: dict[str, torch.Tensor], rows: int, dp_rank: int, cp: int, cp_rank: int) -> dict:
+    """This rank's part of [B, T] tensors: rows ``[dp_rank * rows, (dp_rank + 1) * rows)``,
+    then with cp > 1 its zigzag share of every row (tokens, labels, positions alike)."""
+    out = {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in tensors.items()}
+    if cp > 1:
+        out = {k: shard_sequence(v, cp, cp_rank) for k, v in out.items()}
+    return out
+
+
+def local_batch(rows: Batch, cp: int, cp_rank: int, device) -> Batch:
+    """This rank's training rows (the data source builds only those) cut to its zigzag CP share
+    (``shard_rows``), moved to ``device``."""
+    part = shard_rows({"input_ids": rows.input_ids, "labels": rows.labels, "position_ids": rows.position_ids},
+                      rows.input_ids.shape[0], 0, cp, cp_rank)
+    return Batch(**part).to(device)
+
+
+def micro_batches(local: Batch, micro_batch: int) -> list[Batch]:
+    n = local.input_ids.shape[0]
+    return [local.rows(i, i + micro_batch) for i in range(0, n, micro_batch)]
+
+
+def balance_denominator(micro: int, dp: int, cp: int) -> int:
+    """How many balance-loss copies the global batch's mean runs over."""
+    return micro * dp * cp
+
+
+def accumulate(parts: list, sharding, forward) -> dict[str, torch.Tensor]:
+    """Forward and backward over micro-batches ``parts``; gradients are reduced (FSDP2) on
+    the last one only. ``forward(part) -> (loss to differentiate, {name: detached stat})``;
+    returns each stat summed over the micro-batches (fp32)."""
+    sums: dict[str, torch.Tensor] = {}
+    for i, part in enumerate(parts):
+        sharding.set_grad_sync(i == len(parts) - 1)
+        loss, stats = forward(part)
+        loss.backward()
+        for k, v in stats.items():
+            sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
+    return sums
+
+
+def lm_forward(model, global_tokens: int, balance_coef: float, micro: int, dp: int, cp: int, autocast):
+    """The training forward of one micro-batch (a ``Batch``) for ``accumulate``: its token-loss
+    share plus its balance-loss share; stats ``loss_sum`` and ``aux`` (balance loss / micro)."""
+    denominator = balance_denominator(micro, dp, cp)
+
+    def forward(mb: Batch):
+        with autocast:
+            terms = model.loss_terms(mb.input_ids, mb.labels, mb.position_ids)
+        loss = terms.loss_sum / global_tokens + balance_coef * terms.aux_loss / denominator
+        return loss, {"loss_sum": terms.loss_sum, "aux": terms.aux_loss.detach() / micro}
+
+    return forward
+
+
+def optimizer_tail(sharding, optimizer, train_cfg, step: int, *, lr: float | None = None, loss=None,
+                   pp_group=None, params=None) -> tuple[torch.Tensor, float, bool]:
+    """Reduce gradients, clip on the global norm, check they are finite, set the scheduled LR,
+    update, zero. With pipeline parallelism (``pp_group``) the norm covers every stage's
+    gradients: each stage's squared norm is summed over the pipeline group before clipping
+    ``params``. ``loss`` (the global loss, identical on every rank) and the norm are checked
+    under ``train.on_nonfinite`` (runtime/nonfinite.py): "stop" raises before the update,
+    "skip" drops it. Returns (grad norm, lr, whether the update was applied)."""
+    sharding.reduce_grads()
+    max_norm = train_cfg.clip_grad if train_cfg.clip_grad > 0 else float("inf")
+    if pp_group is None:
+        grad_norm = sharding.clip_grad_norm(max_norm)
+    else:
+        grad_norm = _clip_over_stages(sharding, params, max_norm, pp_group)
+    lr = lr_at(step, train_cfg) if lr is None else lr
+    applied = check_finite(step + 1, 0.0 if loss is None else loss, grad_norm, train_cfg.on_nonfinite)
+    if applied:
+        set_lr(optimizer, lr)
+        sharding.step(optimizer)
+    sharding.zero_grad(optimizer)
+    return grad_norm, lr, applied
+
+
+def _clip_over_stages(sharding, params, max_norm: float, pp_group) -> torch.Tensor:
+    """Norm of all gradients of all stages; scale them by min(1, max_norm / (norm + 1e-6))."""
+    from bumblebee.primitives.sharding.common import local
+
+    stage_norm = sharding.clip_grad_norm(float("inf"))  # this stage's norm (multiplies gradients by 1)
+    sq = stage_norm.detach().float().pow(2).reshape(1)
+    dist.all_reduce(sq, group=pp_group)
+    total = sq.sqrt()[0]
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            local(p.grad).mul_(coef.to(p.grad.dtype))
+    return total
