@@ -1,39 +1,54 @@
-"""Model families composed from primitives, and their Hugging Face mapping."""
+"""Model families composed from primitives, looked up through one family table (``family.py``).
+
+``resolve_arch`` turns a ``[model]`` section into an architecture, ``build_model`` builds
+the family's ``CausalLM`` (models/base.py), ``arch_from_hf_dict`` reads a Hugging Face
+``config.json`` of any registered family.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 
-from bumblebee.models.arch import ArchError, Qwen3MoeArch
-from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
-from bumblebee.models.presets import PRESETS, preset
+from bumblebee.errors import ConfigError
+from bumblebee.models import qwen3_5_moe, qwen3_moe
+from bumblebee.models.arch import ArchError
+from bumblebee.models.family import FAMILIES, Family, family_of_model_type, register_family
+from bumblebee.models.presets import PRESETS
 
-FAMILIES = {"qwen3_moe": Qwen3MoeArch, "qwen3_5_moe": Qwen3_5MoeArch}
-# HF model_type -> family (qwen3_5_moe is the multimodal wrapper: its text_config is loaded)
-HF_MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_moe": "qwen3_5_moe"}
+register_family(Family(name="qwen3_moe", arch=qwen3_moe.Qwen3MoeArch, model=qwen3_moe.Qwen3MoeForCausalLM,
+                       presets=PRESETS["qwen3_moe"], hf_model_types=("qwen3_moe",)))
+# qwen3_5_moe is also the released multimodal wrapper: its text_config is the language model,
+# stored under model.language_model.*; the vision tower and the MTP head are not part of it
+register_family(Family(name="qwen3_5_moe", arch=qwen3_5_moe.Qwen3_5MoeArch, model=qwen3_5_moe.Qwen3_5MoeForCausalLM,
+                       presets=PRESETS["qwen3_5_moe"], hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
+                       hf_prefixes={"model.language_model.": "model."}, skip_prefixes=("model.visual.", "mtp.")))
+
+
+def family_of(arch) -> Family:
+    return family_of_model_type(arch.model_type)
 
 
 def arch_from_hf_dict(d: dict):
-    from bumblebee.errors import ConfigError
-
+    """The architecture of a Hugging Face config dict (any registered family)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"a model config must be a JSON object, got {type(d).__name__}")
     model_type = d.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
-        raise ConfigError(f"unsupported model_type {model_type!r}; valid: {', '.join(HF_MODEL_TYPES)}")
+    family = family_of_model_type(model_type)
+    if family is None:
+        valid = [t for f in FAMILIES.values() for t in f.hf_model_types]
+        raise ConfigError(f"unsupported model_type {model_type!r}; valid: {', '.join(valid)}")
     try:
-        return FAMILIES[HF_MODEL_TYPES[model_type]].from_hf_dict(d)
+        return family.arch.from_hf_dict(d)
     except (ArchError, TypeError) as e:
         raise ConfigError(f"invalid {model_type} config: {e}") from None
 
 
 def resolve_arch(model_cfg):
     """The architecture a ``[model]`` section describes (preset or HF dir, plus overrides)."""
-    from bumblebee.errors import ConfigError
-
-    if model_cfg.name not in PRESETS:
-        raise ConfigError(f"unknown model.name {model_cfg.name!r}; valid: {', '.join(PRESETS)}")
-    if model_cfg.name not in FAMILIES:
-        raise ConfigError(f"model family {model_cfg.name!r} is not implemented yet; valid: {', '.join(FAMILIES)}")
+    family = FAMILIES.get(model_cfg.name)
+    if family is None:
+        raise ConfigError(f"unknown model.name {model_cfg.name!r}; valid: {', '.join(FAMILIES)}")
     if model_cfg.hf_path:
         path = os.path.join(model_cfg.hf_path, "config.json")
         if not os.path.isfile(path):
@@ -41,10 +56,10 @@ def resolve_arch(model_cfg):
         with open(path) as f:
             arch = arch_from_hf_dict(json.load(f))
     else:
-        presets = PRESETS[model_cfg.name]
-        if model_cfg.preset not in presets:
-            raise ConfigError(f"unknown {model_cfg.name} preset {model_cfg.preset!r}; valid: {', '.join(presets)}")
-        arch = arch_from_hf_dict(preset(model_cfg.name, model_cfg.preset))
+        if model_cfg.preset not in family.presets:
+            raise ConfigError(f"unknown {model_cfg.name} preset {model_cfg.preset!r}; "
+                              f"valid: {', '.join(family.presets)}")
+        arch = arch_from_hf_dict(dict(family.presets[model_cfg.preset]))
     try:
         return arch.with_overrides(model_cfg.arch) if model_cfg.arch else arch
     except (ArchError, TypeError) as e:
@@ -54,8 +69,4 @@ def resolve_arch(model_cfg):
 def build_model(arch, prims=None, groups=None):
     """An initialized model of ``arch``'s family with the chosen primitives; ``groups``
     (``primitives.parallel.ParallelGroups``) when it is split over ranks."""
-    from bumblebee.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
-    from bumblebee.models.qwen3_moe import Qwen3MoeForCausalLM
-
-    classes = {"qwen3_moe": Qwen3MoeForCausalLM, "qwen3_5_moe": Qwen3_5MoeForCausalLM}
-    return classes[HF_MODEL_TYPES[arch.model_type]](arch, prims, groups)
+    return family_of(arch).model(arch, prims, groups)

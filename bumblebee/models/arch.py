@@ -109,18 +109,20 @@ class Qwen3MoeArch:
         arch.validate()
         return arch
 
-    # ------------------------------------------------------------------ sizes
+    # ------------------------------------------------------------------ arithmetic
+    def to_spec(self, name: str = "custom"):
+        """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
+        from bumblebee.models.spec import ATTN, DENSE, MOE, ModelSpec
+
+        layers = self.num_hidden_layers
+        return ModelSpec(name=name, family="qwen3_moe", vocab=self.vocab_size, hidden=self.hidden_size,
+                         mixers=(ATTN,) * layers, mlps=tuple(MOE if self.is_moe_layer(i) else DENSE
+                                                               for i in range(layers)),
+                         n_heads=self.num_attention_heads, n_kv_heads=self.num_key_value_heads,
+                         head_dim=self.head_dim, attn_gate=False, experts=self.num_experts,
+                         top_k=self.num_experts_per_tok, expert_ffn=self.moe_intermediate_size, shared_ffn=0,
+                         dense_ffn=self.intermediate_size, tied=self.tie_word_embeddings)
+
     def num_params(self) -> dict[str, int]:
-        """Parameter counts: total, and the routed-expert part."""
-        h, layers = self.hidden_size, self.num_hidden_layers
-        attn = h * self.head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads) + 2 * self.head_dim
-        experts = dense = 0
-        for i in range(layers):
-            if self.is_moe_layer(i):
-                experts += self.num_experts * 3 * h * self.moe_intermediate_size
-                dense += self.num_experts * h  # router
-            else:
-                dense += 3 * h * self.intermediate_size
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        total = layers * (attn + 2 * h) + experts + dense + embed + h
-        return {"total": total, "experts": experts}
+        """Parameter counts: total, dense and routed-expert parts."""
+        return self.to_spec().num_params()

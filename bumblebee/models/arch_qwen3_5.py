@@ -148,21 +148,22 @@ class Qwen3_5MoeArch:
         arch.validate()
         return arch
 
-    # ------------------------------------------------------------------ sizes
+    # ------------------------------------------------------------------ arithmetic
+    def to_spec(self, name: str = "custom"):
+        """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
+        from bumblebee.models.spec import ATTN, GDN, MOE, ModelSpec
+
+        return ModelSpec(name=name, family="qwen3_5_moe", vocab=self.vocab_size, hidden=self.hidden_size,
+                         mixers=tuple(ATTN if t == "full_attention" else GDN for t in self.layer_types),
+                         mlps=(MOE,) * self.num_hidden_layers, n_heads=self.num_attention_heads,
+                         n_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, attn_gate=True,
+                         gdn_k_heads=self.linear_num_key_heads, gdn_v_heads=self.linear_num_value_heads,
+                         gdn_k_dim=self.linear_key_head_dim, gdn_v_dim=self.linear_value_head_dim,
+                         gdn_conv=self.linear_conv_kernel_dim, experts=self.num_experts,
+                         top_k=self.num_experts_per_tok, expert_ffn=self.moe_intermediate_size,
+                         shared_ffn=self.shared_expert_intermediate_size, dense_ffn=0,
+                         tied=self.tie_word_embeddings)
+
     def num_params(self) -> dict[str, int]:
-        """Parameter counts: total, and the routed-expert part."""
-        h = self.hidden_size
-        n, kv, d = self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        full = h * d * (2 * n + 2 * kv) + n * d * h + 2 * d  # q (+gate), k, v, o, q/k norms
-        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
-        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
-        conv = 2 * key_dim + value_dim
-        linear = (h * (conv + value_dim + 2 * self.linear_num_value_heads) + conv * self.linear_conv_kernel_dim
-                  + 2 * self.linear_num_value_heads + self.linear_value_head_dim + value_dim * h)
-        experts_per_layer = self.num_experts * 3 * h * self.moe_intermediate_size
-        moe_dense = self.num_experts * h + 3 * h * self.shared_expert_intermediate_size + h
-        mixers = sum(full if t == "full_attention" else linear for t in self.layer_types)
-        layers = self.num_hidden_layers
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        total = mixers + layers * (2 * h + experts_per_layer + moe_dense) + embed + h
-        return {"total": total, "experts": layers * experts_per_layer}
+        """Parameter counts: total, dense and routed-expert parts."""
+        return self.to_spec().num_params()

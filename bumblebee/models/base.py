@@ -11,7 +11,8 @@ a Hugging Face name map; everything around the layers lives here once:
   (what a training step needs from one micro-batch) and ``forward`` (the public API);
 - the protocol the runtime and the sharding primitives call instead of reaching into
   attribute paths or parameter names: ``fsdp_units``, ``is_expert_param``, ``keep_stages``
-  (what a pipeline stage holds), ``layer_flops``.
+  (what a pipeline stage holds), ``layer_flops``, and ``new_kv_cache`` / ``forward_cached``
+  (decoding with a K/V cache through the same layers, models/kv_cache.py).
 
 Legend: B batch, T tokens, H hidden, V vocabulary.
 """
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bumblebee import registry
+from bumblebee.models.kv_cache import KVCache, cache_aware
 from bumblebee.primitives.cp.layout import build_cp_layout
 from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.packed import default_position_ids, doc_layout
@@ -93,7 +95,7 @@ class CausalLM(nn.Module):
         self.loss_fn = registry.get("loss", prims.loss).factory
         # one attention core for the whole model: the CP implementation when the sequence is split
         attend = (registry.get("cp", prims.cp) if groups.cp_size > 1 else registry.get("attention", prims.attention))
-        parts = LayerParts(prims, attend.factory, dispatch, self.recompute, groups)
+        parts = LayerParts(prims, cache_aware(attend.factory), dispatch, self.recompute, groups)
         embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
         layers = [self.make_layer(i, parts) for i in range(arch.num_hidden_layers)]
         self.model = Backbone(embed, layers, self.norm_cls(arch.hidden_size, arch.rms_norm_eps))
@@ -222,3 +224,24 @@ class CausalLM(nn.Module):
             return F.linear(h_BTH, self.lm_head_weight)
         terms = self.loss_terms(input_ids, labels, position_ids)
         return terms.loss_sum / terms.num_tokens.clamp(min=1)
+
+    # ------------------------------------------------------------------ decoding with a K/V cache
+    def new_kv_cache(self, rows: int, length: int) -> KVCache:
+        """An empty cache for ``rows`` sequences of up to ``length`` tokens (full attention only)."""
+        if any(getattr(layer, "layer_type", "full_attention") != "full_attention" for layer in self.decoder_layers):
+            raise NotImplementedError(f"{self.family}: K/V-cache decoding needs full attention in every layer "
+                                      "(linear attention would carry a recurrent state instead)")
+        a, w = self.arch, self.lm_head_weight
+        return KVCache(len(self.decoder_layers), rows, a.num_key_value_heads, length, a.head_dim, w.dtype, w.device)
+
+    @torch.no_grad()
+    def forward_cached(self, ids_RT, position_ids_RT, cache: KVCache, start: int, mask_R1TS) -> torch.Tensor:
+        """Logits [R, T, V] (fp32) of new tokens ``ids_RT`` whose keys/values go to cache slots
+        ``[start, start + T)``; ``mask_R1TS`` says which slots each new token attends."""
+        x = self.model.embed_tokens(ids_RT)
+        cos, sin = rope_cos_sin(position_ids_RT, self.rotary_dim(), self.arch.rope_theta, x.dtype)
+        cache.start, cache.mask_R1TS = start, mask_R1TS
+        for i, layer in enumerate(self.decoder_layers):
+            cache.layer = i
+            x, _ = layer(x, cos, sin, cache)
+        return F.linear(self.model.norm(x), self.lm_head_weight).float()

@@ -6,10 +6,12 @@ bumblebee stacks per layer (``mlp.experts.w_gate_up`` [E, 2F, H] and
 expert and projection (``mlp.experts.{e}.{gate,up,down}_proj.weight``). Both
 directions are exact copies, so a load followed by a save is bit-identical.
 Checkpoints that already hold HF's fused expert tensors (``experts.gate_up_proj``,
-``experts.down_proj``) load too. Multimodal checkpoints (``qwen3_5_moe``:
-``Qwen3_5MoeForConditionalGeneration``) nest the language model under
-``model.language_model.``, read as ``model.``; their vision tower (``model.visual.``)
-and multi-token-prediction head (``mtp.``) are skipped with a one-line notice.
+``experts.down_proj``) load too. The rest of the name map is the family's (the family
+table, models/family.py): prefixes read under another name (the multimodal
+``Qwen3_5MoeForConditionalGeneration`` nests the language model under
+``model.language_model.``, read as ``model.``) and prefixes that are not the language
+model (its vision tower ``model.visual.`` and MTP head ``mtp.``), skipped with a
+one-line notice.
 """
 
 from __future__ import annotations
@@ -27,9 +29,6 @@ from bumblebee.errors import CheckpointError
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_LANGUAGE_MODEL = "model.language_model."  # multimodal checkpoints nest the LM here
-# family -> checkpoint prefixes that are not part of the language model (skipped with a notice)
-_NOT_LANGUAGE_MODEL = {"qwen3_5_moe": ("model.visual.", "mtp.")}
 
 
 def _weight_files(path: str) -> list[str]:
@@ -54,9 +53,13 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights(model, path: str, *, skip_prefixes: tuple[str, ...] = ()) -> None:
+def load_hf_weights(model, path: str) -> None:
     """Copy every tensor of the HF checkpoint at ``path`` into ``model``; every model
     parameter must be covered exactly once."""
+    from bumblebee.models import family_of
+
+    family = family_of(model.arch)
+    skip_prefixes, renames = family.skip_prefixes, family.hf_prefixes
     params = dict(model.named_parameters())
     F = model.arch.moe_intermediate_size
     covered: set[str] = set()
@@ -68,8 +71,10 @@ def load_hf_weights(model, path: str, *, skip_prefixes: tuple[str, ...] = ()) ->
                     skipped += 1
                     continue
                 t = f.get_tensor(name)
-                if name.startswith(_LANGUAGE_MODEL):
-                    name = "model." + name[len(_LANGUAGE_MODEL):]
+                for prefix, ours in renames.items():
+                    if name.startswith(prefix):
+                        name = ours + name[len(prefix):]
+                        break
                 if m := _EXPERT.match(name):
                     base, e, proj = m.group(1), int(m.group(2)), m.group(3)
                     stacked = params.get(f"{base}.w_down" if proj == "down_proj" else f"{base}.w_gate_up")
@@ -125,7 +130,7 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, prims=None):
         except ValueError as e:  # unsupported model_type, invalid architecture, malformed JSON
             raise CheckpointError(f"{cfg_path}: {e}") from None
     model = build_model(arch, prims)
-    load_hf_weights(model, path, skip_prefixes=_NOT_LANGUAGE_MODEL.get(model.family, ()))
+    load_hf_weights(model, path)
     return model.to(dtype)
 
 

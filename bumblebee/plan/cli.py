@@ -18,6 +18,7 @@ from bumblebee.plan import report
 from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.layout import Primitives, Workload, apply_overrides, check, parse_layout
 from bumblebee.plan.recipe import Recommendation, evaluate, recipe, search
+from bumblebee.plan.runnable import config_toml, run_config, runtime_problem
 from bumblebee.plan.spec import load_spec
 
 
@@ -37,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run the real model code for one rank under FakeTensorMode and report its peak")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw memory and throughput of the top candidates")
     p.add_argument("--top", type=int, default=10, help="alternatives to list (default 10)")
+    p.add_argument("--include-unimplemented", action="store_true",
+                   help="also rank layouts the runtime cannot run yet (e.g. tp > 1), marked as such; "
+                        "never recommended")
+    p.add_argument("--emit-config", type=int, default=None, metavar="N",
+                   help="print candidate N as a `bumblebee train --config` TOML (0: the recommendation, "
+                        "1..: the ranked alternatives as listed) and exit")
 
 
 def _one_layout(args, spec, gpu, work, base: Primitives, fixed: set[str]) -> Recommendation:
@@ -72,16 +79,29 @@ def run(args: argparse.Namespace) -> int:
     if args.layout:
         rec = _one_layout(args, spec, gpu, work, base, fixed)
         cands = [rec.candidate]
+        problem = runtime_problem(run_config(args.model, spec.family, rec.candidate, work), args.gpus)
+        if problem:
+            notes.append(f"not runnable yet: {problem}")
     else:
         if args.gpus > 4096:
             raise ConfigError(f"--gpus {args.gpus}: the search covers up to 4096 GPUs")
         rec = recipe(spec, args.gpus, gpu, work, base, fixed)
         cands = search(spec, args.gpus, gpu, work, base, fixed)
+        # rank only what the runtime accepts (its own resolver); the rest only on request, marked
+        problems = {id(c): runtime_problem(run_config(args.model, spec.family, c, work), args.gpus) for c in cands}
+        runnable = [c for c in cands if not problems[id(c)]]
+        if args.include_unimplemented:
+            for c in cands:
+                if problems[id(c)]:
+                    c.reason = f"not runnable yet: {problems[id(c)]}" + (f"; {c.reason}" if c.reason else "")
+            notes.append(f"{len(cands) - len(runnable)} layout(s) the runtime cannot run yet are listed, marked "
+                         f"'not runnable yet', and never recommended")
+        cands = [c for c in cands if args.include_unimplemented or not problems[id(c)]]
         if not cands:
             raise ConfigError(f"no valid layout of {spec.name} on {args.gpus} GPUs with seq {args.seq} and global "
                               f"batch {batch} (--gpus must allow tp*pp*cp*dp splits that divide the heads, experts "
                               f"and the batch)")
-        best = next((c for c in cands if c.feasible), None)
+        best = next((c for c in runnable if c.feasible), None)
         if not rec.candidate.feasible and best is not None:
             notes.append(f"the recipe's defaults do not fit ({rec.candidate.reason}); recommending the fastest "
                          f"feasible layout instead")
@@ -99,6 +119,14 @@ def run(args: argparse.Namespace) -> int:
             notes.append("the search finds nothing more than 3% faster than the recipe")
         counts = (sum(c.feasible for c in cands), sum(not c.feasible for c in cands))
         cands = [c for c in cands if c.feasible][:args.top] + [c for c in cands if not c.feasible][:args.top]
+    notes.append("assumed, decided by the runtime at start: bf16 compute, fp32 master weights; CUDA kernels "
+                 "(FlashAttention-class attention, FLA-class Gated DeltaNet) -- on CPU the pure-PyTorch paths run")
+    if args.emit_config is not None:
+        shown = [rec.candidate] + [c for c in cands if c is not rec.candidate]
+        if not 0 <= args.emit_config < len(shown):
+            raise ConfigError(f"--emit-config {args.emit_config}: choose 0 (the recommendation) .. {len(shown) - 1}")
+        print(config_toml(run_config(args.model, spec.family, shown[args.emit_config], work)), end="")
+        return 0
     dry = None
     if args.dry_run:
         from bumblebee.plan.dryrun import dry_run
@@ -111,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"plot written to {args.plot}")
     if args.json:
         out = report.to_json(rec, cands)
+        for entry, cand in zip([out["recommended"]] + out["candidates"], [rec.candidate] + cands):
+            cfg = run_config(args.model, spec.family, cand, work)  # what `bumblebee train --config` takes
+            entry["config"] = config_toml(cfg)
+            entry["runtime_problem"] = runtime_problem(cfg, args.gpus)
         if dry is not None:
             out["dry_run"] = dry.as_json()
         print(json.dumps(out, indent=1))

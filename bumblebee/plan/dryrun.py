@@ -146,7 +146,7 @@ def executed_shape(spec: ModelSpec, cand: Candidate, work: Workload) -> tuple[Mo
     top_k = min(spec.top_k, experts)
     if lay.pp > 1:
         notes.append(f"pp={lay.pp}: stage {s} ({len(layers)} layers, one micro-batch in flight of "
-                     f"{min(lay.pp - s, max(1, work.global_batch // lay.dp))})")
+                     f"{min(lay.pp - s, max(1, work.global_batch // lay.dp_shard))})")
     if lay.ep > 1:
         notes.append(f"ep={lay.ep}: {experts} local experts, local dispatch (no all-to-all buffers)")
     if top_k != spec.top_k:
@@ -163,10 +163,11 @@ def executed_shape(spec: ModelSpec, cand: Candidate, work: Workload) -> tuple[Mo
 
 
 def _arch(hf: dict, sub: ModelSpec, layers: range):
-    from bumblebee.models import FAMILIES, HF_MODEL_TYPES, arch_from_hf_dict
+    from bumblebee.models import FAMILIES, arch_from_hf_dict
+    from bumblebee.models.family import family_of_model_type
 
     mt = hf.get("model_type")
-    if mt not in HF_MODEL_TYPES or HF_MODEL_TYPES[mt] not in FAMILIES:
+    if family_of_model_type(mt) is None:
         raise ConfigError(f"--dry-run: model family of model_type {mt!r} is not implemented in bumblebee.models "
                           f"yet (implemented: {', '.join(FAMILIES)}); the analytic estimate stands alone")
     arch = arch_from_hf_dict(hf)
@@ -188,7 +189,7 @@ def _prims(p: Primitives) -> PrimitivesConfig:
 
 def analytic_executed(sub: ModelSpec, prims: Primitives, work: Workload) -> tuple[float, float]:
     """(total, static) bytes the memory model predicts for the executed single-rank shape."""
-    one = Layout(tp=1, pp=1, ep=1, cp=1, dp=1)
+    one = Layout(tp=1, pp=1, ep=1, cp=1, dp_shard=1)
     p = dataclasses.replace(prims, sharding="none", moe_comm="local")
     mem = stage_memory(sub, one, p, work)[0]
     static = STATIC_B * sub.num_params()["total"]

@@ -1,4 +1,4 @@
-"""Layouts (tp, pp, ep, cp, dp) and primitive choices the planner evaluates.
+"""Layouts and primitive choices the planner evaluates (``Layout`` is the runtime's own class).
 
 Rank order follows Megatron / torchtitan: tp innermost, then cp, then dp, then
 pp (``world = tp * cp * dp * pp``). Expert parallelism folds into the ranks of
@@ -15,32 +15,12 @@ from dataclasses import dataclass
 
 from bumblebee.config import ConfigError, parse_override
 from bumblebee.plan.spec import ModelSpec
+from bumblebee.runtime.resolve import Layout  # noqa: F401  (one meaning of "layout" in bumblebee)
 
 SHARDING = ("none", "zero1", "fsdp2")
 LOSS = ("ce", "linear_ce")
 RECOMPUTE = ("none", "selective", "full")
 MOE_COMM = ("local", "alltoall", "chunked")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    cp: int = 1
-    dp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @property
-    def edp(self) -> int:
-        """Replicas of each expert shard (expert data parallel)."""
-        return self.world // (self.pp * self.ep)
-
-    def short(self) -> str:
-        return f"tp={self.tp} pp={self.pp} ep={self.ep} cp={self.cp} dp={self.dp}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +55,8 @@ def parse_layout(text: str, gpus: int) -> Layout:
     for item in text.replace(",", " ").split():
         key, sep, raw = item.partition("=")
         key = key.strip().lower()
-        if not sep or key not in ("tp", "pp", "ep", "cp", "dp"):
+        key = "dp_shard" if key == "dp" else key  # dp: the runtime's dp_shard
+        if not sep or key not in ("tp", "pp", "ep", "cp", "dp_shard"):
             raise ConfigError(f"--layout: bad item {item!r}; expected e.g. \"tp=1 pp=2 ep=8 cp=4\"")
         try:
             values[key] = int(raw)
@@ -88,11 +69,11 @@ def parse_layout(text: str, gpus: int) -> Layout:
     inner = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
     if gpus % inner:
         raise ConfigError(f"--layout: tp*pp*cp = {inner} does not divide --gpus {gpus}")
-    dp = values.get("dp", gpus // inner)
+    dp = values.get("dp_shard", gpus // inner)
     if inner * dp != gpus:
         raise ConfigError(f"--layout: tp*pp*cp*dp = {inner * dp} != --gpus {gpus}")
     return Layout(tp=values.get("tp", 1), pp=values.get("pp", 1), ep=values.get("ep", 1),
-                  cp=values.get("cp", 1), dp=dp)
+                  cp=values.get("cp", 1), dp_shard=dp)
 
 
 def apply_overrides(prims: Primitives, items: list[str]) -> tuple[Primitives, set[str]]:
@@ -123,8 +104,8 @@ def check(spec: ModelSpec, layout: Layout, prims: Primitives, work: Workload, gp
     lay = layout
     if lay.world != gpus:
         return f"tp*pp*cp*dp = {lay.world} != {gpus} GPUs"
-    if (lay.tp * lay.cp * lay.dp) % lay.ep:
-        return f"ep={lay.ep} must divide tp*cp*dp = {lay.tp * lay.cp * lay.dp} (the ranks of one stage)"
+    if (lay.tp * lay.cp * lay.dp_shard) % lay.ep:
+        return f"ep={lay.ep} must divide tp*cp*dp = {lay.tp * lay.cp * lay.dp_shard} (the ranks of one stage)"
     if spec.experts % lay.ep:
         return f"ep={lay.ep} must divide num_experts={spec.experts}"
     if lay.pp > spec.layers:
@@ -134,8 +115,8 @@ def check(spec: ModelSpec, layout: Layout, prims: Primitives, work: Workload, gp
         return f"tp={lay.tp} must divide the head counts {heads}"
     if work.seq % (2 * lay.cp * lay.tp) and (lay.cp > 1 or lay.tp > 1):
         return f"seq {work.seq} must be divisible by 2*cp*tp = {2 * lay.cp * lay.tp} (load-balanced shards)"
-    if work.global_batch % (lay.dp * work.micro_batch):
-        return f"global batch {work.global_batch} not divisible by dp*micro_batch = {lay.dp * work.micro_batch}"
+    if work.global_batch % (lay.dp_shard * work.micro_batch):
+        return f"global batch {work.global_batch} not divisible by dp*micro_batch = {lay.dp_shard * work.micro_batch}"
     if lay.ep == 1 and prims.moe_comm != "local":
         return "moe_comm alltoall/chunked needs ep > 1"
     if lay.ep > 1 and prims.moe_comm == "local":

@@ -97,7 +97,7 @@ def local_tokens(work: Workload, lay: Layout) -> int:
 
 
 def micro_batches(work: Workload, lay: Layout) -> int:
-    return max(1, work.global_batch // (lay.dp * work.micro_batch))
+    return max(1, work.global_batch // (lay.dp_shard * work.micro_batch))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def _static(spec: ModelSpec, lay: Layout, prims: Primitives, layers: range, firs
         if spec.tied and lay.pp > 1:
             dense += spec.embed_params  # the last stage keeps its own copy of the tied weight
     d, e = dense / lay.tp, expert / lay.ep
-    shard_d, shard_e = d / (lay.dp * lay.cp), e / lay.edp
+    shard_d, shard_e = d / (lay.dp_shard * lay.cp), e / lay.edp
     if prims.sharding == "fsdp2":
         return PARAM_B * (shard_d + shard_e), GRAD_B * (shard_d + shard_e), OPTIM_B * (shard_d + shard_e)
     if prims.sharding == "zero1":

@@ -170,9 +170,9 @@ def _fsdp_layer_comm(spec: ModelSpec, kind: tuple[str, str], lay: Layout, gpu: G
     """FSDP2 traffic of one layer per micro-batch: all-gather (forward), all-gather
     (backward, covering the recompute), fp32 reduce-scatter of the gradients."""
     dense, expert = kind_params(spec, kind)
-    g_d, g_e = lay.dp * lay.cp, lay.edp
+    g_d, g_e = lay.dp_shard * lay.cp, lay.edp
     t = 0.0
-    for n, g, inner in ((dense / lay.tp, g_d, lay.tp), (expert / lay.ep, g_e, lay.tp * lay.cp * lay.dp // g_e)):
+    for n, g, inner in ((dense / lay.tp, g_d, lay.tp), (expert / lay.ep, g_e, lay.tp * lay.cp * lay.dp_shard // g_e)):
         if g > 1:
             bw = _link(g, inner, gpu) * 1e9 * eff.collective
             t += n * (BF16 + BF16 + FP32) * (g - 1) / g / bw
@@ -229,7 +229,7 @@ def _dp_sync(spec: ModelSpec, lay: Layout, prims: Primitives, gpu: GPU, eff: Eff
     d = (n["dense"] / lay.pp) / lay.tp
     e = (n["expert"] / lay.pp) / lay.ep
     t = 0.0
-    for params, g, inner in ((d, lay.dp * lay.cp, lay.tp), (e, lay.edp, lay.tp * lay.cp * lay.dp // lay.edp)):
+    for params, g, inner in ((d, lay.dp_shard * lay.cp, lay.tp), (e, lay.edp, lay.tp * lay.cp * lay.dp_shard // lay.edp)):
         if g > 1:
             bw = _link(g, inner, gpu) * 1e9 * eff.collective
             vol = params * (2 * FP32 if prims.sharding == "none" else FP32 + BF16) * (g - 1) / g
@@ -242,5 +242,5 @@ def _optimizer(spec: ModelSpec, lay: Layout, prims: Primitives, gpu: GPU, eff: E
     n = spec.num_params()
     d, e = n["dense"] / lay.pp / lay.tp, n["expert"] / lay.pp / lay.ep
     if prims.sharding != "none":
-        d, e = d / (lay.dp * lay.cp), e / lay.edp
+        d, e = d / (lay.dp_shard * lay.cp), e / lay.edp
     return (d + e) * (7 * FP32 + BF16) / (gpu.hbm_gbps * 1e9 * eff.hbm)

@@ -42,7 +42,7 @@ class Candidate:
     def as_json(self) -> dict:
         lay = self.layout
         return {
-            "layout": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "dp": lay.dp},
+            "layout": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "dp_shard": lay.dp_shard},
             "primitives": self.prims.as_dict(),
             "memory_gb": self.memory.as_gb() if self.memory else None,
             "tflops_per_gpu": round(self.perf.tflops_per_gpu, 1) if self.perf else None,
@@ -92,7 +92,7 @@ def layouts(spec: ModelSpec, gpus: int, gpu: GPU) -> list[Layout]:
                 dp = gpus // (tp * pp * cp)
                 for ep in _pow2_upto(gpus // pp):
                     if spec.experts % ep == 0 and (tp * cp * dp) % ep == 0:
-                        out.append(Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp=dp))
+                        out.append(Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp_shard=dp))
     return out
 
 
@@ -161,7 +161,7 @@ def recipe(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, base: Primitive
         dp = gpus // (pp * cp)
         ep = _largest_divisor_pow2(min(ep_rule, gpus // pp), spec.experts, cp * dp)
         p = prims if ep > 1 else dataclasses.replace(prims, moe_comm="local")
-        cand = evaluate(spec, Layout(tp=1, pp=pp, ep=ep, cp=cp, dp=dp), p, work, gpu, eff)
+        cand = evaluate(spec, Layout(tp=1, pp=pp, ep=ep, cp=cp, dp_shard=dp), p, work, gpu, eff)
         tried.append(cand)
         if cand.feasible:
             break
@@ -186,7 +186,7 @@ def explain(spec: ModelSpec, cand: Candidate, tried: list[Candidate], ep_rule: i
                else "1: fits without pipelining (no bubble)" if lay.pp == 1 else
                f"{lay.pp}: smaller layouts do not fit ({fails[-1].layout.short()}: {fails[-1].reason})"
                if fails else f"{lay.pp}")
-    r["dp"] = f"{lay.dp} = GPUs / (tp*cp*pp); experts replicated over edp={lay.edp}"
+    r["dp"] = f"{lay.dp_shard} = GPUs / (tp*cp*pp); experts replicated over edp={lay.edp}"
 
     def alt(**kw) -> Candidate:
         return evaluate(spec, lay, dataclasses.replace(p, **kw), work, gpu, eff)

@@ -28,13 +28,14 @@ def _row(i: int | str, c: Candidate) -> str:
     mem = c.memory.as_gb() if c.memory else {}
     parts = " ".join(f"{mem.get(k, 0):5.1f}" for k, _ in BREAKDOWN)
     perf = f"{c.perf.tflops_per_gpu:6.1f} {c.perf.tokens_per_s_per_gpu:8.0f}" if c.perf else f"{'-':>6} {'-':>8}"
-    return (f"{i!s:>3} {c.layout.short():<26} {c.prims.short():<33} {mem.get('total', 0):6.1f} "
-            f"{parts} {perf}")
+    mark = "  [not runnable yet]" if c.reason.startswith("not runnable yet") else ""
+    return (f"{i!s:>3} {c.layout.short():<32} {c.prims.short():<33} {mem.get('total', 0):6.1f} "
+            f"{parts} {perf}{mark}")
 
 
 def _header() -> str:
     parts = " ".join(f"{short:>5}" for _, short in BREAKDOWN)
-    return f"{'#':>3} {'layout':<26} {'sharding loss recompute moe_comm':<33} {'GB':>6} {parts} {'TFLOPs':>6} {'tok/s':>8}"
+    return f"{'#':>3} {'layout':<32} {'sharding loss recompute moe_comm':<33} {'GB':>6} {parts} {'TFLOPs':>6} {'tok/s':>8}"
 
 
 def text(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, rec: Recommendation | None,

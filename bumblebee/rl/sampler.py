@@ -14,10 +14,10 @@ repeated ``group_size`` times (GRPO's group), token by token:
 - next tokens are drawn from ``softmax(logits / temperature)`` with an explicit
   ``torch.Generator`` (``temperature = 0``: greedy); a row stops at ``eos_id``.
 
-The decoder-layer arithmetic mirrors ``models/qwen3_moe.py`` (q/k RMSNorm, RoPE on
-per-row positions, GQA, MoE or dense MLP) using the model's own modules; a unit test
-checks the cached logits against the model's full forward. Qwen3-MoE only: the
-hybrid family would need Gated DeltaNet's recurrent state here.
+Every forward is the model's own (``CausalLM.forward_cached`` with a ``KVCache``,
+models/kv_cache.py); a unit test checks the cached logits against the model's full
+forward. Full-attention families only: the hybrid family would need Gated DeltaNet's
+recurrent state in the cache.
 
 Legend: R rows (prompts x group), P padded prompt length, S cache length, N query heads,
 K kv heads, D head dim, H hidden, V vocabulary.
@@ -28,10 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from bumblebee.models.qwen3_moe import Qwen3MoeForCausalLM
-from bumblebee.primitives.rope import apply_rope, rope_cos_sin
+from bumblebee.models.base import CausalLM
 
 
 @dataclass
@@ -43,10 +41,11 @@ class Rollouts:
 
 
 class Sampler:
-    def __init__(self, model: Qwen3MoeForCausalLM):
-        if getattr(model, "family", None) != "qwen3_moe":
-            raise ValueError(f"the built-in sampler supports the qwen3_moe family, "
-                             f"got {getattr(model, 'family', type(model).__name__)}")
+    def __init__(self, model: CausalLM):
+        try:
+            model.new_kv_cache(1, 1)
+        except NotImplementedError as e:
+            raise ValueError(f"the built-in sampler cannot decode this model: {e}") from None
         self.model = model.eval()
         self.arch = model.arch
 
@@ -60,32 +59,6 @@ class Sampler:
             seen.add(name)
         if seen != params.keys():
             raise ValueError(f"load_weights: missing {sorted(params.keys() - seen)[:3]}")
-
-    def _layer(self, layer, x_RTH, cos, sin, cache, start: int, mask_R1TS):
-        a = layer.self_attn
-        R, T, _ = x_RTH.shape
-        h = layer.input_layernorm(x_RTH)
-        q = a.q_norm(a.q_proj(h).view(R, T, a.n_heads, a.head_dim)).transpose(1, 2)
-        k = a.k_norm(a.k_proj(h).view(R, T, a.n_kv, a.head_dim)).transpose(1, 2)
-        v = a.v_proj(h).view(R, T, a.n_kv, a.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = cache
-        k_cache[:, :, start:start + T], v_cache[:, :, start:start + T] = k, v
-        end = start + T
-        o = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask_R1TS,
-                                           scale=a.head_dim ** -0.5, enable_gqa=a.n_heads != a.n_kv)
-        x_RTH = x_RTH + a.o_proj(o.transpose(1, 2).reshape(R, T, -1))
-        y = layer.mlp(layer.post_attention_layernorm(x_RTH))
-        return x_RTH + (y[0] if layer.is_moe else y)
-
-    def _forward(self, ids_RT, pos_RT, caches, start: int, mask_R1TS):
-        """Logits [R, T, V] (fp32) of new tokens ``ids_RT`` written to the cache at ``start``."""
-        m = self.model
-        x = m.model.embed_tokens(ids_RT)
-        cos, sin = rope_cos_sin(pos_RT, self.arch.head_dim, self.arch.rope_theta, x.dtype)
-        for layer, cache in zip(m.model.layers, caches):
-            x = self._layer(layer, x, cos, sin, cache, start, mask_R1TS)
-        return F.linear(m.model.norm(x), m.lm_head_weight).float()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, group_size: int = 1, max_new_tokens: int = 16,
@@ -105,15 +78,12 @@ class Sampler:
             ids[r, P - len(p):] = torch.tensor(p, dtype=torch.long)
         slot_S = torch.arange(S, device=dev)
         valid_RS = slot_S[None] >= pad_R[:, None]  # cache slots holding real tokens
-        a = self.model.model.layers[0].self_attn
-        dtype = self.model.lm_head_weight.dtype
-        caches = [tuple(torch.zeros(R, a.n_kv, S, a.head_dim, dtype=dtype, device=dev) for _ in range(2))
-                  for _ in self.model.model.layers]
+        cache = self.model.new_kv_cache(R, S)
         # prefill: causal over slots, padding hidden (a padding query sees itself only)
         causal_PP = slot_S[:P, None] >= slot_S[None, :P]
         mask = (causal_PP[None] & valid_RS[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
         pos = (slot_S[None, :P] - pad_R[:, None]).clamp(min=0)
-        logits_RV = self._forward(ids, pos, caches, 0, mask[:, None])[:, -1]
+        logits_RV = self.model.forward_cached(ids, pos, cache, 0, mask[:, None])[:, -1]
         out = torch.full((R, max_new_tokens), pad_id, dtype=torch.long, device=dev)
         logp_out = torch.zeros(R, max_new_tokens, device=dev)
         done_R = torch.zeros(R, dtype=torch.bool, device=dev)
@@ -133,7 +103,7 @@ class Sampler:
                 break
             step_mask = valid_RS[:, None, None, :P + i + 1]
             pos = (P + i - pad_R)[:, None]
-            logits_RV = self._forward(tok_R[:, None], pos, caches, P + i, step_mask)[:, -1]
+            logits_RV = self.model.forward_cached(tok_R[:, None], pos, cache, P + i, step_mask)[:, -1]
         n = n_R.tolist()
         return Rollouts(prompts=rows, completions=[out[r, :n[r]].tolist() for r in range(R)],
                         logprobs=[logp_out[r, :n[r]].tolist() for r in range(R)],

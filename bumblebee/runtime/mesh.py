@@ -83,7 +83,7 @@ class ParallelContext:
 
 
 def single_process(device: torch.device) -> ParallelContext:
-    layout = Layout(world=1, pp=1, dp_shard=1, cp=1, tp=1, ep=1)
+    layout = Layout()
     return ParallelContext(layout, 0, device, None, None, None)
 
 

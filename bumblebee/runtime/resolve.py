@@ -24,22 +24,32 @@ from bumblebee.config import Config, ConfigError, parse_config
 from bumblebee.models import resolve_arch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
-    world: int
-    pp: int
-    dp_shard: int
-    cp: int
-    tp: int
-    ep: int
+    """The sizes of the parallel dimensions. Ranks are (pp, dp_shard, cp, tp), tp fastest;
+    experts fold ep over the dp_shard x cp x tp ranks of a stage (edp replicas of each)."""
+
+    pp: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_shard * self.cp * self.tp
 
     @property
     def edp(self) -> int:
+        """Replicas of each expert shard (expert data parallel)."""
         return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
     def dp_cp(self) -> int:
         return self.dp_shard * self.cp
+
+    def short(self) -> str:
+        return f"tp={self.tp} pp={self.pp} ep={self.ep} cp={self.cp} dp_shard={self.dp_shard}"
 
     def describe(self) -> str:
         return (f"world={self.world}: pp={self.pp} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}; "
@@ -70,7 +80,7 @@ def resolve_layout(parallel_cfg, world: int, arch) -> Layout:
     num_experts = getattr(arch, "num_experts", 0)
     if p.ep > 1 and num_experts % p.ep:
         raise ConfigError(f"num_experts = {num_experts} is not divisible by parallel.ep = {p.ep}")
-    return Layout(world=world, pp=p.pp, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=p.ep)
+    return Layout(pp=p.pp, dp_shard=dp_shard, cp=p.cp, tp=p.tp, ep=p.ep)
 
 
 def validate_run(cfg: Config):

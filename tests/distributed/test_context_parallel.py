@@ -38,12 +38,12 @@ def run(overrides, data, out_dir, steps):
     grads = {}
     step = trainer.sharding.step
 
-    def capture():  # gradients of the first step, after reduction, before the update
+    def capture(optimizer):  # gradients of the first step, after reduction, before the update
         if not grads:
             # replicated (not FSDP-sharded) dense gradients; sharded runs are checked by grad norm
             grads.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
                           if p.grad is not None and "experts" not in n and not isinstance(p.grad, DTensor)})
-        step()
+        step(optimizer)
 
     trainer.sharding.step = capture
     trace = [trainer.train_step() for _ in range(steps)]

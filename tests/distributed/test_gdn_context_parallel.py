@@ -121,11 +121,11 @@ def train(overrides, data, out_dir, steps):
     trainer = Trainer(cfg, stream=io.StringIO())
     grads, step = {}, trainer.sharding.step
 
-    def capture():  # replicated dense gradients of the first step, after reduction, before the update
+    def capture(optimizer):  # replicated dense gradients of the first step, after reduction, before the update
         if not grads:
             grads.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
                           if p.grad is not None and "experts" not in n and type(p.grad) is torch.Tensor})
-        step()
+        step(optimizer)
 
     trainer.sharding.step = capture
     trace = [trainer.train_step() for _ in range(steps)]

@@ -43,8 +43,8 @@ class Published(NamedTuple):
 
 
 # published, Qwen3.5-35B-A3B / 32 x H100 / 128K / full recompute / distributed optimizer
-PUBLISHED_TP2_PP4_EP8_CP2_CE = Published(Layout(tp=2, pp=4, ep=8, cp=2, dp=2), "ce", 127.53, 42.91)
-PUBLISHED_TP1_PP2_EP8_CP4_LINEAR_CE = Published(Layout(tp=1, pp=2, ep=8, cp=4, dp=4), "linear_ce", 162.07, 55.91)
+PUBLISHED_TP2_PP4_EP8_CP2_CE = Published(Layout(tp=2, pp=4, ep=8, cp=2, dp_shard=2), "ce", 127.53, 42.91)
+PUBLISHED_TP1_PP2_EP8_CP4_LINEAR_CE = Published(Layout(tp=1, pp=2, ep=8, cp=4, dp_shard=4), "linear_ce", 162.07, 55.91)
 FIT_POINTS = [PUBLISHED_TP2_PP4_EP8_CP2_CE, PUBLISHED_TP1_PP2_EP8_CP4_LINEAR_CE]
 # residual of the fit (model / published - 1), measured when the constants were set:
 # memory +2.0 % / -3.1 %, throughput +9.4 % / +3.7 %
@@ -85,7 +85,7 @@ def test_fitted_points_keep_their_order(qwen35):
 
 # -------------------------------------------------------------------- checked (out of sample)
 def test_full_recompute_costs_about_30_percent(qwen35):
-    lay = Layout(ep=8, cp=8, dp=4)
+    lay = Layout(ep=8, cp=8, dp_shard=4)
     t = {r: estimate(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK, H100).step_s
          for r in ("full", "none")}
     assert t["full"] / t["none"] - 1 == pytest.approx(PUBLISHED_RECOMPUTE_EXTRA_COMPUTE, abs=0.1)
@@ -94,7 +94,7 @@ def test_full_recompute_costs_about_30_percent(qwen35):
 def _moe_layer_gain(spec, seq):
     """1 - (chunk2 / no-chunk) time of the MoE part (expert GEMMs, exposed all-to-all and
     the extra kernel launches of chunking), forward + backward."""
-    lay, w = Layout(ep=8, cp=1, dp=32), Workload(seq=seq, global_batch=32)
+    lay, w = Layout(ep=8, cp=1, dp_shard=32), Workload(seq=seq, global_batch=32)
     moe = lambda p: p["experts"] + p["ep_comm"] + p["launch"]  # noqa: E731
     a = estimate(spec, lay, Primitives(moe_comm="alltoall"), w, H100).parts_s
     c = estimate(spec, lay, Primitives(moe_comm="chunked", moe_chunks=2), w, H100).parts_s
@@ -156,22 +156,22 @@ def _mem(spec, layout, prims, seq=131072, batch=32):
 
 def test_memory_falls_with_more_gpus_and_cp(qwen35):
     p = Primitives()
-    m16 = _mem(qwen35, Layout(ep=8, cp=4, dp=4), p)
-    m32 = _mem(qwen35, Layout(ep=8, cp=4, dp=8), p)
-    m64 = _mem(qwen35, Layout(ep=8, cp=4, dp=16), p)
+    m16 = _mem(qwen35, Layout(ep=8, cp=4, dp_shard=4), p)
+    m32 = _mem(qwen35, Layout(ep=8, cp=4, dp_shard=8), p)
+    m64 = _mem(qwen35, Layout(ep=8, cp=4, dp_shard=16), p)
     assert m16 > m32 > m64  # fsdp2 shards static state over every GPU
-    assert _mem(qwen35, Layout(ep=8, cp=2, dp=16), p) > m32 > _mem(qwen35, Layout(ep=8, cp=8, dp=4), p)
+    assert _mem(qwen35, Layout(ep=8, cp=2, dp_shard=16), p) > m32 > _mem(qwen35, Layout(ep=8, cp=8, dp_shard=4), p)
 
 
 def test_linear_ce_logits_below_ce(qwen35):
-    lay = Layout(ep=8, cp=4, dp=8)
+    lay = Layout(ep=8, cp=4, dp_shard=8)
     ce = stage_memory(qwen35, lay, Primitives(loss="ce"), WORK)[-1]
     lin = stage_memory(qwen35, lay, Primitives(loss="linear_ce"), WORK)[-1]
     assert lin.logits < ce.logits / 10 and lin.total < ce.total
 
 
 def test_fsdp2_static_below_zero1(qwen35):
-    lay = Layout(ep=8, cp=4, dp=8)
+    lay = Layout(ep=8, cp=4, dp_shard=8)
     f = stage_memory(qwen35, lay, Primitives(sharding="fsdp2"), WORK)[0]
     z = stage_memory(qwen35, lay, Primitives(sharding="zero1"), WORK)[0]
     static = lambda m: m.parameters + m.gradients + m.optimizer  # noqa: E731
@@ -181,7 +181,7 @@ def test_fsdp2_static_below_zero1(qwen35):
 
 
 def test_recompute_ordering(qwen35):
-    lay = Layout(ep=8, cp=8, dp=4)
+    lay = Layout(ep=8, cp=8, dp_shard=4)
     full, sel, none = (stage_memory(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK)[0].activations
                        for r in ("full", "selective", "none"))
     assert full < sel < none
@@ -189,14 +189,14 @@ def test_recompute_ordering(qwen35):
 
 def test_short_local_sequences_pay_launch_overhead(qwen35):
     def launch_share(seq):
-        p = estimate(qwen35, Layout(ep=8, dp=32), Primitives(), Workload(seq=seq, global_batch=32), H100).parts_s
+        p = estimate(qwen35, Layout(ep=8, dp_shard=32), Primitives(), Workload(seq=seq, global_batch=32), H100).parts_s
         return p["launch"] / sum(p.values())
 
     assert launch_share(1024) > 3 * launch_share(32768)
 
 
 def test_faster_gpu_is_faster(qwen35):
-    lay, p = Layout(ep=8, cp=4, dp=8), Primitives()
+    lay, p = Layout(ep=8, cp=4, dp_shard=8), Primitives()
     h100 = evaluate(qwen35, lay, p, WORK, GPUS["h100"])
     b200 = evaluate(qwen35, lay, p, WORK, GPUS["b200"])
     assert b200.tokens_per_s > 1.5 * h100.tokens_per_s

@@ -138,7 +138,7 @@ def test_plot(tmp_path, capsys):
 
 def _small_candidate(loss, recompute, ep=1):
     spec = spec_from_hf_dict(SMALL_QWEN3, "small")
-    lay = Layout(ep=ep, dp=ep)
+    lay = Layout(ep=ep, dp_shard=ep)
     prims = Primitives(sharding="fsdp2", loss=loss, recompute=recompute, moe_comm="local" if ep == 1 else "chunked")
     work = Workload(seq=4096, global_batch=ep)
     return spec, evaluate(spec, lay, prims, work, GPUS["h100"]), work

@@ -1,0 +1,46 @@
+"""A K/V cache for token-by-token decoding through a model's own forward (``CausalLM.forward_cached``).
+
+The decoder layers run unchanged: the cache travels where the document layout usually
+goes, and the attention core of every layer (``models/base.py`` wraps the configured one)
+sees it, writes the new keys and values at ``start`` and attends over the filled slots
+with ``mask``. Sampling code (``rl/sampler.py``) therefore never re-implements attention.
+Linear-attention layers (Gated DeltaNet) would need their recurrent state here instead
+and are refused.
+
+Legend: R rows, T new tokens, S cache length, N query heads, K kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    def __init__(self, num_layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device):
+        shape = (rows, kv_heads, length, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.layer = 0  # the layer being run (set by forward_cached)
+        self.start = 0  # cache slot of the first new token
+        self.mask_R1TS: torch.Tensor | None = None  # True where a new token may attend a slot
+
+    def attend(self, q_RNTD, k_RKTD, v_RKTD, scale: float) -> torch.Tensor:
+        """Store the new keys/values of the current layer, attend over slots [0, start + T)."""
+        end = self.start + k_RKTD.shape[2]
+        k_cache, v_cache = self.k[self.layer], self.v[self.layer]
+        k_cache[:, :, self.start:end], v_cache[:, :, self.start:end] = k_RKTD, v_RKTD
+        return F.scaled_dot_product_attention(q_RNTD, k_cache[:, :, :end], v_cache[:, :, :end],
+                                              attn_mask=self.mask_R1TS, scale=scale,
+                                              enable_gqa=q_RNTD.shape[1] != k_RKTD.shape[1])
+
+
+def cache_aware(attend):
+    """The attention core ``attend(q, k, v, layout, scale)``, or the cache's when ``layout`` is one."""
+
+    def core(q, k, v, layout, scale):
+        if isinstance(layout, KVCache):
+            return layout.attend(q, k, v, scale)
+        return attend(q, k, v, layout, scale)
+
+    return core

@@ -1,0 +1,135 @@
+"""A model as arithmetic: parameter counts, per-layer shapes and FLOPs per token.
+
+Each family's arch builds one (``arch.to_spec()``); the planner reads nothing else
+about a model, and the runtime reads it for its own estimates, so there is one copy
+of this arithmetic. Both families today:
+
+- ``qwen3_moe`` (Qwen3-30B-A3B, Qwen3-235B-A22B): every layer is GQA attention
+  with q/k RMSNorm, then a routed MoE (or a dense SwiGLU on ``mlp_only_layers``);
+- ``qwen3_5_moe`` (Qwen3.5-35B-A3B, text part): ``layer_types`` mixes Gated
+  DeltaNet ("linear_attention") and gated full attention (q_proj also emits a
+  sigmoid output gate); every MLP is routed experts plus one shared expert with
+  a sigmoid gate.
+
+Vision towers are outside the spec (text training only).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+
+ATTN, GDN = "attention", "gdn"  # token-mixer kinds
+MOE, DENSE = "moe", "dense"  # MLP kinds
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    name: str
+    family: str  # qwen3_moe | qwen3_5_moe
+    vocab: int
+    hidden: int
+    mixers: tuple[str, ...]  # per layer: ATTN | GDN
+    mlps: tuple[str, ...]  # per layer: MOE | DENSE
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    attn_gate: bool  # Qwen3.5 gated attention: q_proj emits q and an output gate
+    gdn_k_heads: int = 0
+    gdn_v_heads: int = 0
+    gdn_k_dim: int = 0
+    gdn_v_dim: int = 0
+    gdn_conv: int = 0
+    experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int  # 0 = no shared expert
+    dense_ffn: int  # FFN of dense-MLP layers
+    tied: bool
+
+    @property
+    def layers(self) -> int:
+        return len(self.mixers)
+
+    # ------------------------------------------------------------------ parameters
+    def mixer_params(self, kind: str) -> int:
+        h = self.hidden
+        if kind == ATTN:
+            q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
+            kv = 2 * self.n_kv_heads * self.head_dim
+            return h * (q_out + kv) + self.n_heads * self.head_dim * h + 2 * self.head_dim + h
+        kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
+        conv_ch = 2 * kd + vd
+        return (h * (conv_ch + vd + 2 * self.gdn_v_heads)  # in_proj qkv, z, b, a
+                + conv_ch * self.gdn_conv + 2 * self.gdn_v_heads + self.gdn_v_dim  # conv, A_log, dt_bias, norm
+                + vd * h + h)  # out_proj, input_layernorm
+
+    def mlp_params(self, kind: str) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters of one MLP block incl. its norm."""
+        h = self.hidden
+        if kind == DENSE:
+            return 3 * h * self.dense_ffn + h, 0
+        shared = (3 * h * self.shared_ffn + h) if self.shared_ffn else 0  # + sigmoid gate [1, H]
+        return self.experts * h + shared + h, self.experts * 3 * h * self.expert_ffn
+
+    def layer_params(self, i: int) -> tuple[int, int]:
+        dense, expert = self.mlp_params(self.mlps[i])
+        return self.mixer_params(self.mixers[i]) + dense, expert
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """LM head (0 when tied to the embedding) plus the final norm."""
+        return (0 if self.tied else self.vocab * self.hidden) + self.hidden
+
+    def num_params(self) -> dict[str, int]:
+        return dict(self._param_counts)
+
+    @functools.cached_property
+    def _param_counts(self) -> dict[str, int]:
+        dense = sum(self.layer_params(i)[0] for i in range(self.layers)) + self.embed_params + self.head_params
+        expert = sum(self.layer_params(i)[1] for i in range(self.layers))
+        return {"total": dense + expert, "dense": dense, "expert": expert}
+
+    # ------------------------------------------------------------------ FLOPs (forward, per token)
+    def mixer_gemm_flops(self, kind: str) -> float:
+        """2 x matmul weights of the token mixer (projections only)."""
+        h = self.hidden
+        if kind == ATTN:
+            q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
+            return 2.0 * h * (q_out + 2 * self.n_kv_heads * self.head_dim + self.n_heads * self.head_dim)
+        kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
+        return 2.0 * h * (2 * kd + 2 * vd + 2 * self.gdn_v_heads + vd)
+
+    def attn_core_flops(self, seq: int) -> float:
+        """Causal softmax attention, mean over a sequence of ``seq`` tokens: QK^T and PV
+        over seq/2 keys on average (2 matmuls x 2 FLOPs x N*D x seq/2)."""
+        return 2.0 * self.n_heads * self.head_dim * seq
+
+    def gdn_core_flops(self, chunk: int = 64) -> float:
+        """Chunked gated delta rule (Yang et al. 2024, "Gated Delta Networks", chunkwise
+        form): per value head and token, three state products (k S, q S, k^T u) of
+        Dk x Dv and the intra-chunk C x (Dk + Dv) attention-like products, x2 FLOPs."""
+        dk, dv = self.gdn_k_dim, self.gdn_v_dim
+        return 2.0 * self.gdn_v_heads * (3 * dk * dv + 2 * chunk * (dk + dv))
+
+    def moe_gemm_flops(self, kind: str) -> tuple[float, float]:
+        """(dense GEMMs incl. router and shared expert, routed grouped GEMMs) per token."""
+        h = self.hidden
+        if kind == DENSE:
+            return 2.0 * 3 * h * self.dense_ffn, 0.0
+        dense = 2.0 * h * self.experts + (2.0 * 3 * h * self.shared_ffn + 2.0 * h if self.shared_ffn else 0.0)
+        return dense, 2.0 * 3 * h * self.expert_ffn * self.top_k
+
+    def model_flops_per_token(self, seq: int) -> float:
+        """Forward+backward model FLOPs per token (3x forward, no recompute, causal
+        attention at half the square): the convention TFLOPs/GPU figures are quoted in."""
+        fwd = 2.0 * self.hidden * self.vocab  # LM head
+        for mixer, mlp in zip(self.mixers, self.mlps):
+            fwd += self.mixer_gemm_flops(mixer) + sum(self.moe_gemm_flops(mlp))
+            fwd += self.attn_core_flops(seq) if mixer == ATTN else self.gdn_core_flops()
+        return 3.0 * fwd
