@@ -11,7 +11,7 @@ import pytest
 
 from data_helpers import conversation, make_tokenizer, sentence
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.data.packing import IGNORE
 from bumblebee.runtime.trainer import Trainer
 
