@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 import bumblebee
 from bumblebee.cli import main
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.runtime.trainer import Trainer
 
 import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)

@@ -8,7 +8,7 @@ import random
 import pytest
 from dist_utils import run_distributed
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.data.encode import Encoder
 from bumblebee.data.prepare import prepare
 from bumblebee.runtime.trainer import Trainer

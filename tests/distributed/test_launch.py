@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.runtime.checkpoint import load_model
 from bumblebee.models import resolve_arch
 from bumblebee.runtime.launch import init_distributed, launch_local, restart_count, train_worker
-from bumblebee.runtime.mesh import build_context, plan_layout
+from bumblebee.runtime.mesh import build_context
+from bumblebee.runtime.resolve import resolve_layout
 
 SMALL = ["--set", "model.arch.num_hidden_layers=2", "--set", "model.arch.hidden_size=64",
          "--set", "train.seq_len=256", "--set", "data.min_records=4", "--set", "data.max_records=12", "--set", "train.steps=3"]
@@ -105,7 +106,7 @@ def test_sigkilled_rank_restarts_and_resumes_bit_identical(tmp_path, capfd):
 
 def _rank1_hangs(cfg):
     init_distributed(timeout_s=cfg.train.collective_timeout_s)
-    layout = plan_layout(cfg.parallel, 2, resolve_arch(cfg.model))
+    layout = resolve_layout(cfg.parallel, 2, resolve_arch(cfg.model))
     ctx = build_context(layout, torch.device("cpu"))
     world = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
     for mesh in (ctx.dense, ctx.dp_cp, ctx.experts):  # every group the meshes created has the run's timeout

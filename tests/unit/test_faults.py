@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bumblebee.cli import main
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.failures import classify, diagnose
 from bumblebee.runtime.nonfinite import NonFiniteError
@@ -115,7 +115,7 @@ def test_nonfinite_stop_names_the_step_and_applies_nothing(tmp_path):
     ref.run()
     for (name, p), q in zip(t.model.named_parameters(), ref.model.parameters()):
         assert torch.equal(p, q), name  # the weights are those after step 2
-    for state in t.sharding.optimizer.state.values():
+    for state in t.optimizer.state.values():
         assert all(torch.isfinite(v).all() for v in state.values() if torch.is_tensor(v))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001", "step_00000002"]
     assert main(["checkpoint", "verify", str(tmp_path)]) == 0
