@@ -133,7 +133,7 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def _checkpoint_run(args) -> int:
-    from bumblebee.runtime.integrity import verify_command
+    from bumblebee.runtime.verify import verify_command
 
     return verify_command(args.path)
 

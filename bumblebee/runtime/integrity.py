@@ -18,7 +18,6 @@ file fails every rank with the same one line.
 from __future__ import annotations
 
 import os
-import sys
 import zlib
 
 import torch.distributed as dist
@@ -78,31 +77,3 @@ def verify_checksums(path: str, info: dict, group=None) -> None:
         errors = [e for part in every for e in part]
     if errors:
         raise CheckpointError(errors[0] + (f" (and {len(errors) - 1} more files)" if len(errors) > 1 else ""))
-
-
-def verify_command(spec: str) -> int:
-    """``bumblebee checkpoint verify DIR``: 0 if every checkpoint under DIR is intact, 1 if
-    one is corrupt or incomplete (each printed on one line)."""
-    from bumblebee.runtime.checkpoint import _STEP_DIR, MARKER, checkpoint_root, read_marker
-
-    if os.path.isfile(os.path.join(spec, MARKER)):
-        dirs = [spec]
-    else:
-        root = next((r for r in (spec, checkpoint_root(spec)) if os.path.isdir(r)
-                     and any(_STEP_DIR.match(n) for n in os.listdir(r))), None)
-        if root is None:
-            read_marker(spec)  # raises the one-line reason (missing, not a checkpoint, ...)
-        dirs = [os.path.join(root, n) for n in sorted(os.listdir(root)) if _STEP_DIR.match(n)]
-    bad = 0
-    for d in dirs:
-        try:
-            info = read_marker(d)
-            verify_checksums(d, info)
-        except CheckpointError as e:
-            print(f"bumblebee: FAILED {e}", file=sys.stderr)
-            bad += 1
-            continue
-        n, size = len(info.get("files", {})), sum(info.get("files", {}).values())
-        how = f"{len(info['checksums'])} {HASH} checksums" if info.get("checksums") else "sizes only (no checksums)"
-        print(f"bumblebee: ok {d}: {n} files, {size / 2**20:.1f} MiB, {how}")
-    return 1 if bad else 0

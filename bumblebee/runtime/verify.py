@@ -1,0 +1,37 @@
+"""``bumblebee checkpoint verify DIR``: check every checkpoint under a directory without loading it
+(markers, sizes and the per-file checksums of runtime/integrity.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from bumblebee.errors import CheckpointError
+from bumblebee.runtime.checkpoint import _STEP_DIR, MARKER, checkpoint_root, read_marker
+from bumblebee.runtime.integrity import HASH, verify_checksums
+
+
+def verify_command(spec: str) -> int:
+    """``bumblebee checkpoint verify DIR``: 0 if every checkpoint under DIR is intact, 1 if
+    one is corrupt or incomplete (each printed on one line)."""
+    if os.path.isfile(os.path.join(spec, MARKER)):
+        dirs = [spec]
+    else:
+        root = next((r for r in (spec, checkpoint_root(spec)) if os.path.isdir(r)
+                     and any(_STEP_DIR.match(n) for n in os.listdir(r))), None)
+        if root is None:
+            read_marker(spec)  # raises the one-line reason (missing, not a checkpoint, ...)
+        dirs = [os.path.join(root, n) for n in sorted(os.listdir(root)) if _STEP_DIR.match(n)]
+    bad = 0
+    for d in dirs:
+        try:
+            info = read_marker(d)
+            verify_checksums(d, info)
+        except CheckpointError as e:
+            print(f"bumblebee: FAILED {e}", file=sys.stderr)
+            bad += 1
+            continue
+        n, size = len(info.get("files", {})), sum(info.get("files", {}).values())
+        how = f"{len(info['checksums'])} {HASH} checksums" if info.get("checksums") else "sizes only (no checksums)"
+        print(f"bumblebee: ok {d}: {n} files, {size / 2**20:.1f} MiB, {how}")
+    return 1 if bad else 0
