@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -52,7 +53,8 @@ def _train_run(args) -> int:
             return launch.launch_local(cfg, args.nproc, max_restarts=cfg.train.max_restarts)
         Trainer(cfg).run()
     except Preempted as p:
-        print(f"bumblebee: {p}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops; one line
+            print(f"bumblebee: {p}", file=sys.stderr)
         return p.exit_code
     return 0
 

@@ -178,7 +178,9 @@ class _ForwardPreemption:
                 except ProcessLookupError:
                     pass
 
-        threading.Timer(0.5, forward).start()
+        timer = threading.Timer(0.5, forward)
+        timer.daemon = True
+        timer.start()
 
 
 def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
