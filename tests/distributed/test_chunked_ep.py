@@ -7,7 +7,9 @@ norm per tensor, fp32) for k = 2, 3, 4, recompute none and full, with random
 top-k > ep routing and with skewed routing (experts that get no rows, chunks
 that send nothing to a rank, ranks with fewer tokens than chunks). Under full
 recompute the number of all-to-alls and fc2 GEMMs shows the recompute forward
-skipping the combine and fc2.
+skipping the combine and fc2. Since ``alltoall`` shares chunked's permutation helpers,
+every case is also checked against ``local`` (all experts on one process, its own
+permute / unpermute; expert gradients summed over ranks) within 1e-5.
 
 Model level: the 5-step loss / grad-norm trace of ``Trainer`` (FSDP2, ep = 2 and
 4, and ep = 2 folded with edp = 2 so the experts are really sharded) equals
@@ -58,18 +60,20 @@ def routing(kind, rank, T, K):
 
 
 def layer(rank, world, comm, k, policy, kind, K, T):
-    """One MoE block on this rank's T tokens; returns y and the gradients."""
+    """One MoE block on this rank's T tokens; returns y and the gradients. ``local``: all E
+    experts on this rank, its expert gradients summed over ranks and sliced as EP holds them."""
     arch = Qwen3MoeArch(vocab_size=97, hidden_size=H, intermediate_size=96, moe_intermediate_size=FFN,
                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         num_experts=E, num_experts_per_tok=K)
-    dispatch = registry.get("moe_comm", comm).factory(num_experts=E, ep_group=dist.group.WORLD, num_chunks=k)
-    moe = MoE(arch, PrimitivesConfig(), dispatch, ParallelGroups(ep_group=dist.group.WORLD))
+    group = None if comm == "local" else dist.group.WORLD
+    dispatch = registry.get("moe_comm", comm).factory(num_experts=E, ep_group=group, num_chunks=k)
+    moe = MoE(arch, PrimitivesConfig(), dispatch, ParallelGroups(ep_group=group))
     g = torch.Generator().manual_seed(7)  # full-size expert weights, identical on every rank, then sliced
     w1, w2 = torch.randn(E, 2 * FFN, H, generator=g) * 0.1, torch.randn(E, H, FFN, generator=g) * 0.1
-    n = E // world
+    lo, n = (0, E) if comm == "local" else (rank * (E // world), E // world)
     with torch.no_grad():
-        moe.experts.w_gate_up.copy_(w1[rank * n:(rank + 1) * n])
-        moe.experts.w_down.copy_(w2[rank * n:(rank + 1) * n])
+        moe.experts.w_gate_up.copy_(w1[lo:lo + n])
+        moe.experts.w_down.copy_(w2[lo:lo + n])
     g = torch.Generator().manual_seed(200 + rank)
     x_TH = torch.randn(T, H, generator=g).requires_grad_()
     weight_TK = torch.rand(T, K, generator=g).requires_grad_()
@@ -78,7 +82,13 @@ def layer(rank, world, comm, k, policy, kind, K, T):
     rc = registry.get("recompute", policy).factory([])
     y_TH = rc.layer(lambda x, w: moe.dispatch(x, idx_TK, w, moe._run_experts), x_TH, weight_TK)
     (y_TH * probe_TH).sum().backward()
-    return [y_TH.detach(), x_TH.grad, weight_TK.grad, moe.experts.w_gate_up.grad, moe.experts.w_down.grad]
+    grads = [moe.experts.w_gate_up.grad, moe.experts.w_down.grad]
+    if comm == "local":
+        n = E // world
+        for w in grads:
+            dist.all_reduce(w)
+        grads = [w[rank * n:(rank + 1) * n] for w in grads]
+    return [y_TH.detach(), x_TH.grad, weight_TK.grad, *grads]
 
 
 def counting(fn):
@@ -130,7 +140,8 @@ def _ranks(rank, world, cases, runs, out_dir):
     for k, policy, kind, K, T in cases:
         ref = layer(rank, world, "alltoall", k, policy, kind, K, T)
         got, calls = counting(lambda: layer(rank, world, "chunked", k, policy, kind, K, T))
-        layers.append(([rel(a, b) for a, b in zip(got, ref)], calls))
+        loc = layer(rank, world, "local", k, policy, kind, K, T)
+        layers.append(([rel(a, b) for a, b in zip(got, ref)], calls, [rel(a, b) for a, b in zip(got, loc)]))
     traces = []
     for i, run in enumerate(runs):
         cfg = load_config(None, BASE + trace_overrides(*run) + [f"train.out_dir={out_dir}/{i}/{rank}"])
@@ -146,10 +157,11 @@ def _ranks(rank, world, cases, runs, out_dir):
 
 def check_layers(cases, results):
     for rank, (per_rank, _) in enumerate(results):
-        for (k, policy, kind, K, T), (errs, calls) in zip(cases, per_rank):
+        for (k, policy, kind, K, T), (errs, calls, errs_local) in zip(cases, per_rank):
             case = f"rank {rank} k={k} {policy} {kind} K={K} T={T}"
-            for name, err in zip(LAYER_NAMES, errs):
+            for name, err, err_local in zip(LAYER_NAMES, errs, errs_local):
                 assert err < RTOL, f"{case}: {name} relative error {err:.2e}"
+                assert err_local < 1e-5, f"{case}: {name} relative error {err_local:.2e} against local"
             # forward: k count + k dispatch + k combine exchanges; backward: 2k out + 2k back;
             # the recompute forward repeats counts and dispatch only (combine skipped)
             assert calls["a2a"] == (9 * k if policy == "full" else 7 * k), (case, calls)

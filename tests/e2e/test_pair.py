@@ -113,3 +113,19 @@ def test_companion_keys_may_differ():
     pair.check_diff(diff, "moe_comm")
     with pytest.raises(ConfigError, match="differ in parallel.ep"):
         pair.check_diff(diff, "experts")
+
+
+def test_pair_on_two_ranks(tmp_path, capsys):
+    """``--nproc 2``: both runs launch on 2 local ranks with the experts split in two (so the
+    dispatch really communicates) and agree within the slot's tolerance."""
+    code, result = pair_cli(tmp_path, "--slot", "moe_comm", "--a", "alltoall", "--b", "chunked", "--nproc", "2",
+                            "--steps", "2", "--set", "parallel.ep=2")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "without communication" not in out and result["passed"]
+    for side in ("a-alltoall", "b-chunked"):  # both ran (ep = 2 is refused on one rank)
+        assert (tmp_path / "pair-moe_comm" / side / "metrics.jsonl").exists()
+    assert result["config_diff"] == [["primitives.moe_comm", "alltoall", "chunked"]]
+    rows = {(r["step"], r["quantity"]): r for r in result["rows"]}
+    assert rows[(2, "loss")]["checked"] and rows[(2, "loss")]["rel"] <= result["tolerance"]
+    assert rows[(1, "model.norm")]["identical"]  # step 1 starts from the same weights, same forward
