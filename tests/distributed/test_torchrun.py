@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.runtime.trainer import Trainer
 
 SETS = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
