@@ -35,7 +35,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 def _train_run(args) -> int:
     from bumblebee.config import ConfigError
     from bumblebee.runtime import launch
-    from bumblebee.runtime.resolve import check_run, load_config
+    from bumblebee.runtime.interrupts import interrupt_once
+    from bumblebee.runtime.outdir import OutDirLock, distributed_lock
+    from bumblebee.runtime.preflight import preflight
+    from bumblebee.runtime.resolve import load_config
     from bumblebee.runtime.signals import Preempted
     from bumblebee.runtime.trainer import Trainer
 
@@ -46,12 +49,18 @@ def _train_run(args) -> int:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     try:
         if launch.started_by_torchrun():
-            launch.train_worker(cfg)
+            import torch.distributed as dist
+
+            launch.init_distributed(cfg.train.collective_timeout_s)
+            with distributed_lock(cfg.train.out_dir, lambda: preflight(cfg, dist.get_world_size())):
+                launch.train_worker(cfg)
             return 0
-        check_run(cfg, args.nproc)  # reject impossible layouts before any process starts
-        if args.nproc > 1:
-            return launch.launch_local(cfg, args.nproc, max_restarts=cfg.train.max_restarts)
-        Trainer(cfg).run()
+        preflight(cfg, args.nproc)  # reject bad input before any process starts
+        with OutDirLock(cfg.train.out_dir):  # one run per out_dir, for the run's lifetime
+            if args.nproc > 1:
+                return launch.launch_local(cfg, args.nproc, max_restarts=cfg.train.max_restarts)
+            with interrupt_once():
+                Trainer(cfg).run()
     except Preempted as p:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops; one line
             print(f"bumblebee: {p}", file=sys.stderr)
@@ -116,12 +125,14 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30, metavar="N",
                    help="split the safetensors into shards of at most N bytes, with an index (default 5 GiB)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="OUT_DIR holds an earlier export: replace its files (otherwise a non-empty OUT_DIR is refused)")
 
 
 def _convert_run(args) -> int:
-    from bumblebee.runtime.checkpoint import export_checkpoint
+    from bumblebee.runtime.export import export_checkpoint
 
-    path = export_checkpoint(args.ckpt_dir, args.out_dir, args.max_shard_bytes)
+    path = export_checkpoint(args.ckpt_dir, args.out_dir, args.max_shard_bytes, args.overwrite)
     print(f"bumblebee: wrote {args.out_dir} from {path}")
     return 0
 

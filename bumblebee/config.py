@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -258,6 +259,10 @@ def dump_toml(cfg: Config) -> str:
 
 def validate(cfg: Config) -> None:
     t = cfg.train
+    for f in dataclasses.fields(t):  # TOML reads nan and inf: every number must be finite
+        value = getattr(t, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"train.{f.name} must be a finite number, got {value}")
     for name in ("steps", "seq_len", "global_batch", "micro_batch"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name} must be a positive integer, got {getattr(t, name)}")
@@ -266,6 +271,14 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr must be > 0 and 0 <= train.min_lr <= train.lr (got lr={t.lr}, min_lr={t.min_lr})")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(t, name) < 1:
+            raise ConfigError(f"train.{name} must be in [0, 1) (AdamW's moment decay), got {getattr(t, name)}")
+    if t.eps <= 0 or t.weight_decay < 0:
+        raise ConfigError(f"train.eps must be > 0 and train.weight_decay >= 0 (got eps={t.eps}, "
+                          f"weight_decay={t.weight_decay})")
+    if not t.out_dir.strip():
+        raise ConfigError("train.out_dir is empty; give the directory the run writes to")
     if t.clip_grad < 0:
         raise ConfigError(f"train.clip_grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
     if t.resume not in ("", "auto") and not os.path.isdir(t.resume):
@@ -293,6 +306,15 @@ def validate(cfg: Config) -> None:
     if not 1 <= d.min_records <= d.max_records:
         raise ConfigError(f"data needs 1 <= min_records <= max_records, got {d.min_records}, {d.max_records}")
 
+    pr = cfg.primitives
+    if not all(isinstance(s, list) and all(type(i) is int for i in s) for s in pr.pp_layout):
+        raise ConfigError(f"primitives.pp_layout must be a list of stages, each a list of decoder layer indices "
+                          f"(integers), e.g. [[0, 1], [2, 3]]; got {pr.pp_layout}")
+    if not all(isinstance(m, str) for m in pr.recompute_modules):
+        raise ConfigError(f"primitives.recompute_modules must be a list of module names, got {pr.recompute_modules}")
+    for name in ("moe_chunks", "pp_microbatches", "pp_virtual_stages"):
+        if getattr(pr, name) < 0:
+            raise ConfigError(f"primitives.{name} must be >= 0, got {getattr(pr, name)}")
     if cfg.primitives.moe_comm == "chunked" and cfg.primitives.moe_chunks not in (2, 3, 4):
         raise ConfigError(f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', "
                           f"got {cfg.primitives.moe_chunks}")

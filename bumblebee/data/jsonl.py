@@ -19,18 +19,34 @@ from bumblebee.data.packing import Batch, RowPacker, stack_rows
 
 __all__ = ["DataError", "JsonlSource", "read_samples"]
 
+_COMPRESSED = [(b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"),
+               (b"PK\x03\x04", "zip")]
+
 
 def read_samples(path: str, vocab_size: int) -> list[tuple[list[int], list[bool]]]:
     samples = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    for magic, kind in _COMPRESSED:
+        if head.startswith(magic):
+            raise DataError(f"{path}: a {kind}-compressed file; data.path must be plain UTF-8 JSONL "
+                            f"(decompress it first)")
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text (byte {e.start}); data.path must be UTF-8 JSONL") from None
+            if not line.strip():
+                continue
+            try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise DataError(f"{where}: not valid JSON ({getattr(e, 'msg', 'nested too deeply')})") from None
             if not isinstance(obj, dict) or "input_ids" not in obj:
                 raise DataError(f"{where}: expected an object with 'input_ids' (and optional 'loss_mask')")
             ids, mask = obj["input_ids"], obj.get("loss_mask")

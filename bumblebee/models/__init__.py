@@ -29,6 +29,27 @@ def family_of(arch) -> Family:
     return family_of_model_type(arch.model_type)
 
 
+# keys a Hugging Face config.json must state (a default would silently build another model)
+REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "moe_intermediate_size", "num_experts_per_tok")
+
+
+def read_hf_config(path: str) -> dict:
+    """A ``config.json`` as a dict; unreadable, not UTF-8, not JSON or not an object is a one-line error."""
+    from bumblebee.config import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not a JSON text ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
 def arch_from_hf_dict(d: dict):
     """The architecture of a Hugging Face config dict (any registered family)."""
     if not isinstance(d, dict):
@@ -38,6 +59,12 @@ def arch_from_hf_dict(d: dict):
     if family is None:
         valid = [t for f in FAMILIES.values() for t in f.hf_model_types]
         raise ConfigError(f"unsupported model_type {model_type!r}; valid: {', '.join(valid)}")
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+    missing = [k for k in REQUIRED_HF_KEYS if text.get(k) is None]
+    if text.get("num_experts") is None and text.get("num_local_experts") is None:
+        missing.append("num_experts")
+    if missing:
+        raise ConfigError(f"invalid {model_type} config: missing {', '.join(missing)}")
     try:
         return family.arch.from_hf_dict(d)
     except (ArchError, TypeError) as e:
@@ -53,8 +80,11 @@ def resolve_arch(model_cfg):
         path = os.path.join(model_cfg.hf_path, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"model.hf_path: no config.json in {model_cfg.hf_path}")
-        with open(path) as f:
-            arch = arch_from_hf_dict(json.load(f))
+        try:
+            arch = arch_from_hf_dict(read_hf_config(path))
+        except ConfigError as e:
+            where = "" if str(e).startswith(path) else f"{path}: "
+            raise ConfigError(f"model.hf_path: {where}{e}") from None
     else:
         if model_cfg.preset not in family.presets:
             raise ConfigError(f"unknown {model_cfg.name} preset {model_cfg.preset!r}; "

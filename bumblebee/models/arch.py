@@ -9,12 +9,36 @@ ignores keys that do not change the computation (token ids, ``use_cache``...).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 
 class ArchError(ValueError):
     """An architecture that cannot be built (one line: what and what would be valid)."""
+
+
+_LIST_ITEMS = {"mlp_only_layers": int, "layer_types": str}  # element type of list-valued fields
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+
+
+def check_field_types(arch) -> None:
+    """Every field holds a value of its annotated type (an int is taken for a float), so a
+    string, a float size or a string for a bool names its key instead of failing deep inside."""
+    for f in dataclasses.fields(arch):
+        value, kind = getattr(arch, f.name), {"int": int, "float": float, "bool": bool, "str": str,
+                                              "list": list}.get(str(f.type), None)
+        ok = (kind is None or (kind is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+              or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))))
+        if not ok:
+            raise ArchError(f"{f.name} must be {_TYPE_NAMES[kind]}, got {value!r}")
+        if kind is float:
+            if not math.isfinite(value):
+                raise ArchError(f"{f.name} must be a finite number, got {value}")
+            setattr(arch, f.name, float(value))
+        item = _LIST_ITEMS.get(f.name)
+        if item and not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+            raise ArchError(f"{f.name} must be a list of {'integers' if item is int else 'strings'}, got {value!r}")
 
 
 @dataclass(kw_only=True)
@@ -46,6 +70,7 @@ class Qwen3MoeArch:
         return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
 
     def validate(self) -> None:
+        check_field_types(self)
         positive = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "head_dim", "decoder_sparse_step")
         for name in positive:

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError
+from bumblebee.models.arch import ArchError, check_field_types
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -69,6 +69,7 @@ class Qwen3_5MoeArch:
         return True  # every Qwen3.5 layer has a sparse MoE block
 
     def validate(self) -> None:
+        check_field_types(self)
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                     "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                     "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",

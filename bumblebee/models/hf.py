@@ -22,7 +22,7 @@ import re
 import sys
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from bumblebee.errors import CheckpointError
@@ -35,8 +35,16 @@ def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a JSON object ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor name -> file name")
+        files = sorted(set(weight_map.values()))
+        if any(os.path.basename(n) != n for n in files):
+            raise CheckpointError(f"{index}: weight_map names a file outside {path}")
         missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
         if missing:
             raise CheckpointError(f"{path}: index names missing shard(s) {missing}")
@@ -49,7 +57,19 @@ def _weight_files(path: str) -> list[str]:
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(src.shape)}, model {tuple(dst.shape)}")
+    if not src.is_floating_point():  # a cast would silently turn it into other weights
+        raise CheckpointError(f"{name} is stored as {src.dtype}; model weights must be floating point")
     dst.copy_(src)
+
+
+def _tensors(file: str):
+    """(name, tensor) of one safetensors file; a truncated or foreign file is a one-line error."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    except (OSError, RuntimeError, SafetensorError) as e:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({str(e).splitlines()[0][:200]})") from None
 
 
 @torch.no_grad()
@@ -65,37 +85,35 @@ def load_hf_weights(model, path: str) -> None:
     covered: set[str] = set()
     skipped = 0
     for file in _weight_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if name.startswith(skip_prefixes):
-                    skipped += 1
-                    continue
-                t = f.get_tensor(name)
-                for prefix, ours in renames.items():
-                    if name.startswith(prefix):
-                        name = ours + name[len(prefix):]
-                        break
-                if m := _EXPERT.match(name):
-                    base, e, proj = m.group(1), int(m.group(2)), m.group(3)
-                    stacked = params.get(f"{base}.w_down" if proj == "down_proj" else f"{base}.w_gate_up")
-                    if stacked is None or e >= stacked.shape[0]:
-                        raise CheckpointError(f"unexpected tensor {name} for this model")
-                    rows = {"gate_proj": slice(0, F), "up_proj": slice(F, 2 * F), "down_proj": slice(None)}[proj]
-                    _copy(stacked[e, rows], t, name)
-                    covered.add(name)
-                elif m := _FUSED.match(name):
-                    target = f"{m.group(1)}.{'w_gate_up' if m.group(2) == 'gate_up_proj' else 'w_down'}"
-                    if target not in params:
-                        raise CheckpointError(f"unexpected tensor {name} for this model")
-                    _copy(params[target], t, name)
-                    covered.update(_expert_names(target, params[target].shape[0]))
-                elif name in params:
-                    _copy(params[name], t, name)
-                    covered.add(name)
-                elif name == "lm_head.weight" and model.lm_head is None:
-                    continue  # tied checkpoints sometimes store the head too
-                else:
-                    raise CheckpointError(f"unexpected tensor {name} in {file}")
+        for name, t in _tensors(file):
+            if name.startswith(skip_prefixes):
+                skipped += 1
+                continue
+            for prefix, ours in renames.items():
+                if name.startswith(prefix):
+                    name = ours + name[len(prefix):]
+                    break
+            if m := _EXPERT.match(name):
+                base, e, proj = m.group(1), int(m.group(2)), m.group(3)
+                stacked = params.get(f"{base}.w_down" if proj == "down_proj" else f"{base}.w_gate_up")
+                if stacked is None or e >= stacked.shape[0]:
+                    raise CheckpointError(f"unexpected tensor {name} for this model")
+                rows = {"gate_proj": slice(0, F), "up_proj": slice(F, 2 * F), "down_proj": slice(None)}[proj]
+                _copy(stacked[e, rows], t, name)
+                covered.add(name)
+            elif m := _FUSED.match(name):
+                target = f"{m.group(1)}.{'w_gate_up' if m.group(2) == 'gate_up_proj' else 'w_down'}"
+                if target not in params:
+                    raise CheckpointError(f"unexpected tensor {name} for this model")
+                _copy(params[target], t, name)
+                covered.update(_expert_names(target, params[target].shape[0]))
+            elif name in params:
+                _copy(params[name], t, name)
+                covered.add(name)
+            elif name == "lm_head.weight" and model.lm_head is None:
+                continue  # tied checkpoints sometimes store the head too
+            else:
+                raise CheckpointError(f"unexpected tensor {name} in {file}")
     expected = set()
     for name, p in params.items():
         if name.endswith(("experts.w_gate_up", "experts.w_down")):
@@ -119,16 +137,15 @@ def _expert_names(stacked_name: str, num_experts: int) -> list[str]:
 
 def from_hf(path: str, dtype: torch.dtype = torch.float32, prims=None):
     """Build a bumblebee model from a HF directory (config.json + safetensors)."""
-    from bumblebee.models import arch_from_hf_dict, build_model
+    from bumblebee.models import arch_from_hf_dict, build_model, read_hf_config
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{path}: config.json not found")
-    with open(cfg_path) as f:
-        try:
-            arch = arch_from_hf_dict(json.load(f))
-        except ValueError as e:  # unsupported model_type, invalid architecture, malformed JSON
-            raise CheckpointError(f"{cfg_path}: {e}") from None
+    try:
+        arch = arch_from_hf_dict(read_hf_config(cfg_path))
+    except ValueError as e:  # unsupported model_type, invalid architecture, malformed JSON
+        raise CheckpointError(f"{cfg_path}: {e}" if not str(e).startswith(cfg_path) else str(e)) from None
     model = build_model(arch, prims)
     load_hf_weights(model, path)
     return model.to(dtype)

@@ -93,6 +93,7 @@ class _AllocationMode(TorchDispatchMode):
         self.fresh = {}  # op -> per return: True if it is a new tensor (no alias annotation)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.tracker._raise_pending_interrupt()
         out = func(*args, **(kwargs or {}))
         fresh = self.fresh.get(func)
         if fresh is None:
@@ -131,6 +132,7 @@ class MemoryTracker:
         self._mode = None
         self._hooks = []
         self._resize = None  # (original UntypedStorage.resize_, our wrapper) inside the context
+        self._interrupted = False  # a KeyboardInterrupt caught in a weakref callback, to re-raise
 
     # ------------------------------------------------------------------ public API
     @property
@@ -211,6 +213,8 @@ class MemoryTracker:
         self._hooks.clear()
         with self._lock:
             self._live.clear()  # drop the weakrefs: no more callbacks; figures stay frozen
+        if exc[0] is None:
+            self._raise_pending_interrupt()
 
     # ------------------------------------------------------------------ bookkeeping
     def _track(self, t: torch.Tensor, category) -> None:
@@ -266,11 +270,21 @@ class MemoryTracker:
                 self._peak, self._peak_bytes = self._total, dict(self._bytes)
 
     def _on_free(self, key: int) -> None:
-        with self._lock:
-            entry = self._live.pop(key, None)
-            if entry is not None:
-                self._bytes[entry[2]] -= entry[1]
-                self._total -= entry[1]
+        # A weakref callback's exceptions are printed and dropped by Python: a Ctrl-C that
+        # lands here is kept and raised at the next tensor op (or at exit) instead.
+        try:
+            with self._lock:
+                entry = self._live.pop(key, None)
+                if entry is not None:
+                    self._bytes[entry[2]] -= entry[1]
+                    self._total -= entry[1]
+        except KeyboardInterrupt:
+            self._interrupted = True
+
+    def _raise_pending_interrupt(self) -> None:
+        if self._interrupted:
+            self._interrupted = False
+            raise KeyboardInterrupt
 
     def _label_state(self) -> None:
         for cat, t in _state_tensors(self.model, self.optimizer):

@@ -58,6 +58,8 @@ def parse_layout(text: str, gpus: int) -> Layout:
         key = "dp_shard" if key == "dp" else key  # dp: the runtime's dp_shard
         if not sep or key not in ("tp", "pp", "ep", "cp", "dp_shard"):
             raise ConfigError(f"--layout: bad item {item!r}; expected e.g. \"tp=1 pp=2 ep=8 cp=4\"")
+        if key in values:
+            raise ConfigError(f"--layout: {key} is given twice ({text!r}); give each of tp, pp, ep, cp, dp once")
         try:
             values[key] = int(raw)
         except ValueError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from bumblebee.config import ConfigError
 from bumblebee.plan.hardware import GB, GPU, MEMORY_MARGIN, Efficiency
 from bumblebee.plan.layout import Layout, Primitives, Workload, check
 from bumblebee.plan.memory import MemoryBreakdown, local_tokens, stage_memory
@@ -166,8 +167,10 @@ def recipe(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, base: Primitive
         if cand.feasible:
             break
     best = next((c for c in tried if c.feasible), tried[0] if tried else None)
-    if best is None:
-        raise AssertionError("recipe produced no candidate")
+    if best is None:  # no (pp, cp) the recipe tries divides the GPU count
+        raise ConfigError(f"--gpus {gpus}: the recipe needs a GPU count divisible by its context-parallel "
+                          f"degree ({cp0} for --seq {work.seq}) times pp in 1, 2, 4, 8; use e.g. --gpus "
+                          f"{cp0 * -(-gpus // cp0)} or pass --layout")
     return Recommendation(best, explain(spec, best, tried, ep_rule, n, work, gpu, eff))
 
 

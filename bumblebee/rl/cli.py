@@ -89,10 +89,13 @@ def load_configs(path: str | None, overrides: list[str]):
 def _worker(job) -> None:
     from bumblebee.runtime import launch
 
+    from bumblebee.runtime.interrupts import interrupt_once
+
     cfg, rl, out_png = job
     launch.init_distributed()
     try:
-        _run_and_plot(cfg, rl, out_png)
+        with interrupt_once(ignore_after=True):  # Ctrl-C stops the rank quietly
+            _run_and_plot(cfg, rl, out_png)
     finally:
         import torch.distributed as dist
 
@@ -110,6 +113,8 @@ def _run_and_plot(cfg, rl, out_png) -> None:
 
 def run(args) -> int:
     from bumblebee.runtime import launch
+    from bumblebee.runtime.interrupts import interrupt_once
+    from bumblebee.runtime.outdir import OutDirLock, check_out_dir
     from bumblebee.runtime.resolve import check_run
 
     cfg, rl = load_configs(args.config, args.overrides)
@@ -124,8 +129,11 @@ def run(args) -> int:
     check_run(cfg, args.nproc)
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-    if args.nproc > 1:
-        return launch.launch_local((cfg, rl, args.plot), args.nproc, worker=_worker)
-    torch.set_num_threads(args.threads)
-    _run_and_plot(cfg, rl, args.plot)
+    check_out_dir(cfg.train.out_dir, checkpoints=False)
+    with OutDirLock(cfg.train.out_dir):  # one run per out_dir
+        if args.nproc > 1:
+            return launch.launch_local((cfg, rl, args.plot), args.nproc, worker=_worker)
+        torch.set_num_threads(args.threads)
+        with interrupt_once():
+            _run_and_plot(cfg, rl, args.plot)
     return 0

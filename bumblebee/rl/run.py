@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from bumblebee.config import Config, ConfigError, dump_toml
 from bumblebee.models import build_model
 from bumblebee.rl.engine import Engine
+from bumblebee.runtime.metrics import json_line
 from bumblebee.rl.losses import AGGREGATIONS, KL_ESTIMATORS, PolicyLoss, TokenNLL, grpo_advantages
 from bumblebee.rl.sampler import Sampler
 from bumblebee.rl.toy import EOS, TASKS, make_task, rollout_batch, supervised_batch
@@ -81,6 +83,36 @@ class RLConfig:
             raise ConfigError(f"rl.agg must be one of {AGGREGATIONS} and rl.kl_estimator one of {KL_ESTIMATORS}")
         if self.group_size < 2:
             raise ConfigError("rl.group_size must be >= 2 (GRPO normalizes within a group)")
+        self.validate_ranges()
+
+    def validate_ranges(self) -> None:
+        """Finite numbers, PPO clip bounds, and a task that fits the row length: everything
+        that would otherwise fail only after the warm-up has run."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"rl.{f.name} must be a finite number, got {value}")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            raise ConfigError(f"rl.clip_low must be in [0, 1) and rl.clip_high >= 0 (the ratio is clipped to "
+                              f"[1 - clip_low, 1 + clip_high]), got {self.clip_low}, {self.clip_high}")
+        if self.partial > 1:
+            raise ConfigError(f"rl.partial must be in [0, 1] (a wrong answer's reward), got {self.partial}")
+        task = TASKS[self.task]
+        if self.digits > task.max_digits:
+            raise ConfigError(f"rl.digits must be <= {task.max_digits} for task {self.task!r}, got {self.digits}")
+        prompt, answer = task.longest(self.digits)
+        need = max(prompt + answer, prompt + self.max_new_tokens)
+        if self.seq_len < need:
+            raise ConfigError(f"rl.seq_len = {self.seq_len} is shorter than the longest {self.task!r} sequence with "
+                              f"digits = {self.digits}: {prompt} prompt + max({answer} answer, {self.max_new_tokens} "
+                              f"max_new_tokens) = {need} tokens")
+        if self.max_new_tokens < answer:
+            raise ConfigError(f"rl.max_new_tokens = {self.max_new_tokens} cannot produce the longest answer of "
+                              f"{answer} tokens (with its end token): its reward would always be 0")
+        try:
+            self.loss()
+        except ValueError as e:
+            raise ConfigError(f"rl: {e}") from None
 
     def loss(self) -> PolicyLoss:
         return PolicyLoss(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip or None,
@@ -102,7 +134,7 @@ class _Log:
         if not self.active:
             return
         self.records.append(record)
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json_line(record) + "\n")
         self.file.flush()
         if line:
             self.stream.write(line + "\n")

@@ -71,6 +71,12 @@ def _randint(lo: int, hi: int, g: torch.Generator) -> int:
 
 class Addition(Task):
     name = "add"
+    max_digits = 18  # operands are drawn as int64
+
+    @staticmethod
+    def longest(digits: int) -> tuple[int, int]:
+        """(prompt, answer with its end token) lengths of the longest problem."""
+        return 2 * digits + 2, digits + 2
 
     def make(self, g):
         a, b = (_randint(0, 10 ** _randint(1, self.digits + 1, g), g) for _ in range(2))
@@ -79,6 +85,11 @@ class Addition(Task):
 
 class Reverse(Task):
     name = "reverse"
+    max_digits = 10_000
+
+    @staticmethod
+    def longest(digits: int) -> tuple[int, int]:
+        return digits + 2, digits + 2
 
     def make(self, g):
         n = _randint(1, self.digits + 2, g)

@@ -1,4 +1,4 @@
-"""Crash-safe training checkpoints: save, resume on any layout, export to Hugging Face.
+"""Crash-safe training checkpoints: save, resume on any layout (export to Hugging Face: export.py).
 
 A checkpoint is a directory ``<out_dir>/checkpoints/step_<N>`` written with
 ``torch.distributed.checkpoint`` (DCP): every rank writes the part of the state it
@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from bumblebee.config import dump_toml, tomllib
 from bumblebee.models import arch_from_hf_dict, build_model
-from bumblebee.models.hf import CheckpointError, to_hf
+from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.checkpoint_state import (Piece, load_pieces, read_dcp_metadata, rng_states, save_pieces,
                                                 set_rng_states, state_pieces)
 from bumblebee.runtime.integrity import HASH, checksum_files, file_checksum, verify_checksums
@@ -76,7 +77,15 @@ def read_marker(path: str) -> dict:
     if info.get("version") != VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {info.get('version')!r}; "
                               f"this bumblebee reads {VERSION}")
-    for name, size in info.get("files", {}).items():
+    step, files, arch, shapes = info.get("step"), info.get("files"), info.get("arch"), info.get("shapes", {})
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path}: {MARKER}: 'step' must be an integer >= 0, got {step!r}")
+    if not isinstance(files, dict) or not all(isinstance(n, str) and isinstance(v, int) and not isinstance(v, bool)
+                                              and v >= 0 for n, v in files.items()):
+        raise CheckpointError(f"{path}: {MARKER}: 'files' must map file names to sizes in bytes")
+    if not isinstance(arch, dict) or not isinstance(shapes, dict):
+        raise CheckpointError(f"{path}: {MARKER}: 'arch' and 'shapes' must be objects")
+    for name, size in files.items():
         file = os.path.join(path, name)
         if os.path.basename(name) != name:
             raise CheckpointError(f"{path}: {MARKER} names a file outside the checkpoint: {name!r}")
@@ -188,17 +197,32 @@ class Checkpointer:
     # -------------------------------------------------------------------- resume
     def resume(self, spec: str) -> int:
         """Load what ``train.resume`` names ("" = nothing); returns the step to continue from."""
-        if not spec:
-            return 0
-        path = find_checkpoint(spec, self.cfg.train.out_dir, self._say)
-        if path is None:
+        path = find_checkpoint(spec, self.cfg.train.out_dir, self._say) if spec else None
+        if spec and path is None:
             self._say(f"no complete checkpoint in {self.root}; starting at step 0")
-            return 0
-        step = self.load(path)
-        if os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.root):
+        step = self.load(path) if path else 0
+        if path and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.root):
             self.last_saved, self.last_path = step, path
-        self._say(f"resumed from {path} at step {step}")
+        if path:
+            self._say(f"resumed from {path} at step {step}")
+        if self.cfg.train.save_every or self.cfg.train.export_hf:
+            self._set_aside_newer(step)
         return step
+
+    def _set_aside_newer(self, step: int) -> None:
+        """Checkpoints of this out_dir newer than the step the run starts from belong to an
+        abandoned future: move them to ``checkpoints/abandoned-<time>/`` (never deleted), so
+        that neither pruning nor ``resume = "auto"`` nor ``convert`` mistakes them for this run's."""
+        if self.ctx.rank == 0 and os.path.isdir(self.root):
+            newer = sorted(n for n in os.listdir(self.root) if (m := _STEP_DIR.match(n)) and int(m.group(1)) > step)
+            if newer:
+                aside = os.path.join(self.root, f"abandoned-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+                os.makedirs(aside)
+                for name in newer:
+                    os.rename(os.path.join(self.root, name), os.path.join(aside, name))
+                _fsync_dir(self.root)
+                self._say(f"moved {len(newer)} checkpoint(s) newer than step {step} ({', '.join(newer)}) to {aside}")
+        self._barrier()
 
     def load(self, path: str) -> int:
         info = read_marker(path)
@@ -235,11 +259,19 @@ class Checkpointer:
         final, tmp = os.path.join(self.root, name), os.path.join(self.root, f".tmp-{name}")
         if self.ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
-            os.makedirs(tmp)
+            try:
+                os.makedirs(tmp)
+            except OSError as e:  # e.g. checkpoints/ became unwritable during the run
+                raise CheckpointError(f"{self.root}: cannot write a checkpoint ({e.strerror or e})") from None
         self._barrier()
         pieces = self._pieces()
         pieces.update({k: Piece(v, 0, tuple(v.shape)) for k, v in rng_states(self.ctx.rank).items()})
-        save_pieces(tmp, pieces, self.group)
+        try:
+            save_pieces(tmp, pieces, self.group)
+        except BaseException:  # Ctrl-C or a write error: leave no partial save behind
+            if self.ctx.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shapes = {k[6:]: list(p.shape) for k, p in pieces.items() if k.startswith("model/")}
         if self.group is not None:  # every rank has written its files; pipeline stages hold different layers
             every = [None] * dist.get_world_size(self.group)
@@ -265,10 +297,11 @@ class Checkpointer:
             shutil.rmtree(final)
         os.rename(tmp, final)  # the publication: atomic within one filesystem
         _fsync_dir(self.root)
-        self._prune()
+        self._prune(os.path.basename(final))
 
-    def _prune(self) -> None:
-        """Keep the newest ``keep_last`` complete checkpoints (0: all); drop stale temporaries."""
+    def _prune(self, written: str) -> None:
+        """Keep the newest ``keep_last`` complete checkpoints (0: all), never the one just
+        ``written``; drop stale temporaries."""
         for name in os.listdir(self.root):
             if name.startswith(".tmp-"):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
@@ -277,7 +310,8 @@ class Checkpointer:
             done = sorted((int(m.group(1)), n) for n in os.listdir(self.root) if (m := _STEP_DIR.match(n))
                           and os.path.isfile(os.path.join(self.root, n, MARKER)))
             for _, name in done[:-keep]:
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                if name != written:
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     # -------------------------------------------------------------------- run hooks, export
     def on_step(self, step: int) -> None:
@@ -287,24 +321,10 @@ class Checkpointer:
             self.save(step)
 
     def on_end(self, step: int) -> None:
-        """End of training: a final save (when saving is on, or for the export) and, with
-        ``train.export_hf``, rank 0 converts it to a HF directory in ``out_dir/hf``."""
-        export = self.cfg.train.export_hf
-        if (self.cfg.train.save_every or export) and self.last_saved != step:
+        """End of training: a final save (when saving is on, or for ``train.export_hf``, which
+        the trainer then runs on ``last_path`` through runtime/export.py)."""
+        if (self.cfg.train.save_every or self.cfg.train.export_hf) and self.last_saved != step:
             self.save(step)
-        if export and self.ctx.rank == 0:  # the other ranks are done
-            out = os.path.join(self.cfg.train.out_dir, "hf")
-            export_checkpoint(self.last_path, out)
-            self._say(f"exported {self.last_path} as a Hugging Face model to {out}")
-
-
-def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_BYTES) -> str:
-    """``bumblebee convert --to hf``: the parameters of a checkpoint (or the newest complete
-    one under a run / checkpoints directory) as a HF directory; one process. Returns the
-    checkpoint used."""
-    path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
-    to_hf(load_model(path), out_dir, max_shard_bytes)
-    return path
 
 
 def load_model(path: str) -> torch.nn.Module:

@@ -28,11 +28,13 @@ import os
 import pickle
 import random
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties)
@@ -224,10 +226,29 @@ class _SafeReader(FileSystemReader):
 
 
 # ------------------------------------------------------------------------------ save / load
+@contextmanager
+def _unwrapped(path: str, doing: str):
+    """DCP wraps every rank's exception, even ``KeyboardInterrupt``, in a ``CheckpointException``
+    (a ``BaseException`` with a multi-rank traceback as its text). Raise what happened instead:
+    Ctrl-C as ``KeyboardInterrupt``, bad input as itself, a filesystem error as one line."""
+    try:
+        yield
+    except CheckpointException as e:
+        errors = [exc for exc, _ in e.failures.values()]
+        for kind in (KeyboardInterrupt, CheckpointError):
+            for exc in errors:
+                if isinstance(exc, kind):
+                    raise exc.with_traceback(None) from None
+        for exc in errors:
+            if isinstance(exc, OSError):
+                raise CheckpointError(f"{path}: cannot {doing} the checkpoint ({exc.strerror or exc})") from None
+        raise
+
+
 def save_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None:
     """Write ``pieces`` into directory ``path`` (collective over ``process_group``; ``None``:
     this process alone). Data files are fsynced before DCP writes ``.metadata``."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _unwrapped(path, "write"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({k: p.local for k, p in pieces.items()}, storage_writer=FileSystemWriter(path, sync_files=True),
                  planner=_SavePlanner(pieces), process_group=process_group, no_dist=process_group is None)
@@ -236,7 +257,7 @@ def save_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None
 def load_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None:
     """Fill ``pieces`` in place from checkpoint ``path`` (collective over ``process_group``;
     ``None`` with no process group: this process alone)."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _unwrapped(path, "read"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({k: p.local for k, p in pieces.items()}, storage_reader=_SafeReader(path),
                  planner=_LoadPlanner(pieces), process_group=process_group, no_dist=process_group is None)

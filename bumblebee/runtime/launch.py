@@ -99,11 +99,13 @@ def resume_spec(cfg) -> str:
 
 def train_worker(cfg) -> None:
     """The default worker: join the group and train (resuming after a restart)."""
+    from bumblebee.runtime.interrupts import interrupt_once
     from bumblebee.runtime.trainer import Trainer
 
     init_distributed(cfg.train.collective_timeout_s)
     cfg.train.resume = resume_spec(cfg)
-    Trainer(cfg).run()
+    with interrupt_once(ignore_after=True):  # Ctrl-C stops the rank quietly (the launcher prints one line)
+        Trainer(cfg).run()
 
 
 @record  # also writes torch elastic's own error file for the agent's log
@@ -191,6 +193,9 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from bumblebee.config import ConfigError
+    from bumblebee.runtime import rank_errors
+
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # signals_to_handle: torch elastic's own SIGTERM handler would kill the workers; _ForwardPreemption owns it
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"bumblebee-{uuid.uuid4().hex[:8]}",
@@ -198,7 +203,7 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
                           monitor_interval=0.2, start_method="spawn", signals_to_handle="SIGINT,SIGHUP,SIGQUIT")
     report_dir = tempfile.mkdtemp(prefix="bumblebee-ranks-")
     try:
-        with _ForwardPreemption():
+        with _ForwardPreemption(), rank_errors.quiet_elastic():  # our one line replaces elastic's logs
             elastic_launch(config, _entry)(worker or train_worker, report_dir, nproc, max_restarts, cfg)
         preempted = os.path.join(report_dir, PREEMPTED)
         if os.path.exists(preempted):
@@ -208,12 +213,16 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
             return int(info["exit_code"])
         return 0
     except ChildFailedError as e:
+        if (message := rank_errors.config_error(e.failures)) is not None:
+            raise ConfigError(message) from None  # bad input found by a rank: one line, exit 2
         rank, failure = min(e.failures.items())
         cause = diagnose(read_reports(report_dir, max_restarts), nproc, (rank, failure.exitcode))  # the last attempt
         print(f"bumblebee: {cause}" + (f" (after {max_restarts} restarts)" if max_restarts else ""),
               file=sys.stderr)
         return 1
     except SignalException as e:
+        if rank_errors.interrupted(e):  # Ctrl-C: the CLI prints one line and exits 130
+            raise KeyboardInterrupt from None
         print(f"bumblebee: stopped at once by a second {e.sigval.name}", file=sys.stderr)
         return 128 + int(e.sigval)
     finally:

@@ -29,10 +29,7 @@ class MetricsWriter:
             self.path = os.path.join(out_dir, "metrics.jsonl")
             # a resumed run keeps the lines of the steps it continues from, and drops any
             # lines past the checkpoint (steps that will be recomputed)
-            kept = []
-            if first_step > 0 and os.path.exists(self.path):
-                with open(self.path) as f:
-                    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= first_step]
+            kept = _lines_up_to(self.path, first_step, stream) if first_step > 0 else []
             self.resumed = json.loads(kept[-1]) if kept else {}  # the record of the step resumed from
             self._file = open(self.path, "w")
             self._file.writelines(kept)
@@ -45,7 +42,7 @@ class MetricsWriter:
         if not self.active:
             return
         self.history.append(record)
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json_line(record) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in record.items():
@@ -74,9 +71,10 @@ class MetricsWriter:
 
     def summary(self) -> dict:
         """Aggregate figures of the run (also printed by ``close``)."""
-        h = self.history
+        skipped = sum(bool(r.get("skipped")) for r in self.history)
+        h = [r for r in self.history if not r.get("skipped")]  # steps without a loss token trained nothing
         if not h:
-            return {}
+            return {"steps": 0, "skipped_steps": skipped} if skipped else {}
         k = max(1, len(h) // 10)
         first = sum(r["loss"] for r in h[:k]) / k
         last = sum(r["loss"] for r in h[-k:]) / k
@@ -88,11 +86,15 @@ class MetricsWriter:
             "tokens_per_s": sum(r["tokens"] for r in steady) / sum(r["step_time_s"] for r in steady),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in h),
             "wall_time_s": time.perf_counter() - self._start,
+            "skipped_steps": skipped,
         }
 
     def close(self) -> dict:
         s = self.summary()
-        if self.active and s:
+        if self.active and s.get("skipped_steps"):
+            self.stream.write(f"bumblebee: note: {s['skipped_steps']} step(s) skipped: their global batch had no "
+                              "loss token (all loss_mask false or one-token documents)\n")
+        if self.active and s.get("steps"):
             self.stream.write(
                 f"done: {s['steps']} steps in {s['wall_time_s']:.1f}s; loss {s['loss_first']:.4f} -> "
                 f"{s['loss_last']:.4f} (mean of first/last 10%); {s['tokens_per_s']:.0f} tok/s; "
@@ -115,6 +117,36 @@ def tensorboard_writer(log_dir: str):
         raise ConfigError("train.tensorboard = true needs the optional package 'tensorboard': "
                           "pip install 'bumblebee[data]'") from None
     return SummaryWriter(log_dir=log_dir)
+
+
+def json_line(record: dict) -> str:
+    """One record as strict JSON: a non-finite number (a diverged loss, an infinite grad norm)
+    is written as null, never as the NaN / Infinity tokens that JSON parsers reject."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
+def _lines_up_to(path: str, step: int, stream: IO) -> list[str]:
+    """The lines of an earlier ``metrics.jsonl`` for steps <= ``step`` (a resumed run keeps
+    them). A line that is not a JSON object with an integer step (a torn last line from a
+    crash) is dropped with a notice instead of blocking the resume."""
+    if not os.path.exists(path):
+        return []
+    kept, dropped = [], 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                rec = json.loads(raw)
+                ok = isinstance(rec, dict) and isinstance(rec.get("step"), int)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                ok = False
+            if not ok:
+                dropped += bool(raw.strip())
+            elif rec["step"] <= step:
+                kept.append(raw.decode().rstrip("\n") + "\n")
+    if dropped:
+        stream.write(f"bumblebee: note: dropped {dropped} unreadable line(s) of {path} (a torn write)\n")
+    return kept
 
 
 def finite(x: float) -> float:

@@ -108,7 +108,7 @@ def check_run(cfg: Config, world: int):
                           "use 'fsdp2' or 'zero1'")
     if layout.ep > 1 and cfg.primitives.moe_comm == "local":
         raise ConfigError("primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use 'alltoall'")
-    if cfg.train.seq_len % (2 * layout.cp):
+    if layout.cp > 1 and cfg.train.seq_len % (2 * layout.cp):
         raise ConfigError(f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
                           f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks")
     if layout.cp > 1 and cfg.model.name not in ("qwen3_moe", "qwen3_5_moe"):

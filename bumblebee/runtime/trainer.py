@@ -29,11 +29,12 @@ from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding import ShardingGroups
 from bumblebee.runtime.checkpoint import Checkpointer
+from bumblebee.runtime.export import export_checkpoint
 from bumblebee.runtime.eval import evaluate
 from bumblebee.runtime.mesh import ParallelContext, build_context, single_process
 from bumblebee.runtime.resolve import check_run
 from bumblebee.runtime.metrics import MetricsWriter
-from bumblebee.runtime.optim import build_optimizer
+from bumblebee.runtime.optim import build_optimizer, lr_at
 from bumblebee.runtime.pipeline import Pipeline
 from bumblebee.runtime.signals import Preempted, Preemption
 from bumblebee.runtime.step import accumulate, autocast_for, lm_forward, local_batch, micro_batches, optimizer_tail
@@ -95,7 +96,8 @@ def build_sharding(cfg: Config, ctx: ParallelContext):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, stream=sys.stdout, device: torch.device | None = None):
+    def __init__(self, cfg: Config, *, stream=None, device: torch.device | None = None):
+        stream = stream or sys.stdout  # looked up now: sys.stdout may have been replaced since import
         self.cfg = cfg
         t = cfg.train
         self.device = device or pick_device()
@@ -145,6 +147,8 @@ class Trainer:
 
     def _step(self) -> dict:
         t = self.cfg.train
+        if self.source.num_valid_at(self.step) == 0:
+            return self._skip_step()
         start = time.perf_counter()
         lo = self.dp_rank * self.rows_per_rank  # this rank's rows only are built (data/)
         global_valid = self.source.num_valid_at(self.step)
@@ -183,6 +187,17 @@ class Trainer:
             "skipped_steps": self.skipped,
         }
 
+    def _skip_step(self) -> dict:
+        """A global batch without a single loss token (all loss_mask false, one-token documents)
+        has no gradient to follow: no forward, no update (the router and the weight decay stay
+        untouched); the step is counted and logged as skipped, with loss null."""
+        self.step += 1
+        nan = float("nan")
+        t = self.cfg.train
+        return {"step": self.step, "loss": nan, "aux_loss": nan, "grad_norm": nan, "lr": lr_at(self.step - 1, t),
+                "tokens": t.global_batch * t.seq_len, "valid_tokens": 0, "tokens_per_s": 0.0, "step_time_s": 0.0,
+                "skipped": True}
+
     def _max_over_ranks(self, peak: int) -> int:
         """Peak bytes of the most loaded rank."""
         if self.ctx.distributed:
@@ -205,7 +220,11 @@ class Trainer:
                     path = self.checkpoint.save(self.step) if self.checkpoint.last_saved != self.step \
                         else self.checkpoint.last_path
                     raise Preempted(self.step, path, signum)
-        self.checkpoint.on_end(self.step)  # final save; Hugging Face export if train.export_hf
+        self.checkpoint.on_end(self.step)  # final save
+        if t.export_hf and self.rank == 0:  # the other ranks are done
+            out = os.path.join(t.out_dir, "hf")
+            export_checkpoint(self.checkpoint.last_path, out, overwrite=True)  # the run's own export directory
+            self.checkpoint._say(f"exported {self.checkpoint.last_path} as a Hugging Face model to {out}")
         summary = self.metrics.close()
         if self.source.stats:  # documents, rows, skipped / truncated / dropped records
             summary["data"] = self.source.stats

@@ -1,0 +1,71 @@
+"""Checks a training run passes before any rank starts: bad input fails in the
+launching process with one line (exit 2), not in a worker after launch.
+
+``preflight(cfg, world)`` adds to ``check_run`` (layout, pipeline) what needs more
+than the config: the data (the synthetic task's limits; a JSONL file read and
+validated once, here), the recompute module names, the checkpoint a resume names
+(complete, and of the same architecture), Gated DeltaNet's conv window under
+context parallelism, and the output directory (``outdir.check_out_dir``).
+"""
+
+from __future__ import annotations
+
+import string
+
+from bumblebee import registry
+from bumblebee.config import Config, ConfigError
+from bumblebee.data.synthetic import QUERY_LEN, RECORD_LEN
+from bumblebee.models import resolve_arch
+from bumblebee.runtime.outdir import check_out_dir
+from bumblebee.runtime.resolve import check_run
+
+SYNTHETIC_MIN_SEQ_LEN = 1 + RECORD_LEN + QUERY_LEN  # BOS, one record, the query and its answer
+SYNTHETIC_KEYS = len(string.ascii_lowercase) ** 3  # distinct 3-letter keys a document can hold
+
+
+def preflight(cfg: Config, world: int):
+    """Everything about the run on ``world`` ranks that can be rejected before launch;
+    returns the layout. Raises ``ConfigError`` (one line)."""
+    t, d = cfg.train, cfg.data
+    if d.source == "synthetic":
+        if t.seq_len < SYNTHETIC_MIN_SEQ_LEN:
+            raise ConfigError(f"train.seq_len = {t.seq_len} is too short for the synthetic key-value task: a row "
+                              f"needs >= {SYNTHETIC_MIN_SEQ_LEN} tokens (BOS, one record, the query and its answer)")
+        if d.max_records > SYNTHETIC_KEYS:
+            raise ConfigError(f"data.max_records = {d.max_records} exceeds the synthetic task's {SYNTHETIC_KEYS} "
+                              "distinct 3-letter keys (records of one document have unique keys)")
+    layout = check_run(cfg, world)
+    arch = resolve_arch(cfg.model)
+    registry.get("recompute", cfg.primitives.recompute).factory(cfg.primitives.recompute_modules)
+    if layout.cp > 1 and "linear_attention" in getattr(arch, "layer_types", ()):
+        chunk, window = t.seq_len // (2 * layout.cp), arch.linear_conv_kernel_dim - 1
+        if chunk < window:
+            raise ConfigError(f"Gated DeltaNet with parallel.cp = {layout.cp}: each zigzag chunk has "
+                              f"{t.seq_len} / {2 * layout.cp} = {chunk} tokens, fewer than the conv window "
+                              f"({window}); use train.seq_len >= {2 * layout.cp * window} or a smaller cp")
+    if d.source == "jsonl":
+        from bumblebee.data.jsonl import read_samples
+
+        samples = read_samples(d.path, arch.vocab_size)
+        if not any(any(mask[1:]) for _, mask in samples):  # a token's label is the next token
+            raise ConfigError(f"{d.path}: no sample has a loss token after its first token (all loss_mask "
+                              "false, or one-token documents): there is nothing to train on")
+    if t.resume:
+        check_resume(cfg, arch)
+    check_out_dir(t.out_dir, checkpoints=bool(t.save_every or t.export_hf))
+    return layout
+
+
+def check_resume(cfg: Config, arch) -> None:
+    """The checkpoint ``train.resume`` names is complete and was saved for this architecture."""
+    from bumblebee.runtime.checkpoint import find_checkpoint, read_marker
+
+    path = find_checkpoint(cfg.train.resume, cfg.train.out_dir)
+    if path is None:  # "auto" in a run without checkpoints yet: a fresh start
+        return
+    saved, now = read_marker(path)["arch"], arch.to_hf_dict()
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if changed:
+        shown = ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:3])
+        raise ConfigError(f"train.resume: {path} was saved for another architecture ({shown}"
+                          f"{', ...' if len(changed) > 3 else ''}); resume with the model it was trained with")
