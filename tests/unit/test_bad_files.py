@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bumblebee.cli import main
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.models.hf import from_hf, to_hf
 from bumblebee.runtime.metrics import json_line

@@ -156,7 +156,7 @@ def test_rl_settings_are_checked_before_warm_up(capsys, tmp_path, items, fragmen
 
 
 def test_checkpoints_that_become_unwritable_during_the_run_fail_with_one_line(tmp_path):
-    from bumblebee.config import load_config
+    from bumblebee import load_config
     from bumblebee.config import ConfigError
     from bumblebee.runtime.trainer import Trainer
 

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from bumblebee.cli import main
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.runtime.interrupts import interrupt_once
 from bumblebee.runtime.trainer import Trainer
