@@ -82,6 +82,8 @@ class TrainConfig:
     clip_grad: float = 1.0
     offload_optimizer: bool = False  # fsdp2: keep sharded params/grads/optimizer state in host memory
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay fp32)
+    grad_accum: str = "sharded"  # fsdp2: "sharded" (reduce-scatter every micro-batch) | "unsharded" (once per step)
+    reduce_dtype: str = "float32"  # fsdp2 with dtype = bfloat16: gradient reduce-scatter in float32 | bfloat16
     seed: int = 0
     deterministic: bool = False
     out_dir: str = "runs/default"
@@ -289,6 +291,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.on_nonfinite must be 'stop' or 'skip', got {t.on_nonfinite!r}")
     if t.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
+    if t.grad_accum not in ("sharded", "unsharded"):
+        raise ConfigError(f"train.grad_accum must be 'sharded' or 'unsharded', got {t.grad_accum!r}")
+    if t.reduce_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"train.reduce_dtype must be 'float32' or 'bfloat16', got {t.reduce_dtype!r}")
 
     p = cfg.parallel
     for name in ("cp", "ep", "tp", "pp"):
