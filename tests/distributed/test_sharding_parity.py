@@ -57,6 +57,7 @@ def check(result, reference, layout=""):
 
 TWO_RANKS = {
     "fsdp2 ep=1": ["primitives.sharding=fsdp2", "parallel.ep=1"],
+    "fsdp2 ep=1, unsharded accumulation": ["primitives.sharding=fsdp2", "parallel.ep=1", "train.grad_accum=unsharded"],
     "fsdp2 ep=2": ["primitives.sharding=fsdp2", "parallel.ep=2"],
     "zero1 ep=2": ["primitives.sharding=zero1", "parallel.ep=2"],
     "zero1 ep=1": ["primitives.sharding=zero1", "parallel.ep=1"],

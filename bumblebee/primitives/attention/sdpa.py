@@ -7,10 +7,12 @@ by groups of query heads).
 - ``sdpa`` (reference): one ``scaled_dot_product_attention`` call with a dense
   [B, 1, T, T] boolean mask (causal AND same-document). Obviously correct; the
   mask costs T^2 bytes per row.
-- ``varlen``: one causal SDPA call per document (or one call for the batch when
-  every row is a single document). No mask is built, so it can use the fused
-  causal kernels and skips all cross-document blocks; a Python loop over
-  documents is its cost.
+- ``varlen``: on CUDA in bf16/fp16, PyTorch's flash ``varlen_attn`` over all
+  documents at once (``flash.py``; the kernel dispatch, ``primitives/dispatch.py``,
+  decides). Elsewhere one causal SDPA call per document (or one call for the batch
+  when every row is a single document): no mask is built, so it can use the fused
+  causal kernels and skips all cross-document blocks; a Python loop over documents
+  is its cost.
 
 Legend: B batch, N query heads, K kv heads, T tokens, D head dim.
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bumblebee.primitives.attention.flash import flash_varlen
+from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.packed import DocLayout
 from bumblebee.registry import register
 
@@ -37,6 +41,8 @@ def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
 
 @register("attention", "varlen", summary="causal SDPA per packed document, no mask")
 def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
+    if select("attention", "varlen", q_BNTD.device.type, q_BNTD.dtype).name == "varlen_attn":
+        return flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout, scale)
     gqa = q_BNTD.shape[1] != k_BKTD.shape[1]
     if layout.single_doc:
         return F.scaled_dot_product_attention(q_BNTD, k_BKTD, v_BKTD, is_causal=True, scale=scale, enable_gqa=gqa)

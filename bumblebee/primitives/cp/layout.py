@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bumblebee.primitives.packed import doc_layout
+from bumblebee.primitives.packed import DocLayout, doc_layout
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -55,6 +55,7 @@ class CPLayout:
     seq_len: int  # global T
     doc_BT: torch.Tensor  # global document id of every token [B, T]
     index_L: torch.Tensor  # global positions of the local tokens [Tl]
+    docs: DocLayout | None = None  # the same documents as host ints (kernel plans without device syncs)
 
     @property
     def chunk(self) -> int:
@@ -71,5 +72,6 @@ def build_cp_layout(position_ids_local_BT: torch.Tensor, group) -> CPLayout:
     dist.all_gather(parts, position_ids_local_BT.contiguous(), group=group)
     global_pos = unshard_sequence(parts)
     T = global_pos.shape[1]
-    doc = doc_layout(global_pos).doc_ids(position_ids_local_BT.device)
-    return CPLayout(group, C, r, T, doc, zigzag_index(T, C, r, position_ids_local_BT.device))
+    docs = doc_layout(global_pos)
+    doc = docs.doc_ids(position_ids_local_BT.device)
+    return CPLayout(group, C, r, T, doc, zigzag_index(T, C, r, position_ids_local_BT.device), docs)

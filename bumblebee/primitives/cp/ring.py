@@ -15,7 +15,12 @@ Delta = rowsum(dO * O): dV += P^T dO, dS = P * (dO V^T - Delta), dQ += dS K s,
 dK += dS^T Q s.
 
 Scores are computed per (query tile, key chunk) pair in fp32, so memory is
-O(tile x chunk), never O(T^2).
+O(tile x chunk), never O(T^2). Forward and backward both run with autocast off, so
+under bf16 autocast the forward's scores and LSE are the fp32 ones the backward
+recomputes (they used to come out of bf16 matmuls in the forward only).
+
+This is the CPU path and the reference of ``ring_flash.py``, which runs the same ring
+with a varlen flash kernel per block pair on CUDA in bf16/fp16 (``primitives/dispatch.py``).
 
 Legend: B batch, K kv heads, G query heads per kv head, L local tokens (Tl),
 D head dim, q/k tile rows.
@@ -27,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.primitives.dispatch import select
 from bumblebee.registry import register
 
 Q_TILE = 512  # query rows per score tile
@@ -72,6 +78,11 @@ def _scores(q_BKGqD, k_BKkD, mask, scale):
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
+        with torch.autocast(q_BNLD.device.type, enabled=False):  # fp32 scores, as in backward
+            return RingAttention._forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout, scale)
+
+    @staticmethod
+    def _forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
         B, N, L, D = q_BNLD.shape
         K = k_BKLD.shape[1]
         q = q_BNLD.float().view(B, K, N // K, L, D)
@@ -102,6 +113,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_BNLD):
+        with torch.autocast(grad_BNLD.device.type, enabled=False):
+            return RingAttention._backward(ctx, grad_BNLD)
+
+    @staticmethod
+    def _backward(ctx, grad_BNLD):
         q_BNLD, k_BKLD, v_BKLD, o, lse = ctx.saved_tensors
         layout, scale = ctx.layout, ctx.scale
         B, N, L, D = q_BNLD.shape
@@ -137,4 +153,8 @@ class RingAttention(torch.autograd.Function):
 
 @register("cp", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")
 def ring_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
+    if select("cp", "ring", q_BNLD.device.type, q_BNLD.dtype).name == "ring_varlen_attn":
+        from bumblebee.primitives.cp.ring_flash import ring_flash_attention
+
+        return ring_flash_attention(q_BNLD, k_BKLD, v_BKLD, layout, scale)
     return RingAttention.apply(q_BNLD, k_BKLD, v_BKLD, layout, scale)

@@ -1,0 +1,111 @@
+"""Kernel dispatch: which kernel an implementation runs, from (device, dtype, package present).
+
+A slot implementation chosen in config (``attention = "varlen"``) names an algorithm; the
+kernel that executes it depends on where it runs. This table says which, so the same
+answer is printed at the start of a run, listed by ``bumblebee primitives``, used by the
+implementations at call time (``select`` on the tensors' device and dtype) and read by the
+planner (``plan_kernels``), whose efficiencies and activation memory follow it.
+
+| slot / impl | CUDA, bf16/fp16 | CUDA, fp32 | CPU |
+| --- | --- | --- | --- |
+| attention / varlen | ``varlen_attn`` (flash) | SDPA per document | SDPA per document |
+| cp / ring | ring of ``varlen_attn`` steps | fp32 tiles | fp32 tiles |
+| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` if ``fla`` imports, else chunked PyTorch | same | chunked PyTorch |
+
+References (``sdpa``, ``allgather``, ``recurrent``) and every other implementation run their
+own PyTorch code everywhere. The flash kernels take only half precision (flash-attention's
+constraint); FLA's Triton kernels need a GPU (``pip install -e ".[gpu]"`` adds ``fla-core``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str  # short id, e.g. "varlen_attn"
+    label: str  # what a run prints, e.g. "varlen_attn (flash)"
+    fused: bool  # a fused GPU kernel (planner: FlashAttention / FLA-class efficiency and memory)
+    note: str = ""  # why this kernel and not the fused one, when it matters
+
+
+@functools.lru_cache(maxsize=None)
+def package_present(name: str) -> bool:
+    """True when ``name`` can be imported (``fla`` also needs ``triton``)."""
+    if importlib.util.find_spec(name) is None:
+        return False
+    if name == "fla":
+        return importlib.util.find_spec("triton") is not None
+    return True
+
+
+def _dtype(dtype) -> torch.dtype:
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def select(slot: str, impl: str, device: str, dtype, *, fla: bool | None = None) -> Kernel:
+    """The kernel ``slot``/``impl`` runs on ``device`` ("cuda", "cpu", ...) for ``dtype``.
+    ``fla`` overrides the package check (the planner asks "what if it were installed")."""
+    dtype, cuda = _dtype(dtype), device == "cuda"
+    fla = package_present("fla") if fla is None else fla
+    if (slot, impl) == ("attention", "varlen"):
+        if cuda and dtype in HALF:
+            return Kernel("varlen_attn", "varlen_attn (flash)", True)
+        return Kernel("sdpa_per_doc", "SDPA per document", cuda,
+                      "flash kernels take bf16/fp16 only" if cuda else "")
+    if (slot, impl) == ("cp", "ring"):
+        if cuda and dtype in HALF:
+            return Kernel("ring_varlen_attn", "ring of varlen_attn steps (flash)", True)
+        return Kernel("ring_tiles", "ring, fp32 score tiles", False,
+                      "flash kernels take bf16/fp16 only" if cuda else "")
+    if (slot, impl) == ("linear_attention", "chunked"):
+        if cuda and fla:
+            return Kernel("fla_chunk", "fla chunk_gated_delta_rule", True)
+        return Kernel("torch_chunked", "chunked PyTorch (64-token chunks)", False,
+                      "fla not installed (pip install -e '.[gpu]')" if cuda else "")
+    return Kernel(impl, f"{impl} (PyTorch)", False)
+
+
+KERNEL_SLOTS = ("attention", "cp", "linear_attention")
+
+
+def kernel_table(prims, device: str, dtype, *, cp: int = 1, fla: bool | None = None) -> dict[str, Kernel]:
+    """slot -> Kernel for the configured implementations (``prims``: a PrimitivesConfig).
+    ``cp`` omitted or 1: no CP slot (full attention runs the ``attention`` slot)."""
+    out = {"attention": select("attention", prims.attention, device, dtype, fla=fla)}
+    if cp > 1:
+        out["cp"] = select("cp", prims.cp, device, dtype, fla=fla)
+    out["linear_attention"] = select("linear_attention", prims.linear_attention, device, dtype, fla=fla)
+    return out
+
+
+def describe(table: dict[str, Kernel]) -> str:
+    """One line: ``attention: varlen_attn (flash); linear_attention: fla chunk_gated_delta_rule``."""
+    parts = []
+    for slot, k in table.items():
+        parts.append(f"{slot}: {k.label}" + (f" [{k.note}]" if k.note else ""))
+    return "; ".join(parts)
+
+
+def rows(slot: str, impl: str) -> list[tuple[str, str, str]]:
+    """(device, dtype, kernel label) rows for ``bumblebee primitives``; one row when the kernel
+    never changes."""
+    if (slot, impl) not in (("attention", "varlen"), ("cp", "ring"), ("linear_attention", "chunked")):
+        return []
+    out = []
+    for device, dtype in (("cuda", "bfloat16"), ("cuda", "float32"), ("cpu", "any")):
+        dt = torch.float32 if dtype == "any" else dtype
+        if slot == "linear_attention" and device == "cuda":
+            for present in (True, False):
+                k = select(slot, impl, device, dt, fla=present)
+                out.append((device, f"{dtype}, fla {'present' if present else 'absent'}", k.label))
+        else:
+            out.append((device, dtype, select(slot, impl, device, dt).label))
+    return out

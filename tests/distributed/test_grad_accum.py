@@ -1,0 +1,49 @@
+"""FSDP2 gradient accumulation keeps gradients sharded (``train.grad_accum = "sharded"``).
+
+After the first of several micro-batches every parameter already holds its *sharded*
+gradient (a DTensor shard, in fp32 even with a bf16 reduce): the reduce-scatter ran, so
+no unsharded gradient waits inside FSDP for the last micro-batch. The old behaviour
+(``"unsharded"``) leaves ``.grad`` empty until the synced micro-batch. Parity of whole
+runs with accumulation against the single process is in test_sharding_parity.py.
+"""
+
+import io
+
+import torch
+from dist_utils import run_distributed
+from torch.distributed.tensor import DTensor
+
+from bumblebee.config import load_config
+from bumblebee.runtime.trainer import Trainer
+
+BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32",
+        "model.arch.num_experts=4", "model.arch.intermediate_size=96", "train.seq_len=64", "train.global_batch=4",
+        "train.micro_batch=1", "primitives.sharding=fsdp2", "train.dtype=bfloat16"]
+
+
+def _after_first_micro_batch(rank, world, out_dir, mode, reduce_dtype):
+    cfg = load_config(None, BASE + [f"train.grad_accum={mode}", f"train.reduce_dtype={reduce_dtype}",
+                                    f"train.out_dir={out_dir}/{rank}"])
+    trainer = Trainer(cfg, stream=io.StringIO())
+    assert trainer.accum == 2
+    batch = trainer.source.global_batch_at(0).rows(rank * 2, rank * 2 + 1)
+    trainer.sharding.set_grad_sync(False)  # what the step does before micro-batch 1 of 2
+    with trainer.autocast:
+        terms = trainer.model.loss_terms(batch.input_ids, batch.labels, batch.position_ids)
+    terms.loss_sum.backward()
+    grads = {}
+    for name, p in trainer.model.named_parameters():
+        g = p.grad
+        grads[name] = None if g is None else (isinstance(g, DTensor), g.to_local().shape == p.to_local().shape,
+                                              g.dtype)
+    loss = float(trainer.train_step()["loss"])  # a whole step still runs (with the extra syncs)
+    return grads, loss
+
+
+def test_gradients_are_sharded_after_each_micro_batch(tmp_path):
+    for reduce_dtype in ("float32", "bfloat16"):
+        grads, loss = run_distributed(_after_first_micro_batch, 2, str(tmp_path), "sharded", reduce_dtype)[0]
+        assert grads and all(g == (True, True, torch.float32) for g in grads.values()), (reduce_dtype, grads)
+        assert loss == loss  # finite step
+    grads, _ = run_distributed(_after_first_micro_batch, 2, str(tmp_path), "unsharded", "float32")[0]
+    assert all(g is None for g in grads.values()), "unsharded accumulation holds gradients inside FSDP"
