@@ -76,6 +76,7 @@ def _primitives_args(p: argparse.ArgumentParser) -> None:
 def _primitives_run(args) -> int:
     from bumblebee import registry
     from bumblebee.config import PrimitivesConfig
+    from bumblebee.primitives import dispatch
 
     defaults = PrimitivesConfig()
     for slot, desc in registry.SLOTS.items():
@@ -87,6 +88,8 @@ def _primitives_run(args) -> int:
             tags = [t for t, on in (("reference", impl.reference), ("default", getattr(defaults, slot) == name)) if on]
             tag = f" [{', '.join(tags)}]" if tags else ""
             print(f"    {name:<14}{tag:<22} {impl.summary}")
+            for device, dtype, label in dispatch.rows(slot, name):  # the kernel it runs where
+                print(f"        {device + ', ' + dtype:<36} -> {label}")
     return 0
 
 

@@ -26,6 +26,8 @@ from bumblebee.config import Config, dump_toml
 from bumblebee.data import build_source
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.perf.memory import MemoryTracker
+from bumblebee.primitives.dispatch import describe as describe_kernels
+from bumblebee.primitives.dispatch import kernel_table
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding import ShardingGroups
 from bumblebee.runtime.checkpoint import Checkpointer
@@ -128,6 +130,8 @@ class Trainer:
                 f.write(dump_toml(cfg))
             if ctx.distributed:
                 stream.write(f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n")
+            stream.write("bumblebee: kernels " + describe_kernels(kernel_table(
+                cfg.primitives, self.device.type, t.dtype, cp=ctx.layout.cp)) + "\n")
             if self.pipeline is not None:
                 stream.write(f"bumblebee: {self.pipeline.describe()}\n")
         self.metrics = MetricsWriter(t.out_dir if self.rank == 0 else None, total_steps=t.steps,

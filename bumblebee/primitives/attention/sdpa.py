@@ -39,7 +39,7 @@ def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
                                           enable_gqa=q_BNTD.shape[1] != k_BKTD.shape[1])
 
 
-@register("attention", "varlen", summary="causal SDPA per packed document, no mask")
+@register("attention", "varlen", summary="packed documents, no mask: varlen_attn (CUDA, half) or SDPA per document")
 def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
     if select("attention", "varlen", q_BNTD.device.type, q_BNTD.dtype).name == "varlen_attn":
         return flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout, scale)

@@ -12,7 +12,8 @@ With fewer key heads G than value heads H, key head j serves value heads
 [j*H/G, (j+1)*H/G).
 
 - ``recurrent`` (reference): the recurrence above, token by token.
-- ``chunked``: chunks of C = 64 tokens. Inside a chunk (Gamma_i = prod_{s<=i} a_s,
+- ``chunked``: on CUDA with flash-linear-attention installed, FLA's chunk kernel
+  (``fla.py``; ``primitives/dispatch.py`` decides); elsewhere chunks of C = 64 tokens. Inside a chunk (Gamma_i = prod_{s<=i} a_s,
   all products restricted to one document) the updates collapse into the WY / UT
   form (Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
   Sequence Length", NeurIPS 2024, §3.2; gated in Gated DeltaNet §3.3):
@@ -43,6 +44,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.packed import DocLayout
 from bumblebee.registry import register
 
@@ -112,6 +114,10 @@ def gated_delta_rule_chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: Do
                              initial_state=None, chunk_size: int = CHUNK_SIZE):
     if chunk_size <= 0:
         raise ValueError(f"gated delta rule: chunk_size must be positive, got {chunk_size}")
+    if q_BTGK.is_cuda and select("linear_attention", "chunked", "cuda", q_BTGK.dtype).name == "fla_chunk":
+        from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
+
+        return fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
     q, k, v, g, beta, S_BHKV = _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
     B, H, T, K = q.shape
     V, C = v.shape[-1], chunk_size

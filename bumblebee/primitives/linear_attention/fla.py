@@ -1,0 +1,146 @@
+"""The gated delta rule on CUDA through flash-linear-attention (FLA), behind the
+``linear_attention`` contract of ``gated_delta_rule.py``.
+
+``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (fla-core, Triton; ``pip install -e
+".[gpu]"``) takes q, k [1, S, G, K], v [1, S, H, V] (H a multiple of G: value head i reads
+key head i // (H/G), our convention), log decays g and write strengths beta [1, S, H],
+``cu_seqlens`` (int64 [docs + 1]) for packed sequences, one ``initial_state`` per sequence
+[docs, H, K, V], and returns o and (``output_final_state``) one final state per sequence.
+``use_qk_l2norm_in_kernel=True`` with ``scale = K^-1/2`` is the normalization of the
+PyTorch paths.
+
+The glue here: rows laid back to back, document boundaries from the layout's host ints,
+the row's carried state placed on its first document (every later document starts from
+zero), and the final state of each row's last document picked out. On CUDA the kernel runs
+inside the custom op ``bumblebee::fla_gdn`` (``register_fake`` gives fake-tensor runs and
+``torch.compile`` its shapes; its backward re-runs FLA's forward under autograd, so the op
+saves only its inputs). Tests pass ``kernel=reference_chunk_gated_delta_rule``: FLA's
+signature and semantics in plain PyTorch.
+
+Legend: B batch, T tokens, G key heads, H value heads, K key dim, V value dim, S = B*T,
+N documents.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bumblebee.primitives.linear_attention.gated_delta_rule import l2norm
+from bumblebee.primitives.packed import DocLayout
+
+
+def doc_plan(layout: DocLayout) -> tuple[list[int], list[int], list[int]]:
+    """(cu_seqlens of the rows laid back to back, index of each row's first document, of its last)."""
+    T, cu, first, last = layout.seq_len, [], [], []
+    for b, bounds in enumerate(layout.bounds):
+        first.append(len(cu))
+        cu.extend(b * T + s for s in bounds[:-1])
+        last.append(len(cu) - 1)
+    cu.append(len(layout.bounds) * T)
+    return cu, first, last
+
+
+def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+
+
+@torch.library.custom_op("bumblebee::fla_gdn", mutates_args=())
+def fla_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            initial_state: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        o, ht = _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale)
+    return o, ht
+
+
+@fla_gdn.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale):
+    return torch.empty_like(v), torch.empty_like(initial_state, dtype=torch.float32)
+
+
+@torch.library.custom_op("bumblebee::fla_gdn_backward", mutates_args=())
+def fla_gdn_backward(do: torch.Tensor, dht: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> list[torch.Tensor]:
+    inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta, initial_state)]
+    with torch.enable_grad():
+        o, ht = _fla_kernel(*inputs, cu_seqlens, scale)
+        grads = torch.autograd.grad((o, ht), inputs, (do, dht), allow_unused=True)
+    return [torch.zeros_like(x) if d is None else d for x, d in zip(inputs, grads)]
+
+
+@fla_gdn_backward.register_fake
+def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale):
+    return [torch.empty_like(x) for x in (q, k, v, g, beta, initial_state)]
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7])
+    ctx.scale = inputs[7]
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, h0, cu = ctx.saved_tensors
+    grads = torch.ops.bumblebee.fla_gdn_backward(do.contiguous(), dht.contiguous(), q, k, v, g, beta, h0, cu,
+                                                 ctx.scale)
+    return (*grads, None, None)
+
+
+fla_gdn.register_autograd(_backward, setup_context=_setup)
+
+
+def fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout, initial_state=None,
+                         kernel=None):
+    """The ``linear_attention`` contract through FLA's chunk kernel (``kernel``: a callable with
+    ``chunk_gated_delta_rule``'s signature; None: the ``bumblebee::fla_gdn`` op over FLA)."""
+    B, T, G, K = q_BTGK.shape
+    H, V = v_BTHV.shape[2:]
+    cu, first, last = doc_plan(layout)
+    dev = q_BTGK.device
+    h0 = torch.zeros(len(cu) - 1, H, K, V, dtype=torch.float32, device=dev)
+    if initial_state is not None:
+        h0 = h0.index_copy(0, torch.tensor(first).to(dev), initial_state.float())
+    cu_t = torch.tensor(cu, dtype=torch.long).to(dev, non_blocking=True)
+    flat = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731
+    # one dtype for q, k, v (the CP probe hands fp32 values [v | 0]; the zeros are exact in bf16)
+    q, k, v = flat(q_BTGK), flat(k_BTGK), flat(v_BTHV.to(q_BTGK.dtype))
+    g, beta = flat(g_BTH.float()), flat(beta_BTH.to(q_BTGK.dtype))
+    if kernel is None:
+        o, ht = torch.ops.bumblebee.fla_gdn(q, k, v, g, beta, h0, cu_t, K ** -0.5)
+    else:
+        o, ht = kernel(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+    return o.reshape(B, T, H, V).to(v_BTHV.dtype), ht[torch.tensor(last).to(dev)].float()
+
+
+def reference_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **unused):
+    """``chunk_gated_delta_rule``'s contract, token by token in fp32 (tests of the glue only)."""
+    B, S, G, K = q.shape
+    H, V = v.shape[2:]
+    assert cu_seqlens is None or B == 1, "FLA wants batch 1 with cu_seqlens"
+    scale = K ** -0.5 if scale is None else scale
+    out_dtype = v.dtype
+    q, k = q.float(), k.float()
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q, k = q.repeat_interleave(H // G, 2) * scale, k.repeat_interleave(H // G, 2)
+    v, g, beta = v.float(), g.float(), beta.float()
+    cu = cu_seqlens.tolist() if cu_seqlens is not None else [i * S for i in range(B + 1)]
+    if cu_seqlens is None:
+        q, k, v, g, beta = (x.reshape((1, B * S) + tuple(x.shape[2:])) for x in (q, k, v, g, beta))
+    o = torch.zeros_like(v)
+    finals = []
+    for i in range(len(cu) - 1):
+        state = (initial_state[i].float() if initial_state is not None
+                 else torch.zeros(H, K, V, device=v.device))
+        for t in range(cu[i], cu[i + 1]):
+            state = state * g[0, t].exp()[:, None, None]
+            pred = torch.einsum("hk,hkv->hv", k[0, t], state)
+            state = state + k[0, t][:, :, None] * ((v[0, t] - pred) * beta[0, t][:, None])[:, None, :]
+            o[0, t] = torch.einsum("hk,hkv->hv", q[0, t], state)
+        finals.append(state)
+    o = o.reshape(B, S, H, V) if cu_seqlens is None else o
+    return o.to(out_dtype), (torch.stack(finals) if output_final_state else None)

@@ -1,0 +1,108 @@
+"""The CUDA kernels' glue, tested on CPU with reference callables that have the kernels'
+exact signatures and semantics (``reference_varlen_attn`` for PyTorch's ``varlen_attn``,
+``reference_chunk_gated_delta_rule`` for FLA's ``chunk_gated_delta_rule``): packing,
+cu_seqlens from per-document position ids, GQA / GVA head maps, carried states. Plus the
+affine-scan identity CP relies on, through the FLA glue, and the dispatch table."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from bumblebee.config import PrimitivesConfig
+from bumblebee.primitives import dispatch
+from bumblebee.primitives.attention.flash import flash_varlen, reference_varlen_attn
+from bumblebee.primitives.attention.sdpa import sdpa_masked
+from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule, reference_chunk_gated_delta_rule
+from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_recurrent
+from bumblebee.primitives.packed import doc_layout
+
+DOCS = [[10, 3, 11], [24]]
+
+
+def layout():
+    return doc_layout(torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS]))
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_flash_varlen_glue_matches_masked_sdpa():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 24, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    outs = []
+    for fn in (lambda *a: flash_varlen(*a, kernel=reference_varlen_attn), sdpa_masked):
+        o = fn(q, k, v, layout(), 0.3)
+        grads = torch.autograd.grad(o.square().sum(), (q, k, v))
+        outs.append((o, *grads))
+    for a, b in zip(*outs):
+        assert rel(a, b) < 1e-5
+
+
+def gdn_inputs(G=2, H=4, K=8, V=6, T=24, B=2):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(B, T, G, K, generator=g), torch.randn(B, T, G, K, generator=g),
+            torch.randn(B, T, H, V, generator=g), -torch.rand(B, T, H, generator=g),
+            torch.rand(B, T, H, generator=g), torch.randn(B, H, K, V, generator=g)]
+
+
+def test_fla_glue_matches_recurrent_reference():
+    xs = [x.requires_grad_() for x in gdn_inputs()]
+    results = []
+    for fn in (lambda *a: fla_gated_delta_rule(*a, kernel=reference_chunk_gated_delta_rule),
+               gated_delta_rule_recurrent):
+        o, S = fn(*xs[:5], layout(), xs[5])
+        grads = torch.autograd.grad(o.square().sum() + S.square().sum(), xs)
+        results.append((o, S, *grads))
+    for a, b in zip(*results):
+        assert rel(a, b) < 1e-5
+
+
+def test_affine_scan_identity_through_fla_glue():
+    """What CP builds on: from an incoming state S_in, o = o|0 + e S_in and S_out = M S_in + S_out|0,
+    where one probe call on values [v | 0_K] from the state [0 | I_K] gives o|0, e, S_out|0, M."""
+    q, k, v, g, beta, S_in = gdn_inputs(B=1)
+    lay = doc_layout(torch.arange(24)[None])
+    K, V = q.shape[-1], v.shape[-1]
+    run = lambda vv, h0: fla_gated_delta_rule(q, k, vv, g, beta, lay, h0,  # noqa: E731
+                                               kernel=reference_chunk_gated_delta_rule)
+    v_ext = torch.cat([v, v.new_zeros(v.shape[:-1] + (K,))], -1)
+    h0 = torch.cat([S_in.new_zeros(S_in.shape), torch.eye(K).expand(1, 4, K, K)], -1)
+    o_ext, S_ext = run(v_ext, h0)
+    o0, e = o_ext.split([V, K], -1)
+    S0, M = S_ext.split([V, K], -1)
+    o, S = run(v, S_in)
+    assert rel(o0 + torch.einsum("bthk,bhkv->bthv", e, S_in), o) < 1e-5
+    assert rel(M @ S_in + S0, S) < 1e-5
+
+
+def test_fla_custom_op_has_fake_shapes_and_autograd():
+    lay = layout()  # built outside: the layout reads real position ids
+    with FakeTensorMode():
+        q, k, v, g, beta, h0 = (torch.empty(x.shape, device="meta", requires_grad=True) for x in gdn_inputs())
+        o, S = fla_gated_delta_rule(q, k, v, g, beta, lay, h0)
+        (o.float().sum() + S.sum()).backward()
+        assert o.shape == v.shape and S.shape == h0.shape and q.grad.shape == q.shape
+
+
+def test_dispatch_table():
+    sel = dispatch.select
+    assert sel("attention", "varlen", "cuda", torch.bfloat16).name == "varlen_attn"
+    assert sel("attention", "varlen", "cuda", torch.float32).name == "sdpa_per_doc"
+    assert sel("attention", "varlen", "cpu", torch.bfloat16).name == "sdpa_per_doc"
+    assert sel("attention", "sdpa", "cuda", torch.bfloat16).name == "sdpa"  # references never swap
+    assert sel("cp", "ring", "cuda", "bfloat16").name == "ring_varlen_attn"
+    assert sel("cp", "ring", "cpu", "bfloat16").name == "ring_tiles"
+    assert sel("linear_attention", "chunked", "cuda", "bfloat16", fla=True).name == "fla_chunk"
+    absent = sel("linear_attention", "chunked", "cuda", "bfloat16", fla=False)
+    assert absent.name == "torch_chunked" and "fla not installed" in absent.note
+    table = dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=4, fla=True)
+    assert dispatch.describe(table) == ("attention: varlen_attn (flash); cp: ring of varlen_attn steps (flash); "
+                                        "linear_attention: fla chunk_gated_delta_rule")
+    assert set(dispatch.kernel_table(PrimitivesConfig(), "cpu", "float32")) == {"attention", "linear_attention"}
+
+
+@pytest.mark.parametrize("slot,impl", [("attention", "varlen"), ("cp", "ring"), ("linear_attention", "chunked")])
+def test_dispatch_rows_cover_devices(slot, impl):
+    rows = dispatch.rows(slot, impl)
+    assert {r[0] for r in rows} == {"cuda", "cpu"} and all(r[2] for r in rows)
