@@ -30,8 +30,10 @@ class DocLayout:
         """[B, T] int: index of the document each token belongs to (within its row)."""
         rows = []
         for b in self.bounds:
-            lengths = torch.tensor([e - s for s, e in zip(b[:-1], b[1:])], device=device)
-            rows.append(torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths))
+            lengths = torch.tensor([e - s for s, e in zip(b[:-1], b[1:])]).to(device)
+            # output_size: the shape is known on the host (no sync; fake tensors can run it)
+            rows.append(torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths,
+                                                output_size=self.seq_len))
         return torch.stack(rows)
 
 

@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 from typing import Callable, Iterable
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 from bumblebee.registry import register
@@ -64,6 +65,16 @@ def _checkpoint(fn: Callable, *args):
     """Non-reentrant ``checkpoint`` whose recompute forward sees ``in_recompute() == True``."""
     return checkpoint(fn, *args, use_reentrant=False,
                       context_fn=lambda: (contextlib.nullcontext(), _recomputing()))
+
+
+def lean(fn: Callable, *args):
+    """``fn(*args)`` with autograd keeping only its inputs (a non-reentrant checkpoint): for
+    pieces whose fp32 intermediates dominate saved memory but are cheap to recompute (the
+    Gated DeltaNet conv, gated norm and chunked core). Same ops, same values; backward
+    reruns ``fn``. Independent of the ``recompute`` policy (nested inside it when both apply)."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return fn(*args)
 
 
 def check_module_names(modules: Iterable[str]) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.recompute import lean
 
 
 def doc_offsets(layout: DocLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +79,7 @@ def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, layout: DocLayou
     # Window after the last token: x_ext[:, T:T+P] holds x[T-P .. T-1] (negative = initial window);
     # keep only entries of the row's last document (all of them when that is the first document).
     idx_P = torch.arange(T - P, T, device=x.device)
-    last_start_B = torch.tensor([b[-2] for b in layout.bounds], device=x.device)
+    last_start_B = torch.tensor([b[-2] for b in layout.bounds]).to(x.device)
     keep_BP = (idx_P[None] >= last_start_B[:, None]) | (last_start_B[:, None] == 0)
     final_BPC = x_ext[:, T:T + P] * keep_BP[..., None].to(x.dtype)
     return y.to(x_BTC.dtype), final_BPC.to(x_BTC.dtype)
@@ -99,4 +100,6 @@ class CausalConv1d(nn.Module):
         return self.weight.shape[-1] - 1
 
     def forward(self, x_BTC, layout: DocLayout, initial_BPC=None):
-        return causal_conv1d(x_BTC, self.weight[:, 0], layout, initial_BPC)
+        # autograd keeps the input only; the fp32 taps are recomputed in backward (Qwen3.5 at
+        # bf16: 64 KiB per token less to keep for 8192 channels)
+        return lean(lambda x, w, init: causal_conv1d(x, w[:, 0], layout, init), x_BTC, self.weight, initial_BPC)

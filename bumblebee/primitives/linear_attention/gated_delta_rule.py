@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.recompute import lean
 from bumblebee.registry import register
 
 CHUNK_SIZE = 64
@@ -118,6 +119,13 @@ def gated_delta_rule_chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: Do
         from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
 
         return fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
+    # autograd keeps the inputs only; the per-chunk fp32 tensors (~400 KiB per token at Qwen3.5's
+    # 32 x 128 x 128 heads) are rebuilt in backward, one extra core forward
+    return lean(lambda *xs: _chunked(*xs, layout, chunk_size), q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH,
+                initial_state)
+
+
+def _chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, initial_state, layout: DocLayout, chunk_size: int):
     q, k, v, g, beta, S_BHKV = _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
     B, H, T, K = q.shape
     V, C = v.shape[-1], chunk_size

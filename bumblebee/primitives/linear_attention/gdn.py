@@ -32,6 +32,7 @@ from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.linear_attention.conv import CausalConv1d
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
 from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.recompute import lean
 
 
 @dataclass
@@ -59,6 +60,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        # autograd keeps x and z only: the fp32 intermediates (4 x the bf16 output) are recomputed
+        return lean(self._forward, x, z)
+
+    def _forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
