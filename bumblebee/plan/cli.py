@@ -19,7 +19,8 @@ from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.layout import Primitives, Workload, apply_overrides, check, parse_layout
 from bumblebee.plan.recipe import Recommendation, evaluate, recipe, search
 from bumblebee.plan.runnable import config_toml, run_config, runtime_problem
-from bumblebee.plan.spec import load_spec
+from bumblebee.plan.kernels import kernels_note
+from bumblebee.plan.spec import GDN, load_spec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,8 +120,9 @@ def run(args: argparse.Namespace) -> int:
             notes.append("the search finds nothing more than 3% faster than the recipe")
         counts = (sum(c.feasible for c in cands), sum(not c.feasible for c in cands))
         cands = [c for c in cands if c.feasible][:args.top] + [c for c in cands if not c.feasible][:args.top]
-    notes.append("assumed, decided by the runtime at start: bf16 compute, fp32 master weights; CUDA kernels "
-                 "(FlashAttention-class attention, FLA-class Gated DeltaNet) -- on CPU the pure-PyTorch paths run")
+    notes.append("assumed, decided by the runtime at start: bf16 compute, fp32 master weights; on CPU the "
+                 "pure-PyTorch paths run")
+    notes.append(kernels_note(rec.candidate.layout.cp, GDN in spec.mixers))
     if args.emit_config is not None:
         shown = [rec.candidate] + [c for c in cands if c is not rec.candidate]
         if not 0 <= args.emit_config < len(shown):

@@ -99,7 +99,21 @@ class CausalConv1d(nn.Module):
         """Tokens carried between calls (kernel_size - 1)."""
         return self.weight.shape[-1] - 1
 
-    def forward(self, x_BTC, layout: DocLayout, initial_BPC=None):
-        # autograd keeps the input only; the fp32 taps are recomputed in backward (Qwen3.5 at
-        # bf16: 64 KiB per token less to keep for 8192 channels)
-        return lean(lambda x, w, init: causal_conv1d(x, w[:, 0], layout, init), x_BTC, self.weight, initial_BPC)
+    def forward(self, x_BTC, layout: DocLayout, initial_BPC=None, activation=None, block: int = 1024):
+        """Channels in blocks of ``block`` (the conv is depthwise: same values), each block under
+        ``lean``: autograd keeps the input only, and backward recomputes the fp32 taps one block at
+        a time (Qwen3.5, 8192 channels, bf16: 64 KiB per token less to keep, and the transient
+        fp32 copies are 1/8 of the channels). ``activation`` (elementwise, e.g. SiLU) is applied
+        to y inside the same block, so the conv's output need not be kept either."""
+        act = activation or (lambda y: y)
+
+        def fn(x, w, init):
+            y, final = causal_conv1d(x, w[:, 0], layout, init)
+            return act(y), final
+
+        C = x_BTC.shape[-1]
+        if C <= block:
+            return lean(fn, x_BTC, self.weight, initial_BPC)
+        parts = [lean(fn, x_BTC[..., s:s + block], self.weight[s:s + block],
+                      None if initial_BPC is None else initial_BPC[..., s:s + block]) for s in range(0, C, block)]
+        return torch.cat([y for y, _ in parts], dim=-1), torch.cat([f for _, f in parts], dim=-1)

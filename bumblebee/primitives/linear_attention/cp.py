@@ -68,6 +68,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.relayout import contiguous_to_zigzag, exchange, zigzag_place, zigzag_to_contiguous
@@ -217,8 +218,8 @@ def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: b
         keep_BLP = torch.stack([doc_BT[:, s * m - P:s * m] == doc_BT[:, s * m:s * m + 1] if s > 0 else
                                 torch.zeros(B, P, dtype=torch.bool, device=doc_BT.device) for s in segs.local], 1)
         init_RPC = (heads_BLPC * keep_BLP[..., None].to(heads_BLPC.dtype)).reshape(B * L, P, Ch)
-    qkv_RMC, _ = layer.conv1d(as_rows(qkv_pre_BLC), rows, init_RPC)
-    q_RMGK, k_RMGK, v_RMHV = layer.split_heads(qkv_RMC)
+    qkv_RMC, _ = layer.conv1d(as_rows(qkv_pre_BLC), rows, init_RPC, F.silu)
+    q_RMGK, k_RMGK, v_RMHV = layer.split_heads(qkv_RMC, activated=True)
 
     # The extended core: values [v | 0_K] from the state [0 | I_K] (see the module docstring).
     dt = torch.float64 if v_RMHV.dtype == torch.float64 else torch.float32

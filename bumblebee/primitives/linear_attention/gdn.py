@@ -61,7 +61,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         # autograd keeps x and z only: the fp32 intermediates (4 x the bf16 output) are recomputed
-        return lean(self._forward, x, z)
+        # in backward, in blocks of 4096 rows (per-row maths: the same values as one call)
+        if x.dim() < 3 or x.shape[1] <= 4096:
+            return lean(self._forward, x, z)
+        return torch.cat([lean(self._forward, xs, zs) for xs, zs in zip(x.split(4096, 1), z.split(4096, 1))], 1)
 
     def _forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -114,11 +117,12 @@ class GatedDeltaNet(nn.Module):
         g_BTH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
         return qkv_pre_BTC, z_BTHV, beta_BTH, g_BTH
 
-    def split_heads(self, qkv_BTC: torch.Tensor):
-        """Post-conv qkv -> SiLU -> (q [B, T, G, K], k [B, T, G, K], v [B, T, H, V])."""
+    def split_heads(self, qkv_BTC: torch.Tensor, activated: bool = False):
+        """Post-conv qkv -> SiLU (unless ``activated``: the conv applied it) -> (q [B, T, G, K],
+        k [B, T, G, K], v [B, T, H, V])."""
         B, T, _ = qkv_BTC.shape
         G, H, K, V = self.G, self.H, self.K, self.V
-        q, k, v = F.silu(qkv_BTC).split([G * K, G * K, H * V], dim=-1)
+        q, k, v = (qkv_BTC if activated else F.silu(qkv_BTC)).split([G * K, G * K, H * V], dim=-1)
         return q.reshape(B, T, G, K), k.reshape(B, T, G, K), v.reshape(B, T, H, V)
 
     def finish(self, o_BTHV: torch.Tensor, z_BTHV: torch.Tensor) -> torch.Tensor:
@@ -141,8 +145,8 @@ class GatedDeltaNet(nn.Module):
                                  "(the CP layout already carries the state across ranks); pass state=None")
             return gated_delta_net_cp(self, x_BTD, layout), None
         qkv_pre_BTC, z_BTHV, beta_BTH, g_BTH = self.project(x_BTD)
-        qkv_BTC, conv_BPC = self.conv1d(qkv_pre_BTC, layout, None if state is None else state.conv_BPC)
-        q_BTGK, k_BTGK, v_BTHV = self.split_heads(qkv_BTC)
+        qkv_BTC, conv_BPC = self.conv1d(qkv_pre_BTC, layout, None if state is None else state.conv_BPC, F.silu)
+        q_BTGK, k_BTGK, v_BTHV = self.split_heads(qkv_BTC, activated=True)
         o_BTHV, S_BHKV = self.recompute.module(
             "linear_attn_core", self.core, q_BTGK, k_BTGK, v_BTHV,
             g_BTH, beta_BTH, layout, None if state is None else state.recurrent_BHKV)

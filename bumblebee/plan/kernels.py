@@ -1,0 +1,32 @@
+"""Which kernels the plan assumes, from the runtime's kernel dispatch (``primitives/dispatch.py``).
+
+The planner's efficiencies (``hardware.Efficiency``: ``attn_fwd``/``attn_bwd`` for flash
+attention, ``gdn`` for FLA's chunk kernel) and its activation memory model fused CUDA kernels.
+This module asks the dispatch what a CUDA bf16 run of the recipe's primitives would run, and
+says so in the plan; when flash-linear-attention is not importable where the plan is made, the
+note says that a run with these packages would fall back to the pure-PyTorch chunked core
+(the planner does not model that fallback's cost: it is launch-bound, ~256 chunk steps per
+16K-token segment and layer, far below the ``gdn`` efficiency).
+"""
+
+from __future__ import annotations
+
+from bumblebee.config import PrimitivesConfig
+from bumblebee.primitives import dispatch
+
+
+def assumed_kernels(cp: int, *, fla: bool = True) -> dict[str, dispatch.Kernel]:
+    """slot -> Kernel of a CUDA bf16 run with the default primitives at context parallelism ``cp``."""
+    return dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=cp, fla=fla)
+
+
+def kernels_note(cp: int, has_gdn: bool) -> str:
+    """One line for the plan: the kernels its figures assume, and a warning when FLA is absent here."""
+    table = assumed_kernels(cp)
+    if not has_gdn:
+        table.pop("linear_attention")
+    line = "kernels assumed (CUDA, bf16): " + dispatch.describe(table)
+    if has_gdn and not dispatch.package_present("fla"):
+        line += ("; flash-linear-attention is not installed here: a run with these packages would use the "
+                 "pure-PyTorch chunked GDN core, which this plan does not model (pip install -e '.[gpu]')")
+    return line
