@@ -159,4 +159,6 @@ def activation_peak(arch, recompute, modules=()):
                          ids=["qwen3_moe", "qwen3_5_moe"])
 def test_recompute_lowers_the_activation_peak_of_the_real_model(arch):
     none, moe, full = (activation_peak(arch, *p) for p in (("none",), ("selective", ("moe",)), ("full",)))
-    assert none > moe > full and full < 0.4 * none, (none, moe, full)
+    # Qwen3.5: the GDN conv, gated norm and chunked core keep only their inputs even without
+    # recompute (recompute.lean), which halves `none` (65 -> 34 MB here) and leaves full at 0.40 x
+    assert none > moe > full and full < 0.45 * none, (none, moe, full)
