@@ -26,7 +26,7 @@ import uuid
 import torch
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.runtime.launch import init_distributed
 from bumblebee.runtime.trainer import Trainer
 
@@ -55,7 +55,7 @@ def measure(cfg) -> dict[str, int]:
     before = _status("VmRSS")
     record = trainer.train_step()
     return {"tracker": record["peak_mem_bytes"], "rss_growth": _status("VmHWM") - before,
-            "grads": trainer.sharding.state_bytes()["grads"]}
+            "grads": trainer.sharding.state_bytes(trainer.optimizer)["grads"]}
 
 
 def worker(args, runs):

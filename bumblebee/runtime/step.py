@@ -1,8 +1,9 @@
 """One optimizer step, shared by the Trainer, the pipeline schedule, the RL Engine and ``pair``.
 
     local = local_batch(rows, ...)           1. this rank's rows, then its zigzag CP share of them
-    sums = accumulate(micro_batches, ...)    2. forward + backward per micro-batch, gradients
-                                                reduced on the last one only
+    sums = accumulate(micro_batches, ...)    2. forward + backward per micro-batch; the sharding
+                                                syncs gradients on the last one (fsdp2: on every
+                                                one by default, train.grad_accum)
     (or the pipeline schedule runs step 2 when pp > 1: runtime/pipeline.py)
     optimizer_tail(...)                      3. reduce -> clip (global norm, pp-aware) -> finite? ->
                                                 LR -> update -> zero
@@ -61,8 +62,8 @@ def balance_denominator(micro: int, dp: int, cp: int) -> int:
 
 
 def accumulate(parts: list, sharding, forward) -> dict[str, torch.Tensor]:
-    """Forward and backward over micro-batches ``parts``; gradients are reduced (FSDP2) on
-    the last one only. ``forward(part) -> (loss to differentiate, {name: detached stat})``;
+    """Forward and backward over micro-batches ``parts``; ``set_grad_sync`` says which is the
+    last (FSDP2 reduce-scatters every one unless ``train.grad_accum = "unsharded"``). ``forward(part) -> (loss to differentiate, {name: detached stat})``;
     returns each stat summed over the micro-batches (fp32)."""
     sums: dict[str, torch.Tensor] = {}
     for i, part in enumerate(parts):

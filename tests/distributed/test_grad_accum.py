@@ -13,7 +13,7 @@ import torch
 from dist_utils import run_distributed
 from torch.distributed.tensor import DTensor
 
-from bumblebee.config import load_config
+from bumblebee import load_config
 from bumblebee.runtime.trainer import Trainer
 
 BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32",

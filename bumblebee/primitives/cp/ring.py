@@ -29,26 +29,14 @@ D head dim, q/k tile rows.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
+from bumblebee.primitives.cp.ring_flash import ring_flash_attention
 from bumblebee.primitives.dispatch import select
 from bumblebee.registry import register
 
 Q_TILE = 512  # query rows per score tile
-
-
-def _ring_pass(tensors: list[torch.Tensor], layout: CPLayout):
-    """Start sending ``tensors`` to the next rank and receiving the previous rank's.
-    Returns (received buffers, a wait() callable)."""
-    g = layout.group
-    nxt = dist.get_global_rank(g, (layout.rank + 1) % layout.size)
-    prv = dist.get_global_rank(g, (layout.rank - 1) % layout.size)
-    bufs = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, g) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, b, prv, g) for b in bufs]
-    works = dist.batch_isend_irecv(ops)
-    return bufs, lambda: [w.wait() for w in works]
 
 
 def _pairs(layout: CPLayout, src: int):
@@ -154,7 +142,5 @@ class RingAttention(torch.autograd.Function):
 @register("cp", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")
 def ring_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
     if select("cp", "ring", q_BNLD.device.type, q_BNLD.dtype).name == "ring_varlen_attn":
-        from bumblebee.primitives.cp.ring_flash import ring_flash_attention
-
         return ring_flash_attention(q_BNLD, k_BKLD, v_BKLD, layout, scale)
     return RingAttention.apply(q_BNLD, k_BKLD, v_BKLD, layout, scale)

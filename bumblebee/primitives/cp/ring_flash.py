@@ -41,7 +41,7 @@ import torch
 
 from bumblebee.primitives.attention.flash import reference_varlen_attn
 from bumblebee.primitives.cp.layout import CPLayout
-from bumblebee.primitives.cp.ring import _ring_pass
+from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from bumblebee.primitives.linear_attention.gated_delta_rule import l2norm
 from bumblebee.primitives.packed import DocLayout
 
 
@@ -124,8 +123,8 @@ def reference_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     scale = K ** -0.5 if scale is None else scale
     out_dtype = v.dtype
     q, k = q.float(), k.float()
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+    if use_qk_l2norm_in_kernel:  # x / sqrt(sum x^2 + 1e-6), as FLA's l2norm
+        q, k = (x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
     q, k = q.repeat_interleave(H // G, 2) * scale, k.repeat_interleave(H // G, 2)
     v, g, beta = v.float(), g.float(), beta.float()
     cu = cu_seqlens.tolist() if cu_seqlens is not None else [i * S for i in range(B + 1)]

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
 from bumblebee.primitives.packed import DocLayout
 from bumblebee.primitives.recompute import lean
 from bumblebee.registry import register
@@ -116,8 +117,6 @@ def gated_delta_rule_chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: Do
     if chunk_size <= 0:
         raise ValueError(f"gated delta rule: chunk_size must be positive, got {chunk_size}")
     if q_BTGK.is_cuda and select("linear_attention", "chunked", "cuda", q_BTGK.dtype).name == "fla_chunk":
-        from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
-
         return fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
     # autograd keeps the inputs only; the per-chunk fp32 tensors (~400 KiB per token at Qwen3.5's
     # 32 x 128 x 128 heads) are rebuilt in backward, one extra core forward

@@ -1,0 +1,22 @@
+"""One hop of a context-parallel ring: send tensors to the next CP rank, receive the previous
+rank's (shared by ``ring.py`` and ``ring_flash.py``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from bumblebee.primitives.cp.layout import CPLayout
+
+
+def ring_pass(tensors: list[torch.Tensor], layout: CPLayout):
+    """Start sending ``tensors`` to the next rank and receiving the previous rank's.
+    Returns (received buffers, a wait() callable)."""
+    g = layout.group
+    nxt = dist.get_global_rank(g, (layout.rank + 1) % layout.size)
+    prv = dist.get_global_rank(g, (layout.rank - 1) % layout.size)
+    bufs = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, g) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, b, prv, g) for b in bufs]
+    works = dist.batch_isend_irecv(ops)
+    return bufs, lambda: [w.wait() for w in works]
