@@ -21,17 +21,23 @@ def train(tmp_path, *overrides):
     return summary, lines
 
 
-def test_loss_falls_and_metrics_written(tmp_path):
-    summary, lines = train(tmp_path, "train.steps=30", "train.global_batch=4", "train.lr=3e-3")
-    assert len(lines) == 30
+def test_retrieval_is_learned_below_chance_and_metrics_written(tmp_path):
+    """Loss is taken on the 4 answer digits only, so chance is ln 10 = 2.30 per digit: a
+    final loss well below it means the model copies the value from the record it queried
+    (random digits: nothing but attention back to the record gives them). One record per
+    document keeps the task learnable in 40 tiny steps."""
+    summary, lines = train(tmp_path, "train.steps=40", "train.global_batch=8", "train.lr=3e-3",
+                           "train.warmup_steps=10", "train.seq_len=128", "data.min_records=1", "data.max_records=1")
+    assert len(lines) == 40
     for key in ("step", "loss", "aux_loss", "grad_norm", "lr", "tokens", "tokens_per_s", "peak_mem_bytes"):
         assert key in lines[0] and all(math.isfinite(r[key]) for r in lines)
     assert lines[0]["loss"] > 5.0  # ~ln(272) at init
-    assert summary["loss_last"] < 0.6 * summary["loss_first"]
+    last = sum(r["loss"] for r in lines[-5:]) / 5
+    assert last < math.log(10) - 0.8, [round(r["loss"], 2) for r in lines]  # measured: ~0.6
     assert (tmp_path / "config.toml").exists()
     # warmup then cosine decay
     lrs = [r["lr"] for r in lines]
-    assert lrs[0] < lrs[4] and lrs[-1] < lrs[10]
+    assert lrs[0] < lrs[9] and lrs[-1] < lrs[15]
 
 
 def test_gradient_accumulation_matches_full_batch(tmp_path):
