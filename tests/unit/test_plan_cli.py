@@ -31,8 +31,9 @@ def _run(argv, capsys):
 
 def _check_candidate(c):
     assert set(c) == {"layout", "primitives", "memory_gb", "tflops_per_gpu", "tokens_per_s_per_gpu", "feasible",
-                      "reason"}
-    assert set(c["layout"]) == {"tp", "pp", "ep", "cp", "dp"}
+                      "reason", "config", "runtime_problem"}
+    assert set(c["layout"]) == {"tp", "pp", "ep", "cp", "dp_shard"}
+    assert c["config"].startswith("# written by bumblebee plan") and c["runtime_problem"] == ""
     assert set(c["primitives"]) == {"sharding", "loss", "recompute", "moe_comm"}
     assert set(c["memory_gb"]) == BREAKDOWN
     parts = sum(v for k, v in c["memory_gb"].items() if k != "total")
@@ -55,7 +56,7 @@ def test_search_json_schema(capsys):
     for c in data["candidates"]:
         _check_candidate(c)
         lay = c["layout"]
-        assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == 32
+        assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp_shard"] == 32
     feas = [c for c in data["candidates"] if c["feasible"]]
     assert feas and [c["tokens_per_s_per_gpu"] for c in feas] == sorted(
         (c["tokens_per_s_per_gpu"] for c in feas), reverse=True)
@@ -70,7 +71,7 @@ def test_layout_evaluates_exactly_one(capsys):
     data = json.loads(out)
     assert len(data["candidates"]) == 1 and data["candidates"][0] == data["recommended"]
     c = data["recommended"]
-    assert c["layout"] == {"tp": 2, "pp": 4, "ep": 8, "cp": 2, "dp": 2}
+    assert c["layout"] == {"tp": 2, "pp": 4, "ep": 8, "cp": 2, "dp_shard": 2}
     assert c["primitives"] == {"sharding": "zero1", "loss": "ce", "recompute": "full", "moe_comm": "alltoall"}
     # materialized logits on the last stage: the published layout does not fit under our ce
     assert not c["feasible"] and "logits" in c["reason"]
