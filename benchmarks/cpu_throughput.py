@@ -9,7 +9,7 @@ timed steps alternate between the two models so that background load on a
 shared machine hits both alike. Reported: median wall-clock tokens/s of each
 side and their ratio, plus the median process CPU time per step (less sensitive
 to other processes competing for the cores). The script prints figures only; it
-never passes or fails on a timing (DESIGN.md, Testing).
+never passes or fails on a timing (the project's testing rule).
 
 HF's expert FFN is selectable (``experts_implementation``): ``eager`` (a Python
 loop over experts with ``index_add_``), ``grouped_mm`` (``torch._grouped_mm``,

@@ -7,7 +7,7 @@ them so background load affects both alike, and prints the median times, the
 tokens/s, the bytes autograd saves for backward (unique storages, a proxy for
 activation memory) and the chunked speed-up. It also prints the max-abs output
 difference as a sanity check. It never passes or fails on a timing
-(DESIGN.md, Testing).
+(the project's testing rule).
 
 Defaults are the tiny preset's GDN heads (2 key heads, 4 value heads, dims 32).
 The recurrent reference stores a [H, K, V] state per token for backward, so its

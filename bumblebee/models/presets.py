@@ -1,6 +1,6 @@
 """Named model presets, stored as Hugging Face ``config.json`` dictionaries.
 
-Real-size presets carry the public dimensions from REFERENCE.md (used by the
+Real-size presets carry the public dimensions of the released Hugging Face configs (used by the
 planner and by dry runs); the ``tiny`` presets are what tests and the default
 run train on a CPU. A preset is plain data so that every layer (models, plan)
 can read it without building anything.

@@ -1,7 +1,7 @@
 """Hardware table and the few efficiency constants the planner's models use.
 
 Peak figures are public spec sheets (dense bf16, no sparsity) as listed in
-REFERENCE.md; every efficiency below is a fraction of such a peak that a
+the vendors' public spec sheets; every efficiency below is a fraction of such a peak that a
 well-tuned kernel or collective reaches in practice, with the source of the
 figure beside it. The throughput model (``perf.py``) and the memory model
 (``memory.py``) read nothing else about the machine, so adding a GPU is one row.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from bumblebee.config import ConfigError
 
-GB = 1e9  # decimal gigabytes, as REFERENCE.md's memory arithmetic uses
+GB = 1e9  # decimal gigabytes, as GPU memory is quoted
 
 
 @dataclass(frozen=True)
@@ -23,11 +23,11 @@ class GPU:
     hbm_gb: float  # capacity, GB
     hbm_gbps: float  # HBM bandwidth, GB/s
     nvlink_gbps: float  # NVLink, GB/s per direction per GPU
-    ib_gbps: float = 50.0  # inter-node per GPU per direction: 8 x 400 Gb/s IB per 8-GPU node (REFERENCE.md)
+    ib_gbps: float = 50.0  # inter-node per GPU per direction: 8 x 400 Gb/s IB per 8-GPU node (typical H100 cluster networking)
     gpus_per_node: int = 8
 
 
-# REFERENCE.md "Hardware (public spec sheets, dense bf16)".
+# Public spec sheets, dense bf16 (NVIDIA H100 SXM, H200, B200 datasheets).
 GPUS: dict[str, GPU] = {
     "h100": GPU("H100 SXM", 989.0, 80.0, 3350.0, 450.0),
     "h200": GPU("H200", 989.0, 141.0, 4800.0, 450.0),
@@ -57,7 +57,7 @@ class Efficiency:
     # Causal flash attention (FA2/FA3, cuDNN) on H100 in bf16 reaches ~40-60% of
     # peak forward and ~30-45% backward (FlashAttention-3 paper, Shah et al. 2024);
     # head_dim 256 and the per-step blocks of context-parallel attention sit at the
-    # low end. Calibrated within that range on REFERENCE.md's published points.
+    # low end. Calibrated within that range on the published Qwen3.5-35B-A3B points.
     attn_fwd: float = 0.42
     attn_bwd: float = 0.30
     # Chunked gated-delta-rule kernels (flash-linear-attention Triton) are far from
@@ -79,7 +79,7 @@ class Efficiency:
     # Materialized CE: bytes moved per logit element over forward+backward (bf16
     # write, fp32 upcast, max/exp/sum passes, log-softmax, its gradient, bf16 grad).
     ce_bytes_per_logit: float = 48.0
-    # REFERENCE.md: a chunked linear CE made the loss layer ~1.3x slower.
+    # published: a chunked linear CE made the loss layer ~1.3x slower in one GPU implementation.
     linear_ce_slowdown: float = 1.3
 
 
@@ -87,7 +87,7 @@ class Efficiency:
 # NCCL communicator buffers are a fixed few GB; caching-allocator fragmentation
 # grows with the many mid-sized transient tensors (activations, MoE and all-gather
 # buffers; a few huge logits blocks fragment little). Calibrated against
-# the two published Qwen3.5-35B-A3B points in REFERENCE.md, within the ranges
+# the two published Qwen3.5-35B-A3B points (32 x H100, 128K; tests/unit/test_plan_calibration.py), within the ranges
 # commonly seen (context ~0.5-1 GB; NCCL ~0.5-2 GB; fragmentation 10-30%).
 # A candidate fits when its peak is at most (1 - MEMORY_MARGIN) x the spec-sheet HBM
 # (decimal GB; an "80 GB" H100 exposes ~85 GB to PyTorch, so the total margin is ~10%):

@@ -124,5 +124,5 @@ def check(spec: ModelSpec, layout: Layout, prims: Primitives, work: Workload, gp
     if lay.ep > 1 and prims.moe_comm == "local":
         return "moe_comm local needs ep = 1"
     if prims.moe_comm == "chunked" and prims.recompute == "selective":
-        return "chunked EP overlap is validated under full (or no) recompute only (REFERENCE.md)"
+        return "chunked EP overlap is validated under full (or no) recompute only"
     return ""

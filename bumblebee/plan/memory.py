@@ -2,7 +2,8 @@
 
 Computed per pipeline stage (stages differ: the first holds the embedding and
 the most in-flight micro-batches, the last holds the LM head and the logits),
-in bytes, then reported in GB. The arithmetic follows REFERENCE.md:
+in bytes, then reported in GB. The arithmetic follows the ZeRO paper (Rajbhandari et al., 2020) and Megatron-LM's
+distributed-optimizer accounting:
 
 - static state, bf16 parameters (2 B) + fp32 gradients (4 B) + fp32 master and
   Adam moments (12 B) per parameter. ``none`` replicates all of it; ``zero1``
@@ -36,7 +37,7 @@ from bumblebee.plan.layout import Layout, Primitives, Workload
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 BF16, FP32 = 2, 4
-PARAM_B, GRAD_B, OPTIM_B = 2, 4, 12  # REFERENCE.md memory arithmetic
+PARAM_B, GRAD_B, OPTIM_B = 2, 4, 12  # bytes/param: bf16 params, fp32 grads, fp32 master + Adam m, v (ZeRO, 2020)
 # Gradient buffers alive in a layer's backward, relative to its saved tensors: small,
 # because autograd frees each saved tensor once its node has run (dry run: 0.1-0.2).
 BWD_GRAD_FRACTION = 0.15

@@ -1,4 +1,4 @@
-"""The default recipe (REFERENCE.md) applied and explained, and the ranked search.
+"""The default recipe (published long-context MoE practice, see README) applied and explained, and the ranked search.
 
 ``recipe`` follows the published rules in order -- EP by model size, CP from a
 16K-32K per-GPU sequence, TP = 1, PP = 1 unless memory needs more, full
@@ -22,8 +22,8 @@ from bumblebee.plan.memory import MemoryBreakdown, local_tokens, stage_memory
 from bumblebee.plan.perf import PerfEstimate, estimate
 from bumblebee.plan.spec import ModelSpec
 
-LARGE_MODEL = 100e9  # REFERENCE.md: EP 8 for models <= 100B parameters, 32 above
-LOCAL_SEQ_MAX = 32768  # REFERENCE.md: per-GPU sequence about 16K-32K
+LARGE_MODEL = 100e9  # published recipe: EP 8 for models <= 100B parameters, 32 above
+LOCAL_SEQ_MAX = 32768  # published recipe: per-GPU sequence about 16K-32K
 
 
 @dataclass

@@ -8,7 +8,7 @@ A policy is asked at two granularities by the model:
 
 ``none`` (reference) stores every activation. ``full`` stores only each layer's
 input and recomputes the layer in backward (``torch.utils.checkpoint``,
-non-reentrant): about one extra forward (~30% more compute, REFERENCE.md) for
+non-reentrant): about one extra forward (~30% more compute, as commonly measured for full recompute) for
 activation memory independent of depth. ``selective`` checkpoints only the
 named sub-computations (``recompute_modules``): each stores its inputs and
 recomputes its internals in backward, so the cheap-to-recompute,

@@ -96,12 +96,12 @@ def sources():
 def test_every_module_belongs_to_a_layer():
     unknown = sorted({p.relative_to(PACKAGE).parts[0] for p in sources()} -
                      {f"{name}.py" for name in LAYER_OF} - set(LAYER_OF))
-    assert not unknown, f"bumblebee/{unknown[0]} is in no layer of DESIGN.md: add it to LAYER_OF / ALLOWED"
+    assert not unknown, f"bumblebee/{unknown[0]} is in no layer (README, Architecture): add it to LAYER_OF / ALLOWED"
 
 
 def test_imports_follow_the_layering():
     found = [v for p in sources() for v in violations(p, p.read_text())]
-    assert not found, "imports across the layering in DESIGN.md:\n" + "\n".join(found)
+    assert not found, "imports across the layering (README, Architecture):\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("path,source", [

@@ -3,7 +3,7 @@
 Computes the same quantities as the ``ce`` reference -- per-token
 ``-log p(label)``, optionally the per-token entropy, from ``logits = hidden @
 weight^T / temperature`` -- without ever materializing ``[tokens, vocab]``: the
-logits exist one ``[token_tile, vocab_tile]`` tile at a time (REFERENCE.md:
+logits exist one ``[token_tile, vocab_tile]`` tile at a time (
 65,536 x 124,160 fp32 logits are 32.55 GB, the tiles a few tens of MB).
 
 Forward keeps fp32 statistics per token and vocab tile -- the max ``m``,

@@ -6,7 +6,7 @@ work under full recompute, the default here; splitting the local tokens of one
 MoE layer into k chunks (``[primitives] moe_chunks``, 2..4) does. Per chunk c:
 own count exchange, dispatch all-to-all, grouped GEMMs, combine all-to-all, all
 issued asynchronously (gloo/CPU: ``async_op=True`` work handles; CUDA: a side
-communication stream joined by events), in this order (REFERENCE.md):
+communication stream joined by events), in this order (the published chunked EP overlap schedule):
 
   forward   comm:    counts 0..k-1 | dispatch 0, 1, ..., k-1 | combine 0 | combine 1 ...
             compute:                 GEMM 0        | GEMM 1    | GEMM 2 ...

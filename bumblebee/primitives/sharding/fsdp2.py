@@ -32,7 +32,7 @@ Built on ``torch.distributed.fsdp.fully_shard``:
 - ``offload_optimizer`` keeps sharded parameters, gradients and optimizer state
   in host memory (``CPUOffloadPolicy``); the optimizer step runs on the CPU.
 
-Memory per rank (REFERENCE.md): (params + grads) x 6 / nGPU, optimizer x 12 /
+Memory per rank (ZeRO-3, Rajbhandari et al., 2020): (params + grads) x 6 / nGPU, optimizer x 12 /
 nGPU, plus the all-gather buffers of the unit being computed.
 """
 
