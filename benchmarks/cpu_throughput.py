@@ -1,34 +1,46 @@
-"""CPU training-step throughput: bumblebee's Qwen3-MoE against Hugging Face transformers.
+"""CPU training-step throughput and peak memory: bumblebee against Hugging Face transformers.
 
 One training step = forward + mean next-token cross-entropy + backward + AdamW
-step (``torch.optim.AdamW``, the same optimizer on both sides), on the same
-architecture and the same initial weights: the HF model is built from a
-``Qwen3MoeConfig``, saved with ``save_pretrained`` and loaded into bumblebee
+step, on the same architecture and the same initial weights: the HF model
+(``Qwen3MoeForCausalLM`` or the Qwen3.5 hybrid ``Qwen3_5MoeForCausalLM``) is built
+from a small config, saved with ``save_pretrained`` and loaded into bumblebee
 with ``bumblebee.from_hf``. Both sides run in one process, in the same dtype;
-timed steps alternate between the two models so that background load on a
-shared machine hits both alike. Reported: median wall-clock tokens/s of each
-side and their ratio, plus the median process CPU time per step (less sensitive
-to other processes competing for the cores). The script prints figures only; it
-never passes or fails on a timing (the project's testing rule).
+timed steps alternate between all measured variants so that background load on
+a shared machine hits them alike (ratios are robust to it, absolute figures are
+not). Reported per variant: median wall-clock tokens/s, median process CPU time
+per step, phases, and the peak of live tensor bytes of one extra step
+(``perf.memory.MemoryTracker``, the same accounting on both sides).
 
-HF's expert FFN is selectable (``experts_implementation``): ``eager`` (a Python
-loop over experts with ``index_add_``), ``grouped_mm`` (``torch._grouped_mm``,
-HF's default) and ``batched_mm`` (gathers one weight matrix *per routed token*:
-[T*K, 2F, H] plus [T*K, H, F] temporaries, so it is skipped above
-``--batched-mm-max-gb``). ``--hf-experts`` takes a comma list; every entry is
-measured against the same bumblebee run.
+Equal work: bumblebee's recompute policy defaults to ``none`` here, because HF
+keeps all activations; ``--recompute full --hf-checkpointing`` compares both
+with activation checkpointing. bumblebee variants (``--variants``, each one
+measured side by side with the others in the same run):
 
-Default shapes scale Qwen3-30B-A3B down: expert FFN = 0.375 x hidden, GQA 4:1,
-16 experts top-2, no dense layers.
+- ``base``: the model and ``torch.optim.AdamW`` with its defaults (as HF's side);
+- ``tracker``: ``base`` with the step inside a ``MemoryTracker`` (what the
+  trainer's optional ``train.track_memory`` costs on CPU);
+- ``fused``: ``base`` with ``AdamW(fused=True)``;
+- ``compile``: ``base`` with ``primitives.compile = true`` (torch.compile of the
+  elementwise blocks: norms, RoPE, SwiGLU, router).
 
-Example (the issue's setting: sequence 4096, fp32):
+``--seqs 2048 8192 32768`` runs the cost curve instead: for each length, fresh
+models, bumblebee ``base`` and the first ``--hf-experts`` entry, tokens/s and
+peak memory; a side that fails (out of memory, ``--mem-limit-gb``) is printed
+as failed at that length and the curve goes on. Prints figures only; never
+passes or fails on a timing.
 
-    python benchmarks/cpu_throughput.py --seq 4096 --hf-experts grouped_mm,eager
+Examples (the issue's setting: sequence 4096, fp32):
+
+    python benchmarks/cpu_throughput.py --family qwen3_moe --seq 4096 --variants base,tracker,fused
+    python benchmarks/cpu_throughput.py --family qwen3_5_moe --seq 4096
+    python benchmarks/cpu_throughput.py --seqs 2048 8192 32768 --steps 1 --mem-limit-gb 12
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import resource
 import statistics
 import tempfile
 import time
@@ -41,67 +53,127 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--family", choices=("qwen3_moe", "qwen3_5_moe"), default="qwen3_moe")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--seqs", type=int, nargs="+", default=None, help="cost curve over these lengths")
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (qwen3_5_moe: 3 linear : 1 full)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--moe-ffn", type=int, default=192, help="moe_intermediate_size")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per model")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per model and HF variant (median reported)")
+    p.add_argument("--moe-ffn", type=int, default=192, help="moe_intermediate_size (and the shared expert's)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant (median reported)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
-    p.add_argument("--hf-experts", default="grouped_mm,eager",
+    p.add_argument("--variants", default="base", help="comma list of bumblebee variants: base, tracker, fused, "
+                                                      "compile")
+    p.add_argument("--hf-experts", default="grouped_mm",
                    help="comma list of HF experts_implementation values (eager, grouped_mm, batched_mm)")
-    p.add_argument("--batched-mm-max-gb", type=float, default=4.0,
-                   help="skip HF batched_mm when its per-layer gathered weights exceed this many GB")
+    p.add_argument("--hf-checkpointing", action="store_true", help="HF gradient checkpointing (pair with "
+                                                                   "--recompute full)")
+    p.add_argument("--recompute", default="none", help="bumblebee recompute primitive (none = HF's work)")
     p.add_argument("--attention", default=None, help="bumblebee attention primitive (default: config default)")
     p.add_argument("--experts-impl", default=None, help="bumblebee experts primitive (default: config default)")
     p.add_argument("--loss", default=None, help="bumblebee loss primitive (default: config default)")
+    p.add_argument("--mem-limit-gb", type=float, default=0, help="address-space limit, so that running out "
+                                                                 "of memory is an error, not the OOM killer")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="after timing, profile one step of each side and print the top ROWS ops")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
-def hf_config(args):
-    from transformers import Qwen3MoeConfig
+def hf_model(args, seq: int):
+    import transformers
 
-    return Qwen3MoeConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-        moe_intermediate_size=args.moe_ffn, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True,
-        max_position_embeddings=max(args.seq, 4096), rope_theta=1e6, tie_word_embeddings=False)
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+                  num_experts=args.experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_ffn,
+                  max_position_embeddings=max(seq, 4096), tie_word_embeddings=False)
+    if args.family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, intermediate_size=3 * args.hidden, norm_topk_prob=True,
+                                          rope_theta=1e6)
+        return transformers.Qwen3MoeForCausalLM(cfg)
+    kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(args.layers)]
+    cfg = transformers.Qwen3_5MoeTextConfig(
+        **common, layer_types=kinds, shared_expert_intermediate_size=args.moe_ffn, linear_conv_kernel_dim=4,
+        linear_key_head_dim=args.head_dim, linear_value_head_dim=args.head_dim, linear_num_key_heads=args.kv_heads,
+        linear_num_value_heads=args.heads // 2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+    return transformers.Qwen3_5MoeForCausalLM(cfg)
 
 
-def bumblebee_primitives(args):
+def bumblebee_primitives(args, compile_: bool = False):
     from bumblebee.config import PrimitivesConfig
 
-    prims = PrimitivesConfig()
+    prims = PrimitivesConfig(recompute=args.recompute)
     for field, value in (("attention", args.attention), ("experts", args.experts_impl), ("loss", args.loss)):
         if value is not None:
             setattr(prims, field, value)
+    if compile_:
+        prims.compile = True
     return prims
 
 
-def build_models(args, workdir: str):
-    """The HF model (saved to ``workdir``) and bumblebee's model loaded from it."""
-    from transformers import Qwen3MoeForCausalLM
+class Stepper:
+    """One model, its optimizer, and timed training steps: wall seconds per phase
+    (forward, backward, optimizer) and process CPU seconds per step."""
 
-    import bumblebee
+    def __init__(self, name, model, loss_fn, *, fused=False, tracker=False):
+        self.name, self.model, self.loss_fn, self.tracker = name, model, loss_fn, tracker
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if fused
+                                                                                         else {}))
+        self.phases: list[tuple[float, float, float]] = []
+        self.cpu: list[float] = []
+        self.peak = None
+        self.model.train()
 
-    torch.manual_seed(args.seed)
-    hf = Qwen3MoeForCausalLM(hf_config(args))
-    hf.save_pretrained(workdir)
-    dtype = DTYPES[args.dtype]
-    bb = bumblebee.from_hf(workdir, dtype=dtype, prims=bumblebee_primitives(args))
-    return hf.to(dtype), bb
+    @property
+    def wall(self) -> float:
+        return statistics.median(sum(p) for p in self.phases)
+
+    def step(self, input_ids, labels, timed: bool) -> float:
+        from bumblebee.perf.memory import MemoryTracker
+
+        scope = MemoryTracker("cpu", self.model, self.opt) if self.tracker else contextlib.nullcontext()
+        c0, t0 = time.process_time(), time.perf_counter()
+        with scope:
+            loss = self.loss_fn(self.model, input_ids, labels)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        if timed:
+            self.phases.append((t1 - t0, t2 - t1, t3 - t2))
+            self.cpu.append(time.process_time() - c0)
+        return loss.item()
+
+    def measure_peak(self, input_ids, labels) -> None:
+        from bumblebee.perf.memory import MemoryTracker
+
+        with MemoryTracker("cpu", self.model, self.opt) as mem:
+            self.step(input_ids, labels, timed=False)
+        self.peak = mem.peak_bytes
+
+    def line(self, tokens: int, ref: "Stepper | None" = None) -> str:
+        cpu = statistics.median(self.cpu)
+        out = (f"  {self.name:<28} {tokens / self.wall:9.1f} tokens/s  {self.wall:7.3f} s/step  cpu {cpu:7.3f} "
+               f"s/step  peak {self.peak / 2**20 if self.peak else float('nan'):7.0f} MiB")
+        if ref is not None:
+            out += (f"   bumblebee/this: tokens/s {self.wall / ref.wall:.2f}x, cpu time "
+                    f"{cpu / statistics.median(ref.cpu):.2f}x")
+        return out
+
+    def phase_line(self) -> str:
+        fwd, bwd, opt = (statistics.median(p[i] for p in self.phases) for i in range(3))
+        return f"  {self.name:<28} forward {fwd:.3f} s, backward {bwd:.3f} s, optimizer {opt:.3f} s"
 
 
 def hf_loss(model, input_ids, labels):
@@ -113,131 +185,131 @@ def bb_loss(model, input_ids, labels):
     return model(input_ids, labels=labels)
 
 
-class Stepper:
-    """One model, its optimizer, and timed training steps: wall seconds per phase
-    (forward, backward, optimizer) and process CPU seconds per step."""
+def build(args, seq: int, variants: list[str], hf_impls: list[str]):
+    """Steppers of every bumblebee variant and HF experts implementation, same initial weights."""
+    import bumblebee
 
-    def __init__(self, name, model, loss_fn):
-        self.name, self.model, self.loss_fn = name, model, loss_fn
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-        self.phases: list[tuple[float, float, float]] = []
-        self.cpu: list[float] = []
-        self.model.train()
-
-    @property
-    def wall(self) -> list[float]:
-        return [sum(p) for p in self.phases]
-
-    def step(self, input_ids, labels, timed: bool) -> float:
-        c0, t0 = time.process_time(), time.perf_counter()
-        loss = self.loss_fn(self.model, input_ids, labels)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        if timed:
-            self.phases.append((t1 - t0, t2 - t1, t3 - t2))
-            self.cpu.append(time.process_time() - c0)
-        return loss.item()
-
-    def phase_medians(self) -> str:
-        fwd, bwd, opt = (statistics.median(p[i] for p in self.phases) for i in range(3))
-        return f"forward {fwd:.3f} s, backward {bwd:.3f} s, optimizer {opt:.3f} s"
+    torch.manual_seed(args.seed)
+    hf = hf_model(args, seq)
+    dtype = DTYPES[args.dtype]
+    steppers = []
+    with tempfile.TemporaryDirectory() as workdir:
+        hf.save_pretrained(workdir)
+        for v in variants:
+            bb = bumblebee.from_hf(workdir, dtype=dtype, prims=bumblebee_primitives(args, compile_=v == "compile"))
+            steppers.append(Stepper(f"bumblebee[{v}]", bb, bb_loss, fused=v == "fused", tracker=v == "tracker"))
+    initial = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    for i, impl in enumerate(hf_impls):
+        model = hf if i == 0 else hf_model(args, seq)
+        model.load_state_dict(initial)
+        model = model.to(dtype)
+        model.set_experts_implementation(impl)
+        if args.hf_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        steppers.append(Stepper(f"transformers[{impl}]", model, hf_loss))
+    return steppers
 
 
-def profile_step(stepper, input_ids, labels, rows: int) -> None:
-    """One step under torch.profiler: the ops with the most self CPU time."""
-    from torch.profiler import profile
-
-    with profile(record_shapes=True) as prof:
-        stepper.step(input_ids, labels, timed=False)
-    print(f"\nprofile of one {stepper.name} step (top {rows} ops by self CPU time):")
-    print(prof.key_averages(group_by_input_shape=True).table(
-        sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48, max_shapes_column_width=60))
+def batch_of(args, seq: int):
+    torch.manual_seed(args.seed)
+    input_ids = torch.randint(0, args.vocab, (args.batch, seq))
+    labels = torch.cat([input_ids[:, 1:], torch.full((args.batch, 1), -100)], dim=1)
+    return input_ids, labels
 
 
-def batched_mm_gb(args) -> float:
-    """Bytes of the per-token weight gathers HF's batched_mm makes in one MoE layer."""
-    rows = args.batch * args.seq * args.top_k
-    itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
-    return rows * 3 * args.moe_ffn * args.hidden * itemsize / 2**30
+def run(steppers, input_ids, labels, args) -> list:
+    """Warm up, time alternately, measure peaks; a stepper that fails is dropped (and reported)."""
+    alive = []
+    for st in steppers:
+        try:
+            for _ in range(args.warmup):
+                st.step(input_ids, labels, timed=False)
+            alive.append(st)
+        except (RuntimeError, MemoryError) as e:
+            print(f"  {st.name}: failed at seq {input_ids.shape[1]}: {str(e).splitlines()[0][:160]}", flush=True)
+    for _ in range(args.steps):  # alternate so background load hits every variant alike
+        for st in list(alive):
+            try:
+                st.step(input_ids, labels, timed=True)
+            except (RuntimeError, MemoryError) as e:
+                print(f"  {st.name}: failed at seq {input_ids.shape[1]}: {str(e).splitlines()[0][:160]}")
+                alive.remove(st)
+    for st in alive:
+        try:
+            st.measure_peak(input_ids, labels)
+        except (RuntimeError, MemoryError) as e:
+            print(f"  {st.name}: peak measurement failed: {str(e).splitlines()[0][:160]}")
+    return alive
+
+
+def describe(args, seq: int, bb) -> None:
+    a, p = bb.arch, bb.prims
+    print(f"config: {args.family}, seq {seq} x batch {args.batch}, {args.dtype}, vocab {a.vocab_size}, hidden "
+          f"{a.hidden_size}, layers {a.num_hidden_layers}, heads {a.num_attention_heads}/{a.num_key_value_heads} x "
+          f"{a.head_dim}, experts {a.num_experts} top-{a.num_experts_per_tok} ffn {a.moe_intermediate_size}; "
+          f"{sum(x.numel() for x in bb.parameters()) / 1e6:.1f}M params; {torch.get_num_threads()} threads")
+    print(f"bumblebee primitives: attention={p.attention} experts={p.experts} loss={p.loss} moe_comm={p.moe_comm} "
+          f"recompute={p.recompute}; HF gradient checkpointing: {args.hf_checkpointing}", flush=True)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    input_ids = torch.randint(0, args.vocab, (args.batch, args.seq))
-    labels = torch.cat([input_ids[:, 1:], torch.full((args.batch, 1), -100)], dim=1)
-    tokens = args.batch * args.seq
-
-    with tempfile.TemporaryDirectory() as workdir:
-        hf, bb = build_models(args, workdir)
-    arch, prims = bb.arch, bb.prims
-    print(f"config: seq {args.seq} x batch {args.batch}, {args.dtype}, vocab {arch.vocab_size}, hidden "
-          f"{arch.hidden_size}, layers {arch.num_hidden_layers}, heads {arch.num_attention_heads}/"
-          f"{arch.num_key_value_heads} x {arch.head_dim}, experts {arch.num_experts} top-"
-          f"{arch.num_experts_per_tok} ffn {arch.moe_intermediate_size}; "
-          f"{arch.num_params()['total'] / 1e6:.1f}M params; {torch.get_num_threads()} threads")
-    print(f"bumblebee primitives: attention={prims.attention} experts={prims.experts} loss={prims.loss} "
-          f"moe_comm={prims.moe_comm} recompute={prims.recompute}; transformers attention="
-          f"{hf.config._attn_implementation}")
-    hf_initial = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-
+    if args.mem_limit_gb:
+        limit = int(args.mem_limit_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    hf_impls = [s.strip() for s in args.hf_experts.split(",") if s.strip()]
+    if args.seqs:
+        return cost_curve(args, hf_impls[0])
+    steppers = build(args, args.seq, variants, hf_impls)
+    describe(args, args.seq, steppers[0].model)
+    input_ids, labels = batch_of(args, args.seq)
     with torch.no_grad():
-        first_hf = hf_loss(hf.eval(), input_ids, labels).item()
-        first_bb = bb_loss(bb.eval(), input_ids, labels).item()
-    print(f"initial loss: bumblebee {first_bb:.6f}  transformers {first_hf:.6f}  "
-          f"|diff| {abs(first_bb - first_hf):.2e}", flush=True)
-
-    bumble = Stepper("bumblebee", bb, bb_loss)
-    for _ in range(args.warmup):
-        bumble.step(input_ids, labels, timed=False)
-    results = {}
-    for impl in [s.strip() for s in args.hf_experts.split(",") if s.strip()]:
-        if impl == "batched_mm" and batched_mm_gb(args) > args.batched_mm_max_gb:
-            print(f"skipping transformers[batched_mm]: {batched_mm_gb(args):.1f} GB of gathered expert weights "
-                  f"per layer > --batched-mm-max-gb {args.batched_mm_max_gb}")
-            continue
-        hf.load_state_dict(hf_initial)  # every HF variant starts from the same weights
-        hf.set_experts_implementation(impl)
-        other = Stepper(f"transformers[{impl}]", hf, hf_loss)
-        for _ in range(args.warmup):
-            other.step(input_ids, labels, timed=False)
-        for _ in range(args.steps):  # alternate so background load hits both sides alike
-            bumble.step(input_ids, labels, timed=True)
-            other.step(input_ids, labels, timed=True)
-        results[impl] = other
-        print(f"  measured transformers[{impl}]", flush=True)
-        if args.profile:
-            profile_step(other, input_ids, labels, args.profile)
-        del other.opt
-    if args.profile:
-        profile_step(bumble, input_ids, labels, args.profile)
-
-    def line(name, st, ratio=""):
-        wall, cpu = statistics.median(st.wall), statistics.median(st.cpu)
-        return (f"  {name:<26} {wall:8.3f} s/step  {tokens / wall:9.1f} tokens/s   "
-                f"cpu {cpu:8.3f} s/step{ratio}")
-
-    print(f"\nmedians over {len(bumble.wall)} bumblebee / {args.steps} transformers steps each "
-          f"(after {args.warmup} warm-up steps):")
-    print(line("bumblebee", bumble))
-    bb_wall, bb_cpu = statistics.median(bumble.wall), statistics.median(bumble.cpu)
-    for impl, st in results.items():
-        wall, cpu = statistics.median(st.wall), statistics.median(st.cpu)
-        print(line(f"transformers[{impl}]", st, f"   ratio bumblebee/transformers: tokens/s {wall / bb_wall:.2f}x, "
-                                                  f"cpu time {cpu / bb_cpu:.2f}x"))
+        first = [st.loss_fn(st.model.eval(), input_ids, labels).item() for st in steppers]
+    print("initial loss: " + "  ".join(f"{st.name} {x:.6f}" for st, x in zip(steppers, first)), flush=True)
+    alive = run(steppers, input_ids, labels, args)
+    tokens = args.batch * args.seq
+    ours = [s for s in alive if s.name.startswith("bumblebee")]
+    theirs = [s for s in alive if not s.name.startswith("bumblebee")]
+    print(f"\nmedians over {args.steps} alternating steps per variant (after {args.warmup} warm-up steps):")
+    for st in ours:
+        print(st.line(tokens, ours[0] if st is not ours[0] else None))
+    for st in theirs:
+        print(st.line(tokens, ours[0] if ours else None))
     print("phases (median wall):")
-    for st in [bumble, *results.values()]:
-        print(f"  {st.name:<26} {st.phase_medians()}")
-    if results:
-        best = min(results, key=lambda k: statistics.median(results[k].wall))
-        print(f"ratio vs the fastest transformers option ({best}): "
-              f"{statistics.median(results[best].wall) / bb_wall:.2f}x tokens/s (issue goal: >= 3x)")
+    for st in alive:
+        print(st.phase_line())
+    if args.profile:
+        from torch.profiler import profile
+
+        for st in alive:
+            with profile(record_shapes=True) as prof:
+                st.step(input_ids, labels, timed=False)
+            print(f"\nprofile of one {st.name} step (top {args.profile} ops by self CPU time):")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
+                                            max_name_column_width=48))
+
+
+def cost_curve(args, hf_impl: str) -> None:
+    rows = []
+    for seq in args.seqs:
+        steppers = build(args, seq, ["base"], [hf_impl])
+        if seq == args.seqs[0]:
+            describe(args, seq, steppers[0].model)
+        input_ids, labels = batch_of(args, seq)
+        alive = {st.name: st for st in run(steppers, input_ids, labels, args)}
+        for st in steppers:
+            got = alive.get(st.name)
+            rows.append((seq, st.name, f"{seq * args.batch / got.wall:9.1f}" if got else "   failed",
+                         f"{got.peak / 2**20:8.0f}" if got and got.peak else "       -"))
+        print(f"  measured seq {seq}", flush=True)
+        del steppers, alive
+    print(f"\ncost curve ({args.steps} timed steps per length and side, median):")
+    print(f"  {'seq':>6}  {'side':<28} {'tokens/s':>9}  {'peak MiB':>8}")
+    for seq, name, tps, peak in rows:
+        print(f"  {seq:>6}  {name:<28} {tps}  {peak}")
 
 
 if __name__ == "__main__":

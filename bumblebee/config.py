@@ -68,12 +68,12 @@ class PrimitivesConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 60
+    steps: int = 300
     seq_len: int = 2048
-    global_batch: int = 4  # sequences per optimizer step over all data-parallel ranks
+    global_batch: int = 2  # sequences per optimizer step over all data-parallel ranks
     micro_batch: int = 1  # sequences per forward on one rank
     lr: float = 3e-3
-    warmup_steps: int = 5
+    warmup_steps: int = 10
     min_lr: float = 3e-4
     weight_decay: float = 0.01
     beta1: float = 0.9
@@ -88,11 +88,14 @@ class TrainConfig:
     deterministic: bool = False
     out_dir: str = "runs/default"
     log_every: int = 1
+    track_memory: bool = False  # CPU: count live tensors on every step (slower), not only on the first
     save_every: int = 0  # checkpoint every N steps and at the end (0: no checkpoints)
     keep_last: int = 2  # complete checkpoints kept in out_dir/checkpoints (0: all)
     resume: str = ""  # "auto" (newest complete checkpoint of out_dir, if any) | a checkpoint or run directory
     export_hf: bool = False  # write a Hugging Face directory to out_dir/hf at the end of training
-    eval_every: int = 0  # log eval_loss on held-out data every N steps and at the end (0: never)
+    # log eval_loss (synthetic task: and eval_accuracy) on held-out data every N steps and at the end
+    # (0: never); "auto": every 50 steps where the source has held-out data (synthetic: always)
+    eval_every: Union[int, str] = "auto"
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars to out_dir/tensorboard
     max_restarts: int = 0  # --nproc runs: restart every rank after a failure, from the newest checkpoint
     collective_timeout_s: float = 600.0  # every process group: a rank that hangs ends the job after this
@@ -112,9 +115,16 @@ class DataConfig:
     eval_fraction: float = 0.0  # tokens / text / chat: rows held out for train.eval_every
     eval_path: str = ""  # ... or a separate held-out input (same format as path)
     eval_batches: int = 1  # held-out global batches per evaluation
-    # synthetic key-value retrieval task: records per document (min, max)
-    min_records: int = 16
-    max_records: int = 96
+    # synthetic key-value retrieval task (data/synthetic.py): records per document (at most 26),
+    # document lengths in tokens (the top grows from min to max over ramp_steps), answer digits
+    min_records: int = 1
+    max_records: int = 1
+    min_doc_len: int = 16
+    max_doc_len: int = 2048
+    ramp_steps: int = 200
+    value_len: int = 3
+    eval_min_distance: int = 1024  # held-out queries ask about records at least this many tokens back
+    eval_docs: int = 32  # held-out documents per evaluation (rounded up to whole global batches)
 
 
 @dataclass(kw_only=True)
@@ -259,6 +269,16 @@ def dump_toml(cfg: Config) -> str:
 # validation (cheap: no model is built, no device touched)
 
 
+def eval_interval(cfg: Config) -> int:
+    """Steps between held-out evaluations (0: none): ``train.eval_every``, where "auto" is every
+    50 steps for the synthetic task or a source given held-out data, else never."""
+    every = cfg.train.eval_every
+    if every != "auto":
+        return every
+    d = cfg.data
+    return 50 if d.source == "synthetic" or d.eval_fraction or d.eval_path else 0
+
+
 def validate(cfg: Config) -> None:
     t = cfg.train
     for f in dataclasses.fields(t):  # TOML reads nan and inf: every number must be finite
@@ -305,12 +325,19 @@ def validate(cfg: Config) -> None:
     if isinstance(p.dp_shard, int) and p.dp_shard < 1:
         raise ConfigError(f"parallel.dp_shard must be >= 1, got {p.dp_shard}")
 
-    if t.eval_every < 0:
-        raise ConfigError(f"train.eval_every must be >= 0, got {t.eval_every}")
+    if t.eval_every != "auto" and not (isinstance(t.eval_every, int) and t.eval_every >= 0):
+        raise ConfigError(f"train.eval_every must be >= 0 or 'auto', got {t.eval_every!r}")
     _validate_data(cfg.data, t)
     d = cfg.data
-    if not 1 <= d.min_records <= d.max_records:
-        raise ConfigError(f"data needs 1 <= min_records <= max_records, got {d.min_records}, {d.max_records}")
+    if not 1 <= d.min_records <= d.max_records <= 26:
+        raise ConfigError(f"data needs 1 <= min_records <= max_records <= 26 (one key letter each), "
+                          f"got {d.min_records}, {d.max_records}")
+    for name in ("min_doc_len", "max_doc_len", "value_len", "eval_docs"):
+        if getattr(d, name) < 1:
+            raise ConfigError(f"data.{name} must be a positive integer, got {getattr(d, name)}")
+    for name in ("ramp_steps", "eval_min_distance"):
+        if getattr(d, name) < 0:
+            raise ConfigError(f"data.{name} must be >= 0, got {getattr(d, name)}")
 
     pr = cfg.primitives
     if not all(isinstance(s, list) and all(type(i) is int for i in s) for s in pr.pp_layout):
@@ -346,7 +373,8 @@ def _validate_data(d: DataConfig, t: TrainConfig) -> None:
         raise ConfigError(f"data.source = '{d.source}' needs data.tokenizer (a local Hugging Face tokenizer directory)")
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
-    if t.eval_every and d.source in ("jsonl", "tokens", "text", "chat") and not (d.eval_fraction or d.eval_path):
+    held_out = d.eval_fraction or d.eval_path
+    if t.eval_every != "auto" and t.eval_every and d.source != "synthetic" and not held_out:
         raise ConfigError("train.eval_every needs held-out data: set data.eval_fraction or data.eval_path")
     if d.eval_batches < 1:
         raise ConfigError(f"data.eval_batches must be >= 1, got {d.eval_batches}")

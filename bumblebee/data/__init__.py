@@ -61,9 +61,12 @@ def build_source(data_cfg, train_cfg, vocab_size: int):
     if data_cfg.source == "synthetic":
         from bumblebee.data.synthetic import KeyValueRetrieval
 
-        return GlobalBatchRows(KeyValueRetrieval(seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
-                                                 seed=train_cfg.seed, min_records=data_cfg.min_records,
-                                                 max_records=data_cfg.max_records))
+        return KeyValueRetrieval(seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
+                                 seed=train_cfg.seed, min_records=data_cfg.min_records,
+                                 max_records=data_cfg.max_records, min_doc_len=data_cfg.min_doc_len,
+                                 max_doc_len=data_cfg.max_doc_len, ramp_steps=data_cfg.ramp_steps,
+                                 value_len=data_cfg.value_len, eval_min_distance=data_cfg.eval_min_distance,
+                                 eval_docs=data_cfg.eval_docs)
     if data_cfg.source == "jsonl":
         from bumblebee.data.jsonl import JsonlSource
 

@@ -62,6 +62,8 @@ class MetricsWriter:
                 f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB  eta {eta:.0f}s")
         if "eval_loss" in r:
             line += f"  eval_loss {r['eval_loss']:.4f}"
+        if "eval_accuracy" in r:
+            line += f"  eval_accuracy {r['eval_accuracy']:.2f}"
         if self.tty:
             end = "\n" if r["step"] == self.total_steps else ""
             self.stream.write("\r\033[K" + line + end)
@@ -79,7 +81,9 @@ class MetricsWriter:
         first = sum(r["loss"] for r in h[:k]) / k
         last = sum(r["loss"] for r in h[-k:]) / k
         steady = h[1:] if len(h) > 1 else h  # the first step includes warm-up
-        return {
+        evals = [r for r in h if "eval_accuracy" in r]
+        last_eval = {k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else {}
+        return {**last_eval,
             "steps": len(h),
             "loss_first": first,
             "loss_last": last,
@@ -99,6 +103,11 @@ class MetricsWriter:
                 f"done: {s['steps']} steps in {s['wall_time_s']:.1f}s; loss {s['loss_first']:.4f} -> "
                 f"{s['loss_last']:.4f} (mean of first/last 10%); {s['tokens_per_s']:.0f} tok/s; "
                 f"peak {s['peak_mem_bytes'] / 2**20:.0f} MiB; metrics in {self.path}\n")
+            if "eval_accuracy" in s:
+                self.stream.write(
+                    f"held-out retrieval accuracy {s['eval_accuracy']:.2f} (exact match of the answers; "
+                    f"eval loss {s['eval_loss']:.3f}) at distance {_tokens(s['eval_distance_min'])}-"
+                    f"{_tokens(s['eval_distance_max'])} tokens\n")
             self.stream.flush()
         if self._file:
             self._file.close()
@@ -147,6 +156,10 @@ def _lines_up_to(path: str, step: int, stream: IO) -> list[str]:
     if dropped:
         stream.write(f"bumblebee: note: dropped {dropped} unreadable line(s) of {path} (a torn write)\n")
     return kept
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1024:.1f}K" if n >= 1024 else str(n)
 
 
 def finite(x: float) -> float:

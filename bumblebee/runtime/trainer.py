@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee import registry
-from bumblebee.config import Config, dump_toml
+from bumblebee.config import Config, dump_toml, eval_interval
 from bumblebee.data import build_source
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.perf.memory import MemoryTracker
@@ -139,14 +139,24 @@ class Trainer:
                                      tensorboard=t.tensorboard)
         self.skipped = self.metrics.resumed.get("skipped_steps", 0)  # non-finite steps skipped so far
         self.stream = stream
+        self._peak = None  # peak live bytes of the last measured step
+        # held-out evaluation cadence (0: none); pipeline runs have none yet
+        self.eval_every = eval_interval(cfg) if ctx.layout.pp == 1 else 0
         if self.rank == 0 and self.source.describe():
             stream.write(f"bumblebee: {self.source.describe()}\n")
 
     def train_step(self) -> dict:
-        """One optimizer step, with its peak live memory measured (perf.memory)."""
-        with MemoryTracker(self.device, self.model, self.optimizer) as memory:
+        """One optimizer step, with its peak live memory (perf.memory). On CUDA the allocator's
+        counters are read every step; on CPU live tensors are counted by a dispatch mode around
+        every op, which costs step time, so only the first step of a run is measured unless
+        ``train.track_memory`` (later steps report that peak)."""
+        if self.device.type != "cuda" and not self.cfg.train.track_memory and self._peak is not None:
             record = self._step()
-        record["peak_mem_bytes"] = self._max_over_ranks(memory.peak_bytes)
+        else:
+            with MemoryTracker(self.device, self.model, self.optimizer) as memory:
+                record = self._step()
+            self._peak = self._max_over_ranks(memory.peak_bytes)
+        record["peak_mem_bytes"] = self._peak
         return record
 
     def _step(self) -> dict:
@@ -216,7 +226,7 @@ class Trainer:
         with Preemption() as preemption:  # SIGTERM / SIGUSR1: stop at the next step boundary
             while self.step < t.steps:
                 record = self.train_step()
-                if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                if self.eval_every and (self.step % self.eval_every == 0 or self.step == t.steps):
                     record.update(evaluate(self))
                 self.metrics.log(record)
                 self.checkpoint.on_step(self.step)  # saves every train.save_every steps

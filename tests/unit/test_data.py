@@ -21,18 +21,35 @@ def test_row_packer_labels_and_positions():
 
 
 def test_synthetic_answer_is_retrievable_and_deterministic():
-    src = KeyValueRetrieval(seq_len=1024, global_batch=3, seed=1)
+    src = KeyValueRetrieval(seq_len=1024, global_batch=3, seed=1, max_doc_len=400)
     b1, b2 = src.global_batch_at(5), src.global_batch_at(5)
     assert b1.input_ids.equal(b2.input_ids) and not b1.input_ids.equal(src.global_batch_at(6).input_ids)
+    assert src.rows_at(5, 1, 3).input_ids.equal(b1.input_ids[1:3])  # a rank can build its rows alone
     row, labels = b1.input_ids[0].tolist(), b1.labels[0].tolist()
     starts = [i for i, t in enumerate(row) if t == BOS]
     assert len(starts) >= 2  # several documents per row
     doc = bytes(t for t in row[starts[0] + 1:starts[1]]).decode()
-    body, answer = doc.rstrip("\n").split("?")
-    key, value = answer.split(":")
-    assert f"{key}={value};" in body  # the answer was stated earlier in the document
+    body, *queries = doc.rstrip("\n").split("?")
+    assert len(queries) >= 4  # every record is asked about
+    for q in queries:
+        key, value = q.strip()[0], q.strip()[1:]
+        assert len(value) == 3 and f" {key}{value};" in body and body.count(f" {key}") == 1  # stated once, earlier
     targets = [labels[i] for i in range(starts[0], starts[1]) if labels[i] != IGNORE]
-    assert bytes(targets).decode() == value
+    assert bytes(targets).decode() == "".join(q.strip()[1:] for q in queries)
+
+
+def test_synthetic_curriculum_and_held_out_distances():
+    src = KeyValueRetrieval(seq_len=2048, global_batch=2, seed=0, min_records=1, max_records=16,
+                            min_doc_len=16, max_doc_len=2048, ramp_steps=100)
+    docs = lambda step: int((src.global_batch_at(step).input_ids == BOS).sum())  # noqa: E731
+    assert docs(0) > 4 * docs(200)  # short documents first, then long ones
+    ev = src.eval_batch(2, min_distance=1024)
+    assert len(ev.distances) == 32 and min(ev.distances) >= 1024
+    assert ev.batch.input_ids.shape == (2, 2048)
+    assert not ev.batch.input_ids.equal(src.eval_batch(2, min_distance=1024, index=1).batch.input_ids)
+    # every answer label belongs to exactly one query, every query has value_len labels
+    q = ev.query_ids[ev.query_ids >= 0]
+    assert q.bincount().tolist() == [3] * 32
 
 
 def test_jsonl_packing_exact_rows_and_errors(tmp_path):
