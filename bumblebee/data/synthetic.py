@@ -44,6 +44,11 @@ BOS, PAD = 256, 257
 KEYS = string.ascii_uppercase
 
 
+def min_doc_len(n_records: int, value_len: int) -> int:
+    """Tokens of the shortest document: BOS, the records " K123;" and the queries "?K123\\n"."""
+    return 1 + n_records * 2 * (value_len + 3)
+
+
 @dataclass
 class EvalBatch:
     """Held-out rows plus, per token, the query its label belongs to (-1: none)."""

@@ -10,17 +10,15 @@ context parallelism, and the output directory (``outdir.check_out_dir``).
 
 from __future__ import annotations
 
-import string
 
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError
-from bumblebee.data.synthetic import QUERY_LEN, RECORD_LEN
+from bumblebee.data.synthetic import KEYS, min_doc_len
 from bumblebee.models import resolve_arch
 from bumblebee.runtime.outdir import check_out_dir
 from bumblebee.runtime.resolve import check_run
 
-SYNTHETIC_MIN_SEQ_LEN = 1 + RECORD_LEN + QUERY_LEN  # BOS, one record, the query and its answer
-SYNTHETIC_KEYS = len(string.ascii_lowercase) ** 3  # distinct 3-letter keys a document can hold
+SYNTHETIC_KEYS = len(KEYS)  # distinct key letters a document can hold
 
 
 def preflight(cfg: Config, world: int):
@@ -28,12 +26,13 @@ def preflight(cfg: Config, world: int):
     returns the layout. Raises ``ConfigError`` (one line)."""
     t, d = cfg.train, cfg.data
     if d.source == "synthetic":
-        if t.seq_len < SYNTHETIC_MIN_SEQ_LEN:
+        need = min_doc_len(d.min_records, d.value_len)
+        if t.seq_len < need:
             raise ConfigError(f"train.seq_len = {t.seq_len} is too short for the synthetic key-value task: a row "
-                              f"needs >= {SYNTHETIC_MIN_SEQ_LEN} tokens (BOS, one record, the query and its answer)")
+                              f"needs >= {need} tokens (BOS, data.min_records records, their queries and answers)")
         if d.max_records > SYNTHETIC_KEYS:
             raise ConfigError(f"data.max_records = {d.max_records} exceeds the synthetic task's {SYNTHETIC_KEYS} "
-                              "distinct 3-letter keys (records of one document have unique keys)")
+                              "distinct key letters (records of one document have unique keys)")
     layout = check_run(cfg, world)
     arch = resolve_arch(cfg.model)
     registry.get("recompute", cfg.primitives.recompute).factory(cfg.primitives.recompute_modules)
