@@ -8,7 +8,8 @@ import pytest
 from bumblebee import registry
 from bumblebee.cli import build_parser, main
 from bumblebee.config import ConfigError
-from bumblebee.runtime import pair
+from bumblebee.models.presets import PRESETS
+from bumblebee.runtime import pair, pair_report
 
 TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=64",
         "train.seq_len=64", "train.global_batch=2", "data.min_records=2", "data.max_records=6"]
@@ -48,8 +49,8 @@ def test_bf16_differences_exceed_the_fp32_budget(tmp_path, capsys, monkeypatch):
                             "--set", "train.dtype=bfloat16")
     out = capsys.readouterr().out
     assert code == 1 and "FAIL" in out and not result["passed"] and result["failures"]
-    assert pair.check(result["rows"], bf16) == []
-    assert pair.check(result["rows"], fp32)
+    assert pair_report.check(result["rows"], bf16) == []
+    assert pair_report.check(result["rows"], fp32)
 
 
 def test_check_marks_rows():
@@ -57,7 +58,7 @@ def test_check_marks_rows():
             {"step": 1, "quantity": "logprobs", "checked": True, "rel": float("nan")},
             {"step": 1, "quantity": "model.norm", "checked": True, "rel": 2e-4},
             {"step": 1, "quantity": "peak_mem_MiB", "checked": False, "rel": None}]
-    failures = pair.check(rows, 1e-4)
+    failures = pair_report.check(rows, 1e-4)
     assert [r.get("ok") for r in rows] == [True, False, False, None]
     assert len(failures) == 2 and "model.norm" in failures[1]
     assert pair.tolerance("loss", "float32") < pair.tolerance("loss", "bfloat16")
@@ -97,7 +98,7 @@ def test_linear_attention_switches_to_the_hybrid_model(tmp_path):
     assert pair.config_diff(cfg_a, cfg_b) == [("primitives.linear_attention", "recurrent", "chunked")]
     hf = tmp_path / "hf"  # a qwen3_moe checkpoint cannot be switched: a clear error instead
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "vocab_size": 272}))
+    (hf / "config.json").write_text(json.dumps(PRESETS["qwen3_moe"]["tiny"]))
     args = build_parser().parse_args(["pair", "--slot", "linear_attention", "--a", "recurrent", "--b", "chunked",
                                       "--set", f"model.hf_path={hf}"])
     with pytest.raises(ConfigError, match="only used by model.name = 'qwen3_5_moe'"):
