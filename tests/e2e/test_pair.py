@@ -129,4 +129,6 @@ def test_pair_on_two_ranks(tmp_path, capsys):
     assert result["config_diff"] == [["primitives.moe_comm", "alltoall", "chunked"]]
     rows = {(r["step"], r["quantity"]): r for r in result["rows"]}
     assert rows[(2, "loss")]["checked"] and rows[(2, "loss")]["rel"] <= result["tolerance"]
-    assert rows[(1, "model.norm")]["identical"]  # step 1 starts from the same weights, same forward
+    # step 1 starts from the same weights; chunked EP runs its expert GEMMs on fewer rows per call, which
+    # CPU kernels may round differently for some data (bit identity held for the old task, not the new)
+    assert rows[(1, "model.norm")]["rel"] <= 1e-6
