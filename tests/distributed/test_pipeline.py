@@ -81,7 +81,9 @@ TWO_RANKS = {  # name: (reference, overrides)
         "primitives.pp_layout=[[0], [1], [2], [3]]"]),
 }
 FOUR_RANKS = {  # name: (reference, overrides, parameter tolerance)
-    "pp=2 x ep=2 (dp_shard=2), fsdp2": ("qwen3 fused", QWEN3 + FUSED + ["parallel.pp=2", "parallel.ep=2"], 1e-5),
+    # fsdp2 now reduce-scatters every micro-batch (sharded accumulation): another summation order, which
+    # Adam amplifies to 3.6e-5 in the worst tensor after 5 steps on the new task data; losses agree to 1e-5
+    "pp=2 x ep=2 (dp_shard=2), fsdp2": ("qwen3 fused", QWEN3 + FUSED + ["parallel.pp=2", "parallel.ep=2"], 1e-4),
     # ring attention sums in another order; after 5 Adam steps at lr 1e-2 cp=2 alone (pp=1) is
     # 4e-5 away from the reference in the worst tensor: loss and grad norm still agree to 1e-5
     "pp=2 x cp=2, fsdp2": ("qwen3 fused", QWEN3 + FUSED + ["parallel.pp=2", "parallel.cp=2",
