@@ -16,7 +16,7 @@ BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.ar
         "model.arch.num_experts=8", "model.arch.num_experts_per_tok=3", "model.arch.mlp_only_layers=[1]",
         "model.arch.intermediate_size=96",
         "train.seq_len=128", "train.global_batch=4", "train.micro_batch=1", f"train.steps={STEPS}",
-        "data.min_records=2", "data.max_records=6", "train.lr=1e-2", "train.warmup_steps=1"]
+        "data.min_records=2", "data.max_records=6", "train.lr=3e-3", "train.warmup_steps=1"]
 
 
 def run(overrides, out_dir):
@@ -45,14 +45,16 @@ def check(result, reference, layout=""):
     (trace, params), (ref_trace, ref_params) = result, reference
     for (loss, gnorm), (ref_loss, ref_gnorm) in zip(trace, ref_trace):
         assert loss == pytest.approx(ref_loss, rel=1e-5), layout
-        assert gnorm == pytest.approx(ref_gnorm, rel=1e-5), layout
+        assert gnorm == pytest.approx(ref_gnorm, rel=5e-5), layout
     assert params.keys() == ref_params.keys()
-    # Per-tensor relative error in the Frobenius norm: sums in another order differ by
-    # ~1e-7, and Adam's normalization amplifies that for the odd entry whose gradient is
-    # ~0, so an elementwise bound would be too brittle to mean anything.
+    # Per-tensor relative error in the Frobenius norm. Sums in another order (per-micro-batch
+    # reduce-scatter, other ranks' GEMM shapes) differ by ~1e-7; at lr 3e-3 Adam's
+    # normalization amplifies that by ~x3-10 a step for entries whose moments nearly cancel:
+    # measured up to 6.3e-5 after 5 steps (1.6e-4 at lr 1e-2), gnorm 1.2e-5. A real bug is far
+    # above: dropping dp from the balance-loss denominator gives up to 3e-1 (router weight).
     for name, ref in ref_params.items():
         err = ((params[name] - ref).norm() / ref.norm()).item()
-        assert err < 1e-5, f"{layout} {name}: relative error {err:.2e}"
+        assert err < 2e-4, f"{layout} {name}: relative error {err:.2e}"
 
 
 TWO_RANKS = {
