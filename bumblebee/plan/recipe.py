@@ -180,7 +180,7 @@ def explain(spec: ModelSpec, cand: Candidate, tried: list[Candidate], ep_rule: i
     local = local_tokens(work, lay)
     r: dict[str, str] = {}
     size = f"{n_params / 1e9:.1f}B parameters"
-    r["ep"] = (f"{size} {'<=' if ep_rule == 8 else '>'} 100B -> EP {ep_rule} (REFERENCE default)"
+    r["ep"] = (f"{size} {'<=' if ep_rule == 8 else '>'} 100B -> EP {ep_rule} (the recipe's default)"
                + ("" if lay.ep == ep_rule else f"; capped to {lay.ep} by experts/GPUs"))
     r["cp"] = f"{work.seq} tokens / cp {lay.cp} = {local} per GPU (target 16K-32K)"
     r["tp"] = "off by default: no model or hardware reason to split matrices"
