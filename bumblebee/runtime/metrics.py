@@ -128,11 +128,21 @@ def tensorboard_writer(log_dir: str):
     return SummaryWriter(log_dir=log_dir)
 
 
+def strict(value):
+    """``value`` with every non-finite float (a diverged loss, an infinite grad norm), at any
+    depth of dicts, lists and tuples, replaced by None: strict JSON has no NaN / Infinity."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
 def json_line(record: dict) -> str:
-    """One record as strict JSON: a non-finite number (a diverged loss, an infinite grad norm)
-    is written as null, never as the NaN / Infinity tokens that JSON parsers reject."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-    return json.dumps(clean, allow_nan=False)
+    """One record as strict JSON (non-finite numbers written as null)."""
+    return json.dumps(strict(record), allow_nan=False)
 
 
 def _lines_up_to(path: str, step: int, stream: IO) -> list[str]:

@@ -45,6 +45,7 @@ from typing import IO, Any
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError, parse_override, validate
 from bumblebee.runtime.resolve import load_config, validate_run
+from bumblebee.runtime.metrics import strict
 
 # Relative tolerance per slot: (float32, bfloat16) runs, applied to every compared quantity
 # over a few steps of the tiny models. fp32 budgets cover reassociation (different summation
@@ -259,5 +260,5 @@ def run(args, stream: IO | None = None) -> int:
                 return 1
     if args.json and rank0:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(strict(result), f, indent=1, allow_nan=False)  # a diverged side is null, not NaN
     return 0 if result["passed"] else 1

@@ -20,6 +20,7 @@ from bumblebee import load_config
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.models.hf import from_hf, to_hf
 from bumblebee.runtime.metrics import json_line
+from bumblebee.runtime.metrics import strict as strict_json
 
 TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
         "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
@@ -208,6 +209,9 @@ def test_resume_errors_found_before_launch(capsys, checkpoint_run, tmp_path):
 def test_metrics_are_strict_json_and_a_torn_last_line_does_not_block_resume(capsys, checkpoint_run, tmp_path):
     assert json.loads(json_line({"loss": math.nan, "g": math.inf, "n": -math.inf, "ok": 1.5})) == {
         "loss": None, "g": None, "n": None, "ok": 1.5}
+    # `pair --json` writes nested rows through the same cleaner: a diverged side is null there too.
+    assert json.loads(json.dumps(strict_json({"rows": [{"a": math.nan, "b": (1.0, math.inf)}], "passed": False}),
+                                 allow_nan=False)) == {"rows": [{"a": None, "b": [1.0, None]}], "passed": False}
     run = tmp_path / "run"
     shutil.copytree(checkpoint_run, run)
     metrics = run / "metrics.jsonl"

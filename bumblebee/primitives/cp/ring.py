@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.primitives.cp.ring_comm import backward_hop
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
 from bumblebee.primitives.cp.ring_flash import ring_flash_attention
 from bumblebee.primitives.dispatch import select
@@ -127,15 +128,7 @@ class RingAttention(torch.autograd.Function):
                 ds = dp.sub_(delta[:, :, :, q_sl, None]).mul_(p)
                 dq[:, :, :, q_sl] += torch.matmul(ds, kc) * scale
                 dk[:, :, k_sl] += torch.matmul(ds.transpose(-1, -2), q[:, :, :, q_sl]).sum(2) * scale
-            # pass the block on with its gradient accumulators; after the last pass each
-            # block (and the gradients every rank added to it) is back with its owner
-            tensors = [dk, dv] if step + 1 == layout.size else [k, v, dk, dv]
-            received, wait = _ring_pass(tensors, layout)
-            wait()
-            if step + 1 == layout.size:
-                dk, dv = received
-            else:
-                k, v, dk, dv = received
+            k, v, dk, dv = backward_hop(step, layout, k, v, dk, dv)
         return (dq.view(B, N, L, D).to(q_BNLD.dtype), dk.to(k_BKLD.dtype), dv.to(v_BKLD.dtype), None, None)
 
 

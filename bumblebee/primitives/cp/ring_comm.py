@@ -20,3 +20,13 @@ def ring_pass(tensors: list[torch.Tensor], layout: CPLayout):
     ops += [dist.P2POp(dist.irecv, b, prv, g) for b in bufs]
     works = dist.batch_isend_irecv(ops)
     return bufs, lambda: [w.wait() for w in works]
+
+
+def backward_hop(step: int, layout: CPLayout, k, v, dk, dv):
+    """The backward ring's hop after ``step``: pass the K/V block on with the gradient
+    accumulators every rank adds to. After the last hop only the accumulators travel, and
+    each block's gradients are back with the block's owner. Returns (k, v, dk, dv)."""
+    last = step + 1 == layout.size
+    received, wait = ring_pass([dk, dv] if last else [k, v, dk, dv], layout)
+    wait()
+    return (k, v, *received) if last else tuple(received)

@@ -41,6 +41,7 @@ import torch
 
 from bumblebee.primitives.attention.flash import reference_varlen_attn
 from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.primitives.cp.ring_comm import backward_hop
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
 
 
@@ -215,13 +216,7 @@ class RingFlashAttention(torch.autograd.Function):
                 dq.index_add_(0, p.q_index, dq_p.float())
                 dk.index_add_(0, p.k_index, dk_p.float())
                 dv.index_add_(0, p.k_index, dv_p.float())
-            tensors = [dk, dv] if step + 1 == layout.size else [k, v, dk, dv]
-            received, wait = _ring_pass(tensors, layout)
-            wait()
-            if step + 1 == layout.size:
-                dk, dv = received
-            else:
-                k, v, dk, dv = received
+            k, v, dk, dv = backward_hop(step, layout, k, v, dk, dv)
         K = k.shape[1]
         unflat = lambda x, H, dt: x.view(B, L, H, D).transpose(1, 2).to(dt)  # noqa: E731
         return unflat(dq, N, q.dtype), unflat(dk, K, k.dtype), unflat(dv, K, v.dtype), None, None, None
