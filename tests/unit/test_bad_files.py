@@ -16,11 +16,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bumblebee.cli import main
+from cli_helpers import one_line_error as _one_line_error
+from cli_helpers import sets
 from bumblebee import load_config
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.models.hf import from_hf, to_hf
 from bumblebee.runtime.metrics import json_line
 from bumblebee.runtime.metrics import strict as strict_json
+
+
+def one_line_error(capsys, argv, fragment) -> str:
+    return _one_line_error(capsys, argv, fragment, notices_before=True)  # preflight may print notices first
+
 
 TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
         "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
@@ -28,18 +35,6 @@ TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.ar
         "data.min_records=1", "data.max_records=2", "train.steps=1"]
 
 
-def sets(items):
-    return [a for s in items for a in ("--set", s)]
-
-
-def one_line_error(capsys, argv, fragment) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) >= 1 and lines[-1].startswith("bumblebee: error: ") and "Traceback" not in err, err
-    assert fragment in lines[-1], lines[-1]
-    return lines[-1]
 
 
 def train_argv(tmp_path, *items):

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from bumblebee.cli import main
+from cli_helpers import one_line_error, sets
 
 TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
         "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
@@ -15,18 +16,6 @@ TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.ar
         "data.min_records=1", "data.max_records=2", "train.steps=1"]
 
 
-def sets(items):
-    return [a for s in items for a in ("--set", s)]
-
-
-def one_line_error(capsys, argv, fragment) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("bumblebee: error: "), err
-    assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 VALUES = [  # (--set items, fragment of the error)

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from bumblebee.cli import main
+from cli_helpers import sets
 from bumblebee import load_config
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.runtime.interrupts import interrupt_once
@@ -21,9 +22,6 @@ TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.ar
         "primitives.loss=ce", "primitives.recompute=none", "train.seq_len=32", "train.global_batch=1",
         "data.min_records=1", "data.max_records=2"]
 
-
-def sets(items):
-    return [a for s in items for a in ("--set", s)]
 
 
 def test_ctrl_c_during_a_save_exits_130_with_one_line_and_no_partial_checkpoint(tmp_path, capsys, monkeypatch):
