@@ -149,17 +149,55 @@ def shift_right(x_BT: torch.Tensor, fill=0) -> torch.Tensor:
     return out
 
 
-def prediction_view(batch: RLBatch, agg: str | None) -> dict[str, torch.Tensor]:
-    """Global batch -> [B, T] tensors at prediction positions. ``agg``: the training view
-    (targets only where trained, aggregation weights); None: every token with a prefix."""
+def trained_tokens(batch: RLBatch) -> torch.Tensor:
+    """[B, T] bool: the tokens an update trains on (masked and with a prefix)."""
+    return batch.loss_mask & has_prefix(batch.position_ids)
+
+
+def prediction_view(batch: RLBatch, agg: str | None, totals: torch.Tensor | None = None, *,
+                    all_targets: bool = False) -> dict[str, torch.Tensor]:
+    """Batch -> [B, T] tensors at prediction positions. ``agg``: the training view (targets
+    only where trained, ``mask`` of trained tokens, aggregation weights); None: every token
+    with a prefix. ``totals``: the aggregation denominators of the whole global batch when
+    ``batch`` is one rank's part of it (``losses.aggregation_totals``, summed over ranks).
+    ``all_targets``: targets at every token with a prefix even with ``agg`` (a forward-only
+    pass that scores the loss and returns every log-prob)."""
     prefix = has_prefix(batch.position_ids)
     trained = batch.loss_mask & prefix if agg else prefix
+    targeted = prefix if all_targets else trained
     out = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
-           "targets": shift_left(torch.where(trained, batch.input_ids, IGNORE), IGNORE)}
+           "targets": shift_left(torch.where(targeted, batch.input_ids, IGNORE), IGNORE)}
     if agg:
-        out["weights"] = shift_left(aggregation_weights(trained, sequence_ids(batch.position_ids), agg))
+        out["mask"] = shift_left(trained, False)
+        out["weights"] = shift_left(aggregation_weights(trained, sequence_ids(batch.position_ids), agg,
+                                                        totals=totals))
         for name in OPTIONAL:
             t = getattr(batch, name)
             if t is not None:  # zero off the mask: garbage there must not reach the loss
                 out[name] = shift_left(torch.where(trained, t.float(), 0.0))
     return out
+
+
+def pad_batch(batch: RLBatch, rows: int, cols: int) -> RLBatch:
+    """Widen to ``rows`` x ``cols`` with padding: empty rows (one padding sequence each) and
+    columns that restart their own padding sequence; nothing there is trained."""
+    B, T = batch.input_ids.shape
+    if (rows, cols) == (B, T):
+        return batch
+    fields = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        if v is not None:
+            x = torch.full((rows, cols), -1 if f.name == "seq_index" else 0, dtype=v.dtype, device=v.device)
+            x[:B, :T] = v
+            fields[f.name] = x
+    pos = fields["position_ids"]
+    pos[B:] = torch.arange(cols, device=pos.device)
+    pos[:B, T:] = torch.arange(cols - T, device=pos.device)
+    return RLBatch(**fields)
+
+
+def gather_tokens(batch: RLBatch, index: torch.Tensor) -> RLBatch:
+    """One row holding the tokens at flat positions ``index`` of ``batch`` (whole sequences)."""
+    return RLBatch(**{f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name).reshape(-1)[index][None]
+                      for f in dataclasses.fields(batch)})

@@ -1,70 +1,78 @@
 """``bumblebee.Engine``: the training side of an RL loop, the surface an RL framework drives.
 
-Rollouts come from elsewhere (an inference engine, or ``rl/sampler.py``); the
-Engine scores them and updates the policy, on the layouts the runtime supports
-(single process, or under torchrun: fsdp2 / zero1 data parallelism, expert and
-context parallelism; not yet pipeline parallelism):
+Rollouts come from elsewhere (an inference engine, or ``rl/sampler.py``); the Engine scores
+them and updates the policy on the layouts the runtime supports (single process, or under
+torchrun: fsdp2 / zero1 data parallelism, expert and context parallelism; not yet pipeline
+parallelism). Two levels, the second built on the first:
 
-    engine = Engine(cfg, hf_path=None)               # model, sharding, optimizer (runtime pieces)
-    lp = engine.compute_logprobs(batch, entropy=True)  # forward only, token-aligned [B, T]
-    metrics = engine.train_step(batch, loss_fn=PolicyLoss(...))  # one optimizer step
-    for name, tensor in engine.named_weights(): ...   # full HF-named tensors -> rollout engine
-    engine.export_hf(dir); engine.save(dir); engine.load(dir); engine.offload(); engine.onload()
+    # what a framework (verl's engine workers, ...) calls, each dp rank with its own rows
+    with engine.train_mode():
+        engine.zero_grad()
+        out = engine.forward_backward(local_batch, loss_fn)   # micro-batches, loss callback, metrics
+        norm = engine.optimizer_step()                        # clip, scheduled LR, update, zero
+    out = engine.forward_backward(local_batch, None, forward_only=True).logprobs
+    engine.get_data_parallel_rank() / _size() / _group()
 
-Every rank passes the same *global* batch (``rl/batch.py``: packed sequences, loss
-mask, advantages, old/reference log-probs); the Engine gives each data-parallel rank
-its rows (padding the batch with empty rows when it does not split evenly), each
-context-parallel rank its zigzag share of those rows' tokens, and runs them in
-micro-batches of ``train.micro_batch`` rows. Aggregation weights are computed
-on the global batch first (``losses.aggregation_weights``), so each micro-batch's loss
-is its exact share of the global loss and the summed gradients -- the sharding
-primitives' convention -- are those of the full batch, whatever the layout.
-Log-probs never materialize ``[tokens, vocab]`` (``losses.token_logprobs``).
+    # every rank passes the same global batch (its rows are cut here)
+    lp = engine.compute_logprobs(batch, entropy=True)
+    metrics = engine.train_step(batch, loss_fn=PolicyLoss(...))
 
-Calls that touch the model are collective: every rank must make them, in the same order.
+Rank-local batches: ``forward_backward`` trains on this dp rank's rows only (cp ranks of one
+dp rank pass the same rows); the aggregation denominators (trained tokens, sequences) are
+summed over the dp ranks first, so each micro-batch's loss is its exact share of the global
+loss and the summed gradients -- the sharding primitives' convention -- are those of the
+whole batch, whatever the layout. Micro-batches are ``train.micro_batch`` rows, or with
+``max_tokens_per_micro_batch`` whole sequences repacked under a token budget
+(``rl/microbatch.py``); every dp rank runs the same number of them. Log-probs never
+materialize ``[tokens, vocab]`` (``losses.token_logprobs``).
+
+Weights out (``rl/weights.py``): ``weight_buckets`` (bucketed, HF-named, for a rollout
+engine), ``named_weights``, ``export_hf``. Memory (``rl/offload.py``): ``offload`` /
+``onload`` by part. Calls that touch the model are collective: every rank makes them, in order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import io
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from bumblebee.config import Config, ConfigError
 from bumblebee.models import resolve_arch
-from bumblebee.models.hf import hf_state_dict, to_hf
-from bumblebee.primitives.cp.layout import unshard_sequence
+from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.parallel import ParallelGroups
-from bumblebee.primitives.sharding.common import full_named_parameters, local
-from bumblebee.rl.batch import IGNORE, OPTIONAL, RLBatch, has_prefix, prediction_view, shift_right
-from bumblebee.rl.losses import PolicyInputs, PolicyLoss, token_logprobs
-from bumblebee.runtime.checkpoint import Checkpointer, named_checkpoint
-from bumblebee.runtime.resolve import resolve_layout
+from bumblebee.rl import microbatch as mbs
+from bumblebee.rl.batch import (IGNORE, OPTIONAL, RLBatch, gather_tokens, has_prefix, pad_batch, prediction_view,
+                                sequence_ids, shift_right, trained_tokens)
+from bumblebee.rl.checkpoint import EngineCheckpoints
+from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_totals, token_logprobs
+from bumblebee.rl.offload import Offloader
+from bumblebee.rl.weights import EngineWeights
 from bumblebee.runtime.optim import build_optimizer
-from bumblebee.runtime.step import accumulate, autocast_for, balance_denominator, optimizer_tail, shard_rows
+from bumblebee.runtime.resolve import resolve_layout
+from bumblebee.runtime.step import accumulate, autocast_for, balance_denominator, optimizer_tail
 from bumblebee.runtime.trainer import (build_initial_model, build_parallel_context, build_sharding, pick_device,
                                        seed_everything)
 
 
-
-@dataclass
+@dataclasses.dataclass
 class LogProbs:
     logprobs: torch.Tensor  # [B, T] log p(token | its prefix), 0 where there is no prefix
     entropy: torch.Tensor | None = None  # [B, T] entropy of the distribution the token came from
 
 
-class _FullModel:
-    """A model's architecture plus its full (gathered) parameters, as ``hf_state_dict`` reads them."""
+@dataclasses.dataclass
+class ForwardOutput:
+    """What ``forward_backward`` returns (every figure covers all dp ranks' tokens)."""
 
-    def __init__(self, arch, named):
-        self.arch, self._named = arch, named
-
-    def named_parameters(self):
-        return self._named
+    loss: float | None  # the aggregated loss of the global batch (None without a loss_fn)
+    tokens: int  # trained tokens of the global batch
+    metrics: dict  # each loss metric as a mean over trained tokens
+    logprobs: torch.Tensor | None = None  # [B, T] token-aligned, this rank's rows (forward_only)
+    entropy: torch.Tensor | None = None
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -73,30 +81,32 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     return parts
 
 
-class Engine:
+class Engine(EngineWeights, EngineCheckpoints):
     """The policy under training on this rank's share of the layout ``cfg`` describes.
 
     ``hf_path``: start from a Hugging Face checkpoint (sets ``model.hf_path``; ``model.arch``
     overrides still apply), else from the config's initialization (``train.seed``).
     ``temperature``: the sampling temperature of the rollouts; log-probs, entropies and
-    the update use ``softmax(logits / temperature)``. The optimizer is the runtime's
-    AdamW (``runtime/optim.py``) (``train.lr``, betas, weight decay, ``train.clip_grad``); the
-    learning rate follows ``train``'s schedule unless ``train_step(lr=...)`` sets it.
+    the update use ``softmax(logits / temperature)``. The optimizer is the runtime's AdamW
+    (``runtime/optim.py``); the learning rate follows ``train``'s schedule unless a call sets it.
+    ``max_tokens_per_micro_batch``: micro-batch by a token budget instead of by rows.
     """
 
     def __init__(self, cfg: Config, hf_path: str | None = None, *, device: torch.device | None = None,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None):
         if hf_path:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=hf_path))
         if temperature <= 0:
             raise ConfigError(f"temperature must be > 0, got {temperature}")
+        if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
+            raise ConfigError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
         if cfg.parallel.pp > 1:  # before the layout checks, whose pipeline messages would mislead
             raise ConfigError("the RL Engine does not support pipeline parallelism yet; use parallel.pp = 1")
-        # the caller's batch is the global batch: train.global_batch only has to pass the runtime's check
+        # the caller's batch is the batch: train.global_batch only has to pass the runtime's check
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp = resolve_layout(cfg.parallel, world, resolve_arch(cfg.model)).dp_shard
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=dp * cfg.train.micro_batch))
-        self.cfg, self.temperature = cfg, temperature
+        self.cfg, self.temperature, self.max_tokens_per_micro_batch = cfg, temperature, max_tokens_per_micro_batch
         self.device = device or pick_device()
         self.ctx = build_parallel_context(cfg, self.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
@@ -108,38 +118,68 @@ class Engine:
         self.arch = self.model.arch
         self.autocast = autocast_for(self.device, cfg.train.dtype)
         self.step = 0
-        self.offloaded = False
+        self.weight_version = 0  # bumped by every applied optimizer step (rl/weights.py)
+        self.offloader = Offloader(self)
+        self.hf_prefixes = self._source_prefixes(cfg.model.hf_path)
 
-    # ------------------------------------------------------------------ rows of this rank
+    # ------------------------------------------------------------------ data parallelism
+    def get_data_parallel_rank(self) -> int:
+        return self.ctx.dp_rank
+
+    def get_data_parallel_size(self) -> int:
+        return self.ctx.layout.dp_shard
+
+    def get_data_parallel_group(self):
+        """The process group over which rank-local batches differ (None on one process)."""
+        return self.ctx.dense.get_group("dp_shard") if self.ctx.distributed and self._dp > 1 else None
+
     @property
     def _dp(self) -> int:
         return self.ctx.layout.dp_shard
 
-    def _local(self, P: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
-        """This rank's part of the global batch: its data-parallel rows, and with CP its
-        zigzag share of every row. The batch is padded first with empty rows (to split
-        evenly over dp) and empty columns (a padding sequence, to split into 2 x cp chunks)."""
-        B, T = P["input_ids"].shape
-        cp = self.ctx.layout.cp
-        rows, cols = -(-B // self._dp), T if cp == 1 else -(-T // (2 * cp)) * 2 * cp
-        if rows * self._dp != B or cols != T:
-            padded = {}
-            for k, v in P.items():
-                x = torch.full((rows * self._dp, cols), IGNORE if k == "targets" else 0, dtype=v.dtype,
-                               device=v.device)
-                x[:B, :T] = v
-                padded[k] = x
-            pos = padded["position_ids"]
-            pos[B:] = torch.arange(cols, device=pos.device)
-            pos[:B, T:] = torch.arange(cols - T, device=pos.device)  # restarts: a sequence of its own
-            P = padded
-        local = shard_rows(P, rows, self.ctx.dp_rank, cp, self.ctx.cp_rank)
-        return {k: v.to(self.device) for k, v in local.items()}, rows
+    def _dp_sum(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self._dp > 1:
+            dist.all_reduce(t, op=op, group=self.get_data_parallel_group())
+        return t
 
-    def _micro_batches(self, local: dict[str, torch.Tensor], rows: int):
-        m = self.cfg.train.micro_batch
-        for i in range(0, rows, m):
-            yield {k: v[i:i + m] for k, v in local.items()}
+    @contextlib.contextmanager
+    def train_mode(self):
+        """Onload what an update needs (restored on exit) and put the model in training mode."""
+        with self.offloader.onloaded(params=True, grads=True, optimizer=True):
+            self.model.train()
+            yield self
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        """Onload the parameters (restored on exit) and put the model in evaluation mode."""
+        with self.offloader.onloaded(params=True, grads=False, optimizer=False):
+            self.model.eval()
+            try:
+                yield self
+            finally:
+                self.model.train()
+
+    # ------------------------------------------------------------------ micro-batches
+    def _micro_batches(self, P: dict[str, torch.Tensor], seq_index, budget: int | None) -> list[dict]:
+        """This rank's micro-batches, as many on every dp rank (``rl/microbatch.py``)."""
+        if budget is None:
+            parts = mbs.row_micro_batches(P, self.cfg.train.micro_batch)
+            count = self._dp_sum(torch.tensor([len(parts)]), dist.ReduceOp.MAX).item()
+            width = P["input_ids"].shape[1]
+            return parts + [mbs.empty_micro_batch(P, width) for _ in range(count - len(parts))]
+        spans = mbs.spans(P["position_ids"], seq_index)
+        lengths = [n for _, n in spans]
+        mbs.check_budget(lengths, budget)
+        count = max(self._dp_sum(torch.tensor([mbs.ffd_bins(lengths, budget)]), dist.ReduceOp.MAX).item(), 1)
+        return mbs.token_micro_batches(P, spans, mbs.token_bins(lengths, budget, count))
+
+    def _cp_share(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        cp = self.ctx.layout.cp
+        mb = {k: v.to(self.device) for k, v in mb.items()}
+        if cp == 1:
+            return mb
+        mb = mbs.pad_columns(mb, 2 * cp)
+        return {k: shard_sequence(v, cp, self.ctx.cp_rank) for k, v in mb.items()}
 
     def _scores(self, mb: dict[str, torch.Tensor], with_entropy: bool):
         """Forward one micro-batch: (logp [b, T], entropy [b, T] or None, balance loss)."""
@@ -151,132 +191,170 @@ class Engine:
         shape = mb["targets"].shape
         return logp_T.view(shape), None if ent_T is None else ent_T.view(shape), aux
 
-    def _check_onloaded(self) -> None:
-        if self.offloaded:
-            raise RuntimeError("the Engine is offloaded; call onload() before using the model")
+    def _whole(self, t: torch.Tensor) -> torch.Tensor:
+        """A micro-batch result on this cp rank's share -> the whole micro-batch."""
+        return unshard_sequence(_all_gather(t, self.ctx.cp_group)) if self.ctx.layout.cp > 1 else t
 
-    # ------------------------------------------------------------------ scoring
-    @torch.no_grad()
-    def compute_logprobs(self, batch: RLBatch, entropy: bool = False) -> LogProbs:
-        """Token-aligned log-probs (and entropies) of ``batch`` under the current policy,
-        forward only; the full [B, T] result on every rank, on the batch's device."""
-        self._check_onloaded()
-        local, rows = self._local(prediction_view(batch, None))
-        parts = [self._scores(mb, entropy)[:2] for mb in self._micro_batches(local, rows)]
-        out = [torch.cat([p[k] for p in parts]).float() for k in range(2 if entropy else 1)]
-        if self.ctx.layout.cp > 1:  # the whole sequence of every local row
-            out = [unshard_sequence(_all_gather(t, self.ctx.cp_group)) for t in out]
-        if self._dp > 1:  # every rank gets every row
-            out = [torch.cat(_all_gather(t, self.ctx.dense.get_group("dp_shard"))) for t in out]
-        prefix = has_prefix(batch.position_ids).to(self.device)
-        B, T = batch.input_ids.shape
-        res = [torch.where(prefix, shift_right(t[:B, :T]), 0.0).to(batch.input_ids.device) for t in out]
-        return LogProbs(res[0], res[1] if entropy else None)
-
-    # ------------------------------------------------------------------ update
-    def train_step(self, batch: RLBatch, loss_fn=None, *, lr: float | None = None) -> dict:
-        """One optimizer step on ``batch`` (micro-batched); returns the step's metrics.
-        ``loss_fn(PolicyInputs) -> (loss share, {name: sum over masked tokens})``, with
-        attributes ``agg`` and ``needs_entropy`` (default: ``PolicyLoss()``, PPO/GRPO); it
-        must return the same metric names for every micro-batch. Metrics: ``loss`` (the
-        batch's aggregated loss), ``grad_norm`` (before clipping), ``lr``, ``tokens``
-        (trained tokens), and each loss metric as a mean over trained tokens (PolicyLoss:
-        ``clip_frac``, ``dual_clip_frac``, ``kl``, ``entropy``, ``approx_kl_old``)."""
-        self._check_onloaded()
-        loss_fn = loss_fn if loss_fn is not None else PolicyLoss()
-        t, start = self.cfg.train, time.perf_counter()
-        P = prediction_view(batch, getattr(loss_fn, "agg", "token-mean"))
-        n_tokens = int((P["targets"] != IGNORE).sum())
-        local, rows = self._local(P)
-        parts = list(self._micro_batches(local, rows))
-        denominator = balance_denominator(len(parts), self._dp, self.ctx.layout.cp)
-        aux_scale = self.arch.router_aux_loss_coef / denominator  # d loss / d (one micro-batch's balance loss)
+    # ------------------------------------------------------------------ the engine-level step
+    def forward_backward(self, batch: RLBatch, loss_fn=None, forward_only: bool = False, *,
+                         entropy: bool = False, max_tokens_per_micro_batch: int | None = None) -> ForwardOutput:
+        """Forward (and unless ``forward_only`` backward, accumulating into the gradients) over
+        micro-batches of this dp rank's rows ``batch``. ``loss_fn(PolicyInputs) -> (loss share,
+        {name: sum over trained tokens})`` is called per micro-batch (attributes ``agg``,
+        ``needs_entropy``; default ``PolicyLoss()`` when training); it must return the same
+        metric names every time. ``forward_only`` also returns this rank's token-aligned
+        log-probs (and entropies with ``entropy``). Collective over all ranks."""
+        if forward_only:
+            self.offloader.require("params")
+        else:
+            self.offloader.require("params", "grads")
+            loss_fn = loss_fn if loss_fn is not None else PolicyLoss()
+        budget = max_tokens_per_micro_batch or self.max_tokens_per_micro_batch
+        agg = getattr(loss_fn, "agg", "token-mean") if loss_fn is not None else None
+        totals = None
+        if agg:
+            totals = self._dp_sum(aggregation_totals(trained_tokens(batch), sequence_ids(batch.position_ids)))
+        P = prediction_view(batch, agg, totals, all_targets=forward_only)
+        parts = self._micro_batches(P, batch.seq_index, budget)
+        aux_scale = self.arch.router_aux_loss_coef / balance_denominator(len(parts), self._dp, self.ctx.layout.cp)
+        with_entropy = entropy or getattr(loss_fn, "needs_entropy", False)
+        kept: list[tuple] = []
 
         def forward(mb):
-            logp, ent, aux = self._scores(mb, getattr(loss_fn, "needs_entropy", False))
-            mask = mb["targets"] != IGNORE
-            loss, stats = loss_fn(PolicyInputs(logp, ent, mask, mb["weights"], *(mb.get(k) for k in OPTIONAL)))
+            logp, ent, aux = self._scores(mb, with_entropy)
+            if forward_only:
+                kept.append((logp.detach(), None if ent is None else ent.detach(), mb["index"]))
+            if loss_fn is None:
+                return aux, {}
+            x = PolicyInputs(logp, ent, mb["mask"], mb["weights"], *(mb.get(k) for k in OPTIONAL))
+            loss, stats = loss_fn(x)
             return loss + aux_scale * aux, {"loss": loss, **stats}
 
-        stat_sums = accumulate(parts, self.sharding, forward)
-        loss_sum = stat_sums.pop("loss")
-        grad_norm, lr, _ = optimizer_tail(self.sharding, self.optimizer, t, self.step, lr=lr)
-        self.step += 1
-        names = sorted(stat_sums)
-        totals = torch.stack([loss_sum] + [stat_sums[k] for k in names])
-        if self.ctx.distributed:  # sums over every rank's tokens
+        shards = [self._cp_share(mb) for mb in parts]
+        if forward_only:
+            with torch.no_grad():
+                sums = {}
+                for mb in shards:
+                    for k, v in forward(mb)[1].items():
+                        sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
+        else:
+            sums = accumulate(shards, self.sharding, forward)
+        out = self._aggregate(sums, int(totals[0]) if totals is not None else 0, loss_fn is not None)
+        if forward_only:
+            out.logprobs, out.entropy = self._token_aligned(batch, kept, entropy)
+        return out
+
+    def _aggregate(self, sums: dict, n_tokens: int, has_loss: bool) -> ForwardOutput:
+        """Loss and metric sums over every rank's tokens; metrics as token means."""
+        if not has_loss:
+            return ForwardOutput(None, n_tokens, {})
+        names = sorted(k for k in sums if k != "loss")
+        totals = torch.stack([sums["loss"]] + [sums[k] for k in names])
+        if self.ctx.distributed:
             dist.all_reduce(totals, group=self.ctx.dp_cp_group)
-        metrics = {"step": self.step, "loss": float(totals[0]), "grad_norm": float(grad_norm), "lr": lr,
-                   "tokens": n_tokens}
-        metrics.update({k: float(v) / max(n_tokens, 1) for k, v in zip(names, totals[1:])})  # token means
+        return ForwardOutput(float(totals[0]), n_tokens,
+                             {k: float(v) / max(n_tokens, 1) for k, v in zip(names, totals[1:])})
+
+    def _token_aligned(self, batch: RLBatch, kept: list, entropy: bool):
+        """Per-micro-batch results at prediction positions -> token-aligned [B, T] of this rank."""
+        B, T = batch.input_ids.shape
+        prefix = has_prefix(batch.position_ids).to(self.device)
+        res = []
+        for k in range(2 if entropy else 1):
+            parts = [self._whole(p[k]).float() for p in kept]
+            flat = mbs.scatter_back(parts, [self._whole(p[2]) if self.ctx.layout.cp > 1 else p[2] for p in kept],
+                                    (B, T))
+            res.append(torch.where(prefix, shift_right(flat), 0.0).to(batch.input_ids.device))
+        return res[0], res[1] if entropy else None
+
+    def optimizer_step(self, lr: float | None = None) -> dict:
+        """Reduce, clip, set the scheduled LR (or ``lr``), update, zero the gradients
+        (runtime/step.py's tail). Returns ``grad_norm`` (before clipping) and ``lr``."""
+        self.offloader.require("params", "grads", "optimizer")
+        grad_norm, lr, applied = optimizer_tail(self.sharding, self.optimizer, self.cfg.train, self.step, lr=lr)
+        self.step += 1
+        self.weight_version += int(applied)
+        return {"grad_norm": float(grad_norm), "lr": lr, "applied": applied}
+
+    def zero_grad(self) -> None:
+        self.sharding.zero_grad(self.optimizer)
+
+    # ------------------------------------------------------------------ global-batch wrappers
+    def _rank_part(self, batch: RLBatch, budget: int | None) -> tuple[RLBatch, object]:
+        """This dp rank's part of a global batch, and how to put its results back: rows (padded
+        to split evenly, and to 2 x cp chunks), or with a token budget whole sequences balanced
+        over dp ranks by token count."""
+        B, T = batch.input_ids.shape
+        if budget is None:
+            cp = self.ctx.layout.cp
+            rows, cols = -(-B // self._dp), T if cp == 1 else -(-T // (2 * cp)) * 2 * cp
+            padded = pad_batch(batch, rows * self._dp, cols)
+            return padded.select_rows(self.ctx.dp_rank * rows, (self.ctx.dp_rank + 1) * rows), None
+        spans = mbs.spans(batch.position_ids, batch.seq_index)
+        owner = mbs.assign_to_ranks([n for _, n in spans], self._dp)
+        index = [torch.cat([torch.arange(spans[i][0], sum(spans[i]))
+                            for i in mine]) if mine else torch.zeros(0, dtype=torch.long) for mine in owner]
+        mine = index[self.ctx.dp_rank]
+        if not len(mine):  # no sequence for this rank: one padding token
+            return RLBatch(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                           torch.zeros(1, 1, dtype=torch.bool)), index
+        return gather_tokens(batch, mine), index
+
+    def _gather_rows(self, t: torch.Tensor, B: int, T: int, index) -> torch.Tensor:
+        """This rank's token-aligned results -> the global batch's [B, T], on every rank."""
+        if index is None:
+            full = torch.cat(_all_gather(t, self.get_data_parallel_group())) if self._dp > 1 else t
+            return full[:B, :T]
+        width = max(len(i) for i in index)
+        row = torch.zeros(width, dtype=t.dtype, device=t.device)
+        n = len(index[self.ctx.dp_rank])
+        row[:n] = t.reshape(-1)[:n]
+        rows = _all_gather(row, self.get_data_parallel_group()) if self._dp > 1 else [row]
+        out = torch.zeros(B * T, dtype=t.dtype, device=t.device)
+        for r, i in zip(rows, index):
+            out[i.to(t.device)] = r[:len(i)]
+        return out.view(B, T)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RLBatch, entropy: bool = False) -> LogProbs:
+        """Token-aligned log-probs (and entropies) of the global ``batch`` under the current
+        policy, forward only; the full [B, T] result on every rank, on the batch's device."""
+        budget = self.max_tokens_per_micro_batch
+        part, index = self._rank_part(batch, budget)
+        out = self.forward_backward(part, None, forward_only=True, entropy=entropy)
+        B, T = batch.input_ids.shape
+        res = [self._gather_rows(t, B, T, index).to(batch.input_ids.device)
+               for t in (out.logprobs, out.entropy) if t is not None]
+        return LogProbs(res[0], res[1] if entropy else None)
+
+    def train_step(self, batch: RLBatch, loss_fn=None, *, lr: float | None = None) -> dict:
+        """One optimizer step on the global ``batch``: ``forward_backward`` on this rank's part,
+        then ``optimizer_step``. Metrics: ``loss`` (the batch's aggregated loss), ``grad_norm``
+        (before clipping), ``lr``, ``tokens`` (trained tokens), and each loss metric as a mean
+        over trained tokens (PolicyLoss: ``clip_frac``, ``dual_clip_frac``, ``kl``, ``entropy``,
+        ``approx_kl_old``)."""
+        start = time.perf_counter()
+        part, _ = self._rank_part(batch, self.max_tokens_per_micro_batch)
+        out = self.forward_backward(part, loss_fn)
+        opt = self.optimizer_step(lr=lr)
+        metrics = {"step": self.step, "loss": out.loss, "grad_norm": opt["grad_norm"], "lr": opt["lr"],
+                   "tokens": out.tokens, **out.metrics}
         metrics["step_time_s"] = time.perf_counter() - start
         return metrics
 
-    # ------------------------------------------------------------------ weights out
-    def named_weights(self, *, hf_names: bool = True):
-        """Stream (name, full tensor) for every parameter: HF names (experts split per
-        expert) by default, bumblebee names with ``hf_names=False``. Collective: every
-        rank must iterate to the end. A tensor may share storage with the live parameter
-        (replicated layouts): copy what you keep across an update."""
-        self._check_onloaded()
-        named = full_named_parameters(self.model, self.ctx.ep_group)
-        return hf_state_dict(_FullModel(self.arch, named)) if hf_names else named
+    # ------------------------------------------------------------------ memory
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True, *,
+                device: torch.device | None = None) -> dict:
+        """Move the chosen parts to host memory (``device``, default the CPU); returns the bytes
+        moved per part and what stays on the compute device (``rl/offload.py``)."""
+        return self.offloader.offload(params=params, grads=grads, optimizer=optimizer, device=device)
 
-    def export_hf(self, out_dir: str) -> None:
-        """Write a HF directory (config.json + safetensors) from rank 0. Collective."""
-        if self.ctx.rank == 0:
-            to_hf(_FullModel(self.arch, self.named_weights(hf_names=False)), out_dir)
-        else:
-            for _ in self.named_weights(hf_names=False):
-                pass
-        self._barrier()
+    def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
+        return self.offloader.onload(params=params, grads=grads, optimizer=optimizer)
 
-    # ------------------------------------------------------------------ checkpoint and memory
-    def _checkpointer(self, out_dir: str) -> Checkpointer:
-        cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, out_dir=out_dir))
-        return Checkpointer(cfg, self.ctx, self.model, self.sharding, self.optimizer, stream=io.StringIO())
-
-    def save(self, path: str) -> str:
-        """Resumable state (parameters, optimizer state, step, RNG) as a runtime checkpoint,
-        ``<path>/checkpoints/step_<N>`` (crash-safe; loads on any layout; the newest
-        ``train.keep_last`` are kept). Returns its directory. Collective."""
-        self._check_onloaded()
-        return self._checkpointer(path).save(self.step)
-
-    def load(self, path: str) -> None:
-        """Restore a checkpoint directory, or the newest complete one under ``path`` (what
-        ``save`` wrote, or a ``bumblebee train`` run directory). Collective."""
-        self._check_onloaded()
-        self.step = self._checkpointer(self.cfg.train.out_dir).load(named_checkpoint(path))
-
-    @torch.no_grad()
-    def offload(self) -> None:
-        """Move parameters and optimizer state to host memory (e.g. while rollouts run)."""
-        self._move(torch.device("cpu"))
-        self.offloaded = True
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    @torch.no_grad()
-    def onload(self) -> None:
-        self._move(self.device)
-        self.offloaded = False
-
-    def _move(self, device: torch.device) -> None:
-        """Parameters (``Module.to`` keeps every Parameter object, and FSDP2 re-registers its
-        shards in ``_apply``), optimizer state, and optimizer-only parameters (zero1's fp32
-        master slices); scalar step counters stay where the optimizer keeps them."""
-        if any(local(p).device != device for p in self.model.parameters()):
-            self.model.to(device)
-        own = {id(p) for p in self.model.parameters()}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in own and p.device != device:
-                    p.data = p.data.to(device)
-        for entry in self.optimizer.state.values():
-            for k, v in entry.items():
-                if torch.is_tensor(v) and v.dim() > 0 and local(v).device != device:
-                    entry[k] = v.to(device)
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.offloader.away)
 
     def _barrier(self) -> None:
         if self.ctx.distributed:

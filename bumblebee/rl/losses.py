@@ -104,19 +104,35 @@ def grpo_advantages(rewards_N, group_size: int, *, scale_by_std: bool = True, ep
 
 
 # ------------------------------------------------------------------------------ aggregation
-def aggregation_weights(mask, seq_ids, mode: str = "token-mean"):
+def _sequence_lengths(m, seq_ids):
+    """(masked tokens per sequence [S] fp32, each token's sequence [numel])."""
+    _, inverse = torch.unique(seq_ids.reshape(-1), return_inverse=True)
+    len_S = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, device=m.device)
+    len_S.scatter_add_(0, inverse, m.reshape(-1))
+    return len_S, inverse
+
+
+def aggregation_totals(mask, seq_ids):
+    """[2] fp32: masked tokens and sequences with a masked token. Summed over the parts of a
+    global batch (ranks) they are the denominators of ``aggregation_weights`` for the whole."""
+    m = mask.float()
+    len_S, _ = _sequence_lengths(m, seq_ids)
+    return torch.stack([m.sum(), (len_S > 0).sum().float()])
+
+
+def aggregation_weights(mask, seq_ids, mode: str = "token-mean", totals=None):
     """Per-token weights (same shape as ``mask``) such that the aggregated loss is
     ``sum(weights * loss)``. ``seq_ids`` names each token's sequence (any integers, equal
-    within a sequence); sequences without a masked token do not count."""
+    within a sequence); sequences without a masked token do not count. ``totals``: the
+    global ``aggregation_totals`` when ``mask`` is one part of the batch (a sequence lies
+    whole within one part), so the parts' weights add up to the whole batch's."""
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
     m = mask.float()
     if mode == "token-mean":
-        return m / m.sum().clamp(min=1.0)
-    _, inverse = torch.unique(seq_ids.reshape(-1), return_inverse=True)
-    len_S = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, device=m.device)
-    len_S.scatter_add_(0, inverse, m.reshape(-1))
-    n_seq = (len_S > 0).sum().clamp(min=1).float()
+        return m / (m.sum() if totals is None else totals[0]).clamp(min=1.0)
+    len_S, inverse = _sequence_lengths(m, seq_ids)
+    n_seq = (len_S > 0).sum().clamp(min=1).float() if totals is None else totals[1].clamp(min=1.0)
     if mode == "seq-mean-token-sum":
         return m / n_seq
     return m / (len_S[inverse].view_as(m).clamp(min=1.0) * n_seq)

@@ -1,0 +1,197 @@
+"""Weights out of the Engine for a rollout engine: bucketed, Hugging Face named, gathered just in time.
+
+Pushing a policy to an inference engine tensor by tensor costs one round trip per tensor
+(thousands for a MoE model: every expert's projections); in buckets of a few hundred MB it
+costs a few dozen. ``weight_buckets(bucket_bytes, dtype, names)`` yields lists of
+``(name, tensor)``:
+
+- names are the checkpoint's own (``names="hf"``): experts split per expert and projection,
+  and the prefixes of the checkpoint the model was loaded from (the multimodal
+  ``Qwen3_5MoeForConditionalGeneration`` keeps the language model under
+  ``model.language_model.``; a rollout engine serving that checkpoint expects those names);
+  ``names="bumblebee"`` gives the model's own names (stacked experts);
+- each parameter is gathered when its turn comes (FSDP2 shards all-gathered, expert slices
+  concatenated over the ep group), after casting this rank's shard to ``dtype``, so the
+  gather moves ``dtype`` bytes and no full fp32 copy of the model ever exists;
+- a bucket holds at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own);
+  the generator drops its references when it yields, so a rank holds the bucket being filled
+  and the one the consumer still holds: at most 2 buckets beyond the model (measured in
+  tests/unit/test_rl_weights.py), as long as no single parameter tensor is larger than a bucket;
+- every rank iterates the same sequence (the gathers are collective).
+
+``weight_version`` counts the applied optimizer steps (and loads), so a rollout engine can tell
+stale weights. ``sync_weights(transport)`` hands each bucket to a transport, a callable per
+bucket; ``BroadcastTransport`` broadcasts every bucket as one flat buffer from a source rank
+over a process group (gloo or NCCL), names, shapes and dtypes first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from bumblebee.models.hf import _weight_files, hf_state_dict, to_hf
+
+
+class _FullModel:
+    """A model's architecture plus its full (gathered) parameters, as ``hf_state_dict`` reads them."""
+
+    def __init__(self, arch, named):
+        self.arch, self._named = arch, named
+
+    def named_parameters(self):
+        return self._named
+
+
+def checkpoint_names(path: str) -> list[str]:
+    """Tensor names of a HF checkpoint directory (from the index, or the safetensors headers)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return list(json.load(f)["weight_map"])
+    from safetensors import safe_open
+
+    names = []
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
+@torch.no_grad()
+def gathered(model, ep_group, dtype: torch.dtype | None):
+    """(name, full tensor in ``dtype``) per parameter, gathered when it is reached: the local
+    shard is cast first, then FSDP shards and expert slices are gathered. Collective."""
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        if ep > 1 and model.is_expert_param(name):
+            full = torch.empty((ep * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.all_gather(list(full.chunk(ep)), t.contiguous(), group=ep_group)
+            t = full
+        yield name, t
+
+
+class EngineWeights:
+    """Mixin of ``rl.engine.Engine``: named_weights, weight_buckets, sync_weights, export_hf."""
+
+    def _source_prefixes(self, hf_path: str | None) -> dict[str, str]:
+        """{our prefix: the checkpoint's} for the family's renamed prefixes the source uses."""
+        if not hf_path:
+            return {}
+        from bumblebee.models import family_of
+
+        names = checkpoint_names(hf_path)
+        return {ours: theirs for theirs, ours in family_of(self.arch).hf_prefixes.items()
+                if any(n.startswith(theirs) for n in names)}
+
+    def _hf_named(self, named):
+        for name, t in hf_state_dict(_FullModel(self.arch, named)):
+            for ours, theirs in self.hf_prefixes.items():
+                if name.startswith(ours):
+                    name = theirs + name[len(ours):]
+                    break
+            yield name, t
+
+    def named_weights(self, *, hf_names: bool = True, dtype: torch.dtype | None = None):
+        """Stream (name, full tensor) for every parameter: the source checkpoint's HF names
+        (experts split per expert) by default, bumblebee names with ``hf_names=False``.
+        Collective: every rank iterates to the end. A tensor may share storage with the live
+        parameter (replicated layouts): copy what you keep across an update."""
+        self.offloader.require("params")
+        named = gathered(self.model, self.ctx.ep_group, dtype)
+        return self._hf_named(named) if hf_names else named
+
+    def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = torch.bfloat16,
+                       names: str = "hf"):
+        """Lists of (name, tensor) of at most ``bucket_bytes`` each (module docstring)."""
+        if names not in ("hf", "bumblebee"):
+            raise ValueError(f"names must be 'hf' or 'bumblebee', got {names!r}")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        bucket, size = [], 0
+        for name, t in self.named_weights(hf_names=names == "hf", dtype=dtype):
+            n = t.numel() * t.element_size()
+            if bucket and size + n > bucket_bytes:
+                out, bucket, size = bucket, [], 0
+                yield out
+                del out  # only the consumer holds the yielded bucket now
+            bucket.append((name, t))
+            size += n
+        if bucket:
+            yield bucket
+
+    def sync_weights(self, transport, **bucket_args) -> int:
+        """Every bucket through ``transport(bucket)`` (on every rank); returns ``weight_version``."""
+        for bucket in self.weight_buckets(**bucket_args):
+            transport(bucket)
+            del bucket
+        if hasattr(transport, "finish"):
+            transport.finish(self.weight_version)
+        return self.weight_version
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write a HF directory (config.json + safetensors) from rank 0. Collective."""
+        named = self.named_weights(hf_names=False)
+        if self.ctx.rank == 0:
+            to_hf(_FullModel(self.arch, named), out_dir)
+        else:
+            for _ in named:
+                pass
+        self._barrier()
+
+
+class BroadcastTransport:
+    """Broadcast each bucket from ``src`` (a global rank) over ``group`` as one flat buffer per
+    dtype, after its names / shapes / dtypes. Call it with the bucket on every rank of the
+    group (``sync_weights``), or on a rank without the engine call ``receive()``; both return
+    the received bucket on receivers (the bucket itself on ``src``). ``finish(version)`` ends a
+    sync (receivers' ``receive()`` returns None, ``version`` is then set)."""
+
+    def __init__(self, src: int = 0, group=None, device: torch.device | str = "cpu"):
+        self.src, self.group, self.device = src, group, torch.device(device)
+        self.version = None
+
+    def _is_src(self) -> bool:
+        return dist.get_rank() == self.src
+
+    def __call__(self, bucket):
+        return self._send(bucket) if self._is_src() else self.receive()
+
+    def _send(self, bucket):
+        meta = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in bucket]
+        dist.broadcast_object_list([meta], src=self.src, group=self.group)
+        for dtype in sorted({m[2] for m in meta}):
+            flat = torch.cat([t.reshape(-1) for t, m in zip((t for _, t in bucket), meta) if m[2] == dtype])
+            dist.broadcast(flat.to(self.device), src=self.src, group=self.group)
+        return bucket
+
+    def receive(self):
+        box = [None]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        if isinstance(box[0], int):  # the end marker: the weight version
+            self.version = box[0]
+            return None
+        out = {}
+        for dtype in sorted({m[2] for m in box[0]}):
+            members = [m for m in box[0] if m[2] == dtype]
+            flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in members), dtype=getattr(torch, dtype),
+                               device=self.device)
+            dist.broadcast(flat, src=self.src, group=self.group)
+            for (name, shape, _), part in zip(members, flat.split([torch.Size(s).numel() for _, s, _ in members])):
+                out[name] = part.view(shape)
+        return [(n, out[n]) for n, _, _ in box[0]]
+
+    def finish(self, version: int) -> None:
+        if self._is_src():
+            dist.broadcast_object_list([version], src=self.src, group=self.group)
+        else:
+            self.receive()
