@@ -4,10 +4,12 @@
    through ``Engine.train_step`` with a token NLL loss; the result is exported
    (``Engine.export_hf``) and becomes the reference policy of the KL penalty.
 2. GRPO (Shao et al. 2024): per step, ``prompts_per_step`` problems, ``group_size``
-   samples each from the built-in sampler (weights pushed from the Engine through
-   ``named_weights``), exact rewards, group-normalized advantages, old and reference
+   samples each from the built-in sampler (weights pushed from the Engine in
+   ``weight_buckets``), exact rewards, group-normalized advantages, old and reference
    log-probs from ``compute_logprobs``, then ``updates_per_step`` PPO-clipped updates
-   (Schulman et al. 2017) on row mini-batches of the rollout batch.
+   (Schulman et al. 2017) on row mini-batches of the rollout batch, each through the
+   engine-level surface: every dp rank's own rows through ``forward_backward``, then
+   ``optimizer_step``.
 
 Every step writes one line of ``metrics.jsonl`` (phase, reward, accuracy, kl,
 entropy, clip fraction, ...). Greedy accuracy on a fixed held-out set is measured
@@ -154,13 +156,24 @@ def _broadcast(obj, ctx):
 
 
 def _push_weights(engine: Engine, sampler: Sampler | None) -> None:
-    """Engine -> rollout model (collective: every rank walks the gathered tensors)."""
-    named = engine.named_weights(hf_names=False)
+    """Engine -> rollout model in weight buckets (collective: every rank walks the gathered buckets)."""
+    named = (t for bucket in engine.weight_buckets(dtype=None, names="bumblebee") for t in bucket)
     if sampler is not None:
         sampler.load_weights(named)
     else:
         for _ in named:
             pass
+
+
+def _update(engine: Engine, batch, loss_fn, lr: float) -> dict:
+    """One policy update through the engine-level surface: every dp rank passes its own rows."""
+    dp, rank = engine.get_data_parallel_size(), engine.get_data_parallel_rank()
+    rows = -(-batch.rows // dp)
+    local = batch.select_rows(rank * rows, min((rank + 1) * rows, batch.rows))
+    with engine.train_mode():
+        out = engine.forward_backward(local, loss_fn)
+        opt = engine.optimizer_step(lr=lr)
+    return {"loss": out.loss, "grad_norm": opt["grad_norm"], **out.metrics}
 
 
 def _evaluate(sampler, task, problems, rl: RLConfig) -> dict:
@@ -193,7 +206,7 @@ def _grpo_step(step: int, engine: Engine, reference: Engine, sampler, task, rl: 
     engine_lp = torch.cat([lp[m] for lp, m in zip(batch.unpack(old), batch.unpack(batch.loss_mask))])
     mismatch = (engine_lp - torch.tensor([x for lp in ro.logprobs for x in lp])).abs().max()
     per_update = -(-batch.rows // rl.updates_per_step)
-    ms = [engine.train_step(batch.select_rows(i, i + per_update), loss_fn, lr=rl.lr)
+    ms = [_update(engine, batch.select_rows(i, i + per_update), loss_fn, rl.lr)
           for i in range(0, batch.rows, per_update)]
     _push_weights(engine, sampler)
     mean = lambda k: sum(m[k] for m in ms) / len(ms)  # noqa: E731
