@@ -2,8 +2,9 @@
 
 Rollouts come from elsewhere (an inference engine, or ``rl/sampler.py``); the Engine scores
 them and updates the policy on the layouts the runtime supports (single process, or under
-torchrun: fsdp2 / zero1 data parallelism, expert and context parallelism; not yet pipeline
-parallelism). Two levels, the second built on the first:
+torchrun: fsdp2 / zero1 data parallelism, expert, context and pipeline parallelism -- the last
+through the runtime's schedule with a policy head on the last stage, rl/pipeline.py). Two
+levels, the second built on the first:
 
     # what a framework (verl's engine workers, ...) calls, each dp rank with its own rows
     with engine.train_mode():
@@ -100,18 +101,29 @@ class Engine(EngineWeights, EngineCheckpoints):
             raise ConfigError(f"temperature must be > 0, got {temperature}")
         if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
             raise ConfigError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
-        if cfg.parallel.pp > 1:  # before the layout checks, whose pipeline messages would mislead
-            raise ConfigError("the RL Engine does not support pipeline parallelism yet; use parallel.pp = 1")
+        pp = cfg.parallel.pp
+        if pp > 1 and max_tokens_per_micro_batch is not None:
+            raise ConfigError("max_tokens_per_micro_batch needs parallel.pp = 1 (pipeline stages run fixed shapes)")
         # the caller's batch is the batch: train.global_batch only has to pass the runtime's check
+        # (with pp > 1: pp_microbatches micro-batches per schedule run, default pp)
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp = resolve_layout(cfg.parallel, world, resolve_arch(cfg.model)).dp_shard
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=dp * cfg.train.micro_batch))
+        m = (cfg.primitives.pp_microbatches or pp) if pp > 1 else 1
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=dp * cfg.train.micro_batch * m))
+        if pp > 1 and getattr(cfg.train, "balance", "micro_batch") != "micro_batch":  # what the stages compute
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, balance="micro_batch"))
         self.cfg, self.temperature, self.max_tokens_per_micro_batch = cfg, temperature, max_tokens_per_micro_batch
         self.device = device or pick_device()
         self.ctx = build_parallel_context(cfg, self.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         ctx = self.ctx
         model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group))
+        self.pipeline = None
+        if pp > 1:  # keep this rank's stages (rl/pipeline.py); that part is what gets sharded
+            from bumblebee.rl.pipeline import EnginePipeline
+
+            self.pipeline = EnginePipeline(cfg, ctx, model, self.device, autocast_for(self.device, cfg.train.dtype),
+                                           temperature)
         self.sharding = build_sharding(cfg, ctx)
         self.model = self.sharding.wrap(model)
         self.optimizer = build_optimizer(cfg.train, self.sharding)
@@ -215,9 +227,14 @@ class Engine(EngineWeights, EngineCheckpoints):
         if agg:
             totals = self._dp_sum(aggregation_totals(trained_tokens(batch), sequence_ids(batch.position_ids)))
         P = prediction_view(batch, agg, totals, all_targets=forward_only)
+        with_entropy = entropy or getattr(loss_fn, "needs_entropy", False)
+        if self.pipeline is not None:  # the schedule runs every micro-batch (rl/pipeline.py)
+            dp_max = lambda t: self._dp_sum(t, dist.ReduceOp.MAX)  # noqa: E731
+            sums, kept = self.pipeline.run(P, loss_fn, forward_only, with_entropy, dp_max,
+                                           self.arch.router_aux_loss_coef)
+            return self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
         parts = self._micro_batches(P, batch.seq_index, budget)
         aux_scale = self.arch.router_aux_loss_coef / balance_denominator(len(parts), self._dp, self.ctx.layout.cp)
-        with_entropy = entropy or getattr(loss_fn, "needs_entropy", False)
         kept: list[tuple] = []
 
         def forward(mb):
@@ -239,6 +256,9 @@ class Engine(EngineWeights, EngineCheckpoints):
                         sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
         else:
             sums = accumulate(shards, self.sharding, forward)
+        return self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
+
+    def _finish(self, batch, sums, totals, loss_fn, forward_only, kept, entropy) -> ForwardOutput:
         out = self._aggregate(sums, int(totals[0]) if totals is not None else 0, loss_fn is not None)
         if forward_only:
             out.logprobs, out.entropy = self._token_aligned(batch, kept, entropy)
@@ -271,7 +291,10 @@ class Engine(EngineWeights, EngineCheckpoints):
         """Reduce, clip, set the scheduled LR (or ``lr``), update, zero the gradients
         (runtime/step.py's tail). Returns ``grad_norm`` (before clipping) and ``lr``."""
         self.offloader.require("params", "grads", "optimizer")
-        grad_norm, lr, applied = optimizer_tail(self.sharding, self.optimizer, self.cfg.train, self.step, lr=lr)
+        pp = self.pipeline is not None
+        grad_norm, lr, applied = optimizer_tail(self.sharding, self.optimizer, self.cfg.train, self.step, lr=lr,
+                                                pp_group=self.ctx.pp_group if pp else None,
+                                                params=self.model.parameters() if pp else None)
         self.step += 1
         self.weight_version += int(applied)
         return {"grad_norm": float(grad_norm), "lr": lr, "applied": applied}

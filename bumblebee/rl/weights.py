@@ -63,9 +63,29 @@ def checkpoint_names(path: str) -> list[str]:
 
 
 @torch.no_grad()
-def gathered(model, ep_group, dtype: torch.dtype | None):
+def gathered(model, ep_group, dtype: torch.dtype | None, pp_group=None):
     """(name, full tensor in ``dtype``) per parameter, gathered when it is reached: the local
-    shard is cast first, then FSDP shards and expert slices are gathered. Collective."""
+    shard is cast first, then FSDP shards and expert slices are gathered. With pipeline stages
+    (``pp_group``) every stage's tensors are broadcast from the rank holding them, stage by
+    stage, so every rank iterates the same sequence. Collective."""
+    if pp_group is None:
+        yield from _gathered_here(model, ep_group, dtype)
+        return
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    mine = [(n, ((p.shape[0] * ep if ep > 1 and model.is_expert_param(n) else p.shape[0]), *p.shape[1:]),
+             dtype or p.dtype) for n, p in model.named_parameters()]
+    every = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(every, mine, group=pp_group)
+    here, me = _gathered_here(model, ep_group, dtype), dist.get_rank(pp_group)
+    device = next(model.parameters()).device
+    for r, entries in enumerate(every):
+        for name, shape, dt in entries:
+            t = next(here)[1].contiguous() if r == me else torch.empty(shape, dtype=dt, device=device)
+            dist.broadcast(t, src=dist.get_global_rank(pp_group, r), group=pp_group)
+            yield name, t
+
+
+def _gathered_here(model, ep_group, dtype):
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     for name, p in model.named_parameters():
         t = p.detach()
@@ -107,7 +127,7 @@ class EngineWeights:
         Collective: every rank iterates to the end. A tensor may share storage with the live
         parameter (replicated layouts): copy what you keep across an update."""
         self.offloader.require("params")
-        named = gathered(self.model, self.ctx.ep_group, dtype)
+        named = gathered(self.model, self.ctx.ep_group, dtype, self.ctx.pp_group)
         return self._hf_named(named) if hf_names else named
 
     def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = torch.bfloat16,

@@ -105,17 +105,21 @@ class StageModule(nn.Module):
         self.stage, self.aux_scale, self.autocast = stage, aux_scale, autocast
         self.is_last = stage == part.num_stages - 1
         self.aux_log: list[torch.Tensor] = []  # this stage's balance loss, one per forward
+        # another last-stage head: ``head(part, x, position_ids, labels, stage) -> (out [b, ...], balance
+        # loss)`` (the RL engine's per-token log-probs); None: the summed token loss
+        self.head = None
 
     def forward(self, x, position_ids, labels):
         with self.autocast:
-            if self.is_last:
+            if self.is_last and self.head is not None:
+                out, aux = self.head(self.part, x, position_ids, labels, self.stage)
+            elif self.is_last:
                 terms = self.part.loss_terms(x, labels, position_ids, stage=self.stage)
-                out, aux = terms.loss_sum.float(), terms.aux_loss
+                out, aux = torch.stack([terms.loss_sum.float()]), terms.aux_loss  # [1], concatenated over micro-batches
             else:
                 out, aux = self.part.hidden_states(x, position_ids, stage=self.stage)
         self.aux_log.append(aux.detach())
-        out = AttachAuxGrad.apply(out, aux, self.aux_scale)
-        return torch.stack([out]) if self.is_last else out  # [1], concatenated over micro-batches
+        return AttachAuxGrad.apply(out, aux, self.aux_scale)
 
     def sync_units(self) -> list[tuple[FSDPModule, bool]]:
         """(FSDP unit, recurse) for the units whose gradients this stage's backward produces."""

@@ -157,7 +157,6 @@ def test_packing_and_errors(tmp_path):
         e.train_step(b.replace(old_logprobs=torch.zeros(2, 6)), PolicyLoss(kl_coef=0.1))
     with pytest.raises(ValueError, match="needs advantages and old_logprobs"):
         e.train_step(b.replace(old_logprobs=None), PolicyLoss())
-    # pipeline parallelism is refused with its own message, not a layout complaint
-    for pp in ("2", "4"):
-        with pytest.raises(ConfigError, match="^the RL Engine does not support pipeline parallelism"):
-            engine(tmp_path, f"parallel.pp={pp}")
+    # a token budget changes micro-batch shapes, which pipeline stages fix: refused with pipeline parallelism, before any layout check
+    with pytest.raises(ConfigError, match="^max_tokens_per_micro_batch needs parallel.pp = 1"):
+        engine(tmp_path, "parallel.pp=2", max_tokens_per_micro_batch=64)
