@@ -213,7 +213,8 @@ class Engine(EngineWeights, EngineCheckpoints):
         """Forward (and unless ``forward_only`` backward, accumulating into the gradients) over
         micro-batches of this dp rank's rows ``batch``. ``loss_fn(PolicyInputs) -> (loss share,
         {name: sum over trained tokens})`` is called per micro-batch (attributes ``agg``,
-        ``needs_entropy``; default ``PolicyLoss()`` when training); it must return the same
+        ``needs_entropy``, optional ``all_targets``: log-probs at every position with a prefix, not
+        only trained ones; default ``PolicyLoss()`` when training); it must return the same
         metric names every time. ``forward_only`` also returns this rank's token-aligned
         log-probs (and entropies with ``entropy``). Collective over all ranks."""
         if forward_only:
@@ -226,7 +227,7 @@ class Engine(EngineWeights, EngineCheckpoints):
         totals = None
         if agg:
             totals = self._dp_sum(aggregation_totals(trained_tokens(batch), sequence_ids(batch.position_ids)))
-        P = prediction_view(batch, agg, totals, all_targets=forward_only)
+        P = prediction_view(batch, agg, totals, all_targets=forward_only or getattr(loss_fn, "all_targets", False))
         with_entropy = entropy or getattr(loss_fn, "needs_entropy", False)
         if self.pipeline is not None:  # the schedule runs every micro-batch (rl/pipeline.py)
             dp_max = lambda t: self._dp_sum(t, dist.ReduceOp.MAX)  # noqa: E731

@@ -28,6 +28,7 @@ LAYER_OF = {
     "config": "core", "registry": "core", "errors": "core", "report": "core", "__init__": "api",
     "primitives": "primitives", "models": "models", "data": "data", "perf": "perf",
     "runtime": "runtime", "rl": "rl", "plan": "plan", "cli": "cli", "__main__": "cli",
+    "integrations": "integrations",
 }
 BELOW_RUNTIME = {"core", "primitives", "models", "data", "perf"}
 ALLOWED = {
@@ -39,6 +40,7 @@ ALLOWED = {
     "perf": {"core", "perf"},
     "runtime": BELOW_RUNTIME | {"api", "runtime"},
     "rl": BELOW_RUNTIME | {"api", "runtime", "rl"},
+    "integrations": BELOW_RUNTIME | {"api", "runtime", "rl", "integrations"},  # adapters to other frameworks
     "plan": {"core", "primitives", "models", "perf", "runtime", "plan"},  # runtime: its resolver, for runnable configs
     "cli": set(LAYER_OF.values()),
 }
