@@ -1,6 +1,6 @@
 """Typed run configuration: TOML in, ``--set section.key=value`` overrides, value checks.
 
-A run is described by five sections (model, parallel, primitives, train, data),
+A run is described by six sections (model, parallel, primitives, train, data, moe),
 each a keyword-only dataclass. ``parse_config`` merges defaults, a TOML file and
 command-line overrides, then ``validate`` checks every value on its own (types,
 ranges, files), so that bad input fails in milliseconds with one line that says what
@@ -100,6 +100,9 @@ class TrainConfig:
     max_restarts: int = 0  # --nproc runs: restart every rank after a failure, from the newest checkpoint
     collective_timeout_s: float = 600.0  # every process group: a rank that hangs ends the job after this
     on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: "stop" the run | "skip" the update
+    # balance loss (weight: model.arch.router_aux_loss_coef): "global_batch" (expert frequencies over the
+    # whole global batch, layout-invariant) | "micro_batch" (per micro-batch) | "hf" (transformers' aux_loss)
+    balance: str = "global_batch"
 
 
 @dataclass(kw_only=True)
@@ -128,12 +131,19 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class MoeConfig:
+    bias_update_rate: float = 0.001  # router sigmoid_bias: bias += rate * sign(mean load - load) after each step
+    load_histogram_every: int = 0  # every N steps: per-layer per-expert token counts to out_dir/expert_load.jsonl
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     primitives: PrimitivesConfig = field(default_factory=PrimitivesConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -315,6 +325,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.grad_accum must be 'sharded' or 'unsharded', got {t.grad_accum!r}")
     if t.reduce_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"train.reduce_dtype must be 'float32' or 'bfloat16', got {t.reduce_dtype!r}")
+    if t.balance not in ("global_batch", "micro_batch", "hf"):
+        raise ConfigError(f"train.balance must be 'global_batch', 'micro_batch' or 'hf', got {t.balance!r}")
+    m = cfg.moe
+    if not (math.isfinite(m.bias_update_rate) and m.bias_update_rate >= 0):
+        raise ConfigError(f"moe.bias_update_rate must be a finite number >= 0, got {m.bias_update_rate}")
+    if m.load_histogram_every < 0:
+        raise ConfigError(f"moe.load_histogram_every must be >= 0, got {m.load_histogram_every}")
 
     p = cfg.parallel
     for name in ("cp", "ep", "tp", "pp"):

@@ -28,10 +28,20 @@ from torch import nn
 from bumblebee import registry
 from bumblebee.models.kv_cache import KVCache, cache_aware
 from bumblebee.primitives.cp.layout import build_cp_layout
+from bumblebee.primitives.moe import balance
 from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.packed import default_position_ids, doc_layout
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.rope import rope_cos_sin
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the buffers that are model state (saved in checkpoints, exported to HF):
+    e.g. the ``sigmoid_bias`` router's ``e_score_correction_bias``. Not parameters, no gradient."""
+    if not hasattr(module, "named_modules"):  # a stand-in holding parameters only
+        return []
+    return [(f"{mn}.{bn}" if mn else bn, b) for mn, m in module.named_modules()
+            for bn, b in m.named_buffers(recurse=False) if b is not None and bn not in m._non_persistent_buffers_set]
 
 
 @dataclass
@@ -40,7 +50,8 @@ class LossTerms:
 
     loss_sum: torch.Tensor  # summed token losses over the valid labels of this micro-batch
     num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
-    aux_loss: torch.Tensor  # load-balancing loss, mean over MoE layers (0 if none)
+    aux_loss: torch.Tensor  # load-balancing loss of the asked definition (0 if none, or "global_batch")
+    router_stats: torch.Tensor | None = None  # [L, 2E + 1] per MoE layer (primitives/moe/balance.py)
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,33 @@ class CausalLM(nn.Module):
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
 
+    def routers(self) -> list[nn.Module]:
+        """The router of every MoE layer this rank holds, in layer order (the order of the rows of
+        ``LossTerms.router_stats``)."""
+        return [layer.mlp.gate for layer in self.model.layers if getattr(layer, "is_moe", False)]
+
+    @torch.no_grad()
+    def update_router_bias(self, counts_LE: torch.Tensor, rate: float) -> None:
+        """After an optimizer step: routers with a selection bias (``sigmoid_bias``) move it by the
+        step's global expert load ``counts_LE`` (one row per MoE layer held here)."""
+        routers = self.routers()
+        assert len(routers) == counts_LE.shape[0], (len(routers), counts_LE.shape)
+        for router, load_E in zip(routers, counts_LE):
+            if hasattr(router, "update_bias"):
+                router.update_bias(load_E, rate)
+
+    def balance_loss(self, stats_LS: torch.Tensor | None, mode: str = "micro_batch") -> torch.Tensor:
+        """The balance loss of one micro-batch from its router stats: ``micro_batch`` (per layer, mean
+        over the model's MoE layers) or ``hf`` (transformers' pooled definition); sums span the
+        sequence under CP. 0 without MoE layers."""
+        if stats_LS is None:
+            return torch.zeros((), dtype=torch.float32, device=next(self.parameters()).device)
+        cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
+        if mode == "hf":
+            return balance.hf_loss(stats_LS, cp_group)
+        assert mode == "micro_batch", mode
+        return balance.micro_batch_loss(stats_LS, self.num_moe_layers, cp_group)
+
     def expert_modules(self) -> list[nn.Module]:
         return [m for m in self.modules() if isinstance(m, Experts)]
 
@@ -192,9 +230,14 @@ class CausalLM(nn.Module):
     # ------------------------------------------------------------------ entry points
     def hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None):
         """Final-norm hidden states [B, T, H] and this part's share of the mean balance loss over
-        MoE layers. With ``stage`` (pipeline parallelism) only that stage runs: ``inputs`` are token
-        ids on stage 0, else the previous stage's hidden states, and the final norm runs on the
-        last stage only."""
+        MoE layers (``micro_batch`` definition). With ``stage`` (pipeline parallelism) only that
+        stage runs: ``inputs`` are token ids on stage 0, else the previous stage's hidden states,
+        and the final norm runs on the last stage only."""
+        h, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage)
+        return h, self.balance_loss(stats_LS)
+
+    def routed_hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None):
+        """``hidden_states`` with the raw router stats [L, 2E + 1] of the MoE layers run (None if none)."""
         if position_ids_BT is None:
             position_ids_BT = default_position_ids(inputs)
         first = stage is None or stage == 0
@@ -203,18 +246,24 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(inputs) if first else inputs
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         cos, sin, layout = self.layer_context(position_ids_BT, dtype)
-        aux = x.new_zeros((), dtype=torch.float32)
+        stats = []
         for i in layer_ids:
-            x, a = self.recompute.layer(self.model.layers[i], x, cos, sin, layout)
-            aux = aux + a
-        return (self.model.norm(x) if last else x), aux / self.num_moe_layers
+            x, s = self.recompute.layer(self.model.layers[i], x, cos, sin, layout)
+            if s.dim() == 1:  # dense layers return a 0-d zero
+                stats.append(s)
+        return (self.model.norm(x) if last else x), (torch.stack(stats) if stats else None)
 
-    def loss_terms(self, inputs, labels_BT, position_ids_BT=None, *, stage: int | None = None) -> LossTerms:
-        """The summed token loss through the loss primitive (``stage``: the last pipeline stage)."""
-        h_BTH, aux = self.hidden_states(inputs, position_ids_BT, stage=stage)
+    def loss_terms(self, inputs, labels_BT, position_ids_BT=None, *, stage: int | None = None,
+                   balance: str = "micro_batch") -> LossTerms:
+        """The summed token loss through the loss primitive (``stage``: the last pipeline stage), the
+        balance loss of definition ``balance`` (``micro_batch`` | ``hf``; ``global_batch``: 0 here,
+        the step builds it from ``router_stats`` over the whole batch) and the router stats."""
+        h_BTH, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage)
         labels_T = labels_BT.reshape(-1)
         loss_sum = self.loss_fn(h_BTH.reshape(-1, h_BTH.shape[-1]), self.lm_head_weight, labels_T, reduction="sum")
-        return LossTerms(loss_sum, (labels_T != -100).sum(), aux)
+        aux = (loss_sum.new_zeros((), dtype=torch.float32) if balance == "global_batch"
+               else self.balance_loss(stats_LS, balance))
+        return LossTerms(loss_sum, (labels_T != -100).sum(), aux, stats_LS)
 
     def forward(self, input_ids, position_ids=None, labels=None):
         """Logits [B, T, V] without labels; with labels (already shifted, -100 ignored)

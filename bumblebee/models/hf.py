@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from bumblebee.errors import CheckpointError
+from bumblebee.models.base import persistent_buffers
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -81,6 +82,7 @@ def load_hf_weights(model, path: str) -> None:
     family = family_of(model.arch)
     skip_prefixes, renames = family.skip_prefixes, family.hf_prefixes
     params = dict(model.named_parameters())
+    params.update(persistent_buffers(model))  # e.g. mlp.gate.e_score_correction_bias (router sigmoid_bias)
     F = model.arch.moe_intermediate_size
     covered: set[str] = set()
     skipped = 0
@@ -167,6 +169,8 @@ def hf_state_dict(model):
                 yield f"{base}.{e}.down_proj.weight", t[e]
         else:
             yield name, t
+    for name, b in persistent_buffers(model):  # e.g. the sigmoid_bias router's e_score_correction_bias
+        yield name, b.detach()
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

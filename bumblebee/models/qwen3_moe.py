@@ -23,7 +23,8 @@ from bumblebee import registry
 from bumblebee.models.arch import Qwen3MoeArch
 from bumblebee.models.base import CausalLM, LayerParts
 from bumblebee.primitives.moe.experts import Experts
-from bumblebee.primitives.moe.router import load_balancing_loss
+from bumblebee.primitives.moe.balance import router_stats
+from bumblebee.primitives.moe.router import build_router
 from bumblebee.primitives.norms import RMSNorm
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.packed import DocLayout
@@ -67,14 +68,13 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router -> dispatch -> experts -> combine. Returns (output, balance loss)."""
+    """Router -> dispatch -> experts -> combine. Returns (output, router stats): the stats vector
+    of ``primitives/moe/balance.py`` that the model turns into a balance loss."""
 
     def __init__(self, arch: Qwen3MoeArch, prims, dispatch, groups: ParallelGroups):
         super().__init__()
         ep_size = groups.ep_size
-        self.cp_group = groups.cp_group if groups.cp_size > 1 else None  # balance stats span the sequence
-        router_cls = registry.get("router", prims.router).factory
-        self.gate = router_cls(arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob)
+        self.gate = build_router(prims.router, arch)
         # only this rank's E / ep experts live here (expert parallelism)
         self.experts = Experts(arch.num_experts // ep_size, arch.hidden_size, arch.moe_intermediate_size)
         self.expert_fn = registry.get("experts", prims.experts).factory
@@ -93,7 +93,7 @@ class MoE(nn.Module):
         x_TH = x_BTH.reshape(-1, H)
         r = self.gate(x_TH)
         y_TH = self.dispatch(x_TH, r.idx_TK, r.weight_TK, self._run_experts)
-        return y_TH.view(B, T, H), load_balancing_loss(r.probs_TE, r.idx_TK, self.cp_group)
+        return y_TH.view(B, T, H), router_stats(r.probs_TE, r.idx_TK)
 
 
 class DecoderLayer(nn.Module):

@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from bumblebee.config import dump_toml, tomllib
+from bumblebee.config import PrimitivesConfig, dump_toml, tomllib
 from bumblebee.models import arch_from_hf_dict, build_model
+from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.checkpoint_state import (Piece, load_pieces, read_dcp_metadata, rng_states, save_pieces,
                                                 set_rng_states, state_pieces)
@@ -331,8 +332,11 @@ def load_model(path: str) -> torch.nn.Module:
     """The whole model of checkpoint directory ``path`` in one process (checksums verified)."""
     info = read_marker(path)
     verify_checksums(path, info)
-    model = build_model(arch_from_hf_dict(info["arch"]))
-    pieces = {f"model/{n}": Piece(p.detach().view(-1), 0, tuple(p.shape)) for n, p in model.named_parameters()}
+    # a router with a selection bias saved its buffer: build that router to receive it
+    biased = any(k.endswith("mlp.gate.e_score_correction_bias") for k in info.get("shapes", {}))
+    model = build_model(arch_from_hf_dict(info["arch"]), PrimitivesConfig(router="sigmoid_bias") if biased else None)
+    named = list(model.named_parameters()) + persistent_buffers(model)
+    pieces = {f"model/{n}": Piece(p.detach().view(-1), 0, tuple(p.shape)) for n, p in named}
     _check_fits(path, info, read_dcp_metadata(path), pieces)
     load_pieces(path, pieces)
     return model

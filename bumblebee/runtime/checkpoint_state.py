@@ -18,7 +18,9 @@ Safety. DCP's reader would unpickle ``.metadata`` and byte items; here the metad
 goes through an allow-list unpickler (DCP's metadata classes, torch sizes and
 dtypes), byte items are refused, and tensors load with ``weights_only=True``.
 
-Keys: ``model/<param>``, ``optim/<param>/<state>``, ``rng/<rank>/<generator>``.
+Keys: ``model/<param>`` (and ``model/<buffer>`` for persistent buffers such as the
+``sigmoid_bias`` router's bias, replicated on every rank), ``optim/<param>/<state>``,
+``rng/<rank>/<generator>``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor, Shard
 
+from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 
 
@@ -102,6 +105,8 @@ def state_pieces(model: torch.nn.Module, sharding, optimizer, ep_rank: int, ep: 
     flattened parameter that state starts (zero1: a slice of it)."""
     named = list(model.named_parameters())
     pieces = {f"model/{name}": _param_piece(name, p, ep_rank, ep, model.is_expert_param(name)) for name, p in named}
+    for name, b in persistent_buffers(model):  # replicated state without optimizer state (router bias)
+        pieces[f"model/{name}"] = Piece(b.detach().view(-1), 0, tuple(b.shape))
     ensure_optimizer_state(optimizer)
     for name, p in named:
         holder, start = sharding.optimizer_param(name, optimizer)

@@ -60,6 +60,8 @@ class MetricsWriter:
         line = (f"[{bar}] step {r['step']}/{self.total_steps}  loss {r['loss']:.4f}  aux {r['aux_loss']:.3f}  "
                 f"gnorm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_s']:.0f} tok/s  "
                 f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB  eta {eta:.0f}s")
+        if r.get("expert_load_max_over_mean", 0.0) > 2.0:  # a layer's busiest expert gets > 2x the mean
+            line += f"  load max/mean {r['expert_load_max_over_mean']:.1f} (layer {r['expert_load_worst_layer']})"
         if "eval_loss" in r:
             line += f"  eval_loss {r['eval_loss']:.4f}"
         if "eval_accuracy" in r:

@@ -4,16 +4,26 @@
     sums = accumulate(micro_batches, ...)    2. forward + backward per micro-batch; the sharding
                                                 syncs gradients on the last one (fsdp2: on every
                                                 one by default, train.grad_accum)
+       or accumulate_global_balance(...)        train.balance = "global_batch": every forward, one
+                                                all-reduce of the router stats, every backward
     (or the pipeline schedule runs step 2 when pp > 1: runtime/pipeline.py)
     optimizer_tail(...)                      3. reduce -> clip (global norm, pp-aware) -> finite? ->
                                                 LR -> update -> zero
+    model.update_router_bias(counts, rate)   4. routers with a selection bias follow the step's load
 
 Loss scaling (what makes every layout give the single-process loss): each rank's
 loss is its share of the global mean, the summed token loss of a micro-batch divided
 by the valid tokens of the *global* batch, so gradients are summed across ranks, never
 averaged (primitives/sharding/common.py). The balance loss is a mean over every
 micro-batch of the global batch: its coefficient is divided by ``balance_denominator``
-(micro-batches x dp ranks x cp ranks; cp ranks hold identical copies of it).
+(micro-batches x dp ranks x cp ranks; cp ranks hold identical copies of it), for the
+per-micro-batch definitions (``train.balance`` = "micro_batch" | "hf"). The default,
+"global_batch", takes the expert frequencies of every layer over the whole global batch
+(primitives/moe/balance.py): ``accumulate_global_balance`` runs every micro-batch's forward
+first, sums the router stats over micro-batches and over the dp x cp group in one all-reduce,
+then gives each micro-batch its exact share of the global loss and runs the backwards. The
+price is that every micro-batch's autograd graph lives until the backward phase (under full
+recompute: the layer inputs), as one larger micro-batch would.
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ import torch.distributed as dist
 
 from bumblebee.data import Batch
 from bumblebee.primitives.cp.layout import shard_sequence
+from bumblebee.primitives.moe import balance
+from bumblebee.primitives.moe.balance import split_stats
 from bumblebee.runtime.nonfinite import check_finite
 from bumblebee.runtime.optim import lr_at, set_lr
 
@@ -75,18 +87,60 @@ def accumulate(parts: list, sharding, forward) -> dict[str, torch.Tensor]:
     return sums
 
 
-def lm_forward(model, global_tokens: int, balance_coef: float, micro: int, dp: int, cp: int, autocast):
+def _counts(terms) -> dict[str, torch.Tensor]:
+    """The router counts [L, E] of a forward (none without MoE layers)."""
+    if terms.router_stats is None:
+        return {}
+    return {"router_counts": split_stats(terms.router_stats.detach())[0]}
+
+
+def lm_forward(model, global_tokens: int, balance_coef: float, micro: int, dp: int, cp: int, autocast,
+               balance: str = "micro_batch"):
     """The training forward of one micro-batch (a ``Batch``) for ``accumulate``: its token-loss
-    share plus its balance-loss share; stats ``loss_sum`` and ``aux`` (balance loss / micro)."""
+    share plus its balance-loss share (definition ``balance``: "micro_batch" | "hf"); stats
+    ``loss_sum``, ``aux`` (balance loss / micro) and ``router_counts`` (this micro-batch's
+    expert counts per MoE layer)."""
     denominator = balance_denominator(micro, dp, cp)
 
     def forward(mb: Batch):
         with autocast:
-            terms = model.loss_terms(mb.input_ids, mb.labels, mb.position_ids)
+            terms = model.loss_terms(mb.input_ids, mb.labels, mb.position_ids, balance=balance)
         loss = terms.loss_sum / global_tokens + balance_coef * terms.aux_loss / denominator
-        return loss, {"loss_sum": terms.loss_sum, "aux": terms.aux_loss.detach() / micro}
+        return loss, {"loss_sum": terms.loss_sum, "aux": terms.aux_loss.detach() / micro, **_counts(terms)}
 
     return forward
+
+
+def accumulate_global_balance(parts: list, sharding, model, global_tokens: int, balance_coef: float, autocast,
+                              group) -> dict[str, torch.Tensor]:
+    """``accumulate`` with the global-batch balance loss: forward every micro-batch of ``parts``,
+    sum their router stats and all-reduce them over ``group`` (the dp x cp ranks: every token of
+    the global batch), then backward each micro-batch's token-loss share plus its share of the
+    global balance loss (``balance.global_batch_share``). Returns ``loss_sum`` (this rank's),
+    ``aux`` (the global balance loss, identical on every rank) and ``router_counts`` (this
+    rank's counts [L, E], summed over its micro-batches)."""
+    kept = []
+    for part in parts:
+        with autocast:
+            kept.append(model.loss_terms(part.input_ids, part.labels, part.position_ids, balance="global_batch"))
+    stats = [t.router_stats for t in kept if t.router_stats is not None]
+    loss_sum = sum(t.loss_sum.detach().float() for t in kept)
+    if not stats:  # no MoE layer: plain accumulation
+        for i, t in enumerate(kept):
+            sharding.set_grad_sync(i == len(kept) - 1)
+            (t.loss_sum / global_tokens).backward()
+        return {"loss_sum": loss_sum, "aux": torch.zeros_like(loss_sum)}
+    local_LS = torch.stack([s.detach() for s in stats]).sum(0)
+    global_LS = local_LS.clone()
+    if group is not None:
+        dist.all_reduce(global_LS, group=group)
+    for i, t in enumerate(kept):
+        sharding.set_grad_sync(i == len(kept) - 1)
+        loss = t.loss_sum / global_tokens + balance_coef * balance.global_batch_share(t.router_stats, global_LS)
+        loss.backward()
+    kept.clear()
+    return {"loss_sum": loss_sum, "aux": balance.global_batch_value(global_LS),
+            "router_counts": split_stats(local_LS)[0]}
 
 
 def optimizer_tail(sharding, optimizer, train_cfg, step: int, *, lr: float | None = None, loss=None,

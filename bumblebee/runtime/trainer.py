@@ -25,6 +25,7 @@ from bumblebee import registry
 from bumblebee.config import Config, dump_toml, eval_interval
 from bumblebee.data import build_source
 from bumblebee.models import build_model, resolve_arch
+from bumblebee.models.base import persistent_buffers
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives.dispatch import describe as describe_kernels
 from bumblebee.primitives.dispatch import kernel_table
@@ -39,7 +40,9 @@ from bumblebee.runtime.metrics import MetricsWriter
 from bumblebee.runtime.optim import build_optimizer, lr_at
 from bumblebee.runtime.pipeline import Pipeline
 from bumblebee.runtime.signals import Preempted, Preemption
-from bumblebee.runtime.step import accumulate, autocast_for, lm_forward, local_batch, micro_batches, optimizer_tail
+from bumblebee.primitives.moe.balance import load_summary
+from bumblebee.runtime.step import (accumulate, accumulate_global_balance, autocast_for, lm_forward, local_batch,
+                                    micro_batches, optimizer_tail)
 
 
 def pick_device() -> torch.device:
@@ -80,6 +83,9 @@ def copy_expert_slice(full: torch.nn.Module, part: torch.nn.Module, ep_rank: int
             n = p.shape[0]
             t = t[ep_rank * n:(ep_rank + 1) * n]
         p.copy_(t)
+    src = dict(persistent_buffers(full))  # replicated buffers (router bias) are copied whole
+    for name, b in persistent_buffers(part):
+        b.copy_(src[name])
 
 
 def build_parallel_context(cfg: Config, device: torch.device) -> ParallelContext:
@@ -169,26 +175,36 @@ class Trainer:
         global_tokens = max(global_valid, 1)
         local = local_batch(self.source.rows_at(self.step, lo, lo + self.rows_per_rank), self.cp, self.cp_rank,
                             self.device)
+        counts = None  # this rank's expert counts [L, E] (global after the all-reduce below)
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             loss_sum, aux = self.pipeline.run(local, global_tokens)
         else:
-            forward = lm_forward(self.model, global_tokens, self.model.arch.router_aux_loss_coef, self.accum,
-                                 self.dp_size, self.cp, self.autocast)
-            sums = accumulate(micro_batches(local, t.micro_batch), self.sharding, forward)
+            coef, parts = self.model.arch.router_aux_loss_coef, micro_batches(local, t.micro_batch)
+            if t.balance == "global_batch":
+                sums = accumulate_global_balance(parts, self.sharding, self.model, global_tokens, coef,
+                                                 self.autocast, self.ctx.dp_cp_group)
+            else:
+                forward = lm_forward(self.model, global_tokens, coef, self.accum, self.dp_size, self.cp,
+                                     self.autocast, balance=t.balance)
+                sums = accumulate(parts, self.sharding, forward)
             loss_sum, aux = sums["loss_sum"], sums["aux"] / (self.dp_size * self.cp)
+            counts = sums.get("router_counts")
         if self.ctx.distributed:  # the logged loss covers the whole global batch (so every rank checks the same)
-            stats = torch.stack([loss_sum, aux])
+            stats = torch.cat([torch.stack([loss_sum, aux])] + ([] if counts is None else [counts.flatten()]))
             dist.all_reduce(stats, group=None if self.pipeline is not None else self.ctx.dp_cp_group)
             loss_sum, aux = stats[0], stats[1]
+            counts = None if counts is None else stats[2:].view_as(counts)
         grad_norm, lr, applied = optimizer_tail(self.sharding, self.optimizer, t, self.step,
                                                 loss=loss_sum / global_tokens,
                                                 pp_group=self.ctx.pp_group if self.pipeline is not None else None,
                                                 params=self.model.parameters())
+        if applied and counts is not None:  # sigmoid_bias routers follow the step's global load
+            self.model.update_router_bias(counts, self.cfg.moe.bias_update_rate)
         self.skipped += not applied
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = t.global_batch * t.seq_len
-        return {
+        record = {
             "step": self.step,
             "loss": float(loss_sum) / global_tokens,
             "aux_loss": float(aux),
@@ -200,6 +216,12 @@ class Trainer:
             "step_time_s": elapsed,
             "skipped_steps": self.skipped,
         }
+        if counts is not None:
+            record.update(load_summary(counts), dropped_tokens=0)
+            every = self.cfg.moe.load_histogram_every
+            if every and self.step % every == 0:  # per-layer per-expert token counts of this step
+                record["expert_load"] = counts.round().long().tolist()
+        return record
 
     def _skip_step(self) -> dict:
         """A global batch without a single loss token (all loss_mask false, one-token documents)

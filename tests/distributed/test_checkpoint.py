@@ -38,7 +38,8 @@ BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.ar
         "model.arch.num_experts_per_tok=2", "model.arch.mlp_only_layers=[1]", "primitives.loss=ce",
         "primitives.recompute=none", "train.seq_len=64",
         "train.global_batch=4", "train.micro_batch=1", "data.min_records=2", "data.max_records=4", "train.lr=1e-2",
-        "train.warmup_steps=1", "train.deterministic=true", f"train.steps={STEPS}", f"train.save_every={SAVE}"]
+        "train.warmup_steps=1", "train.deterministic=true", f"train.steps={STEPS}", f"train.save_every={SAVE}",
+        "train.balance=micro_batch"]  # the pp=2 resume needs per-micro-batch balance statistics
 FSDP2_EP2 = ["primitives.sharding=fsdp2", "parallel.ep=2"]
 SAME_LAYOUT = {"fsdp2 ep=2": FSDP2_EP2, "zero1 ep=2": ["primitives.sharding=zero1", "parallel.ep=2"]}
 RESHARD_2 = {"fsdp2 ep=1": ["primitives.sharding=fsdp2", "parallel.ep=1"],

@@ -20,7 +20,8 @@ from bumblebee.runtime.resolve import check_run
 STEPS = 5
 SMALL = ["model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32", "model.arch.num_experts=8",
          "model.arch.num_experts_per_tok=3", "train.seq_len=128", "train.global_batch=4", "train.micro_batch=1",
-         f"train.steps={STEPS}", "data.min_records=2", "data.max_records=6", "train.lr=1e-2", "train.warmup_steps=1"]
+         f"train.steps={STEPS}", "data.min_records=2", "data.max_records=6", "train.lr=1e-2", "train.warmup_steps=1",
+         "train.balance=micro_batch"]  # pipeline schedules need per-micro-batch balance statistics
 # 5 layers (uneven over 2 and 4 stages), one of them dense
 QWEN3 = SMALL + ["model.arch.num_hidden_layers=5", "model.arch.mlp_only_layers=[1]", "model.arch.intermediate_size=96"]
 # the hybrid: [linear, linear, linear, full] attention, all MoE with a shared expert

@@ -3,6 +3,13 @@
 ``softmax_topk`` (reference, the Qwen3 router): logits = x W^T, softmax in fp32
 over experts, keep the top-k; with ``norm_topk_prob`` the kept weights are
 renormalized to sum to one. Weights are returned in the activation dtype.
+``sigmoid_bias`` (DeepSeek-V3's aux-loss-free router) lives in ``sigmoid_bias.py``.
+
+Every router: ``router(x_TH, idx_TK=None) -> Routing``; given ``idx_TK`` (routing replay) it
+skips the selection and weights the given experts with its current probabilities.
+``build_router(name, arch)`` constructs the configured one from an architecture (the
+group-limited options ``n_group``, ``topk_group``, ``routed_scaling_factor`` are read from
+the arch when it has them, as DeepSeek-V3's HF config does).
 
 Legend: T tokens, H hidden, E experts, K experts per token.
 """
@@ -15,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bumblebee.errors import ConfigError
 from bumblebee.registry import register
 
 
@@ -32,13 +40,37 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
-    def forward(self, x_TH: torch.Tensor) -> Routing:
+    def forward(self, x_TH: torch.Tensor, idx_TK: torch.Tensor | None = None) -> Routing:
+        """``idx_TK`` given (routing replay): those experts, weighted by the current probabilities."""
         logits_TE = F.linear(x_TH, self.weight)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-        top_w, top_i = torch.topk(probs_TE, self.top_k, dim=-1)
+        if idx_TK is None:
+            top_w, top_i = torch.topk(probs_TE, self.top_k, dim=-1)
+        else:
+            top_i = idx_TK
+            top_w = probs_TE.gather(1, top_i)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         return Routing(probs_TE, top_i, top_w.to(logits_TE.dtype))
+
+
+ROUTER_OPTIONS = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}  # name -> "off" value
+
+
+def build_router(name: str, arch) -> nn.Module:
+    """The router ``name`` (slot ``router``) for ``arch``: hidden size, experts, top-k,
+    ``norm_topk_prob``, and the group-limited options where the arch defines them."""
+    from bumblebee import registry
+
+    factory = registry.get("router", name).factory
+    options = {k: getattr(arch, k) for k in ROUTER_OPTIONS if hasattr(arch, k)}
+    if factory is SoftmaxTopKRouter:
+        used = {k: v for k, v in options.items() if v != ROUTER_OPTIONS[k]}
+        if used:
+            raise ConfigError(f"router 'softmax_topk' has no group-limited routing or scaling "
+                              f"({', '.join(f'{k}={v}' for k, v in used.items())}); use router = 'sigmoid_bias'")
+        options = {}
+    return factory(arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob, **options)
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, idx_TK: torch.Tensor, group=None) -> torch.Tensor:
