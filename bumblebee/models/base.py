@@ -29,6 +29,7 @@ from bumblebee import registry
 from bumblebee.models.kv_cache import KVCache, cache_aware
 from bumblebee.primitives.cp.layout import build_cp_layout
 from bumblebee.primitives.moe import balance
+from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.packed import default_position_ids, doc_layout
 from bumblebee.primitives.parallel import ParallelGroups
@@ -112,6 +113,8 @@ class CausalLM(nn.Module):
         self.model = Backbone(embed, layers, self.norm_cls(arch.hidden_size, arch.rms_norm_eps))
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.num_moe_layers = max(sum(int(layer.is_moe) for layer in self.model.layers), 1)
+        for j, layer in enumerate(layer for layer in self.model.layers if layer.is_moe):
+            layer.mlp.moe_index = j  # its slot in router stats and routing replay ids
         self.stage_layers: dict[int, list[int]] | None = None  # pipeline stage -> its layers (keep_stages)
         self.num_stages = 1
         self.reset_parameters()
@@ -228,16 +231,30 @@ class CausalLM(nn.Module):
         return cos, sin, layout
 
     # ------------------------------------------------------------------ entry points
-    def hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None):
+    def hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None, routing=None):
         """Final-norm hidden states [B, T, H] and this part's share of the mean balance loss over
         MoE layers (``micro_batch`` definition). With ``stage`` (pipeline parallelism) only that
         stage runs: ``inputs`` are token ids on stage 0, else the previous stage's hidden states,
-        and the final norm runs on the last stage only."""
-        h, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage)
+        and the final norm runs on the last stage only. ``routing``: a ``RoutingScope``
+        (primitives/moe/replay.py) to replay given experts and/or record the chosen ones."""
+        h, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing)
         return h, self.balance_loss(stats_LS)
 
-    def routed_hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None):
-        """``hidden_states`` with the raw router stats [L, 2E + 1] of the MoE layers run (None if none)."""
+    @torch.no_grad()
+    def record_routing(self, input_ids, position_ids=None) -> torch.Tensor:
+        """The experts every MoE layer chooses for ``input_ids`` [B, T]: ids [B, T, L, K] (L MoE
+        layers in order), from a no-grad forward; feed them back as ``RoutingScope(replay_BTLK=...)``."""
+        scope = routing_replay.RoutingScope(record={})
+        self.hidden_states(input_ids, position_ids, routing=scope)
+        return scope.recorded()
+
+    def routed_hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None, routing=None):
+        """``hidden_states`` with the raw router stats [L, 2E + 1] of the MoE layers run (None if none).
+        Internal to ``hidden_states`` / ``loss_terms`` (the FSDP2 entry points): not one itself."""
+        with routing_replay.entered(routing):
+            return self._layers(inputs, position_ids_BT, stage)
+
+    def _layers(self, inputs, position_ids_BT, stage):
         if position_ids_BT is None:
             position_ids_BT = default_position_ids(inputs)
         first = stage is None or stage == 0
@@ -254,11 +271,12 @@ class CausalLM(nn.Module):
         return (self.model.norm(x) if last else x), (torch.stack(stats) if stats else None)
 
     def loss_terms(self, inputs, labels_BT, position_ids_BT=None, *, stage: int | None = None,
-                   balance: str = "micro_batch") -> LossTerms:
+                   balance: str = "micro_batch", routing=None) -> LossTerms:
         """The summed token loss through the loss primitive (``stage``: the last pipeline stage), the
         balance loss of definition ``balance`` (``micro_batch`` | ``hf``; ``global_batch``: 0 here,
-        the step builds it from ``router_stats`` over the whole batch) and the router stats."""
-        h_BTH, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage)
+        the step builds it from ``router_stats`` over the whole batch) and the router stats.
+        ``routing``: a ``RoutingScope`` (replay given experts / record the chosen ones)."""
+        h_BTH, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing)
         labels_T = labels_BT.reshape(-1)
         loss_sum = self.loss_fn(h_BTH.reshape(-1, h_BTH.shape[-1]), self.lm_head_weight, labels_T, reduction="sum")
         aux = (loss_sum.new_zeros((), dtype=torch.float32) if balance == "global_batch"

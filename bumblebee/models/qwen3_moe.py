@@ -23,6 +23,7 @@ from bumblebee import registry
 from bumblebee.models.arch import Qwen3MoeArch
 from bumblebee.models.base import CausalLM, LayerParts
 from bumblebee.primitives.moe.experts import Experts
+from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.moe.balance import router_stats
 from bumblebee.primitives.moe.router import build_router
 from bumblebee.primitives.norms import RMSNorm
@@ -75,6 +76,7 @@ class MoE(nn.Module):
         super().__init__()
         ep_size = groups.ep_size
         self.gate = build_router(prims.router, arch)
+        self.moe_index = -1  # position among the model's MoE layers (set by CausalLM)
         # only this rank's E / ep experts live here (expert parallelism)
         self.experts = Experts(arch.num_experts // ep_size, arch.hidden_size, arch.moe_intermediate_size)
         self.expert_fn = registry.get("experts", prims.experts).factory
@@ -91,7 +93,11 @@ class MoE(nn.Module):
     def forward(self, x_BTH):
         B, T, H = x_BTH.shape
         x_TH = x_BTH.reshape(-1, H)
-        r = self.gate(x_TH)
+        scope = routing_replay.current()  # routing replay / recording (primitives/moe/replay.py)
+        given = None if scope is None else scope.given(self.moe_index, B, T)
+        r = self.gate(x_TH) if given is None else self.gate(x_TH, given)
+        if scope is not None:
+            scope.note(self.moe_index, r.idx_TK, B, T)
         y_TH = self.dispatch(x_TH, r.idx_TK, r.weight_TK, self._run_experts)
         return y_TH.view(B, T, H), router_stats(r.probs_TE, r.idx_TK)
 

@@ -53,18 +53,25 @@ def in_recompute() -> bool:
 
 
 @contextlib.contextmanager
-def _recomputing():
+def _recomputing(routing_scope):
+    from bumblebee.primitives.moe import replay as routing_replay  # here: moe imports this module
+
     token = _RECOMPUTING.set(True)
     try:
-        yield
+        with routing_replay.entered(routing_scope):
+            yield
     finally:
         _RECOMPUTING.reset(token)
 
 
 def _checkpoint(fn: Callable, *args):
-    """Non-reentrant ``checkpoint`` whose recompute forward sees ``in_recompute() == True``."""
+    """Non-reentrant ``checkpoint`` whose recompute forward sees ``in_recompute() == True`` and the
+    routing scope the original forward ran under (primitives/moe/replay.py: it routes alike)."""
+    from bumblebee.primitives.moe import replay as routing_replay  # here: moe imports this module
+
+    scope = routing_replay.current()
     return checkpoint(fn, *args, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), _recomputing()))
+                      context_fn=lambda: (contextlib.nullcontext(), _recomputing(scope)))
 
 
 def lean(fn: Callable, *args):

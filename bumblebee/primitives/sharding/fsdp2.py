@@ -61,7 +61,7 @@ class FSDP2(NoSharding):
         units = [fully_shard(m, mesh=g.expert_mesh if kind == "expert" else g.dense_mesh, mp_policy=mp,
                              offload_policy=offload) for m, kind in list(model.fsdp_units())]
         units.append(fully_shard(model, mesh=g.dense_mesh, mp_policy=mp, offload_policy=offload))
-        for method in ("loss_terms", "hidden_states", "routed_hidden_states"):  # entry points other than forward()
+        for method in ("loss_terms", "hidden_states"):  # entry points other than forward()
             register_fsdp_forward_method(model, method)
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
