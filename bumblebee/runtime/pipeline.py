@@ -142,6 +142,17 @@ class _Stage(PipelineStage):
 
 
 # ------------------------------------------------------------------------------ the schedule
+def check_trainer_pipeline(cfg) -> None:
+    """What the Trainer's step cannot do with a pipeline schedule (one-line ConfigErrors)."""
+    if cfg.train.balance != "micro_batch":  # a stage backs a micro-batch up before the others ran
+        raise ConfigError(f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
+                          f"(over all layers) before the first backward, which a pipeline schedule (pp > 1) "
+                          f"does not give; set train.balance = 'micro_batch'")
+    if cfg.primitives.router == "sigmoid_bias":
+        raise ConfigError("router 'sigmoid_bias' with pp > 1: the bias update does not collect the stages' "
+                          "expert loads yet; use pp = 1")
+
+
 class Pipeline:
     """This rank's stages and the schedule that runs them: ``run`` is the micro-batch branch of
     the step (runtime/step.py) when pp > 1. Construction keeps only this rank's stages of
@@ -149,13 +160,6 @@ class Pipeline:
 
     def __init__(self, cfg, ctx, model: nn.Module, device: torch.device, autocast):
         p, L = cfg.primitives, ctx.layout
-        if cfg.train.balance != "micro_batch":  # a stage backs a micro-batch up before the others ran
-            raise ConfigError(f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
-                              f"(over all layers) before the first backward, which a pipeline schedule (pp > 1) "
-                              f"does not give; set train.balance = 'micro_batch'")
-        if p.router == "sigmoid_bias":
-            raise ConfigError("router 'sigmoid_bias' with pp > 1: the bias update does not collect the stages' "
-                              "expert loads yet; use pp = 1")
         self.cfg, self.ctx = cfg, ctx
         num_stages = L.pp * p.pp_virtual_stages
         self.layout = stage_layout(cfg, model, num_stages)

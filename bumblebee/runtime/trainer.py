@@ -38,7 +38,7 @@ from bumblebee.runtime.mesh import ParallelContext, build_context, single_proces
 from bumblebee.runtime.resolve import check_run
 from bumblebee.runtime.metrics import MetricsWriter
 from bumblebee.runtime.optim import build_optimizer, lr_at
-from bumblebee.runtime.pipeline import Pipeline
+from bumblebee.runtime.pipeline import Pipeline, check_trainer_pipeline
 from bumblebee.runtime.signals import Preempted, Preemption
 from bumblebee.primitives.moe.balance import load_summary
 from bumblebee.runtime.step import (accumulate, accumulate_global_balance, autocast_for, lm_forward, local_batch,
@@ -123,6 +123,7 @@ class Trainer:
         self.autocast = autocast_for(self.device, t.dtype)
         self.pipeline = None
         if ctx.layout.pp > 1:  # keep this rank's pipeline stages only; that part is what gets sharded
+            check_trainer_pipeline(cfg)
             self.pipeline = Pipeline(cfg, ctx, self.model, self.device, self.autocast)
         self.sharding = build_sharding(cfg, ctx)
         self.model = self.sharding.wrap(self.model)

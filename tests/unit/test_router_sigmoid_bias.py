@@ -168,3 +168,14 @@ def test_either_family_builds_it():
         cfg = load_config(None, [f"model.name={name}", "primitives.router=sigmoid_bias"])
         model = build_model(resolve_arch(cfg.model), cfg.primitives)
         assert all(isinstance(r, SigmoidBiasRouter) for r in model.routers()) and model.routers()
+
+
+def test_trainer_pipeline_refuses_what_it_cannot_do():
+    from bumblebee.runtime.pipeline import check_trainer_pipeline
+
+    with pytest.raises(ConfigError, match="train.balance = 'global_batch' needs every micro-batch"):
+        check_trainer_pipeline(load_config(None, ["parallel.pp=2"]))
+    with pytest.raises(ConfigError, match="router 'sigmoid_bias' with pp > 1"):
+        check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=micro_batch",
+                                                  "primitives.router=sigmoid_bias"]))
+    check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=micro_batch"]))
