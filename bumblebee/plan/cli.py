@@ -19,7 +19,7 @@ from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.layout import Primitives, Workload, apply_overrides, check, parse_layout
 from bumblebee.plan.recipe import Recommendation, evaluate, recipe, search
 from bumblebee.plan.runnable import config_toml, run_config, runtime_problem
-from bumblebee.plan.kernels import kernels_note
+from bumblebee.plan.kernels import assumptions, kernels_note
 from bumblebee.plan.spec import GDN, load_spec
 
 
@@ -37,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--dry-run", action="store_true",
                    help="also run the real model code for one rank under FakeTensorMode and report its peak")
+    p.add_argument("--skew", type=float, default=1.0, metavar="F",
+                   help="--dry-run routing: this rank's experts receive F x their balanced share (default 1: "
+                        "balanced)")
+    p.add_argument("--explain", action="store_true",
+                   help="print every term of every stage's peak memory with its formula and numbers "
+                        "(the recommended layout, or the one given by --layout)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw memory and throughput of the top candidates")
     p.add_argument("--top", type=int, default=10, help="alternatives to list (default 10)")
     p.add_argument("--include-unimplemented", action="store_true",
@@ -123,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
     notes.append("assumed, decided by the runtime at start: bf16 compute, fp32 master weights; on CPU the "
                  "pure-PyTorch paths run")
     notes.append(kernels_note(rec.candidate.layout.cp, GDN in spec.mixers))
+    pure = assumptions(rec.candidate.layout.cp, GDN in spec.mixers)["pure_pytorch_here"]
+    if pure and rec.candidate.perf:
+        notes.append(f"TFLOPs assume the fused kernels; on CUDA with this environment's packages "
+                     f"{', '.join(pure)} would run pure PyTorch (lower throughput, not modelled); on CPU every "
+                     f"slot is pure PyTorch")
     if args.emit_config is not None:
         shown = [rec.candidate] + [c for c in cands if c is not rec.candidate]
         if not 0 <= args.emit_config < len(shown):
@@ -133,18 +144,23 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         from bumblebee.plan.dryrun import dry_run
 
-        dry = dry_run(spec, hf, rec.candidate, work)
+        if args.skew < 1.0:
+            raise ConfigError(f"--skew must be >= 1 (1: balanced routing), got {args.skew}")
+        dry = dry_run(spec, hf, rec.candidate, work, skew=args.skew)
         notes.append(dry.summary())
     if args.plot:
         shown = [rec.candidate] + [c for c in cands if c.feasible and c is not rec.candidate]
         report.plot(args.plot, shown)
         notes.append(f"plot written to {args.plot}")
+    if args.explain and not args.json:
+        print(report.explain(rec.candidate) + "\n")
     if args.json:
         out = report.to_json(rec, cands)
         for entry, cand in zip([out["recommended"]] + out["candidates"], [rec.candidate] + cands):
             cfg = run_config(args.model, spec.family, cand, work)  # what `bumblebee train --config` takes
             entry["config"] = config_toml(cfg)
             entry["runtime_problem"] = runtime_problem(cfg, args.gpus)
+            entry["assumptions"] = assumptions(cand.layout.cp, GDN in spec.mixers)
         if dry is not None:
             out["dry_run"] = dry.as_json()
         print(json.dumps(out, indent=1))

@@ -1,25 +1,29 @@
-"""Dry run: the real model code for one rank under ``FakeTensorMode`` (no memory, no GPU).
+"""Dry run: one rank of the candidate's layout runs a training step of the real model code on
+fake tensors, at the target world size, and its memory is measured term by term.
 
-It builds the bumblebee model of the candidate's per-rank share -- the layers of
-the stage that needs the most memory, ``num_experts / ep`` local experts, and
-``seq / cp`` tokens -- and runs one steady-state training step (optimizer state
-already allocated; forward, backward, AdamW, zero_grad) in bf16 with an fp32
-master copy, the precision the planner models. Every
-tensor is fake: only shapes exist. A dispatch mode watches every op's outputs
-and tracks the bytes of live storages (weakref callbacks on free), giving the
-peak of that step.
+What runs, for the rank with coordinate 0 in every group of the stage the analytic model
+says needs most (``world / pp * stage``):
+- a fake process group (``torch.testing._internal.distributed.fake_pg``) of the layout's
+  world size, the runtime's own meshes (``runtime/mesh.build_context``) and process groups;
+  collectives return at once without moving data;
+- the model of that stage as the runtime builds it (``keep_stages``), its ``E / ep`` local
+  experts, bf16 parameters, the configured primitives: CP ring attention with its K/V
+  exchange, the Gated DeltaNet CP scan (halo, transition all-gather), the MoE dispatch
+  (``alltoall`` / ``chunked``) with its count exchange and uneven all-to-alls, recompute,
+  and the loss;
+- the kernels CUDA would run (``primitives/dispatch.py`` asked for "cuda": ``varlen_attn``,
+  FLA's chunk kernel through its fake op, ``_grouped_mm``), on fake CPU tensors (a CPU
+  build cannot record autograd on fake CUDA tensors);
+- 1F1B's steady state: ``min(pp - s, m)`` micro-batch forwards kept in flight, then the
+  backward of the oldest (the peak), then the optimizer step (fp32 master and Adam moments,
+  foreach-style temporaries), gradients preallocated (a steady-state step).
 
-What a single process cannot do yet is scaled rather than run: tensor
-parallelism is ignored (tp = 1 shapes), expert parallelism becomes local
-experts with the ``local`` dispatch (no all-to-all buffers), pipeline in-flight
-micro-batches are one, and parameters are unsharded (bf16 parameter and
-gradient, fp32 master and Adam moments: 16 B each). The analytic figure it is compared with is the memory
-model evaluated on exactly that executed shape, without the allocator overhead.
-
-Data-dependent values do not exist under fake tensors, so the run assumes what
-the planner assumes: one document per sequence (no packing boundaries), every
-label valid (value checks pass), and balanced routing (``bincount`` returns per-expert counts whose
-values are never read; the grouped expert GEMM keeps the routed row count).
+Routing is an assumption (values do not exist): balanced counts, or ``skew`` x the fair
+share for this rank's experts (``plan/fakerun.py`` carries the integer values the code
+reads). Not run: tensor parallelism (no TP runtime; tp folds into dp), the sharding
+primitive (FSDP2 / ZeRO wrappers: the static state is the unsharded 16 B/param, compared
+with the same arithmetic), pipeline send/recv, kernel workspaces (fake kernels allocate
+only outputs). Documents: one per sequence.
 """
 
 from __future__ import annotations
@@ -27,142 +31,63 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import time
-import weakref
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from bumblebee.config import ConfigError, PrimitivesConfig
+from bumblebee.plan.fakerun import DataDependent, FakeRun, make_routing
 from bumblebee.plan.hardware import GB
 from bumblebee.plan.layout import Layout, Primitives, Workload
-from bumblebee.plan.memory import local_tokens, stage_layers, stage_memory
+from bumblebee.plan.memory import local_tokens, micro_batches, stage_layers
 from bumblebee.plan.recipe import Candidate
 from bumblebee.plan.spec import ModelSpec
+from bumblebee.plan.timeline import stage_timeline
 
-STATIC_B = 2 + 2 + 12  # executed: bf16 parameters and gradients, fp32 master + Adam moments
-aten = torch.ops.aten
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Live storage bytes of every tensor produced under the mode, and their peak."""
-
-    def __init__(self, row_tokens: int):
-        super().__init__()
-        self.row_tokens = row_tokens  # one document per row: document lengths sum to this
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, int] = {}
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
-    def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
-    def _track(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        key = id(st)
-        if key in self._live:
-            return
-        self._live[key] = st.nbytes()
-        self.current += st.nbytes()
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(st, self._free, key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is aten.bincount.default:  # balanced routing: counts per expert, values unread
-            minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
-            out = torch.empty(max(minlength, 1), dtype=torch.int64, device=args[0].device)
-        elif func is aten.nonzero.default:  # every element set (every label valid)
-            x = args[0]
-            out = torch.empty(x.numel(), x.dim(), dtype=torch.int64, device=x.device)
-        elif func is aten._local_scalar_dense.default:
-            if args[0].dtype == torch.bool:  # an input check such as `if bad.any(): raise`: inputs are valid
-                return False
-            raise _DataDependent(str(func))
-        elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
-            out = torch.empty(self.row_tokens, dtype=args[0].dtype, device=args[0].device)  # document ids
-        elif func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
-            out = _grouped_mm_shape(func, args, kwargs)
-        else:
-            out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
-
-
-class _DataDependent(RuntimeError):
-    pass
-
-
-def _grouped_mm_shape(func, args, kwargs):
-    """``_grouped_mm``'s meta kernel accepts only bf16, but the CPU kernel also runs fp32:
-    take the output shape from bf16 stand-ins (fake, untracked) and return the input dtype."""
-    a, b = args[0], args[1]
-    stand = [torch.empty_strided(x.shape, x.stride(), dtype=torch.bfloat16, device=x.device) for x in (a, b)]
-    o = func(*stand, *args[2:], **kwargs)
-    return torch.empty_strided(o.shape, o.stride(), dtype=a.dtype, device=o.device)
+TERMS = ("saved_inputs", "live_layer", "moe_buffers", "loss", "optim_temp")
 
 
 @dataclass
 class DryRunResult:
-    peak_gb: float  # measured: peak of a steady-state step
-    static_gb: float  # measured: parameters + gradients + optimizer state
-    analytic_gb: float  # memory model on the executed shape, no allocator overhead
-    analytic_static_gb: float
-    scaled: list[str]  # what was scaled from the target layout, and why
-    seconds: float
+    stage: int
+    layout: str  # the executed layout
+    skew: float
+    terms: dict[str, dict[str, tuple[float, float]]]  # moment -> term -> (measured GB, analytic GB)
+    static: tuple[float, float]  # (measured, analytic) GB: bf16 params + grads, fp32 master + moments
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    collectives: dict[str, int] = field(default_factory=dict)  # c10d op -> calls made by the rank
 
-    @property
-    def ratio(self) -> float:
-        return self.peak_gb / self.analytic_gb if self.analytic_gb else float("nan")
+    def worst(self) -> float:
+        """Largest relative gap of a term that is at least 10% of its moment's dynamic bytes. The
+        forward moment's saved inputs are left out: the analytic figure is the bound (every layer
+        of the micro-batch), the measured peak comes while layer i of n runs."""
+        gaps = []
+        for moment, terms in self.terms.items():
+            dyn = sum(a for _, a in terms.values())
+            gaps += [abs(m / a - 1) for k, (m, a) in terms.items()
+                     if a > 0.10 * dyn and (moment, k) != ("forward", "saved_inputs")]
+        return max(gaps, default=0.0)
 
     def summary(self) -> str:
-        dyn, a_dyn = self.peak_gb - self.static_gb, self.analytic_gb - self.analytic_static_gb
-        return (f"dry run (one rank, FakeTensorMode, {self.seconds:.1f} s): peak {self.peak_gb:.2f} GB "
-                f"(static {self.static_gb:.2f} + dynamic {dyn:.2f}) vs analytic {self.analytic_gb:.2f} GB "
-                f"({self.analytic_static_gb:.2f} + {a_dyn:.2f}) for the executed shape, no allocator overhead: "
-                f"{self.ratio - 1:+.1%}; " + "; ".join(self.scaled))
+        parts = []
+        for moment, terms in self.terms.items():
+            parts.append(f"{moment}: " + ", ".join(f"{k} {m:.2f}/{a:.2f}" for k, (m, a) in terms.items() if m or a))
+        return (f"dry run (stage {self.stage} of {self.layout}, one rank, fake tensors + fake process group, "
+                f"routing skew {self.skew:g}, {self.seconds:.0f} s), GB measured/analytic: static "
+                f"{self.static[0]:.2f}/{self.static[1]:.2f}; " + "; ".join(parts) + "; " + "; ".join(self.notes))
 
     def as_json(self) -> dict:
-        return {"peak_gb": round(self.peak_gb, 3), "static_gb": round(self.static_gb, 3),
-                "analytic_gb": round(self.analytic_gb, 3), "analytic_static_gb": round(self.analytic_static_gb, 3),
-                "ratio": round(self.ratio, 4), "scaled": self.scaled}
+        return {"stage": self.stage, "layout": self.layout, "skew": self.skew, "seconds": round(self.seconds, 1),
+                "collectives": self.collectives,
+                "static_gb": [round(v, 3) for v in self.static], "notes": self.notes,
+                "terms_gb": {mo: {k: [round(m, 3), round(a, 3)] for k, (m, a) in t.items()}
+                             for mo, t in self.terms.items()}}
 
 
-def executed_shape(spec: ModelSpec, cand: Candidate, work: Workload) -> tuple[ModelSpec, Workload, range, list[str]]:
-    """The per-rank share a single process runs, and notes on what was scaled."""
-    lay, notes = cand.layout, []
-    stages = stage_memory(spec, lay, cand.prims, work)
-    s = max(range(len(stages)), key=lambda i: stages[i].total)
-    layers = stage_layers(spec, lay.pp)[s]
-    experts = spec.experts // lay.ep
-    top_k = min(spec.top_k, experts)
-    if lay.pp > 1:
-        notes.append(f"pp={lay.pp}: stage {s} ({len(layers)} layers, one micro-batch in flight of "
-                     f"{min(lay.pp - s, max(1, work.global_batch // lay.dp_shard))})")
-    if lay.ep > 1:
-        notes.append(f"ep={lay.ep}: {experts} local experts, local dispatch (no all-to-all buffers)")
-    if top_k != spec.top_k:
-        notes.append(f"top_k {spec.top_k} -> {top_k} (fewer local experts)")
-    if lay.cp > 1:
-        notes.append(f"cp={lay.cp}: {local_tokens(work, lay)} local tokens, no K/V exchange")
-    if lay.tp > 1:
-        notes.append(f"tp={lay.tp} ignored (no tensor-parallel runtime): tp=1 shapes")
-    if cand.prims.sharding != "none":
-        notes.append(f"{cand.prims.sharding} not run: unsharded state (16 B/param)")
-    sub = dataclasses.replace(spec, mixers=tuple(spec.mixers[i] for i in layers),
-                              mlps=tuple(spec.mlps[i] for i in layers), experts=experts, top_k=top_k)
-    return sub, Workload(seq=local_tokens(work, lay), global_batch=1, micro_batch=work.micro_batch), layers, notes
-
-
-def _arch(hf: dict, sub: ModelSpec, layers: range):
+def _arch(hf: dict):
     from bumblebee.models import FAMILIES, arch_from_hf_dict
     from bumblebee.models.family import family_of_model_type
 
@@ -170,103 +95,225 @@ def _arch(hf: dict, sub: ModelSpec, layers: range):
     if family_of_model_type(mt) is None:
         raise ConfigError(f"--dry-run: model family of model_type {mt!r} is not implemented in bumblebee.models "
                           f"yet (implemented: {', '.join(FAMILIES)}); the analytic estimate stands alone")
-    arch = arch_from_hf_dict(hf)
-    over = {"num_hidden_layers": len(layers), "num_experts": sub.experts, "num_experts_per_tok": sub.top_k}
-    names = {f.name for f in dataclasses.fields(arch)}
-    if "layer_types" in names:
-        over["layer_types"] = ["full_attention" if m == "attention" else "linear_attention" for m in sub.mixers]
-    if "mlp_only_layers" in names:
-        over["mlp_only_layers"] = [j for j, m in enumerate(sub.mlps) if m != "moe"]
-        over["decoder_sparse_step"] = 1
-    return arch.with_overrides(over)
+    return arch_from_hf_dict(hf)
 
 
 def _prims(p: Primitives) -> PrimitivesConfig:
     modules = ["norm", "attn_core", "moe_act", "linear_attn_core"] if p.recompute == "selective" else []
-    return PrimitivesConfig(attention="varlen", linear_attention="chunked", experts="grouped", moe_comm="local",
-                            loss=p.loss, recompute=p.recompute, recompute_modules=modules, sharding="none")
+    return PrimitivesConfig(attention="varlen", cp="ring", linear_attention="chunked", experts="grouped",
+                            moe_comm=p.moe_comm, moe_chunks=p.moe_chunks, loss=p.loss, recompute=p.recompute,
+                            recompute_modules=modules, sharding="none")
 
 
-def analytic_executed(sub: ModelSpec, prims: Primitives, work: Workload) -> tuple[float, float]:
-    """(total, static) bytes the memory model predicts for the executed single-rank shape."""
-    one = Layout(tp=1, pp=1, ep=1, cp=1, dp_shard=1)
-    p = dataclasses.replace(prims, sharding="none", moe_comm="local")
-    mem = stage_memory(sub, one, p, work)[0]
-    static = STATIC_B * sub.num_params()["total"]
-    return static + mem.activations + mem.logits + mem.moe_buffers, static
+def _as_cuda(select):
+    """The dispatch's answer for CUDA (FLA present) wherever the fake tensors live."""
+    return lambda slot, impl, device, dtype, **kw: select(slot, impl, "cuda", dtype, fla=True)
 
 
-def _build_bf16(build_model, arch, prims):
-    """Build with bf16 parameters (``Module.to`` cannot swap fake parameters in place)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        return build_model(arch, prims)
-    finally:
-        torch.set_default_dtype(old)
+def _patches(stack: ExitStack, one_doc) -> None:
+    import torch.nn.attention.varlen  # noqa: F401  (registers the flash ops' fake kernels)
+
+    from bumblebee.primitives import dispatch
+
+    for name in ("attention.sdpa", "cp.ring", "linear_attention.gated_delta_rule"):
+        mod = importlib.import_module(f"bumblebee.primitives.{name}")
+        stack.enter_context(mock.patch.object(mod, "select", _as_cuda(dispatch.select)))
+    for name in ("moe.experts", "moe.chunked"):
+        stack.enter_context(mock.patch.object(importlib.import_module(f"bumblebee.primitives.{name}"),
+                                              "grouped_mm_supported", lambda x: True))
+    linear_ce = importlib.import_module("bumblebee.primitives.loss.linear_ce")
+    stack.enter_context(mock.patch.object(linear_ce, "default_tiles", lambda dev: linear_ce.DEFAULT_TILES["cuda"]))
+    for name in ("bumblebee.models.base", "bumblebee.primitives.cp.layout"):  # documents are data
+        stack.enter_context(mock.patch.object(importlib.import_module(name), "doc_layout", one_doc))
+    mesh = importlib.import_module("bumblebee.runtime.mesh")
+    stack.enter_context(mock.patch.object(mesh, "_group_options", lambda device: ("fake", None)))
+
+
+class _Scoped:
+    """Runs ``fn`` under the label ``name``; in backward, the same label from the output's
+    gradient node until the input's gradient is complete."""
+
+    def __init__(self, fn, run: FakeRun, name: str, arg: int = 0):
+        self.fn, self.run, self.name, self.arg = fn, run, name, arg
+
+    def __call__(self, *args, **kwargs):
+        prev, self.run.label = self.run.label, self.name
+        try:
+            out = self.fn(*args, **kwargs)
+        finally:
+            self.run.label = prev
+        x = args[self.arg]
+        if torch.is_grad_enabled() and out.grad_fn is not None and x.requires_grad:
+            out.grad_fn.register_prehook(lambda g: setattr(self.run, "label", self.name))
+            x.register_hook(lambda g: setattr(self.run, "label", "backward"))
+        return out
 
 
 @torch.no_grad()
-def _init_adamw(params: list[torch.Tensor], state: dict) -> None:
-    for p in params:
-        state[id(p)] = (p.float(), torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32))
+def _adamw_foreach(params, state, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, wd=0.01) -> None:
+    """One mixed-precision AdamW step as torch's foreach implementation allocates it: in-place
+    updates of the fp32 master and moments, one fp32 ``sqrt(v)`` list for all parameters."""
+    master, m, v = ([state[id(p)][i] for p in params] for i in range(3))
+    grads = [p.grad.float() if p.grad.dtype != torch.float32 else p.grad for p in params]
+    torch._foreach_lerp_(m, grads, 1 - betas[0])
+    torch._foreach_mul_(v, betas[1])
+    torch._foreach_addcmul_(v, grads, grads, 1 - betas[1])
+    del grads
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_mul_(master, 1 - lr * wd)
+    torch._foreach_addcdiv_(master, m, denom, -lr)
+    del denom
+    for p, w in zip(params, master):
+        p.copy_(w)
 
 
-@torch.no_grad()
-def _adamw_step(params: list[torch.Tensor], state: dict, lr: float = 1e-4, betas=(0.9, 0.95),
-                eps: float = 1e-8, wd: float = 0.01, chunk: int = 1 << 22) -> None:
-    """Mixed-precision AdamW as the planner models it (Megatron-style fused Adam): bf16
-    parameters and gradients, fp32 master copy and moments (12 B/param), temporaries no
-    larger than one chunk. Written out because torch.optim reads its step counter on the
-    host, which fake tensors cannot do. Frees the gradients (zero_grad)."""
-    for p in params:
-        if p.grad is None:
-            continue
-        master, m, v = (t.view(-1) for t in state[id(p)])
-        g_all, p_all = p.grad.view(-1), p.view(-1)
-        for s in range(0, g_all.numel(), chunk):
-            g = g_all[s:s + chunk].float()
-            m[s:s + chunk].lerp_(g, 1 - betas[0])
-            v[s:s + chunk].mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
-            master[s:s + chunk].mul_(1 - lr * wd).addcdiv_(m[s:s + chunk], v[s:s + chunk].sqrt().add_(eps), value=-lr)
-            p_all[s:s + chunk].copy_(master[s:s + chunk])
-        p.grad = None
+def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew: float = 1.0) -> DryRunResult:
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-
-def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload) -> DryRunResult:
     from bumblebee.models import build_model
     from bumblebee.primitives import packed
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from bumblebee.primitives.parallel import ParallelGroups
+    from bumblebee.runtime import mesh
 
     start = time.perf_counter()
-    sub, sub_work, layers, notes = executed_shape(spec, cand, work)
-    arch = _arch(hf, sub, layers)
-    prims = _prims(cand.prims)
-    one_doc = packed.DocLayout(bounds=((0, sub_work.seq),) * sub_work.micro_batch, seq_len=sub_work.seq)
-    tracker = _LiveBytes(sub_work.seq)
+    lay, notes = cand.layout, []
+    if lay.tp > 1:
+        notes.append(f"tp={lay.tp} not run (no tensor-parallel runtime): folded into dp")
+        lay = Layout(tp=1, pp=lay.pp, ep=lay.ep, cp=lay.cp, dp_shard=lay.dp_shard * lay.tp)
+    prims = dataclasses.replace(cand.prims, sharding="none")
+    analytic = stage_timeline(spec, lay, prims, work, skew)
+    s = max(range(len(analytic)), key=lambda i: analytic[i].peak.total)
+    layers = stage_layers(spec, lay.pp)[s]
+    t, inflight = local_tokens(work, lay), min(lay.pp - s, micro_batches(work, lay))
+    if cand.prims.sharding != "none":
+        notes.append(f"{cand.prims.sharding} wrappers not run: unsharded 16 B/param static state")
+    if dist.is_initialized():
+        raise ConfigError("--dry-run needs a process without torch.distributed initialized")
+    arch = _arch(hf)
+    one_doc = lambda pos: packed.DocLayout(bounds=((0, pos.shape[1]),) * pos.shape[0], seq_len=pos.shape[1])  # noqa: E731
+    run = FakeRun(make_routing(skew, spec.experts // lay.ep, lay.ep))
+    dist.init_process_group("fake", store=FakeStore(), rank=lay.world // lay.pp * s, world_size=lay.world)
     try:
         with ExitStack() as stack:
-            # one document per row: boundaries are data, which fake tensors do not have
-            base = importlib.import_module("bumblebee.models.base")  # where the model builds its layout
-            stack.enter_context(mock.patch.object(base, "doc_layout", lambda pos: one_doc))
+            _patches(stack, one_doc)
+            ctx = mesh.build_context(lay, torch.device("cpu"))
+            groups = ParallelGroups(ep_group=ctx.ep_group if lay.ep > 1 else None, cp_group=ctx.cp_group)
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
-            model = _build_bf16(build_model, arch, prims)  # fake: shapes only
-            stack.enter_context(tracker)
-            for p in model.parameters():
-                tracker._track(p)
+            stack.enter_context(run)
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                model = build_model(arch, _prims(prims), groups)
+            finally:
+                torch.set_default_dtype(old)
+            if lay.pp > 1:
+                model.keep_stages({s: list(layers)}, lay.pp)
             params = [p for p in model.parameters() if p.requires_grad]
-            state: dict[int, tuple[torch.Tensor, ...]] = {}
-            _init_adamw(params, state)  # steady state: optimizer state exists before the step
-            tracker.reset_peak()
-            ids = torch.zeros(sub_work.micro_batch, sub_work.seq, dtype=torch.long)
-            loss = model(ids, labels=ids)
-            loss.backward()
-            _adamw_step(params, state)
-            del loss
-            static = tracker.current + 2 * sum(p.numel() for p in params)  # + the bf16 grads set to None
-            peak = tracker.peak
-    except _DataDependent as e:
-        raise ConfigError(f"--dry-run: the model code reads tensor values ({e}), which a fake-tensor run cannot; "
+            run.relabel(params, "parameters")
+            state = {id(p): (p.float(), torch.zeros_like(p, dtype=torch.float32),
+                             torch.zeros_like(p, dtype=torch.float32)) for p in params}
+            run.relabel([x for v in state.values() for x in v], "optimizer")
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            run.relabel([p.grad for p in params], "gradients")
+            _instrument(model, run, layers)
+            _step(model, run, s, lay.pp, inflight, t, spec.hidden, work.micro_batch)
+            run.set_phase("optimizer")
+            run.label = "optim_temp"
+            _adamw_foreach(params, state)
+            static = sum(run.by_label.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
+    except DataDependent as e:
+        raise ConfigError(f"--dry-run: the model code reads tensor values the run cannot supply ({e}); "
                           f"the analytic estimate stands alone") from None
-    total, a_static = analytic_executed(sub, cand.prims, sub_work)
-    return DryRunResult(peak / GB, static / GB, total / GB, a_static / GB, notes, time.perf_counter() - start)
+    finally:
+        dist.destroy_process_group()
+    n_local = sum(p.numel() for p in params)
+    moments = dict(analytic[s].moments)
+    moments.update(analytic[s].parts)
+    terms = {}
+    for key in ("forward", "backward", "backward:moe", "backward:mixer", "loss", "optimizer"):
+        if key not in moments or key not in run.peaks:
+            continue
+        terms[key] = {k: (v / GB, getattr(moments[key], k) / GB) for k, v in _measured(run, key).items()}
+    return DryRunResult(s, lay.short(), skew, terms, (static / GB, 16 * n_local / GB), notes,
+                        time.perf_counter() - start, dict(run.collectives))
+
+
+def _instrument(model, run: FakeRun, layers) -> None:
+    """Labels: each decoder layer's forward "fwd<mb>:L<i>", the MoE dispatch "moe", the loss "loss"."""
+    for i in layers:
+        layer = model.model.layers[i]
+
+        def pre(mod, args, i=i):
+            if run.phase == "forward":
+                run.label = run.layer = f"fwd{run.mb}:L{i}"
+            else:
+                run.layer = f"L{i}"
+        layer.register_forward_pre_hook(pre)
+        for name in ("self_attn", "linear_attn"):  # the token mixer's backward: label "mixer"
+            mixer = getattr(layer, name, None)
+            if mixer is not None:
+                mixer.register_forward_pre_hook(lambda mod, args: _enter(run, args))
+                mixer.register_forward_hook(lambda mod, args, out: _leave(run, args, out))
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and hasattr(mlp, "dispatch"):
+            mlp.dispatch = _Scoped(mlp.dispatch, run, "moe")
+    model.loss_fn = _Scoped(model.loss_fn, run, "loss")
+    if model.model.norm is not None:  # the final norm's output belongs to the loss moment
+        model.model.norm.register_forward_pre_hook(lambda mod, args: setattr(run, "label", f"fwd{run.mb}:head"))
+
+
+def _enter(run: FakeRun, args) -> None:
+    if run.phase == "backward":
+        run.label = "mixer"
+
+
+def _leave(run: FakeRun, args, out) -> None:
+    if run.phase != "backward":
+        return
+    run.label = "backward"
+    y = out[0] if isinstance(out, tuple) else out
+    x = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+    if torch.is_grad_enabled() and y.grad_fn is not None and x is not None:
+        y.grad_fn.register_prehook(lambda g: setattr(run, "label", "mixer"))
+        x.register_hook(lambda g: setattr(run, "label", "backward"))
+
+
+def _step(model, run: FakeRun, s: int, pp: int, inflight: int, t: int, hidden: int, mb: int) -> None:
+    first, last = s == 0, s == pp - 1
+    stage = s if pp > 1 else None
+    outs = []
+    run.set_phase("forward")
+    for j in range(inflight):
+        run.mb, run.label = j, f"fwd{j}:in"
+        x = (torch.zeros(mb, t, dtype=torch.long) if first
+             else torch.empty(mb, t, hidden, dtype=torch.bfloat16, requires_grad=True))
+        if last:
+            outs.append(model.loss_terms(x, torch.zeros(mb, t, dtype=torch.long), stage=stage).loss_sum)
+        else:
+            outs.append(model.hidden_states(x, stage=stage)[0])
+    run.set_phase("backward")
+    run.label = "backward"
+    out = outs.pop(0)
+    out.backward() if last else out.backward(torch.empty_like(out))
+    del out
+
+
+def _measured(run: FakeRun, key: str) -> dict[str, float]:
+    total, by, current = run.peaks[key]
+    phase = key.split(":")[0]
+    out = dict.fromkeys(TERMS, 0.0)
+    for label, n in by.items():
+        if label.endswith(":head"):
+            key = "loss"
+        elif label.startswith("fwd"):
+            key = "live_layer" if (phase == "forward" and label == current) else "saved_inputs"
+        else:
+            key = {"backward": "live_layer", "mixer": "live_layer", "moe": "moe_buffers", "loss": "loss",
+                   "optim_temp": "optim_temp"}.get(label)
+        if key:
+            out[key] += n
+    return out

@@ -1,70 +1,64 @@
-"""Analytic per-GPU memory model: static state, activations, loss temporaries, buffers.
+"""Analytic per-GPU memory: the bytes of each term, per token or per stage (formulas only).
 
-Computed per pipeline stage (stages differ: the first holds the embedding and
-the most in-flight micro-batches, the last holds the LM head and the logits),
-in bytes, then reported in GB. The arithmetic follows the ZeRO paper (Rajbhandari et al., 2020) and Megatron-LM's
-distributed-optimizer accounting:
+``timeline.py`` places these terms on the moments of a training step (forward of a layer,
+recomputed backward of a layer, loss, optimizer step) and takes the largest moment per
+pipeline stage as its peak. Every function here returns bytes and the formula it used, so
+``bumblebee plan --explain`` prints exactly what the peak is made of. The formulas follow
+the code that runs (bumblebee's primitives on the CUDA kernels ``plan/kernels.py`` names);
+``plan/dryrun.py`` executes that code on fake tensors and measures each term (how each was
+checked: see the dry-run figures in ``skills/plan/memory.md``).
 
-- static state, bf16 parameters (2 B) + fp32 gradients (4 B) + fp32 master and
-  Adam moments (12 B) per parameter. ``none`` replicates all of it; ``zero1``
-  (Megatron distributed optimizer) shards the 12 B over the data-parallel ranks
-  of each parameter (dense: dp*cp, experts: edp); ``fsdp2`` (ZeRO-3) shards all
-  18 B, plus all-gather buffers for the unit being computed and the prefetched one.
-  Dense matrices are split by tp, routed experts by ep.
-- activations: what 1F1B keeps for its in-flight micro-batches (``min(pp - s, m)``
-  on stage s) -- every saved tensor (``none``), the non-elementwise ones
-  (``selective``) or only each layer's input (``full``) -- plus the working set of
-  one layer's (re)forward and backward.
-- loss temporaries on the last stage: ``ce`` materializes [tokens, vocab/tp]
-  logits (bf16 GEMM output, fp32 copy, fp32 log-probs / gradient); ``linear_ce``
-  only a token chunk of them. They do not coexist with a layer's backward working
-  set, so a stage's peak is the larger of the two moments.
-- MoE dispatch buffers: the routed-token copies [k * tokens, H] that all-to-all
-  sends and receives; chunked EP keeps two chunks' worth of send/receive buffers
-  in flight and, under full recompute, skips the combine in the recompute forward.
-- overhead: fixed (context, workspaces, NCCL) + fragmentation of transient memory.
+Static state (ZeRO, Rajbhandari et al. 2020; Megatron distributed optimizer): bytes per
+parameter. ``none``: bf16 parameters 2 + fp32 gradients 4 + fp32 master, Adam m, v 12, all
+replicated. ``zero1``: the 12 sharded over the data-parallel ranks of the parameter (dense:
+dp*cp, experts: edp). ``fsdp2`` (torch ``fully_shard`` with a bf16 compute policy): fp32
+sharded parameters (they are the master copy) 4 + fp32 sharded gradients 4 + Adam m, v 8,
+all sharded; the bf16 compute copy exists per unit (the all-gather term). Dense matrices
+split by tp, routed experts by ep.
 
-Legend: t local tokens of one micro-batch (seq * micro_batch / cp), H hidden,
-k experts per token, V vocabulary.
+Activations, per local token (t = seq * micro_batch / cp tokens; sequence parallel divides
+everything by tp):
+- saved inputs: what one micro-batch keeps between its forward and its backward on a stage
+  (``full``: each layer's bf16 input; ``selective``: the non-elementwise tensors; ``none``:
+  every saved tensor, routed rows included);
+- live layer: the tensors autograd saves in the recomputed forward of one layer (mixer +
+  the MoE block's non-routed part: router, shared expert, norms) plus their gradients
+  in flight (``BWD_GRAD_FRACTION``), the ring's K/V blocks and fp32 accumulators under CP,
+  the extended fp32 core of Gated DeltaNet under CP;
+- MoE routed buffers: every [k*t, .] tensor of the dispatch / expert / combine code at its
+  largest moment, in units X = one bf16 [k*t, H] row tensor and A = one bf16 [k*t, F]
+  (balanced routing: this rank's experts receive k*t rows). Counted from the code of each
+  ``moe_comm`` (Python locals keep a tensor alive until the function returns):
+    local     fwd max(2X+4A, 3X)   recompute 4X+4A   backward 4X+5A
+    alltoall  fwd max(4X+4A, 7X)   recompute 8X+4A   backward 4X+5A
+    chunked   fwd 3X+2A+3X/c       recompute 2X+2A/c  backward 4X+4A+(X+3A)/c
+  (split into home-side and expert-side tensors; skewed routing scales the expert side)
+  plus, in backward, the experts' weight gradients (``expert_grad_bytes``). alltoall's
+  combine path holds send, receive, regrouped, expert output, returned and unpermuted
+  copies at once (recompute: 8X+4A); chunked issues every chunk's dispatch up front, its
+  recompute skips fc2 and the combine, and its backward keeps every chunk's dgrad
+  operands for the delayed wgrad;
+- loss: ``ce`` keeps bf16 logits and one fp32 working copy that softmax and its gradient
+  reuse in place (6 B per logit of the [t, V/tp] block; ``primitives/loss/ce.py``);
+  ``linear_ce`` the head's bf16 gradient, a few fp32 [t, H] tensors and its tiles;
+- optimizer temporaries: torch's foreach AdamW allocates one fp32 tensor per parameter it
+  updates (``sqrt(v)``), 4 B per local (sharded) parameter.
+
+Legend: t local tokens, H hidden, k experts per token, F expert FFN, V vocabulary, X, A above.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
-from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
 from bumblebee.plan.layout import Layout, Primitives, Workload
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 BF16, FP32 = 2, 4
-PARAM_B, GRAD_B, OPTIM_B = 2, 4, 12  # bytes/param: bf16 params, fp32 grads, fp32 master + Adam m, v (ZeRO, 2020)
-# Gradient buffers alive in a layer's backward, relative to its saved tensors: small,
-# because autograd frees each saved tensor once its node has run (dry run: 0.1-0.2).
+# Gradient buffers alive in a layer's backward, relative to its saved tensors: small because
+# autograd frees each saved tensor once its node has run. Checked, not fitted: the dry run of
+# one layer measures 0.1-0.2 (see skills/plan/memory.md).
 BWD_GRAD_FRACTION = 0.15
-CE_BYTES_PER_LOGIT = BF16 + FP32 + FP32  # ce.py's peak: bf16 logits, fp32 copy and fp32 log-probs / grad (dry run: 10 B)
-
-
-@dataclass
-class MemoryBreakdown:
-    """Per-GPU bytes of one pipeline stage."""
-
-    parameters: float = 0.0
-    gradients: float = 0.0
-    optimizer: float = 0.0
-    activations: float = 0.0
-    logits: float = 0.0
-    moe_buffers: float = 0.0
-    allgather: float = 0.0
-    overhead: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
-
-    def as_gb(self) -> dict[str, float]:
-        out = {"total": round(self.total / GB, 2)}
-        out.update({f.name: round(getattr(self, f.name) / GB, 2) for f in fields(self)})
-        return out
+CE_BYTES_PER_LOGIT = BF16 + FP32  # bf16 logits + the fp32 working copy reused in place (ce.py)
+ADAM_TEMP_B = FP32  # foreach AdamW: sqrt(v) for every parameter it updates
 
 
 def stage_layers(spec: ModelSpec, pp: int) -> list[range]:
@@ -101,70 +95,11 @@ def micro_batches(work: Workload, lay: Layout) -> int:
     return max(1, work.global_batch // (lay.dp_shard * work.micro_batch))
 
 
-# ---------------------------------------------------------------------------------------------
-# activations of one layer (bytes per local token on one GPU), split into tensors that a
-# selective policy keeps ("kept") and cheap elementwise outputs it recomputes ("cheap")
+# ------------------------------------------------------------------------ static state (bytes)
 
 
-def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
-    h = spec.hidden
-    if kind == ATTN:
-        nd = spec.n_heads * spec.head_dim / tp
-        kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim
-        g = 1 if spec.attn_gate else 0
-        # q(+gate) and k, v projections, flash-attention output + fp32 logsumexp
-        kept = nd * (1 + g) + 2 * kvd + nd + 2 * spec.n_heads / tp
-        cheap = nd + kvd + nd * g  # roped q/k, gated output
-        # + the sub-layer input; RMSNorms keep their fp32 upcast for backward (norms.py)
-        return kept * BF16 + h / tp * BF16, cheap * BF16 + (h / tp + nd + kvd) * FP32
-    kd = spec.gdn_k_heads * spec.gdn_k_dim / tp
-    vd = spec.gdn_v_heads * spec.gdn_v_dim / tp
-    vh = spec.gdn_v_heads / tp
-    kept = (2 * kd + vd) + vd + 2 * vh + vd  # in_proj qkv, z, b/a, core output
-    cheap = (2 * kd + vd) + 2 * kd  # conv output, l2-normed q/k
-    # + fp32 decay/beta, the input; fp32 upcasts of the input RMSNorm and the gated output norm
-    return kept * BF16 + 2 * vh * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
-
-
-def gdn_state_bytes(spec: ModelSpec, tp: int, chunk: int = 64) -> float:
-    """Chunk states h [t/C, Hv, Dk, Dv] recomputed in backward, and their gradient (bf16)."""
-    return 2 * BF16 * spec.gdn_v_heads / tp * spec.gdn_k_dim * spec.gdn_v_dim / chunk
-
-
-def mlp_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float, float]:
-    """(kept, cheap, routed-token dispatch tensors) bytes per local token; tokens are
-    sequence-parallel over tp, so everything scales 1/tp."""
-    h, k = spec.hidden, spec.top_k
-    if kind != MOE:
-        f = spec.dense_ffn
-        return (h + 2 * f) * BF16 / tp, (h + f) * BF16 / tp, 0.0
-    f, fs = spec.expert_ffn, spec.shared_ffn
-    kept = h * BF16 + spec.experts * FP32 + k * (2 * f) * BF16  # input, router probs, expert fc1 output
-    cheap = h * FP32 + spec.experts * FP32 + 2 * k * f * BF16  # fp32 norm upcast, softmax, silu(gate), SwiGLU out
-    if fs:
-        kept += (2 * fs + h) * BF16
-        cheap += fs * BF16
-    routed = k * h * BF16  # one [k*t, H] routed-token tensor
-    return kept / tp, cheap / tp, routed / tp
-
-
-def moe_buffer_count(prims: Primitives) -> float:
-    """Routed-token [k*t, H] tensors alive at a MoE layer's peak: dispatch receive (the
-    expert input, saved) + combine receive (saved for the routing-weight gradient) +
-    one send and one receive buffer in flight (none for the single-rank ``local``).
-    Chunked EP holds two chunks of the in-flight pair and, under full recompute,
-    keeps no combine receive."""
-    if prims.moe_comm == "chunked":
-        c = max(1, prims.moe_chunks)
-        saved = 1 if prims.recompute == "full" else 2
-        return saved + 2 * min(1.0, 2.0 / c)
-    return 2.0 if prims.moe_comm == "local" else 4.0
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def _static(spec: ModelSpec, lay: Layout, prims: Primitives, layers: range, first: bool, last: bool):
+def static_bytes(spec: ModelSpec, lay: Layout, prims: Primitives, layers: range, first: bool, last: bool):
+    """(parameters, gradients, optimizer, parameters this rank's optimizer updates, formula)."""
     kinds = stage_kinds(spec, layers)
     dense = sum(n * kind_params(spec, k)[0] for k, n in kinds.items())
     expert = sum(n * kind_params(spec, k)[1] for k, n in kinds.items())
@@ -175,17 +110,22 @@ def _static(spec: ModelSpec, lay: Layout, prims: Primitives, layers: range, firs
         if spec.tied and lay.pp > 1:
             dense += spec.embed_params  # the last stage keeps its own copy of the tied weight
     d, e = dense / lay.tp, expert / lay.ep
-    shard_d, shard_e = d / (lay.dp_shard * lay.cp), e / lay.edp
+    shard = d / (lay.dp_shard * lay.cp) + e / lay.edp
+    where = f"dense {d / 1e9:.3f}B/tp-shard, experts {e / 1e9:.3f}B/ep-shard"
     if prims.sharding == "fsdp2":
-        return PARAM_B * (shard_d + shard_e), GRAD_B * (shard_d + shard_e), OPTIM_B * (shard_d + shard_e)
+        return (FP32 * shard, FP32 * shard, 2 * FP32 * shard, shard,
+                f"fsdp2: 4+4+8 B x {shard / 1e9:.3f}B sharded params ({where}; / dp*cp={lay.dp_shard * lay.cp}, "
+                f"/ edp={lay.edp})")
     if prims.sharding == "zero1":
-        return PARAM_B * (d + e), GRAD_B * (d + e), OPTIM_B * (shard_d + shard_e)
-    return PARAM_B * (d + e), GRAD_B * (d + e), OPTIM_B * (d + e)
+        return (BF16 * (d + e), FP32 * (d + e), 12 * shard, shard,
+                f"zero1: (2+4) B x {(d + e) / 1e9:.3f}B params + 12 B x {shard / 1e9:.3f}B optimizer shard ({where})")
+    return (BF16 * (d + e), FP32 * (d + e), 12 * (d + e), d + e, f"none: 2+4+12 B x {(d + e) / 1e9:.3f}B ({where})")
 
 
-def _allgather(spec: ModelSpec, lay: Layout, layers: range, first: bool, last: bool) -> float:
-    """FSDP2 units = decoder layers (+ embedding, + LM head): the unit being computed and
-    the prefetched one in bf16, and the unsharded fp32 gradient of one unit in backward."""
+def allgather_bytes(spec: ModelSpec, lay: Layout, layers: range, first: bool, last: bool) -> tuple[float, float]:
+    """FSDP2 units = decoder layers (+ embedding, + LM head): (forward, backward) bytes of the
+    unit being computed and the prefetched one in bf16; backward adds the unsharded fp32
+    gradient of one unit before its reduce-scatter."""
     layer = max(kind_params(spec, k)[0] / lay.tp + kind_params(spec, k)[1] / lay.ep
                 for k in stage_kinds(spec, layers)) if len(layers) else 0.0
     units = [layer] * min(len(layers), 2)  # identical-size neighbours suffice for the max pair
@@ -194,65 +134,139 @@ def _allgather(spec: ModelSpec, lay: Layout, layers: range, first: bool, last: b
     if last:
         units.append(spec.head_params / lay.tp)
     if not units:
-        return 0.0
+        return 0.0, 0.0
     pair = max(units[i] + (units[i + 1] if i + 1 < len(units) else 0.0) for i in range(len(units)))
-    return BF16 * pair + FP32 * max(units)
+    return BF16 * pair, BF16 * pair + FP32 * max(units)
 
 
-def stage_memory(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload) -> list[MemoryBreakdown]:
-    t = local_tokens(work, lay)
-    m = micro_batches(work, lay)
-    out = []
-    for s, layers in enumerate(stage_layers(spec, lay.pp)):
-        first, last = s == 0, s == lay.pp - 1
-        mem = MemoryBreakdown()
-        mem.parameters, mem.gradients, mem.optimizer = _static(spec, lay, prims, layers, first, last)
-        inflight = min(lay.pp - s, m)
-        stored, working, moe = 0.0, 0.0, 0.0
-        for (mixer, mlp), n in stage_kinds(spec, layers).items():
-            mk, mc = mixer_act(spec, mixer, lay.tp)
-            fk, fc, routed = mlp_act(spec, mlp, lay.tp)
-            saved_routed = routed * (1 if prims.moe_comm == "chunked" and prims.recompute == "full" else 2)
-            layer_all = mk + mc + fk + fc
-            if prims.recompute == "full":
-                stored += n * spec.hidden / lay.tp * BF16
-                layer_work = layer_all * (1 + BWD_GRAD_FRACTION)
-            elif prims.recompute == "selective":
-                stored += n * (mk + fk + saved_routed)
-                layer_work = (mc + fc) + (mk + fk) * BWD_GRAD_FRACTION
-            else:
-                stored += n * (layer_all + saved_routed)
-                layer_work = layer_all * BWD_GRAD_FRACTION
-            if mixer == ATTN and lay.cp > 1:  # gathered K/V of the other CP ranks, and their grads
-                layer_work += 2 * 2 * max(1.0, spec.n_kv_heads / lay.tp) * spec.head_dim * BF16 * (lay.cp - 1)
-            elif mixer != ATTN:
-                layer_work += gdn_state_bytes(spec, lay.tp)
-            working = max(working, layer_work)
-            moe = max(moe, routed * moe_buffer_count(prims))
-        # the peak is either in a layer's (re)forward + backward or in the loss (last stage):
-        # both sit on top of what the in-flight micro-batches keep; the breakdown is the one
-        # at the larger of the two moments
-        mem.activations = t * (inflight * stored + working)
-        mem.moe_buffers = t * moe
-        if last:
-            vshard = spec.vocab / lay.tp
-            if prims.loss == "ce":
-                loss = t * vshard * CE_BYTES_PER_LOGIT
-            else:  # token chunks of ~H*t/V tokens: chunk logits + grad, fp32 dh, fp32 dW
-                loss = 3 * FP32 * t * spec.hidden + FP32 * vshard * spec.hidden
-            loss += t * spec.hidden * FP32  # final hidden states in fp32 for the loss
-            if loss > t * (working + moe):
-                mem.activations, mem.moe_buffers, mem.logits = t * inflight * stored, 0.0, loss
-        if prims.sharding == "fsdp2":
-            mem.allgather = _allgather(spec, lay, layers, first, last)
-        transient = mem.activations + mem.moe_buffers + mem.allgather
-        mem.overhead = FIXED_OVERHEAD_GB * GB + FRAGMENTATION * transient
-        out.append(mem)
+# ---------------------------------------------------------------- activations (bytes per local token)
+
+
+def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
+    """(kept, cheap) saved bytes per token of the token mixer: ``selective`` keeps ``kept`` and
+    recomputes ``cheap``; both include the sub-layer input and the RMSNorm's fp32 upcast."""
+    h = spec.hidden
+    if kind == ATTN:
+        nd = spec.n_heads * spec.head_dim / tp
+        kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim
+        g = 1 if spec.attn_gate else 0
+        # q(+gate) and k, v projections, flash-attention output + fp32 logsumexp
+        kept = nd * (1 + g) + 2 * kvd + nd + 2 * spec.n_heads / tp
+        # roped q/k, gated output; normed input, q/k before RoPE, sigmoid(gate) and the gated product
+        cheap = nd + kvd + nd * g + h / tp + nd + kvd + 2 * nd * g
+        return kept * BF16 + h / tp * BF16, cheap * BF16 + (h / tp + nd + kvd) * FP32
+    kd = spec.gdn_k_heads * spec.gdn_k_dim / tp
+    vd = spec.gdn_v_heads * spec.gdn_v_dim / tp
+    vh = spec.gdn_v_heads / tp
+    kept = (2 * kd + vd) + vd + 2 * vh + vd  # in_proj qkv, z, b/a, core output
+    cheap = (2 * kd + vd) + 2 * kd  # conv output, l2-normed q/k
+    return kept * BF16 + 2 * vh * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
+
+
+def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str]:
+    """Per-token bytes a layer adds under context parallelism: (kept for backward, transient in a
+    forward or backward of the mixer), and the formula."""
+    if lay.cp == 1:
+        return 0.0, 0.0, ""
+    tp = lay.tp
+    if kind == ATTN:  # ring: current + next K/V block, fp32 out/dq accumulators, fp32 dk/dv in flight
+        nd = spec.n_heads * spec.head_dim / tp
+        kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim
+        b = 4 * kvd * BF16 + 2 * nd * FP32 + 4 * kvd * FP32
+        return 0.0, b, f"ring K/V 4x{kvd:.0f}x2 + fp32 o/dq 2x{nd:.0f}x4 + fp32 dk/dv 4x{kvd:.0f}x4 (mixer only)"
+    # Gated DeltaNet CP scan (linear_attention/cp.py): the core runs on fp32 values [v | 0_K] (kept by
+    # the core) and returns fp32 [o|0, e]; the state correction e S_in and the sum are fp32 [t, Hv, V]
+    hv, v, w = spec.gdn_v_heads / tp, spec.gdn_v_dim, spec.gdn_v_dim + spec.gdn_k_dim
+    kept = hv * w * FP32 + hv * v * FP32
+    # forward: v_ext and [o|0, e] (fp32, V+K wide), the fp32 cast of v beside v_ext's cat, the
+    # correction e S_in and the corrected output (fp32, V wide)
+    moving = 2 * hv * w * FP32 + 3 * hv * v * FP32
+    return kept, moving, (f"GDN CP scan: kept fp32 v_ext {hv:.0f}x{w}x4 + fp32 {hv:.0f}x{v}x4; forward "
+                          f"2x{hv:.0f}x{w}x4 + 3x{hv:.0f}x{v}x4")
+
+
+def gdn_state_bytes(spec: ModelSpec, tp: int, chunk: int = 64) -> float:
+    """Chunk states h [t/C, Hv, Dk, Dv] recomputed in backward, and their gradient (bf16)."""
+    return 2 * BF16 * spec.gdn_v_heads / tp * spec.gdn_k_dim * spec.gdn_v_dim / chunk
+
+
+def mlp_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
+    """(kept, cheap) saved bytes per token of the MLP block without its routed rows."""
+    h = spec.hidden
+    if kind != MOE:
+        f = spec.dense_ffn
+        return (h + 2 * f) * BF16 / tp, (h + f) * BF16 / tp
+    fs = spec.shared_ffn
+    kept = h * BF16 + spec.experts * FP32  # input, router probs
+    cheap = h * FP32 + spec.experts * FP32  # fp32 norm upcast, softmax
+    if fs:
+        kept += (2 * fs + h) * BF16
+        cheap += fs * BF16
+    return kept / tp, cheap / tp
+
+
+def routed_units(spec: ModelSpec, tp: int) -> tuple[float, float]:
+    """(X, A): bytes per local token of one bf16 [k*t, H] and one bf16 [k*t, F] routed tensor."""
+    return spec.top_k * spec.hidden * BF16 / tp, spec.top_k * spec.expert_ffn * BF16 / tp
+
+
+def routed_buffers(spec: ModelSpec, prims: Primitives, tp: int, skew: float = 1.0) -> dict[str, tuple[float, str]]:
+    """Per-token bytes of the routed [k*t, .] tensors alive at the MoE block's largest moment of
+    each phase: "fwd" (a forward whose tensors autograd does not keep: full recompute's first
+    pass), "recompute" (the forward again, inside backward, saving) and "bwd". Each count is
+    split into home-side tensors (this rank's own k*t rows: permuted, sent, returned) and
+    expert-side ones (rows this rank's experts receive), which ``skew`` scales: with skewed
+    routing this rank's experts receive ``skew`` x the balanced k*t rows."""
+    X, A = routed_units(spec, tp)
+    c = max(1, prims.moe_chunks)
+    f = skew if prims.moe_comm != "local" else 1.0
+    # phase -> (home, expert side), in units of X and A: (x, a) pairs
+    table = {
+        "local": {"fwd": max(((0, 0), (2, 4)), ((0, 0), (3, 0)), key=lambda v: v[1][0] * X + v[1][1] * A),
+                  "recompute": ((0, 0), (4, 4)), "bwd": ((0, 0), (4, 5))},
+        "alltoall": {"fwd": max(((1, 0), (3, 4)), ((4, 0), (3, 0)),
+                                key=lambda v: (v[0][0] + v[1][0]) * X + v[1][1] * A),
+                     "recompute": ((4, 0), (4, 4)), "bwd": ((2, 0), (2, 5))},
+        "chunked": {"fwd": ((1 + 1 / c, 0), (2 + 2 / c, 2)), "recompute": ((1, 0), (1, 2 / c)),
+                    "bwd": ((1, 0), (3 + 1 / c, 4 + 3 / c))},
+    }[prims.moe_comm]
+    out = {}
+    for phase, ((hx, ha), (ex, ea)) in table.items():
+        v = hx * X + ha * A + f * (ex * X + ea * A)
+        out[phase] = (v, f"home {hx:g}X+{ha:g}A + {f:g} x expert side {ex:g}X+{ea:g}A, X={X:.0f}, A={A:.0f} B/token")
     return out
 
 
-def peak_memory(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload) -> tuple[MemoryBreakdown, int]:
-    """The stage whose GPUs need the most memory (the one that OOMs first), and its index."""
-    stages = stage_memory(spec, lay, prims, work)
-    idx = max(range(len(stages)), key=lambda s: stages[s].total)
-    return stages[idx], idx
+def expert_grad_bytes(spec: ModelSpec, lay: Layout, prims: Primitives) -> float:
+    """Bytes of the local experts' weight gradients a MoE backward allocates at its peak (bf16, the
+    compute dtype): chunked accumulates fc1's over chunks (dw + new -> sum: 3 x fc1) and adds fc2's."""
+    w1 = spec.experts / lay.ep * 2 * spec.expert_ffn * spec.hidden * BF16
+    w2 = spec.experts / lay.ep * spec.expert_ffn * spec.hidden * BF16
+    return 3 * w1 + w2 if prims.moe_comm == "chunked" else w1 + w2
+
+
+def routed_saved(spec: ModelSpec, prims: Primitives, tp: int) -> float:
+    """Routed bytes per token one micro-batch keeps to its backward without full recompute."""
+    X, A = routed_units(spec, tp)
+    return 2 * X + (4 * A if prims.recompute == "none" else 2 * A)
+
+
+# ------------------------------------------------------------------------------------ loss (bytes)
+
+
+LCE_TILE_BYTES = 4 * 2048 * 8192 * FP32  # linear_ce on CUDA: about four fp32 [2048, 8192] tiles alive
+
+
+def loss_bytes(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload) -> tuple[float, str]:
+    """Loss temporaries on the last stage at the loss moment. Tokens: all t local tokens
+    (the LM head's input is gathered over tp; its vocabulary is split over tp)."""
+    t, h = local_tokens(work, lay), spec.hidden
+    vshard = spec.vocab / lay.tp
+    if prims.loss == "ce":  # the final norm's bf16 output (the head's input) and its fp32 upcast
+        b = t * vshard * CE_BYTES_PER_LOGIT + (BF16 + FP32) * t * h
+        return b, (f"ce: {t} x {vshard:.0f} x (2+4) B (bf16 logits + fp32 working copy) + {t} x {h} x (2+4) B "
+                   f"(final norm output, fp32 upcast)")
+    hidden = 4 * FP32 * t * h  # final norm's fp32 upcast and output, fp32 dh accumulator, hidden gradient
+    head = f"4 x {t} x {h} x 4 B (final norm, fp32 dh, hidden grad)"
+    b = BF16 * vshard * h + hidden + LCE_TILE_BYTES
+    return b, f"linear_ce: {vshard:.0f} x {h} x 2 B (head gradient, bf16) + {head} + 4 fp32 [2048, 8192] tiles"

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from bumblebee.plan.hardware import GPU, Efficiency
 from bumblebee.plan.layout import Layout, Primitives, Workload
 from bumblebee.plan.memory import (BF16, FP32, kind_params, local_tokens, micro_batches, mixer_act, mlp_act,
-                                   stage_kinds, stage_layers)
+                                   routed_units, stage_kinds, stage_layers)
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 KERNELS = {ATTN: 22, "gdn": 30, MOE: 28, "dense": 8, "chunk": 10}  # forward launches per sub-layer / per EP chunk
@@ -140,7 +140,8 @@ def _layer_time(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Prim
 
     # elementwise / norm / permute traffic: each activation written and read once per pass
     mk, mc = mixer_act(spec, mixer, tp)
-    fk, fc, routed = mlp_act(spec, mlp, tp)
+    fk, fc = mlp_act(spec, mlp, tp)
+    routed = routed_units(spec, tp)[0] if mlp == MOE else 0.0
     act = mk + mc + fk + fc + 3 * routed
     elem_passes = 1 + 2 + (1 if rc == "full" else 0)
     elem = 2 * t * act / hbm

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from bumblebee.config import ConfigError
 from bumblebee.plan.hardware import GB, GPU, MEMORY_MARGIN, Efficiency
 from bumblebee.plan.layout import Layout, Primitives, Workload, check
-from bumblebee.plan.memory import MemoryBreakdown, local_tokens, stage_memory
+from bumblebee.plan.memory import local_tokens
+from bumblebee.plan.timeline import MemoryBreakdown, StageMemory, stage_timeline
 from bumblebee.plan.perf import PerfEstimate, estimate
 from bumblebee.plan.spec import ModelSpec
 
@@ -35,6 +36,7 @@ class Candidate:
     memory: MemoryBreakdown | None = None  # the stage that needs the most memory
     stage_totals_gb: list[float] = field(default_factory=list)
     perf: PerfEstimate | None = None
+    stages: list[StageMemory] = field(default_factory=list)  # every stage's moments (timeline.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -46,6 +48,9 @@ class Candidate:
             "layout": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "dp_shard": lay.dp_shard},
             "primitives": self.prims.as_dict(),
             "memory_gb": self.memory.as_gb() if self.memory else None,
+            "peak_stage": self.memory.stage if self.memory else None,
+            "peak_moment": self.memory.moment if self.memory else None,
+            "stages": [st.as_json() for st in self.stages],
             "tflops_per_gpu": round(self.perf.tflops_per_gpu, 1) if self.perf else None,
             "tokens_per_s_per_gpu": round(self.perf.tokens_per_s_per_gpu, 1) if self.perf else None,
             "feasible": self.feasible,
@@ -58,15 +63,16 @@ def evaluate(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gp
     why = check(spec, lay, prims, work, lay.world)
     if why:
         return Candidate(lay, prims, False, why)
-    stages = stage_memory(spec, lay, prims, work)
+    timeline = stage_timeline(spec, lay, prims, work)
+    stages = [st.peak for st in timeline]
     peak = max(range(len(stages)), key=lambda s: stages[s].total)
     mem = stages[peak]
     perf = estimate(spec, lay, prims, work, gpu, eff)
-    cand = Candidate(lay, prims, True, "", mem, [round(m.total / GB, 2) for m in stages], perf)
+    cand = Candidate(lay, prims, True, "", mem, [round(m.total / GB, 2) for m in stages], perf, timeline)
     limit = gpu.hbm_gb * (1 - MEMORY_MARGIN)
     if mem.total > limit * GB:
         top = max(mem.as_gb().items(), key=lambda kv: kv[1] if kv[0] != "total" else -1)
-        where = f"stage {peak}" if lay.pp > 1 else "each GPU"
+        where = (f"stage {peak}" if lay.pp > 1 else "each GPU") + f" at the {mem.moment} moment"
         cand.feasible = False
         cand.reason = (f"needs {mem.total / GB:.1f} GB > {limit:.0f} GB usable of {gpu.hbm_gb:.0f} on {where} "
                        f"(largest: {top[0]} {top[1]:.1f} GB)")

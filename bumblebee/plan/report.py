@@ -16,8 +16,9 @@ from bumblebee.plan.recipe import Candidate, Recommendation
 from bumblebee.plan.spec import ModelSpec
 from bumblebee.report import pyplot, save
 
-BREAKDOWN = (("parameters", "param"), ("gradients", "grad"), ("optimizer", "optim"), ("activations", "act"),
-             ("logits", "logits"), ("moe_buffers", "moe"), ("allgather", "ag"), ("overhead", "ovh"))
+BREAKDOWN = (("parameters", "param"), ("gradients", "grad"), ("optimizer", "optim"), ("saved_inputs", "saved"),
+             ("live_layer", "live"), ("moe_buffers", "moe"), ("loss", "loss"), ("allgather", "ag"),
+             ("workspace", "ws"), ("optim_temp", "otmp"), ("overhead", "ovh"))
 
 
 def to_json(rec: Recommendation | None, cands: list[Candidate]) -> dict:
@@ -31,6 +32,33 @@ def _row(i: int | str, c: Candidate) -> str:
     mark = "  [not runnable yet]" if c.reason.startswith("not runnable yet") else ""
     return (f"{i!s:>3} {c.layout.short():<32} {c.prims.short():<33} {mem.get('total', 0):6.1f} "
             f"{parts} {perf}{mark}")
+
+
+def _stage_header() -> str:
+    return f"{'stage':>5} {'layers':>7} {'moment':>9} {'GB':>6} " + " ".join(f"{short:>5}" for _, short in BREAKDOWN)
+
+
+def _stage_row(st) -> str:
+    p = st.peak
+    mem = p.as_gb()
+    layers = f"{st.layers.start}-{st.layers.stop - 1}" if len(st.layers) else "-"
+    return (f"{st.stage:>5} {layers:>7} {p.moment:>9} {mem['total']:6.1f} "
+            + " ".join(f"{mem[k]:5.1f}" for k, _ in BREAKDOWN))
+
+
+def explain(c: Candidate) -> str:
+    """Every term of every stage's peak moment with its formula and numbers (``--explain``)."""
+    lines = [f"memory of {c.layout.short()} | {c.prims.short()}: per stage, the peak moment and each term's formula"]
+    for st in c.stages:
+        p = st.peak
+        moments = ", ".join(f"{k} {m.total / GB:.2f}" for k, m in st.moments.items())
+        lines += ["", f"stage {st.stage} (layers {st.layers.start}-{st.layers.stop - 1}): peak {p.total / GB:.2f} GB "
+                      f"at the {p.moment} moment (moments: {moments} GB)"]
+        for k, _ in BREAKDOWN:
+            v = getattr(p, k)
+            if v or k in p.why:
+                lines.append(f"  {k:<13} {v / GB:7.2f} GB  {p.why.get(k, '')}")
+    return "\n".join(lines)
 
 
 def _header() -> str:
@@ -55,10 +83,12 @@ def text(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, rec: Recommendati
             lines.append(f"  {key:<10} {why}")
         if c.memory:
             mem = c.memory.as_gb()
-            lines.append("  memory     " + f"{mem['total']:.1f} GB/GPU = "
-                         + " + ".join(f"{k} {mem[k]:.1f}" for k, _ in BREAKDOWN if mem[k] > 0.005)
-                         + (f"  (stages: {', '.join(f'{v:.1f}' for v in c.stage_totals_gb)} GB)"
-                            if len(c.stage_totals_gb) > 1 else ""))
+            where = f"stage {c.memory.stage}, " if len(c.stages) > 1 else ""
+            lines.append("  memory     " + f"{mem['total']:.1f} GB/GPU at its peak ({where}{c.memory.moment}) = "
+                         + " + ".join(f"{k} {mem[k]:.1f}" for k, _ in BREAKDOWN if mem[k] > 0.005))
+            if len(c.stages) > 1:
+                lines += ["  stages     peak per pipeline stage (GB):", "    " + _stage_header()]
+                lines += ["    " + _stage_row(st) for st in c.stages]
         if c.perf:
             lines.append(f"  predicted  {c.perf.tflops_per_gpu:.1f} TFLOPs/GPU, {c.perf.tokens_per_s_per_gpu:.0f} "
                          f"tokens/s/GPU, step {c.perf.step_s:.1f} s")

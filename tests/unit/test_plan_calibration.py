@@ -12,7 +12,8 @@ FITTED (in-sample). Four constants were tuned on the two points ``FIT_POINTS``:
 only shows the fit's residual; the test pins it (tolerance = the residual at fit time,
 rounded up) so that a change elsewhere in the model cannot move them silently. The
 published peak is rank 0's, i.e. the first pipeline stage's (see ``test_published_peak_
-is_not_the_last_stage``).
+is_not_the_last_stage``). Every other memory term is arithmetic from the code that runs,
+checked against the fake-tensor dry run (tests/unit/test_plan_dryrun.py), not fitted.
 
 CHECKED (out of sample; no constant was fitted on these): full recompute's ~30% extra
 compute, chunked EP overlap's gain at 4K and 64K, the fp32 logits arithmetic, plus the
@@ -26,7 +27,8 @@ import pytest
 
 from bumblebee.plan.hardware import GB, GPUS
 from bumblebee.plan.layout import Layout, Primitives, Workload
-from bumblebee.plan.memory import stage_memory
+from bumblebee.plan.hardware import MEMORY_MARGIN
+from bumblebee.plan.timeline import stage_memory
 from bumblebee.plan.perf import estimate
 from bumblebee.plan.recipe import evaluate
 from bumblebee.plan.spec import load_spec, spec_from_hf_dict
@@ -47,8 +49,8 @@ PUBLISHED_TP2_PP4_EP8_CP2_CE = Published(Layout(tp=2, pp=4, ep=8, cp=2, dp_shard
 PUBLISHED_TP1_PP2_EP8_CP4_LINEAR_CE = Published(Layout(tp=1, pp=2, ep=8, cp=4, dp_shard=4), "linear_ce", 162.07, 55.91)
 FIT_POINTS = [PUBLISHED_TP2_PP4_EP8_CP2_CE, PUBLISHED_TP1_PP2_EP8_CP4_LINEAR_CE]
 # residual of the fit (model / published - 1), measured when the constants were set:
-# memory +2.0 % / -3.1 %, throughput +9.4 % / +3.7 %
-FIT_RESIDUAL_MEMORY, FIT_RESIDUAL_TFLOPS = 0.035, 0.10
+# memory +3.0 % / -2.3 % (stage 0), throughput +10.6 % / +5.0 %
+FIT_RESIDUAL_MEMORY, FIT_RESIDUAL_TFLOPS = 0.035, 0.11
 
 # published facts used out of sample
 PUBLISHED_RECOMPUTE_EXTRA_COMPUTE = 0.30  # "full recompute costs about 30% extra compute"
@@ -119,8 +121,27 @@ def test_published_peak_is_not_the_last_stage(qwen35):
     point = PUBLISHED_TP2_PP4_EP8_CP2_CE
     assert qwen35.vocab == 248_320  # 124,160 per TP=2 shard, as the published arithmetic uses
     last = stage_memory(qwen35, point.layout, _prims(point.loss), WORK)[-1]
-    assert last.logits / GB > PUBLISHED_LOGITS_GB  # the model adds the bf16 copy and the gradient
+    assert last.moment == "loss" and last.loss / GB > PUBLISHED_LOGITS_GB  # + the bf16 logits
     assert last.total / GB > point.peak_gb * 1.2
+
+
+@pytest.mark.parametrize("point", FIT_POINTS, ids=["tp2_pp4_ce", "tp1_pp2_linear_ce"])
+def test_every_stage_of_the_published_runs_fits(qwen35, point):
+    """Both rows ran on 80 GB H100s: every stage of both must come out feasible. Checked, not
+    fitted: the fit only sees stage 0; the TP=2 last stage holds the vocab-parallel CE's bf16
+    logits and one fp32 working copy (6 B per logit, 48.8 GB)."""
+    limit = H100.hbm_gb * (1 - MEMORY_MARGIN)
+    stages = stage_memory(qwen35, point.layout, _prims(point.loss), WORK)
+    assert all(s.total / GB <= limit for s in stages), [round(s.total / GB, 1) for s in stages]
+    assert evaluate(qwen35, point.layout, _prims(point.loss), WORK, H100).feasible
+
+
+def test_ce_logits_are_six_bytes_per_element(qwen35):
+    """The vocab-parallel CE's peak: bf16 logits + one fp32 copy, 65,536 x 124,160 x 6 B."""
+    point = PUBLISHED_TP2_PP4_EP8_CP2_CE
+    last = stage_memory(qwen35, point.layout, _prims("ce"), WORK)[-1]
+    logits = 65_536 * 124_160 * 6
+    assert logits < last.loss < logits * 1.03
 
 
 def test_param_counts_match_hf_and_arch():
@@ -167,7 +188,7 @@ def test_linear_ce_logits_below_ce(qwen35):
     lay = Layout(ep=8, cp=4, dp_shard=8)
     ce = stage_memory(qwen35, lay, Primitives(loss="ce"), WORK)[-1]
     lin = stage_memory(qwen35, lay, Primitives(loss="linear_ce"), WORK)[-1]
-    assert lin.logits < ce.logits / 10 and lin.total < ce.total
+    assert lin.loss < ce.loss / 10 and lin.total < ce.total
 
 
 def test_fsdp2_static_below_zero1(qwen35):
@@ -176,13 +197,13 @@ def test_fsdp2_static_below_zero1(qwen35):
     z = stage_memory(qwen35, lay, Primitives(sharding="zero1"), WORK)[0]
     static = lambda m: m.parameters + m.gradients + m.optimizer  # noqa: E731
     assert static(f) < static(z)
-    assert static(f) / GB == pytest.approx(qwen35.num_params()["total"] * 18 / 32 / GB, rel=0.02)
+    assert static(f) / GB == pytest.approx(qwen35.num_params()["total"] * 16 / 32 / GB, rel=0.02)  # fp32 4+4+8
     assert f.allgather > 0 and z.allgather == 0
 
 
 def test_recompute_ordering(qwen35):
     lay = Layout(ep=8, cp=8, dp_shard=4)
-    full, sel, none = (stage_memory(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK)[0].activations
+    full, sel, none = (stage_memory(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK)[0].saved_inputs
                        for r in ("full", "selective", "none"))
     assert full < sel < none
 

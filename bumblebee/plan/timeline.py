@@ -1,0 +1,198 @@
+"""Peak-moment model: per-GPU memory of each pipeline stage as a timeline of one training step.
+
+The terms (``memory.py``) are placed on four moments of a steady-state 1F1B step on stage s,
+whose peak is the largest:
+
+- ``forward``: static state + the saved inputs of the micro-batches in flight
+  (``min(pp - s, m)``; 1F1B keeps that many between their forward and backward) + the
+  largest forward working set of one layer (its MoE routed buffers in the pass that
+  autograd does not keep under full recompute) + FSDP2's two bf16 units;
+- ``backward``: static + the same saved inputs + the live layer of a recomputed backward
+  (its saved tensors and their gradients in flight) + the MoE routed buffers of the larger
+  of its recompute forward and its backward + FSDP2's units and one fp32 unit gradient;
+- ``loss`` (last stage): static + saved inputs + the loss temporaries (the head's
+  all-gather under FSDP2);
+- ``optimizer``: static + the optimizer's temporaries.
+
+Every moment adds ``overhead``: ``FIXED_OVERHEAD_GB`` (CUDA context, cuBLAS workspaces,
+NCCL buffers) + ``FRAGMENTATION`` x the moment's transient bytes (activations, MoE and
+all-gather buffers; the few huge loss blocks fragment little). Those two are the only
+constants fitted to published peaks (``hardware.py``, ``tests/unit/test_plan_calibration.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
+from bumblebee.plan.layout import Layout, Primitives, Workload
+from bumblebee.plan.memory import (ADAM_TEMP_B, BF16, BWD_GRAD_FRACTION, allgather_bytes, cp_extra,
+                                   expert_grad_bytes, gdn_state_bytes, local_tokens, loss_bytes, micro_batches,
+                                   mixer_act, mlp_act, routed_buffers, routed_saved, stage_kinds, stage_layers,
+                                   static_bytes)
+from bumblebee.plan.spec import ATTN, MOE, ModelSpec
+
+MOMENTS = ("forward", "backward", "loss", "optimizer")
+STATIC = ("parameters", "gradients", "optimizer")
+
+
+@dataclass
+class MemoryBreakdown:
+    """Per-GPU bytes of one moment of one pipeline stage (the peak moment when reported alone)."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    saved_inputs: float = 0.0  # what the in-flight micro-batches keep for their backward
+    live_layer: float = 0.0  # the (re)computed layer's saved tensors and gradients, CP buffers
+    moe_buffers: float = 0.0  # routed [k*t, .] tensors of dispatch / experts / combine
+    loss: float = 0.0  # logits or linear-CE accumulators, final hidden
+    allgather: float = 0.0  # FSDP2 unsharded units
+    workspace: float = 0.0  # kernel-internal buffers (not seen by a fake-tensor dry run)
+    optim_temp: float = 0.0  # optimizer step temporaries
+    overhead: float = 0.0
+    moment: str = field(default="", compare=False)
+    stage: int = field(default=0, compare=False)
+    why: dict = field(default_factory=dict, compare=False, repr=False)  # term -> formula with numbers
+
+    @staticmethod
+    def terms() -> tuple[str, ...]:
+        return tuple(f.name for f in fields(MemoryBreakdown) if f.type == "float")
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, k) for k in self.terms())
+
+    def as_gb(self) -> dict[str, float]:
+        out = {"total": round(self.total / GB, 2)}
+        out.update({k: round(getattr(self, k) / GB, 2) for k in self.terms()})
+        return out
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    layers: range
+    moments: dict[str, MemoryBreakdown]
+    parts: dict[str, MemoryBreakdown] = field(default_factory=dict)  # "backward:moe", ... (dry-run checks)
+
+    @property
+    def peak(self) -> MemoryBreakdown:
+        return max(self.moments.values(), key=lambda m: m.total)
+
+    def as_json(self) -> dict:
+        p = self.peak
+        return {"stage": self.stage, "layers": [self.layers.start, self.layers.stop - 1] if len(self.layers) else [],
+                "peak_moment": p.moment, "peak_gb": round(p.total / GB, 2), "terms_gb": p.as_gb(),
+                "moments_gb": {k: round(m.total / GB, 2) for k, m in self.moments.items()}}
+
+
+def _layer_moments(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Primitives, t: int,
+                   skew: float = 1.0):
+    """Bytes per micro-batch saved by one layer of ``kind``, and its candidate moments:
+    (moment, live_layer, moe_buffers, workspace, why) in bytes for t local tokens."""
+    mixer, mlp = kind
+    tp, h = lay.tp, spec.hidden
+    mk, mc = mixer_act(spec, mixer, tp)
+    fk, fc = mlp_act(spec, mlp, tp)
+    cpk, cpm, cp_why = cp_extra(spec, mixer, lay)
+    routed = routed_buffers(spec, prims, tp, skew) if mlp == MOE else {}
+    ws = t * gdn_state_bytes(spec, tp) if mixer != ATTN else 0.0
+    f, rc = BWD_GRAD_FRACTION, prims.recompute
+    rsaved = routed_saved(spec, prims, tp) if mlp == MOE else 0.0
+    saved = {"full": h / tp * BF16, "selective": mk + fk + rsaved, "none": mk + mc + fk + fc + rsaved}[rc]
+    # live bytes beside the MoE's routed peak (the whole layer's saved tensors under full recompute)
+    # and in the mixer's own backward (its saved tensors and their gradients, CP buffers)
+    moe_live = {"full": mk + mc + fk + fc + cpk, "selective": mc + fc + cpk, "none": f * (fk + fc)}[rc]
+    mix_live = {"full": (mk + mc) * (1 + f), "selective": mc + mk * f, "none": (mk + mc) * f}[rc] + cpk + cpm
+    name = f"a {mixer}/{mlp} layer"
+    cp_note = f" + {cp_why}" if cp_why else ""
+    out = [("forward:mixer", t * (mk + mc + cpm), 0.0, 0.0, f"{name}'s mixer forward: {mk + mc + cpm:.0f} B/token"),
+           ("backward:mixer", t * mix_live, 0.0, ws,
+            f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; grads {f} x saved){cp_note}")]
+    if routed:
+        grads = expert_grad_bytes(spec, lay, prims)
+        out.append(("forward:moe", t * (fk + fc), t * routed["fwd"][0], 0.0,
+                    f"{name}'s MoE forward: {fk + fc:.0f} B/token + routed {routed['fwd'][1]}"))
+        bwd = max((t * routed["bwd"][0] + grads, routed["bwd"][1] + f" + expert grads {grads / GB:.2f} GB"),
+                  (t * routed["recompute"][0], routed["recompute"][1] + " (recompute forward)")
+                  if rc == "full" else (0.0, ""), key=lambda v: v[0])
+        out.append(("backward:moe", t * moe_live, bwd[0], 0.0,
+                    f"{name}'s MoE backward: {moe_live:.0f} B/token of the layer's saved tensors; routed {bwd[1]}"))
+    else:
+        out.append(("forward:mlp", t * (fk + fc), 0.0, 0.0, f"{name}'s MLP forward"))
+    return saved, out
+
+
+def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload,
+                   skew: float = 1.0) -> list[StageMemory]:
+    """Every stage's moments; ``skew``: this rank's experts receive ``skew`` x the balanced rows."""
+    t = local_tokens(work, lay)
+    m = micro_batches(work, lay)
+    out = []
+    for s, layers in enumerate(stage_layers(spec, lay.pp)):
+        first, last = s == 0, s == lay.pp - 1
+        params, grads, optim, updated, static_why = static_bytes(spec, lay, prims, layers, first, last)
+        inflight = min(lay.pp - s, m)
+        kinds = stage_kinds(spec, layers)
+        per_kind = {k: _layer_moments(spec, k, lay, prims, t, skew) for k in kinds}
+        saved_mb = sum(n * per_kind[k][0] for k, n in kinds.items())
+        ag_fwd, ag_bwd = allgather_bytes(spec, lay, layers, first, last) if prims.sharding == "fsdp2" else (0, 0)
+
+        def moment(name: str, **terms) -> MemoryBreakdown:
+            mem = MemoryBreakdown(parameters=params, gradients=grads, optimizer=optim, moment=name, stage=s, **terms)
+            transient = (mem.saved_inputs + mem.live_layer + mem.moe_buffers + mem.allgather + mem.optim_temp
+                         + mem.workspace)
+            mem.overhead = FIXED_OVERHEAD_GB * GB + FRAGMENTATION * transient
+            mem.why.update({k: static_why for k in STATIC})
+            if mem.saved_inputs:
+                mem.why["saved_inputs"] = (f"{inflight} micro-batch(es) in flight x {t} tokens x {saved_mb:.0f} "
+                                           f"B/token ({prims.recompute} recompute, {len(layers)} layers)")
+            mem.why["overhead"] = f"{FIXED_OVERHEAD_GB} GB fixed + {FRAGMENTATION} x {transient / GB:.2f} GB transient"
+            return mem
+
+        moments: dict[str, MemoryBreakdown] = {}
+        saved = inflight * t * saved_mb
+        h_bytes = spec.hidden / lay.tp * BF16
+        parts: dict[str, MemoryBreakdown] = {}
+        # in a backward the recomputed layer's own input is no longer among the saved ones
+        layer_in = t * h_bytes if prims.recompute == "full" else 0.0
+        for name, ag in (("forward", ag_fwd), ("backward", ag_bwd)):
+            kept = saved - (layer_in if name == "backward" else 0.0)
+            for part in sorted({c[0] for k in kinds for c in per_kind[k][1] if c[0].startswith(name)}):
+                cands = [c for k in kinds for c in per_kind[k][1] if c[0] == part]
+                _, live, routed, ws, why = max(cands, key=lambda c: c[1] + c[2] + c[3])
+                mem = moment(name, saved_inputs=kept, live_layer=live, moe_buffers=routed, workspace=ws,
+                             allgather=ag)
+                mem.why["live_layer"] = why
+                if routed:
+                    mem.why["moe_buffers"] = why.split("routed ")[-1]
+                if ws:
+                    mem.why["workspace"] = "FLA chunk states [t/64, Hv, Dk, Dv] and their gradient, bf16 (kernel-internal)"
+                parts[part] = mem
+            best = [m for p, m in parts.items() if p.startswith(name)]
+            if best:
+                moments[name] = max(best, key=lambda m: m.total)
+        if last:
+            lb, lwhy = loss_bytes(spec, lay, prims, work)
+            head = allgather_bytes(spec, lay, range(0), False, True)[1] if prims.sharding == "fsdp2" else 0.0
+            mem = moment("loss", saved_inputs=saved, loss=lb, allgather=head)
+            mem.why["loss"] = lwhy
+            moments["loss"] = mem
+        mem = moment("optimizer", saved_inputs=0.0, optim_temp=ADAM_TEMP_B * updated)
+        mem.why["optim_temp"] = f"foreach AdamW sqrt(v): 4 B x {updated / 1e9:.3f}B updated parameters"
+        moments["optimizer"] = mem
+        out.append(StageMemory(s, layers, moments, parts))
+    return out
+
+
+def stage_memory(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload) -> list[MemoryBreakdown]:
+    """The peak moment of every pipeline stage."""
+    return [st.peak for st in stage_timeline(spec, lay, prims, work)]
+
+
+def peak_memory(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload) -> tuple[MemoryBreakdown, int]:
+    """The stage whose GPUs need the most memory (the one that OOMs first), and its index."""
+    stages = stage_memory(spec, lay, prims, work)
+    idx = max(range(len(stages)), key=lambda s: stages[s].total)
+    return stages[idx], idx
