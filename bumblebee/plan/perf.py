@@ -141,8 +141,8 @@ def _layer_time(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Prim
     # elementwise / norm / permute traffic: each activation written and read once per pass
     mk, mc = mixer_act(spec, mixer, tp)
     fk, fc = mlp_act(spec, mlp, tp)
-    routed = routed_units(spec, tp)[0] if mlp == MOE else 0.0
-    act = mk + mc + fk + fc + 3 * routed
+    X, A = routed_units(spec, tp) if mlp == MOE else (0.0, 0.0)
+    act = mk + mc + fk + fc + 3 * X + 4 * A  # routed rows moved 3x, expert fc1 out / SwiGLU (4 x [k*t, F])
     elem_passes = 1 + 2 + (1 if rc == "full" else 0)
     elem = 2 * t * act / hbm
     clock.add("elementwise", elem * elem_passes + (2 * t * (mc + fc) / hbm if rc == "selective" else 0.0))
