@@ -61,14 +61,19 @@ class DryRunResult:
     collectives: dict[str, int] = field(default_factory=dict)  # c10d op -> calls made by the rank
 
     def worst(self) -> float:
-        """Largest relative gap of a term that is at least 10% of its moment's dynamic bytes. The
-        forward moment's saved inputs are left out: the analytic figure is the bound (every layer
-        of the micro-batch), the measured peak comes while layer i of n runs."""
+        """Largest relative gap: of a whole moment's dynamic bytes, and of each term that is at least
+        10% of its sub-moment ("forward:mixer", "backward:moe", ...: the same code running in both).
+        The forward's saved inputs are left out: the analytic figure is the bound (every layer of
+        the micro-batch), the measured peak comes while layer i of n runs."""
         gaps = []
         for moment, terms in self.terms.items():
+            if ":" not in moment:
+                m, a = (sum(v[i] for k, v in terms.items() if k != "saved_inputs") for i in (0, 1))
+                gaps.append(abs(m / a - 1) if a else 0.0)
+                continue
             dyn = sum(a for _, a in terms.values())
             gaps += [abs(m / a - 1) for k, (m, a) in terms.items()
-                     if a > 0.10 * dyn and (moment, k) != ("forward", "saved_inputs")]
+                     if a > 0.10 * dyn and (moment.split(":")[0], k) != ("forward", "saved_inputs")]
         return max(gaps, default=0.0)
 
     def summary(self) -> str:
@@ -234,7 +239,8 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
     moments = dict(analytic[s].moments)
     moments.update(analytic[s].parts)
     terms = {}
-    for key in ("forward", "backward", "backward:moe", "backward:mixer", "loss", "optimizer"):
+    for key in ("forward", "forward:mixer", "forward:moe", "backward", "backward:moe", "backward:mixer", "loss",
+                "optimizer"):
         if key not in moments or key not in run.peaks:
             continue
         terms[key] = {k: (v / GB, getattr(moments[key], k) / GB) for k, v in _measured(run, key).items()}
@@ -267,11 +273,14 @@ def _instrument(model, run: FakeRun, layers) -> None:
 
 
 def _enter(run: FakeRun, args) -> None:
-    if run.phase == "backward":
+    if run.phase in ("forward", "backward"):
         run.label = "mixer"
 
 
 def _leave(run: FakeRun, args, out) -> None:
+    if run.phase == "forward":
+        run.label = run.layer
+        return
     if run.phase != "backward":
         return
     run.label = "backward"

@@ -163,6 +163,12 @@ def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
     return kept * BF16 + 2 * vh * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
 
 
+# GDN CP scan, mixer backward: the fp32 gradients in flight relative to the fp32 tensors the scan
+# keeps. READ OFF THE DRY RUN (fake tensors, Qwen3.5 shapes, 2K-32K local tokens: 1.3-1.6), not
+# derived: the gradient of v_ext and of the correction path, part of [o|0, e]'s.
+GDN_CP_BWD_FACTOR = 1.5
+
+
 def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str]:
     """Per-token bytes a layer adds under context parallelism: (kept for backward, transient in a
     forward or backward of the mixer), and the formula."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 
 from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
 from bumblebee.plan.layout import Layout, Primitives, Workload
-from bumblebee.plan.memory import (ADAM_TEMP_B, BF16, BWD_GRAD_FRACTION, allgather_bytes, cp_extra,
+from bumblebee.plan.memory import (ADAM_TEMP_B, BF16, BWD_GRAD_FRACTION, GDN_CP_BWD_FACTOR, allgather_bytes, cp_extra,
                                    expert_grad_bytes, gdn_state_bytes, local_tokens, loss_bytes, micro_batches,
                                    mixer_act, mlp_act, routed_buffers, routed_saved, stage_kinds, stage_layers,
                                    static_bytes)
@@ -104,12 +104,17 @@ def _layer_moments(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: P
     # live bytes beside the MoE's routed peak (the whole layer's saved tensors under full recompute)
     # and in the mixer's own backward (its saved tensors and their gradients, CP buffers)
     moe_live = {"full": mk + mc + fk + fc + cpk, "selective": mc + fc + cpk, "none": f * (fk + fc)}[rc]
-    mix_live = {"full": (mk + mc) * (1 + f), "selective": mc + mk * f, "none": (mk + mc) * f}[rc] + cpk + cpm
+    # mixer backward: its saved tensors, their gradients, the CP scan's fp32 gradients (GDN) or the
+    # ring's blocks (attention), and the bf16 gradients of the mixer's weights before accumulation
+    cp_bwd = cpk * (1 + GDN_CP_BWD_FACTOR) if mixer != ATTN else cpm
+    wgrad = spec.mixer_params(mixer) / tp * BF16
+    mix_live = {"full": (mk + mc) * (1 + f), "selective": mc + mk * f, "none": (mk + mc) * f}[rc] + cp_bwd
     name = f"a {mixer}/{mlp} layer"
     cp_note = f" + {cp_why}" if cp_why else ""
     out = [("forward:mixer", t * (mk + mc + cpm), 0.0, 0.0, f"{name}'s mixer forward: {mk + mc + cpm:.0f} B/token"),
-           ("backward:mixer", t * mix_live, 0.0, ws,
-            f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; grads {f} x saved){cp_note}")]
+           ("backward:mixer", t * mix_live + wgrad, 0.0, ws,
+            f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; grads {f} x saved){cp_note}; weight "
+            f"gradients {wgrad / GB:.2f} GB")]
     if routed:
         grads = expert_grad_bytes(spec, lay, prims)
         out.append(("forward:moe", t * (fk + fc), t * routed["fwd"][0], 0.0,
