@@ -170,7 +170,7 @@ def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Worklo
                 mem = moment(name, saved_inputs=kept, live_layer=live, moe_buffers=routed, workspace=ws,
                              allgather=ag)
                 mem.why["live_layer"] = why
-                if kept != saved:
+                if kept != saved and "saved_inputs" in mem.why:
                     mem.why["saved_inputs"] += f" - {t} x {h_bytes:.0f} B (the recomputed layer's own input)"
                 if routed:
                     mem.why["moe_buffers"] = why.split("routed ")[-1]
