@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from bumblebee.errors import ConfigError
 from bumblebee.models import qwen3_5_moe, qwen3_moe
 from bumblebee.models.arch import ArchError
@@ -96,7 +98,37 @@ def resolve_arch(model_cfg):
         raise ConfigError(f"model.arch: {e}") from None
 
 
-def build_model(arch, prims=None, groups=None):
-    """An initialized model of ``arch``'s family with the chosen primitives; ``groups``
-    (``primitives.parallel.ParallelGroups``) when it is split over ranks."""
-    return family_of(arch).model(arch, prims, groups)
+def build_model(arch, prims=None, groups=None, *, device=None, seed: int | None = None):
+    """A model of ``arch``'s family with the chosen primitives; ``groups``
+    (``primitives.parallel.ParallelGroups``) when it is split over ranks. Initialized from
+    ``seed`` (None: drawn from torch's global generator), identically for every layout; with
+    ``device="meta"`` nothing is allocated: split it (pipeline stage, sharding) and then
+    ``materialize`` it, so a rank only ever holds its share."""
+    cls = family_of(arch).model
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return cls(arch, prims, groups)
+    model = cls(arch, prims, groups)  # built on the CPU, not initialized yet: see CausalLM.__init__
+    model.reset_parameters(seed=seed)
+    return model if device is None else model.to(device)
+
+
+@torch.no_grad()
+def materialize(model, device, *, seed: int | None = None, hf_path: str = "", dtype=None):
+    """Give a model built on the meta device (and possibly split since: a pipeline stage, an
+    expert slice, FSDP2 shards) memory on ``device`` for its own share only, then fill it in
+    place: from the Hugging Face checkpoint at ``hf_path`` (each rank reads only its slices,
+    models/hf.py), else the layout-independent random init of ``seed``."""
+    if dtype is not None:
+        model.to(dtype)
+    model.to_empty(device=device)
+    for b in model.buffers():
+        if b.is_floating_point():
+            b.zero_()
+    if hf_path:
+        from bumblebee.models.hf import load_hf_weights
+
+        load_hf_weights(model, hf_path)
+    else:
+        model.reset_parameters(seed=seed)
+    return model

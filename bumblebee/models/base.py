@@ -6,7 +6,9 @@ a Hugging Face name map; everything around the layers lives here once:
 - construction: the primitives named in the config are resolved (attention or the CP
   attention when the sequence is split, MoE dispatch, recompute policy, loss), the
   HF-named backbone ``model.{embed_tokens, layers, norm}`` and ``lm_head`` are built, and
-  weights are initialized identically for every layout of a seed;
+  weights are initialized identically for every layout of a seed (per-block seeded draws,
+  primitives/init.py), also when the model was built on the meta device and split before it
+  got memory (``build_model(..., device="meta")``, then ``materialize``);
 - entry points: ``hidden_states`` (optionally one pipeline stage of it), ``loss_terms``
   (what a training step needs from one micro-batch) and ``forward`` (the public API);
 - the protocol the runtime and the sharding primitives call instead of reaching into
@@ -27,6 +29,7 @@ from torch import nn
 
 from bumblebee import registry
 from bumblebee.models.kv_cache import KVCache, cache_aware
+from bumblebee.primitives import init
 from bumblebee.primitives.cp.layout import build_cp_layout
 from bumblebee.primitives.moe import balance
 from bumblebee.primitives.moe import replay as routing_replay
@@ -34,6 +37,7 @@ from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.packed import default_position_ids, doc_layout
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.rope import rope_cos_sin
+from bumblebee.primitives.sharding.common import row_extent
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -89,7 +93,7 @@ class CausalLM(nn.Module):
     """The public model object: ``model(input_ids, position_ids=None, labels=None)``.
 
     Subclasses set ``family`` and ``norm_cls`` and implement ``make_layer`` (and may
-    override ``rotary_dim``, ``init_extra`` and ``layer_flops``)."""
+    override ``rotary_dim``, ``init_vectors`` and ``layer_flops``)."""
 
     family = ""
     norm_cls: type = nn.Module
@@ -116,8 +120,7 @@ class CausalLM(nn.Module):
         for j, layer in enumerate(layer for layer in self.model.layers if layer.is_moe):
             layer.mlp.moe_index = j  # its slot in router stats and routing replay ids
         self.stage_layers: dict[int, list[int]] | None = None  # pipeline stage -> its layers (keep_stages)
-        self.num_stages = 1
-        self.reset_parameters()
+        self.num_stages = 1  # parameters are left as constructed: build_model / materialize initialize them
 
     # ------------------------------------------------------------------ family hooks
     def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
@@ -128,27 +131,44 @@ class CausalLM(nn.Module):
     def rotary_dim(self) -> int:
         return self.arch.head_dim
 
-    def init_extra(self, std: float) -> None:
-        """Initialize what ``reset_parameters`` leaves alone (vectors: norms, gates, ...)."""
+    def init_vectors(self, std: float) -> dict:
+        """Fill rules (primitives/init.py) for what is not a matrix: parameter or buffer name ->
+        ``fill``; may also override a matrix's rule. Default: ones for every 1-D parameter (RMSNorm
+        weights). Buffers without a rule keep their constructor values (zeros after ``materialize``)."""
+        return {name: init.const(1.0) for name, p in self.named_parameters() if p.dim() == 1}
 
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
         """Forward FLOPs of one ``seq_len``-token sequence per decoder layer, and of the LM head."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ weights
+    def init_rules(self, std: float) -> dict:
+        """How every parameter starts: name -> ``fill(block, generator)``. HF-style: normal(0, std)
+        for matrices, then the family's ``init_vectors``."""
+        rules = {name: init.normal(std) for name, p in self.named_parameters() if p.dim() > 1}
+        rules.update(self.init_vectors(std))
+        return rules
+
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """HF-style init: normal(0, std) for matrices (then ``init_extra`` for the rest).
-        Expert weights are drawn at full size and sliced, so every expert-parallel layout
-        initializes identically for a seed."""
+    def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
+        """Initialize in place, identically for every layout of ``seed``: each value is a function
+        of (seed, tensor name, position) only (primitives/init.py), so an expert slice, an FSDP2
+        shard or a pipeline stage gets exactly its part of the full tensors, generated one block
+        at a time. ``seed=None`` draws one from torch's global generator. Nothing to do on meta."""
+        if any(p.is_meta for p in self.parameters()):
+            return
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        rules = self.init_rules(std)
         ep, r = self.groups.ep_size, self.groups.ep_rank
         for name, p in self.named_parameters():
-            if p.dim() > 1 and ep > 1 and self.is_expert_param(name):
-                full = torch.empty((p.shape[0] * ep,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
-                p.copy_(full.normal_(0.0, std)[r * p.shape[0]:(r + 1) * p.shape[0]])
-            elif p.dim() > 1:
-                p.normal_(0.0, std)
-        self.init_extra(std)
+            if name not in rules:
+                raise NotImplementedError(f"{type(self).__name__}: no init rule for {name} (init_vectors)")
+            shape, lo, part = row_extent(p, self.is_expert_param(name), r, ep)
+            init.fill_rows(part, shape, lo, rules[name], seed, name)
+        for name, b in self.named_buffers():
+            if name in rules:
+                init.fill_rows(b, tuple(b.shape), 0, rules[name], seed, name)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

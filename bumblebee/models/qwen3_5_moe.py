@@ -36,6 +36,7 @@ from bumblebee import registry
 from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
 from bumblebee.models.base import CausalLM, LayerParts
 from bumblebee.models.qwen3_moe import MLP, MoE
+from bumblebee.primitives import init
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
 from bumblebee.primitives.norms import ZeroCenteredRMSNorm
 from bumblebee.primitives.packed import DocLayout
@@ -130,14 +131,16 @@ class Qwen3_5MoeForCausalLM(CausalLM):
     def rotary_dim(self) -> int:
         return self.arch.rotary_dim
 
-    def init_extra(self, std: float) -> None:
-        """Zeros for the (1 + w) norms, then the GDN vectors (ones for its output norm and
+    def init_vectors(self, std: float) -> dict:
+        """Zeros for the (1 + w) norms, then the GDN's own rules (ones for its output norm and
         dt_bias, A_log = log U(0.01, 16))."""
-        for m in self.modules():
+        rules = {}
+        for mn, m in self.named_modules():
             if isinstance(m, ZeroCenteredRMSNorm):
-                m.weight.zero_()
+                rules[f"{mn}.weight"] = init.const(0.0)
             elif isinstance(m, GatedDeltaNet):
-                m.reset_parameters(std)
+                rules.update({f"{mn}.{pn}": fill for pn, fill in m.init_rules(std).items()})
+        return rules
 
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
         """Estimated forward FLOPs of one ``seq_len``-token sequence through each decoder layer and

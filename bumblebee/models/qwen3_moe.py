@@ -133,11 +133,6 @@ class Qwen3MoeForCausalLM(CausalLM):
     def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
         return DecoderLayer(self.arch, index, parts)
 
-    def init_extra(self, std: float) -> None:
-        for p in self.parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
         """Estimated forward FLOPs of one ``seq_len``-token sequence through each decoder layer
         (attention projections + causal core, then the router + top-k experts, or the dense

@@ -105,15 +105,20 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         self.ctx = build_parallel_context(cfg, self.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         ctx = self.ctx
-        model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group))
         self.pipeline = None
-        if pp > 1:  # keep this rank's stages (rl/pipeline.py); that part is what gets sharded
-            from bumblebee.rl.pipeline import EnginePipeline
-
-            self.pipeline = EnginePipeline(cfg, ctx, model, self.device, autocast_for(self.device, cfg.train.dtype),
-                                           temperature)
         self.sharding = build_sharding(cfg, ctx)
-        self.model = self.sharding.wrap(model)
+
+        def split(model):  # on the meta device: nothing allocated yet
+            if pp > 1:  # keep this rank's stages (rl/pipeline.py); that part is what gets sharded
+                from bumblebee.rl.pipeline import EnginePipeline
+
+                self.pipeline = EnginePipeline(cfg, ctx, model, self.device,
+                                               autocast_for(self.device, cfg.train.dtype), temperature)
+            return self.sharding.wrap(model)
+
+        self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group),
+                                         split)  # split and sharded on the meta device, then filled
+        self.sharding.after_load()
         self.optimizer = build_optimizer(cfg.train, self.sharding)
         self.arch = self.model.arch
         self.autocast = autocast_for(self.device, cfg.train.dtype)

@@ -24,8 +24,7 @@ import torch.distributed as dist
 from bumblebee import registry
 from bumblebee.config import Config, dump_toml, eval_interval
 from bumblebee.data import build_source
-from bumblebee.models import build_model, resolve_arch
-from bumblebee.models.base import persistent_buffers
+from bumblebee.models import build_model, materialize, resolve_arch
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives.dispatch import describe as describe_kernels
 from bumblebee.primitives.dispatch import kernel_table
@@ -56,36 +55,17 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def build_initial_model(cfg: Config, device: torch.device, groups: ParallelGroups | None = None):
-    """The model a config describes, initialized identically on every rank and for every
-    layout (same seed), or loaded from ``model.hf_path``; holds this rank's experts only."""
+def build_initial_model(cfg: Config, device: torch.device, groups: ParallelGroups | None = None, split=None):
+    """The model a config describes, holding this rank's share only: built on the meta device,
+    cut by ``split(model) -> model`` while it has no memory (the pipeline keeps this rank's
+    stages, the sharding primitive wraps it: FSDP2 shards, expert slices), then materialized on
+    ``device`` and filled in place: the random init of ``train.seed`` (identical for every
+    layout), or each rank's slices of ``model.hf_path``."""
     arch = resolve_arch(cfg.model)
-    groups = groups or ParallelGroups()
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(arch, cfg.primitives, groups)
-    if cfg.model.hf_path:
-        from bumblebee.models.hf import load_hf_weights
-
-        full = model if groups.ep_size == 1 else build_model(arch, cfg.primitives)
-        load_hf_weights(full, cfg.model.hf_path)
-        if full is not model:
-            copy_expert_slice(full, model, groups.ep_rank, groups.ep_size)
-    return model.to(device)
-
-
-@torch.no_grad()
-def copy_expert_slice(full: torch.nn.Module, part: torch.nn.Module, ep_rank: int, ep_size: int) -> None:
-    """Copy a full model's weights into an expert-parallel model (its share of experts)."""
-    src = dict(full.named_parameters())
-    for name, p in part.named_parameters():
-        t = src[name]
-        if t.shape != p.shape:
-            n = p.shape[0]
-            t = t[ep_rank * n:(ep_rank + 1) * n]
-        p.copy_(t)
-    src = dict(persistent_buffers(full))  # replicated buffers (router bias) are copied whole
-    for name, b in persistent_buffers(part):
-        b.copy_(src[name])
+    model = build_model(arch, cfg.primitives, groups or ParallelGroups(), device="meta")
+    if split is not None:
+        model = split(model)
+    return materialize(model, device, seed=cfg.train.seed, hf_path=cfg.model.hf_path)
 
 
 def build_parallel_context(cfg: Config, device: torch.device) -> ParallelContext:
@@ -118,15 +98,20 @@ class Trainer:
         seed_everything(t.seed, t.deterministic)
         ctx = self.ctx
         self.cp, self.cp_rank = ctx.layout.cp, ctx.cp_rank
-        self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group,
-                                                                          cp_group=ctx.cp_group))
         self.autocast = autocast_for(self.device, t.dtype)
         self.pipeline = None
-        if ctx.layout.pp > 1:  # keep this rank's pipeline stages only; that part is what gets sharded
+        if ctx.layout.pp > 1:
             check_trainer_pipeline(cfg)
-            self.pipeline = Pipeline(cfg, ctx, self.model, self.device, self.autocast)
         self.sharding = build_sharding(cfg, ctx)
-        self.model = self.sharding.wrap(self.model)
+
+        def split(model):  # on the meta device: nothing allocated yet
+            if ctx.layout.pp > 1:  # keep this rank's pipeline stages only; that part is what gets sharded
+                self.pipeline = Pipeline(cfg, ctx, model, self.device, self.autocast)
+            return self.sharding.wrap(model)
+
+        self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group,
+                                                                          cp_group=ctx.cp_group), split)
+        self.sharding.after_load()  # e.g. zero1 takes its fp32 master slices of the weights
         self.optimizer = build_optimizer(t, self.sharding)
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)
         self.checkpoint = Checkpointer(cfg, ctx, self.model, self.sharding, self.optimizer, stream=stream)

@@ -52,11 +52,6 @@ class ParallelMoe(CausalLM):
     def make_layer(self, index, parts):
         return ParallelLayer(self.arch, index, parts)
 
-    def init_extra(self, std):
-        for p in self.parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-
 
 TINY = {**PRESETS["qwen3_moe"]["tiny"], "model_type": "parallel_moe", "num_hidden_layers": 2}
 # ------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bumblebee.primitives import init
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.linear_attention.conv import CausalConv1d
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
@@ -106,6 +107,12 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias.fill_(1.0)
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
         self.norm.weight.fill_(1.0)
+
+    def init_rules(self, std: float = 0.02) -> dict:
+        """The same init as fill rules (primitives/init.py), for layout-independent model init."""
+        rules = {f"{n}.weight": init.normal(std) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                          "out_proj", "conv1d")}
+        return {**rules, "dt_bias": init.const(1.0), "A_log": init.log_uniform(0.01, 16), "norm.weight": init.const(1.0)}
 
     def project(self, x_BTD: torch.Tensor):
         """The per-token input projections: (pre-conv qkv [B, T, C], z [B, T, H, V], beta [B, T, H],

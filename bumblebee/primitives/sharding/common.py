@@ -102,3 +102,20 @@ def full_named_parameters(model: torch.nn.Module, ep_group=None):
             dist.all_gather(parts, t.contiguous(), group=ep_group)
             t = torch.cat(parts)
         yield name, t
+
+
+def row_extent(t: torch.Tensor, is_expert: bool = False, ep_rank: int = 0, ep: int = 1):
+    """Which rows of dim 0 of the *global* tensor this rank's ``t`` holds: (global shape, first
+    row, local tensor). Every layout owns whole rows: an FSDP2 DTensor is sharded on dim 0 in
+    ``torch.chunk`` sizes over a 1-D mesh, and expert parallelism owns a block of experts (the
+    global expert tensor has all ``E = local E x ep`` experts); a plain tensor is all of it."""
+    shape, lo, part = tuple(t.shape), 0, t
+    if isinstance(t, DTensor):
+        w, r = t.device_mesh.size(), t.device_mesh.get_local_rank()
+        chunk = -(-shape[0] // w) if shape else 0
+        part = t.to_local()
+        lo = min(shape[0], r * chunk) if shape else 0
+    if ep > 1 and is_expert:
+        lo += ep_rank * shape[0]
+        shape = (shape[0] * ep, *shape[1:])
+    return shape, lo, part

@@ -71,6 +71,11 @@ class FSDP2(NoSharding):
         self.optimizer_options = {"foreach": False}  # foreach kernels cannot mix DTensors of two meshes
         return model
 
+    def after_load(self) -> None:
+        """A model wrapped on the meta device has new parameter objects since ``to_empty``."""
+        if self.groups.dense_mesh is not None:
+            self.named = list(self.model.named_parameters())
+
     def set_grad_sync(self, enabled: bool) -> None:
         """Called before each micro-batch (enabled on the last). With ``grad_accum = "sharded"``
         every micro-batch is synced: a reduce-scatter per micro-batch keeps gradients sharded."""

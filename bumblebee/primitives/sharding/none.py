@@ -53,7 +53,7 @@ class NoSharding:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def after_load(self) -> None:
-        """Called after a checkpoint wrote into the parameters and optimizer state."""
+        """Called once the parameters hold their values (initialized, or read from a checkpoint)."""
 
     def step(self, optimizer) -> None:
         optimizer.step()

@@ -74,7 +74,13 @@ class Zero1(NoSharding):
 
     @torch.no_grad()
     def after_load(self) -> None:
-        for s in self.slices.values():  # the fp32 masters are slices of the (just loaded) parameters
+        """The fp32 masters are slices of the (just loaded or initialized) parameters. A model
+        wrapped on the meta device got new parameter objects since (``to_empty``): its slices
+        are taken afresh here."""
+        if any(s.master.is_meta for s in self.slices.values()):
+            self.wrap(self.model)
+            return
+        for s in self.slices.values():
             s.master.copy_(s.p.detach().view(-1)[s.lo:s.hi])
 
     def reduce_grads(self) -> None:
