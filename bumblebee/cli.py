@@ -130,12 +130,15 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
                    help="split the safetensors into shards of at most N bytes, with an index (default 5 GiB)")
     p.add_argument("--overwrite", action="store_true",
                    help="OUT_DIR holds an earlier export: replace its files (otherwise a non-empty OUT_DIR is refused)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="dtype of the exported weights (default: bfloat16 for a checkpoint of a train.dtype = "
+                        "bfloat16 run, float32 otherwise); written one tensor at a time")
 
 
 def _convert_run(args) -> int:
     from bumblebee.runtime.export import export_checkpoint
 
-    path = export_checkpoint(args.ckpt_dir, args.out_dir, args.max_shard_bytes, args.overwrite)
+    path = export_checkpoint(args.ckpt_dir, args.out_dir, args.max_shard_bytes, args.overwrite, dtype=args.dtype)
     print(f"bumblebee: wrote {args.out_dir} from {path}")
     return 0
 

@@ -16,15 +16,16 @@ one-line notice.
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-from safetensors.torch import save_file
 
 from bumblebee.errors import CheckpointError
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf_read import load_hf_weights, weight_files  # noqa: F401  (load_hf_weights re-exported)
+from bumblebee.models.hf_write import write_hf
+
+_weight_files = weight_files  # the name rl/weights.py imports
 
 
 def from_hf(path: str, dtype: torch.dtype = torch.float32, prims=None):
@@ -64,37 +65,13 @@ def hf_state_dict(model):
         yield name, b.detach()
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def to_hf(model, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write ``model`` as a HF directory: config.json and safetensors, sharded with an
-    index when larger than ``max_shard_bytes``."""
-    os.makedirs(out_dir, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    dtype = None
-    for name, t in hf_state_dict(model):
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous().cpu().clone()
-        size += nbytes
-        dtype = dtype or t.dtype
-    cfg = model.arch.to_hf_dict()
-    cfg["dtype"] = _DTYPE_NAMES.get(dtype, "float32")
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        for name, t in shard.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+def to_hf(model, out_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: torch.dtype | None = None,
+          source: str = "") -> None:
+    """Write ``model`` as a HF directory: config.json and safetensors (in ``dtype``, default the
+    parameters'), sharded with an index when larger than ``max_shard_bytes``, one tensor at a time
+    (models/hf_write.py). ``source``: the HF directory it came from, whose tensors outside the
+    language model (vision tower, MTP head) are carried over unchanged."""
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    dtype = dtype or (named[0][1].dtype if named else torch.float32)
+    write_hf(out_dir, model.arch, [(n, tuple(t.shape)) for n, t in named], named, dtype=dtype,
+             max_shard_bytes=max_shard_bytes, source=source)

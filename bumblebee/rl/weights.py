@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from bumblebee.models.hf import _weight_files, hf_state_dict, to_hf
+from bumblebee.models.hf import _weight_files, hf_state_dict
+from bumblebee.models.hf_write import write_hf
 
 
 class _FullModel:
@@ -158,11 +159,16 @@ class EngineWeights:
             transport.finish(self.weight_version)
         return self.weight_version
 
-    def export_hf(self, out_dir: str) -> None:
-        """Write a HF directory (config.json + safetensors) from rank 0. Collective."""
+    def export_hf(self, out_dir: str, dtype: torch.dtype = torch.float32) -> None:
+        """Write a HF directory (config.json + safetensors) from rank 0, one tensor at a time: each
+        full tensor is gathered when it is reached and written (models/hf_write.py); the tensors of
+        ``model.hf_path`` outside the language model (vision tower, MTP) are carried over. Collective."""
         named = self.named_weights(hf_names=False)
         if self.ctx.rank == 0:
-            to_hf(_FullModel(self.arch, named), out_dir)
+            from bumblebee.models import build_model
+
+            shapes = [(n, tuple(p.shape)) for n, p in build_model(self.arch, device="meta").named_parameters()]
+            write_hf(out_dir, self.arch, shapes, named, dtype=dtype, source=self.cfg.model.hf_path)
         else:
             for _ in named:
                 pass

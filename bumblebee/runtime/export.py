@@ -1,5 +1,12 @@
 """``bumblebee convert --to hf``: a training checkpoint as a Hugging Face directory.
 
+Streaming: the checkpoint is read in buckets of whole tensors (at most ``BUCKET_BYTES``, or
+one tensor if larger; one ``torch.distributed.checkpoint`` load per bucket) and each tensor is written as soon as it is read (models/hf_write.py),
+so the export holds a bucket and one converted tensor, never the model. When the run started
+from a Hugging Face directory (``model.hf_path`` in the checkpoint's config) that still exists,
+the tensors it holds outside the language model (vision tower, MTP head) and its non-weight
+files are carried over, so the export is again a complete checkpoint.
+
 The export is written beside the target (a hidden temporary directory) and moved in
 when complete, so an interrupted export leaves no half-written model where a loader
 would look. The target must be new or empty; a directory holding an earlier export
@@ -10,30 +17,51 @@ never written into.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
 import sys
 
-from bumblebee.models.hf import CheckpointError, to_hf
-from bumblebee.runtime.checkpoint import _STEP_DIR, HF_SHARD_BYTES, MARKER, load_model, named_checkpoint
+import torch
+
+from bumblebee.config import tomllib
+from bumblebee.models import arch_from_hf_dict, build_model
+from bumblebee.models.hf import CheckpointError
+from bumblebee.models.hf_write import write_hf
+from bumblebee.runtime.checkpoint import (_STEP_DIR, HF_SHARD_BYTES, MARKER, _check_fits, named_checkpoint,
+                                          read_marker)
+from bumblebee.runtime.checkpoint_state import Piece, load_pieces, read_dcp_metadata
+from bumblebee.runtime.integrity import verify_checksums
+
+BUCKET_BYTES = 64 * 2**20
 
 
-def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_BYTES, overwrite: bool = False) -> str:
+def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_BYTES, overwrite: bool = False,
+                      dtype: str | None = None) -> str:
     """``bumblebee convert --to hf``: the parameters of a checkpoint (or the newest complete
-    one under a run / checkpoints directory) as a HF directory; one process. Returns the
-    checkpoint used. ``out_dir`` must be new or empty, or an earlier export with ``overwrite``
-    (its files are replaced, so two exports never mix); never a checkpoint or run directory."""
+    one under a run / checkpoints directory) as a HF directory, in ``dtype`` ("bfloat16" |
+    "float32"; default the run's ``train.dtype``); one process. Returns the checkpoint used.
+    ``out_dir`` must be new or empty, or an earlier export with ``overwrite`` (its files are
+    replaced, so two exports never mix); never a checkpoint or run directory."""
     if max_shard_bytes < 1:
         raise CheckpointError(f"--max-shard-bytes must be >= 1, got {max_shard_bytes}")
     old = export_target_files(out_dir, overwrite)
     path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
-    model = load_model(path)  # checksums verified
+    arch, named_shapes, tensors = stream_checkpoint(path)  # checksums verified
+    saved = _saved_config(path)
+    dtype = dtype or ("bfloat16" if saved.get("train", {}).get("dtype") == "bfloat16" else "float32")
+    source = saved.get("model", {}).get("hf_path", "")
+    if source and not os.path.isfile(os.path.join(source, "config.json")):
+        print(f"bumblebee: {source} (the run's model.hf_path) is gone: exporting the language model only",
+              file=sys.stderr)
+        source = ""
     parent, base = os.path.split(os.path.abspath(out_dir))
     tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        to_hf(model, tmp, max_shard_bytes)  # written beside the target, then moved in
+        write_hf(tmp, arch, named_shapes, tensors, dtype=getattr(torch, dtype), max_shard_bytes=max_shard_bytes,
+                 source=source)  # written beside the target, then moved in
         if os.path.isdir(out_dir) and not os.listdir(out_dir):
             os.rmdir(out_dir)
         if not os.path.exists(out_dir):
@@ -48,6 +76,40 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _saved_config(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "config.toml"), "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+
+
+def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
+    """(arch, [(name, global shape)], iterator of (name, full fp32 tensor)) of checkpoint ``path``
+    (checksums verified, shapes checked): the iterator reads ``bucket_bytes`` of tensors at a time."""
+    info = read_marker(path)
+    verify_checksums(path, info)
+    arch = arch_from_hf_dict(info["arch"])
+    named_shapes = [(n, tuple(p.shape)) for n, p in build_model(arch, device="meta").named_parameters()]
+    meta = {f"model/{n}": Piece(torch.empty(0, device="meta"), 0, s) for n, s in named_shapes}
+    _check_fits(path, info, read_dcp_metadata(path), meta)
+
+    def tensors():
+        bucket, size = [], 0
+        for i, (name, shape) in enumerate(named_shapes):
+            bucket.append((name, shape))
+            size += math.prod(shape) * 4
+            following = math.prod(named_shapes[i + 1][1]) * 4 if i + 1 < len(named_shapes) else None
+            if following is None or size + following > bucket_bytes:
+                full = {n: torch.empty(s) for n, s in bucket}
+                load_pieces(path, {f"model/{n}": Piece(t.view(-1), 0, tuple(t.shape)) for n, t in full.items()})
+                for n, _ in bucket:
+                    yield n, full.pop(n)
+                bucket, size = [], 0
+
+    return arch, named_shapes, tensors()
 
 
 _EXPORT_FILE = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors\.index\.json|.*\.safetensors)$")

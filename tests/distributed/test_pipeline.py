@@ -55,14 +55,14 @@ def references(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
-def check(what, results, ref, param_rtol=1e-5):
+def check(what, results, ref, param_rtol=1e-5, gnorm_rtol=1e-5):
     """``results``: every rank's (trace, params, layout); stage parameters are merged over ranks."""
     ref_trace, ref_params, _ = ref
     params = {}
     for trace, rank_params, _ in results:
         for (loss, gnorm, aux), (ref_loss, ref_gnorm, ref_aux) in zip(trace, ref_trace, strict=True):
             assert loss == pytest.approx(ref_loss, rel=1e-5), what
-            assert gnorm == pytest.approx(ref_gnorm, rel=1e-5), what
+            assert gnorm == pytest.approx(ref_gnorm, rel=gnorm_rtol), what
             assert aux == pytest.approx(ref_aux, rel=1e-5), what
         params.update(rank_params)
     assert params.keys() == ref_params.keys(), what
@@ -87,9 +87,11 @@ FOUR_RANKS = {  # name: (reference, overrides, parameter tolerance)
     "pp=2 x ep=2 (dp_shard=2), fsdp2": ("qwen3 fused", QWEN3 + FUSED + ["parallel.pp=2", "parallel.ep=2"], 1e-4),
     # ring attention sums in another order; after 5 Adam steps at lr 1e-2 cp=2 alone (pp=1) is
     # 4e-5 away from the reference in the worst tensor: loss and grad norm still agree to 1e-5
+    # (grad norm: cp=2 alone, pp=1, is 1.4e-5 away at step 3 from the per-block seeded init on; pp adds nothing)
     "pp=2 x cp=2, fsdp2": ("qwen3 fused", QWEN3 + FUSED + ["parallel.pp=2", "parallel.cp=2",
                                                           "primitives.pipeline=gpipe"], 3e-4),  # 1.1e-4 seen
 }
+GNORM_RTOL = {"pp=2 x cp=2, fsdp2": 5e-5}
 
 
 def test_pp2_matches_pp1(references, tmp_path):
@@ -106,7 +108,7 @@ def test_pp2_composes_with_ep_and_cp(references, tmp_path):
     cases = [overrides for _, overrides, _ in FOUR_RANKS.values()]
     per_rank = run_distributed(_ranks, 4, cases, str(tmp_path))
     for i, (name, (ref, _, rtol)) in enumerate(FOUR_RANKS.items()):
-        check(name, [results[i] for results in per_rank], references[ref], rtol)
+        check(name, [results[i] for results in per_rank], references[ref], rtol, GNORM_RTOL.get(name, 1e-5))
 
 
 def test_balance_layers():

@@ -22,6 +22,7 @@ import re
 
 import torch
 from dist_utils import run_distributed
+from safetensors.torch import load_file
 
 import bumblebee
 from bumblebee import load_config
@@ -68,10 +69,20 @@ def _start(rank, world, hf_path, out_dir):
     trainer = Trainer(cfg, stream=io.StringIO())
     grown = rss_peak() - before
     share = sum(local(p).numel() * local(p).element_size() for p in trainer.model.parameters())
+    trainer.checkpoint.save(0)  # for the export test
     return grown, share
 
 
-def test_each_rank_reads_only_its_share(tmp_path):
+def _export(rank, world, ckpt, out):
+    from bumblebee.runtime.export import export_checkpoint
+
+    reset_peak()
+    before = rss_now()
+    export_checkpoint(ckpt, out)
+    return rss_peak() - before
+
+
+def test_each_rank_reads_only_its_share_and_export_streams(tmp_path):
     size = make_checkpoint(tmp_path / "hf")
     for rank, (grown, share) in enumerate(run_distributed(_start, 2, str(tmp_path / "hf"), str(tmp_path / "run"))):
         assert share < 0.6 * size, (share, size)  # experts split over ep = 2, dense tensors over fsdp2
@@ -79,3 +90,13 @@ def test_each_rank_reads_only_its_share(tmp_path):
         assert grown <= bound, (f"rank {rank}: peak RSS grew {grown / MiB:.0f} MiB while starting from a "
                                 f"{size / MiB:.0f} MiB checkpoint; its share is {share / MiB:.0f} MiB, "
                                 f"bound {bound / MiB:.0f} MiB")
+
+    # export the training checkpoint: a few tensors at a time (the largest: one layer's stacked experts)
+    largest = 32 * 2 * 512 * 256 * 4
+    [grown] = run_distributed(_export, 1, str(tmp_path / "run"), str(tmp_path / "export"))
+    bound = 2 * largest + 32 * MiB
+    assert grown <= bound, (f"export: peak RSS grew {grown / MiB:.0f} MiB for a {size / MiB:.0f} MiB model; "
+                            f"bound {bound / MiB:.0f} MiB")
+    exported, source = (load_file(tmp_path / d / "model.safetensors") for d in ("export", "hf"))
+    assert exported.keys() == source.keys()
+    assert all(torch.equal(exported[k], source[k]) for k in source)  # the round trip is exact

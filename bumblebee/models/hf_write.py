@@ -1,0 +1,177 @@
+"""Writing a Hugging Face directory one tensor at a time.
+
+The shard plan (which tensor goes to which ``model-XXXXX-of-YYYYY.safetensors``, at most
+``max_shard_bytes`` each, with ``model.safetensors.index.json``) is made from names, shapes and
+the output dtype alone, so every safetensors header is written before any data; tensors then
+arrive one by one in that order (from a model in memory, a training checkpoint read tensor by
+tensor, or gathered just in time across ranks) and their bytes are appended to the open shard.
+No more than one tensor (plus its dtype-converted copy) is held: never the model, never a
+shard. The file format is safetensors' own (8-byte little-endian header length, JSON header
+with ``dtype``, ``shape``, ``data_offsets`` per tensor, the header padded with spaces to a
+multiple of 8, then the raw little-endian bytes).
+
+Carried over (``source``): when the model came from a HF directory whose checkpoint holds more
+than the language model (the multimodal wrapper's vision tower, an MTP head: the family's skip
+list), those tensors are copied unchanged from the source, the language model is written
+under the source's prefix (``model.language_model.``), and the source's ``config.json`` and
+other non-weight files (tokenizer, processor, chat template) are kept, so the export is again a
+complete checkpoint. A tensor the model wrote itself is never carried over a second time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+
+import torch
+
+from bumblebee.models.hf_read import HFCheckpoint
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hf_layout(named_shapes, F: int):
+    """(HF name, shape, bumblebee name, part) for every parameter given as (name, global shape),
+    experts split per expert (``part`` = (expert, rows) of the stacked tensor, else None)."""
+    for name, shape in named_shapes:
+        base = name.rsplit(".", 1)[0]
+        if name.endswith("experts.w_gate_up"):
+            for e in range(shape[0]):
+                yield f"{base}.{e}.gate_proj.weight", (F, shape[2]), name, (e, slice(0, F))
+                yield f"{base}.{e}.up_proj.weight", (F, shape[2]), name, (e, slice(F, 2 * F))
+        elif name.endswith("experts.w_down"):
+            for e in range(shape[0]):
+                yield f"{base}.{e}.down_proj.weight", tuple(shape[1:]), name, (e, slice(None))
+        else:
+            yield name, tuple(shape), name, None
+
+
+def _entry(name: str, shape: tuple, dtype: torch.dtype) -> tuple[str, tuple, int, str]:
+    return name, tuple(shape), math.prod(shape) * torch.empty((), dtype=dtype).element_size(), _ST_DTYPES[dtype]
+
+
+def _plan(entries: list, max_shard_bytes: int) -> list[list]:
+    """Consecutive entries into shards of at most ``max_shard_bytes`` (a larger tensor alone)."""
+    shards, size = [[]], 0
+    for entry in entries:
+        if shards[-1] and size + entry[2] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry[2]
+    return shards
+
+
+def _header(shard: list) -> bytes:
+    head, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, nbytes, st_dtype in shard:
+        head[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    t = t.detach().cpu().contiguous()
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]  # numpy has no bf16
+    return memoryview(t.view(as_int).numpy()).cast("B")
+
+
+class _Source:
+    """What a source HF directory adds to an export: its prefix for the language model and the
+    tensors outside it (the family's skip list)."""
+
+    def __init__(self, path: str, family):
+        self.path, self.family = path, family
+        with HFCheckpoint(path, {}, ()) as ckpt:  # stored names, nothing renamed or skipped
+            stored = list(ckpt.where)
+            self.carried = [(n, ckpt.shape(n), ckpt.dtype(n)) for n in stored
+                            if n.startswith(tuple(family.skip_prefixes))]
+        self.prefix = next(((p, o) for p, o in family.hf_prefixes.items() if any(n.startswith(p) for n in stored)),
+                           None)
+
+    def rename(self, name: str) -> str:
+        if self.prefix and name.startswith(self.prefix[1]):
+            return self.prefix[0] + name[len(self.prefix[1]):]
+        return name
+
+
+@torch.no_grad()
+def write_hf(out_dir: str, arch, named_shapes, tensors, *, dtype: torch.dtype = torch.float32,
+             max_shard_bytes: int = 5 * 2**30, source: str = "") -> None:
+    """Write ``out_dir``: config.json and safetensors in ``dtype``. ``named_shapes``: (bumblebee
+    name, global shape) of every parameter in the order ``tensors`` yields (name, full tensor);
+    ``source``: the HF directory the model came from, whose extra tensors are carried over."""
+    from bumblebee.models import family_of
+
+    F = arch.moe_intermediate_size
+    src = _Source(source, family_of(arch)) if source else None
+    layout = list(hf_layout(named_shapes, F))
+    entries = [_entry(src.rename(h) if src else h, shape, dtype) for h, shape, _, _ in layout]
+    written = {e[0] for e in entries}
+    carried = [_entry(n, s, d) for n, s, d in (src.carried if src else []) if n not in written]  # never twice
+    os.makedirs(out_dir, exist_ok=True)
+    shards = _plan(entries, max_shard_bytes)
+    extra = _plan(carried, max_shard_bytes) if carried else []
+    total = len(shards) + len(extra)
+    names = ["model.safetensors"] if total == 1 else [f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+                                                       for i in range(total)]
+    parts = _parts(layout, tensors)
+    for fname, shard in zip(names, shards):
+        with open(os.path.join(out_dir, fname), "wb") as f:
+            f.write(_header(shard))
+            for _ in shard:
+                f.write(_raw(next(parts).to(dtype)))
+    assert next(parts, None) is None, "more tensors than parameters"
+    if extra:
+        _carry(src, out_dir, names[len(shards):], extra)
+    if total > 1:
+        weight_map = {e[0]: fname for fname, shard in zip(names, shards + extra) for e in shard}
+        nbytes = sum(e[2] for shard in shards + extra for e in shard)
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, f, indent=2)
+    _config(out_dir, arch, dtype, src)
+
+
+def _parts(layout, tensors):
+    """The HF tensors of ``layout`` from (name, full tensor) pairs, one parameter at a time."""
+    current, t, it = None, None, iter(tensors)
+    for _, _, name, part in layout:
+        if name != current:
+            got, t = next(it)
+            assert got == name, (got, name)
+            current = name
+        yield t if part is None else t[part[0], part[1]]
+
+
+def _carry(src: _Source, out_dir: str, fnames: list[str], shards) -> None:
+    with HFCheckpoint(src.path, {}, ()) as ckpt:
+        for fname, shard in zip(fnames, shards):
+            with open(os.path.join(out_dir, fname), "wb") as f:
+                f.write(_header(shard))
+                for name, *_ in shard:
+                    f.write(_raw(ckpt.rows(name)))
+
+
+def _config(out_dir: str, arch, dtype: torch.dtype, src: _Source | None) -> None:
+    cfg = arch.to_hf_dict()
+    cfg["dtype"] = DTYPE_NAMES.get(dtype, "float32")
+    if src is not None:
+        with open(os.path.join(src.path, "config.json"), encoding="utf-8") as f:
+            outer = json.load(f)
+        if isinstance(outer.get("text_config"), dict):  # the multimodal wrapper: our arch is its text part
+            text_type = outer["text_config"].get("model_type", cfg["model_type"])
+            outer["text_config"] = {**outer["text_config"], **cfg, "model_type": text_type}
+            cfg = outer
+        for name in os.listdir(src.path):  # tokenizer, processor, chat template, generation config
+            path = os.path.join(src.path, name)
+            if (os.path.isfile(path) and name != "config.json" and not name.endswith(".safetensors")
+                    and name != "model.safetensors.index.json"):
+                shutil.copyfile(path, os.path.join(out_dir, name))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
