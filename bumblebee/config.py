@@ -81,7 +81,9 @@ class TrainConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0
     offload_optimizer: bool = False  # fsdp2: keep sharded params/grads/optimizer state in host memory
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters stay fp32)
+    # compute dtype: float32 | bfloat16 (parameters and optimizer state stay fp32); unset, a real-size
+    # preset (model.preset other than "tiny", no hf_path) runs bfloat16, everything else float32
+    dtype: str = "float32"
     grad_accum: str = "sharded"  # fsdp2: "sharded" (reduce-scatter every micro-batch) | "unsharded" (once per step)
     reduce_dtype: str = "float32"  # fsdp2 with dtype = bfloat16: gradient reduce-scatter in float32 | bfloat16
     seed: int = 0
@@ -246,8 +248,10 @@ def parse_config(path: str | None = None, overrides: list[str] | None = None) ->
     """Defaults <- TOML file <- ``--set`` overrides, then ``validate`` (values only; see
     ``bumblebee.load_config`` for the full check)."""
     cfg = Config()
+    data = read_toml(path) if path else {}
     if path:
-        _apply(cfg, read_toml(path), path)
+        _apply(cfg, data, path)
+    dtype_given = isinstance(data.get("train"), dict) and "dtype" in data["train"]
     for item in overrides or []:
         keys, value = parse_override(item)
         if len(keys) > 2 and keys[0] == "model" and keys[1] == "arch":
@@ -256,6 +260,9 @@ def parse_config(path: str | None = None, overrides: list[str] | None = None) ->
         if len(keys) != 2:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         _apply(cfg, {keys[0]: {keys[1]: value}}, "--set")
+        dtype_given = dtype_given or keys == ["train", "dtype"]
+    if not dtype_given and cfg.model.preset != "tiny" and not cfg.model.hf_path:
+        cfg.train.dtype = "bfloat16"  # real-size presets: bf16 compute (the grouped expert GEMM), fp32 masters
     validate(cfg)
     return cfg
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee import registry
 from bumblebee.models.kv_cache import KVCache, cache_aware
@@ -155,7 +156,7 @@ class CausalLM(nn.Module):
         of (seed, tensor name, position) only (primitives/init.py), so an expert slice, an FSDP2
         shard or a pipeline stage gets exactly its part of the full tensors, generated one block
         at a time. ``seed=None`` draws one from torch's global generator. Nothing to do on meta."""
-        if any(p.is_meta for p in self.parameters()):
+        if any(p.is_meta or is_fake(p) for p in self.parameters()):  # shapes only (meta, or the planner's fakes)
             return
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))

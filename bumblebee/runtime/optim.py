@@ -38,3 +38,18 @@ def set_lr(optimizer, lr: float) -> None:
     """Set the learning rate of every param group."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def static_state_bytes(model, optimizer) -> dict[str, int]:
+    """Bytes this rank holds for its parameters, their gradients (same dtype and sharding, once
+    the first backward made them) and the optimizer state (AdamW: two fp32 moments per updated
+    element, plus fp32 master copies that are not the parameters themselves, e.g. zero1's),
+    computed from shapes before the first step allocates any of it."""
+    from bumblebee.primitives.sharding.common import local
+
+    params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    own = {id(p) for p in model.parameters()}
+    updated = [p for group in optimizer.param_groups for p in group["params"]]
+    masters = sum(local(p).numel() * local(p).element_size() for p in updated if id(p) not in own)
+    moments = sum(2 * local(p).numel() * 4 for p in updated)
+    return {"params": params, "grads": params, "optimizer": moments + masters}

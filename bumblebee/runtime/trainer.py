@@ -36,7 +36,7 @@ from bumblebee.runtime.eval import evaluate
 from bumblebee.runtime.mesh import ParallelContext, build_context, single_process
 from bumblebee.runtime.resolve import check_run
 from bumblebee.runtime.metrics import MetricsWriter
-from bumblebee.runtime.optim import build_optimizer, lr_at
+from bumblebee.runtime.optim import build_optimizer, lr_at, static_state_bytes
 from bumblebee.runtime.pipeline import Pipeline, check_trainer_pipeline
 from bumblebee.runtime.signals import Preempted, Preemption
 from bumblebee.primitives.moe.balance import load_summary
@@ -126,6 +126,7 @@ class Trainer:
                 cfg.primitives, self.device.type, t.dtype, cp=ctx.layout.cp)) + "\n")
             if self.pipeline is not None:
                 stream.write(f"bumblebee: {self.pipeline.describe()}\n")
+        self._describe_static_memory(stream)
         self.metrics = MetricsWriter(t.out_dir if self.rank == 0 else None, total_steps=t.steps,
                                      log_every=t.log_every, stream=stream, first_step=self.step,
                                      tensorboard=t.tensorboard)
@@ -136,6 +137,20 @@ class Trainer:
         self.eval_every = eval_interval(cfg) if ctx.layout.pp == 1 else 0
         if self.rank == 0 and self.source.describe():
             stream.write(f"bumblebee: {self.source.describe()}\n")
+
+    def _describe_static_memory(self, stream) -> None:
+        """One line: the largest per-rank static state (params / grads / optimizer), collective."""
+        b = static_state_bytes(self.model, self.optimizer)
+        figures = torch.tensor([b["params"], b["grads"], b["optimizer"]], dtype=torch.float64, device=self.device)
+        if self.ctx.distributed:
+            dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        if self.rank == 0:
+            def size(x: float) -> str:
+                return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
+
+            p, g, o = (size(x) for x in figures.tolist())
+            stream.write(f"bumblebee: static memory per rank (largest): params {p}, grads {g}, optimizer {o}; "
+                         f"total {size(float(figures.sum()))} ({self.cfg.train.dtype} compute)\n")
 
     def train_step(self) -> dict:
         """One optimizer step, with its peak live memory (perf.memory). On CUDA the allocator's
