@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 import bumblebee
 from bumblebee import load_config
 from bumblebee.models.arch import Qwen3MoeArch
-from bumblebee.primitives.sharding.common import local
+from bumblebee.primitives.sharding.common import local, row_extent
 
 MiB = 2**20
 # 2 layers x 32 experts x 3 x 512 x 256 fp32 = 100 MB of experts; the rest is small
@@ -69,6 +69,12 @@ def _start(rank, world, hf_path, out_dir):
     trainer = Trainer(cfg, stream=io.StringIO())
     grown = rss_peak() - before
     share = sum(local(p).numel() * local(p).element_size() for p in trainer.model.parameters())
+    # what the rank read is exactly its rows of the checkpoint (whole model read by one process)
+    whole = dict(bumblebee.from_hf(hf_path).named_parameters())
+    model, g = trainer.model, trainer.model.groups
+    for name, p in model.named_parameters():
+        _, lo, part = row_extent(p, model.is_expert_param(name), g.ep_rank, g.ep_size)
+        assert torch.equal(part, whole[name][lo:lo + part.shape[0]]), name
     trainer.checkpoint.save(0)  # for the export test
     return grown, share
 
