@@ -7,7 +7,9 @@ Qwen3's 151,936-token vocabulary, 4 layers of 64 experts; ~2.1 GB in fp32), then
     bumblebee convert --to hf RUN OUT
 
 and prints each rank's peak resident memory (the kernel's ``VmHWM`` of every worker process,
-polled every 0.2 s; a high-water mark, so a late poll still sees an early peak) next to
+polled every 0.2 s and when rank 0 prints its start line, its step line and its summary; a
+high-water mark, so a late poll still sees an early peak: "after startup" is the peak of
+building the model and reading the checkpoint) next to
 checkpoint bytes / 4, the rank's static fp32 training state (params + grads + AdamW moments =
 16 bytes x its parameters) and the goal (static state + 1 GiB); and the export's peak next to
 2 x the largest tensor + 1 GiB. ``--tree DIR`` runs another checkout (e.g. the code before
@@ -60,38 +62,64 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def status(pid: int) -> tuple[int, str | None]:
-    """(VmHWM bytes, the RANK of a worker or None)."""
+def hwm(pid: int) -> int:
+    """The process's peak resident bytes so far (VmHWM), 0 if it is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            hwm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        return hwm, env.get(b"RANK", b"").decode() or None if b"LOCAL_RANK" in env else None
-    except (OSError, ValueError):
-        return 0, None
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except OSError:
+        return 0
 
 
-def run_measured(argv: list[str], env: dict) -> dict[str, int]:
-    """Run ``argv``; peak VmHWM per worker rank ("main" for a process that is not a worker)."""
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peaks: dict[str, int] = {}
+def is_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read() and not is_tracker(pid)
+    except OSError:
+        return False
+
+
+def is_tracker(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return b"resource_tracker" in f.read()
+
+
+def run_measured(argv: list[str], env: dict, marks: dict[str, str]) -> tuple[dict[int, int], dict[str, dict]]:
+    """Run ``argv``: the peak resident bytes of every process it starts (worker ranks by pid, the
+    main process as 0), and a snapshot of those peaks when the first output line starting with
+    each of ``marks`` (name -> prefix) appeared (stdout is unbuffered: PYTHONUNBUFFERED)."""
+    proc = subprocess.Popen(argv, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    peaks: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def sample():
+        with lock:
+            for pid in descendants(proc.pid):
+                if pid == proc.pid or is_worker(pid):
+                    key = 0 if pid == proc.pid else pid
+                    peaks[key] = max(peaks.get(key, 0), hwm(pid))
 
     def poll():
         while proc.poll() is None:
-            for pid in descendants(proc.pid):
-                hwm, rank = status(pid)
-                key = f"rank {rank}" if rank is not None else ("main" if pid == proc.pid else "helper")
-                peaks[key] = max(peaks.get(key, 0), hwm)
+            sample()
             time.sleep(0.2)
 
     thread = threading.Thread(target=poll)
     thread.start()
-    err = proc.communicate()[1]
+    snaps, tail = {}, []
+    for line in proc.stdout:
+        tail = (tail + [line])[-40:]
+        for name, prefix in marks.items():
+            if name not in snaps and line.startswith(prefix):
+                sample()
+                with lock:
+                    snaps[name] = dict(peaks)
+    proc.wait()
     thread.join()
     if proc.returncode:
-        sys.exit(f"{' '.join(argv[:4])} failed ({proc.returncode}):\n{err[-3000:]}")
-    return peaks
+        sys.exit(f"{' '.join(argv[:4])} failed ({proc.returncode}):\n{''.join(tail)}")
+    return peaks, snaps
 
 
 def main() -> None:
@@ -118,18 +146,25 @@ def main() -> None:
     for d in (run, out):
         subprocess.run(["rm", "-rf", d], check=True)
     t0 = time.time()
-    peaks = run_measured([sys.executable, "-m", "bumblebee.cli", "train", "--nproc", str(args.nproc),
-                          "--set", f"parallel.ep={args.nproc}", "--set", f"model.hf_path={ckpt}",
-                          "--set", "train.steps=1", "--set", "train.seq_len=64", "--set",
-                          f"train.global_batch={args.nproc}", "--set", "train.save_every=1",
-                          "--set", "train.eval_every=0", "--set", f"train.out_dir={run}"], env)
+    marks = {"startup": "bumblebee: kernels", "step": "[", "end": "done:"}
+    peaks, snaps = run_measured([sys.executable, "-m", "bumblebee.cli", "train", "--nproc", str(args.nproc),
+                                 "--set", f"parallel.ep={args.nproc}", "--set", f"model.hf_path={ckpt}",
+                                 "--set", "train.steps=1", "--set", "train.seq_len=64", "--set",
+                                 f"train.global_batch={args.nproc}", "--set", "train.save_every=1",
+                                 "--set", "train.eval_every=0", "--set", f"train.out_dir={run}"], env, marks)
     print(f"train --nproc {args.nproc} ep={args.nproc}, one step + save: {time.time() - t0:.0f} s")
     print(f"  checkpoint / {args.nproc} = {size / args.nproc / GiB:.2f} GiB; static fp32 state per rank "
           f"(16 B x {per_rank / 1e6:.0f} M params) = {static / GiB:.2f} GiB; goal <= {(static + GiB) / GiB:.2f} GiB")
-    for key in sorted(peaks):
-        print(f"  {key:8s} peak RSS {peaks[key] / GiB:6.2f} GiB")
+    workers = sorted(k for k in peaks if k)
+    print("  peak RSS (GiB) per worker:   " + "  ".join(f"{'rank?' if len(workers) > 1 else 'rank'}{i}" for i in
+                                                       range(len(workers))) + "   (ranks in pid order)")
+    for name in ("startup", "step", "end"):
+        if name in snaps:
+            print(f"    after {name:8s}           " + "  ".join(f"{snaps[name].get(w, 0) / GiB:6.2f}" for w in workers))
+    print(f"    whole run                " + "  ".join(f"{peaks[w] / GiB:6.2f}" for w in workers)
+          + f"   (launcher {peaks.get(0, 0) / GiB:.2f})")
     t0 = time.time()
-    peaks = run_measured([sys.executable, "-m", "bumblebee.cli", "convert", "--to", "hf", run, out], env)
+    peaks, _ = run_measured([sys.executable, "-m", "bumblebee.cli", "convert", "--to", "hf", run, out], env, {})
     print(f"convert --to hf: {time.time() - t0:.0f} s; peak RSS {max(peaks.values()) / GiB:.2f} GiB; "
           f"goal <= 2 x largest tensor ({largest / GiB:.2f} GiB) + 1 GiB = {(2 * largest + GiB) / GiB:.2f} GiB")
 

@@ -126,7 +126,7 @@ def materialize(model, device, *, seed: int | None = None, hf_path: str = "", dt
         if b.is_floating_point():
             b.zero_()
     if hf_path:
-        from bumblebee.models.hf import load_hf_weights
+        from bumblebee.models.hf_read import load_hf_weights
 
         load_hf_weights(model, hf_path)
     else:

@@ -220,8 +220,12 @@ class CausalLM(nn.Module):
         return name in names
 
     def fsdp_units(self):
-        """(module, "expert" | "dense") in wrapping order: each decoder layer's experts (over the
-        expert mesh), then the layer itself (dense mesh). The model itself is the root unit."""
+        """(module, "expert" | "dense") in wrapping order: the embedding (when the LM head does not
+        share it: gathered only around its own forward and backward, not for the whole step as
+        the root's parameters are), each decoder layer's experts (over the expert mesh), then the
+        layer itself (dense mesh). The model itself is the root unit (final norm, LM head)."""
+        if self.model.embed_tokens is not None and self.lm_head is not None:
+            yield self.model.embed_tokens, "dense"
         for layer in self.model.layers:
             for m in layer.modules():
                 if isinstance(m, Experts):

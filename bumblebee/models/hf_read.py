@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from bumblebee.errors import CheckpointError
 from bumblebee.models.base import persistent_buffers
+from bumblebee.models.family import family_of_model_type
 from bumblebee.primitives.sharding.common import row_extent
 
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -173,10 +174,9 @@ def load_hf_weights(model, path: str) -> None:
     """Fill this rank's share of ``model`` (a whole model, or a pipeline stage / expert slice /
     FSDP2 shards of one: ``model.groups`` says which experts) from the HF checkpoint at ``path``,
     reading only the rows it owns; every tensor of the whole model must be in the checkpoint."""
-    from bumblebee.models import build_model, family_of
-
-    family = family_of(model.arch)
-    whole = build_model(model.arch, model.prims, device="meta")  # names and global shapes only
+    family = family_of_model_type(model.arch.model_type)
+    with torch.device("meta"):
+        whole = family.model(model.arch, model.prims)  # the whole model's names and global shapes only
     full = {n: tuple(p.shape) for n, p in list(whole.named_parameters()) + persistent_buffers(whole)}
     F = model.arch.moe_intermediate_size
     ep, ep_rank = model.groups.ep_size, model.groups.ep_rank

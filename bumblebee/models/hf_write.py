@@ -28,6 +28,7 @@ import struct
 
 import torch
 
+from bumblebee.models.family import family_of_model_type
 from bumblebee.models.hf_read import HFCheckpoint
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
@@ -107,10 +108,8 @@ def write_hf(out_dir: str, arch, named_shapes, tensors, *, dtype: torch.dtype = 
     """Write ``out_dir``: config.json and safetensors in ``dtype``. ``named_shapes``: (bumblebee
     name, global shape) of every parameter in the order ``tensors`` yields (name, full tensor);
     ``source``: the HF directory the model came from, whose extra tensors are carried over."""
-    from bumblebee.models import family_of
-
     F = arch.moe_intermediate_size
-    src = _Source(source, family_of(arch)) if source else None
+    src = _Source(source, family_of_model_type(arch.model_type)) if source else None
     layout = list(hf_layout(named_shapes, F))
     entries = [_entry(src.rename(h) if src else h, shape, dtype) for h, shape, _, _ in layout]
     written = {e[0] for e in entries}

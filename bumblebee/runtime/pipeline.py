@@ -125,8 +125,10 @@ class StageModule(nn.Module):
     def sync_units(self) -> list[tuple[FSDPModule, bool]]:
         """(FSDP unit, recurse) for the units whose gradients this stage's backward produces."""
         units = [(self.part.decoder_layers[i], True) for i in self.part.stage_layers[self.stage]]
+        if self.stage == 0:
+            units.append((self.part.model.embed_tokens, True))  # a unit of its own when untied (fsdp_units)
         if self.stage == 0 or self.is_last:
-            units.append((self.part, False))  # the root: embedding, or final norm + LM head
+            units.append((self.part, False))  # the root: (tied) embedding, or final norm + LM head
         return [(u, recurse) for u, recurse in units if isinstance(u, FSDPModule)]
 
 
