@@ -88,8 +88,9 @@ def run_measured(argv: list[str], env: dict, marks: dict[str, str]) -> tuple[dic
     """Run ``argv``: the peak resident bytes of every process it starts (worker ranks by pid, the
     main process as 0), and a snapshot of those peaks when the first output line starting with
     each of ``marks`` (name -> prefix) appeared (stdout is unbuffered: PYTHONUNBUFFERED)."""
+    # cwd: ``python -m`` puts the working directory first on sys.path, which would shadow --tree
     proc = subprocess.Popen(argv, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, cwd=env["PYTHONPATH"])
     peaks: dict[int, int] = {}
     lock = threading.Lock()
 
