@@ -71,7 +71,7 @@ def to_hf(model, out_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: torch
     parameters'), sharded with an index when larger than ``max_shard_bytes``, one tensor at a time
     (models/hf_write.py). ``source``: the HF directory it came from, whose tensors outside the
     language model (vision tower, MTP head) are carried over unchanged."""
-    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    named = [(n, p.detach()) for n, p in list(model.named_parameters()) + persistent_buffers(model)]
     dtype = dtype or (named[0][1].dtype if named else torch.float32)
     write_hf(out_dir, model.arch, [(n, tuple(t.shape)) for n, t in named], named, dtype=dtype,
              max_shard_bytes=max_shard_bytes, source=source)

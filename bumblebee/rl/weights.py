@@ -27,6 +27,7 @@ over a process group (gloo or NCCL), names, shapes and dtypes first.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import _weight_files, hf_state_dict
 from bumblebee.models.hf_write import write_hf
 
@@ -167,7 +169,12 @@ class EngineWeights:
         if self.ctx.rank == 0:
             from bumblebee.models import build_model
 
-            shapes = [(n, tuple(p.shape)) for n, p in build_model(self.arch, device="meta").named_parameters()]
+            whole = build_model(self.arch, self.cfg.primitives, device="meta")
+            shapes = [(n, tuple(p.shape)) for n, p in whole.named_parameters()]
+            if self.pipeline is None:  # replicated buffers (the router bias): rank 0 holds them whole
+                buffers = persistent_buffers(self.model)
+                shapes += [(n, tuple(b.shape)) for n, b in buffers]
+                named = itertools.chain(named, ((n, b.detach()) for n, b in buffers))
             write_hf(out_dir, self.arch, shapes, named, dtype=dtype, source=self.cfg.model.hf_path)
         else:
             for _ in named:

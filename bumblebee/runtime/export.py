@@ -25,8 +25,9 @@ import sys
 
 import torch
 
-from bumblebee.config import tomllib
+from bumblebee.config import PrimitivesConfig, tomllib
 from bumblebee.models import arch_from_hf_dict, build_model
+from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 from bumblebee.models.hf_write import write_hf
 from bumblebee.runtime.checkpoint import (_STEP_DIR, HF_SHARD_BYTES, MARKER, _check_fits, named_checkpoint,
@@ -92,7 +93,10 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
     info = read_marker(path)
     verify_checksums(path, info)
     arch = arch_from_hf_dict(info["arch"])
-    named_shapes = [(n, tuple(p.shape)) for n, p in build_model(arch, device="meta").named_parameters()]
+    # a router with a selection bias saved its buffer: build that router to receive it
+    biased = any(k.endswith("mlp.gate.e_score_correction_bias") for k in info.get("shapes", {}))
+    whole = build_model(arch, PrimitivesConfig(router="sigmoid_bias") if biased else None, device="meta")
+    named_shapes = [(n, tuple(p.shape)) for n, p in list(whole.named_parameters()) + persistent_buffers(whole)]
     meta = {f"model/{n}": Piece(torch.empty(0, device="meta"), 0, s) for n, s in named_shapes}
     _check_fits(path, info, read_dcp_metadata(path), meta)
 
