@@ -75,17 +75,27 @@ def test_config_diff_beyond_the_slot_exits_2(capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--slot", "router", "--a", "softmax_topk", "--b", "softmax_topk"], "nothing to pair; slots that can be paired"),
+    (["--slot", "routers", "--a", "softmax_topk", "--b", "sigmoid_bias"], "unknown slot 'routers'"),
     (["--slot", "loss", "--a", "ce", "--b", "fast_ce"], "unknown loss implementation 'fast_ce'"),
     (["--slot", "cp", "--a", "allgather", "--b", "ring"], "pass --nproc N with N >= 2"),
     (["--slot", "loss", "--a", "ce", "--b", "linear_ce", "--set-a", "primitives.loss=ce"], "choose the implementation"),
 ])
-def test_bad_pairs_exit_2(args, message, capsys):
+def test_bad_pairs_exit_2(args, message, capsys, one_router):
     assert main(["pair", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
 
 
-def test_pairable_slots_listed_in_the_error(capsys):
+@pytest.fixture
+def one_router(monkeypatch):
+    """Every built-in slot has two implementations; a slot with one (here the router without
+    sigmoid_bias) has nothing to pair."""
+    implementations = registry.implementations
+    monkeypatch.setattr(registry, "implementations", lambda slot: {
+        k: v for k, v in implementations(slot).items() if (slot, k) != ("router", "sigmoid_bias")})
+
+
+def test_pairable_slots_listed_in_the_error(capsys, one_router):
     main(["pair", "--slot", "router", "--a", "softmax_topk", "--b", "softmax_topk"])
     listed = capsys.readouterr().err.split("slots that can be paired: ")[1].strip().split(", ")
     assert listed == [s for s in registry.SLOTS if len(registry.implementations(s)) > 1] and "router" not in listed
