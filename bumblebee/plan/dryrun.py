@@ -273,17 +273,17 @@ def _instrument(model, run: FakeRun, layers) -> None:
 
 
 def _enter(run: FakeRun, args) -> None:
+    """The mixer's (re)forward runs under "mixer"; the label it interrupts comes back after it
+    (a recompute runs inside whatever backward node first unpacked the layer's tensors)."""
+    run.stack.append(run.label)
     if run.phase in ("forward", "backward"):
         run.label = "mixer"
 
 
 def _leave(run: FakeRun, args, out) -> None:
-    if run.phase == "forward":
-        run.label = run.layer
-        return
+    run.label = run.stack.pop() if run.stack else run.label
     if run.phase != "backward":
         return
-    run.label = "backward"
     y = out[0] if isinstance(out, tuple) else out
     x = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
     if torch.is_grad_enabled() and y.grad_fn is not None and x is not None:

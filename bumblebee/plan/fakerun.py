@@ -57,6 +57,7 @@ class FakeRun(TorchDispatchMode):
         self.phase = "static"
         self.mb = 0  # micro-batch being run (labels only)
         self.layer = ""  # label of the decoder layer whose forward runs
+        self.stack: list[str] = []  # labels interrupted by a scope (restored when it ends)
         self.current = 0
         self.by_label: dict[str, int] = {}
         # moment -> (total, bytes by label, the label being run) at its peak; the moment is the
