@@ -44,6 +44,9 @@ class RLBatch:
     old_logprobs: torch.Tensor | None = None  # [B, T] float32, behaviour policy
     ref_logprobs: torch.Tensor | None = None  # [B, T] float32, reference policy (KL penalty)
     seq_index: torch.Tensor | None = None  # [B, T] int64: packed sequence index, -1 on padding
+    # [B, T, L, K] int64: the experts each token was routed to in each MoE layer (L MoE layers in order,
+    # K per token), from a rollout engine or compute_logprobs(return_routing=True); replayed when given
+    routing: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.input_ids.dim() != 2:
@@ -51,7 +54,10 @@ class RLBatch:
         shape = self.input_ids.shape
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
-            if t is not None and t.shape != shape:
+            if f.name == "routing" and t is not None and (t.dim() != 4 or t.shape[:2] != shape):
+                raise ValueError(f"RLBatch.routing has shape {tuple(t.shape)}, expected [{shape[0]}, {shape[1]}, "
+                                 "MoE layers, experts per token] (aligned to input_ids)")
+            if t is not None and f.name != "routing" and t.shape != shape:
                 raise ValueError(f"RLBatch.{f.name} has shape {tuple(t.shape)}, expected {tuple(shape)} "
                                  "(every per-token tensor is aligned to input_ids)")
         self.loss_mask = self.loss_mask.bool()
@@ -167,6 +173,8 @@ def prediction_view(batch: RLBatch, agg: str | None, totals: torch.Tensor | None
     targeted = prefix if all_targets else trained
     out = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
            "targets": shift_left(torch.where(targeted, batch.input_ids, IGNORE), IGNORE)}
+    if batch.routing is not None:  # the experts of the token at each position: not shifted
+        out["routing"] = batch.routing
     if agg:
         out["mask"] = shift_left(trained, False)
         out["weights"] = shift_left(aggregation_weights(trained, sequence_ids(batch.position_ids), agg,
@@ -188,7 +196,8 @@ def pad_batch(batch: RLBatch, rows: int, cols: int) -> RLBatch:
     for f in dataclasses.fields(batch):
         v = getattr(batch, f.name)
         if v is not None:
-            x = torch.full((rows, cols), -1 if f.name == "seq_index" else 0, dtype=v.dtype, device=v.device)
+            x = torch.full((rows, cols, *v.shape[2:]), -1 if f.name == "seq_index" else 0, dtype=v.dtype,
+                           device=v.device)
             x[:B, :T] = v
             fields[f.name] = x
     pos = fields["position_ids"]
@@ -199,5 +208,5 @@ def pad_batch(batch: RLBatch, rows: int, cols: int) -> RLBatch:
 
 def gather_tokens(batch: RLBatch, index: torch.Tensor) -> RLBatch:
     """One row holding the tokens at flat positions ``index`` of ``batch`` (whole sequences)."""
-    return RLBatch(**{f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name).reshape(-1)[index][None]
-                      for f in dataclasses.fields(batch)})
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return RLBatch(**{k: None if v is None else v.reshape(-1, *v.shape[2:])[index][None] for k, v in fields.items()})

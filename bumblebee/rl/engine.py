@@ -43,6 +43,7 @@ import torch.distributed as dist
 from bumblebee.config import Config, ConfigError
 from bumblebee.models import resolve_arch
 from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
+from bumblebee.primitives.moe.replay import RoutingScope
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.rl import microbatch as mbs
 from bumblebee.rl.batch import (OPTIONAL, RLBatch, has_prefix, prediction_view, sequence_ids, shift_right,
@@ -68,6 +69,7 @@ class ForwardOutput:
     metrics: dict  # each loss metric as a mean over trained tokens
     logprobs: torch.Tensor | None = None  # [B, T] token-aligned, this rank's rows (forward_only)
     entropy: torch.Tensor | None = None
+    routing: torch.Tensor | None = None  # [B, T, L, K] experts per token and MoE layer (return_routing)
 
 
 class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
@@ -186,10 +188,11 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         mb = mbs.pad_columns(mb, 2 * cp)
         return {k: shard_sequence(v, cp, self.ctx.cp_rank) for k, v in mb.items()}
 
-    def _scores(self, mb: dict[str, torch.Tensor], with_entropy: bool):
-        """Forward one micro-batch: (logp [b, T], entropy [b, T] or None, balance loss)."""
+    def _scores(self, mb: dict[str, torch.Tensor], with_entropy: bool, scope=None):
+        """Forward one micro-batch: (logp [b, T], entropy [b, T] or None, balance loss). ``scope``: a
+        ``RoutingScope`` replaying ``mb["routing"]`` and/or recording the experts used."""
         with self.autocast:
-            h_BTH, aux = self.model.hidden_states(mb["input_ids"], mb["position_ids"])
+            h_BTH, aux = self.model.hidden_states(mb["input_ids"], mb["position_ids"], routing=scope)
             logp_T, ent_T = token_logprobs(h_BTH.reshape(-1, h_BTH.shape[-1]), self.model.lm_head_weight,
                                            mb["targets"].reshape(-1), temperature=self.temperature,
                                            with_entropy=with_entropy)
@@ -202,14 +205,17 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
 
     # ------------------------------------------------------------------ the engine-level step
     def forward_backward(self, batch: RLBatch, loss_fn=None, forward_only: bool = False, *,
-                         entropy: bool = False, max_tokens_per_micro_batch: int | None = None) -> ForwardOutput:
+                         entropy: bool = False, max_tokens_per_micro_batch: int | None = None,
+                         return_routing: bool = False) -> ForwardOutput:
         """Forward (and unless ``forward_only`` backward, accumulating into the gradients) over
         micro-batches of this dp rank's rows ``batch``. ``loss_fn(PolicyInputs) -> (loss share,
         {name: sum over trained tokens})`` is called per micro-batch (attributes ``agg``,
         ``needs_entropy``, optional ``all_targets``: log-probs at every position with a prefix, not
         only trained ones; default ``PolicyLoss()`` when training); it must return the same
         metric names every time. ``forward_only`` also returns this rank's token-aligned
-        log-probs (and entropies with ``entropy``). Collective over all ranks."""
+        log-probs (and entropies with ``entropy``, and with ``return_routing`` the experts every
+        token was routed to, [B, T, L, K]). A batch carrying ``routing`` is run with those experts
+        (routing replay, primitives/moe/replay.py). Collective over all ranks."""
         if forward_only:
             self.offloader.require("params")
         else:
@@ -222,6 +228,8 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
             totals = self._dp_sum(aggregation_totals(trained_tokens(batch), sequence_ids(batch.position_ids)))
         P = prediction_view(batch, agg, totals, all_targets=forward_only or getattr(loss_fn, "all_targets", False))
         with_entropy = entropy or getattr(loss_fn, "needs_entropy", False)
+        if self.pipeline is not None and (batch.routing is not None or return_routing):
+            raise ValueError("routing replay / return_routing is not supported with parallel.pp > 1 yet")
         if self.pipeline is not None:  # the schedule runs every micro-batch (rl/pipeline.py)
             dp_max = lambda t: self._dp_sum(t, dist.ReduceOp.MAX)  # noqa: E731
             sums, kept = self.pipeline.run(P, loss_fn, forward_only, with_entropy, dp_max,
@@ -232,9 +240,13 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         kept: list[tuple] = []
 
         def forward(mb):
-            logp, ent, aux = self._scores(mb, with_entropy)
+            scope = None
+            if "routing" in mb or return_routing:
+                scope = RoutingScope(replay_BTLK=mb.get("routing"), record={} if return_routing else None)
+            logp, ent, aux = self._scores(mb, with_entropy, scope)
             if forward_only:
-                kept.append((logp.detach(), None if ent is None else ent.detach(), mb["index"]))
+                kept.append((logp.detach(), None if ent is None else ent.detach(), mb["index"],
+                             scope.recorded() if return_routing else None))
             if loss_fn is None:
                 return aux, {}
             x = PolicyInputs(logp, ent, mb["mask"], mb["weights"], *(mb.get(k) for k in OPTIONAL))
@@ -256,6 +268,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         out = self._aggregate(sums, int(totals[0]) if totals is not None else 0, loss_fn is not None)
         if forward_only:
             out.logprobs, out.entropy = self._token_aligned(batch, kept, entropy)
+            if kept and len(kept[0]) > 3 and kept[0][3] is not None:  # recorded experts, at token positions
+                index = [self._whole(p[2]) for p in kept]
+                out.routing = mbs.scatter_back([self._whole(p[3]) for p in kept], index, batch.input_ids.shape)
         return out
 
     def _aggregate(self, sums: dict, n_tokens: int, has_loss: bool) -> ForwardOutput:

@@ -25,6 +25,7 @@ from bumblebee.rl.batch import RLBatch, gather_tokens, pad_batch
 class LogProbs:
     logprobs: torch.Tensor  # [B, T] log p(token | its prefix), 0 where there is no prefix
     entropy: torch.Tensor | None = None  # [B, T] entropy of the distribution the token came from
+    routing: torch.Tensor | None = None  # [B, T, L, K] experts per token and MoE layer (return_routing)
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -55,31 +56,34 @@ class GlobalBatchCalls:
         return gather_tokens(batch, mine), index
 
     def _gather_rows(self, t: torch.Tensor, B: int, T: int, index) -> torch.Tensor:
-        """This rank's token-aligned results -> the global batch's [B, T], on every rank."""
+        """This rank's token-aligned results [b, t, ...] -> the global batch's [B, T, ...], on every rank."""
         if index is None:
             full = torch.cat(_all_gather(t, self.get_data_parallel_group())) if self._dp > 1 else t
             return full[:B, :T]
+        extra = tuple(t.shape[2:])
         width = max(len(i) for i in index)
-        row = torch.zeros(width, dtype=t.dtype, device=t.device)
+        row = torch.zeros(width, *extra, dtype=t.dtype, device=t.device)
         n = len(index[self.ctx.dp_rank])
-        row[:n] = t.reshape(-1)[:n]
+        row[:n] = t.reshape(-1, *extra)[:n]
         rows = _all_gather(row, self.get_data_parallel_group()) if self._dp > 1 else [row]
-        out = torch.zeros(B * T, dtype=t.dtype, device=t.device)
+        out = torch.zeros(B * T, *extra, dtype=t.dtype, device=t.device)
         for r, i in zip(rows, index):
             out[i.to(t.device)] = r[:len(i)]
-        return out.view(B, T)
+        return out.view(B, T, *extra)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: RLBatch, entropy: bool = False) -> LogProbs:
+    def compute_logprobs(self, batch: RLBatch, entropy: bool = False, return_routing: bool = False) -> LogProbs:
         """Token-aligned log-probs (and entropies) of the global ``batch`` under the current
-        policy, forward only; the full [B, T] result on every rank, on the batch's device."""
+        policy, forward only; the full [B, T] result on every rank, on the batch's device.
+        ``return_routing``: also the experts every token was routed to, [B, T, L, K] (L MoE
+        layers in order), the layout a batch's ``routing`` takes for replay. A batch carrying
+        ``routing`` is scored with those experts."""
         budget = self.max_tokens_per_micro_batch
         part, index = self._rank_part(batch, budget)
-        out = self.forward_backward(part, None, forward_only=True, entropy=entropy)
+        out = self.forward_backward(part, None, forward_only=True, entropy=entropy, return_routing=return_routing)
         B, T = batch.input_ids.shape
-        res = [self._gather_rows(t, B, T, index).to(batch.input_ids.device)
-               for t in (out.logprobs, out.entropy) if t is not None]
-        return LogProbs(res[0], res[1] if entropy else None)
+        gather = lambda t: None if t is None else self._gather_rows(t, B, T, index).to(batch.input_ids.device)  # noqa: E731
+        return LogProbs(gather(out.logprobs), gather(out.entropy) if entropy else None, gather(out.routing))
 
     def train_step(self, batch: RLBatch, loss_fn=None, *, lr: float | None = None) -> dict:
         """One optimizer step on the global ``batch``: ``forward_backward`` on this rank's part,

@@ -125,14 +125,14 @@ def token_micro_batches(P: dict[str, torch.Tensor], spans_: list[tuple[int, int]
             continue
         index = torch.cat([torch.arange(spans_[i][0], spans_[i][0] + spans_[i][1], device=device)
                            for i in members])
-        out.append({**{k: v.reshape(-1)[index][None] for k, v in P.items()}, "index": index[None]})
+        out.append({**{k: v.reshape(-1, *v.shape[2:])[index][None] for k, v in P.items()}, "index": index[None]})
     return out
 
 
 def empty_micro_batch(P: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
     """One row of ``width`` padding tokens: nothing trained, nothing returned."""
     device = P["input_ids"].device
-    mb = {k: torch.full((1, width), IGNORE if k == "targets" else 0, dtype=v.dtype, device=device)
+    mb = {k: torch.full((1, width, *v.shape[2:]), IGNORE if k == "targets" else 0, dtype=v.dtype, device=device)
           for k, v in P.items()}
     mb["position_ids"] = torch.arange(width, device=device)[None]
     mb["index"] = torch.full((1, width), -1, dtype=torch.long, device=device)
@@ -148,8 +148,8 @@ def pad_columns(mb: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.T
         return mb
     out = {}
     for k, v in mb.items():
-        x = torch.full((b, cols), IGNORE if k == "targets" else (-1 if k == "index" else 0), dtype=v.dtype,
-                       device=v.device)
+        x = torch.full((b, cols, *v.shape[2:]), IGNORE if k == "targets" else (-1 if k == "index" else 0),
+                       dtype=v.dtype, device=v.device)
         x[:, :T] = v
         out[k] = x
     out["position_ids"][:, T:] = torch.arange(cols - T, device=v.device)
@@ -157,9 +157,10 @@ def pad_columns(mb: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.T
 
 
 def scatter_back(values: list[torch.Tensor], indices: list[torch.Tensor], shape) -> torch.Tensor:
-    """Per-micro-batch results [b, w] -> [B, T] at their ``index`` positions (0 elsewhere)."""
-    out = torch.zeros(shape[0] * shape[1], dtype=values[0].dtype, device=values[0].device)
+    """Per-micro-batch results [b, w, ...] -> [B, T, ...] at their ``index`` positions (0 elsewhere)."""
+    extra = tuple(values[0].shape[2:])
+    out = torch.zeros(shape[0] * shape[1], *extra, dtype=values[0].dtype, device=values[0].device)
     for v, index in zip(values, indices):
         keep = index >= 0
         out[index[keep]] = v[keep]
-    return out.view(shape)
+    return out.view(*shape, *extra)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bumblebee.models.base import CausalLM
+from bumblebee.models.base import CausalLM, persistent_buffers
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Sampler:
     @torch.no_grad()
     def load_weights(self, named_tensors) -> None:
         """Copy (bumblebee name, full tensor) pairs, e.g. ``Engine.named_weights(hf_names=False)``."""
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters()) | dict(persistent_buffers(self.model))
         seen = set()
         for name, t in named_tensors:
             params[name].copy_(t)

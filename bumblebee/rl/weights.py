@@ -12,11 +12,14 @@ costs a few dozen. ``weight_buckets(bucket_bytes, dtype, names)`` yields lists o
   ``names="bumblebee"`` gives the model's own names (stacked experts);
 - each parameter is gathered when its turn comes (FSDP2 shards all-gathered, expert slices
   concatenated over the ep group), after casting this rank's shard to ``dtype``, so the
-  gather moves ``dtype`` bytes and no full fp32 copy of the model ever exists;
+  gather moves ``dtype`` bytes and no full fp32 copy of the model ever exists; a stacked expert
+  tensor ([E, 2F, H] per layer, 0.8 GB in bf16 for Qwen3-30B-A3B) larger than a bucket is
+  streamed in pieces of experts (``expert_pieces``: each FSDP shard broadcast piece by piece from
+  its holder, each piece all-gathered over ep), so it is never whole on a rank;
 - a bucket holds at most ``bucket_bytes`` (a single larger tensor gets a bucket of its own);
   the generator drops its references when it yields, so a rank holds the bucket being filled
   and the one the consumer still holds: at most 2 buckets beyond the model (measured in
-  tests/unit/test_rl_weights.py), as long as no single parameter tensor is larger than a bucket;
+  tests/unit/test_rl_engine_surface.py), as long as no single HF tensor is larger than a bucket;
 - every rank iterates the same sequence (the gathers are collective).
 
 ``weight_version`` counts the applied optimizer steps (and loads), so a rollout engine can tell
@@ -27,7 +30,6 @@ over a process group (gloo or NCCL), names, shapes and dtypes first.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 
@@ -76,31 +78,96 @@ def gathered(model, ep_group, dtype: torch.dtype | None, pp_group=None):
         return
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     mine = [(n, ((p.shape[0] * ep if ep > 1 and model.is_expert_param(n) else p.shape[0]), *p.shape[1:]),
-             dtype or p.dtype) for n, p in model.named_parameters()]
+             dtype if dtype is not None and isinstance(p, torch.nn.Parameter) else p.dtype,
+             isinstance(p, torch.nn.Parameter)) for n, p in _state(model)]
     every = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(every, mine, group=pp_group)
     here, me = _gathered_here(model, ep_group, dtype), dist.get_rank(pp_group)
     device = next(model.parameters()).device
-    for r, entries in enumerate(every):
-        for name, shape, dt in entries:
-            t = next(here)[1].contiguous() if r == me else torch.empty(shape, dtype=dt, device=device)
-            dist.broadcast(t, src=dist.get_global_rank(pp_group, r), group=pp_group)
-            yield name, t
+    for params in (True, False):  # every stage's parameters, then every stage's buffers (a whole model's order)
+        for r, entries in enumerate(every):
+            for name, shape, dt, _ in (e for e in entries if e[3] == params):
+                t = next(here)[1].contiguous() if r == me else torch.empty(shape, dtype=dt, device=device)
+                dist.broadcast(t, src=dist.get_global_rank(pp_group, r), group=pp_group)
+                yield name, t
+
+
+def _state(model) -> list[tuple[str, torch.Tensor]]:
+    """Parameters, then the buffers that are model state (e.g. the sigmoid_bias router's
+    ``e_score_correction_bias``: replicated, exported like a parameter)."""
+    return list(model.named_parameters()) + persistent_buffers(model)
 
 
 def _gathered_here(model, ep_group, dtype):
+    for name, p in _state(model):
+        yield name, _gather(model, name, p, ep_group, dtype)
+
+
+@torch.no_grad()
+def _gather(model, name: str, p, ep_group, dtype) -> torch.Tensor:
+    """The full tensor of parameter ``p`` in ``dtype``: this rank's shard cast, FSDP shards gathered,
+    expert slices concatenated over the ep group; a buffer as it is (replicated; kept in its own dtype,
+    e.g. an fp32 router bias). Collective."""
+    t = p.detach()
+    if dtype is not None and t.dtype != dtype and isinstance(p, torch.nn.Parameter):
+        t = t.to(dtype)
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
-    for name, p in model.named_parameters():
-        t = p.detach()
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        if ep > 1 and model.is_expert_param(name):
-            full = torch.empty((ep * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.all_gather(list(full.chunk(ep)), t.contiguous(), group=ep_group)
-            t = full
-        yield name, t
+    if ep > 1 and model.is_expert_param(name):
+        full = torch.empty((ep * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather(list(full.chunk(ep)), t.contiguous(), group=ep_group)
+        t = full
+    return t
+
+
+@torch.no_grad()
+def expert_pieces(p, ep_group, dtype: torch.dtype | None, piece_bytes: int):
+    """(first global expert, tensor [n, ...]) pieces of a stacked expert parameter ``p``, each at most
+    ``piece_bytes`` after the ep gather (at least one expert), so a large [E, 2F, H] stack is never
+    whole on a rank. FSDP2 shards (dim 0, ``torch.chunk`` over the edp mesh) are broadcast from the
+    rank holding them piece by piece, then each piece is all-gathered over the ep group (expert
+    ``q * E_local + i`` lives on ep rank ``q``). Collective; every rank yields the same sequence."""
+    local, group = p.detach(), None
+    if isinstance(local, DTensor):
+        group, local = local.device_mesh.get_group(), local.to_local()
+    if dtype is not None and local.dtype != dtype:
+        local = local.to(dtype)
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    e_local, row_shape = p.shape[0], tuple(p.shape[1:])
+    row_bytes = torch.Size(row_shape).numel() * local.element_size()
+    per_piece = max(1, piece_bytes // (row_bytes * ep))
+    world = 1 if group is None else dist.get_world_size(group)
+    sizes = [len(c) for c in torch.arange(e_local).chunk(world)]
+    sizes += [0] * (world - len(sizes))
+    offsets = [sum(sizes[:r]) for r in range(world)]
+    me = 0 if group is None else dist.get_rank(group)
+    for r in range(world):
+        for i in range(0, sizes[r], per_piece):
+            n = min(per_piece, sizes[r] - i)
+            piece = local[i:i + n].contiguous() if r == me else torch.empty((n, *row_shape), dtype=local.dtype,
+                                                                            device=local.device)
+            if group is not None:
+                dist.broadcast(piece, src=dist.get_global_rank(group, r), group=group)
+            if ep == 1:
+                yield offsets[r] + i, piece
+                continue
+            full = torch.empty((ep * n, *row_shape), dtype=piece.dtype, device=piece.device)
+            dist.all_gather(list(full.chunk(ep)), piece, group=ep_group)
+            for q in range(ep):
+                yield q * e_local + offsets[r] + i, full[q * n:(q + 1) * n]
+
+
+def _hf_expert_names(name: str, first: int, piece, F: int):
+    """HF (name, tensor) of a piece of stacked experts (``w_gate_up`` [n, 2F, H] / ``w_down`` [n, H, F])."""
+    base = name.rsplit(".", 1)[0]
+    for k in range(piece.shape[0]):
+        e = first + k
+        if name.endswith("w_gate_up"):
+            yield f"{base}.{e}.gate_proj.weight", piece[k, :F]
+            yield f"{base}.{e}.up_proj.weight", piece[k, F:]
+        else:
+            yield f"{base}.{e}.down_proj.weight", piece[k]
 
 
 class EngineWeights:
@@ -116,13 +183,17 @@ class EngineWeights:
         return {ours: theirs for theirs, ours in family_of(self.arch).hf_prefixes.items()
                 if any(n.startswith(theirs) for n in names)}
 
-    def _hf_named(self, named):
-        for name, t in hf_state_dict(_FullModel(self.arch, named)):
+    def _renamed(self, pairs):
+        """The source checkpoint's prefixes (``hf_prefixes``) on HF names."""
+        for name, t in pairs:
             for ours, theirs in self.hf_prefixes.items():
                 if name.startswith(ours):
                     name = theirs + name[len(ours):]
                     break
             yield name, t
+
+    def _hf_named(self, named):
+        return self._renamed(hf_state_dict(_FullModel(self.arch, named)))
 
     def named_weights(self, *, hf_names: bool = True, dtype: torch.dtype | None = None):
         """Stream (name, full tensor) for every parameter: the source checkpoint's HF names
@@ -133,6 +204,23 @@ class EngineWeights:
         named = gathered(self.model, self.ctx.ep_group, dtype, self.ctx.pp_group)
         return self._hf_named(named) if hf_names else named
 
+    def _hf_stream(self, dtype, piece_bytes: int):
+        """HF-named tensors, stacked experts larger than ``piece_bytes`` streamed in pieces of experts
+        (``expert_pieces``), everything else as ``named_weights``. Pipeline stages: whole tensors."""
+        if self.ctx.pp_group is not None:
+            yield from self.named_weights(dtype=dtype)
+            return
+        self.offloader.require("params")
+        F, ep_group = self.arch.moe_intermediate_size, self.ctx.ep_group
+        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        for name, p in _state(self.model):
+            if (name.endswith(("experts.w_gate_up", "experts.w_down"))
+                    and p.numel() * ep * (dtype or p.dtype).itemsize > piece_bytes):
+                for first, piece in expert_pieces(p, ep_group, dtype, piece_bytes):
+                    yield from self._renamed(_hf_expert_names(name, first, piece, F))
+            else:
+                yield from self._hf_named([(name, _gather(self.model, name, p, ep_group, dtype))])
+
     def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = torch.bfloat16,
                        names: str = "hf"):
         """Lists of (name, tensor) of at most ``bucket_bytes`` each (module docstring)."""
@@ -141,7 +229,9 @@ class EngineWeights:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         bucket, size = [], 0
-        for name, t in self.named_weights(hf_names=names == "hf", dtype=dtype):
+        stream = self._hf_stream(dtype, bucket_bytes) if names == "hf" else self.named_weights(hf_names=False,
+                                                                                               dtype=dtype)
+        for name, t in stream:
             n = t.numel() * t.element_size()
             if bucket and size + n > bucket_bytes:
                 out, bucket, size = bucket, [], 0
@@ -170,11 +260,7 @@ class EngineWeights:
             from bumblebee.models import build_model
 
             whole = build_model(self.arch, self.cfg.primitives, device="meta")
-            shapes = [(n, tuple(p.shape)) for n, p in whole.named_parameters()]
-            if self.pipeline is None:  # replicated buffers (the router bias): rank 0 holds them whole
-                buffers = persistent_buffers(self.model)
-                shapes += [(n, tuple(b.shape)) for n, b in buffers]
-                named = itertools.chain(named, ((n, b.detach()) for n, b in buffers))
+            shapes = [(n, tuple(p.shape)) for n, p in _state(whole)]  # the stream's order: parameters, buffers
             write_hf(out_dir, self.arch, shapes, named, dtype=dtype, source=self.cfg.model.hf_path)
         else:
             for _ in named:

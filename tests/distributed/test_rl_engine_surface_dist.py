@@ -7,6 +7,9 @@
 - token-budget micro-batches (sequences balanced over dp ranks, then repacked under the budget)
   equal one large micro-batch on one process (fsdp2 ep=2, and zero1 cp=2 where the budget rows
   are cut into CP shards);
+- routing replay under EP (fsdp2, ep=2): a batch carrying given experts per token and MoE layer (a
+  rollout engine's, here random) scores and trains with them -- log-probs, the experts reported back,
+  the update's figures and the policy after it equal one process replaying the same experts;
 - weight buckets through the gloo BroadcastTransport: rank 1 receives every bucket from rank 0
   (names, shapes, dtypes, one flat buffer per bucket and dtype) and the received stream loads
   into ``transformers`` with the single-process logits.
@@ -47,6 +50,22 @@ def batch():
     return b.replace(old_logprobs=-torch.rand(b.input_ids.shape, generator=g) * 4)
 
 
+def given_routing(b, arch):
+    """Distinct random experts per token and MoE layer, [B, T, L, K] (what a rollout engine reports)."""
+    g = torch.Generator().manual_seed(11)
+    L = arch.num_hidden_layers
+    scores = torch.rand(*b.input_ids.shape, L, arch.num_experts, generator=g)
+    return scores.argsort(-1)[..., :arch.num_experts_per_tok]
+
+
+def replay_trace(e):
+    rb = batch()
+    rb = rb.replace(routing=given_routing(rb, e.arch))
+    lp = e.compute_logprobs(rb, return_routing=True)
+    m = step_figures(e.train_step(rb, LOSS, lr=1e-2))
+    return lp.logprobs, lp.routing, m, e.compute_logprobs(rb).logprobs
+
+
 def engine(out_dir, layout, **kw):
     return Engine(load_config(None, BASE + layout + [f"train.out_dir={out_dir}"]), **kw)
 
@@ -75,6 +94,12 @@ def _ranks(rank, world, out_dir):
             received.append([(n, t.clone()) for n, t in got])
     transport.finish(e.weight_version)
     res["received"] = (received, transport.version)
+    # stacked experts larger than a bucket stream in pieces: FSDP2 shards over 2 ranks (ep = 1)
+    e = engine(out_dir, ["primitives.sharding=fsdp2"])
+    whole = {n: t.clone() for n, t in e.named_weights(dtype=torch.float32)}
+    pieces = [(n, t.clone()) for b_ in e.weight_buckets(bucket_bytes=4096, dtype=torch.float32) for n, t in b_]
+    res["pieces"] = len(pieces) == len(whole) and all(torch.equal(t, whole[n]) for n, t in pieces)
+    res["replay"] = replay_trace(engine(out_dir, EP))
     # token budget: sequences balanced over the ranks, micro-batches under the budget
     for name, layout in (("budget ep", EP), ("budget cp", CP)):
         e = engine(out_dir, layout, max_tokens_per_micro_batch=BUDGET)
@@ -102,6 +127,17 @@ def test_rank_local_batches_token_budget_and_weight_transport(tmp_path):
             for k, v in want.items():
                 assert figures[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (name, rank, k)
             assert torch.allclose(lp[real], after[real], atol=1e-5), (name, rank)
+    assert per_rank[0]["pieces"] and per_rank[1]["pieces"]
+    replay_ref = replay_trace(engine(tmp_path, ["primitives.sharding=none"]))
+    given = given_routing(b, ref.arch)
+    assert torch.equal(replay_ref[1], given)  # the reported experts are the given ones
+    assert (replay_ref[0] - before).abs().max() > 1e-3  # and they change the log-probs
+    for rank in range(2):
+        lp, routing, figures, updated = per_rank[rank]["replay"]
+        assert torch.allclose(lp, replay_ref[0], atol=1e-5) and torch.equal(routing, given), rank
+        for k, v in replay_ref[2].items():
+            assert figures[k] == pytest.approx(v, rel=1e-5, abs=1e-7), ("replay", rank, k)
+        assert torch.allclose(updated, replay_ref[3], atol=1e-5), rank
     received, version = per_rank[1]["received"]
     assert version == 1 and len(received) > 2
     import transformers

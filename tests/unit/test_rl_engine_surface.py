@@ -103,6 +103,26 @@ def test_forward_backward_and_optimizer_step_equal_train_step(tmp_path):
     assert c.get_data_parallel_group() is None
 
 
+def test_routing_replay_records_and_replays(tmp_path):
+    e = engine(tmp_path)
+    b = rollouts()
+    lp = e.compute_logprobs(b, return_routing=True)
+    L, K = e.arch.num_hidden_layers, e.arch.num_experts_per_tok
+    assert lp.routing.shape == (*b.input_ids.shape, L, K)
+    same = e.compute_logprobs(b.replace(routing=lp.routing), return_routing=True)  # replaying what it chose
+    assert torch.equal(same.logprobs, lp.logprobs) and torch.equal(same.routing, lp.routing)
+    given = (lp.routing + 1) % e.arch.num_experts  # other experts: the log-probs follow them
+    other = e.compute_logprobs(b.replace(routing=given), return_routing=True)
+    assert torch.equal(other.routing, given) and (other.logprobs - lp.logprobs).abs().max() > 1e-3
+    budget = engine(tmp_path / "b", max_tokens_per_micro_batch=16)  # repacked sequences keep their experts
+    real = b.seq_index >= 0
+    got = budget.compute_logprobs(b.replace(routing=given), return_routing=True)
+    assert torch.equal(got.routing[real], given[real])
+    assert torch.allclose(got.logprobs[real], other.logprobs[real], atol=1e-5)
+    with pytest.raises(ValueError, match="RLBatch.routing has shape"):
+        b.replace(routing=given[:, :, 0])
+
+
 def test_offload_by_part_moves_only_that_part(tmp_path):
     e = engine(tmp_path)
     b = rollouts()
@@ -179,8 +199,32 @@ def test_weight_buckets_bound_names_and_transformers_logits(tmp_path):
     ids = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         assert (hf(ids).logits - e.model(ids)).abs().max().item() < 1e-4
+    whole = {n: t for n, t in e.named_weights(dtype=torch.float32)}  # stacked experts gathered whole
+    pieces = [(n, t) for bucket in e.weight_buckets(bucket_bytes=4096, dtype=torch.float32) for n, t in bucket]
+    assert len(pieces) == len(whole) and all(torch.equal(t, whole[n]) for n, t in pieces)  # in pieces of experts
     with pytest.raises(ValueError, match="names must be"):
         next(e.weight_buckets(names="vllm"))
+
+
+def test_weight_stream_carries_router_bias_buffers(tmp_path):
+    """The sigmoid_bias router's ``e_score_correction_bias`` (a buffer, not a parameter) is model state:
+    it travels in the buckets and the HF export, and a sampler loads it."""
+    import bumblebee
+    from bumblebee.rl.sampler import Sampler
+
+    e = engine(tmp_path, "primitives.router=sigmoid_bias")
+    for m in e.model.routers():
+        m.e_score_correction_bias.uniform_(-0.5, 0.5)  # not its zero init: a missing copy would show
+    names = {n for bucket in e.weight_buckets() for n, _ in bucket}
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    e.export_hf(str(tmp_path / "hf"))
+    b = rollouts()
+    back = Engine(e.cfg, hf_path=str(tmp_path / "hf"))
+    assert torch.equal(back.compute_logprobs(b).logprobs, e.compute_logprobs(b).logprobs)
+    sampler = Sampler(bumblebee.build_model(e.arch, e.cfg.primitives))
+    sampler.load_weights(t for bucket in e.weight_buckets(dtype=None, names="bumblebee") for t in bucket)
+    assert all(torch.equal(a, b) for a, b in zip(sampler.model.routers()[0].e_score_correction_bias,
+                                                  e.model.routers()[0].e_score_correction_bias))
 
 
 def _multimodal_checkpoint(out: str) -> str:
