@@ -135,7 +135,8 @@ class DataConfig:
 @dataclass(kw_only=True)
 class MoeConfig:
     bias_update_rate: float = 0.001  # router sigmoid_bias: bias += rate * sign(mean load - load) after each step
-    load_histogram_every: int = 0  # every N steps: per-layer per-expert token counts to out_dir/expert_load.jsonl
+    load_histogram_every: int = 0  # every N steps: per-layer per-expert token counts (metrics field expert_load)
+    capacity_factor: float = 0.0  # > 0: each expert takes <= ceil(f * T * K / E) of a forward's T tokens; rest dropped
 
 
 @dataclass(kw_only=True)
@@ -337,6 +338,9 @@ def validate(cfg: Config) -> None:
     m = cfg.moe
     if not (math.isfinite(m.bias_update_rate) and m.bias_update_rate >= 0):
         raise ConfigError(f"moe.bias_update_rate must be a finite number >= 0, got {m.bias_update_rate}")
+    if not (math.isfinite(m.capacity_factor) and m.capacity_factor >= 0):
+        raise ConfigError(f"moe.capacity_factor must be a finite number >= 0 (0: no capacity limit), "
+                          f"got {m.capacity_factor}")
     if m.load_histogram_every < 0:
         raise ConfigError(f"moe.load_histogram_every must be >= 0, got {m.load_histogram_every}")
 

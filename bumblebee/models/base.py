@@ -57,7 +57,7 @@ class LossTerms:
     loss_sum: torch.Tensor  # summed token losses over the valid labels of this micro-batch
     num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
     aux_loss: torch.Tensor  # load-balancing loss of the asked definition (0 if none, or "global_batch")
-    router_stats: torch.Tensor | None = None  # [L, 2E + 1] per MoE layer (primitives/moe/balance.py)
+    router_stats: torch.Tensor | None = None  # [L, 2E + 2] per MoE layer (primitives/moe/balance.py)
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,12 @@ class CausalLM(nn.Module):
         ``LossTerms.router_stats``)."""
         return [layer.mlp.gate for layer in self.model.layers if getattr(layer, "is_moe", False)]
 
+    def set_capacity(self, capacity_factor: float) -> None:
+        """Expert capacity with token dropping in every MoE layer (0: off; primitives/moe/capacity.py)."""
+        for layer in self.model.layers:
+            if getattr(layer, "is_moe", False):
+                layer.mlp.capacity_factor = float(capacity_factor)
+
     @torch.no_grad()
     def update_router_bias(self, counts_LE: torch.Tensor, rate: float) -> None:
         """After an optimizer step: routers with a selection bias (``sigmoid_bias``) move it by the
@@ -274,7 +280,7 @@ class CausalLM(nn.Module):
         return scope.recorded()
 
     def routed_hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None, routing=None):
-        """``hidden_states`` with the raw router stats [L, 2E + 1] of the MoE layers run (None if none).
+        """``hidden_states`` with the raw router stats [L, 2E + 2] of the MoE layers run (None if none).
         Internal to ``hidden_states`` / ``loss_terms`` (the FSDP2 entry points): not one itself."""
         with routing_replay.entered(routing):
             return self._layers(inputs, position_ids_BT, stage)

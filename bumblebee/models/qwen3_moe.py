@@ -25,6 +25,7 @@ from bumblebee.models.base import CausalLM, LayerParts
 from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.moe.balance import router_stats
+from bumblebee.primitives.moe.capacity import drop_over_capacity
 from bumblebee.primitives.moe.router import build_router
 from bumblebee.primitives.norms import RMSNorm
 from bumblebee.primitives.parallel import ParallelGroups
@@ -77,6 +78,8 @@ class MoE(nn.Module):
         ep_size = groups.ep_size
         self.gate = build_router(prims.router, arch)
         self.moe_index = -1  # position among the model's MoE layers (set by CausalLM)
+        self.num_experts = arch.num_experts
+        self.capacity_factor = 0.0  # > 0: expert capacity with token dropping (CausalLM.set_capacity)
         # only this rank's E / ep experts live here (expert parallelism)
         self.experts = Experts(arch.num_experts // ep_size, arch.hidden_size, arch.moe_intermediate_size)
         self.expert_fn = registry.get("experts", prims.experts).factory
@@ -98,6 +101,10 @@ class MoE(nn.Module):
         r = self.gate(x_TH) if given is None else self.gate(x_TH, given)
         if scope is not None:
             scope.note(self.moe_index, r.idx_TK, B, T)
+        if self.capacity_factor > 0:  # pairs over an expert's capacity get id E: cut, zeros back
+            idx_TK, dropped = drop_over_capacity(r.idx_TK, self.num_experts, self.capacity_factor)
+            y_TH = self.dispatch(x_TH, idx_TK, r.weight_TK, self._run_experts, drops=True)
+            return y_TH.view(B, T, H), router_stats(r.probs_TE, r.idx_TK, dropped)
         y_TH = self.dispatch(x_TH, r.idx_TK, r.weight_TK, self._run_experts)
         return y_TH.view(B, T, H), router_stats(r.probs_TE, r.idx_TK)
 

@@ -88,18 +88,19 @@ def accumulate(parts: list, sharding, forward) -> dict[str, torch.Tensor]:
 
 
 def _counts(terms) -> dict[str, torch.Tensor]:
-    """The router counts [L, E] of a forward (none without MoE layers)."""
+    """The router counts [L, E] of a forward and its capacity-dropped pairs (none without MoE layers)."""
     if terms.router_stats is None:
         return {}
-    return {"router_counts": split_stats(terms.router_stats.detach())[0]}
+    stats = terms.router_stats.detach()
+    return {"router_counts": split_stats(stats)[0], "router_dropped": balance.dropped_pairs(stats)}
 
 
 def lm_forward(model, global_tokens: int, balance_coef: float, micro: int, dp: int, cp: int, autocast,
                balance: str = "micro_batch"):
     """The training forward of one micro-batch (a ``Batch``) for ``accumulate``: its token-loss
     share plus its balance-loss share (definition ``balance``: "micro_batch" | "hf"); stats
-    ``loss_sum``, ``aux`` (balance loss / micro) and ``router_counts`` (this micro-batch's
-    expert counts per MoE layer)."""
+    ``loss_sum``, ``aux`` (balance loss / micro), ``router_counts`` (this micro-batch's
+    expert counts per MoE layer) and ``router_dropped`` (pairs dropped by capacity)."""
     denominator = balance_denominator(micro, dp, cp)
 
     def forward(mb: Batch):
@@ -117,8 +118,8 @@ def accumulate_global_balance(parts: list, sharding, model, global_tokens: int, 
     sum their router stats and all-reduce them over ``group`` (the dp x cp ranks: every token of
     the global batch), then backward each micro-batch's token-loss share plus its share of the
     global balance loss (``balance.global_batch_share``). Returns ``loss_sum`` (this rank's),
-    ``aux`` (the global balance loss, identical on every rank) and ``router_counts`` (this
-    rank's counts [L, E], summed over its micro-batches)."""
+    ``aux`` (the global balance loss, identical on every rank), ``router_counts`` (this
+    rank's counts [L, E], summed over its micro-batches) and ``router_dropped``."""
     kept = []
     for part in parts:
         with autocast:
@@ -140,7 +141,7 @@ def accumulate_global_balance(parts: list, sharding, model, global_tokens: int, 
         loss.backward()
     kept.clear()
     return {"loss_sum": loss_sum, "aux": balance.global_batch_value(global_LS),
-            "router_counts": split_stats(local_LS)[0]}
+            "router_counts": split_stats(local_LS)[0], "router_dropped": balance.dropped_pairs(local_LS)}
 
 
 def optimizer_tail(sharding, optimizer, train_cfg, step: int, *, lr: float | None = None, loss=None,

@@ -111,6 +111,7 @@ class Trainer:
 
         self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group,
                                                                           cp_group=ctx.cp_group), split)
+        self.model.set_capacity(cfg.moe.capacity_factor)  # 0: every token reaches its k experts
         self.sharding.after_load()  # e.g. zero1 takes its fp32 master slices of the weights
         self.optimizer = build_optimizer(t, self.sharding)
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)
@@ -189,12 +190,14 @@ class Trainer:
                                      self.autocast, balance=t.balance)
                 sums = accumulate(parts, self.sharding, forward)
             loss_sum, aux = sums["loss_sum"], sums["aux"] / (self.dp_size * self.cp)
-            counts = sums.get("router_counts")
+            counts, dropped = sums.get("router_counts"), sums.get("router_dropped")
         if self.ctx.distributed:  # the logged loss covers the whole global batch (so every rank checks the same)
-            stats = torch.cat([torch.stack([loss_sum, aux])] + ([] if counts is None else [counts.flatten()]))
+            extra = [] if counts is None else [dropped.reshape(1), counts.flatten()]
+            stats = torch.cat([torch.stack([loss_sum, aux])] + extra)
             dist.all_reduce(stats, group=None if self.pipeline is not None else self.ctx.dp_cp_group)
             loss_sum, aux = stats[0], stats[1]
-            counts = None if counts is None else stats[2:].view_as(counts)
+            if counts is not None:
+                dropped, counts = stats[2], stats[3:].view_as(counts)
         grad_norm, lr, applied = optimizer_tail(self.sharding, self.optimizer, t, self.step,
                                                 loss=loss_sum / global_tokens,
                                                 pp_group=self.ctx.pp_group if self.pipeline is not None else None,
@@ -218,7 +221,7 @@ class Trainer:
             "skipped_steps": self.skipped,
         }
         if counts is not None:
-            record.update(load_summary(counts), dropped_tokens=0)
+            record.update(load_summary(counts), dropped_tokens=int(dropped))
             every = self.cfg.moe.load_histogram_every
             if every and self.step % every == 0:  # per-layer per-expert token counts of this step
                 record["expert_load"] = counts.round().long().tolist()

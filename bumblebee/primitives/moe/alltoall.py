@@ -78,9 +78,9 @@ class AllToAllDispatch:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})")
 
     def __call__(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
-                 expert_fn: ExpertFn) -> torch.Tensor:
+                 expert_fn: ExpertFn, drops: bool = False) -> torch.Tensor:
         K = idx_TK.shape[1]
-        order_N, counts_E = permute(idx_TK, self.num_experts)
+        order_N, counts_E = permute(idx_TK, self.num_experts, drops)  # drops: capacity cut rows
         x_NH = x_TH[order_N // K]
         if self.ep == 1:
             return unpermute(expert_fn(x_NH, counts_E), order_N, weight_TK)

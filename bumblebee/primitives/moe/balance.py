@@ -1,10 +1,11 @@
 """Router statistics of one forward and the load-balancing losses built from them.
 
-Every MoE layer returns one stats vector per forward (``router_stats``), fp32 [2E + 1]:
-``[counts_E | prob_sum_E | T]`` with counts_E the top-k assignments per expert (no
+Every MoE layer returns one stats vector per forward (``router_stats``), fp32 [2E + 2]:
+``[counts_E | prob_sum_E | T | dropped]`` with counts_E the top-k assignments per expert (no
 gradient), prob_sum_E the router probabilities summed over the T local tokens (carries
-the gradient to the router and everything below it). The model stacks them per MoE layer
-(``stats_LS``, S = 2E + 1). A balance loss is then a function of these sums, which is what
+the gradient to the router and everything below it), and the (token, choice) pairs a capacity
+limit dropped (primitives/moe/capacity.py; 0 without). The model stacks them per MoE layer
+(``stats_LS``, S = 2E + 2). A balance loss is then a function of these sums, which is what
 makes the three definitions below cheap to switch and the global one exact:
 
 ``micro_batch`` (Switch Transformer, Fedus et al. 2021, eq. 4-6, per layer, mean over layers):
@@ -22,7 +23,7 @@ makes the three definitions below cheap to switch and the global one exact:
     ``global_batch_share`` and the total is independent of layout and micro-batching
     (runtime/step.py gathers the counts once per step, before the first backward).
 
-Legend: T tokens, E experts, K choices per token, L MoE layers, S = 2E + 1.
+Legend: T tokens, E experts, K choices per token, L MoE layers, S = 2E + 2.
 """
 
 from __future__ import annotations
@@ -33,18 +34,26 @@ import torch.distributed as dist
 MODES = ("global_batch", "micro_batch", "hf")
 
 
-def router_stats(probs_TE: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:
-    """[counts_E | prob_sum_E | T] of one layer's forward (fp32; only prob_sum has a gradient)."""
+def router_stats(probs_TE: torch.Tensor, idx_TK: torch.Tensor, dropped=0) -> torch.Tensor:
+    """[counts_E | prob_sum_E | T | dropped] of one layer's forward (fp32; only prob_sum has a
+    gradient). ``idx_TK``: the router's choices (before any capacity drop)."""
     T, E = probs_TE.shape
     counts_E = torch.zeros(E, device=probs_TE.device, dtype=torch.float32)
     counts_E.scatter_add_(0, idx_TK.flatten(), torch.ones(idx_TK.numel(), device=probs_TE.device))
-    return torch.cat([counts_E, probs_TE.float().sum(dim=0), counts_E.new_tensor([T])])
+    tail = torch.stack([counts_E.new_tensor(float(T)), torch.as_tensor(dropped, dtype=torch.float32,
+                                                                       device=counts_E.device)])
+    return torch.cat([counts_E, probs_TE.float().sum(dim=0), tail])
 
 
 def split_stats(stats_LS: torch.Tensor):
     """(counts_LE, prob_sum_LE, tokens_L) views of stacked stats."""
-    E = (stats_LS.shape[-1] - 1) // 2
+    E = (stats_LS.shape[-1] - 2) // 2
     return stats_LS[..., :E], stats_LS[..., E:2 * E], stats_LS[..., 2 * E]
+
+
+def dropped_pairs(stats_LS: torch.Tensor) -> torch.Tensor:
+    """(token, choice) pairs dropped by capacity, summed over the layers of stacked stats."""
+    return stats_LS[..., -1].sum()
 
 
 def _cp_reduce(stats_LS: torch.Tensor, cp_group):

@@ -61,7 +61,7 @@ from torch.profiler import record_function
 
 from bumblebee.primitives.moe.alltoall import regroup_by_expert
 from bumblebee.primitives.moe.experts import experts_grouped, experts_loop, grouped_mm_supported
-from bumblebee.primitives.moe.local import permute
+from bumblebee.primitives.moe.local import permute, unsort_rows
 from bumblebee.primitives.recompute import in_recompute
 from bumblebee.registry import register
 
@@ -153,6 +153,7 @@ class _Setup:
     comm: _Comm
     grouped: bool
     recompute: bool  # inside a recompute forward: skip what only the discarded output needs
+    drops: bool = False  # capacity: ids == num_experts mark dropped pairs (cut by permute)
 
 
 def _bounds(T: int, k: int):
@@ -169,7 +170,7 @@ class _ChunkedExperts(torch.autograd.Function):
         (T, K), H, ep = idx_TK.shape, x_TH.shape[1], s.comm.ep
         chunks = []  # per chunk: [lo, hi, order_N, pending counts / send, recv, local, by_expert]
         for lo, hi in _bounds(T, s.num_chunks):
-            order_N, counts_E = permute(idx_TK[lo:hi], s.num_experts)
+            order_N, counts_E = permute(idx_TK[lo:hi], s.num_experts, s.drops)
             chunks.append([lo, hi, order_N, s.comm.a2a(counts_E), counts_E])
         pending_x = []
         for i, c in enumerate(chunks):  # host-side splits of chunk i, then issue its dispatch
@@ -205,7 +206,7 @@ class _ChunkedExperts(torch.autograd.Function):
         for i, ((lo, hi, order_N, *_), py) in enumerate(zip(chunks, pending_y)):
             with record_function(f"chunked.fwd.combine_wait{i}"):
                 y_back = py.wait()
-            rows = torch.empty_like(y_back).index_copy_(0, order_N, y_back).view(hi - lo, K, H)
+            rows = unsort_rows(y_back, order_N, (hi - lo) * K).view(hi - lo, K, H)
             torch.sum(rows * weight_TK[lo:hi, :, None].to(rows.dtype), dim=1, out=y_TH[lo:hi])
         return y_TH
 
@@ -252,9 +253,9 @@ class _ChunkedExperts(torch.autograd.Function):
         for i, ((lo, hi, *_), (order_N, *_), (px, pw)) in enumerate(zip(ctx.meta, per_chunk, back)):
             with record_function(f"chunked.bwd.dispatch_wait{i}"):  # 4. back home, sum over choices
                 dx_N, dw_N = px.wait(), pw.wait()
-            rows = torch.empty_like(dx_N).index_copy_(0, order_N, dx_N).view(hi - lo, K, H)
+            rows = unsort_rows(dx_N, order_N, (hi - lo) * K).view(hi - lo, K, H)
             torch.sum(rows, dim=1, out=dx_TH[lo:hi])
-            dweight_TK[lo:hi] = torch.empty_like(dw_N).index_copy_(0, order_N, dw_N).view(hi - lo, K)
+            dweight_TK[lo:hi] = unsort_rows(dw_N, order_N, (hi - lo) * K).view(hi - lo, K)
         return (dx_TH if need_x else None, dweight_TK if need_w else None, dw1, dw2, None, None)
 
 
@@ -273,14 +274,14 @@ class ChunkedDispatch:
         self._streams = {}  # device -> CUDA communication stream
 
     def __call__(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
-                 expert_fn) -> torch.Tensor:
+                 expert_fn, drops: bool = False) -> torch.Tensor:
         if "schedule" not in inspect.signature(expert_fn).parameters:
             raise ValueError("moe_comm = 'chunked' schedules the expert GEMMs itself and needs an expert_fn "
                              "accepting schedule= (the MoE block's _run_experts)")
-        schedule = functools.partial(self._schedule, idx_TK=idx_TK, weight_TK=weight_TK)
+        schedule = functools.partial(self._schedule, idx_TK=idx_TK, weight_TK=weight_TK, drops=drops)
         return expert_fn(x_TH, None, schedule=schedule)
 
-    def _schedule(self, x_TH, _counts, w_gate_up_EGH, w_down_EHF, *, idx_TK, weight_TK, expert_fn):
+    def _schedule(self, x_TH, _counts, w_gate_up_EGH, w_down_EHF, *, idx_TK, weight_TK, expert_fn, drops=False):
         """Runs inside ``Experts.forward`` with the (gathered) weights of this rank's experts."""
         if expert_fn is experts_loop:
             grouped = False
@@ -295,7 +296,7 @@ class ChunkedDispatch:
                 self._streams[x_TH.device] = torch.cuda.Stream(x_TH.device)
             stream = self._streams[x_TH.device]
         setup = _Setup(self.num_experts, self.num_chunks, _Comm(self.group, self.ep, stream), grouped,
-                       recompute=in_recompute())
+                       recompute=in_recompute(), drops=drops)
         dtype = x_TH.dtype  # the experts' compute dtype (Experts.forward applied autocast)
         return _ChunkedExperts.apply(x_TH, weight_TK, w_gate_up_EGH.to(dtype), w_down_EHF.to(dtype),
                                      idx_TK, setup)

@@ -55,8 +55,9 @@ def experts_loop(x_NH: torch.Tensor, counts_E: torch.Tensor, w_gate_up_EGH, w_do
         gate, up = F.linear(x, w_gate_up_EGH[e].to(x.dtype)).chunk(2, dim=-1)
         outs.append(F.linear(F.silu(gate) * up, w_down_EHF[e].to(x.dtype)))
         start += n
-    if not outs:  # no tokens routed here
-        return x_NH.new_zeros(0, w_down_EHF.shape[1])
+    if not outs:  # no tokens routed here; still tied to the input, so that an expert-parallel
+        # exchange around it stays in the autograd graph on every rank (its backward is collective)
+        return x_NH.new_zeros(0, w_down_EHF.shape[1]) + 0 * x_NH.sum()
     return torch.cat(outs)
 
 

@@ -21,18 +21,29 @@ from bumblebee.registry import register
 ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x_NH sorted, counts_E) -> y_NH
 
 
-def permute(idx_TK: torch.Tensor, num_experts: int):
-    """Order of the N = T*K routed rows sorted by expert (stable), and per-expert counts."""
+def permute(idx_TK: torch.Tensor, num_experts: int, drops: bool = False):
+    """Order of the routed rows sorted by expert (stable), and per-expert counts. With ``drops``
+    (capacity, primitives/moe/capacity.py) ids equal to ``num_experts`` mark dropped (token,
+    choice) pairs: they sort last and are cut, so N = kept rows <= T*K (one host sync)."""
     flat_N = idx_TK.flatten()
     order_N = torch.argsort(flat_N, stable=True)
-    counts_E = torch.bincount(flat_N, minlength=num_experts)
-    return order_N, counts_E
+    if not drops:
+        return order_N, torch.bincount(flat_N, minlength=num_experts)
+    counts_E = torch.bincount(flat_N, minlength=num_experts + 1)[:num_experts].clone()  # own storage: sent as is
+    return order_N[:int(counts_E.sum())], counts_E
+
+
+def unsort_rows(y_NH: torch.Tensor, order_N: torch.Tensor, rows: int) -> torch.Tensor:
+    """Rows back to (token, choice) order [rows, ...]; dropped pairs (absent from ``order_N``) are 0."""
+    if order_N.numel() == rows:
+        return torch.empty_like(y_NH).index_copy_(0, order_N, y_NH)
+    return y_NH.new_zeros((rows,) + tuple(y_NH.shape[1:])).index_copy_(0, order_N, y_NH)
 
 
 def unpermute(y_NH: torch.Tensor, order_N: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
     """Inverse of ``permute``: back to (token, choice) order, weight and sum over choices."""
     T, K = weight_TK.shape
-    y_unsorted = torch.empty_like(y_NH).index_copy_(0, order_N, y_NH)
+    y_unsorted = unsort_rows(y_NH, order_N, T * K)
     return (y_unsorted.view(T, K, -1) * weight_TK[..., None].to(y_NH.dtype)).sum(dim=1)
 
 
@@ -44,8 +55,8 @@ class LocalDispatch:
         self.num_experts = num_experts
 
     def __call__(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
-                 expert_fn: ExpertFn) -> torch.Tensor:
+                 expert_fn: ExpertFn, drops: bool = False) -> torch.Tensor:
         K = idx_TK.shape[1]
-        order_N, counts_E = permute(idx_TK, self.num_experts)
+        order_N, counts_E = permute(idx_TK, self.num_experts, drops)
         y_NH = expert_fn(x_TH[order_N // K], counts_E)
         return unpermute(y_NH, order_N, weight_TK)
