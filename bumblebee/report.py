@@ -81,7 +81,8 @@ def _labels(run_dirs: list[str]) -> list[str]:
 
 
 def _expert_series(recs: list[dict]) -> tuple[str, dict[str, list]]:
-    keys = sorted({k for r in recs for k in r if k.startswith("expert_load")})
+    keys = sorted({k for r in recs for k, v in r.items()  # the scalar load figures (not the per-expert histogram)
+                   if k.startswith("expert_load_") and k != "expert_load_worst_layer" and isinstance(v, (int, float))})
     if keys:
         return "expert load", {k: [r.get(k) for r in recs] for k in keys}
     return "expert load: balance loss (min at even load)", {"aux_loss": [r.get("aux_loss") for r in recs]}

@@ -14,7 +14,7 @@ from dist_utils import run_distributed
 from bumblebee import load_config
 from bumblebee.runtime.trainer import Trainer
 
-STEPS = 3
+STEPS = 2
 BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
         "model.arch.moe_intermediate_size=16", "model.arch.num_experts=8", "model.arch.num_experts_per_tok=2",
         "model.arch.router_aux_loss_coef=0.1", "primitives.loss=ce", "primitives.recompute=full",

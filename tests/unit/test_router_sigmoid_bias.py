@@ -123,7 +123,8 @@ def biases(model):
 
 
 def test_training_moves_bias_saves_resumes_and_exports(tmp_path):
-    t = trainer(tmp_path, "a", "train.steps=4", "train.save_every=2", "train.export_hf=true")
+    t = trainer(tmp_path, "a", "train.steps=4", "train.save_every=2", "train.export_hf=true",
+                "moe.load_histogram_every=2")
     records = []
     for _ in range(2):
         records.append(t.train_step())
@@ -134,6 +135,10 @@ def test_training_moves_bias_saves_resumes_and_exports(tmp_path):
     assert torch.allclose(at2 * 100, (at2 * 100).round(), atol=1e-4)
     rec = records[-1]
     assert rec["expert_load_max_over_mean"] >= 1.0 and rec["expert_load_cv"] >= 0.0 and rec["dropped_tokens"] == 0
+    # the histogram every 2 steps: [layer][expert] counts of the global batch (2 x 64 tokens, top-2)
+    hist = torch.tensor(rec["expert_load"], dtype=torch.float32)
+    assert "expert_load" not in records[0] and hist.shape == (2, 8) and hist.sum(1).tolist() == [256.0, 256.0]
+    assert rec["expert_load_max_over_mean"] == pytest.approx(float((hist.max(1).values / hist.mean(1)).max()))
     while t.step < 4:
         records.append(t.train_step())
         t.checkpoint.on_step(t.step)
@@ -179,3 +184,21 @@ def test_trainer_pipeline_refuses_what_it_cannot_do():
         check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=micro_batch",
                                                   "primitives.router=sigmoid_bias"]))
     check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=micro_batch"]))
+
+
+def test_progress_line_and_report_read_the_load():
+    from bumblebee.report import _expert_series
+    from bumblebee.runtime.metrics import MetricsWriter
+
+    out = io.StringIO()
+    w = MetricsWriter(None, total_steps=2, stream=out)
+    w.active = True  # print only (no file)
+    rec = {"step": 1, "loss": 1.0, "aux_loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1.0,
+           "peak_mem_bytes": 0, "expert_load_max_over_mean": 3.25, "expert_load_worst_layer": 1,
+           "expert_load_cv": 0.5, "expert_load": [[1, 2], [3, 4]]}
+    w._progress(rec)
+    w._progress({**rec, "expert_load_max_over_mean": 1.5})
+    lines = out.getvalue().splitlines()
+    assert "load max/mean 3.2 (layer 1)" in lines[0] and "load max/mean" not in lines[1]
+    title, series = _expert_series([rec])
+    assert sorted(series) == ["expert_load_cv", "expert_load_max_over_mean"]
