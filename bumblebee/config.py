@@ -140,6 +140,14 @@ class MoeConfig:
 
 
 @dataclass(kw_only=True)
+class MTPConfig:
+    """Multi-token prediction (models/mtp.py) on models that hold MTP modules."""
+
+    depth: Union[int, str] = "auto"  # MTP depths trained: "auto" = every module the model holds, 0 = none
+    loss_weight: float = 0.1  # the MTP loss weight (lambda / depth per depth; DeepSeek-V3: 0.3, then 0.1)
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -147,6 +155,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -298,6 +307,11 @@ def eval_interval(cfg: Config) -> int:
 
 
 def validate(cfg: Config) -> None:
+    m = cfg.mtp
+    if m.depth != "auto" and not (isinstance(m.depth, int) and m.depth >= 0):
+        raise ConfigError(f"mtp.depth must be >= 0 or 'auto', got {m.depth!r}")
+    if not (math.isfinite(m.loss_weight) and m.loss_weight >= 0):
+        raise ConfigError(f"mtp.loss_weight must be a finite number >= 0, got {m.loss_weight}")
     t = cfg.train
     for f in dataclasses.fields(t):  # TOML reads nan and inf: every number must be finite
         value = getattr(t, f.name)

@@ -13,18 +13,25 @@ import os
 import torch
 
 from bumblebee.errors import ConfigError
-from bumblebee.models import qwen3_5_moe, qwen3_moe
+from bumblebee.models import deepseek_v3, qwen3_5_moe, qwen3_moe
 from bumblebee.models.arch import ArchError
 from bumblebee.models.family import FAMILIES, Family, family_of_model_type, register_family
+from bumblebee.models.mtp_names import without_absent_mtp
 from bumblebee.models.presets import PRESETS
 
 register_family(Family(name="qwen3_moe", arch=qwen3_moe.Qwen3MoeArch, model=qwen3_moe.Qwen3MoeForCausalLM,
                        presets=PRESETS["qwen3_moe"], hf_model_types=("qwen3_moe",)))
 # qwen3_5_moe is also the released multimodal wrapper: its text_config is the language model,
-# stored under model.language_model.*; the vision tower and the MTP head are not part of it
+# stored under model.language_model.*, its MTP head under mtp.*; the vision tower is not part of it
 register_family(Family(name="qwen3_5_moe", arch=qwen3_5_moe.Qwen3_5MoeArch, model=qwen3_5_moe.Qwen3_5MoeForCausalLM,
                        presets=PRESETS["qwen3_5_moe"], hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
-                       hf_prefixes={"model.language_model.": "model."}, skip_prefixes=("model.visual.", "mtp.")))
+                       hf_prefixes={"model.language_model.": "model."}, skip_prefixes=("model.visual.",),
+                       mtp_arch_key="mtp_num_hidden_layers"))
+register_family(Family(name="deepseek_v3", arch=deepseek_v3.DeepseekV3Arch, model=deepseek_v3.DeepseekV3ForCausalLM,
+                       presets=PRESETS["deepseek_v3"], hf_model_types=("deepseek_v3", "kimi_k2"),
+                       hf_name_in=deepseek_v3.hf_name_in, hf_name_out=deepseek_v3.hf_name_out,
+                       hf_extra_out=deepseek_v3.hf_extra_out, mtp_arch_key="num_nextn_predict_layers",
+                       router=deepseek_v3.ROUTER))
 
 
 def family_of(arch) -> Family:
@@ -34,6 +41,7 @@ def family_of(arch) -> Family:
 # keys a Hugging Face config.json must state (a default would silently build another model)
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                     "moe_intermediate_size", "num_experts_per_tok")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def read_hf_config(path: str) -> dict:
@@ -63,7 +71,7 @@ def arch_from_hf_dict(d: dict):
         raise ConfigError(f"unsupported model_type {model_type!r}; valid: {', '.join(valid)}")
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
     missing = [k for k in REQUIRED_HF_KEYS if text.get(k) is None]
-    if text.get("num_experts") is None and text.get("num_local_experts") is None:
+    if all(text.get(k) is None for k in EXPERT_COUNT_KEYS):
         missing.append("num_experts")
     if missing:
         raise ConfigError(f"invalid {model_type} config: missing {', '.join(missing)}")
@@ -87,6 +95,7 @@ def resolve_arch(model_cfg):
         except ConfigError as e:
             where = "" if str(e).startswith(path) else f"{path}: "
             raise ConfigError(f"model.hf_path: {where}{e}") from None
+        arch = without_absent_mtp(arch, model_cfg.hf_path)
     else:
         if model_cfg.preset not in family.presets:
             raise ConfigError(f"unknown {model_cfg.name} preset {model_cfg.preset!r}; "

@@ -53,6 +53,8 @@ class Qwen3_5MoeArch:
     num_experts: int = 256
     num_experts_per_tok: int = 8
     router_aux_loss_coef: float = 0.001
+    # multi-token prediction (the released checkpoints' mtp.* tensors: one full-attention MoE layer)
+    mtp_num_hidden_layers: int = 0
     # rest
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
@@ -99,6 +101,8 @@ class Qwen3_5MoeArch:
             raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
         if self.attention_bias:
             raise ArchError("attention_bias = true is not supported (Qwen3.5 checkpoints have none)")
+        if self.mtp_num_hidden_layers < 0:
+            raise ArchError(f"mtp_num_hidden_layers must be >= 0, got {self.mtp_num_hidden_layers}")
 
     # ------------------------------------------------------------------ HF mapping
     @classmethod
@@ -117,6 +121,8 @@ class Qwen3_5MoeArch:
                 d[key] = rope[key]
         if rope.get("rope_type", "default") not in ("default", None):
             raise ArchError(f"rope_type {rope['rope_type']!r} is not supported; valid: default")
+        if d.get("mtp_use_dedicated_embeddings"):
+            raise ArchError("mtp_use_dedicated_embeddings = true is not supported (the MTP head shares the embedding)")
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names and v is not None}
         if "layer_types" not in kwargs:
@@ -163,7 +169,7 @@ class Qwen3_5MoeArch:
                          gdn_conv=self.linear_conv_kernel_dim, experts=self.num_experts,
                          top_k=self.num_experts_per_tok, expert_ffn=self.moe_intermediate_size,
                          shared_ffn=self.shared_expert_intermediate_size, dense_ffn=0,
-                         tied=self.tie_word_embeddings)
+                         tied=self.tie_word_embeddings, mtp_depth=self.mtp_num_hidden_layers)
 
     def num_params(self) -> dict[str, int]:
         """Parameter counts: total, dense and routed-expert parts."""

@@ -21,7 +21,7 @@ Legend: B batch, T tokens, H hidden, V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,10 @@ class LossTerms:
     num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
     aux_loss: torch.Tensor  # load-balancing loss of the asked definition (0 if none, or "global_batch")
     router_stats: torch.Tensor | None = None  # [L, 2E + 2] per MoE layer (primitives/moe/balance.py)
+    # multi-token prediction (models/mtp.py), already weighted into loss_sum: per-depth summed
+    # token losses (detached, for logs) and valid-label counts; empty without MTP
+    mtp_sums: list = field(default_factory=list)
+    mtp_tokens: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ class CausalLM(nn.Module):
     """The public model object: ``model(input_ids, position_ids=None, labels=None)``.
 
     Subclasses set ``family`` and ``norm_cls`` and implement ``make_layer`` (and may
-    override ``rotary_dim``, ``init_vectors`` and ``layer_flops``)."""
+    override ``rotary_dim``, ``rope_tables``, ``init_vectors`` and ``layer_flops``)."""
 
     family = ""
     norm_cls: type = nn.Module
@@ -120,6 +124,12 @@ class CausalLM(nn.Module):
         self.num_moe_layers = max(sum(int(layer.is_moe) for layer in self.model.layers), 1)
         for j, layer in enumerate(layer for layer in self.model.layers if layer.is_moe):
             layer.mlp.moe_index = j  # its slot in router stats and routing replay ids
+        self.mtp = self.make_mtp(parts)  # multi-token prediction modules (models/mtp.py) or None
+        main_moe = sum(int(layer.is_moe) for layer in self.model.layers)
+        for k, block in enumerate(self.mtp_moe_blocks()):
+            block.moe_index = main_moe + k  # router stats rows after the decoder's MoE layers
+        self.mtp_depth = self.mtp_modules()  # depths trained (``set_mtp``)
+        self.mtp_loss_weight = 0.1
         self.stage_layers: dict[int, list[int]] | None = None  # pipeline stage -> its layers (keep_stages)
         self.num_stages = 1  # parameters are left as constructed: build_model / materialize initialize them
 
@@ -129,6 +139,22 @@ class CausalLM(nn.Module):
         with a boolean attribute ``is_moe``."""
         raise NotImplementedError
 
+    def make_mtp(self, parts: LayerParts) -> nn.Module | None:
+        """The family's multi-token-prediction part (``models/mtp.py``), or None."""
+        return None
+
+    def mtp_modules(self) -> int:
+        """How many MTP depths the model holds (0 without an MTP part)."""
+        return 0
+
+    def mtp_forward(self, k: int, h_BTH, emb_BTH, cos, sin, layout):
+        """MTP depth k: (output-normed hidden state, balance loss), under the recompute policy."""
+        raise NotImplementedError
+
+    def mtp_units(self) -> list[nn.Module]:
+        """The modules whose forward runs the MTP depths (FSDP units)."""
+        return []
+
     def rotary_dim(self) -> int:
         return self.arch.head_dim
 
@@ -137,6 +163,10 @@ class CausalLM(nn.Module):
         ``fill``; may also override a matrix's rule. Default: ones for every 1-D parameter (RMSNorm
         weights). Buffers without a rule keep their constructor values (zeros after ``materialize``)."""
         return {name: init.const(1.0) for name, p in self.named_parameters() if p.dim() == 1}
+
+    def rope_tables(self, position_ids_BT, dtype):
+        """RoPE (cos, sin) [B, T, rotary_dim] in ``dtype`` (a family with scaled RoPE overrides this)."""
+        return rope_cos_sin(position_ids_BT, self.rotary_dim(), self.arch.rope_theta, dtype)
 
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
         """Forward FLOPs of one ``seq_len``-token sequence per decoder layer, and of the LM head."""
@@ -182,8 +212,15 @@ class CausalLM(nn.Module):
 
     def routers(self) -> list[nn.Module]:
         """The router of every MoE layer this rank holds, in layer order (the order of the rows of
-        ``LossTerms.router_stats``)."""
-        return [layer.mlp.gate for layer in self.model.layers if getattr(layer, "is_moe", False)]
+        ``LossTerms.router_stats``), then those of the trained MTP depths."""
+        mtp = [block.gate for block in self.mtp_moe_blocks()[:self.mtp_depth]]
+        return [layer.mlp.gate for layer in self.model.layers if getattr(layer, "is_moe", False)] + mtp
+
+    def mtp_moe_blocks(self) -> list[nn.Module]:
+        """The MoE blocks of the MTP part, depth by depth."""
+        if getattr(self, "mtp", None) is None:
+            return []
+        return [m for unit in self.mtp_units() for m in unit.modules() if hasattr(m, "moe_index")]
 
     def set_capacity(self, capacity_factor: float) -> None:
         """Expert capacity with token dropping in every MoE layer (0: off; primitives/moe/capacity.py)."""
@@ -201,17 +238,18 @@ class CausalLM(nn.Module):
             if hasattr(router, "update_bias"):
                 router.update_bias(load_E, rate)
 
-    def balance_loss(self, stats_LS: torch.Tensor | None, mode: str = "micro_batch") -> torch.Tensor:
+    def balance_loss(self, stats_LS: torch.Tensor | None, mode: str = "micro_batch",
+                     num_layers: int | None = None) -> torch.Tensor:
         """The balance loss of one micro-batch from its router stats: ``micro_batch`` (per layer, mean
-        over the model's MoE layers) or ``hf`` (transformers' pooled definition); sums span the
-        sequence under CP. 0 without MoE layers."""
+        over the model's MoE layers, ``num_layers`` with the MTP ones) or ``hf`` (transformers' pooled
+        definition); sums span the sequence under CP. 0 without MoE layers."""
         if stats_LS is None:
             return torch.zeros((), dtype=torch.float32, device=next(self.parameters()).device)
         cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
         if mode == "hf":
             return balance.hf_loss(stats_LS, cp_group)
         assert mode == "micro_batch", mode
-        return balance.micro_batch_loss(stats_LS, self.num_moe_layers, cp_group)
+        return balance.micro_batch_loss(stats_LS, num_layers or self.num_moe_layers, cp_group)
 
     def expert_modules(self) -> list[nn.Module]:
         return [m for m in self.modules() if isinstance(m, Experts)]
@@ -225,14 +263,26 @@ class CausalLM(nn.Module):
             self.__dict__["_expert_names"] = names
         return name in names
 
+    def set_mtp(self, depth: int | str = "auto", loss_weight: float = 0.1) -> None:
+        """Train the first ``depth`` MTP modules ("auto": all the model holds, 0: none) with the
+        weight ``loss_weight`` (config ``[mtp]``)."""
+        held = self.mtp_modules()
+        depth = held if depth == "auto" else depth
+        if not 0 <= depth <= held:
+            raise ValueError(f"mtp.depth {depth} is more than the {held} MTP module(s) this model holds "
+                             f"(set the architecture's MTP layer count to add modules)")
+        self.mtp_depth, self.mtp_loss_weight = depth, float(loss_weight)
+
     def fsdp_units(self):
         """(module, "expert" | "dense") in wrapping order: the embedding (when the LM head does not
         share it: gathered only around its own forward and backward, not for the whole step as
         the root's parameters are), each decoder layer's experts (over the expert mesh), then the
-        layer itself (dense mesh). The model itself is the root unit (final norm, LM head)."""
+        layer itself (dense mesh); the MTP part likewise. The model itself is the root unit (final
+        norm, LM head)."""
         if self.model.embed_tokens is not None and self.lm_head is not None:
             yield self.model.embed_tokens, "dense"
-        for layer in self.model.layers:
+        mtp = [] if self.mtp is None else self.mtp_units()
+        for layer in list(self.model.layers) + mtp:
             for m in layer.modules():
                 if isinstance(m, Experts):
                     yield m, "expert"
@@ -249,7 +299,7 @@ class CausalLM(nn.Module):
         if 0 not in stage_layers:
             self.model.embed_tokens = None
         if num_stages - 1 not in stage_layers:
-            self.model.norm = self.lm_head = None
+            self.model.norm = self.lm_head = self.mtp = None
         self.stage_layers, self.num_stages = stage_layers, num_stages
         self.__dict__.pop("_expert_names", None)
 
@@ -258,7 +308,7 @@ class CausalLM(nn.Module):
         document layout (the CP layout when the sequence is split)."""
         cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
         layout = build_cp_layout(position_ids_BT, cp_group) if cp_group is not None else doc_layout(position_ids_BT)
-        cos, sin = rope_cos_sin(position_ids_BT, self.rotary_dim(), self.arch.rope_theta, dtype)
+        cos, sin = self.rope_tables(position_ids_BT, dtype)
         return cos, sin, layout
 
     # ------------------------------------------------------------------ entry points
@@ -279,13 +329,15 @@ class CausalLM(nn.Module):
         self.hidden_states(input_ids, position_ids, routing=scope)
         return scope.recorded()
 
-    def routed_hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None, routing=None):
+    def routed_hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None, routing=None,
+                             context: list | None = None):
         """``hidden_states`` with the raw router stats [L, 2E + 2] of the MoE layers run (None if none).
-        Internal to ``hidden_states`` / ``loss_terms`` (the FSDP2 entry points): not one itself."""
+        Internal to ``hidden_states`` / ``loss_terms`` (the FSDP2 entry points): not one itself.
+        ``context`` (a list) receives the layers' (cos, sin, layout)."""
         with routing_replay.entered(routing):
-            return self._layers(inputs, position_ids_BT, stage)
+            return self._layers(inputs, position_ids_BT, stage, context)
 
-    def _layers(self, inputs, position_ids_BT, stage):
+    def _layers(self, inputs, position_ids_BT, stage, context=None):
         if position_ids_BT is None:
             position_ids_BT = default_position_ids(inputs)
         first = stage is None or stage == 0
@@ -294,6 +346,8 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(inputs) if first else inputs
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         cos, sin, layout = self.layer_context(position_ids_BT, dtype)
+        if context is not None:
+            context.extend((cos, sin, layout))
         stats = []
         for i in layer_ids:
             x, s = self.recompute.layer(self.model.layers[i], x, cos, sin, layout)
@@ -306,13 +360,28 @@ class CausalLM(nn.Module):
         """The summed token loss through the loss primitive (``stage``: the last pipeline stage), the
         balance loss of definition ``balance`` (``micro_batch`` | ``hf``; ``global_batch``: 0 here,
         the step builds it from ``router_stats`` over the whole batch) and the router stats.
-        ``routing``: a ``RoutingScope`` (replay given experts / record the chosen ones)."""
-        h_BTH, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing)
+        ``routing``: a ``RoutingScope`` (replay given experts / record the chosen ones; the MTP
+        layers are neither replayed nor recorded). With MTP trained, its weighted loss is added to
+        ``loss_sum`` and its MoE layers' stats follow the decoder's rows (models/mtp.py)."""
+        context: list = []
+        h_BTH, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing,
+                                                    context=context)
         labels_T = labels_BT.reshape(-1)
         loss_sum = self.loss_fn(h_BTH.reshape(-1, h_BTH.shape[-1]), self.lm_head_weight, labels_T, reduction="sum")
-        aux = (loss_sum.new_zeros((), dtype=torch.float32) if balance == "global_batch"
-               else self.balance_loss(stats_LS, balance))
-        return LossTerms(loss_sum, (labels_T != -100).sum(), aux, stats_LS)
+        terms = LossTerms(loss_sum, (labels_T != -100).sum(), loss_sum.new_zeros((), dtype=torch.float32), stats_LS)
+        layers = self.num_moe_layers
+        if self.mtp is not None and self.mtp_depth and stage is None:
+            from bumblebee.models.mtp import mtp_loss_sum
+
+            mtp_sum, mtp_stats, terms.mtp_sums, terms.mtp_tokens = mtp_loss_sum(self, h_BTH, inputs, labels_BT, *context)
+            terms.loss_sum = loss_sum + mtp_sum
+            if mtp_stats:
+                rows = torch.stack(mtp_stats)
+                terms.router_stats = rows if stats_LS is None else torch.cat([stats_LS, rows])
+                layers = (layers if stats_LS is not None else 0) + len(mtp_stats)
+        if balance != "global_batch":
+            terms.aux_loss = self.balance_loss(terms.router_stats, balance, layers)
+        return terms
 
     def forward(self, input_ids, position_ids=None, labels=None):
         """Logits [B, T, V] without labels; with labels (already shifted, -100 ignored)
@@ -337,7 +406,7 @@ class CausalLM(nn.Module):
         """Logits [R, T, V] (fp32) of new tokens ``ids_RT`` whose keys/values go to cache slots
         ``[start, start + T)``; ``mask_R1TS`` says which slots each new token attends."""
         x = self.model.embed_tokens(ids_RT)
-        cos, sin = rope_cos_sin(position_ids_RT, self.rotary_dim(), self.arch.rope_theta, x.dtype)
+        cos, sin = self.rope_tables(position_ids_RT, x.dtype)
         cache.start, cache.mask_R1TS = start, mask_R1TS
         for i, layer in enumerate(self.decoder_layers):
             cache.layer = i

@@ -23,6 +23,12 @@ class Family:
     # HF name map beyond identity and stacked experts (models/hf.py):
     hf_prefixes: dict = field(default_factory=dict)  # checkpoint prefix -> bumblebee prefix
     skip_prefixes: tuple[str, ...] = ()  # checkpoint tensors outside the language model
+    # names that need the arch (DeepSeek's MTP modules live at model.layers.{L + k}):
+    hf_name_in: object = None  # (arch, checkpoint name) -> bumblebee name, "" = a copy of a shared tensor
+    hf_name_out: object = None  # (arch, bumblebee name) -> checkpoint name
+    hf_extra_out: object = None  # model -> (name, tensor) written beside the parameters
+    mtp_arch_key: str = ""  # the arch field counting MTP modules (0 when a checkpoint has none)
+    router: str = ""  # the router the architecture routes with (replaces the default softmax_topk)
 
 
 FAMILIES: dict[str, Family] = {}

@@ -10,8 +10,9 @@ Checkpoints that already hold HF's fused expert tensors (``experts.gate_up_proj`
 table, models/family.py): prefixes read under another name (the multimodal
 ``Qwen3_5MoeForConditionalGeneration`` nests the language model under
 ``model.language_model.``, read as ``model.``) and prefixes that are not the language
-model (its vision tower ``model.visual.`` and MTP head ``mtp.``), skipped with a
-one-line notice.
+model (its vision tower ``model.visual.``), skipped with a one-line notice, and names that
+need the arch (DeepSeek's MTP modules stored as ``model.layers.{L + k}``). A config that
+counts MTP modules over a checkpoint without their tensors builds without MTP.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch
 from bumblebee.errors import CheckpointError
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf_read import load_hf_weights, weight_files  # noqa: F401  (load_hf_weights re-exported)
+from bumblebee.models.family import family_of_model_type
 from bumblebee.models.hf_write import write_hf
+from bumblebee.models.mtp_names import without_absent_mtp
 
 _weight_files = weight_files  # the name rl/weights.py imports
 
@@ -41,15 +44,24 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, prims=None):
     except ValueError as e:  # unsupported model_type, invalid architecture, malformed JSON
         raise CheckpointError(f"{cfg_path}: {e}" if not str(e).startswith(cfg_path) else str(e)) from None
     weight_files(path)  # a missing weights file is reported before anything is built
-    model = build_model(arch, prims, device="meta")
+    model = build_model(without_absent_mtp(arch, path), prims, device="meta")
     return materialize(model, torch.device("cpu"), hf_path=path, dtype=dtype)
 
 
 def hf_state_dict(model):
-    """Yield (HF name, tensor) pairs of ``model``, experts split per expert."""
+    """Yield (HF name, tensor) pairs of ``model``, experts split per expert (and the family's
+    extra tensors, e.g. DeepSeek's per-MTP-module copies of the embedding and head)."""
+    from bumblebee.models import family_of
+
+    family = family_of(model.arch)
     F = model.arch.moe_intermediate_size
+    shared = {}  # the embedding and LM head, for the family's extra tensors
     for name, p in model.named_parameters():
         t = p.detach()
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            shared[name] = t
+        if family.hf_name_out:
+            name = family.hf_name_out(model.arch, name)
         if name.endswith("experts.w_gate_up"):
             base = name.rsplit(".", 1)[0]
             for e in range(t.shape[0]):
@@ -62,7 +74,9 @@ def hf_state_dict(model):
         else:
             yield name, t
     for name, b in persistent_buffers(model):  # e.g. the sigmoid_bias router's e_score_correction_bias
-        yield name, b.detach()
+        yield (family.hf_name_out(model.arch, name) if family.hf_name_out else name), b.detach()
+    if family.hf_extra_out:
+        yield from family.hf_extra_out(model.arch, shared)
 
 
 def to_hf(model, out_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: torch.dtype | None = None,
@@ -72,6 +86,9 @@ def to_hf(model, out_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: torch
     (models/hf_write.py). ``source``: the HF directory it came from, whose tensors outside the
     language model (vision tower, MTP head) are carried over unchanged."""
     named = [(n, p.detach()) for n, p in list(model.named_parameters()) + persistent_buffers(model)]
+    family = family_of_model_type(model.arch.model_type)
+    if family.hf_extra_out:  # e.g. DeepSeek's per-MTP-module copies of the embedding and head
+        named += list(family.hf_extra_out(model.arch, dict(named)))
     dtype = dtype or (named[0][1].dtype if named else torch.float32)
     write_hf(out_dir, model.arch, [(n, tuple(t.shape)) for n, t in named], named, dtype=dtype,
              max_shard_bytes=max_shard_bytes, source=source)

@@ -32,8 +32,8 @@ from bumblebee.models.base import persistent_buffers
 from bumblebee.models.family import family_of_model_type
 from bumblebee.primitives.sharding.common import row_extent
 
-EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+FUSED = re.compile(r"^(.+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
@@ -71,8 +71,9 @@ class HFCheckpoint:
     """The tensors of a HF directory by bumblebee name (renamed, skip list applied), read lazily.
     A context manager: the files stay open (memory-mapped) while it is."""
 
-    def __init__(self, path: str, renames: dict | None = None, skip_prefixes: tuple = ()):
+    def __init__(self, path: str, renames: dict | None = None, skip_prefixes: tuple = (), name_in=None):
         self.path, self.renames, self.skip_prefixes = path, renames or {}, tuple(skip_prefixes)
+        self.name_in = name_in  # the family's arch-aware map (DeepSeek's MTP layers); "" = a shared copy
         self.files = weight_files(path)
         self.where: dict[str, tuple[object, str, str]] = {}  # our name -> (handle, stored name, file)
         self.skipped: list[str] = []  # stored names under the skip list
@@ -91,7 +92,9 @@ class HFCheckpoint:
                     self.skipped.append(stored)
                     continue
                 ours = next((o + stored[len(p):] for p, o in self.renames.items() if stored.startswith(p)), stored)
-                self.where[ours] = (handle, stored, file)
+                ours = self.name_in(ours) if self.name_in else ours
+                if ours:  # "": a copy of a shared tensor (DeepSeek's per-MTP-module embedding / head)
+                    self.where[ours] = (handle, stored, file)
         return self
 
     def __exit__(self, *exc):
@@ -180,7 +183,8 @@ def load_hf_weights(model, path: str) -> None:
     full = {n: tuple(p.shape) for n, p in list(whole.named_parameters()) + persistent_buffers(whole)}
     F = model.arch.moe_intermediate_size
     ep, ep_rank = model.groups.ep_size, model.groups.ep_rank
-    with HFCheckpoint(path, family.hf_prefixes, family.skip_prefixes) as ckpt:
+    name_in = (lambda n: family.hf_name_in(model.arch, n)) if family.hf_name_in else None
+    with HFCheckpoint(path, family.hf_prefixes, family.skip_prefixes, name_in) as ckpt:
         kinds = _plan(ckpt, full, F, whole.lm_head is None)
         for name, p in list(model.named_parameters()) + persistent_buffers(model):  # buffers: the router bias
             shape, lo, part = row_extent(p, model.is_expert_param(name), ep_rank, ep)

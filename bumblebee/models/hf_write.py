@@ -109,8 +109,11 @@ def write_hf(out_dir: str, arch, named_shapes, tensors, *, dtype: torch.dtype = 
     name, global shape) of every parameter in the order ``tensors`` yields (name, full tensor);
     ``source``: the HF directory the model came from, whose extra tensors are carried over."""
     F = arch.moe_intermediate_size
-    src = _Source(source, family_of_model_type(arch.model_type)) if source else None
+    family = family_of_model_type(arch.model_type)
+    src = _Source(source, family) if source else None
     layout = list(hf_layout(named_shapes, F))
+    if family.hf_name_out:  # names that need the arch (DeepSeek's MTP modules at model.layers.{L + k})
+        layout = [(family.hf_name_out(arch, h), shape, name, part) for h, shape, name, part in layout]
     entries = [_entry(src.rename(h) if src else h, shape, dtype) for h, shape, _, _ in layout]
     written = {e[0] for e in entries}
     carried = [_entry(n, s, d) for n, s, d in (src.carried if src else []) if n not in written]  # never twice

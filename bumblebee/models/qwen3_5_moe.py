@@ -22,12 +22,15 @@ The balance loss is reduced over the CP group (as Qwen3-MoE).
 Every RMSNorm except the GDN output norm is zero-centered, ``(1 + w)`` in fp32
 (HF ``Qwen3_5MoeRMSNorm``). Module and parameter names follow HF's
 ``Qwen3_5MoeForCausalLM`` so checkpoints map one to one (experts stacked, see
-``models/hf.py``).
+``models/hf.py``). The released checkpoints' multi-token-prediction head ``mtp.*`` is
+``MultiTokenPredictor`` (``models/mtp.py``), same names.
 
 Legend: B batch, T tokens, D hidden, N query heads, K kv heads, E head dim, V vocabulary.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -35,6 +38,7 @@ from torch import nn
 from bumblebee import registry
 from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
 from bumblebee.models.base import CausalLM, LayerParts
+from bumblebee.models.mtp import combine
 from bumblebee.models.qwen3_moe import MLP, MoE
 from bumblebee.primitives import init
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
@@ -118,6 +122,28 @@ class DecoderLayer(nn.Module):
         return h + y, aux
 
 
+class MultiTokenPredictor(nn.Module):
+    """The released ``mtp.*`` head (``models/mtp.py``): ``fc`` over [pre_fc_norm_embedding(emb) ;
+    pre_fc_norm_hidden(h)] shared by every depth, one gated full-attention MoE layer per depth
+    (``layers.{k}``), then ``norm``. The embedding and LM head are the main model's."""
+
+    def __init__(self, arch: Qwen3_5MoeArch, parts: LayerParts, linear_core):
+        super().__init__()
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        full = dataclasses.replace(arch, layer_types=["full_attention"])
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(h, eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(h, eps)
+        self.layers = nn.ModuleList([DecoderLayer(full, 0, parts, linear_core)
+                                     for _ in range(arch.mtp_num_hidden_layers)])
+        self.norm = ZeroCenteredRMSNorm(h, eps)
+
+    def forward(self, h_BTD, emb_BTD, cos, sin, layout, k: int):
+        x = combine(self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.fc, emb_BTD, h_BTD)
+        x, aux = self.layers[k](x, cos, sin, layout)
+        return self.norm(x), aux
+
+
 class Qwen3_5MoeForCausalLM(CausalLM):
     """Qwen3.5-MoE: the shared causal LM (models/base.py) over this family's hybrid decoder layer."""
 
@@ -127,6 +153,20 @@ class Qwen3_5MoeForCausalLM(CausalLM):
     def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
         linear_core = registry.get("linear_attention", parts.prims.linear_attention).factory
         return DecoderLayer(self.arch, index, parts, linear_core)
+
+    def make_mtp(self, parts: LayerParts):
+        if not self.arch.mtp_num_hidden_layers:
+            return None
+        return MultiTokenPredictor(self.arch, parts, registry.get("linear_attention", parts.prims.linear_attention).factory)
+
+    def mtp_modules(self) -> int:
+        return 0 if self.mtp is None else len(self.mtp.layers)
+
+    def mtp_forward(self, k: int, h_BTD, emb_BTD, cos, sin, layout):
+        return self.recompute.layer(self.mtp, h_BTD, emb_BTD, cos, sin, layout, k)
+
+    def mtp_units(self) -> list[nn.Module]:
+        return [self.mtp]
 
     def rotary_dim(self) -> int:
         return self.arch.rotary_dim

@@ -10,6 +10,14 @@ of this arithmetic. Both families today:
   DeltaNet ("linear_attention") and gated full attention (q_proj also emits a
   sigmoid output gate); every MLP is routed experts plus one shared expert with
   a sigmoid gate.
+- ``deepseek_v3`` (DeepSeek-V3, Kimi-K2): every token mixer is Multi-head Latent
+  Attention (``ATTN`` with ``mla_kv_rank > 0``: low-rank q / kv projections, decoupled
+  rope dims, per-head value dim ``mla_v_dim``); the first layers are dense SwiGLU, the rest
+  routed experts plus ungated shared experts (``shared_gate = False``).
+
+``mtp_depth`` multi-token-prediction modules (``models/mtp.py``) each add one more
+(attention, MoE) layer, a [2H -> H] projection and three norms, and one more
+LM-head pass per token.
 
 Vision towers are outside the spec (text training only).
 """
@@ -27,7 +35,7 @@ MOE, DENSE = "moe", "dense"  # MLP kinds
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     name: str
-    family: str  # qwen3_moe | qwen3_5_moe
+    family: str  # qwen3_moe | qwen3_5_moe | deepseek_v3
     vocab: int
     hidden: int
     mixers: tuple[str, ...]  # per layer: ATTN | GDN
@@ -45,8 +53,19 @@ class ModelSpec:
     top_k: int
     expert_ffn: int
     shared_ffn: int  # 0 = no shared expert
+    shared_gate: bool = True  # Qwen3.5: the shared expert has a sigmoid gate [1, H]
     dense_ffn: int  # FFN of dense-MLP layers
     tied: bool
+    # Multi-head Latent Attention (0 = plain GQA): q / kv latent ranks, rope dims, value dim
+    mla_q_rank: int = 0
+    mla_kv_rank: int = 0
+    mla_rope_dim: int = 0
+    mla_v_dim: int = 0
+    mtp_depth: int = 0  # multi-token-prediction modules
+
+    @property
+    def mla(self) -> bool:
+        return self.mla_kv_rank > 0
 
     @property
     def layers(self) -> int:
@@ -55,6 +74,8 @@ class ModelSpec:
     # ------------------------------------------------------------------ parameters
     def mixer_params(self, kind: str) -> int:
         h = self.hidden
+        if kind == ATTN and self.mla:
+            return self._mla_weights() + self.mla_q_rank + self.mla_kv_rank + h  # + q / kv latent norms, input norm
         if kind == ATTN:
             q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
             kv = 2 * self.n_kv_heads * self.head_dim
@@ -65,12 +86,19 @@ class ModelSpec:
                 + conv_ch * self.gdn_conv + 2 * self.gdn_v_heads + self.gdn_v_dim  # conv, A_log, dt_bias, norm
                 + vd * h + h)  # out_proj, input_layernorm
 
+    def _mla_weights(self) -> int:
+        """Matmul weights of one MLA layer: q (LoRA or plain), kv down + up, output."""
+        h, n, d, r, c = self.hidden, self.n_heads, self.head_dim, self.mla_rope_dim, self.mla_kv_rank
+        q = (h * self.mla_q_rank + self.mla_q_rank * n * d) if self.mla_q_rank else h * n * d
+        nope = d - r
+        return q + h * (c + r) + c * n * (nope + self.mla_v_dim) + n * self.mla_v_dim * h
+
     def mlp_params(self, kind: str) -> tuple[int, int]:
         """(non-expert, routed-expert) parameters of one MLP block incl. its norm."""
         h = self.hidden
         if kind == DENSE:
             return 3 * h * self.dense_ffn + h, 0
-        shared = (3 * h * self.shared_ffn + h) if self.shared_ffn else 0  # + sigmoid gate [1, H]
+        shared = (3 * h * self.shared_ffn + h * self.shared_gate) if self.shared_ffn else 0  # + sigmoid gate [1, H]
         return self.experts * h + shared + h, self.experts * 3 * h * self.expert_ffn
 
     def layer_params(self, i: int) -> tuple[int, int]:
@@ -86,19 +114,32 @@ class ModelSpec:
         """LM head (0 when tied to the embedding) plus the final norm."""
         return (0 if self.tied else self.vocab * self.hidden) + self.hidden
 
+    def mtp_params(self) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters of the MTP modules: per module one attention + MoE
+        layer, the [2H -> H] projection and three norms (Qwen3.5 shares the last two across depths)."""
+        if not self.mtp_depth:
+            return 0, 0
+        dense, expert = self.mlp_params(MOE)
+        dense += self.mixer_params(ATTN) + 2 * self.hidden * self.hidden + 3 * self.hidden
+        return self.mtp_depth * dense, self.mtp_depth * expert
+
     def num_params(self) -> dict[str, int]:
         return dict(self._param_counts)
 
     @functools.cached_property
     def _param_counts(self) -> dict[str, int]:
-        dense = sum(self.layer_params(i)[0] for i in range(self.layers)) + self.embed_params + self.head_params
-        expert = sum(self.layer_params(i)[1] for i in range(self.layers))
+        mtp_dense, mtp_expert = self.mtp_params()
+        dense = (sum(self.layer_params(i)[0] for i in range(self.layers)) + self.embed_params + self.head_params
+                 + mtp_dense)
+        expert = sum(self.layer_params(i)[1] for i in range(self.layers)) + mtp_expert
         return {"total": dense + expert, "dense": dense, "expert": expert}
 
     # ------------------------------------------------------------------ FLOPs (forward, per token)
     def mixer_gemm_flops(self, kind: str) -> float:
         """2 x matmul weights of the token mixer (projections only)."""
         h = self.hidden
+        if kind == ATTN and self.mla:
+            return 2.0 * self._mla_weights()
         if kind == ATTN:
             q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
             return 2.0 * h * (q_out + 2 * self.n_kv_heads * self.head_dim + self.n_heads * self.head_dim)
@@ -107,8 +148,9 @@ class ModelSpec:
 
     def attn_core_flops(self, seq: int) -> float:
         """Causal softmax attention, mean over a sequence of ``seq`` tokens: QK^T and PV
-        over seq/2 keys on average (2 matmuls x 2 FLOPs x N*D x seq/2)."""
-        return 2.0 * self.n_heads * self.head_dim * seq
+        over seq/2 keys on average (2 matmuls x 2 FLOPs x N*D x seq/2); MLA's PV runs over
+        its value dim."""
+        return self.n_heads * (self.head_dim + (self.mla_v_dim if self.mla else self.head_dim)) * seq
 
     def gdn_core_flops(self, chunk: int = 64) -> float:
         """Chunked gated delta rule (Yang et al. 2024, "Gated Delta Networks", chunkwise
@@ -122,14 +164,17 @@ class ModelSpec:
         h = self.hidden
         if kind == DENSE:
             return 2.0 * 3 * h * self.dense_ffn, 0.0
-        dense = 2.0 * h * self.experts + (2.0 * 3 * h * self.shared_ffn + 2.0 * h if self.shared_ffn else 0.0)
+        dense = 2.0 * h * self.experts + (2.0 * 3 * h * self.shared_ffn + 2.0 * h * self.shared_gate
+                                          if self.shared_ffn else 0.0)
         return dense, 2.0 * 3 * h * self.expert_ffn * self.top_k
 
     def model_flops_per_token(self, seq: int) -> float:
         """Forward+backward model FLOPs per token (3x forward, no recompute, causal
         attention at half the square): the convention TFLOPs/GPU figures are quoted in."""
         fwd = 2.0 * self.hidden * self.vocab  # LM head
-        for mixer, mlp in zip(self.mixers, self.mlps):
+        mtp = ((ATTN, MOE),) * self.mtp_depth  # each MTP module: one more layer + projection + head
+        for mixer, mlp in tuple(zip(self.mixers, self.mlps)) + mtp:
             fwd += self.mixer_gemm_flops(mixer) + sum(self.moe_gemm_flops(mlp))
             fwd += self.attn_core_flops(seq) if mixer == ATTN else self.gdn_core_flops()
+        fwd += self.mtp_depth * (2.0 * 2 * self.hidden * self.hidden + 2.0 * self.hidden * self.vocab)
         return 3.0 * fwd

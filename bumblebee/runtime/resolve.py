@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import bumblebee.primitives  # noqa: F401  (registers every implementation)
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError, parse_config
-from bumblebee.models import resolve_arch
+from bumblebee.models import family_of, resolve_arch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +89,22 @@ def validate_run(cfg: Config):
     arch = resolve_arch(cfg.model)  # validates family, preset, hf_path and the architecture
     if arch.vocab_size < 256 and cfg.data.source == "synthetic":
         raise ConfigError(f"the synthetic task is byte-level and needs vocab_size >= 256, got {arch.vocab_size}")
+    router = family_of(arch).router
+    if router and cfg.primitives.router == "softmax_topk":  # the default: the architecture's router instead
+        cfg.primitives.router = router  # (the resolved config.toml of the run shows it)
+    mtp_depth(cfg, arch)
     return arch
+
+
+def mtp_depth(cfg: Config, arch) -> int:
+    """The MTP depths a run trains: ``mtp.depth`` ("auto": every module the model holds)."""
+    key = family_of(arch).mtp_arch_key
+    held = getattr(arch, key) if key else 0
+    depth = held if cfg.mtp.depth == "auto" else cfg.mtp.depth
+    if depth > held:
+        raise ConfigError(f"mtp.depth = {depth} but the model holds {held} MTP module(s)"
+                          + (f"; set model.arch.{key} to add modules" if key else " (its family has no MTP)"))
+    return depth
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
@@ -111,14 +126,16 @@ def check_run(cfg: Config, world: int):
     if layout.cp > 1 and cfg.train.seq_len % (2 * layout.cp):
         raise ConfigError(f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
                           f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks")
-    if layout.cp > 1 and cfg.model.name not in ("qwen3_moe", "qwen3_5_moe"):
+    if layout.cp > 1 and cfg.model.name not in ("qwen3_moe", "qwen3_5_moe", "deepseek_v3"):
         raise ConfigError(f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; "
-                          "valid: qwen3_moe, qwen3_5_moe")
+                          "valid: qwen3_moe, qwen3_5_moe, deepseek_v3")
     rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
     if rem or rows % cfg.train.micro_batch:
         raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
                           f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch})")
     check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
+    if layout.pp > 1 and mtp_depth(cfg, resolve_arch(cfg.model)):
+        raise ConfigError("multi-token prediction is not supported with parallel.pp > 1 yet; set mtp.depth = 0")
     if cfg.train.eval_every not in (0, "auto") and layout.pp > 1:
         raise ConfigError("train.eval_every is not supported with parallel.pp > 1 yet")
     return layout

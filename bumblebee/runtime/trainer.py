@@ -65,6 +65,7 @@ def build_initial_model(cfg: Config, device: torch.device, groups: ParallelGroup
     model = build_model(arch, cfg.primitives, groups or ParallelGroups(), device="meta")
     if split is not None:
         model = split(model)
+    model.set_mtp(cfg.mtp.depth, cfg.mtp.loss_weight)
     return materialize(model, device, seed=cfg.train.seed, hf_path=cfg.model.hf_path)
 
 

@@ -56,10 +56,14 @@ class GatherSequence(torch.autograd.Function):
 
 @register("cp", "allgather", reference=True, summary="all-gather K/V over the CP group, full mask")
 def allgather_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
-    k_BKTD = GatherSequence.apply(k_BKLD, layout)
-    v_BKTD = GatherSequence.apply(v_BKLD, layout)
+    return attend_gathered(q_BNLD, GatherSequence.apply(k_BKLD, layout), GatherSequence.apply(v_BKLD, layout),
+                           layout, scale)
+
+
+def attend_gathered(q_BNLD, k_BKTD, v_BKTD, layout: CPLayout, scale: float):
+    """Local queries (zigzag shards) against the whole row's keys / values in global order."""
     n = layout.chunk
-    gqa = q_BNLD.shape[1] != k_BKLD.shape[1]
+    gqa = q_BNLD.shape[1] != k_BKTD.shape[1]
     outs = []
     for part in range(2):  # the early chunk, then the late chunk
         idx_n = layout.index_L[part * n:(part + 1) * n]

@@ -1,0 +1,201 @@
+"""DeepSeek-V3 (also DeepSeek-R1 and Kimi-K2 checkpoints) composed from primitives.
+
+Decoder layer i: x + MLA(RMSNorm(x)), then h + FFN(RMSNorm(h)) with
+
+- MLA: Multi-head Latent Attention (``primitives/attention/mla.py``); its core is the
+  ``attention`` slot (the ``cp`` slot when the sequence is split), on RoPE or YaRN tables
+  (``primitives/rope.py``) over the decoupled rope dims;
+- FFN: a dense SwiGLU on the first ``first_k_dense_replace`` layers, then routed experts
+  (router, expert FFN and dispatch slots, as Qwen3-MoE) plus ``n_shared_experts`` ungated
+  shared experts (one SwiGLU of ``n_shared_experts x moe_intermediate_size``);
+- router: the ``router`` slot's ``sigmoid_bias`` (primitives/moe/sigmoid_bias.py): sigmoid
+  scores, a selection-only bias ``e_score_correction_bias`` (aux-loss-free balancing,
+  DeepSeek-V3 report arXiv:2412.19437 sec. 2.1.2), group-limited top-k, the kept scores
+  renormalized and scaled by ``routed_scaling_factor``.
+
+Module and parameter names follow HF's ``DeepseekV3ForCausalLM`` (experts stacked, see
+``models/hf.py``). Multi-token prediction modules (``models/mtp.py``) are held as ``mtp.{k}``
+and stored by DeepSeek as ``model.layers.{num_hidden_layers + k}`` (``hf_name_in`` / ``hf_name_out``;
+the checkpoint's per-module copies of the embedding and LM head are the shared ones).
+
+Legend: B batch, T tokens, H hidden, E experts, K experts per token, G expert groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch import nn
+
+from bumblebee.models.arch_deepseek_v3 import DeepseekV3Arch
+from bumblebee.models.base import CausalLM, LayerParts
+from bumblebee.models.kv_cache import KVCache
+from bumblebee.models.mtp import combine
+from bumblebee.models.qwen3_moe import MLP, MoE
+from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
+from bumblebee.primitives.norms import RMSNorm
+from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.rope import rope_cos_sin, yarn_inv_freq, yarn_mscale
+
+
+ROUTER = "sigmoid_bias"  # the architecture's router
+
+
+class DeepseekMoE(MoE):
+    """HF ``DeepseekV3MoE``: routed experts (Qwen3-MoE's block) + ungated shared experts. The
+    router is the architecture's: ``sigmoid_bias`` (the default ``softmax_topk`` is replaced)."""
+
+    def __init__(self, arch: DeepseekV3Arch, parts: LayerParts):
+        prims = parts.prims
+        if prims.router == "softmax_topk":
+            prims = dataclasses.replace(prims, router=ROUTER)
+        super().__init__(arch, prims, parts.dispatch, parts.groups)
+        self.shared_experts = MLP(arch.hidden_size, arch.shared_expert_intermediate_size) \
+            if arch.n_shared_experts else None
+        self.recompute = parts.recompute
+
+    def forward(self, x_BTH):
+        y_BTH, aux = self.recompute.module("moe", super().forward, x_BTH)
+        if self.shared_experts is not None:
+            y_BTH = y_BTH + self.recompute.module("shared_expert", self.shared_experts, x_BTH)
+        return y_BTH, aux
+
+
+def mla_scale(arch: DeepseekV3Arch) -> float:
+    """Softmax scale: D^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (HF's rule)."""
+    scale, rope = arch.head_dim ** -0.5, arch.rope_parameters
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+    return scale
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: DeepseekV3Arch, idx: int, parts: LayerParts, moe: bool | None = None):
+        super().__init__()
+        self.recompute = parts.recompute
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = MultiHeadLatentAttention(
+            arch.hidden_size, arch.num_attention_heads, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
+            qk_nope_head_dim=arch.qk_nope_head_dim, qk_rope_head_dim=arch.qk_rope_head_dim,
+            v_head_dim=arch.v_head_dim, eps=arch.rms_norm_eps, scale=mla_scale(arch),
+            rope_interleave=arch.rope_interleave, attend=parts.attend, recompute=parts.recompute,
+            gather_latents=parts.groups.cp_size > 1 and parts.prims.cp == "allgather")
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.is_moe = arch.is_moe_layer(idx) if moe is None else moe
+        self.mlp = DeepseekMoE(arch, parts) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size)
+
+    def forward(self, x_BTH, cos, sin, layout: DocLayout):
+        rc = self.recompute
+        h = x_BTH + self.self_attn(rc.module("norm", self.input_layernorm, x_BTH), cos, sin, layout)
+        y_in = rc.module("norm", self.post_attention_layernorm, h)
+        if self.is_moe:
+            y, aux = self.mlp(y_in)
+        else:
+            y, aux = rc.module("mlp", self.mlp, y_in), h.new_zeros((), dtype=torch.float32)
+        return h + y, aux
+
+
+class SharedHead(nn.Module):
+    """HF ``shared_head``: the MTP output norm (its ``head`` is the main LM head, shared)."""
+
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden, eps)
+
+
+class MTPLayer(DecoderLayer):
+    """One MTP depth (``models/mtp.py``), stored by DeepSeek as ``model.layers.{L + k}``: a MoE
+    decoder layer plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``."""
+
+    def __init__(self, arch: DeepseekV3Arch, parts: LayerParts):
+        super().__init__(arch, arch.num_hidden_layers, parts, moe=True)
+        self.enorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.hnorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * arch.hidden_size, arch.hidden_size, bias=False)
+        self.shared_head = SharedHead(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, h_BTH, emb_BTH, cos, sin, layout):
+        x, aux = super().forward(combine(self.enorm, self.hnorm, self.eh_proj, emb_BTH, h_BTH), cos, sin, layout)
+        return self.shared_head.norm(x), aux
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    """DeepSeek-V3: the shared causal LM (models/base.py) over MLA + MoE decoder layers."""
+
+    family = "deepseek_v3"
+    norm_cls = RMSNorm
+
+    def make_layer(self, index: int, parts: LayerParts, moe: bool | None = None) -> nn.Module:
+        return DecoderLayer(self.arch, index, parts, moe)
+
+    def make_mtp(self, parts: LayerParts):
+        n = self.arch.num_nextn_predict_layers
+        return nn.ModuleList([MTPLayer(self.arch, parts) for _ in range(n)]) if n else None
+
+    def mtp_modules(self) -> int:
+        return 0 if self.mtp is None else len(self.mtp)
+
+    def mtp_forward(self, k: int, h_BTH, emb_BTH, cos, sin, layout):
+        return self.recompute.layer(self.mtp[k], h_BTH, emb_BTH, cos, sin, layout)
+
+    def mtp_units(self) -> list[nn.Module]:
+        return list(self.mtp)
+
+    def rotary_dim(self) -> int:
+        return self.arch.qk_rope_head_dim
+
+    def rope_tables(self, position_ids_BT, dtype):
+        a = self.arch
+        if a.rope_parameters.get("rope_type", "default") == "default":
+            return super().rope_tables(position_ids_BT, dtype)
+        if "_yarn" not in self.__dict__:  # host fp32 frequencies, kept out of .to(dtype)
+            self.__dict__["_yarn"] = yarn_inv_freq(a.qk_rope_head_dim, a.rope_theta, a.rope_parameters,
+                                                   a.max_position_embeddings)
+        inv_freq, scale = self.__dict__["_yarn"]
+        return rope_cos_sin(position_ids_BT, a.qk_rope_head_dim, a.rope_theta, dtype, inv_freq=inv_freq, scale=scale)
+
+    def new_kv_cache(self, rows: int, length: int) -> KVCache:
+        """Expanded per-head keys / values (v zero-padded to the q/k head dim, as MLA attends)."""
+        a, w = self.arch, self.lm_head_weight
+        return KVCache(len(self.decoder_layers), rows, a.num_attention_heads, length, a.head_dim, w.dtype, w.device)
+
+    def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
+        """Forward FLOPs of one ``seq_len``-token sequence per decoder layer (MLA projections and
+        causal core, then router + top-k + shared experts, or the dense MLP) and the LM head."""
+        spec, T = self.arch.to_spec(), seq_len
+        layers = [T * (spec.mixer_gemm_flops(mixer) + spec.attn_core_flops(T) + sum(spec.moe_gemm_flops(mlp)))
+                  for mixer, mlp in zip(spec.mixers, spec.mlps)]
+        return layers, 2.0 * T * spec.hidden * spec.vocab
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face names of the MTP modules
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def hf_name_in(arch: DeepseekV3Arch, name: str) -> str:
+    """Checkpoint name -> bumblebee name ("" for an MTP module's copy of the shared embedding / head)."""
+    m = _LAYER.match(name)
+    if m is None or int(m.group(1)) < arch.num_hidden_layers:
+        return name
+    return "" if m.group(2) in _SHARED_COPIES else f"mtp.{int(m.group(1)) - arch.num_hidden_layers}.{m.group(2)}"
+
+
+def hf_name_out(arch: DeepseekV3Arch, name: str) -> str:
+    m = _MTP.match(name)
+    return name if m is None else f"model.layers.{arch.num_hidden_layers + int(m.group(1))}.{m.group(2)}"
+
+
+def hf_extra_out(arch: DeepseekV3Arch, shared: dict):
+    """The per-module copies of the embedding and LM head that DeepSeek's checkpoints carry
+    (``shared``: the model's ``model.embed_tokens.weight`` and, untied, ``lm_head.weight``)."""
+    embed = shared["model.embed_tokens.weight"]
+    for k in range(arch.num_nextn_predict_layers):
+        base = f"model.layers.{arch.num_hidden_layers + k}"
+        yield f"{base}.embed_tokens.weight", embed
+        yield f"{base}.shared_head.head.weight", shared.get("lm_head.weight", embed)

@@ -1,0 +1,88 @@
+"""Multi-token prediction (MTP) as a model part: D sequential modules after the decoder.
+
+DeepSeek-V3 report (arXiv:2412.19437, sec. 2.2, eq. 21-25): module k (1..D) predicts the
+token k+1 places ahead. At position i it combines the previous depth's hidden state
+(depth 0: the main model's final-norm output) with the embedding of token i+k,
+
+    h'_k[i] = M_k [ RMSNorm(Emb(t[i+k])) ; RMSNorm(h_{k-1}[i]) ]   (M_k: [2H -> H])
+    h_k = Norm_k( Layer_k(h'_k) )                                  (one decoder layer)
+    P_k[i] = softmax(Head(h_k[i]))  -> target t[i+k+1]
+
+with the embedding and the LM head shared with the main model. The concatenation order
+(embedding first) and the output norm are those of the released checkpoints and of the
+Hugging Face / vLLM MTP code. The loss is ``loss_weight / D x sum_k`` of the summed token
+losses of depth k through the configured ``loss`` primitive (linear CE: no [T, V] logits),
+divided by the main loss's token count (so it is the same for every layout).
+
+Targets and inputs are shifted on the *global* sequence: with context parallelism the
+token ids and labels of the whole row are all-gathered (T integers) and this rank's zigzag
+positions read back, so a shard edge is no document edge; a target whose position i+k lies
+in another document (or past the row) is ignored, and the MTP block attends within
+documents like every layer, so packed rows equal separate documents.
+
+A family runs depth k through ``CausalLM.mtp_forward`` (built on ``combine`` below) and
+names the modules whose forward does it (``mtp_units``: FSDP units). DeepSeek-V3 holds one
+module per depth (projection, norms and layer together); Qwen3.5 shares the projection and
+norms and holds one layer per depth.
+
+Legend: B batch, T tokens (local), H hidden, D depth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bumblebee.primitives.cp.layout import CPLayout, unshard_sequence
+
+
+def _global(x_BT: torch.Tensor, layout) -> torch.Tensor:
+    """The whole row of an integer [B, Tl] tensor (all-gathered over the CP group)."""
+    if not isinstance(layout, CPLayout):
+        return x_BT
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x_BT) for _ in range(layout.size)]
+    dist.all_gather(parts, x_BT.contiguous(), group=layout.group)
+    return unshard_sequence(parts)
+
+
+def shifted_inputs(ids_BT, labels_BT, layout, k: int):
+    """(ids of position i+k, label of position i+k, ignored where i+k is in another document
+    or past the row) for this rank's positions i."""
+    device = ids_BT.device
+    if isinstance(layout, CPLayout):
+        doc_BT, index = layout.doc_BT, layout.index_L
+    else:
+        doc_BT, index = layout.doc_ids(device), torch.arange(ids_BT.shape[1], device=device)
+    ids_G, labels_G = _global(ids_BT, layout), _global(labels_BT, layout)
+    T = ids_G.shape[1]
+    src = (index + k).clamp(max=T - 1)
+    ok_BT = (index + k < T) & (doc_BT[:, src] == doc_BT[:, index])
+    ids_k = torch.where(ok_BT, ids_G[:, src], torch.zeros_like(ids_G[:, src]))
+    labels_k = torch.where(ok_BT, labels_G[:, src], torch.full_like(labels_G[:, src], -100))
+    return ids_k, labels_k
+
+
+def combine(enorm, hnorm, proj, emb_BTH, h_BTH):
+    """The MTP input projection M [ RMSNorm(Emb(t[i+k])) ; RMSNorm(h_{k-1}[i]) ]."""
+    return proj(torch.cat([enorm(emb_BTH), hnorm(h_BTH)], dim=-1))
+
+
+def mtp_loss_sum(model, h_BTH, ids_BT, labels_BT, cos, sin, layout):
+    """(loss_weight / D x sum over depths of summed token losses, the router stats vectors of the
+    MTP MoE layers, [per-depth summed losses, detached], [per-depth valid tokens])."""
+    D = model.mtp_depth
+    total = h_BTH.new_zeros((), dtype=torch.float32)
+    stats, sums, counts = [], [], []
+    h = h_BTH
+    for k in range(1, D + 1):
+        ids_k, labels_k = shifted_inputs(ids_BT, labels_BT, layout, k)
+        h, a = model.mtp_forward(k - 1, h, model.model.embed_tokens(ids_k), cos, sin, layout)
+        labels_T = labels_k.reshape(-1)
+        s = model.loss_fn(h.reshape(-1, h.shape[-1]), model.lm_head_weight, labels_T, reduction="sum")
+        total = total + s.float()
+        if a.dim() == 1:  # a MoE layer's router stats (primitives/moe/balance.py)
+            stats.append(a)
+        sums.append(s.detach())
+        counts.append((labels_T != -100).sum())
+    return total * (model.mtp_loss_weight / D), stats, sums, counts
