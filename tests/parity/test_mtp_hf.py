@@ -131,7 +131,17 @@ def shifted_labels(ids):
 
 
 @pytest.mark.parametrize("family,depth", [("deepseek_v3", 1), ("deepseek_v3", 2), ("qwen3_5_moe", 1)])
-def test_mtp_loss_and_grads_match_hf(family, depth, tmp_path):
+def test_mtp_loss_and_grads_match_hf(family, depth, tmp_path, monkeypatch):
+    if family == "qwen3_5_moe":  # HF's chunked GDN fallback is ~1e-3 off on dt_bias / A_log gradients
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_mod
+
+        def recurrent(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, **_):
+            return hf_mod.torch_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                                           output_final_state=output_final_state,
+                                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+        monkeypatch.setattr(hf_mod, "torch_chunk_gated_delta_rule", recurrent)
     main, mtp = build(family, depth, tmp_path)
     bb = bumblebee.from_hf(str(tmp_path))
     assert bb.mtp_modules() == depth
