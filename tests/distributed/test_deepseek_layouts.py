@@ -70,7 +70,8 @@ def references(data, tmp_path_factory):
 
 
 def check(result, ref, what):
-    """Step 1 (same weights: the composition itself) tight; later steps looser. Sums in another
+    """Step 1 (same weights: the composition itself) tight (grad norm 5e-5: 1.2e-5 measured for cp 2 x
+    ep 2 allgather chunked with the embedding as its own FSDP unit); later steps looser. Sums in another
     order (chunked EP's smaller GEMMs, the CP gather) differ by ~1e-7, Adam at lr 3e-3 amplifies
     that, and a sigmoid group top-k near a tie can then pick another expert: measured up to 4e-4
     relative on the step-2 grad norm (cp 2 x ep 2, allgather, chunked), 1e-5 on the loss. A real
@@ -79,7 +80,7 @@ def check(result, ref, what):
     assert ref_trace[0][0] > 0 and len(trace) == len(ref_trace)
     for i, ((loss, gnorm), (ref_loss, ref_gnorm)) in enumerate(zip(trace, ref_trace)):
         assert loss == pytest.approx(ref_loss, rel=1e-5 if i == 0 else 1e-4), what
-        assert gnorm == pytest.approx(ref_gnorm, rel=1e-5 if i == 0 else 2e-3), what
+        assert gnorm == pytest.approx(ref_gnorm, rel=5e-5 if i == 0 else 2e-3), what
     for name, g in grads.items():
         err = ((g - ref_grads[name]).norm() / ref_grads[name].norm()).item()
         assert err < 1e-4, f"{what}: {name} gradient relative error {err:.1e}"
