@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from bumblebee.errors import CheckpointError
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.family import family_of_model_type
+from bumblebee.models.mtp_names import skip_prefixes
 from bumblebee.primitives.sharding.common import row_extent
 
 EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -184,7 +185,8 @@ def load_hf_weights(model, path: str) -> None:
     F = model.arch.moe_intermediate_size
     ep, ep_rank = model.groups.ep_size, model.groups.ep_rank
     name_in = (lambda n: family.hf_name_in(model.arch, n)) if family.hf_name_in else None
-    with HFCheckpoint(path, family.hf_prefixes, family.skip_prefixes, name_in) as ckpt:
+    skip = skip_prefixes(family, model.arch)
+    with HFCheckpoint(path, family.hf_prefixes, skip, name_in) as ckpt:
         kinds = _plan(ckpt, full, F, whole.lm_head is None)
         for name, p in list(model.named_parameters()) + persistent_buffers(model):  # buffers: the router bias
             shape, lo, part = row_extent(p, model.is_expert_param(name), ep_rank, ep)
@@ -207,4 +209,4 @@ def load_hf_weights(model, path: str) -> None:
                 part.copy_(ckpt.rows(name, lo, hi) if part.dim() else ckpt.rows(name))
         if ckpt.skipped:
             print(f"bumblebee: ignored {len(ckpt.skipped)} checkpoint tensor(s) under "
-                  f"{', '.join(family.skip_prefixes)} (not part of the language model)", file=sys.stderr)
+                  f"{', '.join(skip)} (not part of the language model)", file=sys.stderr)

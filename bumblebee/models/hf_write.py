@@ -29,6 +29,7 @@ import struct
 import torch
 
 from bumblebee.models.family import family_of_model_type
+from bumblebee.models.mtp_names import skip_prefixes
 from bumblebee.models.hf_read import HFCheckpoint
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
@@ -87,12 +88,12 @@ class _Source:
     """What a source HF directory adds to an export: its prefix for the language model and the
     tensors outside it (the family's skip list)."""
 
-    def __init__(self, path: str, family):
+    def __init__(self, path: str, family, arch):
         self.path, self.family = path, family
         with HFCheckpoint(path, {}, ()) as ckpt:  # stored names, nothing renamed or skipped
             stored = list(ckpt.where)
             self.carried = [(n, ckpt.shape(n), ckpt.dtype(n)) for n in stored
-                            if n.startswith(tuple(family.skip_prefixes))]
+                            if n.startswith(skip_prefixes(family, arch))]
         self.prefix = next(((p, o) for p, o in family.hf_prefixes.items() if any(n.startswith(p) for n in stored)),
                            None)
 
@@ -110,7 +111,7 @@ def write_hf(out_dir: str, arch, named_shapes, tensors, *, dtype: torch.dtype = 
     ``source``: the HF directory the model came from, whose extra tensors are carried over."""
     F = arch.moe_intermediate_size
     family = family_of_model_type(arch.model_type)
-    src = _Source(source, family) if source else None
+    src = _Source(source, family, arch) if source else None
     layout = list(hf_layout(named_shapes, F))
     if family.hf_name_out:  # names that need the arch (DeepSeek's MTP modules at model.layers.{L + k})
         layout = [(family.hf_name_out(arch, h), shape, name, part) for h, shape, name, part in layout]

@@ -58,3 +58,11 @@ def without_absent_mtp(arch, path: str):
     print(f"bumblebee: {path} holds no multi-token-prediction tensors; building without MTP ({key} = 0)",
           file=sys.stderr)
     return arch.with_overrides({key: 0})
+
+
+def skip_prefixes(family, arch) -> tuple[str, ...]:
+    """Checkpoint prefixes outside the model: the family's skip list, plus ``mtp.`` when the arch
+    holds no MTP modules (a Qwen3.5 config without ``mtp_num_hidden_layers``: its mtp.* tensors are
+    skipped on load and carried over on export, as before MTP was a model part)."""
+    key = family.mtp_arch_key
+    return tuple(family.skip_prefixes) + (("mtp.",) if key and not getattr(arch, key, 0) else ())
