@@ -264,15 +264,22 @@ class Checkpointer:
                 os.makedirs(tmp)
             except OSError as e:  # e.g. checkpoints/ became unwritable during the run
                 raise CheckpointError(f"{self.root}: cannot write a checkpoint ({e.strerror or e})") from None
+        try:
+            self._write(tmp, final, step)
+        except BaseException:  # Ctrl-C or a write error at any point before publication: no partial save
+            if self.ctx.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a no-op once published (renamed)
+            raise
+        self._barrier()  # nobody moves on before the checkpoint is published
+        self.last_saved, self.last_path = step, final
+        return final
+
+    def _write(self, tmp: str, final: str, step: int) -> None:
+        """Every rank writes its pieces into ``tmp`` and hashes a share; rank 0 publishes."""
         self._barrier()
         pieces = self._pieces()
         pieces.update({k: Piece(v, 0, tuple(v.shape)) for k, v in rng_states(self.ctx.rank).items()})
-        try:
-            save_pieces(tmp, pieces, self.group)
-        except BaseException:  # Ctrl-C or a write error: leave no partial save behind
-            if self.ctx.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        save_pieces(tmp, pieces, self.group)
         shapes = {k[6:]: list(p.shape) for k, p in pieces.items() if k.startswith("model/")}
         if self.group is not None:  # every rank has written its files; pipeline stages hold different layers
             every = [None] * dist.get_world_size(self.group)
@@ -281,9 +288,6 @@ class Checkpointer:
         sums = checksum_files(tmp, sorted(os.listdir(tmp)), self.group)  # each rank hashes a share
         if self.ctx.rank == 0:
             self._publish(tmp, final, step, shapes, sums)
-        self._barrier()  # nobody moves on before the checkpoint is published
-        self.last_saved, self.last_path = step, final
-        return final
 
     def _publish(self, tmp: str, final: str, step: int, shapes: dict[str, list[int]], sums: dict[str, str]) -> None:
         _write_durably(os.path.join(tmp, "config.toml"), dump_toml(self.cfg))

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from bumblebee.runtime.failures import diagnose, read_reports, write_report
+from bumblebee.runtime.outdir import remove_partial_saves
 from bumblebee.runtime.signals import PREEMPT_SIGNALS, Preempted
 
 PREEMPTED = "preempted.json"
@@ -227,3 +228,5 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
         return 128 + int(e.sigval)
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
+        if isinstance(out_dir := getattr(getattr(cfg, "train", None), "out_dir", None), str):
+            remove_partial_saves(out_dir)  # every rank has stopped: nobody is writing into them

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -172,3 +173,13 @@ def distributed_lock(out_dir: str, check):
         yield lock
     finally:
         lock.__exit__(None, None, None)
+
+
+def remove_partial_saves(out_dir: str) -> None:
+    """Remove ``checkpoints/.tmp-*`` (saves that never got published). Only for a caller that
+    knows no rank is still writing: the launcher, after every rank has stopped (a Ctrl-C can
+    reach rank 0's cleanup before another rank's last write lands in the directory)."""
+    root = os.path.join(out_dir, "checkpoints")
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
