@@ -22,6 +22,18 @@ _LIST_ITEMS = {"mlp_only_layers": int, "layer_types": str}  # element type of li
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
 
 
+def replace_fields(arch, overrides: dict[str, Any]):
+    """``arch`` with ``overrides`` replaced (``model_type`` is fixed), validated; an unknown key
+    is an ArchError listing the valid ones."""
+    names = {f.name for f in dataclasses.fields(arch)} - {"model_type"}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ArchError(f"unknown architecture key(s) {unknown}; valid: {', '.join(sorted(names))}")
+    new = dataclasses.replace(arch, **overrides)
+    new.validate()
+    return new
+
+
 def check_field_types(arch) -> None:
     """Every field holds a value of its annotated type (an int is taken for a float), so a
     string, a float size or a string for a bool names its key instead of failing deep inside."""
@@ -126,13 +138,7 @@ class Qwen3MoeArch:
         return d
 
     def with_overrides(self, overrides: dict[str, Any]) -> "Qwen3MoeArch":
-        names = {f.name for f in dataclasses.fields(self)} - {"model_type"}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ArchError(f"unknown architecture key(s) {unknown}; valid: {', '.join(sorted(names))}")
-        arch = dataclasses.replace(self, **overrides)
-        arch.validate()
-        return arch
+        return replace_fields(self, overrides)
 
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):

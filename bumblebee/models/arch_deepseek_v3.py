@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError, check_field_types
+from bumblebee.models.arch import ArchError, check_field_types, replace_fields
 
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
@@ -149,13 +149,7 @@ class DeepseekV3Arch:
         return d
 
     def with_overrides(self, overrides: dict[str, Any]) -> "DeepseekV3Arch":
-        names = {f.name for f in dataclasses.fields(self)} - {"model_type"}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ArchError(f"unknown architecture key(s) {unknown}; valid: {', '.join(sorted(names))}")
-        arch = dataclasses.replace(self, **overrides)
-        arch.validate()
-        return arch
+        return replace_fields(self, overrides)
 
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):

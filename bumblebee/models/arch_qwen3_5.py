@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError, check_field_types
+from bumblebee.models.arch import ArchError, check_field_types, replace_fields
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -144,16 +144,10 @@ class Qwen3_5MoeArch:
     def with_overrides(self, overrides: dict[str, Any]) -> "Qwen3_5MoeArch":
         """Replace fields; changing ``num_hidden_layers`` without ``layer_types`` re-derives the
         layer pattern with HF's default rule (every 4th layer full attention)."""
-        names = {f.name for f in dataclasses.fields(self)} - {"model_type"}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ArchError(f"unknown architecture key(s) {unknown}; valid: {', '.join(sorted(names))}")
         overrides = dict(overrides)
         if "num_hidden_layers" in overrides and "layer_types" not in overrides:
             overrides["layer_types"] = default_layer_types(overrides["num_hidden_layers"])
-        arch = dataclasses.replace(self, **overrides)
-        arch.validate()
-        return arch
+        return replace_fields(self, overrides)
 
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
