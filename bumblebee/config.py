@@ -76,6 +76,7 @@ class TrainConfig:
     warmup_steps: int = 10
     min_lr: float = 3e-4
     weight_decay: float = 0.01
+    adamw: str = "fused"  # AdamW kernels: "fused" | "foreach" | "loop" (one tensor at a time)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -339,6 +340,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.resume: no such directory {t.resume!r}; give a checkpoint directory or 'auto'")
     if not 0 < t.collective_timeout_s < 1e7:
         raise ConfigError(f"train.collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s}")
+    if t.adamw not in ("fused", "foreach", "loop"):
+        raise ConfigError(f"train.adamw must be 'fused', 'foreach' or 'loop', got {t.adamw!r}")
     if t.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"train.on_nonfinite must be 'stop' or 'skip', got {t.on_nonfinite!r}")
     if t.dtype not in ("float32", "bfloat16"):

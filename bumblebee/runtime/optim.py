@@ -6,6 +6,14 @@ update (``sharding.step(optimizer)``); the optimizer itself is chosen here, once
 new optimizer touches this file only. Today: AdamW (Loshchilov & Hutter, 2019) with
 ``train.beta1/beta2/eps/weight_decay``; no weight decay on vectors (norms, biases).
 
+Implementation (``train.adamw``): ``fused`` (default; one kernel per parameter group
+on CPU and CUDA), ``foreach`` (multi-tensor kernels) or ``loop`` (one parameter at a
+time, torch's default on CPU). Fused and foreach kernels take the tensors of one call
+together, and DTensors of two device meshes (FSDP2's dense and expert meshes) cannot
+meet in one call, so each parameter group is split by mesh first. On the default run's
+model the optimizer step takes 0.15 s fused vs 0.93 s loop per step
+(``benchmarks/cpu_throughput.py --variants base,fused``).
+
 Schedule: linear warmup, then cosine decay to ``min_lr``.
 """
 
@@ -16,11 +24,29 @@ import math
 import torch
 
 
+IMPLS = ("fused", "foreach", "loop")
+
+
 def build_optimizer(train_cfg, sharding) -> torch.optim.Optimizer:
     """AdamW over the tensors ``sharding`` says this rank updates."""
     t = train_cfg
-    return torch.optim.AdamW(sharding.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                             **sharding.optimizer_options)
+    impl = t.adamw  # checked by the config: one of IMPLS
+    groups = split_by_mesh(sharding.param_groups(t.weight_decay))
+    options = {"fused": impl == "fused", "foreach": impl == "foreach"}
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **options)
+
+
+def split_by_mesh(groups: list[dict]) -> list[dict]:
+    """Each group split so that its tensors share one device mesh (plain tensors: none), in
+    first-seen order; empty groups are dropped."""
+    out = []
+    for group in groups:
+        by_mesh: dict = {}
+        for p in group["params"]:
+            mesh = getattr(p, "device_mesh", None)
+            by_mesh.setdefault(id(mesh) if mesh is not None else None, []).append(p)
+        out += [{**group, "params": params} for params in by_mesh.values()]
+    return out
 
 
 def lr_at(step: int, train_cfg) -> float:

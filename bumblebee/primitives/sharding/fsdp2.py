@@ -68,7 +68,6 @@ class FSDP2(NoSharding):
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
         self.model, self.units = model, units
         self.named = list(model.named_parameters())
-        self.optimizer_options = {"foreach": False}  # foreach kernels cannot mix DTensors of two meshes
         return model
 
     def after_load(self) -> None:

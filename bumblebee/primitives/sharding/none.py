@@ -4,7 +4,7 @@ Also what ``fsdp2`` and ``zero1`` reduce to on a single process, where there is
 nothing to shard, and the interface every sharding primitive implements. A sharding
 primitive decides where parameters, gradients and optimizer state live; it does not
 choose the optimizer: the runtime builds one (``runtime/optim.py``) over
-``param_groups(weight_decay)`` with ``optimizer_options`` and hands it back to ``step``.
+``param_groups(weight_decay)`` and hands it back to ``step``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ def decay_groups(named_params, weight_decay: float) -> list[dict]:
 class NoSharding:
     def __init__(self, groups: ShardingGroups, train_cfg):
         self.groups, self.train_cfg = groups, train_cfg
-
-    optimizer_options: dict = {}  # extra keyword arguments for the optimizer (e.g. foreach)
 
     def wrap(self, model):
         self.model = model
