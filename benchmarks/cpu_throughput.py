@@ -13,15 +13,19 @@ per step, phases, and the peak of live tensor bytes of one extra step
 
 Equal work: bumblebee's recompute policy defaults to ``none`` here, because HF
 keeps all activations; ``--recompute full --hf-checkpointing`` compares both
-with activation checkpointing. bumblebee variants (``--variants``, each one
-measured side by side with the others in the same run):
+with activation checkpointing. Both sides step ``torch.optim.AdamW(fused=True)``:
+bumblebee's trainer default (``train.adamw``) and the default of transformers'
+``Trainer`` on torch >= 2.8 (``optim = "adamw_torch_fused"``). bumblebee variants
+(``--variants``, each one measured side by side with the others in the same run):
 
-- ``base``: the model and ``torch.optim.AdamW`` with its defaults (as HF's side);
+- ``base``: the model as the trainer runs it (fused AdamW, no memory tracker);
+- ``loop``: ``base`` with AdamW's one-tensor-at-a-time implementation (torch's
+  CPU default, and bumblebee's before fused became its default);
 - ``tracker``: ``base`` with the step inside a ``MemoryTracker`` (what the
   trainer's optional ``train.track_memory`` costs on CPU);
-- ``fused``: ``base`` with ``AdamW(fused=True)``;
-- ``compile``: ``base`` with ``primitives.compile = true`` (torch.compile of the
-  elementwise blocks: norms, RoPE, SwiGLU, router).
+- ``ce``: ``base`` with the materialized cross-entropy (``loss = ce``), the
+  same loss work as transformers' side (``linear_ce`` recomputes the logits
+  tiles in backward instead of keeping ``[tokens, vocab]`` logits).
 
 ``--seqs 2048 8192 32768`` runs the cost curve instead: for each length, fresh
 models, bumblebee ``base`` and the first ``--hf-experts`` entry, tokens/s and
@@ -31,7 +35,7 @@ passes or fails on a timing.
 
 Examples (the issue's setting: sequence 4096, fp32):
 
-    python benchmarks/cpu_throughput.py --family qwen3_moe --seq 4096 --variants base,tracker,fused
+    python benchmarks/cpu_throughput.py --family qwen3_moe --seq 4096 --variants base,loop,ce
     python benchmarks/cpu_throughput.py --family qwen3_5_moe --seq 4096
     python benchmarks/cpu_throughput.py --seqs 2048 8192 32768 --steps 1 --mem-limit-gb 12
 """
@@ -48,6 +52,7 @@ import time
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+VARIANTS = ("base", "loop", "tracker", "ce")
 
 
 def parse_args(argv=None):
@@ -70,8 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant (median reported)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
-    p.add_argument("--variants", default="base", help="comma list of bumblebee variants: base, tracker, fused, "
-                                                      "compile")
+    p.add_argument("--variants", default="base", help="comma list of bumblebee variants: base, loop, tracker, ce")
     p.add_argument("--hf-experts", default="grouped_mm",
                    help="comma list of HF experts_implementation values (eager, grouped_mm, batched_mm)")
     p.add_argument("--hf-checkpointing", action="store_true", help="HF gradient checkpointing (pair with "
@@ -108,15 +112,15 @@ def hf_model(args, seq: int):
     return transformers.Qwen3_5MoeForCausalLM(cfg)
 
 
-def bumblebee_primitives(args, compile_: bool = False):
+def bumblebee_primitives(args, variant: str = "base"):
     from bumblebee.config import PrimitivesConfig
 
     prims = PrimitivesConfig(recompute=args.recompute)
     for field, value in (("attention", args.attention), ("experts", args.experts_impl), ("loss", args.loss)):
         if value is not None:
             setattr(prims, field, value)
-    if compile_:
-        prims.compile = True
+    if variant == "ce":
+        prims.loss = "ce"
     return prims
 
 
@@ -124,10 +128,10 @@ class Stepper:
     """One model, its optimizer, and timed training steps: wall seconds per phase
     (forward, backward, optimizer) and process CPU seconds per step."""
 
-    def __init__(self, name, model, loss_fn, *, fused=False, tracker=False):
+    def __init__(self, name, model, loss_fn, *, fused=True, tracker=False):
         self.name, self.model, self.loss_fn, self.tracker = name, model, loss_fn, tracker
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if fused
-                                                                                         else {}))
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused,
+                                     foreach=False)
         self.phases: list[tuple[float, float, float]] = []
         self.cpu: list[float] = []
         self.peak = None
@@ -196,8 +200,10 @@ def build(args, seq: int, variants: list[str], hf_impls: list[str]):
     with tempfile.TemporaryDirectory() as workdir:
         hf.save_pretrained(workdir)
         for v in variants:
-            bb = bumblebee.from_hf(workdir, dtype=dtype, prims=bumblebee_primitives(args, compile_=v == "compile"))
-            steppers.append(Stepper(f"bumblebee[{v}]", bb, bb_loss, fused=v == "fused", tracker=v == "tracker"))
+            if v not in VARIANTS:
+                raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+            bb = bumblebee.from_hf(workdir, dtype=dtype, prims=bumblebee_primitives(args, v))
+            steppers.append(Stepper(f"bumblebee[{v}]", bb, bb_loss, fused=v != "loop", tracker=v == "tracker"))
     initial = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     for i, impl in enumerate(hf_impls):
         model = hf if i == 0 else hf_model(args, seq)
