@@ -72,7 +72,10 @@ import torch.nn.functional as F
 
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.relayout import contiguous_to_zigzag, exchange, zigzag_place, zigzag_to_contiguous
+from bumblebee.primitives.linear_attention.cp_relay import relay_core
 from bumblebee.primitives.packed import DocLayout
+
+CARRIES = ("scan", "relay")
 
 
 @dataclass(frozen=True)
@@ -184,8 +187,13 @@ def incoming_states(trans_CLBHKW, segs: Segments, cont_BS, cp: int, V: int) -> t
     return torch.stack([found.get(s, zero) for s in segs.local])
 
 
-def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: bool = False) -> torch.Tensor:
-    """A ``gdn.GatedDeltaNet`` layer on this rank's zigzag shard [B, Tl, D] -> y [B, Tl, D] (zigzag)."""
+def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: bool = False,
+                       carry: str = "scan") -> torch.Tensor:
+    """A ``gdn.GatedDeltaNet`` layer on this rank's zigzag shard [B, Tl, D] -> y [B, Tl, D] (zigzag).
+    ``carry``: "scan" (the affine scan with the state probe, below) or "relay" (the state passed
+    rank to rank through the core's initial state, ``cp_relay.py``)."""
+    if carry not in CARRIES:
+        raise ValueError(f"Gated DeltaNet CP: carry must be one of {', '.join(CARRIES)}, got {carry!r}")
     if relayout:
         x_BLD = zigzag_to_contiguous(x_BLD, layout)
     segs = segments(layout, contiguous=relayout)
@@ -221,9 +229,16 @@ def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: b
     qkv_RMC, _ = layer.conv1d(as_rows(qkv_pre_BLC), rows, init_RPC, F.silu)
     q_RMGK, k_RMGK, v_RMHV = layer.split_heads(qkv_RMC, activated=True)
 
+    R = B * L
+    if carry == "relay":
+        seg_layouts = [rows_layout(doc_BT[:, s * m:(s + 1) * m]) for s in segs.local]
+        o_RMHV = relay_core(layer, q_RMGK, k_RMGK, v_RMHV, as_rows(g_BLH), as_rows(beta_BLH), seg_layouts, segs,
+                            layout, cont_BS, B)
+        y_BLD = layer.finish(o_RMHV.reshape(B, L * m, H, V), z_BLHV)
+        return contiguous_to_zigzag(y_BLD, layout) if relayout else y_BLD
+
     # The extended core: values [v | 0_K] from the state [0 | I_K] (see the module docstring).
     dt = torch.float64 if v_RMHV.dtype == torch.float64 else torch.float32
-    R = B * L
     v_ext = torch.cat([v_RMHV.to(dt), v_RMHV.new_zeros((R, m, H, K), dtype=dt)], dim=-1)
     eye_KK = torch.eye(K, dtype=dt, device=v_ext.device)
     init_RHKW = torch.cat([v_ext.new_zeros(R, H, K, V), eye_KK.expand(R, H, K, K)], dim=-1)

@@ -78,7 +78,7 @@ class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer; ``core`` is a ``linear_attention`` implementation."""
 
     def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel: int, eps: float, core: Callable, recompute):
+                 conv_kernel: int, eps: float, core: Callable, recompute, cp_carry: str = "scan"):
         super().__init__()
         if min(hidden, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel) <= 0:
             raise ValueError("GatedDeltaNet: all sizes must be positive")
@@ -97,6 +97,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(value_dim, hidden, bias=False)
         self.core, self.recompute = core, recompute
+        self.cp_carry = cp_carry  # how context parallelism carries the state: "scan" | "relay" (cp.py)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -150,7 +151,7 @@ class GatedDeltaNet(nn.Module):
             if state is not None:
                 raise ValueError("GatedDeltaNet: a carried state cannot be combined with context parallelism "
                                  "(the CP layout already carries the state across ranks); pass state=None")
-            return gated_delta_net_cp(self, x_BTD, layout), None
+            return gated_delta_net_cp(self, x_BTD, layout, carry=self.cp_carry), None
         qkv_pre_BTC, z_BTHV, beta_BTH, g_BTH = self.project(x_BTD)
         qkv_BTC, conv_BPC = self.conv1d(qkv_pre_BTC, layout, None if state is None else state.conv_BPC, F.silu)
         q_BTGK, k_BTGK, v_BTHV = self.split_heads(qkv_BTC, activated=True)
