@@ -52,6 +52,9 @@ class PrimitivesConfig:
     attention: str = "varlen"
     cp: str = "ring"
     linear_attention: str = "chunked"
+    # how context parallelism carries the Gated DeltaNet state: "scan" (all ranks at once, affine scan
+    # with a [v | 0_K] state probe) | "relay" (rank to rank through the core's initial state, no probe)
+    linear_attention_cp: str = "scan"
     router: str = "softmax_topk"
     experts: str = "grouped"
     moe_comm: str = "alltoall"
@@ -391,6 +394,8 @@ def validate(cfg: Config) -> None:
                           f"(integers), e.g. [[0, 1], [2, 3]]; got {pr.pp_layout}")
     if not all(isinstance(m, str) for m in pr.recompute_modules):
         raise ConfigError(f"primitives.recompute_modules must be a list of module names, got {pr.recompute_modules}")
+    if pr.linear_attention_cp not in ("scan", "relay"):
+        raise ConfigError(f"primitives.linear_attention_cp must be 'scan' or 'relay', got {pr.linear_attention_cp!r}")
     for name in ("moe_chunks", "pp_microbatches", "pp_virtual_stages"):
         if getattr(pr, name) < 0:
             raise ConfigError(f"primitives.{name} must be >= 0, got {getattr(pr, name)}")

@@ -103,7 +103,8 @@ class DecoderLayer(nn.Module):
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(
                 arch.hidden_size, arch.linear_num_key_heads, arch.linear_num_value_heads, arch.linear_key_head_dim,
-                arch.linear_value_head_dim, arch.linear_conv_kernel_dim, arch.rms_norm_eps, linear_core, recompute)
+                arch.linear_value_head_dim, arch.linear_conv_kernel_dim, arch.rms_norm_eps, linear_core, recompute,
+                cp_carry=prims.linear_attention_cp)
         else:
             self.self_attn = GatedAttention(arch, attend, recompute)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps)

@@ -170,7 +170,10 @@ def check_model(result, ref, steps, what):
     assert any("linear_attn" in n for n in grads) or steps > 1
 
 
-TWO = [(["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"], 1)]
+TWO = [(["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
+       # the probe-free relay (cp_relay.py) under full recompute: the recompute re-runs the relay chain
+       (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring", "primitives.linear_attention_cp=relay",
+         "primitives.recompute=full"], 2)]
 FOUR = [(["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
         # the default recipe's linear CE and full recompute (the recompute re-runs the halo and scan)
         (["parallel.cp=2", "parallel.ep=2", "primitives.sharding=fsdp2", "primitives.cp=ring",
