@@ -5,7 +5,9 @@ time of one GDN layer, cp = 1 vs cp = 2 / 4 over gloo on this machine, for
   the whole sequence on every rank, keep the local tokens (backward: reduce-scatter);
 - ``zigzag``: ``linear_attention/cp.py`` on the zigzag shards (state scan, no relayout);
 - ``relayout``: the same scan on contiguous shards, converting the input zigzag ->
-  contiguous and the output back (``cp/relayout.py``).
+  contiguous and the output back (``cp/relayout.py``);
+- ``relay``: no state probe: the state passed rank to rank through the core's initial state
+  (``linear_attention/cp_relay.py``, zigzag shards, ``primitives.linear_attention_cp = "relay"``).
 
     python benchmarks/gdn_cp.py                          # 8K and 32K tokens, cp 2 and 4
     python benchmarks/gdn_cp.py --seq 4096 --cp 2        # quick
@@ -16,7 +18,9 @@ call (perf.memory.MemoryTracker: activations, temporaries and gradients; inputs 
 excluded). Bytes are what one rank receives (all-gather: the other ranks' parts; P2P: the
 receive buffers; gloo's all-reduce stands in for a reduce-scatter and is counted as one).
 Times share this machine's cores between ranks, so they show work per rank plus exchange,
-not a speed-up; nothing passes or fails on them.
+not a speed-up; nothing passes or fails on them. ``cpu s`` is the rank's own CPU time (work
+done, waiting excluded): the scan-vs-relay work difference; ``time s`` (wall) includes the
+relay's waits for the previous segment's state (its serialized chain).
 """
 
 from __future__ import annotations
@@ -85,19 +89,22 @@ class ByteCounter:
 
 
 def timed(fn, x, w):
-    """(seconds, peak bytes, received bytes) of forward + backward; best of 2 after a warm-up."""
-    best, peak, received = float("inf"), 0, 0
+    """(seconds, peak bytes, received bytes, CPU seconds) of forward + backward; best of 2 after a
+    warm-up."""
+    best, peak, received, cpu = float("inf"), 0, 0, float("inf")
     for i in range(3):
         leaf = x.detach().requires_grad_()
-        start = time.perf_counter()
+        if dist.is_initialized():
+            dist.barrier()
+        start, cpu_start = time.perf_counter(), time.process_time()
         counter = ByteCounter() if dist.is_initialized() else None
         with MemoryTracker("cpu") as mem, counter or contextlib.nullcontext():
             (fn(leaf) * w).sum().backward()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu_used = time.perf_counter() - start, time.process_time() - cpu_start
         if i:
-            best, peak = min(best, elapsed), max(peak, mem.peak_bytes)
+            best, peak, cpu = min(best, elapsed), max(peak, mem.peak_bytes), min(cpu, cpu_used)
             received = counter.bytes if counter else 0
-    return best, peak, received
+    return best, peak, received, cpu
 
 
 def single(seq: int):
@@ -127,7 +134,8 @@ def worker(seqs, impls):
         w = torch.ones_like(x)
         fns = {"gather": lambda t: gather_everything(layer, t, layout, docs),
                "zigzag": lambda t: gated_delta_net_cp(layer, t, layout),
-               "relayout": lambda t: gated_delta_net_cp(layer, t, layout, relayout=True)}
+               "relayout": lambda t: gated_delta_net_cp(layer, t, layout, relayout=True),
+               "relay": lambda t: gated_delta_net_cp(layer, t, layout, carry="relay")}
         for impl in impls:
             out[(seq, impl)] = timed(fns[impl], x, w)
     dist.destroy_process_group()
@@ -138,8 +146,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--impls", nargs="+", default=["gather", "zigzag", "relayout"],
-                   choices=["gather", "zigzag", "relayout"])
+    p.add_argument("--impls", nargs="+", default=["gather", "zigzag", "relayout", "relay"],
+                   choices=["gather", "zigzag", "relayout", "relay"])
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -151,19 +159,19 @@ def main() -> None:
         for seq in args.seq:
             for impl in args.impls:
                 res = [per_rank[r][(seq, impl)] for r in range(cp)]
-                rows.append((seq, cp, impl, max(t for t, _, _ in res), max(m for _, m, _ in res),
-                             max(b for _, _, b in res)))
-    base = {seq: (t, m) for seq, cp, _, t, m, _ in rows if cp == 1}
+                rows.append((seq, cp, impl, max(r[0] for r in res), max(r[1] for r in res),
+                             max(r[2] for r in res), max(r[3] for r in res)))
+    base = {seq: (t, m) for seq, cp, _, t, m, _, _ in rows if cp == 1}
     print(f"GDN layer fwd+bwd, hidden {HIDDEN}, {KEY_HEADS}/{VALUE_HEADS} heads of dim {DIM}, fp32, gloo, "
           f"1 thread per rank")
-    print(f"{'tokens':>7} {'cp':>3} {'impl':<9} {'time s':>7} {'x cp=1':>7} {'peak MiB/rank':>14} {'x cp=1':>7} "
-          f"{'recv MiB/rank':>14}")
-    order = {"single": 0, "gather": 1, "zigzag": 2, "relayout": 3}
-    for seq, cp, impl, t, m, b in sorted(rows, key=lambda row: (row[0], row[1], order[row[2]])):
-        print(f"{seq:>7} {cp:>3} {impl:<9} {t:>7.2f} {t / base[seq][0]:>7.2f} {m / 2**20:>14.1f} "
+    print(f"{'tokens':>7} {'cp':>3} {'impl':<9} {'time s':>7} {'x cp=1':>7} {'cpu s':>7} {'peak MiB/rank':>14} "
+          f"{'x cp=1':>7} {'recv MiB/rank':>14}")
+    order = {"single": 0, "gather": 1, "zigzag": 2, "relayout": 3, "relay": 4}
+    for seq, cp, impl, t, m, b, c in sorted(rows, key=lambda row: (row[0], row[1], order[row[2]])):
+        print(f"{seq:>7} {cp:>3} {impl:<9} {t:>7.2f} {t / base[seq][0]:>7.2f} {c:>7.2f} {m / 2**20:>14.1f} "
               f"{m / base[seq][1]:>7.2f} {b / 2**20:>14.2f}")
-    print("time: slowest rank, best of 2 after a warm-up; peak and bytes: the most loaded rank "
-          "(bytes: forward + backward)")
+    print("time: slowest rank (wall), best of 2 after a warm-up; cpu: the busiest rank's own CPU time; "
+          "peak and bytes: the most loaded rank (bytes: forward + backward)")
 
 
 if __name__ == "__main__":

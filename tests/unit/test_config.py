@@ -32,6 +32,7 @@ def test_dump_roundtrip(tmp_path):
     (["train.steps=-1"], "train.steps must be a positive integer"),
     (["train.steps=abc"], "expected an integer"),
     (["primitives.loss=nope"], "unknown loss implementation 'nope'"),
+    (["primitives.linear_attention_cp=probe"], "primitives.linear_attention_cp must be 'scan' or 'relay'"),
     (["model.arch.num_key_value_heads=3"], "must be divisible by num_key_value_heads"),
     (["model.preset=huge"], "unknown qwen3_moe preset 'huge'"),
     (["model.name=gpt2"], "unknown model.name"),
