@@ -114,6 +114,8 @@ class CausalConv1d(nn.Module):
         C = x_BTC.shape[-1]
         if C <= block:
             return lean(fn, x_BTC, self.weight, initial_BPC)
-        parts = [lean(fn, x_BTC[..., s:s + block], self.weight[s:s + block],
-                      None if initial_BPC is None else initial_BPC[..., s:s + block]) for s in range(0, C, block)]
+        # split (not slicing): backward cats the blocks' gradients once, where each slice's backward
+        # would build a full-size zero tensor and add it (2-3 x the input's gradient live at once)
+        inits = [None] * len(range(0, C, block)) if initial_BPC is None else initial_BPC.split(block, -1)
+        parts = [lean(fn, xs, ws, init) for xs, ws, init in zip(x_BTC.split(block, -1), self.weight.split(block), inits)]
         return torch.cat([y for y, _ in parts], dim=-1), torch.cat([f for _, f in parts], dim=-1)

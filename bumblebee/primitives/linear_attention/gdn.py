@@ -51,6 +51,9 @@ class GDNState:
                         self.recurrent_BHKV * keep[:, None, None, None])
 
 
+NORM_BLOCK = 2048  # tokens per recompute block of the gated norm (fp32 temporaries: ~8 x block x H x V bytes)
+
+
 class GatedRMSNorm(nn.Module):
     """HF ``Qwen3_5MoeRMSNormGated``: ``(w * rmsnorm(x).to(dtype)) * silu(z)`` (the gate in fp32),
     cast back to x's dtype. The weight multiplies directly (init ones), unlike the model's norms."""
@@ -62,10 +65,14 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         # autograd keeps x and z only: the fp32 intermediates (4 x the bf16 output) are recomputed
-        # in backward, in blocks of 4096 rows (per-row maths: the same values as one call)
-        if x.dim() < 3 or x.shape[1] <= 4096:
+        # in backward, in blocks of NORM_BLOCK tokens over all rows (per-token maths: the same
+        # values as one call; the weight gradient sums the blocks' parts)
+        tokens = x.shape[:-2].numel() if x.dim() >= 3 else 0
+        if tokens <= NORM_BLOCK:
             return lean(self._forward, x, z)
-        return torch.cat([lean(self._forward, xs, zs) for xs, zs in zip(x.split(4096, 1), z.split(4096, 1))], 1)
+        x_NHV, z_NHV = x.reshape((tokens,) + x.shape[-2:]), z.reshape((tokens,) + z.shape[-2:])
+        return torch.cat([lean(self._forward, xs, zs)
+                          for xs, zs in zip(x_NHV.split(NORM_BLOCK), z_NHV.split(NORM_BLOCK))]).view(x.shape)
 
     def _forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
