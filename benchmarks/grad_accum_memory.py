@@ -76,7 +76,8 @@ class Phases:
             self.enter("after backward")
             return out
 
-        self.undo = [lambda: delattr(model, "loss_terms"), lambda: setattr(torch.Tensor, "backward", orig_backward)]
+        self.undo = [lambda: setattr(model, "loss_terms", orig_terms),  # FSDP's wrapped method again
+                     lambda: setattr(torch.Tensor, "backward", orig_backward)]
         model.loss_terms, torch.Tensor.backward = loss_terms, backward
         hooks = [trainer.optimizer.register_step_pre_hook(lambda *_: self.enter("optimizer")),
                  trainer.optimizer.register_step_post_hook(lambda *_: self.enter("after optimizer"))]
