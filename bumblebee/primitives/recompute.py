@@ -45,6 +45,8 @@ MODULE_NAMES = ("norm", "attn_core", "moe", "moe_act", "mlp", "shared_expert", "
 
 # Dynamic scope, not configuration: True only on the thread re-running a checkpointed function.
 _RECOMPUTING = contextvars.ContextVar("bumblebee_recomputing", default=False)
+# Dynamic scope too: True inside ``eager()`` (``lean`` runs its function without a checkpoint).
+_EAGER = contextvars.ContextVar("bumblebee_eager", default=False)
 
 
 def in_recompute() -> bool:
@@ -64,6 +66,18 @@ def _recomputing(routing_scope):
         _RECOMPUTING.reset(token)
 
 
+@contextlib.contextmanager
+def eager():
+    """Inside: ``lean`` keeps intermediates (runs its function directly). For a backward that
+    recomputes a piece and differentiates it at once (``linear_attention/cp_relay.py``), where a
+    checkpoint would only add a third forward."""
+    token = _EAGER.set(True)
+    try:
+        yield
+    finally:
+        _EAGER.reset(token)
+
+
 def _checkpoint(fn: Callable, *args):
     """Non-reentrant ``checkpoint`` whose recompute forward sees ``in_recompute() == True`` and the
     routing scope the original forward ran under (primitives/moe/replay.py: it routes alike)."""
@@ -78,8 +92,10 @@ def lean(fn: Callable, *args):
     """``fn(*args)`` with autograd keeping only its inputs (a non-reentrant checkpoint): for
     pieces whose fp32 intermediates dominate saved memory but are cheap to recompute (the
     Gated DeltaNet conv, gated norm and chunked core). Same ops, same values; backward
-    reruns ``fn``. Independent of the ``recompute`` policy (nested inside it when both apply)."""
-    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+    reruns ``fn``. Independent of the ``recompute`` policy (nested inside it when both apply).
+    Inside ``eager()`` it runs ``fn`` directly."""
+    if (not _EAGER.get() and torch.is_grad_enabled()
+            and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
     return fn(*args)
 

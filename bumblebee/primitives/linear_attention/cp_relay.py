@@ -31,9 +31,10 @@ C <= ~2; the scan wins on latency at larger C (``benchmarks/gdn_cp.py`` prints b
 
 Autograd: one Function for the chain. It saves the inputs and the [B, H, K, V] incoming
 states (so full recompute frees them like any saved tensor) and its backward reruns each
-segment's core under autograd in reverse chain order (the chunked core and FLA's op save
-only their inputs too, so a segment's core runs forward three times in all, the scan's
-extended core twice). Every message sits at a fixed point of every rank's forward and
+segment's core under autograd in reverse chain order, keeping its intermediates for the
+immediate backward (``recompute.eager``: the chunked core's own checkpoint is skipped there),
+so the chunked core runs forward twice per step, as in the scan (at 1x instead of the probe's
+width). FLA's op re-runs its forward inside its backward: three kernel forwards there. Every message sits at a fixed point of every rank's forward and
 backward (no engine-order dependence) and a rank only waits for a segment earlier
 (forward) or later (backward) in the chain, which never waits on it: no deadlock.
 
@@ -47,6 +48,7 @@ import torch
 
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.relayout import exchange
+from bumblebee.primitives.recompute import eager
 
 
 def _pass(state, to_rank: int | None, from_rank: int | None, layout: CPLayout, like: torch.Tensor):
@@ -102,11 +104,11 @@ class RelayCore(torch.autograd.Function):
                 d_out = carried
             else:
                 d_out = _pass(None, None, segs.place(s + 1, C)[0], layout, like)
-            with torch.enable_grad():
+            with torch.enable_grad(), eager():  # differentiated at once: no checkpoint inside the core
                 leaves = [_seg(x, i, B, L).detach().requires_grad_(need)
                           for x, need in zip(inputs, ctx.needs_input_grad[:5])]
                 h0 = s_in_LBHKV[i].detach().requires_grad_(s > 0)
-                o, s_out = ctx.run(i, *leaves, h0)
+                o, s_out = ctx.run(i, *leaves, h0, recompute=False)
             wanted = [x for x in leaves + [h0] if x.requires_grad]
             outputs, seeds = [o], [_seg(do_RMHV, i, B, L)]
             if d_out is not None:
@@ -135,7 +137,9 @@ def relay_core(layer, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, seg_layouts, segs
     """The ``linear_attention`` core of ``layer`` over this rank's segments with the state relayed
     (``seg_layouts[i]``: the DocLayout of local segment i's B rows) -> o [R, m, H, V]."""
 
-    def run(i, q, k, v, g, beta, h0):
+    def run(i, q, k, v, g, beta, h0, recompute=True):
+        if not recompute:
+            return layer.core(q, k, v, g, beta, seg_layouts[i], h0)
         return layer.recompute.module("linear_attn_core", layer.core, q, k, v, g, beta, seg_layouts[i], h0)
 
     return RelayCore.apply(q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, run, segs, layout, cont_BS, B)
