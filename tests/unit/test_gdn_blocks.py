@@ -28,7 +28,7 @@ def test_gated_norm_blocks_equal_one_call(monkeypatch):
         norm.weight.uniform_(0.5, 1.5)
     x, z = torch.randn(2, 13, 3, 8), torch.randn(2, 13, 3, 8)
     whole = run(norm, x, z)
-    monkeypatch.setattr(gdn, "NORM_BLOCK", 5)  # 26 tokens: blocks across the row boundary, a short last one
+    monkeypatch.setattr(gdn, "NORM_BLOCK", 5)  # 26 tokens > 2 x 5: blocks across the row boundary, a short last one
     blocked = run(norm, x, z)
     for a, b in zip([whole[0], *whole[1], whole[2]["weight"]], [blocked[0], *blocked[1], blocked[2]["weight"]]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -65,10 +65,12 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         # autograd keeps x and z only: the fp32 intermediates (4 x the bf16 output) are recomputed
-        # in backward, in blocks of NORM_BLOCK tokens over all rows (per-token maths: the same
-        # values as one call; the weight gradient sums the blocks' parts)
+        # in backward, in blocks of NORM_BLOCK tokens over all rows once a call has more than two
+        # blocks' worth (per-token maths: the same values as one call up to the kernels' reduction
+        # order; the weight gradient sums the blocks' parts). Up to 2 x NORM_BLOCK tokens stay one
+        # call, as before (the planner's per-token model of this layer assumes one call there).
         tokens = x.shape[:-2].numel() if x.dim() >= 3 else 0
-        if tokens <= NORM_BLOCK:
+        if tokens <= 2 * NORM_BLOCK:
             return lean(self._forward, x, z)
         x_NHV, z_NHV = x.reshape((tokens,) + x.shape[-2:]), z.reshape((tokens,) + z.shape[-2:])
         return torch.cat([lean(self._forward, xs, zs)
