@@ -30,7 +30,7 @@ register_family(Family(name="qwen3_5_moe", arch=qwen3_5_moe.Qwen3_5MoeArch, mode
 register_family(Family(name="deepseek_v3", arch=deepseek_v3.DeepseekV3Arch, model=deepseek_v3.DeepseekV3ForCausalLM,
                        presets=PRESETS["deepseek_v3"], hf_model_types=("deepseek_v3", "kimi_k2"),
                        hf_name_in=deepseek_v3.hf_name_in, hf_name_out=deepseek_v3.hf_name_out,
-                       hf_extra_out=deepseek_v3.hf_extra_out, mtp_arch_key="num_nextn_predict_layers",
+                       hf_copies=deepseek_v3.hf_copies, mtp_arch_key="num_nextn_predict_layers",
                        router=deepseek_v3.ROUTER))
 
 

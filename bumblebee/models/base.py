@@ -121,14 +121,16 @@ class CausalLM(nn.Module):
         layers = [self.make_layer(i, parts) for i in range(arch.num_hidden_layers)]
         self.model = Backbone(embed, layers, self.norm_cls(arch.hidden_size, arch.rms_norm_eps))
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.num_moe_layers = max(sum(int(layer.is_moe) for layer in self.model.layers), 1)
+        self.main_moe_layers = sum(int(layer.is_moe) for layer in self.model.layers)
+        self.num_moe_layers = max(self.main_moe_layers, 1)
         for j, layer in enumerate(layer for layer in self.model.layers if layer.is_moe):
             layer.mlp.moe_index = j  # its slot in router stats and routing replay ids
         self.mtp = self.make_mtp(parts)  # multi-token prediction modules (models/mtp.py) or None
-        main_moe = sum(int(layer.is_moe) for layer in self.model.layers)
         for k, block in enumerate(self.mtp_moe_blocks()):
-            block.moe_index = main_moe + k  # router stats rows after the decoder's MoE layers
-        self.mtp_depth = self.mtp_modules()  # depths trained (``set_mtp``)
+            block.moe_index = self.main_moe_layers + k  # router stats rows after the decoder's MoE layers
+        # counted once: a pipeline stage without the last layers drops the MTP part (keep_stages)
+        self.mtp_held, self.mtp_moe_held = self.mtp_modules(), len(self.mtp_moe_blocks())
+        self.mtp_depth = self.mtp_held  # depths trained (``set_mtp``)
         self.mtp_loss_weight = 0.1
         self.stage_layers: dict[int, list[int]] | None = None  # pipeline stage -> its layers (keep_stages)
         self.num_stages = 1  # parameters are left as constructed: build_model / materialize initialize them
@@ -212,9 +214,24 @@ class CausalLM(nn.Module):
 
     def routers(self) -> list[nn.Module]:
         """The router of every MoE layer this rank holds, in layer order (the order of the rows of
-        ``LossTerms.router_stats``), then those of the trained MTP depths."""
+        ``LossTerms.router_stats``), then those of the trained MTP depths (``router_rows()`` says
+        which rows of the whole model's router stats they are)."""
         mtp = [block.gate for block in self.mtp_moe_blocks()[:self.mtp_depth]]
         return [layer.mlp.gate for layer in self.model.layers if getattr(layer, "is_moe", False)] + mtp
+
+    def router_row_count(self) -> int:
+        """Rows of the whole model's router stats: its decoder MoE layers, then the trained MTP
+        depths' MoE layers (the same on every pipeline stage)."""
+        return self.main_moe_layers + min(self.mtp_depth, self.mtp_moe_held)
+
+    def router_rows(self, stage: int | None = None) -> list[int]:
+        """Rows (``moe_index``) of the whole model's router stats that pipeline ``stage`` produces, in
+        its stats' order (None: every MoE layer this rank holds, ``routers()``' order)."""
+        ids = range(len(self.model.layers)) if stage is None else self.stage_layers[stage]
+        rows = [self.model.layers[i].mlp.moe_index for i in ids if getattr(self.model.layers[i], "is_moe", False)]
+        if stage is None or stage == self.num_stages - 1:
+            rows += [block.moe_index for block in self.mtp_moe_blocks()[:self.mtp_depth]]
+        return rows
 
     def mtp_moe_blocks(self) -> list[nn.Module]:
         """The MoE blocks of the MTP part, depth by depth."""
@@ -231,12 +248,12 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def update_router_bias(self, counts_LE: torch.Tensor, rate: float) -> None:
         """After an optimizer step: routers with a selection bias (``sigmoid_bias``) move it by the
-        step's global expert load ``counts_LE`` (one row per MoE layer held here)."""
-        routers = self.routers()
-        assert len(routers) == counts_LE.shape[0], (len(routers), counts_LE.shape)
-        for router, load_E in zip(routers, counts_LE):
+        step's global expert load ``counts_LE`` (``router_row_count()`` rows: the whole model's MoE
+        layers; a pipeline stage reads the rows of the layers it holds)."""
+        assert counts_LE.shape[0] == self.router_row_count(), (self.router_row_count(), counts_LE.shape)
+        for router, row in zip(self.routers(), self.router_rows(), strict=True):
             if hasattr(router, "update_bias"):
-                router.update_bias(load_E, rate)
+                router.update_bias(counts_LE[row], rate)
 
     def balance_loss(self, stats_LS: torch.Tensor | None, mode: str = "micro_batch",
                      num_layers: int | None = None) -> torch.Tensor:
@@ -266,7 +283,7 @@ class CausalLM(nn.Module):
     def set_mtp(self, depth: int | str = "auto", loss_weight: float = 0.1) -> None:
         """Train the first ``depth`` MTP modules ("auto": all the model holds, 0: none) with the
         weight ``loss_weight`` (config ``[mtp]``)."""
-        held = self.mtp_modules()
+        held = self.mtp_held
         depth = held if depth == "auto" else depth
         if not 0 <= depth <= held:
             raise ValueError(f"mtp.depth {depth} is more than the {held} MTP module(s) this model holds "
@@ -312,14 +329,25 @@ class CausalLM(nn.Module):
         return cos, sin, layout
 
     # ------------------------------------------------------------------ entry points
-    def hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None, routing=None):
+    def hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None, routing=None,
+                      return_stats: bool = False):
         """Final-norm hidden states [B, T, H] and this part's share of the mean balance loss over
         MoE layers (``micro_batch`` definition). With ``stage`` (pipeline parallelism) only that
-        stage runs: ``inputs`` are token ids on stage 0, else the previous stage's hidden states,
-        and the final norm runs on the last stage only. ``routing``: a ``RoutingScope``
-        (primitives/moe/replay.py) to replay given experts and/or record the chosen ones."""
+        stage runs: ``inputs`` are token ids on stage 0, else the previous stage's output, and the
+        final norm runs on the last stage only (a stage before the last returns what the next
+        one takes: with MTP trained, the hidden states and the MTP embeddings, ``_layers``).
+        ``routing``: a ``RoutingScope`` (primitives/moe/replay.py) to replay given experts and/or
+        record the chosen ones. ``return_stats``: also the raw router stats [L, 2E + 2] (None
+        without MoE layers), for the bias update of ``sigmoid_bias`` routers."""
         h, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing)
-        return h, self.balance_loss(stats_LS)
+        aux = self.balance_loss(stats_LS, num_layers=self.router_row_count() if stage is not None else None)
+        return (h, aux, stats_LS) if return_stats else (h, aux)
+
+    @property
+    def pipelined_mtp(self) -> bool:
+        """MTP trained on the last of several pipeline stages: stage 0 embeds the shifted tokens
+        and the stages pass those embeddings on beside the hidden states."""
+        return self.num_stages > 1 and self.mtp_depth > 0
 
     @torch.no_grad()
     def record_routing(self, input_ids, position_ids=None) -> torch.Tensor:
@@ -338,22 +366,44 @@ class CausalLM(nn.Module):
             return self._layers(inputs, position_ids_BT, stage, context)
 
     def _layers(self, inputs, position_ids_BT, stage, context=None):
+        """MTP under pipeline parallelism (``pipelined_mtp``): the embedding lives on stage 0, so
+        stage 0 also embeds the shifted tokens of every depth (models/mtp.py) and each stage
+        passes them on concatenated to its output ([B, T, H x (1 + D)]); the last stage splits
+        them off (``context`` receives them) and their gradient flows back to the one embedding."""
         if position_ids_BT is None:
             position_ids_BT = default_position_ids(inputs)
         first = stage is None or stage == 0
         last = stage is None or stage == self.num_stages - 1
+        carry = stage is not None and self.pipelined_mtp
         layer_ids = range(len(self.model.layers)) if stage is None else self.stage_layers[stage]
-        x = self.model.embed_tokens(inputs) if first else inputs
+        H, embs = self.arch.hidden_size, None
+        if first:
+            x = self.model.embed_tokens(inputs)
+        elif carry:
+            x, embs = inputs.split([H, inputs.shape[-1] - H], dim=-1)
+            x = x.contiguous()
+        else:
+            x = inputs
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         cos, sin, layout = self.layer_context(position_ids_BT, dtype)
+        if carry and first:
+            from bumblebee.models.mtp import shift_global
+
+            embs = torch.cat([self.model.embed_tokens(shift_global(inputs, layout, k, 0))
+                              for k in range(1, self.mtp_depth + 1)], dim=-1)
         if context is not None:
             context.extend((cos, sin, layout))
+            if carry and last:
+                context.append([e.contiguous() for e in embs.split(H, dim=-1)])
         stats = []
         for i in layer_ids:
             x, s = self.recompute.layer(self.model.layers[i], x, cos, sin, layout)
             if s.dim() == 1:  # dense layers return a 0-d zero
                 stats.append(s)
-        return (self.model.norm(x) if last else x), (torch.stack(stats) if stats else None)
+        stats = torch.stack(stats) if stats else None
+        if last:
+            return self.model.norm(x), stats
+        return (torch.cat([x, embs.to(x.dtype)], dim=-1) if carry else x), stats
 
     def loss_terms(self, inputs, labels_BT, position_ids_BT=None, *, stage: int | None = None,
                    balance: str = "micro_batch", routing=None) -> LossTerms:
@@ -369,16 +419,18 @@ class CausalLM(nn.Module):
         labels_T = labels_BT.reshape(-1)
         loss_sum = self.loss_fn(h_BTH.reshape(-1, h_BTH.shape[-1]), self.lm_head_weight, labels_T, reduction="sum")
         terms = LossTerms(loss_sum, (labels_T != -100).sum(), loss_sum.new_zeros((), dtype=torch.float32), stats_LS)
-        layers = self.num_moe_layers
-        if self.mtp is not None and self.mtp_depth and stage is None:
+        layers = self.num_moe_layers if stage is None else self.router_row_count()
+        if self.mtp is not None and self.mtp_depth and (stage is None or stage == self.num_stages - 1):
             from bumblebee.models.mtp import mtp_loss_sum
 
-            mtp_sum, mtp_stats, terms.mtp_sums, terms.mtp_tokens = mtp_loss_sum(self, h_BTH, inputs, labels_BT, *context)
+            cos, sin, layout, *embs = context  # embs: the MTP embeddings stage 0 sent (pipelined_mtp)
+            mtp_sum, mtp_stats, terms.mtp_sums, terms.mtp_tokens = mtp_loss_sum(
+                self, h_BTH, inputs, labels_BT, cos, sin, layout, embs=embs[0] if embs else None)
             terms.loss_sum = loss_sum + mtp_sum
             if mtp_stats:
                 rows = torch.stack(mtp_stats)
                 terms.router_stats = rows if stats_LS is None else torch.cat([stats_LS, rows])
-                layers = (layers if stats_LS is not None else 0) + len(mtp_stats)
+                layers = self.main_moe_layers + len(mtp_stats)
         if balance != "global_batch":
             terms.aux_loss = self.balance_loss(terms.router_stats, balance, layers)
         return terms

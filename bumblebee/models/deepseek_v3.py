@@ -191,11 +191,12 @@ def hf_name_out(arch: DeepseekV3Arch, name: str) -> str:
     return name if m is None else f"model.layers.{arch.num_hidden_layers + int(m.group(1))}.{m.group(2)}"
 
 
-def hf_extra_out(arch: DeepseekV3Arch, shared: dict):
-    """The per-module copies of the embedding and LM head that DeepSeek's checkpoints carry
-    (``shared``: the model's ``model.embed_tokens.weight`` and, untied, ``lm_head.weight``)."""
-    embed = shared["model.embed_tokens.weight"]
-    for k in range(arch.num_nextn_predict_layers):
-        base = f"model.layers.{arch.num_hidden_layers + k}"
-        yield f"{base}.embed_tokens.weight", embed
-        yield f"{base}.shared_head.head.weight", shared.get("lm_head.weight", embed)
+def hf_copies(arch: DeepseekV3Arch) -> dict[str, list[str]]:
+    """The per-module copies of the embedding and LM head that DeepSeek's checkpoints carry:
+    bumblebee name of the shared tensor -> checkpoint names written with the same values."""
+    layers = [f"model.layers.{arch.num_hidden_layers + k}" for k in range(arch.num_nextn_predict_layers)]
+    embed = [f"{base}.embed_tokens.weight" for base in layers]
+    head = [f"{base}.shared_head.head.weight" for base in layers]
+    if arch.tie_word_embeddings:
+        return {"model.embed_tokens.weight": embed + head} if layers else {}
+    return {"model.embed_tokens.weight": embed, "lm_head.weight": head} if layers else {}

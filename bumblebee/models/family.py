@@ -26,7 +26,9 @@ class Family:
     # names that need the arch (DeepSeek's MTP modules live at model.layers.{L + k}):
     hf_name_in: object = None  # (arch, checkpoint name) -> bumblebee name, "" = a copy of a shared tensor
     hf_name_out: object = None  # (arch, bumblebee name) -> checkpoint name
-    hf_extra_out: object = None  # model -> (name, tensor) written beside the parameters
+    # arch -> {bumblebee name: [checkpoint names]}: copies of a tensor a checkpoint stores again
+    # (DeepSeek's per-MTP-module embedding and LM head), written right after it
+    hf_copies: object = None
     mtp_arch_key: str = ""  # the arch field counting MTP modules (0 when a checkpoint has none)
     router: str = ""  # the router the architecture routes with (replaces the default softmax_topk)
 

@@ -49,46 +49,41 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, prims=None):
 
 
 def hf_state_dict(model):
-    """Yield (HF name, tensor) pairs of ``model``, experts split per expert (and the family's
-    extra tensors, e.g. DeepSeek's per-MTP-module copies of the embedding and head)."""
+    """Yield (HF name, tensor) pairs of ``model``, experts split per expert, each tensor followed by
+    the copies the family's checkpoints store of it (DeepSeek's per-MTP-module embedding and head)."""
     from bumblebee.models import family_of
 
     family = family_of(model.arch)
     F = model.arch.moe_intermediate_size
-    shared = {}  # the embedding and LM head, for the family's extra tensors
+    copies = family.hf_copies(model.arch) if family.hf_copies else {}
     for name, p in model.named_parameters():
         t = p.detach()
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            shared[name] = t
-        if family.hf_name_out:
-            name = family.hf_name_out(model.arch, name)
-        if name.endswith("experts.w_gate_up"):
-            base = name.rsplit(".", 1)[0]
+        hf = family.hf_name_out(model.arch, name) if family.hf_name_out else name
+        if hf.endswith("experts.w_gate_up"):
+            base = hf.rsplit(".", 1)[0]
             for e in range(t.shape[0]):
                 yield f"{base}.{e}.gate_proj.weight", t[e, :F]
                 yield f"{base}.{e}.up_proj.weight", t[e, F:]
-        elif name.endswith("experts.w_down"):
-            base = name.rsplit(".", 1)[0]
+        elif hf.endswith("experts.w_down"):
+            base = hf.rsplit(".", 1)[0]
             for e in range(t.shape[0]):
                 yield f"{base}.{e}.down_proj.weight", t[e]
         else:
-            yield name, t
+            yield hf, t
+        for copy in copies.get(name, ()):
+            yield copy, t
     for name, b in persistent_buffers(model):  # e.g. the sigmoid_bias router's e_score_correction_bias
         yield (family.hf_name_out(model.arch, name) if family.hf_name_out else name), b.detach()
-    if family.hf_extra_out:
-        yield from family.hf_extra_out(model.arch, shared)
 
 
 def to_hf(model, out_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: torch.dtype | None = None,
           source: str = "") -> None:
     """Write ``model`` as a HF directory: config.json and safetensors (in ``dtype``, default the
     parameters'), sharded with an index when larger than ``max_shard_bytes``, one tensor at a time
-    (models/hf_write.py). ``source``: the HF directory it came from, whose tensors outside the
+    (models/hf_write.py, which also writes the family's copies, e.g. DeepSeek's per-MTP-module
+    embedding and head). ``source``: the HF directory it came from, whose tensors outside the
     language model (vision tower, MTP head) are carried over unchanged."""
     named = [(n, p.detach()) for n, p in list(model.named_parameters()) + persistent_buffers(model)]
-    family = family_of_model_type(model.arch.model_type)
-    if family.hf_extra_out:  # e.g. DeepSeek's per-MTP-module copies of the embedding and head
-        named += list(family.hf_extra_out(model.arch, dict(named)))
     dtype = dtype or (named[0][1].dtype if named else torch.float32)
     write_hf(out_dir, model.arch, [(n, tuple(t.shape)) for n, t in named], named, dtype=dtype,
              max_shard_bytes=max_shard_bytes, source=source)

@@ -115,6 +115,10 @@ def write_hf(out_dir: str, arch, named_shapes, tensors, *, dtype: torch.dtype = 
     layout = list(hf_layout(named_shapes, F))
     if family.hf_name_out:  # names that need the arch (DeepSeek's MTP modules at model.layers.{L + k})
         layout = [(family.hf_name_out(arch, h), shape, name, part) for h, shape, name, part in layout]
+    if family.hf_copies:  # copies right after their tensor: the stream yields it once
+        copies = family.hf_copies(arch)
+        layout = [row for entry in layout for row in
+                  [entry] + [(c, entry[1], entry[2], entry[3]) for c in copies.get(entry[2], ()) if entry[3] is None]]
     entries = [_entry(src.rename(h) if src else h, shape, dtype) for h, shape, _, _ in layout]
     written = {e[0] for e in entries}
     carried = [_entry(n, s, d) for n, s, d in (src.carried if src else []) if n not in written]  # never twice

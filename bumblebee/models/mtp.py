@@ -14,6 +14,11 @@ Hugging Face / vLLM MTP code. The loss is ``loss_weight / D x sum_k`` of the sum
 losses of depth k through the configured ``loss`` primitive (linear CE: no [T, V] logits),
 divided by the main loss's token count (so it is the same for every layout).
 
+Under pipeline parallelism the MTP modules run on the last stage (they need its hidden
+states and the LM head); the embedding lives on stage 0, which embeds the shifted tokens and
+sends them down the pipeline beside the hidden states (``CausalLM._layers``), so there is one
+embedding and its gradient comes back through the pipeline's own backward.
+
 Targets and inputs are shifted on the *global* sequence: with context parallelism the
 token ids and labels of the whole row are all-gathered (T integers) and this rank's zigzag
 positions read back, so a shard edge is no document edge; a target whose position i+k lies
@@ -46,21 +51,25 @@ def _global(x_BT: torch.Tensor, layout) -> torch.Tensor:
     return unshard_sequence(parts)
 
 
-def shifted_inputs(ids_BT, labels_BT, layout, k: int):
-    """(ids of position i+k, label of position i+k, ignored where i+k is in another document
-    or past the row) for this rank's positions i."""
-    device = ids_BT.device
+def shift_global(x_BT, layout, k: int, fill: int):
+    """``x`` of position i+k for this rank's positions i (the row all-gathered under CP), ``fill``
+    where i+k is in another document or past the row."""
+    device = x_BT.device
     if isinstance(layout, CPLayout):
         doc_BT, index = layout.doc_BT, layout.index_L
     else:
-        doc_BT, index = layout.doc_ids(device), torch.arange(ids_BT.shape[1], device=device)
-    ids_G, labels_G = _global(ids_BT, layout), _global(labels_BT, layout)
-    T = ids_G.shape[1]
+        doc_BT, index = layout.doc_ids(device), torch.arange(x_BT.shape[1], device=device)
+    x_G = _global(x_BT, layout)
+    T = x_G.shape[1]
     src = (index + k).clamp(max=T - 1)
     ok_BT = (index + k < T) & (doc_BT[:, src] == doc_BT[:, index])
-    ids_k = torch.where(ok_BT, ids_G[:, src], torch.zeros_like(ids_G[:, src]))
-    labels_k = torch.where(ok_BT, labels_G[:, src], torch.full_like(labels_G[:, src], -100))
-    return ids_k, labels_k
+    return torch.where(ok_BT, x_G[:, src], torch.full_like(x_G[:, src], fill))
+
+
+def shifted_inputs(ids_BT, labels_BT, layout, k: int):
+    """(ids of position i+k, label of position i+k, ignored where i+k is in another document
+    or past the row) for this rank's positions i."""
+    return shift_global(ids_BT, layout, k, 0), shift_global(labels_BT, layout, k, -100)
 
 
 def combine(enorm, hnorm, proj, emb_BTH, h_BTH):
@@ -68,16 +77,22 @@ def combine(enorm, hnorm, proj, emb_BTH, h_BTH):
     return proj(torch.cat([enorm(emb_BTH), hnorm(h_BTH)], dim=-1))
 
 
-def mtp_loss_sum(model, h_BTH, ids_BT, labels_BT, cos, sin, layout):
+def mtp_loss_sum(model, h_BTH, ids_BT, labels_BT, cos, sin, layout, embs=None):
     """(loss_weight / D x sum over depths of summed token losses, the router stats vectors of the
-    MTP MoE layers, [per-depth summed losses, detached], [per-depth valid tokens])."""
+    MTP MoE layers, [per-depth summed losses, detached], [per-depth valid tokens]). ``embs``: the
+    embeddings of the shifted tokens per depth when they were computed elsewhere (pipeline
+    parallelism: on stage 0, which holds the embedding; ``ids_BT`` is then unused)."""
     D = model.mtp_depth
     total = h_BTH.new_zeros((), dtype=torch.float32)
     stats, sums, counts = [], [], []
     h = h_BTH
     for k in range(1, D + 1):
-        ids_k, labels_k = shifted_inputs(ids_BT, labels_BT, layout, k)
-        h, a = model.mtp_forward(k - 1, h, model.model.embed_tokens(ids_k), cos, sin, layout)
+        if embs is None:
+            ids_k, labels_k = shifted_inputs(ids_BT, labels_BT, layout, k)
+            emb = model.model.embed_tokens(ids_k)
+        else:
+            labels_k, emb = shift_global(labels_BT, layout, k, -100), embs[k - 1]
+        h, a = model.mtp_forward(k - 1, h, emb, cos, sin, layout)
         labels_T = labels_k.reshape(-1)
         s = model.loss_fn(h.reshape(-1, h.shape[-1]), model.lm_head_weight, labels_T, reduction="sum")
         total = total + s.float()

@@ -55,7 +55,7 @@ from bumblebee.rl.offload import Offloader
 from bumblebee.rl.weights import EngineWeights
 from bumblebee.runtime.optim import build_optimizer
 from bumblebee.runtime.resolve import resolve_layout
-from bumblebee.runtime.step import accumulate, autocast_for, balance_denominator, optimizer_tail
+from bumblebee.runtime.step import ExpertLoad, accumulate, autocast_for, balance_denominator, optimizer_tail
 from bumblebee.runtime.trainer import (build_initial_model, build_parallel_context, build_sharding, pick_device,
                                        seed_everything)
 
@@ -102,6 +102,8 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=dp * cfg.train.micro_batch * m))
         if pp > 1 and getattr(cfg.train, "balance", "micro_batch") != "micro_batch":  # what the stages compute
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, balance="micro_batch"))
+        # the policy is the next-token model: MTP modules are carried (exported as held) but not trained
+        cfg = dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, depth=0))
         self.cfg, self.temperature, self.max_tokens_per_micro_batch = cfg, temperature, max_tokens_per_micro_batch
         self.device = device or pick_device()
         self.ctx = build_parallel_context(cfg, self.device)
@@ -127,6 +129,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         self.step = 0
         self.weight_version = 0  # bumped by every applied optimizer step (rl/weights.py)
         self.offloader = Offloader(self)
+        self.load = ExpertLoad(self.model)  # expert counts of the training forwards, for sigmoid_bias routers
         self.hf_prefixes = self._source_prefixes(cfg.model.hf_path)
 
     # ------------------------------------------------------------------ data parallelism
@@ -189,15 +192,16 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         return {k: shard_sequence(v, cp, self.ctx.cp_rank) for k, v in mb.items()}
 
     def _scores(self, mb: dict[str, torch.Tensor], with_entropy: bool, scope=None):
-        """Forward one micro-batch: (logp [b, T], entropy [b, T] or None, balance loss). ``scope``: a
-        ``RoutingScope`` replaying ``mb["routing"]`` and/or recording the experts used."""
+        """Forward one micro-batch: (logp [b, T], entropy [b, T] or None, balance loss, router stats).
+        ``scope``: a ``RoutingScope`` replaying ``mb["routing"]`` and/or recording the experts used."""
         with self.autocast:
-            h_BTH, aux = self.model.hidden_states(mb["input_ids"], mb["position_ids"], routing=scope)
+            h_BTH, aux, stats = self.model.hidden_states(mb["input_ids"], mb["position_ids"], routing=scope,
+                                                         return_stats=True)
             logp_T, ent_T = token_logprobs(h_BTH.reshape(-1, h_BTH.shape[-1]), self.model.lm_head_weight,
                                            mb["targets"].reshape(-1), temperature=self.temperature,
                                            with_entropy=with_entropy)
         shape = mb["targets"].shape
-        return logp_T.view(shape), None if ent_T is None else ent_T.view(shape), aux
+        return logp_T.view(shape), None if ent_T is None else ent_T.view(shape), aux, stats
 
     def _whole(self, t: torch.Tensor) -> torch.Tensor:
         """A micro-batch result on this cp rank's share -> the whole micro-batch."""
@@ -233,7 +237,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         if self.pipeline is not None:  # the schedule runs every micro-batch (rl/pipeline.py)
             dp_max = lambda t: self._dp_sum(t, dist.ReduceOp.MAX)  # noqa: E731
             sums, kept = self.pipeline.run(P, loss_fn, forward_only, with_entropy, dp_max,
-                                           self.arch.router_aux_loss_coef)
+                                           self.arch.router_aux_loss_coef, None if forward_only else self.load)
             return self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
         parts = self._micro_batches(P, batch.seq_index, budget)
         aux_scale = self.arch.router_aux_loss_coef / balance_denominator(len(parts), self._dp, self.ctx.layout.cp)
@@ -243,7 +247,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
             scope = None
             if "routing" in mb or return_routing:
                 scope = RoutingScope(replay_BTLK=mb.get("routing"), record={} if return_routing else None)
-            logp, ent, aux = self._scores(mb, with_entropy, scope)
+            logp, ent, aux, stats = self._scores(mb, with_entropy, scope)
+            if not forward_only:  # the expert load of what trains (sigmoid_bias routers follow it)
+                self.load.add_stats(stats)
             if forward_only:
                 kept.append((logp.detach(), None if ent is None else ent.detach(), mb["index"],
                              scope.recorded() if return_routing else None))
@@ -304,12 +310,16 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         grad_norm, lr, applied = optimizer_tail(self.sharding, self.optimizer, self.cfg.train, self.step, lr=lr,
                                                 pp_group=self.ctx.pp_group if pp else None,
                                                 params=self.model.parameters() if pp else None)
+        # routers with a selection bias move it by the step's global expert load (as the Trainer)
+        self.load.update_bias(self.cfg.moe.bias_update_rate, applied, None if pp else self.ctx.dp_cp_group,
+                              self.ctx.distributed, self.device)
         self.step += 1
         self.weight_version += int(applied)
         return {"grad_norm": float(grad_norm), "lr": lr, "applied": applied}
 
     def zero_grad(self) -> None:
         self.sharding.zero_grad(self.optimizer)
+        self.load.counts = None  # the expert load of the dropped gradients goes with them
 
     # ------------------------------------------------------------------ memory
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True, *,

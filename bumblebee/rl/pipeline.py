@@ -54,11 +54,11 @@ class EnginePipeline:
 
     # ------------------------------------------------------------------ the last stage
     def _head(self, part, x, position_ids, labels, stage):
-        h_BTH, aux = part.hidden_states(x, position_ids, stage=stage)
+        h_BTH, aux, stats = part.hidden_states(x, position_ids, stage=stage, return_stats=True)
         logp_T, ent_T = token_logprobs(h_BTH.reshape(-1, h_BTH.shape[-1]), part.lm_head_weight, labels.reshape(-1),
                                        temperature=self.temperature, with_entropy=self.with_entropy)
         ent_T = torch.zeros_like(logp_T) if ent_T is None else ent_T
-        return torch.stack([logp_T, ent_T], -1).view(*labels.shape, 2), aux
+        return torch.stack([logp_T, ent_T], -1).view(*labels.shape, 2), aux, stats
 
     def _inputs(self, out_bT2, target_bTk) -> PolicyInputs:
         extra = iter(target_bTk[..., 2:].unbind(-1))
@@ -73,9 +73,11 @@ class EnginePipeline:
         return loss
 
     # ------------------------------------------------------------------ one call of forward_backward
-    def run(self, P: dict, loss_fn, forward_only: bool, with_entropy: bool, dp_max, aux_coef: float):
+    def run(self, P: dict, loss_fn, forward_only: bool, with_entropy: bool, dp_max, aux_coef: float, load=None):
         """All of this rank's rows through the schedule. Returns (metric sums or {}, kept) where kept
-        holds (logp, entropy, index) per run as ``Engine._token_aligned`` reads them (forward only)."""
+        holds (logp, entropy, index) per run as ``Engine._token_aligned`` reads them (forward only).
+        ``load`` (runtime.step.ExpertLoad) receives each training run's expert counts of this rank's
+        stages (padding rows included: they are routed like any token)."""
         t, L = self.cfg.train, self.ctx.layout
         B, T = P["input_ids"].shape
         if T > t.seq_len:
@@ -93,7 +95,12 @@ class EnginePipeline:
             part["index"] = index[r * self.rows:(r + 1) * self.rows]
             part = mbs.pad_columns(self._pad_rows(part), t.seq_len) if part["input_ids"].shape[1] < t.seq_len \
                 else self._pad_rows(part)
+            for m in self.pipe.modules:
+                m.aux_log.clear()
+                m.stats_log.clear()
             kept.append(self._run(part, forward_only))
+            if load is not None:  # the run's micro-batches (the first run also logs a metadata forward)
+                load.add(self.pipe.router_counts(self.pipe.microbatches, self.device)[0])
         sums = self._sums(loss_fn, kept)
         return sums, [k for k in kept if k is not None]
 

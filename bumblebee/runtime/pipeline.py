@@ -4,7 +4,9 @@ schedule (slot ``pipeline``), composed with FSDP2 / zero1, EP and CP on the same
 Placement. Ranks are (pp, dp_shard, cp, tp) (runtime/mesh.py); ranks with equal dp/cp/tp
 coordinates form one pipeline. With v virtual stages per rank there are S = pp x v stages, stage s
 on pipeline rank s mod pp (torch's loop placement). Stage 0 also holds the embedding; stage S-1
-the final norm, the LM head and the loss primitive (linear CE included).
+the final norm, the LM head and the loss primitive (linear CE included), and the multi-token
+prediction modules when they train (models/mtp.py): stage 0 embeds their shifted tokens and
+every stage passes those embeddings on beside its hidden states (``CausalLM._layers``).
 
 Splitting. ``primitives.pp_layout`` lists each stage's layers; otherwise contiguous stages
 minimize the most expensive one on the model's FLOPs per layer (``layer_flops``: full attention,
@@ -23,7 +25,15 @@ token loss, divided by the global token count in the schedule's loss (``scale_gr
 stage's balance loss never travels down the pipeline: ``AttachAuxGrad`` gives its routers their
 gradient in the backward of the stage output (as Megatron-LM's MoEAuxLossAutoScaler). FSDP units
 reduce-scatter once, in their stage's last micro-batch backward. The optimizer tail is the step's
-(runtime/step.py), with the gradient norm summed over pp; logged losses cover all ranks.
+(runtime/step.py), with the gradient norm summed over pp; logged losses cover all ranks. The
+balance loss is the ``micro_batch`` definition (the global-batch one needs every micro-batch's
+router statistics before the first backward, which 1F1B schedules never have).
+
+Expert loads. Each stage records its MoE layers' router statistics per micro-batch; ``run``
+returns this rank's expert counts in the rows of the whole model's layers (zeros elsewhere), so
+the step's one all-reduce over every rank gives each layer its global load: the stage that holds
+a ``sigmoid_bias`` router moves its bias with it after the optimizer step, and the expert-load
+metrics cover every layer, as at pp = 1.
 
 PipelineStage infers activation shapes and dtypes from the first micro-batch (a forward and an
 input-gradient backward on the first step, parameter gradients untouched), so fp32 and bf16
@@ -40,6 +50,7 @@ from torch.distributed.pipelining import PipelineStage
 from bumblebee import registry
 from bumblebee.errors import ConfigError
 from bumblebee.data import Batch
+from bumblebee.primitives.moe.balance import dropped_pairs, split_stats
 
 
 # ------------------------------------------------------------------------------ which layers where
@@ -76,7 +87,9 @@ def stage_layout(cfg, model, stages: int) -> list[list[int]]:
         return [list(layers) for layers in cfg.primitives.pp_layout]
     layers, head = model.layer_flops(cfg.train.seq_len)
     passes = 4 if cfg.primitives.recompute == "full" else 3  # forward + backward (+ recomputed forward)
-    return balance_layers([passes * c for c in layers], stages, last_extra=3 * head)
+    mtp = model.mtp_depth  # MTP depths run on the last stage: a (MoE) layer and the LM head each
+    return balance_layers([passes * c for c in layers], stages,
+                          last_extra=3 * head * (1 + mtp) + passes * mtp * max(layers))
 
 
 # ------------------------------------------------------------------------------ one stage
@@ -106,20 +119,23 @@ class StageModule(nn.Module):
         self.stage, self.aux_scale, self.autocast = stage, aux_scale, autocast
         self.is_last = stage == part.num_stages - 1
         self.aux_log: list[torch.Tensor] = []  # this stage's balance loss, one per forward
+        self.stats_log: list = []  # this stage's router stats [L, 2E + 2] (or None), one per forward
         # another last-stage head: ``head(part, x, position_ids, labels, stage) -> (out [b, ...], balance
-        # loss)`` (the RL engine's per-token log-probs); None: the summed token loss
+        # loss, router stats)`` (the RL engine's per-token log-probs); None: the summed token loss
         self.head = None
 
     def forward(self, x, position_ids, labels):
         with self.autocast:
             if self.is_last and self.head is not None:
-                out, aux = self.head(self.part, x, position_ids, labels, self.stage)
-            elif self.is_last:
+                out, aux, stats = self.head(self.part, x, position_ids, labels, self.stage)
+            elif self.is_last:  # the loss, with the MTP modules' when they train (models/mtp.py)
                 terms = self.part.loss_terms(x, labels, position_ids, stage=self.stage)
                 out, aux = torch.stack([terms.loss_sum.float()]), terms.aux_loss  # [1], concatenated over micro-batches
+                stats = terms.router_stats
             else:
-                out, aux = self.part.hidden_states(x, position_ids, stage=self.stage)
+                out, aux, stats = self.part.hidden_states(x, position_ids, stage=self.stage, return_stats=True)
         self.aux_log.append(aux.detach())
+        self.stats_log.append(None if stats is None else stats.detach())
         return AttachAuxGrad.apply(out, aux, self.aux_scale)
 
     def sync_units(self) -> list[tuple[FSDPModule, bool]]:
@@ -148,11 +164,8 @@ def check_trainer_pipeline(cfg) -> None:
     """What the Trainer's step cannot do with a pipeline schedule (one-line ConfigErrors)."""
     if cfg.train.balance != "micro_batch":  # a stage backs a micro-batch up before the others ran
         raise ConfigError(f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
-                          f"(over all layers) before the first backward, which a pipeline schedule (pp > 1) "
-                          f"does not give; set train.balance = 'micro_batch'")
-    if cfg.primitives.router == "sigmoid_bias":
-        raise ConfigError("router 'sigmoid_bias' with pp > 1: the bias update does not collect the stages' "
-                          "expert loads yet; use pp = 1")
+                          f"before the first backward, which a pipeline schedule (parallel.pp > 1) does not "
+                          f"give; set train.balance = 'micro_batch' with pp > 1")
 
 
 class Pipeline:
@@ -184,19 +197,41 @@ class Pipeline:
         """The schedule's loss of one micro-batch: its summed token loss / the global token count."""
         return out_1.sum() / self.global_tokens
 
-    def run(self, local: Batch, global_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, local: Batch, global_tokens: int):
         """Every micro-batch's forward and backward through the schedule, on this rank's rows
-        ``local``. Returns this rank's summed token loss (last stage; 0 elsewhere) and its
-        stages' share of the mean balance loss, for the step's logged figures (the first
-        step's metadata forward is the extra, oldest entry of each stage's log)."""
+        ``local``. Returns this rank's summed token loss (last stage; 0 elsewhere), its stages'
+        share of the mean balance loss, and ``router_counts`` (below) for the step's logged
+        figures and the bias update."""
         L = self.ctx.layout
         self.global_tokens = global_tokens
         for m in self.modules:
             m.aux_log.clear()
+            m.stats_log.clear()
         inputs = (local.input_ids,) if 0 in self.modules[0].part.stage_layers else ()
         out = self.schedule.step(*inputs, target=local.labels, position_ids=local.position_ids, labels=local.labels)
         n = self.microbatches
         zero = torch.zeros((), device=local.input_ids.device)
         loss_sum = out.detach().float().sum() if out is not None else zero
         aux = sum((a for m in self.modules for a in m.aux_log[-n:]), zero) / (n * L.dp_shard * L.cp)
-        return loss_sum, aux
+        return loss_sum, aux, *self.router_counts(n, zero.device)
+
+    def router_counts(self, n: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(expert counts [R, E] in the rows of the whole model's router stats, capacity-dropped
+        pairs) of this rank's stages over their last ``n`` forwards, i.e. this schedule run's
+        micro-batches (the first run's extra metadata forward is the oldest entry of each log);
+        zeros in the rows of other stages' layers, so a sum over every rank is the global load.
+        (None, None) for a model without MoE layers."""
+        part = self.modules[0].part
+        rows = part.router_row_count()
+        if not rows:
+            return None, None
+        counts = torch.zeros(rows, part.arch.num_experts, device=device)
+        dropped = torch.zeros((), device=device)
+        for m in self.modules:
+            log = m.stats_log[-n:]
+            assert len(log) == n, (len(log), n)
+            for stats in log:
+                if stats is not None:
+                    counts[part.router_rows(m.stage)] += split_stats(stats)[0]
+                    dropped += dropped_pairs(stats)
+        return counts, dropped

@@ -180,3 +180,38 @@ def _clip_over_stages(sharding, params, max_norm: float, pp_group) -> torch.Tens
         if p.grad is not None:
             local(p.grad).mul_(coef.to(p.grad.dtype))
     return total
+
+
+class ExpertLoad:
+    """The expert counts of the forwards since the last optimizer step, for the ``sigmoid_bias``
+    bias update of a caller that runs its own forwards (the RL Engine): [R, E] in the rows of the
+    whole model's router stats (``CausalLM.router_rows``; a pipeline stage fills its layers' rows)."""
+
+    def __init__(self, model):
+        self.model, self.counts = model, None
+
+    def add(self, counts_RE: torch.Tensor | None) -> None:
+        if counts_RE is not None:
+            counts_RE = counts_RE.detach().float()
+            self.counts = counts_RE if self.counts is None else self.counts + counts_RE
+
+    def add_stats(self, stats_LS: torch.Tensor | None) -> None:
+        """One forward's router stats, holding every row (pp = 1)."""
+        if stats_LS is not None:
+            self.add(split_stats(stats_LS.detach())[0])
+
+    def update_bias(self, rate: float, applied: bool, group, distributed: bool, device) -> None:
+        """Sum the counts over ``group`` (every rank that saw other tokens of the step: dp x cp, or
+        all ranks under pipeline parallelism), move the biases if the update was ``applied``, and
+        start over. Collective when ``distributed`` and the model has MoE layers."""
+        rows = self.model.router_row_count()
+        counts, self.counts = self.counts, None
+        if not rows:
+            return
+        if counts is None:
+            counts = torch.zeros(rows, self.model.arch.num_experts, device=device)
+        if distributed:
+            dist.all_reduce(counts, group=group)
+        if applied:
+            self.model.update_router_bias(counts, rate)
+

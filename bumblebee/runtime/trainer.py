@@ -63,9 +63,9 @@ def build_initial_model(cfg: Config, device: torch.device, groups: ParallelGroup
     layout), or each rank's slices of ``model.hf_path``."""
     arch = resolve_arch(cfg.model)
     model = build_model(arch, cfg.primitives, groups or ParallelGroups(), device="meta")
+    model.set_mtp(cfg.mtp.depth, cfg.mtp.loss_weight)  # before the split: the last pipeline stage runs MTP
     if split is not None:
         model = split(model)
-    model.set_mtp(cfg.mtp.depth, cfg.mtp.loss_weight)
     return materialize(model, device, seed=cfg.train.seed, hf_path=cfg.model.hf_path)
 
 
@@ -180,7 +180,7 @@ class Trainer:
                             self.device)
         counts = None  # this rank's expert counts [L, E] (global after the all-reduce below)
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
-            loss_sum, aux = self.pipeline.run(local, global_tokens)
+            loss_sum, aux, counts, dropped = self.pipeline.run(local, global_tokens)  # counts: this rank's layers
         else:
             coef, parts = self.model.arch.router_aux_loss_coef, micro_batches(local, t.micro_batch)
             if t.balance == "global_batch":
@@ -193,6 +193,7 @@ class Trainer:
             loss_sum, aux = sums["loss_sum"], sums["aux"] / (self.dp_size * self.cp)
             counts, dropped = sums.get("router_counts"), sums.get("router_dropped")
         if self.ctx.distributed:  # the logged loss covers the whole global batch (so every rank checks the same)
+            # (pipeline: over every rank, each layer's counts coming from the ranks of its stage)
             extra = [] if counts is None else [dropped.reshape(1), counts.flatten()]
             stats = torch.cat([torch.stack([loss_sum, aux])] + extra)
             dist.all_reduce(stats, group=None if self.pipeline is not None else self.ctx.dp_cp_group)

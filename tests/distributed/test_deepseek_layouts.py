@@ -3,9 +3,10 @@ depth) on 2 and 4 gloo ranks equals the single process on the same global batch:
 and grad norm, and the first step's replicated gradients. Packed documents of uneven lengths
 (one spans every CP shard) exercise MLA under the CP ring (expanded heads) and allgather
 (latents gathered, every rank expands the row) and MTP's global target shift across zigzag shards; layouts combine fsdp2 / zero1, EP all-to-all / chunked, CP ring / allgather,
-linear CE and full recompute. Pipeline parallelism is refused for this family: MTP needs the
-embedding and token ids on the last stage, and the sigmoid_bias router's bias update does not
-collect the stages' expert loads yet."""
+linear CE and full recompute. Pipeline parallelism (pp = 2, MTP on the last stage fed by the
+embeddings stage 0 sends, the ``micro_batch`` balance loss pipelines need) also equals the
+single process in every parameter after the steps and in every router bias, which each stage
+moves by its own layers' global expert load."""
 
 import io
 import json
@@ -16,6 +17,8 @@ from torch.distributed.tensor import DTensor
 from dist_utils import run_distributed
 
 from bumblebee import load_config
+from bumblebee.models.base import persistent_buffers
+from bumblebee.primitives.sharding.common import full_named_parameters
 from bumblebee.runtime.trainer import Trainer
 
 T = 128
@@ -37,7 +40,9 @@ def write_data(path) -> str:
     return str(path)
 
 
-def run(overrides, data, out_dir, steps):
+def run(overrides, data, out_dir, steps, state=False):
+    """(per-step (loss, grad norm), first-step replicated gradients[, this rank's full parameters and
+    router biases after the steps])."""
     cfg = load_config(None, BASE + [f"data.path={data}", f"train.out_dir={out_dir}", f"train.steps={steps}",
                                     *overrides])
     trainer = Trainer(cfg, stream=io.StringIO())
@@ -51,11 +56,16 @@ def run(overrides, data, out_dir, steps):
 
     trainer.sharding.step = capture
     trace = [trainer.train_step() for _ in range(steps)]
-    return [(r["loss"], r["grad_norm"]) for r in trace], grads
+    out = [(r["loss"], r["grad_norm"]) for r in trace], grads
+    if not state:
+        return out
+    held = dict(full_named_parameters(trainer.model, trainer.ctx.ep_group))
+    held.update((n, b.detach().clone()) for n, b in persistent_buffers(trainer.model))
+    return (*out, held, [r["expert_load"] for r in trace])
 
 
 def _ranks(rank, world, cases, data, out_dir):
-    return [run(ov, data, f"{out_dir}/{rank}", steps) for ov, steps in cases]
+    return [run(ov, data, f"{out_dir}/{rank}", steps, "parallel.pp=2" in ov) for ov, steps in cases]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +76,8 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(data, tmp_path_factory):
     local = ["primitives.sharding=none", "primitives.moe_comm=local"]
-    return {"mtp": run(local, data, tmp_path_factory.mktemp("ref"), STEPS)}
+    return {"mtp": run(local, data, tmp_path_factory.mktemp("ref"), STEPS),
+            "mb": run(local + MB, data, tmp_path_factory.mktemp("ref"), STEPS, state=True)}
 
 
 def check(result, ref, what):
@@ -76,7 +87,7 @@ def check(result, ref, what):
     that, and a sigmoid group top-k near a tie can then pick another expert: measured up to 4e-4
     relative on the step-2 grad norm (cp 2 x ep 2, allgather, chunked), 1e-5 on the loss. A real
     bug is far above at step 1 (MTP shifted within CP shards instead of globally: 2.3e-3 loss)."""
-    (trace, grads), (ref_trace, ref_grads) = result, ref
+    (trace, grads), (ref_trace, ref_grads) = result[:2], ref[:2]
     assert ref_trace[0][0] > 0 and len(trace) == len(ref_trace)
     for i, ((loss, gnorm), (ref_loss, ref_gnorm)) in enumerate(zip(trace, ref_trace)):
         assert loss == pytest.approx(ref_loss, rel=1e-5 if i == 0 else 1e-4), what
@@ -86,32 +97,63 @@ def check(result, ref, what):
         assert err < 1e-4, f"{what}: {name} gradient relative error {err:.1e}"
 
 
+def check_state(results, ref, what, rtol=1e-5):
+    """Every step's expert load (every layer, the global batch: each stage counts all its micro-
+    batches) and router bias equal, every parameter after the steps (merged over the pipeline
+    stages' ranks) within ``rtol`` relative."""
+    state = {}
+    for result in results:
+        state.update(result[2])
+        assert result[3] == ref[3], f"{what}: expert loads {result[3]} != {ref[3]}"
+    assert state.keys() == ref[2].keys(), what
+    biases = [n for n in state if n.endswith("e_score_correction_bias")]
+    assert len(biases) == 2, biases  # the MoE decoder layer and the MTP module
+    for name, want in ref[2].items():
+        if name in biases:
+            assert want.abs().sum() > 0 and torch.equal(state[name], want), f"{what}: {name}"
+        else:
+            err = ((state[name] - want).norm() / want.norm()).item()
+            assert err < rtol, f"{what}: {name} relative error {err:.1e}"
+
+
+# pipeline schedules need the per-micro-batch balance loss (the reference uses it too)
+MB = ["train.balance=micro_batch", "moe.load_histogram_every=1"]
+PP = ["parallel.pp=2", "primitives.pipeline=1f1b"] + MB
 TWO = [("mtp", ["primitives.sharding=fsdp2", "parallel.ep=2", "primitives.moe_comm=alltoall"]),
        ("mtp", ["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"]),
        ("mtp", ["parallel.cp=2", "parallel.ep=2", "primitives.sharding=fsdp2", "primitives.cp=allgather",
-                "primitives.moe_comm=chunked", "primitives.loss=linear_ce", "primitives.recompute=full"])]
+                "primitives.moe_comm=chunked", "primitives.loss=linear_ce", "primitives.recompute=full"]),
+       ("mb", PP + ["primitives.sharding=fsdp2"])]
 FOUR = [("mtp", ["parallel.cp=2", "parallel.ep=4", "primitives.sharding=fsdp2", "primitives.cp=allgather",
                  "primitives.moe_comm=chunked", "primitives.recompute=full"]),
-        ("mtp", ["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=ring"])]
+        ("mtp", ["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=ring"]),
+        ("mb", PP + ["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring", "primitives.loss=linear_ce"])]
+
+
+def _check_all(per_rank, cases, references):
+    for i, (ref, ov) in enumerate(cases):
+        results = [rank_results[i] for rank_results in per_rank]
+        for result in results if "parallel.pp=2" in ov else results[:1]:  # pipeline: losses on every rank
+            check(result, references[ref], " ".join(ov))
+        if "parallel.pp=2" in ov:
+            check_state(results, references[ref], " ".join(ov))
 
 
 def test_two_ranks_match_single_process(references, data, tmp_path):
-    results = run_distributed(_ranks, 2, [(ov, STEPS) for _, ov in TWO], data, str(tmp_path))[0]
-    for (ref, ov), result in zip(TWO, results):
-        check(result, references[ref], " ".join(ov))
+    _check_all(run_distributed(_ranks, 2, [(ov, STEPS) for _, ov in TWO], data, str(tmp_path)), TWO, references)
 
 
 def test_four_ranks_match_single_process(references, data, tmp_path):
-    results = run_distributed(_ranks, 4, [(ov, STEPS) for _, ov in FOUR], data, str(tmp_path))[0]
-    for (ref, ov), result in zip(FOUR, results):
-        check(result, references[ref], " ".join(ov))
+    _check_all(run_distributed(_ranks, 4, [(ov, STEPS) for _, ov in FOUR], data, str(tmp_path)), FOUR, references)
 
 
-def test_mtp_with_pipeline_is_refused():
+def test_pipeline_needs_the_micro_batch_balance_loss():
     from bumblebee.config import ConfigError
-    from bumblebee.runtime.resolve import check_run
+    from bumblebee.runtime.pipeline import check_trainer_pipeline
 
-    cfg = load_config(None, BASE[:-1] + ["parallel.pp=2", "data.source='synthetic'", "train.seq_len=256"])
+    cfg = load_config(None, BASE + ["parallel.pp=2", "data.source='synthetic'", "train.seq_len=256"])
     assert cfg.primitives.router == "sigmoid_bias"  # the architecture's router replaces the default
-    with pytest.raises(ConfigError, match="multi-token prediction is not supported with parallel.pp > 1"):
-        check_run(cfg, 2)
+    assert cfg.train.balance == "global_batch"  # the default: a pipeline run must choose micro_batch
+    with pytest.raises(ConfigError, match="set train.balance = 'micro_batch' with pp > 1"):
+        check_trainer_pipeline(cfg)
+    check_trainer_pipeline(load_config(None, BASE + MB + ["parallel.pp=2", "data.source='synthetic'"]))  # sigmoid_bias + MTP: accepted
