@@ -129,7 +129,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         self.step = 0
         self.weight_version = 0  # bumped by every applied optimizer step (rl/weights.py)
         self.offloader = Offloader(self)
-        self.load = ExpertLoad(self.model)  # expert counts of the training forwards, for sigmoid_bias routers
+        self.expert_load = ExpertLoad(self.model)  # expert counts of the training forwards, for sigmoid_bias routers
         self.hf_prefixes = self._source_prefixes(cfg.model.hf_path)
 
     # ------------------------------------------------------------------ data parallelism
@@ -237,7 +237,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         if self.pipeline is not None:  # the schedule runs every micro-batch (rl/pipeline.py)
             dp_max = lambda t: self._dp_sum(t, dist.ReduceOp.MAX)  # noqa: E731
             sums, kept = self.pipeline.run(P, loss_fn, forward_only, with_entropy, dp_max,
-                                           self.arch.router_aux_loss_coef, None if forward_only else self.load)
+                                           self.arch.router_aux_loss_coef, None if forward_only else self.expert_load)
             return self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
         parts = self._micro_batches(P, batch.seq_index, budget)
         aux_scale = self.arch.router_aux_loss_coef / balance_denominator(len(parts), self._dp, self.ctx.layout.cp)
@@ -249,7 +249,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
                 scope = RoutingScope(replay_BTLK=mb.get("routing"), record={} if return_routing else None)
             logp, ent, aux, stats = self._scores(mb, with_entropy, scope)
             if not forward_only:  # the expert load of what trains (sigmoid_bias routers follow it)
-                self.load.add_stats(stats)
+                self.expert_load.add_stats(stats)
             if forward_only:
                 kept.append((logp.detach(), None if ent is None else ent.detach(), mb["index"],
                              scope.recorded() if return_routing else None))
@@ -311,7 +311,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
                                                 pp_group=self.ctx.pp_group if pp else None,
                                                 params=self.model.parameters() if pp else None)
         # routers with a selection bias move it by the step's global expert load (as the Trainer)
-        self.load.update_bias(self.cfg.moe.bias_update_rate, applied, None if pp else self.ctx.dp_cp_group,
+        self.expert_load.update_bias(self.cfg.moe.bias_update_rate, applied, None if pp else self.ctx.dp_cp_group,
                               self.ctx.distributed, self.device)
         self.step += 1
         self.weight_version += int(applied)
@@ -319,7 +319,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
 
     def zero_grad(self) -> None:
         self.sharding.zero_grad(self.optimizer)
-        self.load.counts = None  # the expert load of the dropped gradients goes with them
+        self.expert_load.counts = None  # the expert load of the dropped gradients goes with them
 
     # ------------------------------------------------------------------ memory
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True, *,
