@@ -27,6 +27,11 @@ whole batch, whatever the layout. Micro-batches are ``train.micro_batch`` rows, 
 (``rl/microbatch.py``); every dp rank runs the same number of them. Log-probs never
 materialize ``[tokens, vocab]`` (``losses.token_logprobs``).
 
+Routers with a selection bias (``sigmoid_bias``) move it after each applied ``optimizer_step``
+by the global expert load of the training forwards since the last step, as the Trainer does
+(``runtime.step.ExpertLoad``). Multi-token-prediction modules are carried, not trained
+(``mtp.depth`` is 0 here: the policy is the next-token model); exports write them as held.
+
 Weights out (``rl/weights.py``): ``weight_buckets`` (bucketed, HF-named, for a rollout
 engine), ``named_weights``, ``export_hf``. Memory (``rl/offload.py``): ``offload`` /
 ``onload`` by part. Calls that touch the model are collective: every rank makes them, in order.

@@ -10,15 +10,18 @@ moves by its own layers' global expert load."""
 
 import io
 import json
+import os
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 from dist_utils import run_distributed
 
-from bumblebee import load_config
+from bumblebee import from_hf, load_config
 from bumblebee.models.base import persistent_buffers
 from bumblebee.primitives.sharding.common import full_named_parameters
+from bumblebee.runtime.export import export_checkpoint
 from bumblebee.runtime.trainer import Trainer
 
 T = 128
@@ -61,11 +64,13 @@ def run(overrides, data, out_dir, steps, state=False):
         return out
     held = dict(full_named_parameters(trainer.model, trainer.ctx.ep_group))
     held.update((n, b.detach().clone()) for n, b in persistent_buffers(trainer.model))
-    return (*out, held, [r["expert_load"] for r in trace])
+    saved = trainer.checkpoint.save(trainer.step) if trainer.ctx.distributed else None  # collective
+    return (*out, held, [r["expert_load"] for r in trace], saved)
 
 
 def _ranks(rank, world, cases, data, out_dir):
-    return [run(ov, data, f"{out_dir}/{rank}", steps, "parallel.pp=2" in ov) for ov, steps in cases]
+    return [run(ov, data, f"{out_dir}/{i}" if "parallel.pp=2" in ov else f"{out_dir}/{rank}", steps,
+                "parallel.pp=2" in ov) for i, (ov, steps) in enumerate(cases)]
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +113,16 @@ def check_state(results, ref, what, rtol=1e-5):
     assert state.keys() == ref[2].keys(), what
     biases = [n for n in state if n.endswith("e_score_correction_bias")]
     assert len(biases) == 2, biases  # the MoE decoder layer and the MTP module
+    # the pipeline's checkpoint (stages saved by their ranks) converts to the same model, with
+    # DeepSeek's per-MTP-module copies of the embedding and head
+    hf_dir = os.path.join(os.path.dirname(os.path.dirname(results[0][4])), "hf")
+    export_checkpoint(results[0][4], hf_dir)
+    exported = from_hf(hf_dir)
+    with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("model.layers.2.embed_tokens.weight"), state["model.embed_tokens.weight"])
+        assert torch.equal(f.get_tensor("model.layers.2.shared_head.head.weight"), state["lm_head.weight"])
+    for name, t in list(exported.named_parameters()) + persistent_buffers(exported):
+        assert torch.equal(t, state[name]), f"{what}: exported {name}"
     for name, want in ref[2].items():
         if name in biases:
             assert want.abs().sum() > 0 and torch.equal(state[name], want), f"{what}: {name}"
