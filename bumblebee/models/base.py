@@ -370,8 +370,8 @@ class CausalLM(nn.Module):
         stage 0 also embeds the shifted tokens of every depth (models/mtp.py) and each stage
         passes them on concatenated to its output ([B, T, H x (1 + D)]); the last stage splits
         them off (``context`` receives them) and their gradient flows back to the one embedding."""
-        if position_ids_BT is None:
-            position_ids_BT = default_position_ids(inputs)
+        if position_ids_BT is None:  # (a later stage's inputs are hidden states [B, T, ...])
+            position_ids_BT = default_position_ids(inputs if inputs.dim() == 2 else inputs[..., 0])
         first = stage is None or stage == 0
         last = stage is None or stage == self.num_stages - 1
         carry = stage is not None and self.pipelined_mtp

@@ -215,7 +215,9 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
             finally:
                 torch.set_default_dtype(old)
             if lay.pp > 1:
-                model.keep_stages({s: list(layers)}, lay.pp)
+                # the spec counts MTP modules as layers after the decoder's (plan/spec.py): the model
+                # holds them as its MTP part, run by the last stage's loss_terms
+                model.keep_stages({s: [i for i in layers if i < arch.num_hidden_layers]}, lay.pp)
             params = [p for p in model.parameters() if p.requires_grad]
             run.relabel(params, "parameters")
             state = {id(p): (p.float(), torch.zeros_like(p, dtype=torch.float32),
@@ -250,8 +252,9 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
 
 def _instrument(model, run: FakeRun, layers) -> None:
     """Labels: each decoder layer's forward "fwd<mb>:L<i>", the MoE dispatch "moe", the loss "loss"."""
+    blocks = list(model.model.layers) + (model.mtp_units() if model.mtp is not None else [])
     for i in layers:
-        layer = model.model.layers[i]
+        layer = blocks[i]  # past the decoder's layers: an MTP module (plan/spec.py counts them as layers)
 
         def pre(mod, args, i=i):
             if run.phase == "forward":
@@ -298,8 +301,9 @@ def _step(model, run: FakeRun, s: int, pp: int, inflight: int, t: int, hidden: i
     run.set_phase("forward")
     for j in range(inflight):
         run.mb, run.label = j, f"fwd{j}:in"
+        width = hidden * (1 + model.mtp_depth) if model.pipelined_mtp else hidden  # + MTP embeddings (models/base.py)
         x = (torch.zeros(mb, t, dtype=torch.long) if first
-             else torch.empty(mb, t, hidden, dtype=torch.bfloat16, requires_grad=True))
+             else torch.empty(mb, t, width, dtype=torch.bfloat16, requires_grad=True))
         if last:
             outs.append(model.loss_terms(x, torch.zeros(mb, t, dtype=torch.long), stage=stage).loss_sum)
         else:

@@ -71,3 +71,14 @@ def test_dry_run_rejects_unimplemented_family():
     cand = evaluate(spec, LAYOUT, Primitives(), WORK, GPUS["h100"])
     with pytest.raises(ConfigError, match="not implemented"):
         dry_run(spec, {"model_type": "qwen9_moe"}, cand, WORK)
+
+
+def test_deepseek_last_stage_runs_its_mtp_module():
+    """DeepSeek-V3 at pp = 2: the spec plans the MTP module as a layer of the last stage; the dry run
+    executes that stage as the runtime does (the MTP module fed by the embeddings stage 0 sends
+    beside the hidden states) and holds exactly the parameters the spec counts."""
+    hf = PRESETS["deepseek_v3"]["tiny"]
+    spec, work = spec_from_hf_dict(hf), Workload(seq=1024, global_batch=4)
+    cand = evaluate(spec, Layout(pp=2, dp_shard=1), Primitives(), work, GPUS["h100"])
+    r = dry_run(spec, hf, cand, work)
+    assert r.stage == 1 and r.static[0] == pytest.approx(r.static[1], rel=1e-6)
