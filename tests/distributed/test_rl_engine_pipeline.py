@@ -3,7 +3,8 @@ equals one process on the same batch: log-probs and entropies returned on every 
 than train.seq_len, padded), two PPO/GRPO updates (loss, kl, entropy, clip fraction, grad norm with
 the norm summed over stages), the balance loss kept on (each stage's routers get their share), and
 the weight stream (every stage's tensors broadcast from the rank holding them, same names and values
-on both ranks)."""
+on both ranks). The router is ``sigmoid_bias``: each stage moves its routers' biases by the global
+expert load of the update's micro-batches, equal to the single process's (in the weight stream)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from bumblebee.rl.losses import PolicyLoss
 
 BASE = ["model.arch.num_hidden_layers=3", "model.arch.hidden_size=32", "model.arch.head_dim=8",
         "model.arch.num_experts=4", "model.arch.moe_intermediate_size=32", "primitives.attention=sdpa",
-        "train.global_batch=4", "train.micro_batch=1", "train.seq_len=32"]
+        "train.global_batch=4", "train.micro_batch=1", "train.seq_len=32", "primitives.router=sigmoid_bias"]
 LOSS = PolicyLoss(kl_coef=0.05, entropy_coef=0.01, agg="seq-mean-token-mean")
 
 
@@ -57,5 +58,10 @@ def test_pipeline_engine_matches_one_process(tmp_path):
                 assert m[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
         assert sorted(n for n, _ in weights) == sorted(n for n, _ in ref[3])
         want = dict(ref[3])
+        biases = [n for n in want if n.endswith("e_score_correction_bias")]
+        assert len(biases) == 3 and any(want[n].abs().sum() > 0 for n in biases)  # moved (+-rate per step)
         for n, t in weights:
-            assert ((t - want[n]).norm() / want[n].norm()).item() < 1e-5, n
+            if n in biases:
+                assert torch.equal(t, want[n]), n
+            else:
+                assert ((t - want[n]).norm() / want[n].norm()).item() < 1e-5, n
