@@ -65,7 +65,7 @@ def run(overrides, data, out_dir, steps, state=False):
     held = dict(full_named_parameters(trainer.model, trainer.ctx.ep_group))
     held.update((n, b.detach().clone()) for n, b in persistent_buffers(trainer.model))
     saved = trainer.checkpoint.save(trainer.step) if trainer.ctx.distributed else None  # collective
-    return (*out, held, [r["expert_load"] for r in trace], saved)
+    return (*out, held, [r["expert_load"] for r in trace], saved, [r["aux_loss"] for r in trace])
 
 
 def _ranks(rank, world, cases, data, out_dir):
@@ -104,12 +104,13 @@ def check(result, ref, what):
 
 def check_state(results, ref, what, rtol=1e-5):
     """Every step's expert load (every layer, the global batch: each stage counts all its micro-
-    batches) and router bias equal, every parameter after the steps (merged over the pipeline
-    stages' ranks) within ``rtol`` relative."""
+    batches) and router bias equal, the balance loss (summed over stages) within 1e-5, every
+    parameter after the steps (merged over the pipeline stages' ranks) within ``rtol`` relative."""
     state = {}
     for result in results:
         state.update(result[2])
         assert result[3] == ref[3], f"{what}: expert loads {result[3]} != {ref[3]}"
+        assert result[5] == pytest.approx(ref[5], rel=1e-5), f"{what}: balance loss"  # stages' shares, MTP's too
     assert state.keys() == ref[2].keys(), what
     biases = [n for n in state if n.endswith("e_score_correction_bias")]
     assert len(biases) == 2, biases  # the MoE decoder layer and the MTP module
