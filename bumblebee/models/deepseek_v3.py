@@ -16,7 +16,8 @@ Decoder layer i: x + MLA(RMSNorm(x)), then h + FFN(RMSNorm(h)) with
 Module and parameter names follow HF's ``DeepseekV3ForCausalLM`` (experts stacked, see
 ``models/hf.py``). Multi-token prediction modules (``models/mtp.py``) are held as ``mtp.{k}``
 and stored by DeepSeek as ``model.layers.{num_hidden_layers + k}`` (``hf_name_in`` / ``hf_name_out``;
-the checkpoint's per-module copies of the embedding and LM head are the shared ones).
+the checkpoint's per-module copies of the embedding and LM head are the shared ones: skipped on
+load, written again by every export through ``hf_copies``).
 
 Legend: B batch, T tokens, H hidden, E experts, K experts per token, G expert groups.
 """
