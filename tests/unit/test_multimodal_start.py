@@ -5,6 +5,10 @@ every path), and both exports carry the vision tower and the MTP tensors over un
 the language model back under its prefix and the source's config: transformers loads the export
 as the multimodal model with every weight accounted for. Carried tensors are bit-identical; with
 lr = 1e-30 the trained language model is the source up to 1e-20.
+
+Two MTP cases: a config that counts no MTP modules (its ``mtp.*`` tensors are skipped and carried),
+and the released configs' ``mtp_num_hidden_layers = 1`` with the full ``mtp.*`` set (fc, the two
+pre-fc norms, one decoder layer, norm): loaded as the model's MTP part, trained, written back.
 """
 
 from __future__ import annotations
@@ -30,16 +34,27 @@ VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hi
 MTP = {"mtp.fc.weight": (48, 96), "mtp.norm.weight": (48,)}
 
 
-@pytest.fixture(scope="module")
-def multimodal(tmp_path_factory):
+def mtp_tensors(tmp_path_factory) -> dict:
+    """The released names and shapes of one MTP layer for TEXT (a text model with it, exported)."""
+    from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
+
+    path = tmp_path_factory.mktemp("mtp")
+    bumblebee.to_hf(bumblebee.build_model(Qwen3_5MoeArch(**TEXT, mtp_num_hidden_layers=1), seed=1), str(path))
+    return {k: v for k, v in read_dir(path).items() if k.startswith("mtp.")}
+
+
+@pytest.fixture(scope="module", params=["mtp skipped", "mtp trained"])
+def multimodal(tmp_path_factory, request):
     path = tmp_path_factory.mktemp("mm")
     torch.manual_seed(0)
-    cfg = transformers.Qwen3_5MoeConfig(text_config=transformers.Qwen3_5MoeTextConfig(**TEXT).to_dict(),
-                                        vision_config=VISION)
+    released = request.param == "mtp trained"
+    text = transformers.Qwen3_5MoeTextConfig(**TEXT, **({"mtp_num_hidden_layers": 1} if released else {}))
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=VISION)
     transformers.Qwen3_5MoeForConditionalGeneration(cfg).save_pretrained(path)
     tensors = load_file(path / "model.safetensors")
     assert any(k.startswith("model.visual.") for k in tensors)
-    tensors.update({k: torch.randn(s) for k, s in MTP.items()})  # as released checkpoints carry them
+    # as released checkpoints carry them
+    tensors.update(mtp_tensors(tmp_path_factory) if released else {k: torch.randn(s) for k, s in MTP.items()})
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "tokenizer_config.json").write_text("{}")  # a non-weight file the export keeps
     return path
@@ -52,8 +67,10 @@ def read_dir(path):
 def check_export(out, src):
     exported, source = read_dir(out), read_dir(src)
     assert exported.keys() == source.keys()
+    trained = any(k.startswith("mtp.layers.") for k in source)  # the MTP part is the model's: written back
+    carried = ("model.visual.",) if trained else ("model.visual.", "mtp.")
     for k, v in source.items():
-        if k.startswith(("model.visual.", "mtp.")):
+        if k.startswith(carried):
             assert torch.equal(exported[k], v), k
         else:
             assert torch.allclose(exported[k], v, rtol=0, atol=1e-20), k
@@ -62,7 +79,7 @@ def check_export(out, src):
     assert cfg["model_type"] == "qwen3_5_moe" and "vision_config" in cfg
     model, info = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"], info
-    assert set(info["unexpected_keys"]) <= set(MTP), info  # transformers has no MTP module
+    assert all(k.startswith("mtp.") for k in info["unexpected_keys"]), info  # transformers has no MTP module
 
 
 def test_train_starts_from_multimodal_and_exports_it_complete(multimodal, tmp_path, capfd):
@@ -78,11 +95,13 @@ def test_train_starts_from_multimodal_and_exports_it_complete(multimodal, tmp_pa
 def test_engine_starts_from_multimodal_and_exports_it_complete(multimodal, tmp_path):
     cfg = bumblebee.load_config(None, ["model.name=qwen3_5_moe", f"train.out_dir={tmp_path}/e"])
     engine = bumblebee.Engine(cfg, hf_path=str(multimodal))
+    trained = any(k.startswith("mtp.layers.") for k in read_dir(multimodal))
+    assert engine.model.mtp_modules() == int(trained)
     ref = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(multimodal).eval()
     ids = torch.randint(0, 272, (1, 24))
     with torch.no_grad():
         want = ref(input_ids=ids).logits
-        got = torch.nn.functional.linear(engine.model.hidden_states(ids)[0], engine.model.lm_head_weight)
+        got = engine.model(ids)
     assert (want - got).abs().max().item() < 1e-4
     engine.export_hf(str(tmp_path / "export"))
     check_export(tmp_path / "export", multimodal)
