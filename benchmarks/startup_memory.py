@@ -18,7 +18,12 @@ meta-device construction: ``git worktree add /tmp/old <commit>``) for the before
 Printed figures only; nothing is asserted. The benchmark's own process never imports torch
 (the checkpoint is made in a child), so it adds nothing to what it measures.
 
-    python benchmarks/startup_memory.py [--work /tmp/startup_mem] [--tree /tmp/old] [--nproc 4]
+``--steps N`` trains N steps (default 1, the issue's figure): from the second step on, AdamW's
+state is alive through the whole step, so its peak is the steady state's. The trainer's own
+tracker figure (live tensors, largest rank: ``peak_mem_bytes`` in metrics.jsonl) is printed per
+step next to the resident figures.
+
+    python benchmarks/startup_memory.py [--work /tmp/startup_mem] [--tree /tmp/old] [--nproc 4] [--steps 1]
 """
 
 from __future__ import annotations
@@ -128,6 +133,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/bumblebee-startup-memory")
     ap.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=1)
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": args.tree, "OMP_NUM_THREADS": "1"}
     ckpt, run, out = (os.path.join(args.work, d) for d in ("hf", "run", "export"))
@@ -150,10 +156,11 @@ def main() -> None:
     marks = {"startup": "bumblebee: kernels", "step": "[", "end": "done:"}
     peaks, snaps = run_measured([sys.executable, "-m", "bumblebee.cli", "train", "--nproc", str(args.nproc),
                                  "--set", f"parallel.ep={args.nproc}", "--set", f"model.hf_path={ckpt}",
-                                 "--set", "train.steps=1", "--set", "train.seq_len=64", "--set",
+                                 "--set", f"train.steps={args.steps}", "--set", "train.track_memory=true",
+                                 "--set", "train.seq_len=64", "--set",
                                  f"train.global_batch={args.nproc}", "--set", "train.save_every=1",
                                  "--set", "train.eval_every=0", "--set", f"train.out_dir={run}"], env, marks)
-    print(f"train --nproc {args.nproc} ep={args.nproc}, one step + save: {time.time() - t0:.0f} s")
+    print(f"train --nproc {args.nproc} ep={args.nproc}, {args.steps} step(s) + save: {time.time() - t0:.0f} s")
     print(f"  checkpoint / {args.nproc} = {size / args.nproc / GiB:.2f} GiB; static fp32 state per rank "
           f"(16 B x {per_rank / 1e6:.0f} M params) = {static / GiB:.2f} GiB; goal <= {(static + GiB) / GiB:.2f} GiB")
     workers = sorted(k for k in peaks if k)
@@ -164,6 +171,10 @@ def main() -> None:
             print(f"    after {name:8s}           " + "  ".join(f"{snaps[name].get(w, 0) / GiB:6.2f}" for w in workers))
     print(f"    whole run                " + "  ".join(f"{peaks[w] / GiB:6.2f}" for w in workers)
           + f"   (launcher {peaks.get(0, 0) / GiB:.2f})")
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        steps = [json.loads(line) for line in f if '"peak_mem_bytes"' in line]
+    print("  tracker peak (live tensors, largest rank) per step: "
+          + "  ".join(f"{r['peak_mem_bytes'] / GiB:.2f}" for r in steps) + " GiB")
     t0 = time.time()
     peaks, _ = run_measured([sys.executable, "-m", "bumblebee.cli", "convert", "--to", "hf", run, out], env, {})
     print(f"convert --to hf: {time.time() - t0:.0f} s; peak RSS {max(peaks.values()) / GiB:.2f} GiB; "
