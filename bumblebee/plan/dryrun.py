@@ -28,6 +28,7 @@ only outputs). Documents: one per sequence.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import time
@@ -62,18 +63,15 @@ class DryRunResult:
 
     def worst(self) -> float:
         """Largest relative gap: of a whole moment's dynamic bytes, and of each term that is at least
-        10% of its sub-moment ("forward:mixer", "backward:moe", ...: the same code running in both).
-        The forward's saved inputs are left out: the analytic figure is the bound (every layer of
-        the micro-batch), the measured peak comes while layer i of n runs."""
+        10% of its sub-moment ("forward:mixer", "backward:moe", ...: the same code running in both)."""
         gaps = []
         for moment, terms in self.terms.items():
             if ":" not in moment:
-                m, a = (sum(v[i] for k, v in terms.items() if k != "saved_inputs") for i in (0, 1))
+                m, a = (sum(v[i] for v in terms.values()) for i in (0, 1))
                 gaps.append(abs(m / a - 1) if a else 0.0)
                 continue
             dyn = sum(a for _, a in terms.values())
-            gaps += [abs(m / a - 1) for k, (m, a) in terms.items()
-                     if a > 0.10 * dyn and (moment.split(":")[0], k) != ("forward", "saved_inputs")]
+            gaps += [abs(m / a - 1) for k, (m, a) in terms.items() if a > 0.10 * dyn]
         return max(gaps, default=0.0)
 
     def summary(self) -> str:
@@ -115,7 +113,7 @@ def _as_cuda(select):
     return lambda slot, impl, device, dtype, **kw: select(slot, impl, "cuda", dtype, fla=True)
 
 
-def _patches(stack: ExitStack, one_doc) -> None:
+def _patches(stack: ExitStack, one_doc, run: FakeRun) -> None:
     import torch.nn.attention.varlen  # noqa: F401  (registers the flash ops' fake kernels)
 
     from bumblebee.primitives import dispatch
@@ -132,6 +130,26 @@ def _patches(stack: ExitStack, one_doc) -> None:
         stack.enter_context(mock.patch.object(importlib.import_module(name), "doc_layout", one_doc))
     mesh = importlib.import_module("bumblebee.runtime.mesh")
     stack.enter_context(mock.patch.object(mesh, "_group_options", lambda device: ("fake", None)))
+    recompute = importlib.import_module("bumblebee.primitives.recompute")
+    stack.enter_context(mock.patch.object(recompute, "_recomputing", _recompute_scope(run, recompute._recomputing)))
+
+
+def _recompute_scope(run: FakeRun, original):
+    """A checkpoint's recompute forward (it runs inside whichever backward node first unpacks the
+    layer's tensors) allocates under "recompute", the mixer's and the dispatch's under their own
+    labels; the interrupted label comes back when it ends (also when torch stops it early)."""
+    @contextlib.contextmanager
+    def scope(*args):
+        depth = len(run.stack)
+        run.stack.append(run.label)
+        run.label = "recompute"
+        try:
+            with original(*args):
+                yield
+        finally:
+            del run.stack[depth + 1:]
+            run.label = run.stack.pop()
+    return scope
 
 
 class _Scoped:
@@ -203,7 +221,7 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
     dist.init_process_group("fake", store=FakeStore(), rank=lay.world // lay.pp * s, world_size=lay.world)
     try:
         with ExitStack() as stack:
-            _patches(stack, one_doc)
+            _patches(stack, one_doc, run)
             ctx = mesh.build_context(lay, torch.device("cpu"))
             groups = ParallelGroups(ep_group=ctx.ep_group if lay.ep > 1 else None, cp_group=ctx.cp_group)
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
@@ -285,7 +303,7 @@ def _enter(run: FakeRun, args) -> None:
 
 def _leave(run: FakeRun, args, out) -> None:
     run.label = run.stack.pop() if run.stack else run.label
-    if run.phase != "backward":
+    if run.phase != "forward":  # the backward walks the first forward's graph (not a recompute's)
         return
     y = out[0] if isinstance(out, tuple) else out
     x = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
@@ -325,7 +343,7 @@ def _measured(run: FakeRun, key: str) -> dict[str, float]:
         elif label.startswith("fwd"):
             key = "live_layer" if (phase == "forward" and label == current) else "saved_inputs"
         else:
-            key = {"backward": "live_layer", "mixer": "live_layer", "moe": "moe_buffers", "loss": "loss",
+            key = {"backward": "live_layer", "mixer": "live_layer", "recompute": "live_layer", "moe": "moe_buffers", "loss": "loss",
                    "optim_temp": "optim_temp"}.get(label)
         if key:
             out[key] += n

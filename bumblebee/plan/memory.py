@@ -168,6 +168,50 @@ def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
     return kept * BF16 + 2 * vh * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
 
 
+def norm_bytes(spec: ModelSpec, tp: int) -> float:
+    """Bytes per token one RMSNorm over H keeps for backward, its output included (the next matmul
+    saves it): Qwen3's / DeepSeek's ``RMSNorm`` its fp32 input, the bf16 normalized cast the weight
+    multiplies and the bf16 output (8H); Qwen3.5's ``ZeroCenteredRMSNorm`` its fp32 input, the fp32
+    normalized value and the bf16 output (10H) (``primitives/norms.py``)."""
+    zero_centered = spec.family == "qwen3_5_moe"
+    return (FP32 + (FP32 if zero_centered else BF16) + BF16) * spec.hidden / tp
+
+
+def router_bytes(spec: ModelSpec, tp: int) -> float:
+    """The router's bf16 logits and fp32 probabilities [t, E] (``primitives/moe/router.py``)."""
+    return (BF16 + FP32) * spec.experts / tp
+
+
+def stream_tensors(spec: ModelSpec) -> int:
+    """bf16 [t, H] tensors a decoder layer's forward holds as Python locals while its MLP block runs:
+    the residual h and the block's normed input; Qwen3.5's layer also keeps the mixer's normed input
+    and output (``h_in``, ``mixed`` in ``models/qwen3_5_moe.py``)."""
+    return 4 if spec.family == "qwen3_5_moe" else 2
+
+
+def attn_core_bytes(spec: ModelSpec, lay: Layout) -> tuple[float, float, str]:
+    """Per-token transient bytes of the attention core beyond its inputs and saved tensors, counted from
+    the code CUDA runs: (forward, backward, formula). cp > 1, ring of varlen flash calls
+    (``primitives/cp/ring_flash.py``): forward the fp32 output accumulator and LSE, the next K/V block
+    in flight, and per block pair (zigzag: t/2 queries) the kernel's bf16 output and the three fp32
+    [t/2, N, D] temporaries of the merge; backward the contiguous dO, fp32 dQ and block dK/dV
+    accumulators, the pair's gathered dO, Q, O, K, V and two pairs' kernel outputs dq/dk/dv (the
+    previous pair's stay bound while the next call allocates). cp = 1 (``varlen_attn``): forward its
+    bf16 output and LSE; backward dO's copy and dq/dk/dv. Checked: dry run of Qwen3-30B-A3B's
+    attention (ep 4, cp 2) within 2% (forward 61.4 KB/token, backward 123 KB/token)."""
+    tp = lay.tp
+    nd = spec.n_heads * spec.head_dim / tp
+    kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim
+    n = spec.n_heads / tp
+    if lay.cp == 1:
+        fwd, bwd = nd * BF16 + n * FP32, nd * BF16 + (nd + 2 * kvd) * BF16
+        return fwd, bwd, f"varlen flash: fwd out {nd:.0f}x2 + lse; bwd dO copy + dq/dk/dv"
+    fwd = nd * FP32 + n * FP32 + 2 * kvd * BF16 + (nd * BF16 + 3 * nd * FP32) / 2
+    bwd = nd * BF16 + nd * FP32 + 2 * kvd * FP32 + (3 * nd + 2 * kvd) * BF16 / 2 + 2 * (nd + 2 * kvd) * BF16 / 2
+    return fwd, bwd, (f"ring: fwd fp32 o {nd:.0f}x4 + next K/V 2x{kvd:.0f}x2 + pair (t/2) out + 3 fp32 merge "
+                      f"temporaries; bwd dO + fp32 dq + fp32 dk/dv + pair gathers + 2 pairs' dq/dk/dv")
+
+
 # GDN CP scan, mixer backward: the fp32 gradients in flight relative to the fp32 tensors the scan
 # keeps. READ OFF THE DRY RUN (fake tensors, Qwen3.5 shapes, 2K-32K local tokens: 1.3-1.6), not
 # derived: the gradient of v_ext and of the correction path, part of [o|0, e]'s.
@@ -194,6 +238,39 @@ def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str
     moving = 2 * hv * w * FP32 + 3 * hv * v * FP32
     return kept, moving, (f"GDN CP scan: kept fp32 v_ext {hv:.0f}x{w}x4 + fp32 {hv:.0f}x{v}x4; forward "
                           f"2x{hv:.0f}x{w}x4 + 3x{hv:.0f}x{v}x4")
+
+
+def gdn_cp_bytes(spec: ModelSpec, lay: Layout, micro_batch: int = 1) -> dict[str, tuple[float, float]]:
+    """A Gated DeltaNet layer under context parallelism with full recompute, counted from its code
+    (``linear_attention/gdn.py``, ``cp.py``, ``fla.py``): phase -> (bytes per token, fixed bytes).
+
+    Per token (kd = Gk*K, vd = Hv*V, Hv*W with W = V+K: the extended core's value width):
+    - "saved" (the layer's tensors after its recompute, at the MoE backward): bf16 pre-conv qkv and
+      conv output 2 x 2(2kd+vd), z 2vd, fp32 beta/g/a 12Hv, the core's bf16 [v | 0] 2Hv*W, the fp32
+      state correction 4vd, the corrected bf16 output 2vd, the gated norm's bf16 output 2vd;
+    - "fwd" (first forward, at the gated norm): the same bf16 tensors, the fp32 [v | 0] and the core's
+      fp32 output 2 x 4Hv*W, the fp32 correction 4vd, and the gated norm's fp32 input, silu(z) and
+      product 12vd (autograd keeps nothing);
+    - "recompute" (the recompute inside backward, at the gated norm): "saved" plus the fp32 [v | 0]
+      and core output 2 x 4Hv*W, a second fp32 correction 4vd and the gated norm's fp32 12vd.
+    Fixed (independent of t; R = 2 zigzag segments x micro-batch rows, C = cp): fp32 states
+    [R, Hv, K, W] (initial, final, FLA's h0), the gathered transitions [C, R, Hv, K, W], the incoming
+    states [R, Hv, K, V] and the scan's carried states. Checked: dry run of Qwen3.5-35B-A3B's shapes
+    (ep 4, cp 2, 4K local tokens) within 1% per phase."""
+    tp = lay.tp
+    kd = spec.gdn_k_heads * spec.gdn_k_dim / tp
+    vd = spec.gdn_v_heads * spec.gdn_v_dim / tp
+    hv, k, v = spec.gdn_v_heads / tp, spec.gdn_k_dim, spec.gdn_v_dim
+    hw = hv * (v + k)
+    bf16 = 4 * (2 * kd + vd) + 2 * vd + 2 * vd  # pre-conv qkv, conv output, z, corrected output
+    saved = bf16 + 12 * hv + 2 * hw + 4 * vd + 2 * vd
+    fwd = bf16 + 12 * hv + 8 * hw + 4 * vd + 12 * vd + 2 * vd
+    recompute = saved + 8 * hw + 4 * vd + 12 * vd
+    r, c = 2 * micro_batch, lay.cp
+    state_w, state_v = r * hv * k * (v + k) * FP32, r * hv * k * v * FP32
+    return {"saved": (saved, (1 + c) * state_w + state_v + 2 * state_v / r),
+            "fwd": (fwd, (2 + c) * state_w + state_v),
+            "recompute": (recompute, (3 + c) * state_w + state_v + 2 * state_v / r)}
 
 
 def gdn_state_bytes(spec: ModelSpec, tp: int, chunk: int = 64) -> float:
@@ -230,16 +307,22 @@ def routed_buffers(spec: ModelSpec, prims: Primitives, tp: int, skew: float = 1.
     routing this rank's experts receive ``skew`` x the balanced k*t rows."""
     X, A = routed_units(spec, tp)
     c = max(1, prims.moe_chunks)
+    # a recompute stops at the layer's last op that saves a tensor (torch's early stop), before that op
+    # allocates its output: without a shared expert after it, the combine's weighted product is never made
+    last = 0 if spec.shared_ffn else 1
     f = skew if prims.moe_comm != "local" else 1.0
     # phase -> (home, expert side), in units of X and A: (x, a) pairs
     table = {
         "local": {"fwd": max(((0, 0), (2, 4)), ((0, 0), (3, 0)), key=lambda v: v[1][0] * X + v[1][1] * A),
-                  "recompute": ((0, 0), (4, 4)), "bwd": ((0, 0), (4, 5))},
+                  "recompute": ((0, 0), (4 - last, 4)), "bwd": ((0, 0), (4, 5))},
         "alltoall": {"fwd": max(((1, 0), (3, 4)), ((4, 0), (3, 0)),
                                 key=lambda v: (v[0][0] + v[1][0]) * X + v[1][1] * A),
-                     "recompute": ((4, 0), (4, 4)), "bwd": ((2, 0), (2, 5))},
+                     "recompute": ((4 - last, 0), (4, 4)), "bwd": ((2, 0), (2, 5))},
+        # backward: its peak is the first delayed wgrad (every chunk's g and dh, the last chunk's dgrad
+        # locals, dx sent and received; fc1's weight gradient); "bwd_wgrad": the second one (the first
+        # chunk's g and dh freed; fc1's gradient summed: dw1 + new -> sum, fc2's)
         "chunked": {"fwd": ((1 + 1 / c, 0), (2 + 2 / c, 2)), "recompute": ((1, 0), (1, 2 / c)),
-                    "bwd": ((1, 0), (3 + 1 / c, 4 + 3 / c))},
+                    "bwd": ((1, 0), (3 + 1 / c, 4 + 5 / c)), "bwd_wgrad": ((1, 0), (3, 4 + 2 / c))},
     }[prims.moe_comm]
     out = {}
     for phase, ((hx, ha), (ex, ea)) in table.items():
@@ -248,12 +331,15 @@ def routed_buffers(spec: ModelSpec, prims: Primitives, tp: int, skew: float = 1.
     return out
 
 
-def expert_grad_bytes(spec: ModelSpec, lay: Layout, prims: Primitives) -> float:
-    """Bytes of the local experts' weight gradients a MoE backward allocates at its peak (bf16, the
-    compute dtype): chunked accumulates fc1's over chunks (dw + new -> sum: 3 x fc1) and adds fc2's."""
+def expert_grad_bytes(spec: ModelSpec, lay: Layout, prims: Primitives, phase: str = "bwd") -> float:
+    """Bytes of the local experts' weight gradients (bf16, the compute dtype) alive at a MoE
+    backward's ``phase``: chunked's first delayed wgrad holds fc1's; its second sums fc1's over
+    chunks (dw + new -> sum: 3 x fc1) beside fc2's; the others fc1's and fc2's."""
     w1 = spec.experts / lay.ep * 2 * spec.expert_ffn * spec.hidden * BF16
     w2 = spec.experts / lay.ep * spec.expert_ffn * spec.hidden * BF16
-    return 3 * w1 + w2 if prims.moe_comm == "chunked" else w1 + w2
+    if prims.moe_comm == "chunked":
+        return w1 if phase == "bwd" else 3 * w1 + w2
+    return w1 + w2
 
 
 def routed_saved(spec: ModelSpec, prims: Primitives, tp: int) -> float:
@@ -273,11 +359,12 @@ def loss_bytes(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload) 
     (the LM head's input is gathered over tp; its vocabulary is split over tp)."""
     t, h = local_tokens(work, lay), spec.hidden
     vshard = spec.vocab / lay.tp
-    if prims.loss == "ce":  # the final norm's bf16 output (the head's input) and its fp32 upcast
-        b = t * vshard * CE_BYTES_PER_LOGIT + (BF16 + FP32) * t * h
-        return b, (f"ce: {t} x {vshard:.0f} x (2+4) B (bf16 logits + fp32 working copy) + {t} x {h} x (2+4) B "
-                   f"(final norm output, fp32 upcast)")
-    hidden = 4 * FP32 * t * h  # final norm's fp32 upcast and output, fp32 dh accumulator, hidden gradient
-    head = f"4 x {t} x {h} x 4 B (final norm, fp32 dh, hidden grad)"
+    norm = norm_bytes(spec, 1)  # the final norm's saved tensors (the hidden is gathered over tp)
+    if prims.loss == "ce":
+        b = t * vshard * CE_BYTES_PER_LOGIT + t * norm
+        return b, (f"ce: {t} x {vshard:.0f} x (2+4) B (bf16 logits + fp32 working copy) + {t} x {norm:.0f} B "
+                   f"(final norm)")
+    hidden = t * norm + (FP32 + BF16) * t * h  # final norm, fp32 dh accumulator, bf16 hidden gradient
+    head = f"{t} x ({norm:.0f} + {h} x 6) B (final norm, fp32 dh, hidden grad)"
     b = BF16 * vshard * h + hidden + LCE_TILE_BYTES
     return b, f"linear_ce: {vshard:.0f} x {h} x 2 B (head gradient, bf16) + {head} + 4 fp32 [2048, 8192] tiles"

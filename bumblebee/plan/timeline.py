@@ -26,10 +26,11 @@ from dataclasses import dataclass, field, fields
 
 from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
 from bumblebee.plan.layout import Layout, Primitives, Workload
-from bumblebee.plan.memory import (ADAM_TEMP_B, BF16, BWD_GRAD_FRACTION, GDN_CP_BWD_FACTOR, allgather_bytes, cp_extra,
-                                   expert_grad_bytes, gdn_state_bytes, local_tokens, loss_bytes, micro_batches,
-                                   mixer_act, mlp_act, routed_buffers, routed_saved, stage_kinds, stage_layers,
-                                   static_bytes)
+from bumblebee.plan.memory import (ADAM_TEMP_B, BF16, BWD_GRAD_FRACTION, FP32, GDN_CP_BWD_FACTOR, allgather_bytes,
+                                   attn_core_bytes, cp_extra, expert_grad_bytes, gdn_cp_bytes, gdn_state_bytes, local_tokens,
+                                   loss_bytes, micro_batches, mixer_act, mlp_act, norm_bytes, routed_buffers,
+                                   routed_saved, router_bytes, stage_kinds, stage_layers, static_bytes,
+                                   stream_tensors)
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 MOMENTS = ("forward", "backward", "loss", "optimizer")
@@ -88,11 +89,12 @@ class StageMemory:
 
 
 def _layer_moments(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Primitives, t: int,
-                   skew: float = 1.0):
+                   skew: float = 1.0, mb: int = 1):
     """Bytes per micro-batch saved by one layer of ``kind``, and its candidate moments:
     (moment, live_layer, moe_buffers, workspace, why) in bytes for t local tokens."""
     mixer, mlp = kind
     tp, h = lay.tp, spec.hidden
+    h2 = h / tp * BF16  # one bf16 [t, H] tensor per token
     mk, mc = mixer_act(spec, mixer, tp)
     fk, fc = mlp_act(spec, mlp, tp)
     cpk, cpm, cp_why = cp_extra(spec, mixer, lay)
@@ -100,30 +102,72 @@ def _layer_moments(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: P
     ws = t * gdn_state_bytes(spec, tp) if mixer != ATTN else 0.0
     f, rc = BWD_GRAD_FRACTION, prims.recompute
     rsaved = routed_saved(spec, prims, tp) if mlp == MOE else 0.0
-    saved = {"full": h / tp * BF16, "selective": mk + fk + rsaved, "none": mk + mc + fk + fc + rsaved}[rc]
+    saved = {"full": h2, "selective": mk + fk + rsaved, "none": mk + mc + fk + fc + rsaved}[rc]
+    # the mixer's saved tensors with its input norm counted from the code (mixer_act's count of it is
+    # the throughput model's elementwise bytes: 6H, 8H for attention)
+    mix_saved = mk + mc + norm_bytes(spec, tp) - (BF16 + FP32 + (BF16 if mixer == ATTN else 0)) * h / tp
+    # the MLP block's side of a recomputed layer at its backward: its input norm, the router, the
+    # gradients in flight (the layer output's; with a shared expert, its input gradient waiting for
+    # the routed one); the shared expert's own tensors are gone (its backward runs first)
+    in_flight = 2 if spec.shared_ffn else 1
+    moe_side = norm_bytes(spec, tp) + router_bytes(spec, tp) + in_flight * h2
     # live bytes beside the MoE's routed peak (the whole layer's saved tensors under full recompute)
-    # and in the mixer's own backward (its saved tensors and their gradients, CP buffers)
-    moe_live = {"full": mk + mc + fk + fc + cpk, "selective": mc + fc + cpk, "none": f * (fk + fc)}[rc]
-    # mixer backward: its saved tensors, their gradients, the CP scan's fp32 gradients (GDN) or the
-    # ring's blocks (attention), and the bf16 gradients of the mixer's weights before accumulation
-    cp_bwd = cpk * (1 + GDN_CP_BWD_FACTOR) if mixer != ATTN else cpm
-    wgrad = spec.mixer_params(mixer) / tp * BF16
-    mix_live = {"full": (mk + mc) * (1 + f), "selective": mc + mk * f, "none": (mk + mc) * f}[rc] + cp_bwd
+    moe_live = t * {"full": mix_saved + cpk + moe_side, "selective": mc + fc + cpk, "none": f * (fk + fc)}[rc]
     name = f"a {mixer}/{mlp} layer"
     cp_note = f" + {cp_why}" if cp_why else ""
-    out = [("forward:mixer", t * (mk + mc + cpm), 0.0, 0.0, f"{name}'s mixer forward: {mk + mc + cpm:.0f} B/token"),
-           ("backward:mixer", t * mix_live + wgrad, 0.0, ws,
-            f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; grads {f} x saved){cp_note}; weight "
-            f"gradients {wgrad / GB:.2f} GB")]
+    gdn_cp = mixer != ATTN and lay.cp > 1 and rc == "full"
+    if gdn_cp:  # Gated DeltaNet's CP scan, counted from its code (gdn_cp_bytes)
+        gb = gdn_cp_bytes(spec, lay, mb)
+        moe_live = t * (gb["saved"][0] + norm_bytes(spec, tp) + moe_side) + gb["saved"][1]
+        fwd_b = t * (h2 + gb["fwd"][0]) + gb["fwd"][1]
+        bwd_b = t * (norm_bytes(spec, tp) + h2 + gb["recompute"][0]) + gb["recompute"][1]
+        out = [("forward:mixer", fwd_b, 0.0, 0.0,
+                f"{name}'s mixer forward: {h2 + gb['fwd'][0]:.0f} B/token + {gb['fwd'][1] / GB:.3f} GB states "
+                f"(GDN CP scan, full recompute)"),
+               ("backward:mixer", bwd_b, 0.0, ws,
+                f"{name}'s mixer backward (its recompute at the gated norm): "
+                f"{norm_bytes(spec, tp) + h2 + gb['recompute'][0]:.0f} B/token + {gb['recompute'][1] / GB:.3f} GB "
+                f"states")]
+    elif mixer == ATTN:
+        # attention: inputs of the core + its transients (attn_core_bytes); backward: the saved tensors,
+        # the layer output's gradient, the core output's (+ the gate's) and the core's backward buffers
+        afwd, abwd, awhy = attn_core_bytes(spec, lay)
+        g = 1 if spec.attn_gate else 0
+        nd = spec.n_heads * spec.head_dim / tp
+        kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim
+        core_in = nd * BF16 * (1 + 2 * g) + 2 * kvd * BF16  # roped q (+ q_proj's [q | gate]), roped k, v
+        fwd_live = {"full": h2 + core_in + afwd}.get(rc, mk + mc + afwd)
+        mix_live = {"full": mix_saved, "selective": mc}.get(rc, 0.0) + h2 + nd * BF16 * (1 + g) + abwd
+        out = [("forward:mixer", t * fwd_live, 0.0, 0.0,
+                f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}; core inputs + {awhy})"),
+               ("backward:mixer", t * mix_live, 0.0, 0.0,
+                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; saved + gradients + {awhy})")]
+    else:
+        # mixer backward: its saved tensors, their gradients, the CP scan's fp32 gradients, and the bf16
+        # gradients of the mixer's weights before accumulation
+        cp_bwd = cpk * (1 + GDN_CP_BWD_FACTOR)
+        wgrad = spec.mixer_params(mixer) / tp * BF16
+        mix_live = {"full": (mk + mc) * (1 + f), "selective": mc + mk * f, "none": (mk + mc) * f}[rc] + cp_bwd
+        out = [("forward:mixer", t * (mk + mc + cpm), 0.0, 0.0,
+                f"{name}'s mixer forward: {mk + mc + cpm:.0f} B/token"),
+               ("backward:mixer", t * mix_live + wgrad, 0.0, ws,
+                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; grads {f} x saved){cp_note}; weight "
+                f"gradients {wgrad / GB:.2f} GB")]
     if routed:
-        grads = expert_grad_bytes(spec, lay, prims)
-        out.append(("forward:moe", t * (fk + fc), t * routed["fwd"][0], 0.0,
-                    f"{name}'s MoE forward: {fk + fc:.0f} B/token + routed {routed['fwd'][1]}"))
-        bwd = max((t * routed["bwd"][0] + grads, routed["bwd"][1] + f" + expert grads {grads / GB:.2f} GB"),
-                  (t * routed["recompute"][0], routed["recompute"][1] + " (recompute forward)")
-                  if rc == "full" else (0.0, ""), key=lambda v: v[0])
-        out.append(("backward:moe", t * moe_live, bwd[0], 0.0,
-                    f"{name}'s MoE backward: {moe_live:.0f} B/token of the layer's saved tensors; routed {bwd[1]}"))
+        # forward: the layer's bf16 stream tensors and the router beside the routed buffers (full
+        # recompute keeps nothing else); the block's output [t, H]
+        fwd_live = {"full": stream_tensors(spec) * h2 + router_bytes(spec, tp)}.get(rc, fk + fc)
+        out.append(("forward:moe", t * fwd_live, t * (routed["fwd"][0] + h2), 0.0,
+                    f"{name}'s MoE forward: {fwd_live:.0f} B/token + routed {routed['fwd'][1]} + output"))
+        cands = [(moe_live, t * routed[ph][0] + expert_grad_bytes(spec, lay, prims, ph),
+                  routed[ph][1] + f" + expert grads {expert_grad_bytes(spec, lay, prims, ph) / GB:.2f} GB")
+                 for ph in ("bwd", "bwd_wgrad") if ph in routed]
+        if rc == "full":  # the recompute forward: the layer's residual h is still a local of its forward
+            cands.append((moe_live + t * h2, t * routed["recompute"][0],
+                          routed["recompute"][1] + " (recompute forward)"))
+        live, rb, rwhy = max(cands, key=lambda v: v[0] + v[1])
+        out.append(("backward:moe", live, rb, 0.0,
+                    f"{name}'s MoE backward: {live / t:.0f} B/token of the layer's saved tensors; routed {rwhy}"))
     else:
         out.append(("forward:mlp", t * (fk + fc), 0.0, 0.0, f"{name}'s MLP forward"))
     return saved, out
@@ -140,7 +184,7 @@ def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Worklo
         params, grads, optim, updated, static_why = static_bytes(spec, lay, prims, layers, first, last)
         inflight = min(lay.pp - s, m)
         kinds = stage_kinds(spec, layers)
-        per_kind = {k: _layer_moments(spec, k, lay, prims, t, skew) for k in kinds}
+        per_kind = {k: _layer_moments(spec, k, lay, prims, t, skew, work.micro_batch) for k in kinds}
         saved_mb = sum(n * per_kind[k][0] for k, n in kinds.items())
         ag_fwd, ag_bwd = allgather_bytes(spec, lay, layers, first, last) if prims.sharding == "fsdp2" else (0, 0)
 
@@ -158,20 +202,24 @@ def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Worklo
 
         moments: dict[str, MemoryBreakdown] = {}
         saved = inflight * t * saved_mb
-        h_bytes = spec.hidden / lay.tp * BF16
         parts: dict[str, MemoryBreakdown] = {}
-        # in a backward the recomputed layer's own input is no longer among the saved ones
-        layer_in = t * h_bytes if prims.recompute == "full" else 0.0
+        # while layer j of the last micro-batch in flight runs (or is recomputed and runs backward), the
+        # inputs saved by layers 0..j of it are alive (a checkpoint holds a layer's input until its
+        # backward is done), beside the other micro-batches' whole sets: a kind peaks at its last layer
+        kind_of = [(spec.mixers[i], spec.mlps[i]) for i in layers]
+        last_of = {k: j + 1 for j, k in enumerate(kind_of)}  # layers 0..j, j the kind's last layer
+        upto = {k: (n, t * sum(per_kind[kk][0] for kk in kind_of[:n])) for k, n in last_of.items()}
         for name, ag in (("forward", ag_fwd), ("backward", ag_bwd)):
-            kept = saved - (layer_in if name == "backward" else 0.0)
             for part in sorted({c[0] for k in kinds for c in per_kind[k][1] if c[0].startswith(name)}):
-                cands = [c for k in kinds for c in per_kind[k][1] if c[0] == part]
-                _, live, routed, ws, why = max(cands, key=lambda c: c[1] + c[2] + c[3])
+                cands = [(upto[k], c) for k in kinds for c in per_kind[k][1] if c[0] == part]
+                (n_in, own), (_, live, routed, ws, why) = max(cands, key=lambda v: v[0][1] + sum(v[1][1:4]))
+                kept = (inflight - 1) * t * saved_mb + own
                 mem = moment(name, saved_inputs=kept, live_layer=live, moe_buffers=routed, workspace=ws,
                              allgather=ag)
                 mem.why["live_layer"] = why
-                if kept != saved and "saved_inputs" in mem.why:
-                    mem.why["saved_inputs"] += f" - {t} x {h_bytes:.0f} B (the recomputed layer's own input)"
+                mem.why["saved_inputs"] = (f"{inflight - 1} other micro-batch(es) in flight x {t} tokens x "
+                                           f"{saved_mb:.0f} B/token + layers 0..{n_in - 1} of this one "
+                                           f"({prims.recompute} recompute)")
                 if routed:
                     mem.why["moe_buffers"] = why.split("routed ")[-1]
                 if ws:

@@ -2,10 +2,13 @@
 process group at the target world size) and its per-term peaks agree with the analytic
 timeline (plan/timeline.py) within 10%.
 
-Qwen3.5-35B-A3B's real per-token shapes (hidden 2048, 32 x 128 GDN heads, gated attention,
-top-8 of 512-wide experts) on 4 layers (3 GDN + 1 attention), 32 experts and a 16K
-vocabulary, 8 GPUs as ep=4 cp=2, 4K local tokens: per-token terms are those of the full
-model, the run takes seconds."""
+Both presets' real per-token shapes on 4 layers, 32 experts and a 16K vocabulary, 8 GPUs as
+ep=4 cp=2, 4K local tokens: per-token terms are those of the full model, a run takes seconds.
+Qwen3.5-35B-A3B: hidden 2048, 32 x 128 GDN heads, gated attention, top-8 of 512-wide experts
+(3 GDN + 1 attention layers). Qwen3-30B-A3B: hidden 2048, 32 query / 4 kv heads of 128 with
+q/k RMSNorm (ring attention under CP), top-8 of 768-wide experts; its layer recompute runs
+inside the MoE's backward node, so the recomputed norms and router must be counted as the
+layer's, not as routed buffers."""
 
 import pytest
 
@@ -19,14 +22,15 @@ from bumblebee.plan.spec import spec_from_hf_dict
 
 HF = dict(PRESETS["qwen3_5_moe"]["qwen3.5-35b-a3b"], num_hidden_layers=4, vocab_size=16384, num_experts=32,
           layer_types=["linear_attention"] * 3 + ["full_attention"])
+QWEN3 = dict(PRESETS["qwen3_moe"]["qwen3-30b-a3b"], num_hidden_layers=4, vocab_size=16384, num_experts=32)
 LAYOUT = Layout(ep=4, cp=2, dp_shard=4)
 WORK = Workload(seq=8192, global_batch=8)
 
 
-def _run(moe_comm="chunked", loss="linear_ce", skew=1.0):
-    spec = spec_from_hf_dict(HF)
+def _run(moe_comm="chunked", loss="linear_ce", skew=1.0, hf=HF):
+    spec = spec_from_hf_dict(hf)
     cand = evaluate(spec, LAYOUT, Primitives(moe_comm=moe_comm, loss=loss), WORK, GPUS["h100"])
-    return dry_run(spec, HF, cand, WORK, skew=skew)
+    return dry_run(spec, hf, cand, WORK, skew=skew)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +68,19 @@ def test_skewed_routing_and_materialized_ce(chunked):
     s = _run(loss="ce", skew=2.0)
     assert s.worst() < 0.10, s.summary()
     assert s.terms["backward:moe"]["moe_buffers"][0] > 1.3 * chunked.terms["backward:moe"]["moe_buffers"][0]
+
+
+@pytest.mark.parametrize("moe_comm,loss", [("chunked", "linear_ce"), ("alltoall", "ce")])
+def test_qwen3_moe_per_term_peaks_agree(moe_comm, loss):
+    """Qwen3-30B-A3B's shapes: ring attention's forward and backward buffers, the recomputed layer's
+    norms / router (live, not routed), the MoE exchange and the loss, each within 10%."""
+    r = _run(moe_comm=moe_comm, loss=loss, hf=QWEN3)
+    c = r.collectives
+    assert c.get("send.default", 0) > 0 and c.get("alltoall_base_.default", 0) >= 4 * 4
+    assert {"forward:mixer", "forward:moe", "backward:moe", "backward:mixer", "loss"} <= set(r.terms)
+    for moment in ("forward:mixer", "backward:mixer", "backward:moe"):
+        assert r.terms[moment]["live_layer"][0] > 0.2, r.summary()  # GB: the layer's own tensors were seen
+    assert r.worst() < 0.10, r.summary()
 
 
 def test_dry_run_rejects_unimplemented_family():
