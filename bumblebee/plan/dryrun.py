@@ -18,6 +18,11 @@ says needs most (``world / pp * stage``):
   backward of the oldest (the peak), then the optimizer step (fp32 master and Adam moments,
   foreach-style temporaries), gradients preallocated (a steady-state step).
 
+Labels: a checkpoint recomputes a layer inside whichever backward node first unpacks its
+tensors (for Qwen3-MoE the MoE's); that recompute is labelled as the layer's ("recompute", the
+mixer's and dispatch's own code keep theirs), and the mixer's backward is labelled from hooks
+on the first forward's graph (the one backward walks).
+
 Routing is an assumption (values do not exist): balanced counts, or ``skew`` x the fair
 share for this rank's experts (``plan/fakerun.py`` carries the integer values the code
 reads). Not run: tensor parallelism (no TP runtime; tp folds into dp), the sharding

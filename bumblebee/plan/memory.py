@@ -20,27 +20,36 @@ Activations, per local token (t = seq * micro_batch / cp tokens; sequence parall
 everything by tp):
 - saved inputs: what one micro-batch keeps between its forward and its backward on a stage
   (``full``: each layer's bf16 input; ``selective``: the non-elementwise tensors; ``none``:
-  every saved tensor, routed rows included);
-- live layer: the tensors autograd saves in the recomputed forward of one layer (mixer +
-  the MoE block's non-routed part: router, shared expert, norms) plus their gradients
-  in flight (``BWD_GRAD_FRACTION``), the ring's K/V blocks and fp32 accumulators under CP,
-  the extended fp32 core of Gated DeltaNet under CP;
+  every saved tensor, routed rows included); while layer j runs (or is recomputed and runs
+  backward) only layers 0..j of its micro-batch have saved theirs, so a layer kind peaks at
+  its last layer on the stage (``timeline.py``);
+- live layer: under full recompute, counted from the code: the layer's recomputed saved
+  tensors (mixer, its input norm ``norm_bytes``, the MLP block's norm, the router) and the
+  gradients in flight at the MoE backward; the attention mixer's forward and backward are the
+  core's inputs, saved tensors and gradients plus the core's transients (``attn_core_bytes``:
+  ring of flash calls under CP); Gated DeltaNet under CP has its own counts (``gdn_cp_bytes``).
+  Other recompute policies keep the older estimate (saved tensors, ``BWD_GRAD_FRACTION`` of
+  them as gradients in flight, the CP buffers of ``cp_extra``), not checked by a dry run;
 - MoE routed buffers: every [k*t, .] tensor of the dispatch / expert / combine code at its
   largest moment, in units X = one bf16 [k*t, H] row tensor and A = one bf16 [k*t, F]
   (balanced routing: this rank's experts receive k*t rows). Counted from the code of each
   ``moe_comm`` (Python locals keep a tensor alive until the function returns):
-    local     fwd max(2X+4A, 3X)   recompute 4X+4A   backward 4X+5A
-    alltoall  fwd max(4X+4A, 7X)   recompute 8X+4A   backward 4X+5A
-    chunked   fwd 3X+2A+3X/c       recompute 2X+2A/c  backward 4X+4A+(X+3A)/c
+    local     fwd max(2X+4A, 3X)   recompute (4-e)X+4A   backward 4X+5A
+    alltoall  fwd max(4X+4A, 7X)   recompute (8-e)X+4A   backward 4X+5A
+    chunked   fwd 3X+2A+3X/c       recompute 2X+2A/c     backward 4X+4A+(X+5A)/c, or 4X+4A+2A/c
   (split into home-side and expert-side tensors; skewed routing scales the expert side)
   plus, in backward, the experts' weight gradients (``expert_grad_bytes``). alltoall's
   combine path holds send, receive, regrouped, expert output, returned and unpermuted
-  copies at once (recompute: 8X+4A); chunked issues every chunk's dispatch up front, its
-  recompute skips fc2 and the combine, and its backward keeps every chunk's dgrad
-  operands for the delayed wgrad;
+  copies at once; a recompute stops before allocating the output of the layer's last op
+  that saves (torch's early stop): without a shared expert (e = 1) that is the combine's
+  weighted product; chunked issues every chunk's dispatch up front, its recompute skips fc2
+  and the combine, and its backward peaks at the first delayed wgrad (every chunk's output
+  gradient and dh, the last chunk's dgrad locals, dx sent and received, fc1's weight
+  gradient) or at the second (fc1's gradients summed beside fc2's);
 - loss: ``ce`` keeps bf16 logits and one fp32 working copy that softmax and its gradient
-  reuse in place (6 B per logit of the [t, V/tp] block; ``primitives/loss/ce.py``);
-  ``linear_ce`` the head's bf16 gradient, a few fp32 [t, H] tensors and its tiles;
+  reuse in place (6 B per logit of the [t, V/tp] block; ``primitives/loss/ce.py``) beside
+  the final norm's saved tensors; ``linear_ce`` the head's bf16 gradient, the final norm, an
+  fp32 dh and the bf16 hidden gradient [t, H], and its tiles;
 - optimizer temporaries: torch's foreach AdamW allocates one fp32 tensor per parameter it
   updates (``sqrt(v)``), 4 B per local (sharded) parameter.
 
@@ -50,6 +59,7 @@ Legend: t local tokens, H hidden, k experts per token, F expert FFN, V vocabular
 from __future__ import annotations
 
 from bumblebee.plan.layout import Layout, Primitives, Workload
+from bumblebee.plan.layer_bytes import norm_bytes
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 BF16, FP32 = 2, 4
@@ -168,50 +178,6 @@ def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
     return kept * BF16 + 2 * vh * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
 
 
-def norm_bytes(spec: ModelSpec, tp: int) -> float:
-    """Bytes per token one RMSNorm over H keeps for backward, its output included (the next matmul
-    saves it): Qwen3's / DeepSeek's ``RMSNorm`` its fp32 input, the bf16 normalized cast the weight
-    multiplies and the bf16 output (8H); Qwen3.5's ``ZeroCenteredRMSNorm`` its fp32 input, the fp32
-    normalized value and the bf16 output (10H) (``primitives/norms.py``)."""
-    zero_centered = spec.family == "qwen3_5_moe"
-    return (FP32 + (FP32 if zero_centered else BF16) + BF16) * spec.hidden / tp
-
-
-def router_bytes(spec: ModelSpec, tp: int) -> float:
-    """The router's bf16 logits and fp32 probabilities [t, E] (``primitives/moe/router.py``)."""
-    return (BF16 + FP32) * spec.experts / tp
-
-
-def stream_tensors(spec: ModelSpec) -> int:
-    """bf16 [t, H] tensors a decoder layer's forward holds as Python locals while its MLP block runs:
-    the residual h and the block's normed input; Qwen3.5's layer also keeps the mixer's normed input
-    and output (``h_in``, ``mixed`` in ``models/qwen3_5_moe.py``)."""
-    return 4 if spec.family == "qwen3_5_moe" else 2
-
-
-def attn_core_bytes(spec: ModelSpec, lay: Layout) -> tuple[float, float, str]:
-    """Per-token transient bytes of the attention core beyond its inputs and saved tensors, counted from
-    the code CUDA runs: (forward, backward, formula). cp > 1, ring of varlen flash calls
-    (``primitives/cp/ring_flash.py``): forward the fp32 output accumulator and LSE, the next K/V block
-    in flight, and per block pair (zigzag: t/2 queries) the kernel's bf16 output and the three fp32
-    [t/2, N, D] temporaries of the merge; backward the contiguous dO, fp32 dQ and block dK/dV
-    accumulators, the pair's gathered dO, Q, O, K, V and two pairs' kernel outputs dq/dk/dv (the
-    previous pair's stay bound while the next call allocates). cp = 1 (``varlen_attn``): forward its
-    bf16 output and LSE; backward dO's copy and dq/dk/dv. Checked: dry run of Qwen3-30B-A3B's
-    attention (ep 4, cp 2) within 2% (forward 61.4 KB/token, backward 123 KB/token)."""
-    tp = lay.tp
-    nd = spec.n_heads * spec.head_dim / tp
-    kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim
-    n = spec.n_heads / tp
-    if lay.cp == 1:
-        fwd, bwd = nd * BF16 + n * FP32, nd * BF16 + (nd + 2 * kvd) * BF16
-        return fwd, bwd, f"varlen flash: fwd out {nd:.0f}x2 + lse; bwd dO copy + dq/dk/dv"
-    fwd = nd * FP32 + n * FP32 + 2 * kvd * BF16 + (nd * BF16 + 3 * nd * FP32) / 2
-    bwd = nd * BF16 + nd * FP32 + 2 * kvd * FP32 + (3 * nd + 2 * kvd) * BF16 / 2 + 2 * (nd + 2 * kvd) * BF16 / 2
-    return fwd, bwd, (f"ring: fwd fp32 o {nd:.0f}x4 + next K/V 2x{kvd:.0f}x2 + pair (t/2) out + 3 fp32 merge "
-                      f"temporaries; bwd dO + fp32 dq + fp32 dk/dv + pair gathers + 2 pairs' dq/dk/dv")
-
-
 # GDN CP scan, mixer backward: the fp32 gradients in flight relative to the fp32 tensors the scan
 # keeps. READ OFF THE DRY RUN (fake tensors, Qwen3.5 shapes, 2K-32K local tokens: 1.3-1.6), not
 # derived: the gradient of v_ext and of the correction path, part of [o|0, e]'s.
@@ -238,39 +204,6 @@ def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str
     moving = 2 * hv * w * FP32 + 3 * hv * v * FP32
     return kept, moving, (f"GDN CP scan: kept fp32 v_ext {hv:.0f}x{w}x4 + fp32 {hv:.0f}x{v}x4; forward "
                           f"2x{hv:.0f}x{w}x4 + 3x{hv:.0f}x{v}x4")
-
-
-def gdn_cp_bytes(spec: ModelSpec, lay: Layout, micro_batch: int = 1) -> dict[str, tuple[float, float]]:
-    """A Gated DeltaNet layer under context parallelism with full recompute, counted from its code
-    (``linear_attention/gdn.py``, ``cp.py``, ``fla.py``): phase -> (bytes per token, fixed bytes).
-
-    Per token (kd = Gk*K, vd = Hv*V, Hv*W with W = V+K: the extended core's value width):
-    - "saved" (the layer's tensors after its recompute, at the MoE backward): bf16 pre-conv qkv and
-      conv output 2 x 2(2kd+vd), z 2vd, fp32 beta/g/a 12Hv, the core's bf16 [v | 0] 2Hv*W, the fp32
-      state correction 4vd, the corrected bf16 output 2vd, the gated norm's bf16 output 2vd;
-    - "fwd" (first forward, at the gated norm): the same bf16 tensors, the fp32 [v | 0] and the core's
-      fp32 output 2 x 4Hv*W, the fp32 correction 4vd, and the gated norm's fp32 input, silu(z) and
-      product 12vd (autograd keeps nothing);
-    - "recompute" (the recompute inside backward, at the gated norm): "saved" plus the fp32 [v | 0]
-      and core output 2 x 4Hv*W, a second fp32 correction 4vd and the gated norm's fp32 12vd.
-    Fixed (independent of t; R = 2 zigzag segments x micro-batch rows, C = cp): fp32 states
-    [R, Hv, K, W] (initial, final, FLA's h0), the gathered transitions [C, R, Hv, K, W], the incoming
-    states [R, Hv, K, V] and the scan's carried states. Checked: dry run of Qwen3.5-35B-A3B's shapes
-    (ep 4, cp 2, 4K local tokens) within 1% per phase."""
-    tp = lay.tp
-    kd = spec.gdn_k_heads * spec.gdn_k_dim / tp
-    vd = spec.gdn_v_heads * spec.gdn_v_dim / tp
-    hv, k, v = spec.gdn_v_heads / tp, spec.gdn_k_dim, spec.gdn_v_dim
-    hw = hv * (v + k)
-    bf16 = 4 * (2 * kd + vd) + 2 * vd + 2 * vd  # pre-conv qkv, conv output, z, corrected output
-    saved = bf16 + 12 * hv + 2 * hw + 4 * vd + 2 * vd
-    fwd = bf16 + 12 * hv + 8 * hw + 4 * vd + 12 * vd + 2 * vd
-    recompute = saved + 8 * hw + 4 * vd + 12 * vd
-    r, c = 2 * micro_batch, lay.cp
-    state_w, state_v = r * hv * k * (v + k) * FP32, r * hv * k * v * FP32
-    return {"saved": (saved, (1 + c) * state_w + state_v + 2 * state_v / r),
-            "fwd": (fwd, (2 + c) * state_w + state_v),
-            "recompute": (recompute, (3 + c) * state_w + state_v + 2 * state_v / r)}
 
 
 def gdn_state_bytes(spec: ModelSpec, tp: int, chunk: int = 64) -> float:

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field, fields
 
 from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
 from bumblebee.plan.layout import Layout, Primitives, Workload
+from bumblebee.plan.layer_bytes import attn_core_bytes, gdn_cp_bytes, norm_bytes, router_bytes, stream_tensors
 from bumblebee.plan.memory import (ADAM_TEMP_B, BF16, BWD_GRAD_FRACTION, FP32, GDN_CP_BWD_FACTOR, allgather_bytes,
-                                   attn_core_bytes, cp_extra, expert_grad_bytes, gdn_cp_bytes, gdn_state_bytes, local_tokens,
-                                   loss_bytes, micro_batches, mixer_act, mlp_act, norm_bytes, routed_buffers,
-                                   routed_saved, router_bytes, stage_kinds, stage_layers, static_bytes,
-                                   stream_tensors)
+                                   cp_extra, expert_grad_bytes, gdn_state_bytes, local_tokens, loss_bytes,
+                                   micro_batches, mixer_act, mlp_act, routed_buffers, routed_saved, stage_kinds,
+                                   stage_layers, static_bytes)
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 MOMENTS = ("forward", "backward", "loss", "optimizer")

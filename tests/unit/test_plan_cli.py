@@ -92,7 +92,7 @@ def test_explain_prints_every_term_with_its_formula(capsys):
     assert code == 0
     assert "stage 0 (layers 0-19): peak" in out and "stage 1 (layers 20-39)" in out
     for needle in ("saved_inputs", "in flight x 32768 tokens", "moe_buffers", "X=32768", "overhead",
-                   "1.0 GB fixed", "zero1:", "expert side 3.5X+5.5A", "expert grads"):
+                   "1.0 GB fixed", "zero1:", "expert side 3.5X+6.5A", "expert grads"):
         assert needle in out, needle
 
 
