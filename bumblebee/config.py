@@ -132,7 +132,6 @@ class DataConfig:
     max_doc_len: int = 2048
     ramp_steps: int = 200
     value_len: int = 3
-    far_fraction: float = 0.0  # training records sit >= this fraction of their document before the queries
     eval_min_distance: int = 1024  # held-out queries ask about records at least this many tokens back
     eval_docs: int = 32  # held-out documents per evaluation (rounded up to whole global batches)
 
@@ -422,9 +421,8 @@ def _validate_data(d: DataConfig, t: TrainConfig) -> None:
                 raise ConfigError(f"data.{key} not found: {p}")
     if d.source in ("text", "chat") and not d.tokenizer:
         raise ConfigError(f"data.source = '{d.source}' needs data.tokenizer (a local Hugging Face tokenizer directory)")
-    for key in ("eval_fraction", "far_fraction"):
-        if not 0.0 <= getattr(d, key) < 1.0:
-            raise ConfigError(f"data.{key} must be in [0, 1), got {getattr(d, key)}")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
     held_out = d.eval_fraction or d.eval_path
     if t.eval_every != "auto" and t.eval_every and d.source != "synthetic" and not held_out:
         raise ConfigError("train.eval_every needs held-out data: set data.eval_fraction or data.eval_path")

@@ -66,7 +66,7 @@ def build_source(data_cfg, train_cfg, vocab_size: int):
                                  max_records=data_cfg.max_records, min_doc_len=data_cfg.min_doc_len,
                                  max_doc_len=data_cfg.max_doc_len, ramp_steps=data_cfg.ramp_steps,
                                  value_len=data_cfg.value_len, eval_min_distance=data_cfg.eval_min_distance,
-                                 eval_docs=data_cfg.eval_docs, far_fraction=data_cfg.far_fraction)
+                                 eval_docs=data_cfg.eval_docs)
     if data_cfg.source == "jsonl":
         from bumblebee.data.jsonl import JsonlSource
 

@@ -19,12 +19,6 @@ over the first ``ramp_steps`` steps: a document with one record teaches copying
 the value, a few short ones teach the lookup by key (many documents per row, so
 many answers per step), long ones stretch it to thousands of tokens.
 
-``far_fraction`` puts a training document's records in the first ``1 -
-far_fraction`` of its filler, so they sit at least that fraction of the
-document before the queries: long documents then train long distances instead
-of mostly short ones (with records anywhere, a 2K-token document asks about a
-record >= 1K tokens back only ~30% of the time).
-
 Held-out evaluation (``eval_queries``: ``eval_docs`` documents in batches of
 ``global_batch`` rows) draws from a separate seed stream one document of
 ``seq_len`` tokens per row, with every record at least ``eval_min_distance``
@@ -67,7 +61,7 @@ class EvalBatch:
 class KeyValueRetrieval:
     def __init__(self, *, seq_len: int, global_batch: int, seed: int, min_records: int = 4, max_records: int = 16,
                  min_doc_len: int = 64, max_doc_len: int = 4096, ramp_steps: int = 0, value_len: int = 3,
-                 eval_min_distance: int = 1024, eval_docs: int = 32, far_fraction: float = 0.0):
+                 eval_min_distance: int = 1024, eval_docs: int = 32):
         if not 1 <= min_records <= max_records <= len(KEYS):
             raise ValueError(f"the key-value task needs 1 <= min_records <= max_records <= {len(KEYS)}, "
                              f"got {min_records}, {max_records}")
@@ -75,9 +69,6 @@ class KeyValueRetrieval:
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.min_records, self.max_records, self.value_len = min_records, max_records, value_len
         self.eval_min_distance, self.eval_docs, self._eval = eval_min_distance, eval_docs, None
-        if not 0.0 <= far_fraction < 1.0:
-            raise ValueError(f"the key-value task needs 0 <= far_fraction < 1, got {far_fraction}")
-        self.far_fraction = far_fraction
         self.stats: dict = {}
         self.min_doc_len = max(min_doc_len, self.doc_len(min_records))
         self.max_doc_len, self.ramp_steps = max(max_doc_len, self.min_doc_len), ramp_steps
@@ -162,8 +153,7 @@ class KeyValueRetrieval:
             rng, plan = self._plan(step, row)
             packer = RowPacker(self.seq_len, PAD)
             for length, n in plan:
-                far = int(self.far_fraction * (length - self.doc_len(n)))
-                packer.add(*self.document(rng, n, length, min_distance=far)[:2])
+                packer.add(*self.document(rng, n, length)[:2])
             rows.append(packer.finish())
         return stack_rows(rows)
 

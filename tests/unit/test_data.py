@@ -52,40 +52,6 @@ def test_synthetic_curriculum_and_held_out_distances():
     assert q.bincount().tolist() == [3] * 32
 
 
-def record_distances(src, step):
-    """(document length, [(value position, answer position) per record]) of every document of a step."""
-    out = []
-    for row in src.global_batch_at(step).input_ids.tolist():
-        starts = [i for i, t in enumerate(row) if t == BOS] + [len(row)]
-        for s, e in zip(starts[:-1], starts[1:]):
-            doc = bytes(t for t in row[s + 1:e] if t < 256).decode()
-            if "?" not in doc:
-                continue  # padding
-            body, *queries = doc.rstrip("\n").split("?")
-            pairs = []
-            for q in queries:
-                key = q[0]
-                pairs.append((body.index(f" {key}") + 2, doc.index(f"?{key}") + 2))
-            out.append((len(doc) + 1, len(body), pairs))
-    return out
-
-
-@pytest.mark.parametrize("far", [0.0, 0.75])
-def test_synthetic_far_fraction_puts_training_records_far_back(far):
-    src = KeyValueRetrieval(seq_len=2048, global_batch=4, seed=3, min_records=1, max_records=2, min_doc_len=200,
-                            max_doc_len=2048, far_fraction=far)
-    docs = [d for step in range(3) for d in record_distances(src, step)]
-    assert len(docs) >= 8
-    near = 0
-    for length, filler_and_records, pairs in docs:
-        n = len(pairs)
-        filler = filler_and_records - n * 6
-        for value_at, answer_at in pairs:
-            assert answer_at - value_at >= far * filler  # every record sits at least far x filler back
-            near += answer_at - value_at < 0.5 * filler
-    assert (near == 0) if far else (near > 0)  # without it, records land anywhere
-
-
 def test_jsonl_packing_exact_rows_and_errors(tmp_path):
     """Greedy packing in file order; a sample longer than a row is split into row-sized
     pieces, each starting at position 0; the padding tail is its own pseudo-document."""
