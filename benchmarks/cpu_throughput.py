@@ -299,7 +299,10 @@ def main(argv=None):
 
 
 def cost_curve(args, hf_impl: str) -> None:
-    rows = []
+    """Each length's rows are printed as soon as they are measured (a long curve that is stopped
+    keeps what it has)."""
+    print(f"cost curve ({args.steps} timed steps per length and side, median):")
+    print(f"  {'seq':>6}  {'side':<28} {'tokens/s':>9}  {'peak MiB':>8}", flush=True)
     for seq in args.seqs:
         steppers = build(args, seq, ["base"], [hf_impl])
         if seq == args.seqs[0]:
@@ -308,14 +311,10 @@ def cost_curve(args, hf_impl: str) -> None:
         alive = {st.name: st for st in run(steppers, input_ids, labels, args)}
         for st in steppers:
             got = alive.get(st.name)
-            rows.append((seq, st.name, f"{seq * args.batch / got.wall:9.1f}" if got else "   failed",
-                         f"{got.peak / 2**20:8.0f}" if got and got.peak else "       -"))
-        print(f"  measured seq {seq}", flush=True)
+            tps = f"{seq * args.batch / got.wall:9.1f}" if got else "   failed"
+            peak = f"{got.peak / 2**20:8.0f}" if got and got.peak else "       -"
+            print(f"  {seq:>6}  {st.name:<28} {tps}  {peak}", flush=True)
         del steppers, alive
-    print(f"\ncost curve ({args.steps} timed steps per length and side, median):")
-    print(f"  {'seq':>6}  {'side':<28} {'tokens/s':>9}  {'peak MiB':>8}")
-    for seq, name, tps, peak in rows:
-        print(f"  {seq:>6}  {name:<28} {tps}  {peak}")
 
 
 if __name__ == "__main__":
