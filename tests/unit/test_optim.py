@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -39,11 +38,9 @@ def test_unknown_adamw_kernel_is_a_config_error():
         load_config(overrides=["train.adamw=apex"])
 
 
-def test_groups_split_by_mesh_so_fused_kernels_take_two_meshes():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1)
+def test_groups_split_by_mesh_so_fused_kernels_take_two_meshes(tmp_path):
+    # a file store: no TCP port to race other processes for
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         dense = init_device_mesh("cpu", (1,), mesh_dim_names=("dense",))
         expert = init_device_mesh("cpu", (1,), mesh_dim_names=("expert",))
