@@ -82,7 +82,7 @@ class DecoderLayer(nn.Module):
             qk_nope_head_dim=arch.qk_nope_head_dim, qk_rope_head_dim=arch.qk_rope_head_dim,
             v_head_dim=arch.v_head_dim, eps=arch.rms_norm_eps, scale=mla_scale(arch),
             rope_interleave=arch.rope_interleave, attend=parts.attend, recompute=parts.recompute,
-            gather_latents=parts.groups.cp_size > 1 and parts.prims.cp == "allgather")
+            cp_latents=parts.prims.cp if parts.groups.cp_size > 1 and parts.prims.cp in ("allgather", "ring") else "")
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.is_moe = arch.is_moe_layer(idx) if moe is None else moe
         self.mlp = DeepseekMoE(arch, parts) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size)

@@ -16,12 +16,15 @@ out in (even, odd) pairs; they are de-interleaved into the half-split layout fir
 same permutation for q and k, so q.k is unchanged.
 
 The attention core is the configured ``attention`` slot (``cp`` slot when the sequence is
-split): it sees ordinary per-head q / k / v, so every core, CP ring included, runs MLA.
-One exception, chosen by bytes: with ``cp = "allgather"`` (``gather_latents``) the CP group
-all-gathers the per-token latent and roped rope key (C + R values, 1.1 KiB at DeepSeek-V3's
-dims) instead of the expanded K and V (96 KiB, ``benchmarks/mla_cp_bytes.py``) and every rank
-expands the whole row itself (``kv_b_proj`` over T instead of T / cp tokens); the ring keeps
-exchanging expanded per-head blocks, which its O(T / cp) memory needs.
+split): it sees ordinary per-head q / k / v, so every core runs MLA. Under context
+parallelism the CP group exchanges MLA's per-token latent instead (``cp_latents``, chosen by
+bytes: the normalized latent and the roped rope key are C + R values, 1.1 KiB at DeepSeek-V3's
+dims, against 96 KiB of expanded K and padded V, 85x; ``benchmarks/mla_cp_bytes.py`` counts
+them at the communication calls): ``"allgather"`` all-gathers the latents and every rank
+expands the whole row (``kv_b_proj`` over T instead of T / cp tokens); ``"ring"`` passes latent
+blocks around the ring and re-expands each block on every hop (``primitives/cp/ring_latent.py``).
+``cp_latents = ""`` sends the expanded heads through the ``attend`` core (any other ``cp``
+implementation; the benchmark's expanded-head ring).
 Cores and the K/V cache expect one head dim for q, k and v: v is zero-padded from Dv to
 Dn + R and the output sliced back (exact: the padded columns are 0 forward and get no
 gradient). Parameter names follow Hugging Face's ``DeepseekV3Attention``.
@@ -38,6 +41,7 @@ from torch import nn
 
 from bumblebee.primitives.cp.allgather import GatherSequence, attend_gathered
 from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.primitives.cp.ring_latent import latent_ring_attention
 from bumblebee.primitives.norms import RMSNorm
 from bumblebee.primitives.rope import apply_rope
 
@@ -45,7 +49,7 @@ from bumblebee.primitives.rope import apply_rope
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, *, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, eps: float, scale: float, rope_interleave: bool,
-                 attend, recompute, gather_latents: bool = False):
+                 attend, recompute, cp_latents: str = ""):
         super().__init__()
         self.n_heads, self.nope, self.rope, self.v_dim = heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.head_dim = qk_nope_head_dim + qk_rope_head_dim
@@ -61,7 +65,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * v_head_dim, hidden, bias=False)
         self.scale, self.rope_interleave = scale, rope_interleave
-        self.attend, self.recompute, self.gather_latents = attend, recompute, gather_latents
+        if cp_latents not in ("", "allgather", "ring"):
+            raise ValueError(f"cp_latents must be '', 'allgather' or 'ring', got {cp_latents!r}")
+        self.attend, self.recompute, self.cp_latents = attend, recompute, cp_latents
 
     def _rope(self, x, cos, sin):
         if self.rope_interleave:  # (x0, x1), (x2, x3), ... -> [x0, x2, ... | x1, x3, ...]
@@ -80,13 +86,18 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2).split([self.nope, self.rope], -1)
         c_kv, k_rope = self.latents(x_BTH)
         k_rope, attend = self._rope(k_rope, cos, sin), self.attend
-        if self.gather_latents and isinstance(layout, CPLayout):  # the whole row's latents, in global order
+        q = torch.cat((q_nope, self._rope(q_rope, cos, sin)), dim=-1)
+        if self.cp_latents == "ring" and isinstance(layout, CPLayout):  # latent blocks around the ring
+            lat = torch.cat((c_kv, k_rope[:, 0]), dim=-1).to(q.dtype)  # the dtype kv_b_proj computes in
+            o_BNTV = self.recompute.module("attn_core", latent_ring_attention, q, lat, self.kv_b_proj.weight,
+                                           layout, self.scale, self.v_dim)
+            return self.o_proj(o_BNTV.transpose(1, 2).reshape(B, T, -1))
+        if self.cp_latents == "allgather" and isinstance(layout, CPLayout):  # the row's latents, global order
             latent = GatherSequence.apply(torch.cat((c_kv[:, None], k_rope), dim=-1), layout)
             c_kv, k_rope = latent[:, 0].split([self.kv_lora_rank, self.rope], dim=-1)
             k_rope, attend, T = k_rope[:, None], attend_gathered, latent.shape[2]
         kv = self.kv_b_proj(c_kv).view(B, T, self.n_heads, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q = torch.cat((q_nope, self._rope(q_rope, cos, sin)), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, self.n_heads, -1, -1)), dim=-1)
         if self.v_dim < self.head_dim:
             v = F.pad(v, (0, self.head_dim - self.v_dim))

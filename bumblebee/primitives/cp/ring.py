@@ -64,6 +64,36 @@ def _scores(q_BKGqD, k_BKkD, mask, scale):
     return s.masked_fill_(~mask, float("-inf"))
 
 
+def forward_block(q, o, lse, k, v, layout: CPLayout, src: int, scale: float) -> None:
+    """Merge local queries x rank ``src``'s K/V block into the running (o, lse), in place.
+    q, o fp32 [B, K, G, L, D] (o's last dim may be v's Dv), lse fp32 [B, K, G, L], k / v [B, K, L, D]."""
+    for q_sl, k_sl, mask in _pairs(layout, src):
+        s = _scores(q[:, :, :, q_sl], k[:, :, k_sl].float(), mask, scale)
+        lse_p = torch.logsumexp(s, dim=-1)
+        safe = torch.where(torch.isinf(lse_p), torch.zeros_like(lse_p), lse_p)
+        o_p = torch.matmul(s.sub_(safe[..., None]).exp_(), v[:, :, k_sl].float().unsqueeze(2))
+        old = lse[:, :, :, q_sl]
+        new = torch.logaddexp(old, lse_p)
+        new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+        o[:, :, :, q_sl] = (o[:, :, :, q_sl] * torch.exp(old - new_safe)[..., None]
+                            + o_p * torch.exp(lse_p - new_safe)[..., None])
+        lse[:, :, :, q_sl] = new
+
+
+def backward_block(q, do, delta, lse, dq, k, v, dk, dv, layout: CPLayout, src: int, scale: float) -> None:
+    """Add local queries x rank ``src``'s block to dq and to the block's dk / dv (all fp32, in place).
+    Shapes as ``forward_block``; do / dq like q, delta = rowsum(dO * O) like lse, dk / dv like k / v."""
+    for q_sl, k_sl, mask in _pairs(layout, src):
+        kc, vc = k[:, :, k_sl].unsqueeze(2), v[:, :, k_sl].unsqueeze(2)
+        s = _scores(q[:, :, :, q_sl], k[:, :, k_sl], mask, scale)
+        p = s.sub_(lse[:, :, :, q_sl, None]).exp_()  # 0 where masked
+        dv[:, :, k_sl] += torch.matmul(p.transpose(-1, -2), do[:, :, :, q_sl]).sum(2)
+        dp = torch.matmul(do[:, :, :, q_sl], vc.transpose(-1, -2))
+        ds = dp.sub_(delta[:, :, :, q_sl, None]).mul_(p)
+        dq[:, :, :, q_sl] += torch.matmul(ds, kc) * scale
+        dk[:, :, k_sl] += torch.matmul(ds.transpose(-1, -2), q[:, :, :, q_sl]).sum(2) * scale
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
@@ -82,17 +112,7 @@ class RingAttention(torch.autograd.Function):
             src = (layout.rank - step) % layout.size
             if step + 1 < layout.size:
                 (k_next, v_next), wait = _ring_pass([k, v], layout)
-            for q_sl, k_sl, mask in _pairs(layout, src):
-                s = _scores(q[:, :, :, q_sl], k[:, :, k_sl].float(), mask, scale)
-                lse_p = torch.logsumexp(s, dim=-1)
-                safe = torch.where(torch.isinf(lse_p), torch.zeros_like(lse_p), lse_p)
-                o_p = torch.matmul(s.sub_(safe[..., None]).exp_(), v[:, :, k_sl].float().unsqueeze(2))
-                old = lse[:, :, :, q_sl]
-                new = torch.logaddexp(old, lse_p)
-                new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-                o[:, :, :, q_sl] = (o[:, :, :, q_sl] * torch.exp(old - new_safe)[..., None]
-                                    + o_p * torch.exp(lse_p - new_safe)[..., None])
-                lse[:, :, :, q_sl] = new
+            forward_block(q, o, lse, k, v, layout, src, scale)
             if step + 1 < layout.size:
                 wait()
                 k, v = k_next, v_next
@@ -119,16 +139,8 @@ class RingAttention(torch.autograd.Function):
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         for step in range(layout.size):
             src = (layout.rank - step) % layout.size
-            for q_sl, k_sl, mask in _pairs(layout, src):
-                kc, vc = k[:, :, k_sl].unsqueeze(2), v[:, :, k_sl].unsqueeze(2)
-                s = _scores(q[:, :, :, q_sl], k[:, :, k_sl], mask, scale)
-                p = s.sub_(lse[:, :, :, q_sl, None]).exp_()  # 0 where masked
-                dv[:, :, k_sl] += torch.matmul(p.transpose(-1, -2), do[:, :, :, q_sl]).sum(2)
-                dp = torch.matmul(do[:, :, :, q_sl], vc.transpose(-1, -2))
-                ds = dp.sub_(delta[:, :, :, q_sl, None]).mul_(p)
-                dq[:, :, :, q_sl] += torch.matmul(ds, kc) * scale
-                dk[:, :, k_sl] += torch.matmul(ds.transpose(-1, -2), q[:, :, :, q_sl]).sum(2) * scale
-            k, v, dk, dv = backward_hop(step, layout, k, v, dk, dv)
+            backward_block(q, do, delta, lse, dq, k, v, dk, dv, layout, src, scale)
+            (k, v), (dk, dv) = backward_hop(step, layout, [k, v], [dk, dv])
         return (dq.view(B, N, L, D).to(q_BNLD.dtype), dk.to(k_BKLD.dtype), dv.to(v_BKLD.dtype), None, None)
 
 

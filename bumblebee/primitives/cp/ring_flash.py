@@ -170,6 +170,32 @@ def _flat(x_BHLD: torch.Tensor) -> torch.Tensor:
     return x_BHLD.transpose(1, 2).reshape(B * L, H, D)
 
 
+def forward_step(q, o, lse, k, v, layout: CPLayout, src: int, scale: float, kernel: BlockKernel) -> None:
+    """Merge local queries x rank ``src``'s K/V block into the running (o, lse), in place.
+    q [B*L, N, D], o fp32 like q, lse fp32 [N, B*L], k / v [B*L, K, D]."""
+    for p in step_pairs(layout, src):
+        o_p, lse_p = kernel.forward(q[p.q_index], k[p.k_index], v[p.k_index], p.cu_q, p.cu_k,
+                                    p.max_q, p.max_k, p.causal, scale)
+        old = lse[:, p.q_index]
+        new = torch.logaddexp(old, lse_p.float())
+        keep, add = torch.exp(old - new).T[..., None], torch.exp(lse_p - new).T[..., None]
+        o[p.q_index] = o[p.q_index] * keep + o_p.float() * add
+        lse[:, p.q_index] = new
+
+
+def backward_step(do, q, out, lse, dq, k, v, dk, dv, layout: CPLayout, src: int, scale: float,
+                  kernel: BlockKernel) -> None:
+    """Add local queries x rank ``src``'s block to dq and the block's dk / dv (fp32, in place);
+    ``out`` / ``lse`` are the forward's final output and log-sum-exp."""
+    for p in step_pairs(layout, src):
+        dq_p, dk_p, dv_p = kernel.backward(do[p.q_index], q[p.q_index], k[p.k_index], v[p.k_index],
+                                           out[p.q_index], lse[:, p.q_index], p.cu_q, p.cu_k,
+                                           p.max_q, p.max_k, p.causal, scale)
+        dq.index_add_(0, p.q_index, dq_p.float())
+        dk.index_add_(0, p.k_index, dk_p.float())
+        dv.index_add_(0, p.k_index, dv_p.float())
+
+
 class RingFlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, kernel: BlockKernel):
@@ -182,14 +208,7 @@ class RingFlashAttention(torch.autograd.Function):
             src = (layout.rank - step) % layout.size
             if step + 1 < layout.size:
                 (k_next, v_next), wait = _ring_pass([k, v], layout)
-            for p in step_pairs(layout, src):
-                o_p, lse_p = kernel.forward(q[p.q_index], k[p.k_index], v[p.k_index], p.cu_q, p.cu_k,
-                                            p.max_q, p.max_k, p.causal, scale)
-                old = lse[:, p.q_index]
-                new = torch.logaddexp(old, lse_p.float())
-                keep, add = torch.exp(old - new).T[..., None], torch.exp(lse_p - new).T[..., None]
-                o[p.q_index] = o[p.q_index] * keep + o_p.float() * add
-                lse[:, p.q_index] = new
+            forward_step(q, o, lse, k, v, layout, src, scale, kernel)
             if step + 1 < layout.size:
                 wait()
                 k, v = k_next, v_next
@@ -209,14 +228,8 @@ class RingFlashAttention(torch.autograd.Function):
         dv = torch.zeros_like(dk)
         for step in range(layout.size):
             src = (layout.rank - step) % layout.size
-            for p in step_pairs(layout, src):
-                dq_p, dk_p, dv_p = kernel.backward(do[p.q_index], q[p.q_index], k[p.k_index], v[p.k_index],
-                                                   out[p.q_index], lse[:, p.q_index], p.cu_q, p.cu_k,
-                                                   p.max_q, p.max_k, p.causal, scale)
-                dq.index_add_(0, p.q_index, dq_p.float())
-                dk.index_add_(0, p.k_index, dk_p.float())
-                dv.index_add_(0, p.k_index, dv_p.float())
-            k, v, dk, dv = backward_hop(step, layout, k, v, dk, dv)
+            backward_step(do, q, out, lse, dq, k, v, dk, dv, layout, src, scale, kernel)
+            (k, v), (dk, dv) = backward_hop(step, layout, [k, v], [dk, dv])
         K = k.shape[1]
         unflat = lambda x, H, dt: x.view(B, L, H, D).transpose(1, 2).to(dt)  # noqa: E731
         return unflat(dq, N, q.dtype), unflat(dk, K, k.dtype), unflat(dv, K, v.dtype), None, None, None
