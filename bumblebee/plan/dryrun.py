@@ -123,7 +123,7 @@ def _patches(stack: ExitStack, one_doc, run: FakeRun) -> None:
 
     from bumblebee.primitives import dispatch
 
-    for name in ("attention.sdpa", "cp.ring", "linear_attention.gated_delta_rule"):
+    for name in ("attention.sdpa", "cp.ring", "cp.ring_latent", "linear_attention.gated_delta_rule"):
         mod = importlib.import_module(f"bumblebee.primitives.{name}")
         stack.enter_context(mock.patch.object(mod, "select", _as_cuda(dispatch.select)))
     for name in ("moe.experts", "moe.chunked"):

@@ -190,6 +190,13 @@ def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str
     if lay.cp == 1:
         return 0.0, 0.0, ""
     tp = lay.tp
+    if kind == ATTN and spec.mla:  # MLA's latent ring (primitives/cp/ring_latent.py)
+        x = spec.mla_kv_rank + spec.mla_rope_dim
+        nd = spec.n_heads * spec.head_dim / tp
+        kv = spec.n_heads / tp * (spec.head_dim + spec.mla_v_dim)  # one block expanded: K + V
+        b = 2 * x * BF16 + kv * BF16 + 2 * nd * FP32 + kv * FP32 + 2 * x * FP32
+        return 0.0, b, (f"latent ring: latent blocks 2x{x}x2 + expanded K/V {kv:.0f}x2 + fp32 o/dq 2x{nd:.0f}x4 "
+                        f"+ fp32 block dK/dV {kv:.0f}x4 + fp32 d latent 2x{x}x4 (mixer only)")
     if kind == ATTN:  # ring: current + next K/V block, fp32 out/dq accumulators, fp32 dk/dv in flight
         nd = spec.n_heads * spec.head_dim / tp
         kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim

@@ -157,7 +157,18 @@ def _layer_time(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Prim
     if lay.cp > 1:
         bw = _link(lay.cp, lay.tp, gpu) * 1e9 * eff.collective
         if mixer == ATTN:
-            kv = (lay.cp - 1) * t * 2 * max(1.0, spec.n_kv_heads / tp) * spec.head_dim * BF16 / bw
+            if spec.mla:  # MLA's ring (ring_latent.py): latent + rope key per token and hop
+                kv = (lay.cp - 1) * t * (spec.mla_kv_rank + spec.mla_rope_dim) * BF16 / bw
+                # ... and kv_b_proj over the cp - 1 received blocks per forward pass; backward re-expands
+                # all cp blocks and takes d latent and dW of each (3 GEMMs) where the local block took 2
+                nope = spec.head_dim - spec.mla_rope_dim
+                expand = _gemm(t * 2 * spec.mla_kv_rank * spec.n_heads * (nope + spec.mla_v_dim) / tp,
+                               spec.mla_kv_rank, gpu, eff)
+                extra = expand * ((lay.cp - 1) * fwd_passes + 3 * lay.cp - 2)
+                clock.add("gemm", extra)
+                compute += extra
+            else:
+                kv = (lay.cp - 1) * t * 2 * max(1.0, spec.n_kv_heads / tp) * spec.head_dim * BF16 / bw
             hidden = core * fwd_passes + core_b
             clock.add("cp_comm", max(0.0, kv * (fwd_passes + 1) - hidden) + (fwd_passes + 1) * P2P_LATENCY_S)
         else:

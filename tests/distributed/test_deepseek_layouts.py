@@ -1,8 +1,8 @@
 """DeepSeek-V3 (MLA, dense first layer, shared experts, group-limited sigmoid routing, one MTP
 depth) on 2 and 4 gloo ranks equals the single process on the same global batch: per-step loss
 and grad norm, and the first step's replicated gradients. Packed documents of uneven lengths
-(one spans every CP shard) exercise MLA under the CP ring (expanded heads) and allgather
-(latents gathered, every rank expands the row) and MTP's global target shift across zigzag shards; layouts combine fsdp2 / zero1, EP all-to-all / chunked, CP ring / allgather,
+(one spans every CP shard) exercise MLA under the CP ring (latent blocks around the ring, re-expanded
+on every rank) and allgather (latents gathered, every rank expands the row) and MTP's global target shift across zigzag shards; layouts combine fsdp2 / zero1, EP all-to-all / chunked, CP ring / allgather,
 linear CE and full recompute. Pipeline parallelism (pp = 2, MTP on the last stage fed by the
 embeddings stage 0 sends, the ``micro_batch`` balance loss pipelines need) also equals the
 single process in every parameter after the steps and in every router bias, which each stage
@@ -136,7 +136,7 @@ def check_state(results, ref, what, rtol=1e-5):
 MB = ["train.balance=micro_batch", "moe.load_histogram_every=1"]
 PP = ["parallel.pp=2", "primitives.pipeline=1f1b"] + MB
 TWO = [("mtp", ["primitives.sharding=fsdp2", "parallel.ep=2", "primitives.moe_comm=alltoall"]),
-       ("mtp", ["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"]),
+       ("mtp", ["parallel.cp=2", "primitives.sharding=fsdp2", "primitives.cp=ring", "primitives.recompute=full"]),
        ("mtp", ["parallel.cp=2", "parallel.ep=2", "primitives.sharding=fsdp2", "primitives.cp=allgather",
                 "primitives.moe_comm=chunked", "primitives.loss=linear_ce", "primitives.recompute=full"]),
        ("mb", PP + ["primitives.sharding=fsdp2"])]
