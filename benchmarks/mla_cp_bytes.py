@@ -147,12 +147,13 @@ def main() -> None:
           f"kv latent {a.kv_lora_rank} + rope {a.qk_rope_head_dim}; cp {args.cp}, bf16 autocast, rank 0's isends")
     per_token = {}
     for design, (nbytes, calls) in res["bytes"].items():
-        fwd, bwd = nbytes["forward"] / (tokens * hops), nbytes["backward"] / (tokens * (hops + 1))
-        per_token[design] = fwd
-        print(f"  {design:<9} forward  {fwd / 1024:8.2f} KiB per token and hop ({calls['forward']} isends)   "
-              f"backward {bwd / 1024:8.2f} KiB per token and hop ({calls['backward']} isends, "
-              f"{hops} hops with the blocks + 1 home)")
-    print(f"  forward bytes: expanded / latent = {per_token['expanded'] / per_token['latent']:.0f}x")
+        fwd, bwd = nbytes["forward"] / (tokens * hops), nbytes["backward"] / tokens
+        per_token[design] = fwd, bwd
+        print(f"  {design:<9} forward {fwd / 1024:7.2f} KiB per token and hop ({calls['forward']} isends); "
+              f"backward {bwd / 1024:7.2f} KiB per token over its {hops + 1} hops ({calls['backward']} isends)")
+    (lf, lb), (ef, eb) = per_token["latent"], per_token["expanded"]
+    print(f"  expanded / latent: forward {ef / lf:.0f}x, backward {eb / lb:.0f}x (on this CPU path the "
+          f"expanded ring's backward sends K / V in fp32; its CUDA path sends them in bf16)")
     expand = 2 * a.kv_lora_rank * a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim)
     print(f"  re-expanding one received latent token (kv_b_proj): {expand / 1e6:.1f} MFLOP forward, "
           f"3x that in backward (re-expand, d latent, d W)")
