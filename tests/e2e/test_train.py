@@ -22,7 +22,7 @@ def train(tmp_path, *overrides):
 
 
 def test_retrieval_is_learned_below_chance_and_metrics_written(tmp_path):
-    """Loss is taken on the 4 answer digits only, so chance is ln 10 = 2.30 per digit: a
+    """Loss is taken on the answer digits only, so chance is ln 10 = 2.30 per digit: a
     final loss well below it means the model copies the value from the record it queried
     (random digits: nothing but attention back to the record gives them). One record per
     document and short documents keep the task learnable in 80 tiny steps."""
