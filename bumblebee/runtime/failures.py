@@ -91,6 +91,15 @@ def _exit_text(exitcode: int | None) -> str:
     return f"exit {exitcode}"
 
 
+def first_failure(failures: dict) -> tuple[int, object]:
+    """(rank, failure) of the rank that stopped by itself first among torch elastic's failures: a rank
+    the agent killed while tearing the job down (a signal) is a consequence; ties by lowest rank."""
+    def key(item):
+        rank, f = item
+        return (f.exitcode is None or f.exitcode < 0, f.timestamp, rank)
+    return min(failures.items(), key=key)
+
+
 def diagnose(reports: dict[int, dict], world: int, seen: tuple[int, int | None] | None = None) -> str:
     """One line naming the root cause among ``world`` ranks. ``seen`` is the (rank,
     exit code) the elastic agent reported, used for a rank that left no report."""
@@ -109,6 +118,10 @@ def diagnose(reports: dict[int, dict], world: int, seen: tuple[int, int | None] 
         return (f"{_ranks(silent)} did not arrive at a collective within train.collective_timeout_s "
                 f"(hung or stuck): rank {t['rank']} gave up waiting: {t['error']}")
     if silent:
+        if seen is not None and seen[0] in silent:
+            # the rank the agent saw stop first; the other silent ranks were stopped by the agent's
+            # teardown before they noticed the loss (no report: they never raised)
+            silent = [seen[0]]
         what = seen_text.strip(" ()") if seen_text else "no Python error: killed by a signal or crashed"
         line = f"{_ranks(silent)} failed first ({what})"
         if waited:

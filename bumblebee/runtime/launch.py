@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from bumblebee.runtime.failures import diagnose, read_reports, write_report
+from bumblebee.runtime.failures import diagnose, first_failure, read_reports, write_report
 from bumblebee.runtime.outdir import remove_partial_saves
 from bumblebee.runtime.signals import PREEMPT_SIGNALS, Preempted
 
@@ -216,7 +216,7 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
     except ChildFailedError as e:
         if (message := rank_errors.config_error(e.failures)) is not None:
             raise ConfigError(message) from None  # bad input found by a rank: one line, exit 2
-        rank, failure = min(e.failures.items())
+        rank, failure = first_failure(e.failures)
         cause = diagnose(read_reports(report_dir, max_restarts), nproc, (rank, failure.exitcode))  # the last attempt
         print(f"bumblebee: {cause}" + (f" (after {max_restarts} restarts)" if max_restarts else ""),
               file=sys.stderr)

@@ -15,7 +15,7 @@ import torch
 from bumblebee.cli import main
 from bumblebee import load_config
 from bumblebee.models.hf import CheckpointError
-from bumblebee.runtime.failures import classify, diagnose
+from bumblebee.runtime.failures import classify, diagnose, first_failure
 from bumblebee.runtime.nonfinite import NonFiniteError
 from bumblebee.runtime.signals import Preempted
 from bumblebee.runtime.trainer import Trainer
@@ -50,9 +50,22 @@ def test_root_cause_wins_whatever_the_arrival_order():
     assert diagnose(two, 4).startswith("rank 3 failed first (exit 1): KeyError")
 
 
+def test_first_failure_prefers_a_rank_that_stopped_by_itself():
+    from types import SimpleNamespace as F
+
+    killed = F(exitcode=-15, timestamp=100)  # stopped by the agent's teardown
+    died = F(exitcode=17, timestamp=101)
+    assert first_failure({0: killed, 1: died}) == (1, died)
+    early = F(exitcode=1, timestamp=99)
+    assert first_failure({0: killed, 1: died, 2: early}) == (2, early)
+    assert first_failure({0: F(exitcode=1, timestamp=5), 1: F(exitcode=1, timestamp=5)})[0] == 0
+
+
 def test_silent_rank_is_blamed_for_the_echoes():
     peer = {0: _report(0, 1, RuntimeError("Connection closed by peer"))}
     assert diagnose(peer, 2, (1, -9)).startswith("rank 1 failed first (killed by SIGKILL); rank 0 then saw")
+    # the agent stopped rank 0 before it saw the loss: no report from either rank
+    assert diagnose({}, 2, (1, 17)) == "rank 1 failed first (exit 17)"
     hung = {0: _report(0, 1, RuntimeError("[gloo] Timed out waiting 3000ms for recv operation to complete"))}
     assert diagnose(hung, 2).startswith("rank 1 did not arrive at a collective within train.collective_timeout_s")
 
