@@ -44,7 +44,7 @@ VALUES = [  # (--set items, fragment of the error)
     (["model.name=qwen3_5_moe", "model.arch.layer_types=[1]"], "layer_types must be a list of strings"),
     (["model.name=qwen3_5_moe", "model.arch.linear_conv_kernel_dim=2.0"], "linear_conv_kernel_dim must be an integer"),
     (["train.seq_len=3"], "too short for the synthetic key-value task"),
-    (["train.seq_len=12"], "needs >= 13 tokens"),
+    (["train.seq_len=10"], "needs >= 11 tokens"),
     (["data.min_records=1", "data.max_records=27"], "max_records <= 26"),
     (["primitives.pp_layout=[[0.0]]"], "primitives.pp_layout must be a list of stages"),
     (['primitives.pp_layout=[["a"]]'], "primitives.pp_layout must be a list of stages"),
@@ -76,7 +76,7 @@ def test_seq_len_message_mentions_zigzag_chunks_only_with_context_parallelism(ca
 
 @pytest.mark.parametrize("items, fragment", [
     (['primitives.recompute_modules=["nope"]'], "unknown recompute_modules ['nope']"),
-    (["train.seq_len=12"], "too short for the synthetic key-value task"),
+    (["train.seq_len=10"], "too short for the synthetic key-value task"),
     (["model.arch.hidden_size=32.0"], "hidden_size must be an integer"),
 ])
 def test_errors_with_nproc_are_found_in_the_launching_process(capsys, tmp_path, items, fragment):
