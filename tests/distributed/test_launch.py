@@ -128,7 +128,9 @@ def test_hung_rank_ends_the_job_in_bounded_time_naming_it(capfd, tmp_path):
     assert code == 1, err[-3000:]
     line = [x for x in err.splitlines() if x.startswith("bumblebee: ")][-1]
     assert line.startswith("bumblebee: rank 1 did not arrive at a collective within train.collective_timeout_s"), line
-    assert 4 <= elapsed < 30, elapsed  # the 4 s timeout + the agent's stop, far below the 120 s sleep
+    # the 4 s timeout + the agent's stop, not the 120 s sleep: the bound is behaviour (the job did not wait for
+    # the hung rank), kept far from both ends so that a loaded machine cannot flip it
+    assert 4 <= elapsed < 90, elapsed
 
 
 def test_sigterm_to_the_launcher_preempts_every_rank(tmp_path):
