@@ -1,6 +1,7 @@
 """Pipeline parallelism: pp = 2 (gpipe, 1f1b, interleaved 1f1b with 2 virtual stages per rank)
 equals pp = 1 on the same global batch over 5 steps (loss, grad norm, final parameters), on an
-uneven layer count and on the hybrid model; composed with FSDP2 + EP and with CP (4 ranks), with
+uneven layer count and on the hybrid model (also with its MTP module, which runs on the last
+stage from the embeddings stage 0 sends); composed with FSDP2 + EP and with CP (4 ranks), with
 linear CE and full recompute. Plus the stage splitting and the config checks."""
 
 import io
@@ -26,6 +27,7 @@ SMALL = ["model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32", "mo
 QWEN3 = SMALL + ["model.arch.num_hidden_layers=5", "model.arch.mlp_only_layers=[1]", "model.arch.intermediate_size=96"]
 # the hybrid: [linear, linear, linear, full] attention, all MoE with a shared expert
 HYBRID = SMALL + ["model.name=qwen3_5_moe", "model.arch.shared_expert_intermediate_size=32"]
+HYBRID_MTP = HYBRID + ["model.arch.mtp_num_hidden_layers=1", "mtp.loss_weight=0.3"]
 FUSED = ["primitives.loss=linear_ce", "primitives.recompute=full"]
 REFERENCE = ["primitives.sharding=none", "primitives.moe_comm=local"]
 
@@ -50,7 +52,8 @@ def references(tmp_path_factory):
     try:
         out = tmp_path_factory.mktemp("ref")
         return {name: run(base + REFERENCE, out) for name, base in
-                (("qwen3", QWEN3), ("hybrid", HYBRID), ("qwen3 fused", QWEN3 + FUSED))}
+                (("qwen3", QWEN3), ("hybrid", HYBRID), ("qwen3 fused", QWEN3 + FUSED),
+                                                       ("hybrid mtp", HYBRID_MTP))}
     finally:
         torch.set_num_threads(threads)
 
@@ -77,6 +80,7 @@ TWO_RANKS = {  # name: (reference, overrides)
     "interleaved v=2, zero1": ("qwen3", QWEN3 + ["parallel.pp=2", "primitives.pipeline=interleaved_1f1b",
                                                  "primitives.pp_virtual_stages=2", "primitives.sharding=zero1"]),
     "hybrid 1f1b": ("hybrid", HYBRID + ["parallel.pp=2", "primitives.pipeline=1f1b"]),
+    "hybrid + MTP, 1f1b": ("hybrid mtp", HYBRID_MTP + ["parallel.pp=2", "primitives.pipeline=1f1b"]),
     "hybrid interleaved, explicit layout": ("hybrid", HYBRID + [
         "parallel.pp=2", "primitives.pipeline=interleaved_1f1b", "primitives.pp_virtual_stages=2",
         "primitives.pp_layout=[[0], [1], [2], [3]]"]),
