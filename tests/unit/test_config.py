@@ -61,3 +61,21 @@ def test_override_values_are_toml_literals():
     assert parse_override("train.lr=1e-4") == (["train", "lr"], 1e-4)
     assert parse_override("model.preset=tiny") == (["model", "preset"], "tiny")
     assert parse_override("train.deterministic=true") == (["train", "deterministic"], True)
+
+
+def test_example_default_toml_is_the_embedded_default():
+    """examples/default.toml says it gives the same run as `bumblebee train`: every key it sets equals the
+    built-in default (a changed default that the example does not follow fails here)."""
+    import dataclasses
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "default.toml"
+
+    def flat(c, prefix=""):
+        out = {}
+        for f in dataclasses.fields(c):
+            v = getattr(c, f.name)
+            out.update(flat(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {prefix + f.name: v})
+        return out
+
+    assert flat(load_config(str(example), [])) == flat(load_config(None, []))
