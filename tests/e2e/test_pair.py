@@ -68,7 +68,7 @@ def test_config_diff_beyond_the_slot_exits_2(capsys):
     code = main(["pair", "--slot", "loss", "--a", "ce", "--b", "linear_ce", "--set-b", "train.lr=0.01"])
     captured = capsys.readouterr()
     assert code == 2
-    assert "train.lr: 0.003 -> 0.01" in captured.out  # the diff is printed before the refusal
+    assert "train.lr: 0.002 -> 0.01" in captured.out  # the diff is printed before the refusal
     assert captured.err.strip() == ("bumblebee: error: the two runs differ in train.lr besides primitives.loss; "
                                     "a pair may differ only in: primitives.loss")
 
