@@ -117,7 +117,7 @@ def _layer_moments(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: P
     cp_note = f" + {cp_why}" if cp_why else ""
     gdn_cp = mixer != ATTN and lay.cp > 1 and rc == "full"
     if gdn_cp:  # Gated DeltaNet's CP scan, counted from its code (gdn_cp_bytes)
-        gb = gdn_cp_bytes(spec, lay, mb)
+        gb = gdn_cp_bytes(spec, lay, mb, tokens=t)
         moe_live = t * (gb["saved"][0] + norm_bytes(spec, tp) + moe_side) + gb["saved"][1]
         fwd_b = t * (h2 + gb["fwd"][0]) + gb["fwd"][1]
         bwd_b = t * (norm_bytes(spec, tp) + h2 + gb["recompute"][0]) + gb["recompute"][1]
