@@ -10,7 +10,12 @@ a Hugging Face name map; everything around the layers lives here once:
   primitives/init.py), also when the model was built on the meta device and split before it
   got memory (``build_model(..., device="meta")``, then ``materialize``);
 - entry points: ``hidden_states`` (optionally one pipeline stage of it), ``loss_terms``
-  (what a training step needs from one micro-batch) and ``forward`` (the public API);
+  (what a training step needs from one micro-batch), ``scores`` (hidden states through the LM
+  head with any function of (hidden, head weight): the RL engine's per-token log-probs) and
+  ``forward`` (the public API);
+- the LM head is a module whose forward *uses* its weight (``LMHead``): every reader of the
+  head (the loss primitive, log-probs, logits) goes through it, so FSDP2 can make it a unit of
+  its own, gathered just around that call and its backward;
 - the protocol the runtime and the sharding primitives call instead of reaching into
   attribute paths or parameter names: ``fsdp_units``, ``is_expert_param``, ``keep_stages``
   (what a pipeline stage holds), ``layer_flops``, and ``new_kv_cache`` / ``forward_cached``
@@ -75,6 +80,28 @@ class LayerParts:
     groups: ParallelGroups
 
 
+class LMHead(nn.Linear):
+    """``lm_head.weight`` [V, H] (HF name kept) with a forward that applies any function of the
+    hidden states and this weight: ``head(fn, hidden, *args, **kwargs) = fn(hidden, weight, *args,
+    **kwargs)`` (the loss primitive, per-token log-probs, ``F.linear`` for logits). Linear
+    cross-entropy reads the weight itself instead of calling a linear layer; doing that read
+    inside this module's forward is what lets FSDP2 (its own unit, ``fsdp_units``) all-gather
+    the weight just before the call, free it after, gather it again for the call's backward and
+    reduce-scatter the full-size gradient as soon as that backward is done, instead of holding
+    weight and gradient for the whole step as the root unit's parameters are."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(self, fn, hidden, *args, **kwargs):
+        return fn(hidden, self.weight, *args, **kwargs)
+
+
+def _summed_losses(hidden_list, weight_VH, labels_list, loss_fn):
+    """One summed token loss per (hidden [T, H], labels [T]) pair, all with one head weight."""
+    return [loss_fn(h_TH, weight_VH, labels_T, reduction="sum") for h_TH, labels_T in zip(hidden_list, labels_list)]
+
+
 class Backbone(nn.Module):
     """HF ``model.*``: embeddings, decoder layers, final norm."""
 
@@ -120,7 +147,7 @@ class CausalLM(nn.Module):
         embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
         layers = [self.make_layer(i, parts) for i in range(arch.num_hidden_layers)]
         self.model = Backbone(embed, layers, self.norm_cls(arch.hidden_size, arch.rms_norm_eps))
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else LMHead(arch.hidden_size, arch.vocab_size)
         self.main_moe_layers = sum(int(layer.is_moe) for layer in self.model.layers)
         self.num_moe_layers = max(self.main_moe_layers, 1)
         for j, layer in enumerate(layer for layer in self.model.layers if layer.is_moe):
@@ -205,7 +232,17 @@ class CausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """The head's parameter (its device, dtype, shape). Computing with it goes through
+        ``apply_head``: under FSDP2 the parameter is a shard outside the head's forward."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def apply_head(self, fn, hidden, *args, **kwargs):
+        """``fn(hidden, W, *args, **kwargs)`` with the LM head weight W [V, H], inside the head's
+        forward (``LMHead``). Tied: W is the embedding, a root-unit parameter under FSDP2 (the
+        root keeps it gathered from its forward to the end of backward)."""
+        if self.lm_head is None:
+            return fn(hidden, self.model.embed_tokens.weight, *args, **kwargs)
+        return self.lm_head(fn, hidden, *args, **kwargs)
 
     # ------------------------------------------------------------------ protocol for the runtime
     @property
@@ -291,19 +328,23 @@ class CausalLM(nn.Module):
         self.mtp_depth, self.mtp_loss_weight = depth, float(loss_weight)
 
     def fsdp_units(self):
-        """(module, "expert" | "dense") in wrapping order: the embedding (when the LM head does not
-        share it: gathered only around its own forward and backward, not for the whole step as
-        the root's parameters are), each decoder layer's experts (over the expert mesh), then the
-        layer itself (dense mesh); the MTP part likewise. The model itself is the root unit (final
-        norm, LM head)."""
+        """(module, "expert" | "dense" | "embedding") in wrapping order: the embedding (when the LM
+        head does not share it; "embedding": dense mesh, and not gathered for its backward, which
+        reads only the token ids), each decoder layer's experts (over the expert mesh), then the
+        layer itself (dense mesh); the MTP part likewise; then the LM head (``LMHead``: gathered
+        around each ``apply_head`` call and its backward). Each of the two [V, H] tables is thus
+        gathered only while it is used, not for the whole step as the parameters of the root
+        unit (the model itself: final norm, and the embedding when tied) are."""
         if self.model.embed_tokens is not None and self.lm_head is not None:
-            yield self.model.embed_tokens, "dense"
+            yield self.model.embed_tokens, "embedding"
         mtp = [] if self.mtp is None else self.mtp_units()
         for layer in list(self.model.layers) + mtp:
             for m in layer.modules():
                 if isinstance(m, Experts):
                     yield m, "expert"
             yield layer, "dense"
+        if self.lm_head is not None:
+            yield self.lm_head, "dense"
 
     def keep_stages(self, stage_layers: dict[int, list[int]], num_stages: int) -> None:
         """Keep only this rank's pipeline stages: their layers (placeholders elsewhere, so
@@ -417,15 +458,27 @@ class CausalLM(nn.Module):
         h_BTH, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing,
                                                     context=context)
         labels_T = labels_BT.reshape(-1)
-        loss_sum = self.loss_fn(h_BTH.reshape(-1, h_BTH.shape[-1]), self.lm_head_weight, labels_T, reduction="sum")
-        terms = LossTerms(loss_sum, (labels_T != -100).sum(), loss_sum.new_zeros((), dtype=torch.float32), stats_LS)
-        layers = self.num_moe_layers if stage is None else self.router_row_count()
-        if self.mtp is not None and self.mtp_depth and (stage is None or stage == self.num_stages - 1):
-            from bumblebee.models.mtp import mtp_loss_sum
+        hidden, labels = [h_BTH.reshape(-1, h_BTH.shape[-1])], [labels_T]
+        with_mtp = self.mtp is not None and self.mtp_depth and (stage is None or stage == self.num_stages - 1)
+        if with_mtp:
+            from bumblebee.models.mtp import mtp_hidden
 
             cos, sin, layout, *embs = context  # embs: the MTP embeddings stage 0 sent (pipelined_mtp)
-            mtp_sum, mtp_stats, terms.mtp_sums, terms.mtp_tokens = mtp_loss_sum(
-                self, h_BTH, inputs, labels_BT, cos, sin, layout, embs=embs[0] if embs else None)
+            mtp_h, mtp_labels, mtp_stats = mtp_hidden(self, h_BTH, inputs, labels_BT, cos, sin, layout,
+                                                      embs=embs[0] if embs else None)
+            hidden, labels = hidden + mtp_h, labels + mtp_labels
+        # every loss that reads the head in one head call: one gather, one gradient reduction.
+        # (Each [T, H] view above is taken where its hidden state is made, so the backward adds
+        # the gradient contributions of a hidden state in the order it did with a head call per
+        # depth: bit-identical sums.)
+        sums = self.apply_head(_summed_losses, hidden, labels, self.loss_fn)
+        loss_sum = sums[0]
+        terms = LossTerms(loss_sum, (labels_T != -100).sum(), loss_sum.new_zeros((), dtype=torch.float32), stats_LS)
+        layers = self.num_moe_layers if stage is None else self.router_row_count()
+        if with_mtp:
+            from bumblebee.models.mtp import mtp_loss_sum
+
+            mtp_sum, terms.mtp_sums, terms.mtp_tokens = mtp_loss_sum(self, sums[1:], labels[1:])
             terms.loss_sum = loss_sum + mtp_sum
             if mtp_stats:
                 rows = torch.stack(mtp_stats)
@@ -435,12 +488,22 @@ class CausalLM(nn.Module):
             terms.aux_loss = self.balance_loss(terms.router_stats, balance, layers)
         return terms
 
+    def scores(self, inputs, position_ids_BT, fn, *args, stage: int | None = None, routing=None,
+               return_stats: bool = False, **kwargs):
+        """(``fn(h_TH, W, *args, **kwargs)`` on the final-norm hidden states [B x T, H] and the LM
+        head weight, the balance loss as ``hidden_states`` gives it[, the raw router stats]): e.g.
+        per-token log-probs. ``stage``: the last pipeline stage; ``routing``: a ``RoutingScope``."""
+        h_BTH, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing)
+        aux = self.balance_loss(stats_LS, num_layers=self.router_row_count() if stage is not None else None)
+        out = self.apply_head(fn, h_BTH.reshape(-1, h_BTH.shape[-1]), *args, **kwargs)
+        return (out, aux, stats_LS) if return_stats else (out, aux)
+
     def forward(self, input_ids, position_ids=None, labels=None):
         """Logits [B, T, V] without labels; with labels (already shifted, -100 ignored)
         the mean cross-entropy through the configured loss primitive."""
         if labels is None:
-            h_BTH, _ = self.hidden_states(input_ids, position_ids)
-            return F.linear(h_BTH, self.lm_head_weight)
+            h_BTH, _ = self.routed_hidden_states(input_ids, position_ids)
+            return self.apply_head(F.linear, h_BTH)
         terms = self.loss_terms(input_ids, labels, position_ids)
         return terms.loss_sum / terms.num_tokens.clamp(min=1)
 
@@ -463,4 +526,4 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             cache.layer = i
             x, _ = layer(x, cos, sin, cache)
-        return F.linear(self.model.norm(x), self.lm_head_weight).float()
+        return self.apply_head(F.linear, self.model.norm(x)).float()

@@ -26,7 +26,9 @@ in another document (or past the row) is ignored, and the MTP block attends with
 documents like every layer, so packed rows equal separate documents.
 
 A family runs depth k through ``CausalLM.mtp_forward`` (built on ``combine`` below) and
-names the modules whose forward does it (``mtp_units``: FSDP units). DeepSeek-V3 holds one
+names the modules whose forward does it (``mtp_units``: FSDP units). The shared head is read
+once for all depths and the main loss (``CausalLM.apply_head``: one FSDP2 gather of the head
+and one reduction of its gradient per micro-batch). DeepSeek-V3 holds one
 module per depth (projection, norms and layer together); Qwen3.5 shares the projection and
 norms and holds one layer per depth.
 
@@ -77,27 +79,33 @@ def combine(enorm, hnorm, proj, emb_BTH, h_BTH):
     return proj(torch.cat([enorm(emb_BTH), hnorm(h_BTH)], dim=-1))
 
 
-def mtp_loss_sum(model, h_BTH, ids_BT, labels_BT, cos, sin, layout, embs=None):
-    """(loss_weight / D x sum over depths of summed token losses, the router stats vectors of the
-    MTP MoE layers, [per-depth summed losses, detached], [per-depth valid tokens]). ``embs``: the
-    embeddings of the shifted tokens per depth when they were computed elsewhere (pipeline
-    parallelism: on stage 0, which holds the embedding; ``ids_BT`` is then unused)."""
-    D = model.mtp_depth
-    total = h_BTH.new_zeros((), dtype=torch.float32)
-    stats, sums, counts = [], [], []
+def mtp_hidden(model, h_BTH, ids_BT, labels_BT, cos, sin, layout, embs=None):
+    """Every trained depth's output-normed hidden states [B x T, H] and labels [B x T] (shifted
+    by k + 1 places), and the router stats vectors of the MTP MoE layers. The losses are taken
+    by the caller in one LM head call together with the main loss (``CausalLM.loss_terms``).
+    ``embs``: the embeddings of the shifted tokens per depth when they were computed elsewhere
+    (pipeline parallelism: on stage 0, which holds the embedding; ``ids_BT`` is then unused)."""
     h = h_BTH
-    for k in range(1, D + 1):
+    hidden, labels, stats = [], [], []
+    for k in range(1, model.mtp_depth + 1):
         if embs is None:
             ids_k, labels_k = shifted_inputs(ids_BT, labels_BT, layout, k)
             emb = model.model.embed_tokens(ids_k)
         else:
             labels_k, emb = shift_global(labels_BT, layout, k, -100), embs[k - 1]
         h, a = model.mtp_forward(k - 1, h, emb, cos, sin, layout)
-        labels_T = labels_k.reshape(-1)
-        s = model.loss_fn(h.reshape(-1, h.shape[-1]), model.lm_head_weight, labels_T, reduction="sum")
-        total = total + s.float()
+        hidden.append(h.reshape(-1, h.shape[-1]))
+        labels.append(labels_k.reshape(-1))
         if a.dim() == 1:  # a MoE layer's router stats (primitives/moe/balance.py)
             stats.append(a)
-        sums.append(s.detach())
-        counts.append((labels_T != -100).sum())
-    return total * (model.mtp_loss_weight / D), stats, sums, counts
+    return hidden, labels, stats
+
+
+def mtp_loss_sum(model, sums, labels):
+    """(loss_weight / D x sum over depths of the summed token losses ``sums``, [per-depth summed
+    losses, detached], [per-depth valid tokens])."""
+    total = sums[0].new_zeros((), dtype=torch.float32)
+    for s in sums:
+        total = total + s.float()
+    counts = [(labels_T != -100).sum() for labels_T in labels]
+    return total * (model.mtp_loss_weight / model.mtp_depth), [s.detach() for s in sums], counts

@@ -200,11 +200,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         """Forward one micro-batch: (logp [b, T], entropy [b, T] or None, balance loss, router stats).
         ``scope``: a ``RoutingScope`` replaying ``mb["routing"]`` and/or recording the experts used."""
         with self.autocast:
-            h_BTH, aux, stats = self.model.hidden_states(mb["input_ids"], mb["position_ids"], routing=scope,
-                                                         return_stats=True)
-            logp_T, ent_T = token_logprobs(h_BTH.reshape(-1, h_BTH.shape[-1]), self.model.lm_head_weight,
-                                           mb["targets"].reshape(-1), temperature=self.temperature,
-                                           with_entropy=with_entropy)
+            (logp_T, ent_T), aux, stats = self.model.scores(
+                mb["input_ids"], mb["position_ids"], token_logprobs, mb["targets"].reshape(-1), routing=scope,
+                return_stats=True, temperature=self.temperature, with_entropy=with_entropy)
         shape = mb["targets"].shape
         return logp_T.view(shape), None if ent_T is None else ent_T.view(shape), aux, stats
 

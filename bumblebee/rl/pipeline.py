@@ -54,9 +54,9 @@ class EnginePipeline:
 
     # ------------------------------------------------------------------ the last stage
     def _head(self, part, x, position_ids, labels, stage):
-        h_BTH, aux, stats = part.hidden_states(x, position_ids, stage=stage, return_stats=True)
-        logp_T, ent_T = token_logprobs(h_BTH.reshape(-1, h_BTH.shape[-1]), part.lm_head_weight, labels.reshape(-1),
-                                       temperature=self.temperature, with_entropy=self.with_entropy)
+        (logp_T, ent_T), aux, stats = part.scores(x, position_ids, token_logprobs, labels.reshape(-1), stage=stage,
+                                                  return_stats=True, temperature=self.temperature,
+                                                  with_entropy=self.with_entropy)
         ent_T = torch.zeros_like(logp_T) if ent_T is None else ent_T
         return torch.stack([logp_T, ent_T], -1).view(*labels.shape, 2), aux, stats
 

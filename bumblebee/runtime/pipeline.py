@@ -143,8 +143,10 @@ class StageModule(nn.Module):
         units = [(self.part.decoder_layers[i], True) for i in self.part.stage_layers[self.stage]]
         if self.stage == 0:
             units.append((self.part.model.embed_tokens, True))  # a unit of its own when untied (fsdp_units)
+        if self.is_last and self.part.lm_head is not None:
+            units.append((self.part.lm_head, True))  # a unit of its own (fsdp_units)
         if self.stage == 0 or self.is_last:
-            units.append((self.part, False))  # the root: (tied) embedding, or final norm + LM head
+            units.append((self.part, False))  # the root: final norm (and a tied embedding)
         return [(u, recurse) for u, recurse in units if isinstance(u, FSDPModule)]
 
 

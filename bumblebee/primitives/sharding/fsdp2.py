@@ -5,8 +5,13 @@ Built on ``torch.distributed.fsdp.fully_shard``:
 - the model says which modules are units (``fsdp_units``): each MoE layer's experts
   are one unit over the *expert* mesh (edp): every ep rank's own experts are sharded
   across the ranks that replicate them; each decoder layer is one unit over the
-  *dense* mesh (dp_shard x cp), and the root (embeddings, final norm, LM head) is the
-  last unit;
+  *dense* mesh (dp_shard x cp); the embedding and the LM head are units of their own
+  (dense mesh), so each [V, H] table and its full-size gradient exist only while it is
+  used: the embedding is not gathered for its backward (it reads only the token ids,
+  ``set_unshard_in_backward(False)``), the head is gathered around its forward (the
+  loss reads it there, ``CausalLM.apply_head``) and again for that backward, and its
+  gradient is reduce-scattered right after; the root (final norm, the embedding when
+  tied) is the last unit and stays gathered for the whole step;
 - parameters are sharded fp32 DTensors (the master copy the optimizer updates);
   with bf16 training the all-gathered compute copy is bf16
   (``MixedPrecisionPolicy(param_dtype=bf16)``) and gradients are reduce-scattered
@@ -58,10 +63,14 @@ class FSDP2(NoSharding):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=reduce if bf16 else None)
         offload = CPUOffloadPolicy() if getattr(t, "offload_optimizer", False) else OffloadPolicy()
-        units = [fully_shard(m, mesh=g.expert_mesh if kind == "expert" else g.dense_mesh, mp_policy=mp,
-                             offload_policy=offload) for m, kind in list(model.fsdp_units())]
+        units = []
+        for m, kind in list(model.fsdp_units()):
+            units.append(fully_shard(m, mesh=g.expert_mesh if kind == "expert" else g.dense_mesh, mp_policy=mp,
+                                     offload_policy=offload))
+            if kind == "embedding":  # its backward reads only the token ids: no all-gather for it
+                units[-1].set_unshard_in_backward(False)
         units.append(fully_shard(model, mesh=g.dense_mesh, mp_policy=mp, offload_policy=offload))
-        for method in ("loss_terms", "hidden_states"):  # entry points other than forward()
+        for method in ("loss_terms", "hidden_states", "scores"):  # entry points other than forward()
             register_fsdp_forward_method(model, method)
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
