@@ -8,7 +8,9 @@ its forward, ``CausalLM.apply_head``), the step adds to that static state at mos
 once (measured 2.0: the gathered head and its full gradient in the head's backward, or a full
 gradient and its reduce-scatter copy). With the head in the root unit (gathered, with its full
 gradient, from the loss to the end of backward) the embedding's gradient and its reduce-scatter
-copy come on top: measured 3.5 tables.
+copy come on top: measured 3.5 tables (2.95 with the embedding already a unit of its own); an
+embedding kept gathered after its forward: 2.5. The bound, 2.25 tables, leaves a quarter table
+for the activations alive at the peak (the end of backward: next to none).
 """
 
 from __future__ import annotations
@@ -45,6 +47,6 @@ def test_vocabulary_tables_are_gathered_only_while_used(tmp_path):
         over = peak - static
         print(f"rank {rank}: static {static / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB, "
               f"over {over / TABLE:.2f} tables")
-        assert over <= 2.5 * TABLE, (f"rank {rank}: the step's peak live memory is {over / MiB:.0f} MiB above the "
+        assert over <= 2.25 * TABLE, (f"rank {rank}: the step's peak live memory is {over / MiB:.0f} MiB above the "
                                      f"static state ({static / MiB:.0f} MiB): {over / TABLE:.1f} full [V, H] tables "
                                      f"of {TABLE / MiB:.0f} MiB; at most 2 should be alive at once")
