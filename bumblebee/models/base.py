@@ -34,6 +34,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee import registry
+from bumblebee.models.head import LMHead, summed_losses
 from bumblebee.models.kv_cache import KVCache, cache_aware
 from bumblebee.primitives import init
 from bumblebee.primitives.cp.layout import build_cp_layout
@@ -78,28 +79,6 @@ class LayerParts:
     dispatch: object  # moe_comm: token dispatch/combine around the experts
     recompute: object  # recompute policy
     groups: ParallelGroups
-
-
-class LMHead(nn.Linear):
-    """``lm_head.weight`` [V, H] (HF name kept) with a forward that applies any function of the
-    hidden states and this weight: ``head(fn, hidden, *args, **kwargs) = fn(hidden, weight, *args,
-    **kwargs)`` (the loss primitive, per-token log-probs, ``F.linear`` for logits). Linear
-    cross-entropy reads the weight itself instead of calling a linear layer; doing that read
-    inside this module's forward is what lets FSDP2 (its own unit, ``fsdp_units``) all-gather
-    the weight just before the call, free it after, gather it again for the call's backward and
-    reduce-scatter the full-size gradient as soon as that backward is done, instead of holding
-    weight and gradient for the whole step as the root unit's parameters are."""
-
-    def __init__(self, hidden_size: int, vocab_size: int):
-        super().__init__(hidden_size, vocab_size, bias=False)
-
-    def forward(self, fn, hidden, *args, **kwargs):
-        return fn(hidden, self.weight, *args, **kwargs)
-
-
-def _summed_losses(hidden_list, weight_VH, labels_list, loss_fn):
-    """One summed token loss per (hidden [T, H], labels [T]) pair, all with one head weight."""
-    return [loss_fn(h_TH, weight_VH, labels_T, reduction="sum") for h_TH, labels_T in zip(hidden_list, labels_list)]
 
 
 class Backbone(nn.Module):
@@ -471,7 +450,7 @@ class CausalLM(nn.Module):
         # (Each [T, H] view above is taken where its hidden state is made, so the backward adds
         # the gradient contributions of a hidden state in the order it did with a head call per
         # depth: bit-identical sums.)
-        sums = self.apply_head(_summed_losses, hidden, labels, self.loss_fn)
+        sums = self.apply_head(summed_losses, hidden, labels, self.loss_fn)
         loss_sum = sums[0]
         terms = LossTerms(loss_sum, (labels_T != -100).sum(), loss_sum.new_zeros((), dtype=torch.float32), stats_LS)
         layers = self.num_moe_layers if stage is None else self.router_row_count()
