@@ -34,6 +34,8 @@ Built on ``torch.distributed.fsdp.fully_shard``:
   bits: a relative error of ~2^-9 per element, growing with the number of ranks
   summed). Safe for data-parallel sums of a few tens of ranks; keep fp32 where
   gradient noise is small relative to the signal (late fine-tuning, tiny LRs);
+- on gloo (CPU) every unit gathers and reduces in place (sharding/gloo_comm.py): gloo's own
+  all-gather and reduce-scatter stage full-size copies that NCCL does not;
 - ``offload_optimizer`` keeps sharded parameters, gradients and optimizer state
   in host memory (``CPUOffloadPolicy``); the optimizer step runs on the CPU.
 
@@ -48,6 +50,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
                                     register_fsdp_forward_method)
 
 from bumblebee.primitives.sharding.common import clip_grad_norm
+from bumblebee.primitives.sharding.gloo_comm import use_in_place_comms
 from bumblebee.primitives.sharding.none import NoSharding
 from bumblebee.registry import register
 
@@ -65,11 +68,13 @@ class FSDP2(NoSharding):
         offload = CPUOffloadPolicy() if getattr(t, "offload_optimizer", False) else OffloadPolicy()
         units = []
         for m, kind in list(model.fsdp_units()):
-            units.append(fully_shard(m, mesh=g.expert_mesh if kind == "expert" else g.dense_mesh, mp_policy=mp,
-                                     offload_policy=offload))
+            mesh = g.expert_mesh if kind == "expert" else g.dense_mesh
+            units.append(fully_shard(m, mesh=mesh, mp_policy=mp, offload_policy=offload))
+            use_in_place_comms(units[-1], mesh)
             if kind == "embedding":  # its backward reads only the token ids: no all-gather for it
                 units[-1].set_unshard_in_backward(False)
         units.append(fully_shard(model, mesh=g.dense_mesh, mp_policy=mp, offload_policy=offload))
+        use_in_place_comms(units[-1], g.dense_mesh)
         for method in ("loss_terms", "hidden_states", "scores"):  # entry points other than forward()
             register_fsdp_forward_method(model, method)
         for unit in units:
