@@ -21,7 +21,12 @@ Built on ``torch.distributed.fsdp.fully_shard``:
 - gradient accumulation (``train.grad_accum``):
   ``"sharded"`` (default) reduce-scatters every micro-batch and FSDP adds the
   result into the sharded fp32 ``.grad``, so accumulation holds no gradient
-  beyond the sharded one (plus the unit being reduced);
+  beyond the sharded one (plus the unit being reduced). Each unit reduce-scatters
+  through ``AccumulatingReduceScatter``: once the unit's sharded gradients exist
+  (micro-batches 2..n), the reduce-scatter writes this rank's sum into its own chunk
+  of the input buffer (in place) instead of a new output buffer, which FSDP would
+  only add into ``.grad`` and drop: one sharded copy of the unit less at the moment
+  of its reduction, same sums bit for bit;
   ``"unsharded"`` syncs only on the last micro-batch: fewer collectives, but FSDP
   keeps every unit's *unsharded* gradient between micro-batches, upcast to the
   reduce dtype (fp32: 4 bytes x all parameters per rank, ~26 GB at the
@@ -44,12 +49,76 @@ nGPU, plus the all-gather buffers of the unit being computed.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from bumblebee.primitives.sharding.common import clip_grad_norm
 from bumblebee.primitives.sharding.none import NoSharding
 from bumblebee.registry import register
+
+
+class AccumulatingReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter for one unit (``FSDPModule.set_custom_reduce_scatter``) that needs
+    no output buffer when the result is only *added* into existing sharded gradients.
+
+    FSDP2's ``foreach_reduce`` allocates the reduce-scatter input (the unit's unsharded
+    gradients in the reduce dtype), then an output of 1/world of it, reduce-scatters, and
+    then either makes views of the output the sharded ``.grad`` (no gradient yet) or does
+    ``.grad += output`` and drops it (accumulation). In the second case, when every trainable
+    parameter of the unit already has its sharded gradient, this comm returns this rank's
+    chunk of the input buffer as the output: an in-place reduce-scatter (supported by gloo
+    and NCCL; same reduction, same bits), so the transient sharded copy of the unit is not
+    allocated. The input buffer is kept by FSDP until the next unit's reduction either way.
+    Otherwise (first micro-batch, ``grad_accum = "unsharded"``) it allocates as FSDP does.
+
+    ``slots``: (module, parameter name) of the unit's own parameters (read at each call:
+    parameters are replaced after a meta-device ``to_empty``); ``mesh``: the unit's 1-D mesh."""
+
+    def __init__(self, slots: list, mesh):
+        self.slots, self.world, self.rank = slots, mesh.size(), mesh.get_local_rank()
+        self._input = None  # the input buffer between the two allocate calls of one reduction
+        self._in_place = False  # the last output allocated is a chunk of its input
+
+    def _accumulating(self) -> bool:
+        params = [getattr(m, name) for m, name in self.slots]
+        params = [p for p in params if p is not None and p.requires_grad]
+        return bool(params) and all(p.grad is not None for p in params)
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        # foreach_reduce allocates twice per reduction: the input, then the output
+        inp, self._input, self._in_place = self._input, None, False
+        if inp is None:
+            self._input = torch.empty(*size, dtype=dtype, device=device)
+            return self._input
+        numel = 1
+        for n in size:
+            numel *= n
+        if (self.world > 1 and inp.dtype == dtype and inp.numel() == numel * self.world
+                and inp.device == torch.device(device) and self._accumulating()):
+            # this rank's chunk of the input, as a tensor of its own storage (offset 0: FSDP views
+            # the output with absolute storage offsets); it keeps the input's memory alive
+            nbytes = numel * inp.element_size()
+            chunk = inp.untyped_storage()[self.rank * nbytes:(self.rank + 1) * nbytes]
+            self._in_place = True
+            return torch.empty(0, dtype=dtype, device=device).set_(chunk, 0, tuple(size))
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if self._in_place and input_tensor.is_cuda:
+            # FSDP adds the output into .grad on this (reduce-scatter) stream after recording the
+            # event it frees the input on: keep the input's memory from reuse until that add ran
+            input_tensor.record_stream(torch.cuda.current_stream())
+        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                          async_op=async_op)
+
+
+def _own_slots(unit, units) -> list:
+    """(module, name) of the parameters that FSDP unit ``unit`` manages: its subtree minus
+    the subtrees of the units nested in it."""
+    nested = {id(m) for u in units if u is not unit and any(u is m for m in unit.modules()) for m in u.modules()}
+    return [(m, name) for m in unit.modules() if id(m) not in nested for name in m._parameters]
 
 
 @register("sharding", "fsdp2", summary="FSDP2 fully_shard per layer; experts over the edp mesh")
@@ -63,18 +132,20 @@ class FSDP2(NoSharding):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=reduce if bf16 else None)
         offload = CPUOffloadPolicy() if getattr(t, "offload_optimizer", False) else OffloadPolicy()
-        units = []
+        units, meshes = [], []
         for m, kind in list(model.fsdp_units()):
-            units.append(fully_shard(m, mesh=g.expert_mesh if kind == "expert" else g.dense_mesh, mp_policy=mp,
-                                     offload_policy=offload))
+            meshes.append(g.expert_mesh if kind == "expert" else g.dense_mesh)
+            units.append(fully_shard(m, mesh=meshes[-1], mp_policy=mp, offload_policy=offload))
             if kind == "embedding":  # its backward reads only the token ids: no all-gather for it
                 units[-1].set_unshard_in_backward(False)
         units.append(fully_shard(model, mesh=g.dense_mesh, mp_policy=mp, offload_policy=offload))
+        meshes.append(g.dense_mesh)
         for method in ("loss_terms", "hidden_states", "scores"):  # entry points other than forward()
             register_fsdp_forward_method(model, method)
-        for unit in units:
+        for unit, mesh in zip(units, meshes):
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+            unit.set_custom_reduce_scatter(AccumulatingReduceScatter(_own_slots(unit, units), mesh))
         self.model, self.units = model, units
         self.named = list(model.named_parameters())
         return model
