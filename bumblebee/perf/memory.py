@@ -85,7 +85,8 @@ class _AllocationMode(TorchDispatchMode):
 
     Outputs the op schema marks as aliasing an input (views, in-place and out=
     results) are skipped: their storage is either tracked already or predates the
-    context (a view of a weight made inside the step is not a new allocation)."""
+    context (a view of a weight made inside the step is not a new allocation). So are
+    the returns of c10d collectives: the tensors they were given."""
 
     def __init__(self, tracker: "MemoryTracker"):
         super().__init__()
@@ -97,7 +98,10 @@ class _AllocationMode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         fresh = self.fresh.get(func)
         if fresh is None:
-            fresh = self.fresh[func] = tuple(r.alias_info is None for r in func._schema.returns)
+            # c10d collectives (``_reduce_scatter_base_``, ``allreduce_``, ...) write into and return
+            # their tensor arguments, though their schemas carry no alias annotation
+            collective = func.namespace == "c10d"
+            fresh = self.fresh[func] = tuple(r.alias_info is None and not collective for r in func._schema.returns)
         track = self.tracker._track
         if isinstance(out, torch.Tensor):
             if fresh[0]:

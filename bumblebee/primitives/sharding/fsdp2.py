@@ -21,7 +21,12 @@ Built on ``torch.distributed.fsdp.fully_shard``:
 - gradient accumulation (``train.grad_accum``):
   ``"sharded"`` (default) reduce-scatters every micro-batch and FSDP adds the
   result into the sharded fp32 ``.grad``, so accumulation holds no gradient
-  beyond the sharded one (plus the unit being reduced);
+  beyond the sharded one (plus the unit being reduced). Each unit reduce-scatters
+  through ``UnitReduceScatter`` (sharding/fsdp_comm.py): once the unit's sharded gradients exist
+  (micro-batches 2..n), the reduce-scatter writes this rank's sum into its own chunk
+  of the input buffer (in place) instead of a new output buffer, which FSDP would
+  only add into ``.grad`` and drop: one sharded copy of the unit less at the moment
+  of its reduction, same sums bit for bit;
   ``"unsharded"`` syncs only on the last micro-batch: fewer collectives, but FSDP
   keeps every unit's *unsharded* gradient between micro-batches, upcast to the
   reduce dtype (fp32: 4 bytes x all parameters per rank, ~26 GB at the
@@ -34,7 +39,7 @@ Built on ``torch.distributed.fsdp.fully_shard``:
   bits: a relative error of ~2^-9 per element, growing with the number of ranks
   summed). Safe for data-parallel sums of a few tens of ranks; keep fp32 where
   gradient noise is small relative to the signal (late fine-tuning, tiny LRs);
-- on gloo (CPU) every unit gathers and reduces in place (sharding/gloo_comm.py): gloo's own
+- on gloo (CPU) every unit gathers and reduces in place (sharding/fsdp_comm.py): gloo's own
   all-gather and reduce-scatter stage full-size copies that NCCL does not;
 - ``offload_optimizer`` keeps sharded parameters, gradients and optimizer state
   in host memory (``CPUOffloadPolicy``); the optimizer step runs on the CPU.
@@ -50,7 +55,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, Offl
                                     register_fsdp_forward_method)
 
 from bumblebee.primitives.sharding.common import clip_grad_norm
-from bumblebee.primitives.sharding.gloo_comm import use_in_place_comms
+from bumblebee.primitives.sharding.fsdp_comm import set_unit_comms
 from bumblebee.primitives.sharding.none import NoSharding
 from bumblebee.registry import register
 
@@ -66,20 +71,20 @@ class FSDP2(NoSharding):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=reduce if bf16 else None)
         offload = CPUOffloadPolicy() if getattr(t, "offload_optimizer", False) else OffloadPolicy()
-        units = []
+        units, meshes = [], []
         for m, kind in list(model.fsdp_units()):
-            mesh = g.expert_mesh if kind == "expert" else g.dense_mesh
-            units.append(fully_shard(m, mesh=mesh, mp_policy=mp, offload_policy=offload))
-            use_in_place_comms(units[-1], mesh)
+            meshes.append(g.expert_mesh if kind == "expert" else g.dense_mesh)
+            units.append(fully_shard(m, mesh=meshes[-1], mp_policy=mp, offload_policy=offload))
             if kind == "embedding":  # its backward reads only the token ids: no all-gather for it
                 units[-1].set_unshard_in_backward(False)
         units.append(fully_shard(model, mesh=g.dense_mesh, mp_policy=mp, offload_policy=offload))
-        use_in_place_comms(units[-1], g.dense_mesh)
+        meshes.append(g.dense_mesh)
         for method in ("loss_terms", "hidden_states", "scores"):  # entry points other than forward()
             register_fsdp_forward_method(model, method)
-        for unit in units:
+        for unit, mesh in zip(units, meshes):
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+            set_unit_comms(unit, units, mesh)
         self.model, self.units = model, units
         self.named = list(model.named_parameters())
         return model

@@ -1,4 +1,4 @@
-"""FSDP2's in-place all-gather / reduce-scatter for gloo (primitives/sharding/gloo_comm.py):
+"""FSDP2's in-place all-gather / reduce-scatter for gloo (primitives/sharding/fsdp_comm.py):
 the same values as gloo's own collectives, without their full-size staging copies
 (measured from the process's own peak resident memory)."""
 
@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
-from bumblebee.primitives.sharding.gloo_comm import InPlaceAllGather, InPlaceReduceScatter
+from bumblebee.primitives.sharding.fsdp_comm import InPlaceAllGather, UnitReduceScatter
 from tests.dist_utils import run_distributed
 
 SLOT = 8 << 20  # elements per rank: 32 MiB of fp32
@@ -32,7 +33,7 @@ def _collectives(rank, world):
     # integers: every order of summation gives the same float sum, so results compare exactly
     grads = torch.randint(-1000, 1000, (world * SLOT,), generator=g).float()
     shard = torch.randint(-1000, 1000, (SLOT,), generator=g).float()
-    group = dist.group.WORLD
+    group, mesh = dist.group.WORLD, init_device_mesh("cpu", (world,))
 
     ref_rs, ref_ag = torch.empty(SLOT), torch.empty(world * SLOT)
     x = grads.clone()
@@ -40,7 +41,7 @@ def _collectives(rank, world):
     default_ag = _growth(lambda: dist.all_gather_single(ref_ag, shard))
 
     out, x = torch.empty(SLOT), grads.clone()
-    ours_rs = _growth(lambda: InPlaceReduceScatter()(out, x, group, dist.ReduceOp.SUM))
+    ours_rs = _growth(lambda: UnitReduceScatter([], mesh, gloo=True)(out, x, group, dist.ReduceOp.SUM))
     assert torch.equal(out, ref_rs)
     gathered = torch.full((world * SLOT,), float("nan"))
     gathered.view(world, -1)[rank].copy_(shard)  # FSDP copies the shard into its slot first
