@@ -152,9 +152,11 @@ def _check_all(per_rank, cases, references):
         for result in results if "parallel.pp=2" in ov else results[:1]:  # pipeline: losses on every rank
             check(result, references[ref], " ".join(ov))
         if "parallel.pp=2" in ov:
-            # CP ring attention sums in another order, which two Adam steps amplify (1.1e-5 seen in
-            # kv_a_proj_with_mqa for pp 2 x cp 2); pp alone is bit-identical to the single process
-            check_state(results, references[ref], " ".join(ov), 1e-4 if "parallel.cp=2" in ov else 1e-5)
+            # CP ring attention sums in another order, which two Adam steps amplify, by an amount that
+            # depends on the CPU's kernels (pp 2 x cp 2: 1.1e-5 seen on one machine, 1.4e-4 in
+            # kv_b_proj on an AMD EPYC); a wrong block or merge is off by 1e-2 and more. pp alone is
+            # bit-identical to the single process
+            check_state(results, references[ref], " ".join(ov), 1e-3 if "parallel.cp=2" in ov else 1e-5)
 
 
 def test_two_ranks_match_single_process(references, data, tmp_path):

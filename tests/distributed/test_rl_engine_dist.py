@@ -86,7 +86,9 @@ def test_two_ranks_match_single_process(tmp_path):
                 assert m[k] == pytest.approx(r[k], rel=1e-4, abs=1e-6), (name, step, k)
         assert weights.keys() == ref[3].keys()
         for k, w in weights.items():
-            assert ((w - ref[3][k]).norm() / ref[3][k].norm()).item() < 1e-5, (name, k)
+            # two Adam steps at lr 1e-2 amplify the layouts' different summation orders by an amount
+            # that depends on the CPU's kernels (up to 1.4e-5 seen on an AMD EPYC, below 1e-5 on others)
+            assert ((w - ref[3][k]).norm() / ref[3][k].norm()).item() < 1e-4, (name, k)
         for rank in range(2):
             a, b = per_rank[rank][name + " resumed"]
             assert a == b, (name, rank)  # resumed on the same layout: the same next step

@@ -64,4 +64,6 @@ def test_pipeline_engine_matches_one_process(tmp_path):
             if n in biases:
                 assert torch.equal(t, want[n]), n
             else:
-                assert ((t - want[n]).norm() / want[n].norm()).item() < 1e-5, n
+                # two Adam steps at lr 1e-2 amplify the layouts' different summation orders by an amount
+                # that depends on the CPU's kernels (up to 1.4e-5 seen on an AMD EPYC, below 1e-5 on others)
+                assert ((t - want[n]).norm() / want[n].norm()).item() < 1e-4, n
