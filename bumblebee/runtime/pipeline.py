@@ -145,19 +145,24 @@ class StageModule(nn.Module):
             units.append((self.part.model.embed_tokens, True))  # a unit of its own when untied (fsdp_units)
         if self.is_last and self.part.lm_head is not None:
             units.append((self.part.lm_head, True))  # a unit of its own (fsdp_units)
+        if self.is_last:
+            units += [(m, True) for m in ([] if self.part.mtp is None else self.part.mtp_units())]  # MTP: last stage
         if self.stage == 0 or self.is_last:
             units.append((self.part, False))  # the root: final norm (and a tied embedding)
         return [(u, recurse) for u, recurse in units if isinstance(u, FSDPModule)]
 
 
 class _Stage(PipelineStage):
-    """A PipelineStage whose FSDP units reduce-scatter their gradients only in the stage's last
-    micro-batch backward (its module is not the FSDP root, so PipelineStage's own handling of an
-    FSDP module does not apply)."""
+    """A PipelineStage whose FSDP units reduce-scatter their gradients as ``train.grad_accum``
+    says: in every micro-batch's backward (``"sharded"``: FSDP adds each result into the sharded
+    gradient) or only in the stage's last (``"unsharded"``). Its module is not the FSDP root, so
+    PipelineStage's own handling of an FSDP module does not apply."""
+
+    sync_every = True  # set from train.grad_accum by Pipeline
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         for unit, recurse in self.submod.sync_units():
-            unit.set_requires_gradient_sync(last_backward, recurse=recurse)
+            unit.set_requires_gradient_sync(last_backward or self.sync_every, recurse=recurse)
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
@@ -188,6 +193,8 @@ class Pipeline:
         aux_scale = model.arch.router_aux_loss_coef / (self.microbatches * L.dp_shard * L.cp)
         self.modules = [StageModule(model, s, aux_scale, autocast) for s in mine]
         self.stages = [_Stage(m, s, num_stages, device, group=ctx.pp_group) for m, s in zip(self.modules, mine)]
+        for stage in self.stages:
+            stage.sync_every = cfg.train.grad_accum == "sharded"
         self.schedule = registry.get("pipeline", p.pipeline).factory.build(self.stages, self.microbatches,
                                                                            self._loss)
         self.global_tokens = 1

@@ -91,3 +91,34 @@ def test_in_place_accumulating_reduce_scatter_is_bit_identical(tmp_path):
             assert grads.keys() == expected.keys()
             for name, g in grads.items():
                 assert torch.equal(g, expected[name]), (reduce_dtype, rank, name)
+
+
+def _pipeline_reductions(rank, world, out_dir, mode):
+    from bumblebee.primitives.sharding.fsdp_comm import UnitReduceScatter
+
+    cfg = load_config(None, BASE + ["parallel.pp=2", "train.balance=micro_batch", "train.global_batch=8",
+                                    f"train.grad_accum={mode}", f"train.out_dir={out_dir}/{mode}"])
+    trainer = Trainer(cfg, stream=io.StringIO())
+    inputs = []  # one reduction = one input allocation (then its output)
+    allocate = UnitReduceScatter.allocate
+
+    def counting(self, size, **k):
+        inputs.append(self._input is None)
+        return allocate(self, size, **k)
+
+    UnitReduceScatter.allocate = counting
+    try:
+        trainer.train_step()
+    finally:
+        UnitReduceScatter.allocate = allocate
+    return sum(inputs), trainer.pipeline.microbatches
+
+
+def test_pipeline_stages_reduce_every_micro_batch_when_sharded(tmp_path):
+    """pp = 2 x dp 2: with ``"sharded"`` each stage's FSDP units reduce-scatter in every
+    micro-batch's backward (no unsharded gradient waits for the last one); ``"unsharded"``
+    reduces once per unit per step."""
+    sharded = run_distributed(_pipeline_reductions, 4, str(tmp_path), "sharded")
+    unsharded = run_distributed(_pipeline_reductions, 4, str(tmp_path), "unsharded")
+    for (n_sharded, micro), (n_once, _) in zip(sharded, unsharded):
+        assert micro == 4 and n_once > 0 and n_sharded == micro * n_once, (n_sharded, n_once, micro)
