@@ -47,7 +47,7 @@ class GatherSequence(torch.autograd.Function):
         per_rank = torch.stack([grad_BKTD[:, :, L.rank_index(r)] for r in range(L.size)]).contiguous()
         if _supports_reduce_scatter(L.group):
             mine = torch.empty_like(per_rank[0])
-            dist.reduce_scatter_tensor(mine, per_rank, group=L.group)
+            dist.reduce_scatter_single(mine, per_rank, group=L.group)
         else:
             dist.all_reduce(per_rank, group=L.group)
             mine = per_rank[L.rank]

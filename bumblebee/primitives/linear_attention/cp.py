@@ -165,7 +165,7 @@ class GatherTransitions(torch.autograd.Function):
         grad_CL = grad_CL.contiguous()
         if dist.get_backend(lay.group) != "gloo":
             mine = grad_CL.new_empty(grad_CL.shape[1:])
-            dist.reduce_scatter_tensor(mine, grad_CL.flatten(0, 1), group=lay.group)
+            dist.reduce_scatter_single(mine, grad_CL.flatten(0, 1), group=lay.group)
             return mine, None
         dist.all_reduce(grad_CL, group=lay.group)
         return grad_CL[lay.rank], None
