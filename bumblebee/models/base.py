@@ -19,7 +19,9 @@ a Hugging Face name map; everything around the layers lives here once:
 - the protocol the runtime and the sharding primitives call instead of reaching into
   attribute paths or parameter names: ``fsdp_units``, ``is_expert_param``, ``keep_stages``
   (what a pipeline stage holds), ``layer_flops``, and ``new_kv_cache`` / ``forward_cached``
-  (decoding with a K/V cache through the same layers, models/kv_cache.py).
+  (decoding with a K/V cache through the same layers, models/kv_cache.py); the routing and
+  MTP part of it (routers, router-stat rows, balance loss, bias update, MTP depth) is the
+  ``RoutingProtocol`` mixin of models/routing.py.
 
 Legend: B batch, T tokens, H hidden, V vocabulary.
 """
@@ -36,9 +38,9 @@ from torch._subclasses.fake_tensor import is_fake
 from bumblebee import registry
 from bumblebee.models.head import LMHead, summed_losses
 from bumblebee.models.kv_cache import KVCache, cache_aware
+from bumblebee.models.routing import RoutingProtocol
 from bumblebee.primitives import init
 from bumblebee.primitives.cp.layout import build_cp_layout
-from bumblebee.primitives.moe import balance
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.packed import default_position_ids, doc_layout
@@ -100,7 +102,7 @@ class Elsewhere(nn.Module):
         raise RuntimeError(f"decoder layer {self.index} lives on another pipeline stage")
 
 
-class CausalLM(nn.Module):
+class CausalLM(RoutingProtocol, nn.Module):
     """The public model object: ``model(input_ids, position_ids=None, labels=None)``.
 
     Subclasses set ``family`` and ``norm_cls`` and implement ``make_layer`` (and may
@@ -228,62 +230,6 @@ class CausalLM(nn.Module):
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
 
-    def routers(self) -> list[nn.Module]:
-        """The router of every MoE layer this rank holds, in layer order (the order of the rows of
-        ``LossTerms.router_stats``), then those of the trained MTP depths (``router_rows()`` says
-        which rows of the whole model's router stats they are)."""
-        mtp = [block.gate for block in self.mtp_moe_blocks()[:self.mtp_depth]]
-        return [layer.mlp.gate for layer in self.model.layers if getattr(layer, "is_moe", False)] + mtp
-
-    def router_row_count(self) -> int:
-        """Rows of the whole model's router stats: its decoder MoE layers, then the trained MTP
-        depths' MoE layers (the same on every pipeline stage)."""
-        return self.main_moe_layers + min(self.mtp_depth, self.mtp_moe_held)
-
-    def router_rows(self, stage: int | None = None) -> list[int]:
-        """Rows (``moe_index``) of the whole model's router stats that pipeline ``stage`` produces, in
-        its stats' order (None: every MoE layer this rank holds, ``routers()``' order)."""
-        ids = range(len(self.model.layers)) if stage is None else self.stage_layers[stage]
-        rows = [self.model.layers[i].mlp.moe_index for i in ids if getattr(self.model.layers[i], "is_moe", False)]
-        if stage is None or stage == self.num_stages - 1:
-            rows += [block.moe_index for block in self.mtp_moe_blocks()[:self.mtp_depth]]
-        return rows
-
-    def mtp_moe_blocks(self) -> list[nn.Module]:
-        """The MoE blocks of the MTP part, depth by depth."""
-        if getattr(self, "mtp", None) is None:
-            return []
-        return [m for unit in self.mtp_units() for m in unit.modules() if hasattr(m, "moe_index")]
-
-    def set_capacity(self, capacity_factor: float) -> None:
-        """Expert capacity with token dropping in every MoE layer (0: off; primitives/moe/capacity.py)."""
-        for layer in self.model.layers:
-            if getattr(layer, "is_moe", False):
-                layer.mlp.capacity_factor = float(capacity_factor)
-
-    @torch.no_grad()
-    def update_router_bias(self, counts_LE: torch.Tensor, rate: float) -> None:
-        """After an optimizer step: routers with a selection bias (``sigmoid_bias``) move it by the
-        step's global expert load ``counts_LE`` (``router_row_count()`` rows: the whole model's MoE
-        layers; a pipeline stage reads the rows of the layers it holds)."""
-        assert counts_LE.shape[0] == self.router_row_count(), (self.router_row_count(), counts_LE.shape)
-        for router, row in zip(self.routers(), self.router_rows(), strict=True):
-            if hasattr(router, "update_bias"):
-                router.update_bias(counts_LE[row], rate)
-
-    def balance_loss(self, stats_LS: torch.Tensor | None, mode: str = "micro_batch",
-                     num_layers: int | None = None) -> torch.Tensor:
-        """The balance loss of one micro-batch from its router stats: ``micro_batch`` (per layer, mean
-        over the model's MoE layers, ``num_layers`` with the MTP ones) or ``hf`` (transformers' pooled
-        definition); sums span the sequence under CP. 0 without MoE layers."""
-        if stats_LS is None:
-            return torch.zeros((), dtype=torch.float32, device=next(self.parameters()).device)
-        cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
-        if mode == "hf":
-            return balance.hf_loss(stats_LS, cp_group)
-        assert mode == "micro_batch", mode
-        return balance.micro_batch_loss(stats_LS, num_layers or self.num_moe_layers, cp_group)
-
     def expert_modules(self) -> list[nn.Module]:
         return [m for m in self.modules() if isinstance(m, Experts)]
 
@@ -295,16 +241,6 @@ class CausalLM(nn.Module):
                      for pn, _ in m.named_parameters()}
             self.__dict__["_expert_names"] = names
         return name in names
-
-    def set_mtp(self, depth: int | str = "auto", loss_weight: float = 0.1) -> None:
-        """Train the first ``depth`` MTP modules ("auto": all the model holds, 0: none) with the
-        weight ``loss_weight`` (config ``[mtp]``)."""
-        held = self.mtp_held
-        depth = held if depth == "auto" else depth
-        if not 0 <= depth <= held:
-            raise ValueError(f"mtp.depth {depth} is more than the {held} MTP module(s) this model holds "
-                             f"(set the architecture's MTP layer count to add modules)")
-        self.mtp_depth, self.mtp_loss_weight = depth, float(loss_weight)
 
     def fsdp_units(self):
         """(module, "expert" | "dense" | "embedding") in wrapping order: the embedding (when the LM
@@ -360,22 +296,8 @@ class CausalLM(nn.Module):
         record the chosen ones. ``return_stats``: also the raw router stats [L, 2E + 2] (None
         without MoE layers), for the bias update of ``sigmoid_bias`` routers."""
         h, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing)
-        aux = self.balance_loss(stats_LS, num_layers=self.router_row_count() if stage is not None else None)
+        aux = self.part_balance(stats_LS, stage)
         return (h, aux, stats_LS) if return_stats else (h, aux)
-
-    @property
-    def pipelined_mtp(self) -> bool:
-        """MTP trained on the last of several pipeline stages: stage 0 embeds the shifted tokens
-        and the stages pass those embeddings on beside the hidden states."""
-        return self.num_stages > 1 and self.mtp_depth > 0
-
-    @torch.no_grad()
-    def record_routing(self, input_ids, position_ids=None) -> torch.Tensor:
-        """The experts every MoE layer chooses for ``input_ids`` [B, T]: ids [B, T, L, K] (L MoE
-        layers in order), from a no-grad forward; feed them back as ``RoutingScope(replay_BTLK=...)``."""
-        scope = routing_replay.RoutingScope(record={})
-        self.hidden_states(input_ids, position_ids, routing=scope)
-        return scope.recorded()
 
     def routed_hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None, routing=None,
                              context: list | None = None):
@@ -473,7 +395,7 @@ class CausalLM(nn.Module):
         head weight, the balance loss as ``hidden_states`` gives it[, the raw router stats]): e.g.
         per-token log-probs. ``stage``: the last pipeline stage; ``routing``: a ``RoutingScope``."""
         h_BTH, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing)
-        aux = self.balance_loss(stats_LS, num_layers=self.router_row_count() if stage is not None else None)
+        aux = self.part_balance(stats_LS, stage)
         out = self.apply_head(fn, h_BTH.reshape(-1, h_BTH.shape[-1]), *args, **kwargs)
         return (out, aux, stats_LS) if return_stats else (out, aux)
 
