@@ -49,14 +49,21 @@ def test_gradients_are_sharded_after_each_micro_batch(tmp_path):
     assert all(g is None for g in grads.values()), "unsharded accumulation holds gradients inside FSDP"
 
 
-def _two_micro_batches(rank, world, out_dir, reduce_dtype, default_comm):
+def _two_micro_batches(rank, world, out_dir, reduce_dtype, comm):
+    """comm: "default" (FSDP2's reduce-scatter), "gloo" (ours, the in-place all-reduce this group
+    gets) or "collective" (ours as on NCCL: a reduce-scatter whose output may be its input's chunk)."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+    from bumblebee.primitives.sharding import fsdp_comm
     from bumblebee.primitives.sharding.fsdp_comm import UnitReduceScatter
 
+    if comm == "collective":
+        fsdp_comm._gloo = lambda mesh: False
     cfg = load_config(None, BASE + [f"train.reduce_dtype={reduce_dtype}", f"train.out_dir={out_dir}/{rank}"])
     trainer = Trainer(cfg, stream=io.StringIO())
-    if default_comm:
+    assert all(getattr(u._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm, "gloo", None)
+               == (comm == "gloo") for u in trainer.sharding.units) or comm == "default"
+    if comm == "default":
         for unit in trainer.sharding.units:
             unit.set_custom_reduce_scatter(DefaultReduceScatter())
     in_place = []
@@ -80,17 +87,18 @@ def _two_micro_batches(rank, world, out_dir, reduce_dtype, default_comm):
 
 def test_in_place_accumulating_reduce_scatter_is_bit_identical(tmp_path):
     """Micro-batches 2..n reduce-scatter in place into the input buffer (no output buffer): the
-    sharded gradients are bit-identical to FSDP2's own reduce-scatter, fp32 and bf16 reduce."""
-    for reduce_dtype in ("float32", "bfloat16"):
-        ours = run_distributed(_two_micro_batches, 2, str(tmp_path / "a"), reduce_dtype, False)
-        ref = run_distributed(_two_micro_batches, 2, str(tmp_path / "b"), reduce_dtype, True)
+    sharded gradients are bit-identical to FSDP2's own reduce-scatter, fp32 and bf16 reduce, both
+    through the gloo form (in-place all-reduce) and the collective form NCCL runs."""
+    for reduce_dtype, comm in (("float32", "gloo"), ("bfloat16", "gloo"), ("float32", "collective")):
+        ours = run_distributed(_two_micro_batches, 2, str(tmp_path / "a"), reduce_dtype, comm)
+        ref = run_distributed(_two_micro_batches, 2, str(tmp_path / "b"), reduce_dtype, "default")
         for rank in range(2):
             (grads, in_place), (expected, _) = ours[rank], ref[rank]
             n = len(in_place) // 2
             assert n and not any(in_place[:n]) and all(in_place[n:]), in_place  # in place from micro-batch 2
             assert grads.keys() == expected.keys()
             for name, g in grads.items():
-                assert torch.equal(g, expected[name]), (reduce_dtype, rank, name)
+                assert torch.equal(g, expected[name]), (reduce_dtype, comm, rank, name)
 
 
 def _pipeline_reductions(rank, world, out_dir, mode):

@@ -108,9 +108,13 @@ def own_slots(unit, units) -> list:
     return [(m, name) for m in unit.modules() if id(m) not in nested for name in m._parameters]
 
 
+def _gloo(mesh) -> bool:
+    return dist.get_backend(mesh.get_group()) == "gloo"
+
+
 def set_unit_comms(unit, units, mesh) -> None:
     """Give FSDP unit ``unit`` (one of ``units``, on 1-D ``mesh``) these collectives."""
-    gloo = dist.get_backend(mesh.get_group()) == "gloo"
+    gloo = _gloo(mesh)
     unit.set_custom_reduce_scatter(UnitReduceScatter(own_slots(unit, units), mesh, gloo))
     if gloo:
         unit.set_custom_all_gather(InPlaceAllGather())
