@@ -7,8 +7,8 @@ tokens whatever the layout). Because the batch depends only on the seed and the
 step, the same config gives the same token stream on any layout, and a resumed
 run continues the stream exactly.
 
-Sources: ``synthetic`` (the embedded task), ``jsonl`` (pre-tokenized, read
-whole), ``tokens`` (a prepared memory-mapped directory, read row by row),
+Sources: ``synthetic`` (the embedded task), ``jsonl`` (pre-tokenized, validated
+in one pass, then read by offset: only a rank's rows), ``tokens`` (a prepared memory-mapped directory, read row by row),
 ``text`` / ``chat`` (tokenized at start with a local Hugging Face tokenizer,
 then packed like ``tokens``). ``eval_batch_list()`` gives held-out global
 batches where the source has a held-out split.
@@ -17,32 +17,6 @@ batches where the source has a held-out split.
 from __future__ import annotations
 
 from bumblebee.data.packing import Batch
-
-
-class GlobalBatchRows:
-    """``rows_at`` / ``num_valid_at`` for a source that builds whole global batches
-    (``global_batch_at``): the step's batch is built once and sliced per request."""
-
-    def __init__(self, source):
-        self.source, self._step, self._batch = source, None, None
-        self.stats: dict = {}
-
-    def global_batch_at(self, step: int) -> Batch:
-        if step != self._step:
-            self._step, self._batch = step, self.source.global_batch_at(step)
-        return self._batch
-
-    def rows_at(self, step: int, lo: int, hi: int) -> Batch:
-        return self.global_batch_at(step).rows(lo, hi)
-
-    def num_valid_at(self, step: int) -> int:
-        return self.global_batch_at(step).num_valid
-
-    def eval_batch_list(self) -> list[Batch]:
-        return []
-
-    def describe(self) -> str:
-        return ""
 
 
 def _token_store(data_cfg, path: str):
@@ -70,9 +44,8 @@ def build_source(data_cfg, train_cfg, vocab_size: int):
     if data_cfg.source == "jsonl":
         from bumblebee.data.jsonl import JsonlSource
 
-        return GlobalBatchRows(JsonlSource(data_cfg.path, seq_len=train_cfg.seq_len,
-                                           global_batch=train_cfg.global_batch, seed=train_cfg.seed,
-                                           vocab_size=vocab_size))
+        return JsonlSource(data_cfg.path, seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
+                           seed=train_cfg.seed, vocab_size=vocab_size)
     from bumblebee.data.stream import TokenSource
 
     eval_store = _token_store(data_cfg, data_cfg.eval_path) if data_cfg.eval_path else None
@@ -82,4 +55,4 @@ def build_source(data_cfg, train_cfg, vocab_size: int):
                        eval_batches=data_cfg.eval_batches)
 
 
-__all__ = ["Batch", "GlobalBatchRows", "build_source"]
+__all__ = ["Batch", "build_source"]

@@ -5,26 +5,62 @@ targets. Samples are packed greedily, in file order, into rows of ``seq_len``;
 a sample longer than a row is split into row-sized pieces. Rows are shuffled
 per epoch with the run's seed. Any malformed line fails the run up front with
 ``file:line: what is wrong``.
+
+The file is not held in memory: one pass at start validates every line and keeps,
+per sample, its byte offset, and per row, which pieces of which samples it packs
+and its label count; a rank then reads only the samples of the rows it is asked
+for (``rows_at``), so memory is a few integers per sample and per row whatever
+the file's size. For large corpora ``bumblebee data prepare`` + the ``tokens``
+source is still the better path (no JSON parsing per step).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from array import array
+from collections.abc import Callable
 
-import torch
 
 from bumblebee.data.errors import DataError
 from bumblebee.data.packing import Batch, RowPacker, stack_rows
 
-__all__ = ["DataError", "JsonlSource", "read_samples"]
+__all__ = ["DataError", "JsonlSource", "read_samples", "scan_samples"]
 
 _COMPRESSED = [(b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"),
                (b"PK\x03\x04", "zip")]
 
 
-def read_samples(path: str, vocab_size: int) -> list[tuple[list[int], list[bool]]]:
-    samples = []
+def _sample(raw: bytes, where: str, vocab_size: int) -> tuple[list[int], list[bool]] | None:
+    """One line: (token ids, loss mask), None for a blank line; a DataError naming ``where``."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text (byte {e.start}); data.path must be UTF-8 JSONL") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise DataError(f"{where}: not valid JSON ({getattr(e, 'msg', 'nested too deeply')})") from None
+    if not isinstance(obj, dict) or "input_ids" not in obj:
+        raise DataError(f"{where}: expected an object with 'input_ids' (and optional 'loss_mask')")
+    ids, mask = obj["input_ids"], obj.get("loss_mask")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise DataError(f"{where}: 'input_ids' must be a non-empty list of integers")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise DataError(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    if mask is None:
+        mask = [1] * len(ids)
+    if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1, True, False) for m in mask):
+        raise DataError(f"{where}: 'loss_mask' must be a list of 0/1 of the same length as 'input_ids'")
+    return ids, [bool(m) for m in mask]
+
+
+def scan_samples(path: str, vocab_size: int, visit: Callable[[int, list[int], list[bool]], None]) -> int:
+    """Validate every line of ``path``, calling ``visit(byte offset, ids, mask)`` per sample in
+    file order without keeping any; returns the number of samples (a DataError if none)."""
     try:
         with open(path, "rb") as f:
             head = f.read(6)
@@ -34,64 +70,111 @@ def read_samples(path: str, vocab_size: int) -> list[tuple[list[int], list[bool]
         if head.startswith(magic):
             raise DataError(f"{path}: a {kind}-compressed file; data.path must be plain UTF-8 JSONL "
                             f"(decompress it first)")
+    count, offset = 0, 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text (byte {e.start}); data.path must be UTF-8 JSONL") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise DataError(f"{where}: not valid JSON ({getattr(e, 'msg', 'nested too deeply')})") from None
-            if not isinstance(obj, dict) or "input_ids" not in obj:
-                raise DataError(f"{where}: expected an object with 'input_ids' (and optional 'loss_mask')")
-            ids, mask = obj["input_ids"], obj.get("loss_mask")
-            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool)
-                                                              for i in ids):
-                raise DataError(f"{where}: 'input_ids' must be a non-empty list of integers")
-            bad = [i for i in ids if not 0 <= i < vocab_size]
-            if bad:
-                raise DataError(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-            if mask is None:
-                mask = [1] * len(ids)
-            if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1, True, False)
-                                                                               for m in mask):
-                raise DataError(f"{where}: 'loss_mask' must be a list of 0/1 of the same length as 'input_ids'")
-            samples.append((ids, [bool(m) for m in mask]))
-    if not samples:
+            sample = _sample(raw, f"{path}:{lineno}", vocab_size)
+            if sample is not None:
+                visit(offset, *sample)
+                count += 1
+            offset += len(raw)
+    if not count:
         raise DataError(f"{path}: no samples")
+    return count
+
+
+def read_samples(path: str, vocab_size: int) -> list[tuple[list[int], list[bool]]]:
+    """Every sample of ``path`` in memory (small files, tests); the source streams instead."""
+    samples: list = []
+    scan_samples(path, vocab_size, lambda _offset, ids, mask: samples.append((ids, mask)))
     return samples
 
 
 class JsonlSource:
-    def __init__(self, path: str, *, seq_len: int, global_batch: int, seed: int, vocab_size: int, pad_id: int = 0):
-        self.global_batch, self.seed = global_batch, seed
-        rows, packer = [], RowPacker(seq_len, pad_id)
-        for ids, mask in read_samples(path, vocab_size):
-            for s in range(0, len(ids), seq_len):
-                piece, piece_mask = ids[s:s + seq_len], mask[s:s + seq_len]
-                if len(piece) > packer.free:
-                    rows.append(packer.finish())
-                    packer = RowPacker(seq_len, pad_id)
-                packer.add(piece, piece_mask)
-        if packer.ids:
-            rows.append(packer.finish())
-        self.rows = stack_rows(rows)
+    """Rows of a global batch from a JSONL file, read by offset (see the module docstring).
+    ``rows_at`` / ``num_valid_at`` as every source; ``global_batch_at`` for a whole batch."""
 
-    def global_batch_at(self, step: int) -> Batch:
-        """Rows step*B .. step*B+B-1 of the endless stream of per-epoch shuffles."""
-        n = self.rows.input_ids.shape[0]
-        perms: dict[int, list[int]] = {}
-        order = []
+    def __init__(self, path: str, *, seq_len: int, global_batch: int, seed: int, vocab_size: int, pad_id: int = 0):
+        self.path, self.seq_len, self.pad_id, self.vocab_size = path, seq_len, pad_id, vocab_size
+        self.global_batch, self.seed = global_batch, seed
+        self.offsets = array("q")  # byte offset of every sample's line
+        self.plans: list[list[tuple[int, int, int]]] = []  # per row: (sample, start, stop) pieces in order
+        self.valid = array("q")  # per row: its label count
+        row, free, valid = [], seq_len, 0
+
+        def visit(offset: int, ids: list[int], mask: list[bool]) -> None:
+            nonlocal row, free, valid
+            sample = len(self.offsets)
+            self.offsets.append(offset)
+            for s in range(0, len(ids), seq_len):
+                e = min(s + seq_len, len(ids))
+                if e - s > free:
+                    self.plans.append(row)
+                    self.valid.append(valid)
+                    row, free, valid = [], seq_len, 0
+                row.append((sample, s, e))
+                free -= e - s
+                valid += sum(mask[s + 1:e])  # position t has a label iff token t + 1 is marked (packing.py)
+
+        scan_samples(path, vocab_size, visit)
+        if row:
+            self.plans.append(row)
+            self.valid.append(valid)
+        self._perm: tuple[int, list[int]] | None = None  # the last epoch's shuffle
+        self.stats: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def _read(self, f, sample: int) -> tuple[list[int], list[bool]]:
+        f.seek(self.offsets[sample])
+        got = _sample(f.readline(), f"{self.path} (sample {sample})", self.vocab_size)
+        if got is None:  # the file changed under the run
+            raise DataError(f"{self.path}: sample {sample} is no longer at byte {self.offsets[sample]}")
+        return got
+
+    def _rows(self, rows: list[int]) -> Batch:
+        with open(self.path, "rb") as f:
+            built = []
+            for r in rows:
+                packer = RowPacker(self.seq_len, self.pad_id)
+                for sample, s, e in self.plans[r]:
+                    ids, mask = self._read(f, sample)
+                    if e > len(ids):
+                        raise DataError(f"{self.path}: sample {sample} changed since the run started")
+                    packer.add(ids[s:e], mask[s:e])
+                built.append(packer.finish())
+        return stack_rows(built)
+
+    def order(self, step: int) -> list[int]:
+        """Row indices of global batch ``step``: rows step*B .. step*B+B-1 of the endless stream of
+        per-epoch shuffles."""
+        n = len(self.plans)
+        out = []
         for g in range(step * self.global_batch, (step + 1) * self.global_batch):
             epoch = g // n
-            if epoch not in perms:
-                perms[epoch] = list(range(n))
-                random.Random(self.seed * 7919 + epoch).shuffle(perms[epoch])
-            order.append(perms[epoch][g % n])
-        idx = torch.tensor(order)
-        return Batch(self.rows.input_ids[idx], self.rows.labels[idx], self.rows.position_ids[idx])
+            if self._perm is None or self._perm[0] != epoch:
+                perm = list(range(n))
+                random.Random(self.seed * 7919 + epoch).shuffle(perm)
+                self._perm = (epoch, perm)
+            out.append(self._perm[1][g % n])
+        return out
+
+    def rows_at(self, step: int, lo: int, hi: int) -> Batch:
+        return self._rows(self.order(step)[lo:hi])
+
+    def num_valid_at(self, step: int) -> int:
+        return sum(self.valid[r] for r in self.order(step))
+
+    def global_batch_at(self, step: int) -> Batch:
+        return self.rows_at(step, 0, self.global_batch)
+
+    def all_rows(self) -> Batch:
+        """Every packed row in file order (reads the whole file: small files and tests)."""
+        return self._rows(list(range(len(self.plans))))
+
+    def eval_batch_list(self) -> list[Batch]:
+        return []
+
+    def describe(self) -> str:
+        return ""

@@ -43,10 +43,16 @@ def preflight(cfg: Config, world: int):
                               f"{t.seq_len} / {2 * layout.cp} = {chunk} tokens, fewer than the conv window "
                               f"({window}); use train.seq_len >= {2 * layout.cp * window} or a smaller cp")
     if d.source == "jsonl":
-        from bumblebee.data.jsonl import read_samples
+        from bumblebee.data.jsonl import scan_samples
 
-        samples = read_samples(d.path, arch.vocab_size)
-        if not any(any(mask[1:]) for _, mask in samples):  # a token's label is the next token
+        trainable = []  # one pass, nothing kept: a token's label is the next token
+
+        def visit(_offset, _ids, mask):
+            if not trainable and any(mask[1:]):
+                trainable.append(True)
+
+        scan_samples(d.path, arch.vocab_size, visit)
+        if not trainable:
             raise ConfigError(f"{d.path}: no sample has a loss token after its first token (all loss_mask "
                               "false, or one-token documents): there is nothing to train on")
     if t.resume:

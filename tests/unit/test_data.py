@@ -59,20 +59,23 @@ def test_jsonl_packing_exact_rows_and_errors(tmp_path):
     f.write_text("\n".join(json.dumps(s) for s in [
         {"input_ids": [1, 2, 3, 4]}, {"input_ids": [5, 6], "loss_mask": [0, 1]}, {"input_ids": list(range(9))}]))
     src = JsonlSource(str(f), seq_len=6, global_batch=2, seed=0, vocab_size=16)
+    rows = src.all_rows()
     I = IGNORE  # noqa: E741
-    assert src.rows.input_ids.tolist() == [[1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5], [6, 7, 8, 0, 0, 0]]
-    assert src.rows.labels.tolist() == [[2, 3, 4, I, 6, I], [1, 2, 3, 4, 5, I], [7, 8, I, I, I, I]]
-    assert src.rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]]
+    assert rows.input_ids.tolist() == [[1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5], [6, 7, 8, 0, 0, 0]]
+    assert rows.labels.tolist() == [[2, 3, 4, I, 6, I], [1, 2, 3, 4, 5, I], [7, 8, I, I, I, I]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]]
     # the stream: global batch g covers rows g*B .. g*B+B-1 of per-epoch shuffles of all rows
-    table = [tuple(r) for r in src.rows.input_ids.tolist()]
+    table = [tuple(r) for r in rows.input_ids.tolist()]
     seen = []
     for step in range(3):  # 6 rows = two epochs of 3
         b = src.global_batch_at(step)
         for r in range(2):
             i = table.index(tuple(b.input_ids[r].tolist()))
-            assert b.labels[r].tolist() == src.rows.labels[i].tolist()
-            assert b.position_ids[r].tolist() == src.rows.position_ids[i].tolist()
+            assert b.labels[r].tolist() == rows.labels[i].tolist()
+            assert b.position_ids[r].tolist() == rows.position_ids[i].tolist()
             seen.append(i)
+        assert b.num_valid == src.num_valid_at(step)
+        assert src.rows_at(step, 1, 2).input_ids.equal(b.input_ids[1:2])  # a rank reads its rows alone
     assert sorted(seen[:3]) == sorted(seen[3:]) == [0, 1, 2]
     assert src.global_batch_at(1).input_ids.equal(src.global_batch_at(1).input_ids)
     bad = tmp_path / "bad.jsonl"
@@ -92,7 +95,7 @@ def test_jsonl_loss_mask_token_by_token(tmp_path):
     mask = [0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1]
     f = tmp_path / "chat.jsonl"
     f.write_text(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
-    rows = JsonlSource(str(f), seq_len=16, global_batch=1, seed=0, vocab_size=32).rows
+    rows = JsonlSource(str(f), seq_len=16, global_batch=1, seed=0, vocab_size=32).all_rows()
     labels = rows.labels[0].tolist()
     want = [ids[t + 1] if t + 1 < len(ids) and mask[t + 1] else IGNORE for t in range(16)]
     assert labels == want
@@ -112,3 +115,26 @@ def test_synthetic_stream_is_identical_across_processes():
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PYTHONHASHSEED": str(h), "PATH": ""}).stdout for h in (1, 2)}
     assert len(outs) == 1 and outs.pop().strip().isdigit()
+
+
+def test_jsonl_source_holds_no_samples(tmp_path):
+    """The source keeps offsets and row plans, not tokens: Python memory while it validates and
+    plans a 0.5 M-token file and builds a batch stays far below the file's token lists (measured
+    with tracemalloc: holding every sample, the previous loader, peaked at ~16x the file's bytes)."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+    f = tmp_path / "big.jsonl"
+    f.write_text("".join(json.dumps({"input_ids": [rng.randrange(1000) for _ in range(500)]}) + "\n"
+                         for _ in range(1000)))
+    size = f.stat().st_size
+    tracemalloc.start()
+    try:
+        src = JsonlSource(str(f), seq_len=1024, global_batch=4, seed=0, vocab_size=1000)
+        batch = src.global_batch_at(3)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(src) == 500 and batch.input_ids.shape == (4, 1024)
+    assert peak < size // 4, f"peak {peak} bytes for a {size}-byte file"
