@@ -35,9 +35,13 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from verl.utils import tensordict_utils as tu
-from verl.workers.engine import BaseEngine, EngineRegistry
-from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+
+try:
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine import BaseEngine, EngineRegistry
+    from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+except ImportError:
+    raise ImportError("bumblebee.integrations.verl needs verl: pip install 'bumblebee[verl]'") from None
 
 from bumblebee.config import Config, ConfigError
 from bumblebee.runtime.resolve import load_config
