@@ -5,6 +5,8 @@ all-gather reference on 2 and 4 ranks, for documents crossing zigzag chunk borde
 two rows. Also: the CPU ring's forward keeps fp32 scores under bf16 autocast (forward and
 backward agree)."""
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
@@ -68,3 +70,41 @@ def _autocast_ranks(rank, world):
 def test_ring_forward_scores_fp32_under_autocast():
     for err in run_distributed(_autocast_ranks, 2):
         assert err < 1e-3, err  # bf16 scores (the old forward) give ~5e-3
+
+
+def _one_row_ranks(rank, world, checked):
+    """One row per micro-batch, K/V as the model hands them over: [B, L, H, D] projections with
+    partial RoPE (rotated dims concatenated to the rest), transposed to [B, H, L, D]; for one row
+    the flattened blocks are strided views, and the ring must still send and receive them whole."""
+    from bumblebee.primitives.comm_check import CheckedComm
+
+    g = torch.Generator().manual_seed(1)
+    pos = torch.cat([torch.arange(n) for n in (9, 30, 9)])[None]
+    L = 48 // world
+    layout = build_cp_layout(shard_sequence(pos, world, rank), dist.group.WORLD)
+
+    def heads(H):  # [1, L, H, D] -> cat(rotated half, pass half) -> [1, H, L, D], non-contiguous
+        x = torch.randn(1, 48, H, D, generator=g)
+        x = shard_sequence(x, world, rank)
+        return torch.cat([x[..., :D // 2].flip(-1), x[..., D // 2:]], -1).transpose(1, 2)
+
+    q, k, v = heads(N), heads(K), heads(K)
+    do = torch.randn(1, N, L, D, generator=g)
+    assert not k.is_contiguous()
+    out = {}
+    for name, fn in (("allgather", allgather_attention),
+                     ("ring_flash", lambda *a: ring_flash_attention(*a, kernel=reference_block_kernel()))):
+        xs = [x.detach().requires_grad_() for x in (q, k, v)]
+        with CheckedComm() if checked else contextlib.nullcontext():
+            o = fn(*(x.clone() for x in xs), layout, 0.35)  # clone keeps the strides
+        o.backward(do)
+        out[name] = [o.detach()] + [x.grad for x in xs]
+    return max(((a - b).norm() / b.norm()).item() for a, b in zip(out["ring_flash"], out["allgather"]))
+
+
+def test_ring_one_row_strided_kv():
+    # planted: ring_comm's receive buffers as torch.empty_like(strided block) -> gloo raises
+    # "input tensor has to be contiguous"; CheckedComm names the buffer (NCCL would scramble it)
+    for checked in (False, True):
+        for err in run_distributed(_one_row_ranks, 2, checked):
+            assert err < 1e-5, err

@@ -34,8 +34,9 @@ class GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BKLD, layout: CPLayout):
         ctx.layout = layout
+        x_BKLD = x_BKLD.contiguous()  # and so are the outputs (empty_like keeps a view's strides)
         parts = [torch.empty_like(x_BKLD) for _ in range(layout.size)]
-        dist.all_gather(parts, x_BKLD.contiguous(), group=layout.group)
+        dist.all_gather(parts, x_BKLD, group=layout.group)
         out = x_BKLD.new_empty(x_BKLD.shape[:2] + (layout.seq_len,) + x_BKLD.shape[3:])
         for r, p in enumerate(parts):
             out[:, :, layout.rank_index(r)] = p

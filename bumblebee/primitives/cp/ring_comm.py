@@ -11,11 +11,13 @@ from bumblebee.primitives.cp.layout import CPLayout
 
 def ring_pass(tensors: list[torch.Tensor], layout: CPLayout):
     """Start sending ``tensors`` to the next rank and receiving the previous rank's.
-    Returns (received buffers, a wait() callable)."""
+    Returns (received buffers, a wait() callable). Buffers are contiguous whatever the inputs'
+    strides: NCCL writes a message's bytes in memory order, so a buffer shaped like a strided
+    view (``empty_like`` keeps the strides of a dense permuted view) would get them scrambled."""
     g = layout.group
     nxt = dist.get_global_rank(g, (layout.rank + 1) % layout.size)
     prv = dist.get_global_rank(g, (layout.rank - 1) % layout.size)
-    bufs = [torch.empty_like(t) for t in tensors]
+    bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, g) for t in tensors]
     ops += [dist.P2POp(dist.irecv, b, prv, g) for b in bufs]
     works = dist.batch_isend_irecv(ops)

@@ -165,9 +165,10 @@ def step_pairs(layout: CPLayout, src: int) -> list[Pair]:
 
 
 def _flat(x_BHLD: torch.Tensor) -> torch.Tensor:
-    """[B, H, L, D] -> [B*L, H, D]."""
+    """[B, H, L, D] -> [B*L, H, D], contiguous (with one row ``reshape`` would return a strided view;
+    the blocks travel the ring and the kernels index rows of it)."""
     B, H, L, D = x_BHLD.shape
-    return x_BHLD.transpose(1, 2).reshape(B * L, H, D)
+    return x_BHLD.transpose(1, 2).reshape(B * L, H, D).contiguous()
 
 
 def forward_step(q, o, lse, k, v, layout: CPLayout, src: int, scale: float, kernel: BlockKernel) -> None:
