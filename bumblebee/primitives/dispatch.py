@@ -13,7 +13,9 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 | linear_attention / chunked | FLA ``chunk_gated_delta_rule`` if ``fla`` imports, else chunked PyTorch | same | chunked PyTorch |
 
 References (``sdpa``, ``allgather``, ``recurrent``) and every other implementation run their
-own PyTorch code everywhere. The flash kernels take only half precision (flash-attention's
+own PyTorch code everywhere. Under the emulated-CUDA mode (``emulation.py``, ``train.emulate_cuda``)
+the implementations pass ``emulation.kind(tensor)`` ("cuda" for CPU tensors too) and the table
+answers its CUDA, bf16, fla-present column for any dtype. The flash kernels take only half precision (flash-attention's
 constraint); FLA's Triton kernels need a GPU (``pip install -e ".[gpu]"`` adds ``fla-core``).
 """
 
@@ -24,6 +26,8 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
+
+from bumblebee.primitives import emulation
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -55,6 +59,8 @@ def select(slot: str, impl: str, device: str, dtype, *, fla: bool | None = None)
     ``fla`` overrides the package check (the planner asks "what if it were installed")."""
     dtype, cuda = _dtype(dtype), device == "cuda"
     fla = package_present("fla") if fla is None else fla
+    if cuda and emulation.active():  # every CUDA branch, its kernels replaced by their references
+        dtype, fla = torch.bfloat16, True
     if (slot, impl) == ("attention", "varlen"):
         if cuda and dtype in HALF:
             return Kernel("varlen_attn", "varlen_attn (flash)", True)

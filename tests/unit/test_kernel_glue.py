@@ -4,6 +4,8 @@ exact signatures and semantics (``reference_varlen_attn`` for PyTorch's ``varlen
 cu_seqlens from per-document position ids, GQA / GVA head maps, carried states. Plus the
 affine-scan identity CP relies on, through the FLA glue, and the dispatch table."""
 
+import contextlib
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -106,3 +108,60 @@ def test_dispatch_table():
 def test_dispatch_rows_cover_devices(slot, impl):
     rows = dispatch.rows(slot, impl)
     assert {r[0] for r in rows} == {"cuda", "cpu"} and all(r[2] for r in rows)
+
+
+MANY = [[3, 2, 4, 1, 5, 3, 6], [2, 2, 20], [24]]  # rows of 7, 3 and 1 documents
+
+
+def many_layout():
+    return doc_layout(torch.stack([torch.cat([torch.arange(n) for n in row]) for row in MANY]))
+
+
+def test_fla_glue_states_only_for_edge_documents():
+    """Per-document states blow up at long context with short documents (one fp32 [H, K, V] each):
+    only each row's first and last document get one; the rest run without (planted: one call with
+    a state per document -> 11 states, not 5)."""
+    seen = []
+
+    def recording(*a, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):
+        seen.append((0 if initial_state is None else initial_state.shape[0], output_final_state,
+                     cu_seqlens.numel() - 1))
+        return reference_chunk_gated_delta_rule(*a, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                                output_final_state=output_final_state, **kw)
+
+    xs = [x.requires_grad_() for x in gdn_inputs(B=3)]
+    results = []
+    for fn in (lambda *a: fla_gated_delta_rule(*a, kernel=recording), gated_delta_rule_recurrent):
+        o, S = fn(*xs[:5], many_layout(), xs[5])
+        grads = torch.autograd.grad(o.square().sum() + S.square().sum(), xs)
+        results.append((o, S, *grads))
+    for a, b in zip(*results):
+        assert rel(a, b) < 1e-5
+    states = sum(n for n, _, _ in seen)
+    assert states <= 2 * 3, seen  # <= 2 per row: 5 here (the one-document row has one)
+    assert sum(docs for _, _, docs in seen) == 11  # every document still runs
+
+
+def test_fla_custom_op_under_emulation():
+    """The CUDA branch (``bumblebee::fla_gdn`` op, its registered autograd and the backward op)
+    runs on CPU in the emulated-CUDA mode with the reference kernel inside; gradients equal the
+    plain reference's, and ``torch.library.opcheck`` accepts the op's schema, fake and autograd."""
+    from bumblebee.primitives.emulation import emulate_cuda
+    from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_chunked
+
+    xs = [x.requires_grad_() for x in gdn_inputs(B=3)]
+    results = []
+    for emulated in (True, False):
+        with emulate_cuda(check_comm=False) if emulated else contextlib.nullcontext():
+            o, S = gated_delta_rule_chunked(*xs[:5], many_layout(), xs[5])
+            grads = torch.autograd.grad(o.square().sum() + S.square().sum(), xs)
+        results.append((o, S, *grads))
+    for a, b in zip(*results):
+        assert rel(a, b) < 1e-5
+    flat = [x.detach().reshape((1, -1) + tuple(x.shape[2:])).requires_grad_() for x in xs[:5]]
+    cu = torch.tensor([0, 30, 72], dtype=torch.long)
+    args = (*flat, xs[5][:2].detach().requires_grad_(), cu, 0.35, True)
+    with emulate_cuda(check_comm=False):
+        # not the aot_dispatch utils: the backward op runs autograd inside (bumblebee never compiles)
+        torch.library.opcheck(torch.ops.bumblebee.fla_gdn, args,
+                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

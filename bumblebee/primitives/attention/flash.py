@@ -33,7 +33,12 @@ def cu_seqlens(layout: DocLayout, device) -> tuple[torch.Tensor, int]:
 
 
 def cuda_varlen_attn():
-    """PyTorch's kernel (imported lazily: absent before PyTorch 2.10)."""
+    """PyTorch's kernel (imported lazily: absent before PyTorch 2.10); its reference under the
+    emulated-CUDA mode."""
+    from bumblebee.primitives import emulation
+
+    if emulation.active():
+        return reference_varlen_attn
     from torch.nn.attention.varlen import varlen_attn
 
     return varlen_attn

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import flash_varlen
 from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.packed import DocLayout
@@ -41,7 +42,7 @@ def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
 
 @register("attention", "varlen", summary="packed documents, no mask: varlen_attn (CUDA, half) or SDPA per document")
 def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
-    if select("attention", "varlen", q_BNTD.device.type, q_BNTD.dtype).name == "varlen_attn":
+    if select("attention", "varlen", emulation.kind(q_BNTD), q_BNTD.dtype).name == "varlen_attn":
         return flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout, scale)
     gqa = q_BNTD.shape[1] != k_BKTD.shape[1]
     if layout.single_doc:

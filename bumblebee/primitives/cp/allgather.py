@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bumblebee.primitives import emulation
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.registry import register
 
 
 def _supports_reduce_scatter(group) -> bool:
-    return dist.get_backend(group) != "gloo"
+    return emulation.nccl_branch(group)
 
 
 class GatherSequence(torch.autograd.Function):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from bumblebee.primitives import emulation
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring_comm import backward_hop
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
@@ -146,6 +147,6 @@ class RingAttention(torch.autograd.Function):
 
 @register("cp", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")
 def ring_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
-    if select("cp", "ring", q_BNLD.device.type, q_BNLD.dtype).name == "ring_varlen_attn":
+    if select("cp", "ring", emulation.kind(q_BNLD), q_BNLD.dtype).name == "ring_varlen_attn":
         return ring_flash_attention(q_BNLD, k_BKLD, v_BKLD, layout, scale)
     return RingAttention.apply(q_BNLD, k_BKLD, v_BKLD, layout, scale)

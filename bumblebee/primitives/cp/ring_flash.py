@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import reference_varlen_attn
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring_comm import backward_hop
@@ -54,6 +55,10 @@ class BlockKernel:
 
 
 def cuda_block_kernel() -> BlockKernel:
+    """PyTorch's flash ops; ``reference_block_kernel()`` under the emulated-CUDA mode."""
+    if emulation.active():
+        return reference_block_kernel()
+
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         o, lse, _ = torch.ops.torch_attn._varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale,
                                                       [-1, 0] if causal else [-1, -1], k.shape[1] != q.shape[1])

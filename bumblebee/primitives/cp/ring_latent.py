@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bumblebee.primitives import emulation
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring import backward_block, forward_block
 from bumblebee.primitives.cp.ring_comm import backward_hop, ring_pass
@@ -150,6 +151,6 @@ def latent_ring_attention(q_BNLD, lat_BLX, w, layout: CPLayout, scale: float, v_
     shared rope key), ``w`` = ``kv_b_proj.weight`` [N (Dn + Dv), C] -> output [B, N, L, Dv]. The
     block kernel follows ``primitives/dispatch.py`` (CUDA bf16/fp16: varlen flash steps) unless
     given; ``save_expanded`` keeps every hop's expansion for backward (measurement only)."""
-    if kernel is None and select("cp", "ring", q_BNLD.device.type, q_BNLD.dtype).name == "ring_varlen_attn":
+    if kernel is None and select("cp", "ring", emulation.kind(q_BNLD), q_BNLD.dtype).name == "ring_varlen_attn":
         kernel = cuda_block_kernel()
     return LatentRingAttention.apply(q_BNLD, lat_BLX, w, layout, scale, v_dim, kernel, save_expanded)

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bumblebee.primitives import emulation
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.relayout import contiguous_to_zigzag, exchange, zigzag_place, zigzag_to_contiguous
 from bumblebee.primitives.linear_attention.cp_relay import relay_core
@@ -163,7 +164,7 @@ class GatherTransitions(torch.autograd.Function):
     def backward(ctx, grad_CL):
         lay = ctx.layout
         grad_CL = grad_CL.contiguous()
-        if dist.get_backend(lay.group) != "gloo":
+        if emulation.nccl_branch(lay.group):
             mine = grad_CL.new_empty(grad_CL.shape[1:])
             dist.reduce_scatter_single(mine, grad_CL.flatten(0, 1), group=lay.group)
             return mine, None

@@ -11,10 +11,12 @@ PyTorch paths.
 
 The glue here: rows laid back to back, document boundaries from the layout's host ints,
 the row's carried state placed on its first document (every later document starts from
-zero), and the final state of each row's last document picked out. On CUDA the kernel runs
-inside the custom op ``bumblebee::fla_gdn`` (``register_fake`` gives fake-tensor runs and
-``torch.compile`` its shapes; its backward re-runs FLA's forward under autograd, so the op
-saves only its inputs). Tests pass ``kernel=reference_chunk_gated_delta_rule``: FLA's
+zero), and the final state of each row's last document picked out. Only those edge documents
+get states (the others run in a second call without any), so packing many short documents
+costs no per-document [H, K, V] fp32 tensors. On CUDA the kernel runs
+inside the custom op ``bumblebee::fla_gdn`` (``register_fake`` gives fake-tensor runs its
+shapes; its backward re-runs FLA's forward under autograd, so the op saves only its inputs;
+that inner autograd is why the op is not ``torch.compile``-able, which bumblebee never asks). Tests pass ``kernel=reference_chunk_gated_delta_rule``: FLA's
 signature and semantics in plain PyTorch.
 
 Legend: B batch, T tokens, G key heads, H value heads, K key dim, V value dim, S = B*T,
@@ -22,6 +24,8 @@ N documents.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -39,78 +43,137 @@ def doc_plan(layout: DocLayout) -> tuple[list[int], list[int], list[int]]:
     return cu, first, last
 
 
-def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state):
+    from bumblebee.primitives import emulation
+
+    if emulation.active():  # the CUDA branch on CPU: the kernel's contract in plain PyTorch
+        chunk_gated_delta_rule = reference_chunk_gated_delta_rule
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+                                  output_final_state=final_state, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
 
 
 @torch.library.custom_op("bumblebee::fla_gdn", mutates_args=())
 def fla_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            initial_state: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            initial_state: Optional[torch.Tensor], cu_seqlens: torch.Tensor, scale: float,
+            final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
-        o, ht = _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale)
-    return o, ht
+        o, ht = _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state)
+    return o, (ht if final_state else v.new_empty(0, dtype=torch.float32))
 
 
 @fla_gdn.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale):
-    return torch.empty_like(v), torch.empty_like(initial_state, dtype=torch.float32)
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state):
+    H, V = v.shape[-2:]
+    states = (cu_seqlens.shape[0] - 1) if final_state else 0
+    return torch.empty_like(v), v.new_empty(states, H, q.shape[-1], V, dtype=torch.float32)
+
+
+def _recompute_grads(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state):
+    """Input gradients by re-running the kernel under autograd (FLA's kernel is an autograd.Function;
+    its emulated stand-in, plain PyTorch ops). Runs at the autograd level, not inside a custom
+    op: below the op's dispatch, plain PyTorch ops record no graph."""
+    xs = [q, k, v, g, beta] + ([initial_state] if initial_state is not None else [])
+    inputs = [x.detach().requires_grad_() for x in xs]
+    h0 = inputs[5] if initial_state is not None else None
+    with torch.enable_grad():
+        o, ht = _fla_kernel(*inputs[:5], h0, cu_seqlens, scale, final_state)
+        outs, grads_out = ((o, ht), (do, dht)) if final_state else ((o,), (do,))
+        grads = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
+    return [torch.zeros_like(x) if d is None else d for x, d in zip(inputs, grads)]
 
 
 @torch.library.custom_op("bumblebee::fla_gdn_backward", mutates_args=())
 def fla_gdn_backward(do: torch.Tensor, dht: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float) -> list[torch.Tensor]:
-    inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta, initial_state)]
-    with torch.enable_grad():
-        o, ht = _fla_kernel(*inputs, cu_seqlens, scale)
-        grads = torch.autograd.grad((o, ht), inputs, (do, dht), allow_unused=True)
-    return [torch.zeros_like(x) if d is None else d for x, d in zip(inputs, grads)]
+                     g: torch.Tensor, beta: torch.Tensor, initial_state: Optional[torch.Tensor],
+                     cu_seqlens: torch.Tensor, scale: float, final_state: bool) -> list[torch.Tensor]:
+    """The backward as an op of its own: fake-tensor rehearsals (plan/rehearsal.py) get its shapes."""
+    return _recompute_grads(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state)
 
 
 @fla_gdn_backward.register_fake
-def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale):
-    return [torch.empty_like(x) for x in (q, k, v, g, beta, initial_state)]
+def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state):
+    xs = [q, k, v, g, beta] + ([initial_state] if initial_state is not None else [])
+    return [torch.empty_like(x) for x in xs]
 
 
 def _setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:7])
-    ctx.scale = inputs[7]
+    q, k, v, g, beta, h0, cu, scale, final_state = inputs
+    ctx.has_h0 = h0 is not None
+    ctx.save_for_backward(q, k, v, g, beta, cu, *([h0] if ctx.has_h0 else []))
+    ctx.scale, ctx.final_state = scale, final_state
 
 
 def _backward(ctx, do, dht):
-    q, k, v, g, beta, h0, cu = ctx.saved_tensors
-    grads = torch.ops.bumblebee.fla_gdn_backward(do.contiguous(), dht.contiguous(), q, k, v, g, beta, h0, cu,
-                                                 ctx.scale)
-    return (*grads, None, None)
+    q, k, v, g, beta, cu, *h0 = ctx.saved_tensors
+    h0 = h0[0] if ctx.has_h0 else None
+    args = (do.contiguous(), dht.contiguous(), q, k, v, g, beta, h0, cu, ctx.scale, ctx.final_state)
+    fake = q.device.type == "meta"  # a rehearsal: the op's fake kernel gives the shapes
+    grads = torch.ops.bumblebee.fla_gdn_backward(*args) if fake else _recompute_grads(*args)
+    return (*grads[:5], grads[5] if ctx.has_h0 else None, None, None, None)
 
 
 fla_gdn.register_autograd(_backward, setup_context=_setup)
 
 
+def _groups(layout: DocLayout):
+    """The documents that need a state in or out (each row's first: the carried state; its last: the
+    returned one) and the rest, each as (token index [S_group], cu_seqlens, row -> document slot).
+    One fp32 [H, K, V] state per document would be ~4 MiB per document at Qwen3.5's dims under
+    CP; with many short documents only the <= 2B edge documents get one."""
+    cu, first, last = doc_plan(layout)
+    edge = sorted(set(first) | set(last))
+    middle = [d for d in range(len(cu) - 1) if d not in set(edge)]
+
+    def pack(docs):
+        idx, bounds = [], [0]
+        for d in docs:
+            idx.extend(range(cu[d], cu[d + 1]))
+            bounds.append(len(idx))
+        return idx, bounds
+
+    slot = {d: i for i, d in enumerate(edge)}
+    return pack(edge), pack(middle), [slot[d] for d in first], [slot[d] for d in last]
+
+
 def fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout, initial_state=None,
                          kernel=None):
     """The ``linear_attention`` contract through FLA's chunk kernel (``kernel``: a callable with
-    ``chunk_gated_delta_rule``'s signature; None: the ``bumblebee::fla_gdn`` op over FLA)."""
+    ``chunk_gated_delta_rule``'s signature; None: the ``bumblebee::fla_gdn`` op over FLA). Rows
+    holding more than two documents take two kernel calls: the edge documents with states, the
+    others without (their tokens gathered; the outputs put back in order)."""
     B, T, G, K = q_BTGK.shape
     H, V = v_BTHV.shape[2:]
-    cu, first, last = doc_plan(layout)
+    (edge_idx, edge_cu), (mid_idx, mid_cu), first, last = _groups(layout)
     dev = q_BTGK.device
-    h0 = torch.zeros(len(cu) - 1, H, K, V, dtype=torch.float32, device=dev)
-    if initial_state is not None:
-        h0 = h0.index_copy(0, torch.tensor(first).to(dev), initial_state.float())
-    cu_t = torch.tensor(cu, dtype=torch.long).to(dev, non_blocking=True)
     flat = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731
     # one dtype for q, k, v (the CP probe hands fp32 values [v | 0]; the zeros are exact in bf16)
-    q, k, v = flat(q_BTGK), flat(k_BTGK), flat(v_BTHV.to(q_BTGK.dtype))
-    g, beta = flat(g_BTH.float()), flat(beta_BTH.to(q_BTGK.dtype))
-    if kernel is None:
-        o, ht = torch.ops.bumblebee.fla_gdn(q, k, v, g, beta, h0, cu_t, K ** -0.5)
+    xs = [flat(q_BTGK), flat(k_BTGK), flat(v_BTHV.to(q_BTGK.dtype)), flat(g_BTH.float()),
+          flat(beta_BTH.to(q_BTGK.dtype))]
+
+    def run(xs, h0, cu, final):
+        cu_t = torch.tensor(cu, dtype=torch.long).to(dev, non_blocking=True)
+        if kernel is None:
+            return torch.ops.bumblebee.fla_gdn(*xs, h0, cu_t, K ** -0.5, final)
+        return kernel(*xs, scale=K ** -0.5, initial_state=h0, output_final_state=final,
+                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+
+    h0 = None
+    if initial_state is not None:
+        h0 = torch.zeros(len(edge_cu) - 1, H, K, V, dtype=torch.float32, device=dev)
+        h0 = h0.index_copy(0, torch.tensor(first).to(dev), initial_state.float())
+    if not mid_idx:  # every document is an edge document: one call in token order
+        o, ht = run(xs, h0, edge_cu, True)
     else:
-        o, ht = kernel(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0, output_final_state=True,
-                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+        pick = lambda idx: torch.tensor(idx).to(dev, non_blocking=True)  # noqa: E731
+        edge_t, mid_t = pick(edge_idx), pick(mid_idx)
+        o_edge, ht = run([x.index_select(1, edge_t) for x in xs], h0, edge_cu, True)
+        o_mid, _ = run([x.index_select(1, mid_t) for x in xs], None, mid_cu, False)
+        order = torch.empty(B * T, dtype=torch.long, device=dev)
+        order[torch.cat([edge_t, mid_t])] = torch.arange(B * T, device=dev)
+        o = torch.cat([o_edge, o_mid], 1).index_select(1, order)
     return o.reshape(B, T, H, V).to(v_BTHV.dtype), ht[torch.tensor(last).to(dev)].float()
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bumblebee.primitives import emulation
 from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
 from bumblebee.primitives.packed import DocLayout
@@ -116,7 +117,7 @@ def gated_delta_rule_chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: Do
                              initial_state=None, chunk_size: int = CHUNK_SIZE):
     if chunk_size <= 0:
         raise ValueError(f"gated delta rule: chunk_size must be positive, got {chunk_size}")
-    if select("linear_attention", "chunked", q_BTGK.device.type, q_BTGK.dtype).name == "fla_chunk":
+    if select("linear_attention", "chunked", emulation.kind(q_BTGK), q_BTGK.dtype).name == "fla_chunk":
         return fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
     # autograd keeps the inputs only; the per-chunk fp32 tensors (~400 KiB per token at Qwen3.5's
     # 32 x 128 x 128 heads) are rebuilt in backward, one extra core forward

@@ -59,6 +59,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from bumblebee.primitives import emulation
 from bumblebee.primitives.moe.alltoall import regroup_by_expert
 from bumblebee.primitives.moe.experts import experts_grouped, experts_loop, grouped_mm_supported
 from bumblebee.primitives.moe.local import permute, unsort_rows
@@ -82,7 +83,7 @@ class _Pending:
         if work is not None:
             work.wait()
         if event is not None:
-            torch.cuda.current_stream(out.device).wait_event(event)
+            emulation.current_stream(out.device).wait_event(event)
         return out
 
 
@@ -102,10 +103,10 @@ class _Comm:
         if self.stream is None:
             work = dist.all_to_all_single(out, x, recv, send, group=self.group, async_op=True)
             return _Pending(out, work=work, keep=x)
-        self.stream.wait_stream(torch.cuda.current_stream(x.device))  # x is ready
-        with torch.cuda.stream(self.stream):
+        self.stream.wait_stream(emulation.current_stream(x.device))  # x is ready
+        with emulation.use_stream(self.stream):
             dist.all_to_all_single(out, x, recv, send, group=self.group)
-            event = torch.cuda.Event()
+            event = emulation.new_event(x.device)
             event.record(self.stream)
         return _Pending(out, event=event, keep=x)
 
@@ -291,9 +292,9 @@ class ChunkedDispatch:
             raise ValueError("moe_comm = 'chunked' runs the SwiGLU expert GEMMs itself (split dgrad / wgrad); "
                              "it supports experts = 'loop' or 'grouped'")
         stream = None
-        if x_TH.device.type == "cuda" and self.ep > 1:
+        if emulation.kind(x_TH) == "cuda" and self.ep > 1:
             if x_TH.device not in self._streams:
-                self._streams[x_TH.device] = torch.cuda.Stream(x_TH.device)
+                self._streams[x_TH.device] = emulation.side_stream(x_TH.device)
             stream = self._streams[x_TH.device]
         setup = _Setup(self.num_experts, self.num_chunks, _Comm(self.group, self.ep, stream), grouped,
                        recompute=in_recompute(), drops=drops)

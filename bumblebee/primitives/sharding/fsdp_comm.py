@@ -34,9 +34,12 @@ import math
 
 import torch
 import torch.distributed as dist
+
 # the interfaces ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` take; torch defines
 # them only in this private module
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from bumblebee.primitives import emulation
 
 
 class UnitReduceScatter(ReduceScatter):
@@ -77,10 +80,10 @@ class UnitReduceScatter(ReduceScatter):
             if not self._in_place:
                 output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
             return None  # done: FSDP waits only on a returned Work
-        if self._in_place and input_tensor.is_cuda:
+        if self._in_place:
             # FSDP adds the output into .grad on this (reduce-scatter) stream after recording the
             # event it frees the input on: keep the input's memory from reuse until that add ran
-            input_tensor.record_stream(torch.cuda.current_stream())
+            emulation.record_stream(input_tensor)
         return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
                                           async_op=async_op)
 
@@ -109,7 +112,7 @@ def own_slots(unit, units) -> list:
 
 
 def _gloo(mesh) -> bool:
-    return dist.get_backend(mesh.get_group()) == "gloo"
+    return not emulation.nccl_branch(mesh.get_group())
 
 
 def set_unit_comms(unit, units, mesh) -> None:
