@@ -68,6 +68,8 @@ class PrimitivesConfig:
     pp_microbatches: int = 0  # micro-batches per pipeline step; 0: this rank's rows / train.micro_batch
     pp_virtual_stages: int = 1  # pipeline stages per rank (interleaved_1f1b: >= 2)
     pp_layout: list = field(default_factory=list)  # decoder layers of each stage, [[0, 1], [2, 3]]; []: balance cost
+    # CUDA without a fused kernel's package (fla for Gated DeltaNet): run the slow PyTorch path instead of refusing
+    allow_fallback: bool = False
 
 
 @dataclass(kw_only=True)
@@ -96,6 +98,9 @@ class TrainConfig:
     out_dir: str = "runs/default"
     log_every: int = 1
     track_memory: bool = False  # CPU: count live tensors on every step (slower), not only on the first
+    # tests: take the CUDA code paths on CPU tensors, each CUDA kernel replaced by its reference, every
+    # collective and point-to-point call checked (primitives/emulation.py); CPU only, slow
+    emulate_cuda: bool = False
     save_every: int = 0  # checkpoint every N steps and at the end (0: no checkpoints)
     keep_last: int = 2  # complete checkpoints kept in out_dir/checkpoints (0: all)
     resume: str = ""  # "auto" (newest complete checkpoint of out_dir, if any) | a checkpoint or run directory
@@ -108,8 +113,9 @@ class TrainConfig:
     collective_timeout_s: float = 600.0  # every process group: a rank that hangs ends the job after this
     on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: "stop" the run | "skip" the update
     # balance loss (weight: model.arch.router_aux_loss_coef): "global_batch" (expert frequencies over the
-    # whole global batch, layout-invariant) | "micro_batch" (per micro-batch) | "hf" (transformers' aux_loss)
-    balance: str = "global_batch"
+    # whole global batch; keeps every micro-batch's graph until the backwards) | "micro_batch" (per
+    # micro-batch) | "hf" (transformers' aux_loss) | "auto": global_batch at pp = 1, micro_batch with pp > 1
+    balance: str = "auto"
 
 
 @dataclass(kw_only=True)
@@ -299,6 +305,15 @@ def dump_toml(cfg: Config) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # helpers the runtime reads
+
+
+def balance_mode(cfg: Config, pp: int) -> str:
+    """The balance-loss definition a run computes: ``train.balance``, where "auto" is "global_batch"
+    (needs every micro-batch's router counts before the first backward) unless a pipeline schedule
+    (pp > 1), which backs micro-batches up one by one, makes that impossible: then "micro_batch"."""
+    if cfg.train.balance != "auto":
+        return cfg.train.balance
+    return "micro_batch" if pp > 1 else "global_batch"
 
 
 def eval_interval(cfg: Config) -> int:

@@ -73,8 +73,8 @@ def _check_train(t) -> None:
         raise ConfigError(f"train.grad_accum must be 'sharded' or 'unsharded', got {t.grad_accum!r}")
     if t.reduce_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"train.reduce_dtype must be 'float32' or 'bfloat16', got {t.reduce_dtype!r}")
-    if t.balance not in ("global_batch", "micro_batch", "hf"):
-        raise ConfigError(f"train.balance must be 'global_batch', 'micro_batch' or 'hf', got {t.balance!r}")
+    if t.balance not in ("auto", "global_batch", "micro_batch", "hf"):
+        raise ConfigError(f"train.balance must be 'auto', 'global_batch', 'micro_batch' or 'hf', got {t.balance!r}")
 
 
 def _check_moe(cfg) -> None:

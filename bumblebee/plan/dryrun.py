@@ -47,7 +47,7 @@ from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.plan.fakerun import DataDependent, FakeRun, make_routing
 from bumblebee.plan.hardware import GB
 from bumblebee.plan.layout import Layout, Primitives, Workload
-from bumblebee.plan.memory import local_tokens, micro_batches, stage_layers
+from bumblebee.plan.memory import in_flight, local_tokens, stage_layers
 from bumblebee.plan.recipe import Candidate
 from bumblebee.plan.spec import ModelSpec
 from bumblebee.plan.timeline import stage_timeline
@@ -215,7 +215,7 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
     analytic = stage_timeline(spec, lay, prims, work, skew)
     s = max(range(len(analytic)), key=lambda i: analytic[i].peak.total)
     layers = stage_layers(spec, lay.pp)[s]
-    t, inflight = local_tokens(work, lay), min(lay.pp - s, micro_batches(work, lay))
+    t, inflight = local_tokens(work, lay), in_flight(work, lay, prims, s)
     if cand.prims.sharding != "none":
         notes.append(f"{cand.prims.sharding} wrappers not run: unsharded 16 B/param static state")
     if dist.is_initialized():

@@ -30,6 +30,7 @@ class Primitives:
     recompute: str = "full"
     moe_comm: str = "chunked"
     moe_chunks: int = 2
+    balance: str = "auto"  # train.balance: "auto" / "global_batch" keep every micro-batch in flight at pp = 1
 
     def short(self) -> str:
         comm = f"{self.moe_comm}x{self.moe_chunks}" if self.moe_comm == "chunked" else self.moe_comm

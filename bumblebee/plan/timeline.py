@@ -29,7 +29,7 @@ from bumblebee.plan.layout import Layout, Primitives, Workload
 from bumblebee.plan.layer_bytes import attn_core_bytes, gdn_cp_bytes, norm_bytes, router_bytes, stream_tensors
 from bumblebee.plan.memory import (ADAM_TEMP_B, BF16, BWD_GRAD_FRACTION, FP32, GDN_CP_BWD_FACTOR, allgather_bytes,
                                    cp_extra, expert_grad_bytes, gdn_state_bytes, local_tokens, loss_bytes,
-                                   micro_batches, mixer_act, mlp_act, routed_buffers, routed_saved, stage_kinds,
+                                   in_flight, loss_kept, mixer_act, mlp_act, routed_buffers, routed_saved, stage_kinds,
                                    stage_layers, static_bytes)
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
@@ -177,12 +177,11 @@ def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Worklo
                    skew: float = 1.0) -> list[StageMemory]:
     """Every stage's moments; ``skew``: this rank's experts receive ``skew`` x the balanced rows."""
     t = local_tokens(work, lay)
-    m = micro_batches(work, lay)
     out = []
     for s, layers in enumerate(stage_layers(spec, lay.pp)):
         first, last = s == 0, s == lay.pp - 1
         params, grads, optim, updated, static_why = static_bytes(spec, lay, prims, layers, first, last)
-        inflight = min(lay.pp - s, m)
+        inflight = in_flight(work, lay, prims, s)
         kinds = stage_kinds(spec, layers)
         per_kind = {k: _layer_moments(spec, k, lay, prims, t, skew, work.micro_batch) for k in kinds}
         saved_mb = sum(n * per_kind[k][0] for k, n in kinds.items())
@@ -202,6 +201,8 @@ def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Worklo
 
         moments: dict[str, MemoryBreakdown] = {}
         saved = inflight * t * saved_mb
+        # the global-batch balance loss runs every micro-batch's forward, loss included, before the backwards
+        others_loss = (inflight - 1) * t * loss_kept(spec, lay, prims) if last and lay.pp == 1 else 0.0
         parts: dict[str, MemoryBreakdown] = {}
         # while layer j of the last micro-batch in flight runs (or is recomputed and runs backward), the
         # inputs saved by layers 0..j of it are alive (a checkpoint holds a layer's input until its
@@ -215,7 +216,7 @@ def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Worklo
                 (n_in, own), (_, live, routed, ws, why) = max(cands, key=lambda v: v[0][1] + sum(v[1][1:4]))
                 kept = (inflight - 1) * t * saved_mb + own
                 mem = moment(name, saved_inputs=kept, live_layer=live, moe_buffers=routed, workspace=ws,
-                             allgather=ag)
+                             allgather=ag, loss=others_loss)
                 mem.why["live_layer"] = why
                 mem.why["saved_inputs"] = (f"{inflight - 1} other micro-batch(es) in flight x {t} tokens x "
                                            f"{saved_mb:.0f} B/token + layers 0..{n_in - 1} of this one "
@@ -231,8 +232,9 @@ def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Worklo
         if last:
             lb, lwhy = loss_bytes(spec, lay, prims, work)
             head = allgather_bytes(spec, lay, range(0), False, True)[1] if prims.sharding == "fsdp2" else 0.0
-            mem = moment("loss", saved_inputs=saved, loss=lb, allgather=head)
-            mem.why["loss"] = lwhy
+            mem = moment("loss", saved_inputs=saved, loss=lb + others_loss, allgather=head)
+            mem.why["loss"] = lwhy + (f" + {inflight - 1} other micro-batch(es)' loss saved tensors"
+                                      if others_loss else "")
             moments["loss"] = mem
         mem = moment("optimizer", saved_inputs=0.0, optim_temp=ADAM_TEMP_B * updated)
         mem.why["optim_temp"] = f"foreach AdamW sqrt(v): 4 B x {updated / 1e9:.3f}B updated parameters"

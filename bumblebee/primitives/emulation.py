@@ -58,6 +58,11 @@ def nccl_branch(group) -> bool:
     return active() or dist.get_backend(group) != "gloo"
 
 
+def maybe(enabled: bool):
+    """``emulate_cuda()`` when ``enabled`` and not on already; otherwise nothing."""
+    return emulate_cuda() if enabled and not active() else contextlib.nullcontext()
+
+
 class _Event:
     def record(self, stream=None) -> None:
         pass

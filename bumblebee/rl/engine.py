@@ -105,8 +105,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         dp = resolve_layout(cfg.parallel, world, resolve_arch(cfg.model)).dp_shard
         m = (cfg.primitives.pp_microbatches or pp) if pp > 1 else 1
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=dp * cfg.train.micro_batch * m))
-        if pp > 1 and getattr(cfg.train, "balance", "micro_batch") != "micro_batch":  # what the stages compute
-            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, balance="micro_batch"))
+        if pp > 1 and cfg.train.balance not in ("auto", "micro_batch"):  # what the stages compute
+            raise ConfigError(f"train.balance = '{cfg.train.balance}' cannot run under a pipeline schedule "
+                              "(parallel.pp > 1): set 'micro_batch' or 'auto'")
         # the policy is the next-token model: MTP modules are carried (exported as held) but not trained
         cfg = dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, depth=0))
         self.cfg, self.temperature, self.max_tokens_per_micro_batch = cfg, temperature, max_tokens_per_micro_batch

@@ -48,6 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from bumblebee import registry
+from bumblebee.config import balance_mode
 from bumblebee.errors import ConfigError
 from bumblebee.data import Batch
 from bumblebee.primitives.moe.balance import dropped_pairs, split_stats
@@ -169,10 +170,10 @@ class _Stage(PipelineStage):
 # ------------------------------------------------------------------------------ the schedule
 def check_trainer_pipeline(cfg) -> None:
     """What the Trainer's step cannot do with a pipeline schedule (one-line ConfigErrors)."""
-    if cfg.train.balance != "micro_batch":  # a stage backs a micro-batch up before the others ran
+    if balance_mode(cfg, cfg.parallel.pp) != "micro_batch":  # a stage backs a micro-batch up before the others ran
         raise ConfigError(f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
                           f"before the first backward, which a pipeline schedule (parallel.pp > 1) does not "
-                          f"give; set train.balance = 'micro_batch' with pp > 1")
+                          f"give; set train.balance = 'micro_batch' (or 'auto') with pp > 1")
 
 
 class Pipeline:

@@ -5,16 +5,20 @@ launching process with one line (exit 2), not in a worker after launch.
 than the config: the data (the synthetic task's limits; a JSONL file read and
 validated once, here), the recompute module names, the checkpoint a resume names
 (complete, and of the same architecture), Gated DeltaNet's conv window under
-context parallelism, and the output directory (``outdir.check_out_dir``).
+context parallelism, a CUDA machine without a fused kernel the model needs, and the
+output directory (``outdir.check_out_dir``).
 """
 
 from __future__ import annotations
 
 
+import torch
+
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError
 from bumblebee.data.synthetic import KEYS, min_doc_len
 from bumblebee.models import resolve_arch
+from bumblebee.primitives.dispatch import select
 from bumblebee.runtime.outdir import check_out_dir
 from bumblebee.runtime.resolve import check_run
 
@@ -57,8 +61,21 @@ def preflight(cfg: Config, world: int):
                               "false, or one-token documents): there is nothing to train on")
     if t.resume:
         check_resume(cfg, arch)
+    check_kernels(cfg, arch, cuda=torch.cuda.is_available() and not t.emulate_cuda)
     check_out_dir(t.out_dir, checkpoints=bool(t.save_every or t.export_hf))
     return layout
+
+
+def check_kernels(cfg: Config, arch, cuda: bool) -> None:
+    """On CUDA, a model with Gated DeltaNet layers and no FLA would run the pure-PyTorch chunk loop
+    (thousands of small kernels per layer, ~10x the fused kernel's activation memory): refuse it
+    unless ``primitives.allow_fallback`` says the user wants exactly that."""
+    if not cuda or cfg.primitives.allow_fallback or "linear_attention" not in getattr(arch, "layer_types", ()):
+        return
+    kernel = select("linear_attention", cfg.primitives.linear_attention, "cuda", cfg.train.dtype)
+    if cfg.primitives.linear_attention == "chunked" and not kernel.fused:
+        raise ConfigError("Gated DeltaNet on CUDA needs flash-linear-attention's kernel: pip install -e '.[gpu]' "
+                          "(or set primitives.allow_fallback = true to run the slow pure-PyTorch chunk loop)")
 
 
 def check_resume(cfg: Config, arch) -> None:

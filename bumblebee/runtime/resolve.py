@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import bumblebee.primitives  # noqa: F401  (registers every implementation)
 from bumblebee import registry
-from bumblebee.config import Config, ConfigError, parse_config
+from bumblebee.config import Config, ConfigError, balance_mode, parse_config
 from bumblebee.models import family_of, resolve_arch
 
 
@@ -156,7 +156,15 @@ def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:
                           f"pipeline (train.global_batch / dp_shard)")
     problem = registry.get("pipeline", p.pipeline).factory.check(layout.pp, m, p.pp_virtual_stages)
     if problem:
-        raise ConfigError(f"primitives.pipeline = {p.pipeline!r} {problem}")
+        hint = ""
+        if not p.pp_microbatches and cfg.train.micro_batch == 1:
+            hint = (f" (train.global_batch {cfg.train.global_batch} / dp_shard {layout.dp_shard} rows per "
+                    f"pipeline): raise train.global_batch to {layout.dp_shard * layout.pp} or more")
+        raise ConfigError(f"primitives.pipeline = {p.pipeline!r} {problem}{hint}")
+    if balance_mode(cfg, layout.pp) != "micro_batch":
+        raise ConfigError(f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
+                          "before the first backward, which a pipeline schedule (parallel.pp > 1) does not "
+                          "give; set train.balance = 'micro_batch' (or 'auto') with pp > 1")
     stages, n = layout.pp * p.pp_virtual_stages, arch.num_hidden_layers
     if stages > n:
         raise ConfigError(f"pp x pp_virtual_stages = {stages} stages need at least as many decoder layers, "

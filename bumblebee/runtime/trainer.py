@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from bumblebee import registry
-from bumblebee.config import Config, dump_toml, eval_interval
+from bumblebee.config import Config, balance_mode, dump_toml, eval_interval
 from bumblebee.data import build_source
 from bumblebee.models import build_model, materialize, resolve_arch
 from bumblebee.perf.memory import MemoryTracker
+from bumblebee.primitives import emulation
 from bumblebee.primitives.dispatch import describe as describe_kernels
 from bumblebee.primitives.dispatch import kernel_table
 from bumblebee.primitives.parallel import ParallelGroups
@@ -89,7 +90,7 @@ class Trainer:
         stream = stream or sys.stdout  # looked up now: sys.stdout may have been replaced since import
         self.cfg = cfg
         t = cfg.train
-        self.device = device or pick_device()
+        self.device = device or (torch.device("cpu") if t.emulate_cuda else pick_device())
         self.ctx = build_parallel_context(cfg, self.device)
         self.rank = self.ctx.rank
         self.dp_rank, self.dp_size = self.ctx.dp_rank, self.ctx.layout.dp_shard
@@ -124,8 +125,11 @@ class Trainer:
                 f.write(dump_toml(cfg))
             if ctx.distributed:
                 stream.write(f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n")
-            stream.write("bumblebee: kernels " + describe_kernels(kernel_table(
-                cfg.primitives, self.device.type, t.dtype, cp=ctx.layout.cp)) + "\n")
+            with emulation.maybe(t.emulate_cuda):
+                kind = "cuda" if t.emulate_cuda else self.device.type
+                kernels = describe_kernels(kernel_table(cfg.primitives, kind, t.dtype, cp=ctx.layout.cp))
+            emulated = " (emulated CUDA: CPU tensors, reference kernels, checked communication)"
+            stream.write("bumblebee: kernels " + kernels + (emulated if t.emulate_cuda else "") + "\n")
             if self.pipeline is not None:
                 stream.write(f"bumblebee: {self.pipeline.describe()}\n")
         self._describe_static_memory(stream)
@@ -159,12 +163,13 @@ class Trainer:
         counters are read every step; on CPU live tensors are counted by a dispatch mode around
         every op, which costs step time, so only the first step of a run is measured unless
         ``train.track_memory`` (later steps report that peak)."""
-        if self.device.type != "cuda" and not self.cfg.train.track_memory and self._peak is not None:
-            record = self._step()
-        else:
-            with MemoryTracker(self.device, self.model, self.optimizer) as memory:
+        with emulation.maybe(self.cfg.train.emulate_cuda):
+            if self.device.type != "cuda" and not self.cfg.train.track_memory and self._peak is not None:
                 record = self._step()
-            self._peak = self._max_over_ranks(memory.peak_bytes)
+            else:
+                with MemoryTracker(self.device, self.model, self.optimizer) as memory:
+                    record = self._step()
+                self._peak = self._max_over_ranks(memory.peak_bytes)
         record["peak_mem_bytes"] = self._peak
         return record
 
@@ -183,12 +188,12 @@ class Trainer:
             loss_sum, aux, counts, dropped = self.pipeline.run(local, global_tokens)  # counts: this rank's layers
         else:
             coef, parts = self.model.arch.router_aux_loss_coef, micro_batches(local, t.micro_batch)
-            if t.balance == "global_batch":
+            if balance_mode(self.cfg, self.ctx.layout.pp) == "global_batch":
                 sums = accumulate_global_balance(parts, self.sharding, self.model, global_tokens, coef,
                                                  self.autocast, self.ctx.dp_cp_group)
             else:
                 forward = lm_forward(self.model, global_tokens, coef, self.accum, self.dp_size, self.cp,
-                                     self.autocast, balance=t.balance)
+                                     self.autocast, balance=balance_mode(self.cfg, self.ctx.layout.pp))
                 sums = accumulate(parts, self.sharding, forward)
             loss_sum, aux = sums["loss_sum"], sums["aux"] / (self.dp_size * self.cp)
             counts, dropped = sums.get("router_counts"), sums.get("router_dropped")
@@ -255,7 +260,8 @@ class Trainer:
             while self.step < t.steps:
                 record = self.train_step()
                 if self.eval_every and (self.step % self.eval_every == 0 or self.step == t.steps):
-                    record.update(evaluate(self))
+                    with emulation.maybe(t.emulate_cuda):
+                        record.update(evaluate(self))
                 self.metrics.log(record)
                 self.checkpoint.on_step(self.step)  # saves every train.save_every steps
                 if self.step < t.steps and (signum := preemption.requested(world, self.device)):

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee.primitives.packed import DocLayout
 
@@ -110,7 +111,7 @@ def _backward(ctx, do, dht):
     q, k, v, g, beta, cu, *h0 = ctx.saved_tensors
     h0 = h0[0] if ctx.has_h0 else None
     args = (do.contiguous(), dht.contiguous(), q, k, v, g, beta, h0, cu, ctx.scale, ctx.final_state)
-    fake = q.device.type == "meta"  # a rehearsal: the op's fake kernel gives the shapes
+    fake = is_fake(q) or q.device.type == "meta"  # a rehearsal: the op's fake kernel gives the shapes
     grads = torch.ops.bumblebee.fla_gdn_backward(*args) if fake else _recompute_grads(*args)
     return (*grads[:5], grads[5] if ctx.has_h0 else None, None, None, None)
 
