@@ -193,6 +193,7 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     def _pieces(self) -> dict[str, Piece]:
+        self.sharding.reshard()  # e.g. fsdp2's root unit, left gathered by an evaluation forward
         return state_pieces(self.model, self.sharding, self.optimizer, self.ctx.ep_rank, self.ctx.layout.ep)
 
     # -------------------------------------------------------------------- resume

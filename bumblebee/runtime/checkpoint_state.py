@@ -108,8 +108,12 @@ def state_pieces(model: torch.nn.Module, sharding, optimizer, ep_rank: int, ep: 
     for name, b in persistent_buffers(model):  # replicated state without optimizer state (router bias)
         pieces[f"model/{name}"] = Piece(b.detach().view(-1), 0, tuple(b.shape))
     ensure_optimizer_state(optimizer)
+    owned = {id(q) for g in optimizer.param_groups for q in g["params"]}
     for name, p in named:
         holder, start = sharding.optimizer_param(name, optimizer)
+        # a parameter the optimizer does not hold has no state to save: the checkpoint would
+        # silently lack it (an unsharded fsdp2 parameter once did; sharding.reshard() first)
+        assert id(holder) in owned, f"{name}: not a parameter of the optimizer (unsharded?)"
         for k, v in optimizer.state[holder].items():
             key = f"optim/{name}/{k}"
             if v.dim() == 0:  # a scalar such as Adam's step count
