@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from bumblebee.config import PrimitivesConfig, dump_toml, tomllib
+from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
@@ -276,9 +277,12 @@ class Checkpointer:
                 raise CheckpointError(f"{self.root}: cannot write a checkpoint ({e.strerror or e})") from None
         try:
             self._write(tmp, final, step)
-        except BaseException:  # Ctrl-C or a write error at any point before publication: no partial save
+        except BaseException as e:  # Ctrl-C or a write error at any point before publication: no partial save
             if self.ctx.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # a no-op once published (renamed)
+            cause = getattr(e, "cause", e)  # DCP's writes say the temporary directory; name the checkpoints'
+            if out_of_room(cause):  # also the marker or config.toml; earlier checkpoints are untouched
+                raise disk_full(self.root, f"write checkpoint {name}", cause) from None
             raise
         self._barrier()  # nobody moves on before the checkpoint is published
         self.last_saved, self.last_path = step, final

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor, Shard
 
+from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 
@@ -239,7 +240,8 @@ class _SafeReader(FileSystemReader):
 def _unwrapped(path: str, doing: str):
     """DCP wraps every rank's exception, even ``KeyboardInterrupt``, in a ``CheckpointException``
     (a ``BaseException`` with a multi-rank traceback as its text). Raise what happened instead:
-    Ctrl-C as ``KeyboardInterrupt``, bad input as itself, a filesystem error as one line."""
+    Ctrl-C as ``KeyboardInterrupt``, bad input as itself, a full disk or another filesystem error
+    as one line."""
     try:
         yield
     except CheckpointException as e:
@@ -248,6 +250,9 @@ def _unwrapped(path: str, doing: str):
             for exc in errors:
                 if isinstance(exc, kind):
                     raise exc.with_traceback(None) from None
+        for exc in errors:
+            if out_of_room(exc):  # torch's zip writer says so as a RuntimeError
+                raise disk_full(path, f"{doing} the checkpoint", exc) from None
         for exc in errors:
             if isinstance(exc, OSError):
                 raise CheckpointError(f"{path}: cannot {doing} the checkpoint ({exc.strerror or exc})") from None

@@ -26,6 +26,7 @@ import sys
 import torch
 
 from bumblebee.config import PrimitivesConfig, tomllib
+from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
@@ -73,7 +74,11 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
                 os.remove(os.path.join(out_dir, name))
             for name in sorted(os.listdir(tmp), key=lambda n: n.startswith("model.safetensors")):
                 os.rename(os.path.join(tmp, name), os.path.join(out_dir, name))  # the entry point last
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
+        if out_of_room(e):  # the partial export (beside the target) is removed below
+            raise disk_full(out_dir, "write the export", e) from None
+        if isinstance(e, RuntimeError):
+            raise
         raise CheckpointError(f"{out_dir}: cannot write the export ({e.strerror or e})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
