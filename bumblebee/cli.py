@@ -180,7 +180,29 @@ def _data_args(p: argparse.ArgumentParser) -> None:
 def _data_run(args) -> int:
     from bumblebee.data.cli import run
 
-    return run(args)
+    if args.data_command != "prepare":
+        return run(args)
+    # one writer per output directory, as a training run holds its out_dir: two prepares into one
+    # OUT used to both succeed and leave a corpus equal to neither
+    from bumblebee.config import ConfigError
+    from bumblebee.errors import disk_full, out_of_room
+    from bumblebee.runtime.outdir import OutDirLock
+
+    created = not os.path.isdir(args.out)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"data prepare OUT: cannot create {args.out} ({e.strerror or e})") from None
+    try:
+        with OutDirLock(args.out, what="data prepare OUT"):
+            return run(args)
+    except (OSError, RuntimeError) as e:  # the writer has removed its files
+        if out_of_room(e):
+            raise disk_full(args.out, "write the prepared data", e) from None
+        raise
+    finally:  # a failed prepare leaves no directory it created behind
+        if created and os.path.isdir(args.out) and not os.listdir(args.out):
+            os.rmdir(args.out)
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:

@@ -11,3 +11,43 @@ class ConfigError(ValueError):
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be loaded as asked (missing file, wrong shape, ...)."""
+
+
+class DiskFullError(ConfigError):
+    """A write that ran out of room (disk full, quota, file-size limit): one line naming the
+    filesystem and its free space; whatever was being written has been removed."""
+
+
+
+
+def out_of_room(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write failing for lack of room. torch's zip writer (``torch.save``,
+    DCP's files) reports it as a RuntimeError ("file write failed", or "unexpected pos" when a
+    write came up short), not an OSError."""
+    import errno
+
+    codes = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", 122)}
+    if isinstance(exc, OSError):
+        return exc.errno in codes
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("file write failed" in text or  # a short write in its zip writer:
+                                              ("inline_container" in text and "unexpected pos" in text))
+
+
+def disk_full(path: str, doing: str, exc: BaseException) -> DiskFullError:
+    """The one-line error for ``exc`` (``out_of_room``) while ``doing`` under ``path``."""
+    import os
+    import shutil
+
+    where = os.path.abspath(path)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        free = f"{shutil.disk_usage(where).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "file write failed"
+    err = DiskFullError(f"{path}: no room to {doing} ({why}: disk full or over a file-size limit; {free} on "
+                        f"the filesystem of {where}); nothing partial was kept")
+    err.cause = exc  # a caller that knows the path better can say it again (disk_full(path, doing, err.cause))
+    return err

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import struct
 
@@ -34,6 +35,25 @@ from bumblebee.models.hf_read import HFCheckpoint
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# the weight files an export writes (and so replaces): anything else in the directory (an adapter,
+# a README, tokenizer files) belongs to someone else and is never removed
+WEIGHT_FILE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
+
+
+def check_export_target(out_dir: str, source: str) -> None:
+    """Refuse to export into ``source``, the directory the model was loaded from: the export
+    would overwrite the weights it is carrying over (and the user's original checkpoint)."""
+    from bumblebee.models.hf import CheckpointError
+
+    if source and os.path.isdir(out_dir) and os.path.isdir(source) and os.path.samefile(out_dir, source):
+        raise CheckpointError(f"{out_dir}: the Hugging Face directory the model was loaded from (model.hf_path); "
+                              "export to another directory")
+
+
+def stale_weight_files(out_dir: str, written: list[str]) -> list[str]:
+    """Weight files of an earlier export in ``out_dir`` that this one did not write (an old index
+    and its shards beside a new single file would be what ``from_hf`` loads)."""
+    return sorted(n for n in os.listdir(out_dir) if WEIGHT_FILE.match(n) and n not in written)
 
 
 def hf_layout(named_shapes, F: int):
@@ -109,6 +129,7 @@ def write_hf(out_dir: str, arch, named_shapes, tensors, *, dtype: torch.dtype = 
     """Write ``out_dir``: config.json and safetensors in ``dtype``. ``named_shapes``: (bumblebee
     name, global shape) of every parameter in the order ``tensors`` yields (name, full tensor);
     ``source``: the HF directory the model came from, whose extra tensors are carried over."""
+    check_export_target(out_dir, source)
     F = arch.moe_intermediate_size
     family = family_of_model_type(arch.model_type)
     src = _Source(source, family, arch) if source else None
@@ -143,6 +164,8 @@ def write_hf(out_dir: str, arch, named_shapes, tensors, *, dtype: torch.dtype = 
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, f, indent=2)
     _config(out_dir, arch, dtype, src)
+    for name in stale_weight_files(out_dir, names + (["model.safetensors.index.json"] if total > 1 else [])):
+        os.remove(os.path.join(out_dir, name))
 
 
 def _parts(layout, tensors):

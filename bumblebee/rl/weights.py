@@ -255,6 +255,9 @@ class EngineWeights:
         """Write a HF directory (config.json + safetensors) from rank 0, one tensor at a time: each
         full tensor is gathered when it is reached and written (models/hf_write.py); the tensors of
         ``model.hf_path`` outside the language model (vision tower, MTP) are carried over. Collective."""
+        from bumblebee.models.hf_write import check_export_target
+
+        check_export_target(out_dir, self.cfg.model.hf_path)  # every rank, before the collective
         named = self.named_weights(hf_names=False)
         if self.ctx.rank == 0:
             from bumblebee.models import build_model

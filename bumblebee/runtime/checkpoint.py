@@ -30,19 +30,32 @@ import os
 import re
 import shutil
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from bumblebee.config import PrimitivesConfig, dump_toml, tomllib
+from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
-from bumblebee.runtime.checkpoint_state import (Piece, load_pieces, read_dcp_metadata, rng_states, save_pieces,
-                                                set_rng_states, state_pieces)
-from bumblebee.runtime.integrity import HASH, checksum_files, file_checksum, verify_checksums
+from bumblebee.runtime.checkpoint_state import (
+    Piece,
+    load_pieces,
+    read_dcp_metadata,
+    rng_states,
+    save_pieces,
+    set_rng_states,
+    state_pieces,
+)
+from bumblebee.runtime.integrity import (
+    HASH,
+    checksum_files,
+    file_checksum,
+    verify_checksums,
+)
+from bumblebee.runtime.record import set_aside
 
 FORMAT, VERSION = "bumblebee-checkpoint", 1
 MARKER = "complete.json"
@@ -193,6 +206,7 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     def _pieces(self) -> dict[str, Piece]:
+        self.sharding.reshard()  # e.g. fsdp2's root unit, left gathered by an evaluation forward
         return state_pieces(self.model, self.sharding, self.optimizer, self.ctx.ep_rank, self.ctx.layout.ep)
 
     # -------------------------------------------------------------------- resume
@@ -202,27 +216,24 @@ class Checkpointer:
         if spec and path is None:
             self._say(f"no complete checkpoint in {self.root}; starting at step 0")
         step = self.load(path) if path else 0
-        if path and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.root):
+        own = bool(path) and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.root)
+        if own:
             self.last_saved, self.last_path = step, path
         if path:
             self._say(f"resumed from {path} at step {step}")
-        if self.cfg.train.save_every or self.cfg.train.export_hf:
-            self._set_aside_newer(step)
+        self._set_aside(step if own else None)
         return step
 
-    def _set_aside_newer(self, step: int) -> None:
-        """Checkpoints of this out_dir newer than the step the run starts from belong to an
-        abandoned future: move them to ``checkpoints/abandoned-<time>/`` (never deleted), so
-        that neither pruning nor ``resume = "auto"`` nor ``convert`` mistakes them for this run's."""
-        if self.ctx.rank == 0 and os.path.isdir(self.root):
-            newer = sorted(n for n in os.listdir(self.root) if (m := _STEP_DIR.match(n)) and int(m.group(1)) > step)
-            if newer:
-                aside = os.path.join(self.root, f"abandoned-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
-                os.makedirs(aside)
-                for name in newer:
-                    os.rename(os.path.join(self.root, name), os.path.join(aside, name))
-                _fsync_dir(self.root)
-                self._say(f"moved {len(newer)} checkpoint(s) newer than step {step} ({', '.join(newer)}) to {aside}")
+    def _set_aside(self, continues_from: int | None) -> None:
+        """Before this run writes anything: an earlier run's record in out_dir (metrics, config,
+        checkpoints, export) is moved to ``out_dir/previous/`` unless this run continues it, and
+        then what the continuation replaces is (runtime/record.py). Rank 0; collective."""
+        if self.ctx.rank == 0:
+            moved = set_aside(self.cfg.train.out_dir, continues_from=continues_from, config_text=dump_toml(self.cfg))
+            if moved:
+                aside, names = moved
+                self._say(f"set aside the earlier record of {self.cfg.train.out_dir} ({', '.join(names)}) "
+                          f"in {aside}")
         self._barrier()
 
     def load(self, path: str) -> int:
@@ -266,9 +277,12 @@ class Checkpointer:
                 raise CheckpointError(f"{self.root}: cannot write a checkpoint ({e.strerror or e})") from None
         try:
             self._write(tmp, final, step)
-        except BaseException:  # Ctrl-C or a write error at any point before publication: no partial save
+        except BaseException as e:  # Ctrl-C or a write error at any point before publication: no partial save
             if self.ctx.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # a no-op once published (renamed)
+            cause = getattr(e, "cause", e)  # DCP's writes say the temporary directory; name the checkpoints'
+            if out_of_room(cause):  # also the marker or config.toml; earlier checkpoints are untouched
+                raise disk_full(self.root, f"write checkpoint {name}", cause) from None
             raise
         self._barrier()  # nobody moves on before the checkpoint is published
         self.last_saved, self.last_path = step, final

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor, Shard
 
+from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 
@@ -108,8 +109,12 @@ def state_pieces(model: torch.nn.Module, sharding, optimizer, ep_rank: int, ep: 
     for name, b in persistent_buffers(model):  # replicated state without optimizer state (router bias)
         pieces[f"model/{name}"] = Piece(b.detach().view(-1), 0, tuple(b.shape))
     ensure_optimizer_state(optimizer)
+    owned = {id(q) for g in optimizer.param_groups for q in g["params"]}
     for name, p in named:
         holder, start = sharding.optimizer_param(name, optimizer)
+        # a parameter the optimizer does not hold has no state to save: the checkpoint would
+        # silently lack it (an unsharded fsdp2 parameter once did; sharding.reshard() first)
+        assert id(holder) in owned, f"{name}: not a parameter of the optimizer (unsharded?)"
         for k, v in optimizer.state[holder].items():
             key = f"optim/{name}/{k}"
             if v.dim() == 0:  # a scalar such as Adam's step count
@@ -235,7 +240,8 @@ class _SafeReader(FileSystemReader):
 def _unwrapped(path: str, doing: str):
     """DCP wraps every rank's exception, even ``KeyboardInterrupt``, in a ``CheckpointException``
     (a ``BaseException`` with a multi-rank traceback as its text). Raise what happened instead:
-    Ctrl-C as ``KeyboardInterrupt``, bad input as itself, a filesystem error as one line."""
+    Ctrl-C as ``KeyboardInterrupt``, bad input as itself, a full disk or another filesystem error
+    as one line."""
     try:
         yield
     except CheckpointException as e:
@@ -244,6 +250,9 @@ def _unwrapped(path: str, doing: str):
             for exc in errors:
                 if isinstance(exc, kind):
                     raise exc.with_traceback(None) from None
+        for exc in errors:
+            if out_of_room(exc):  # torch's zip writer says so as a RuntimeError
+                raise disk_full(path, f"{doing} the checkpoint", exc) from None
         for exc in errors:
             if isinstance(exc, OSError):
                 raise CheckpointError(f"{path}: cannot {doing} the checkpoint ({exc.strerror or exc})") from None

@@ -26,10 +26,11 @@ import sys
 import torch
 
 from bumblebee.config import PrimitivesConfig, tomllib
+from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
-from bumblebee.models.hf_write import write_hf
+from bumblebee.models.hf_write import check_export_target, write_hf
 from bumblebee.runtime.checkpoint import (_STEP_DIR, HF_SHARD_BYTES, MARKER, _check_fits, named_checkpoint,
                                           read_marker)
 from bumblebee.runtime.checkpoint_state import Piece, load_pieces, read_dcp_metadata
@@ -57,6 +58,7 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
         print(f"bumblebee: {source} (the run's model.hf_path) is gone: exporting the language model only",
               file=sys.stderr)
         source = ""
+    check_export_target(out_dir, source)  # --overwrite would replace the run's own starting model
     parent, base = os.path.split(os.path.abspath(out_dir))
     tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
     try:
@@ -72,7 +74,11 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
                 os.remove(os.path.join(out_dir, name))
             for name in sorted(os.listdir(tmp), key=lambda n: n.startswith("model.safetensors")):
                 os.rename(os.path.join(tmp, name), os.path.join(out_dir, name))  # the entry point last
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
+        if out_of_room(e):  # the partial export (beside the target) is removed below
+            raise disk_full(out_dir, "write the export", e) from None
+        if isinstance(e, RuntimeError):
+            raise
         raise CheckpointError(f"{out_dir}: cannot write the export ({e.strerror or e})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -116,7 +122,8 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
     return arch, named_shapes, tensors()
 
 
-_EXPORT_FILE = re.compile(r"^(config\.json|generation_config\.json|model\.safetensors\.index\.json|.*\.safetensors)$")
+# what an export writes itself (models/hf_write.py WEIGHT_FILE, and config.json)
+_EXPORT_FILE = re.compile(r"^(config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
 
 
 def export_target_files(out_dir: str, overwrite: bool) -> list[str]:

@@ -5,7 +5,7 @@ path must not be a file, must fit the filesystem's name limits, and the director
 (and ``checkpoints/`` when the run saves) must be creatable and writable, so a bad
 ``train.out_dir`` fails in milliseconds instead of after the first step.
 
-``OutDirLock`` keeps two runs from sharing one ``out_dir`` (interleaved
+``OutDirLock`` keeps two runs from sharing one ``out_dir`` (and two ``data prepare`` one OUT) (interleaved
 ``metrics.jsonl``, one run's config beside the other's checkpoints): a lock file
 ``out_dir/bumblebee.lock`` holding the owner's host, pid and process start time,
 created atomically (``O_EXCL``). A lock whose owner is gone (same host, pid not
@@ -86,8 +86,9 @@ def _alive(pid, started: str | None) -> bool:
 class OutDirLock:
     """``with OutDirLock(out_dir):`` holds the lock file for the block (see the module doc)."""
 
-    def __init__(self, out_dir: str, *, stream=None):
+    def __init__(self, out_dir: str, *, stream=None, what: str = "train.out_dir"):
         self.path = os.path.join(out_dir, LOCK_NAME)
+        self.what = what  # how the user named the directory, for the messages
         self.stream, self.owned = stream or sys.stderr, False
 
     def __enter__(self) -> "OutDirLock":
@@ -105,9 +106,9 @@ class OutDirLock:
                 if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
                     return self
                 if holder.get("host") != me["host"] or _alive(holder.get("pid", -1), holder.get("started")):
-                    raise ConfigError(f"train.out_dir {os.path.dirname(self.path) or '.'} is in use by another run "
+                    raise ConfigError(f"{self.what} {os.path.dirname(self.path) or '.'} is in use by another run "
                                       f"(pid {holder.get('pid')} on {holder.get('host')} since "
-                                      f"{holder.get('since')}); use another out_dir, or delete {self.path} if "
+                                      f"{holder.get('since')}); use another directory, or delete {self.path} if "
                                       "that run is gone")
                 self.stream.write(f"bumblebee: note: taking over a stale lock {self.path} (pid {holder.get('pid')} "
                                   "is not running)\n")
@@ -117,12 +118,12 @@ class OutDirLock:
                     pass
                 continue
             except OSError as e:
-                raise ConfigError(f"train.out_dir: cannot create {self.path} ({e.strerror or e})") from None
+                raise ConfigError(f"{self.what}: cannot create {self.path} ({e.strerror or e})") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.owned = True
             return self
-        raise ConfigError(f"train.out_dir: could not take the lock {self.path} (another run keeps taking it)")
+        raise ConfigError(f"{self.what}: could not take the lock {self.path} (another run keeps taking it)")
 
     def _read(self) -> dict | None:
         try:

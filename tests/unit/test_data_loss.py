@@ -1,7 +1,7 @@
 """Three ways a run used to lose or mix data, each refused or made safe:
 
 1. resuming from an older checkpoint: pruning kept the abandoned future's newest step and
-   deleted the one just written; newer checkpoints are now moved aside at the start;
+   deleted the one just written; newer checkpoints are now moved aside (to ``out_dir/previous/``) at the start;
 2. ``convert`` into a used directory mixed two exports (an old index beside a new single
    file); a non-empty target is refused unless ``--overwrite``, which removes the old files;
 3. two runs on one ``out_dir``; a lock file (host, pid) refuses the second, stale locks are
@@ -51,9 +51,9 @@ def test_resume_from_an_older_checkpoint_never_prunes_what_it_wrote(four_checkpo
     assert code == 0
     assert sorted(n for n in os.listdir(ckpts) if n.startswith("step_")) == ["step_00000002"]
     assert "lr = 0.005" in (ckpts / "step_00000002" / "config.toml").read_text()  # the new run's, not the stale one
-    aside = [n for n in os.listdir(ckpts) if n.startswith("abandoned-")]
-    assert len(aside) == 1 and sorted(os.listdir(ckpts / aside[0])) == ["step_00000002", "step_00000003",
-                                                                        "step_00000004"]
+    (aside,) = os.listdir(out / "previous")  # the abandoned future, set aside with the record it belongs to
+    assert sorted(os.listdir(out / "previous" / aside / "checkpoints")) == ["step_00000002", "step_00000003",
+                                                                            "step_00000004"]
     assert find_checkpoint("auto", str(out)) == str(ckpts / "step_00000002")  # what --resume auto / convert take
     assert read_marker(str(ckpts / "step_00000002"))["step"] == 2
 

@@ -94,6 +94,14 @@ class FSDP2(NoSharding):
         if self.groups.dense_mesh is not None:
             self.named = list(self.model.named_parameters())
 
+    def reshard(self) -> None:
+        """The root unit stays gathered after a forward that has no backward (evaluation,
+        sampling): ``named_parameters()`` then yields its unsharded parameters, which are not
+        the optimizer's, and a checkpoint would miss their optimizer state. Reshard first."""
+        if self.groups.dense_mesh is not None:
+            for unit in self.units:
+                unit.reshard()
+
     def set_grad_sync(self, enabled: bool) -> None:
         """Called before each micro-batch (enabled on the last). With ``grad_accum = "sharded"``
         every micro-batch is synced: a reduce-scatter per micro-batch keeps gradients sharded."""

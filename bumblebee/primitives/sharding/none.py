@@ -53,6 +53,10 @@ class NoSharding:
     def after_load(self) -> None:
         """Called once the parameters hold their values (initialized, or read from a checkpoint)."""
 
+    def reshard(self) -> None:
+        """Put every parameter back in the form the optimizer owns (before the state is read
+        for a checkpoint); a forward without backward may leave it otherwise (fsdp2)."""
+
     def step(self, optimizer) -> None:
         optimizer.step()
 

@@ -1,0 +1,95 @@
+"""A run's record in its ``out_dir``, and what a new run does with an earlier run's record.
+
+The record is everything ``bumblebee train`` writes there: ``config.toml``, ``metrics.jsonl``,
+``tensorboard/``, ``hf/`` and ``checkpoints/step_*``. Runs default to one ``out_dir``
+(``runs/default``), so a second run meeting a first run's record is the common case, and a
+run must never destroy another run's record. The rule (the README says why):
+
+- a run that **continues** the run recorded in ``out_dir`` (resumed from one of its own
+  checkpoints, at step S) keeps that record: ``metrics.jsonl`` keeps its lines up to S and the
+  new steps follow. What it would replace is set aside first: checkpoints newer than S (an
+  abandoned future) and ``hf/`` are moved, ``metrics.jsonl`` (when it has lines past S) and
+  ``config.toml`` (when the new config differs) are copied;
+- **any other run** (fresh; resumed from a checkpoint elsewhere; ``--resume auto`` finding no
+  checkpoint) moves the whole earlier record aside before it writes anything.
+
+"Aside" is ``out_dir/previous/<time>-<pid>/``, with the record's own layout (so
+``bumblebee report`` and ``--resume`` take it as a run directory); nothing is deleted, and
+neither ``--resume auto``, nor pruning, nor ``convert`` of ``out_dir`` sees it again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+PREVIOUS = "previous"
+FILES = ("metrics.jsonl", "config.toml")  # rewritten by every run
+DIRS = ("tensorboard", "hf")  # written into by a run (hf: replaced by the export at its end)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _steps(root: str) -> list[tuple[int, str]]:
+    return sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := _STEP_DIR.match(n))) \
+        if os.path.isdir(root) else []
+
+
+def _has_lines_after(path: str, step: int) -> bool:
+    """Whether ``metrics.jsonl`` has a line a run continuing at ``step`` drops (a later step,
+    or a line that does not parse)."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                return True
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or rec["step"] > step:
+                return True
+    return False
+
+
+def _same_text(path: str, text: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read() == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def set_aside(out_dir: str, *, continues_from: int | None, config_text: str) -> tuple[str, list[str]] | None:
+    """Apply the rule of the module doc before a run writes into ``out_dir``. ``continues_from``:
+    the step of ``out_dir``'s own checkpoint the run resumed from (None: not a continuation);
+    ``config_text``: the ``config.toml`` the run will write. Returns (the directory the old
+    record went to, what went there), or None when nothing had to move."""
+    root = os.path.join(out_dir, "checkpoints")
+    moves, copies = [], []
+    for step, name in _steps(root):
+        if continues_from is None or step > continues_from:
+            moves.append(os.path.join("checkpoints", name))
+    for name in FILES:
+        path = os.path.join(out_dir, name)
+        if not os.path.isfile(path):
+            continue
+        if continues_from is None:
+            moves.append(name)
+        elif (name == "metrics.jsonl" and _has_lines_after(path, continues_from)) or \
+                (name == "config.toml" and not _same_text(path, config_text)):
+            copies.append(name)
+    moves += [name for name in DIRS if os.path.isdir(os.path.join(out_dir, name))
+              and (continues_from is None or name == "hf")]
+    if not moves and not copies:
+        return None
+    aside = os.path.join(out_dir, PREVIOUS, f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    os.makedirs(os.path.join(aside, "checkpoints"))
+    for rel in copies:
+        shutil.copy2(os.path.join(out_dir, rel), os.path.join(aside, rel))
+    for rel in moves:
+        os.rename(os.path.join(out_dir, rel), os.path.join(aside, rel))  # same filesystem: atomic, no copy
+    if not os.listdir(os.path.join(aside, "checkpoints")):
+        os.rmdir(os.path.join(aside, "checkpoints"))
+    return aside, sorted(copies + moves)
