@@ -245,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     from bumblebee.config import ConfigError
     from bumblebee.runtime.nonfinite import NonFiniteError
 
+    # CUDA's caching allocator grows segments in place instead of keeping one per size class: less
+    # fragmentation at long context. Read when CUDA first allocates, so set before any command runs
+    # (and inherited by the ranks --nproc starts); a user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

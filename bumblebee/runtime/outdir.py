@@ -11,7 +11,9 @@ path must not be a file, must fit the filesystem's name limits, and the director
 created atomically (``O_EXCL``). A lock whose owner is gone (same host, pid not
 running, or running but started at another time: a reused pid) is stale and taken
 over with a notice; a live owner's lock is refused with one line. The ranks a
-launcher started (children of the lock's owner) run under their parent's lock.
+launcher started (children of the lock's owner) run under their parent's lock. A lock
+taken by an earlier attempt of the same torchrun job (same rendezvous id) is taken
+over: a restart may put rank 0 on another host, where the old owner cannot be checked.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ def _alive(pid, started: str | None) -> bool:
     return started is None or now is None or now == started
 
 
+def _elastic_job() -> str | None:
+    """The torchrun job (rendezvous run id) this process belongs to; None outside torchrun. Every
+    attempt of a job has the same id, whichever host its rank 0 lands on."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
 class OutDirLock:
     """``with OutDirLock(out_dir):`` holds the lock file for the block (see the module doc)."""
 
@@ -93,7 +101,7 @@ class OutDirLock:
 
     def __enter__(self) -> "OutDirLock":
         me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid()),
-              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "job": _elastic_job()}
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -105,6 +113,15 @@ class OutDirLock:
                     return self  # a rank started by the launcher that holds the lock
                 if holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
                     return self
+                if me["job"] and holder.get("job") == me["job"]:
+                    # the same torchrun job, restarted by its agents: its rank 0 may be on another host
+                    self.stream.write(f"bumblebee: note: taking over {self.path} from an earlier attempt of job "
+                                      f"{me['job']} (pid {holder.get('pid')} on {holder.get('host')})\n")
+                    try:
+                        os.remove(self.path)
+                    except FileNotFoundError:
+                        pass
+                    continue
                 if holder.get("host") != me["host"] or _alive(holder.get("pid", -1), holder.get("started")):
                     raise ConfigError(f"{self.what} {os.path.dirname(self.path) or '.'} is in use by another run "
                                       f"(pid {holder.get('pid')} on {holder.get('host')} since "
@@ -155,21 +172,26 @@ class OutDirLock:
 
 @contextmanager
 def distributed_lock(out_dir: str, check):
-    """Under ``torchrun``: rank 0 runs ``check()`` (preflight) and takes the lock; every rank
-    raises the same one-line ``ConfigError`` if either fails, and none starts the run."""
+    """Under ``torchrun``: every rank runs ``check()`` (preflight: the same inputs give the same
+    verdict, and no rank waits out a collective timeout while rank 0 reads a large data file
+    alone; a file missing on one node is found there), rank 0 takes the lock; every rank raises
+    the same one-line ``ConfigError`` if any of that failed, and none starts the run."""
     import torch.distributed as dist
 
-    lock, error = OutDirLock(out_dir), None
-    if dist.get_rank() == 0:
-        try:
-            check()
+    lock, error, rank = OutDirLock(out_dir), None, dist.get_rank()
+    try:
+        check()
+        if rank == 0:
             lock.__enter__()
-        except ConfigError as e:
-            error = str(e)
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise ConfigError(box[0])
+    except ConfigError as e:
+        error = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        lock.__exit__(None, None, None)
+        r, e = failed[0]
+        raise ConfigError(e if r == 0 else f"{e} (on rank {r})")
     try:
         yield lock
     finally:

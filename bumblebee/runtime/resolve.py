@@ -131,8 +131,10 @@ def check_run(cfg: Config, world: int):
                           "valid: qwen3_moe, qwen3_5_moe, deepseek_v3")
     rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
     if rem or rows % cfg.train.micro_batch:
+        unit = layout.dp_shard * cfg.train.micro_batch
         raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
-                          f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch})")
+                          f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch}), e.g. "
+                          f"--set train.global_batch={unit * max(1, round(cfg.train.global_batch / unit))}")
     check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
     if cfg.train.eval_every not in (0, "auto") and layout.pp > 1:
         raise ConfigError("train.eval_every is not supported with parallel.pp > 1 yet")

@@ -87,6 +87,10 @@ def build_sharding(cfg: Config, ctx: ParallelContext):
 
 class Trainer:
     def __init__(self, cfg: Config, *, stream=None, device: torch.device | None = None):
+        with emulation.maybe(cfg.train.emulate_cuda):  # wrapping picks the NCCL forms of FSDP2's collectives
+            self._build(cfg, stream=stream, device=device)
+
+    def _build(self, cfg: Config, *, stream, device: torch.device | None) -> None:
         stream = stream or sys.stdout  # looked up now: sys.stdout may have been replaced since import
         self.cfg = cfg
         t = cfg.train
@@ -125,9 +129,8 @@ class Trainer:
                 f.write(dump_toml(cfg))
             if ctx.distributed:
                 stream.write(f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n")
-            with emulation.maybe(t.emulate_cuda):
-                kind = "cuda" if t.emulate_cuda else self.device.type
-                kernels = describe_kernels(kernel_table(cfg.primitives, kind, t.dtype, cp=ctx.layout.cp))
+            kind = "cuda" if t.emulate_cuda else self.device.type
+            kernels = describe_kernels(kernel_table(cfg.primitives, kind, t.dtype, cp=ctx.layout.cp))
             emulated = " (emulated CUDA: CPU tensors, reference kernels, checked communication)"
             stream.write("bumblebee: kernels " + kernels + (emulated if t.emulate_cuda else "") + "\n")
             if self.pipeline is not None:
@@ -254,14 +257,17 @@ class Trainer:
         return peak
 
     def run(self) -> dict:
+        with emulation.maybe(self.cfg.train.emulate_cuda):
+            return self._run()
+
+    def _run(self) -> dict:
         t = self.cfg.train
         world = dist.group.WORLD if self.ctx.distributed else None
         with Preemption() as preemption:  # SIGTERM / SIGUSR1: stop at the next step boundary
             while self.step < t.steps:
                 record = self.train_step()
                 if self.eval_every and (self.step % self.eval_every == 0 or self.step == t.steps):
-                    with emulation.maybe(t.emulate_cuda):
-                        record.update(evaluate(self))
+                    record.update(evaluate(self))
                 self.metrics.log(record)
                 self.checkpoint.on_step(self.step)  # saves every train.save_every steps
                 if self.step < t.steps and (signum := preemption.requested(world, self.device)):

@@ -32,3 +32,32 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     single.run()
     ref = [r["loss"] for r in single.metrics.history]
     assert all(abs(r["loss"] - x) <= 1e-5 * abs(x) for r, x in zip(rows, ref)), ([r["loss"] for r in rows], ref)
+
+
+def test_two_agents_nnodes_2_on_one_host(tmp_path):
+    """The multi-node launch as the README gives it (two torchrun agents with a c10d rendezvous),
+    both on this host: the run trains, and a second attempt of the same job (same --rdzv-id) may take
+    over the out_dir lock its first attempt left (a restart can put rank 0 on another host)."""
+    import socket
+
+    torchrun = shutil.which("torchrun") or ""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "nn"
+    out.mkdir()
+    # a lock left by an earlier attempt of this job, whose rank 0 ran on another host
+    (out / "bumblebee.lock").write_text(json.dumps({"host": "node-that-died", "pid": 1, "job": "bb-test-job"}))
+    sets = [x for s in SETS + [f"train.out_dir={out}"] for x in ("--set", s)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                "--rdzv-id", "bb-test-job", "-m", "bumblebee.cli", "train", *sets],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+              for n in range(2)]
+    results = [a.communicate(timeout=600) for a in agents]
+    for a, (_, err) in zip(agents, results):
+        assert a.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert any("earlier attempt of job bb-test-job" in err for _, err in results)

@@ -1,5 +1,6 @@
 """The CLI: one-line errors with exit code 2 and no traceback; `primitives` lists slots."""
 
+import os
 import subprocess
 import sys
 
@@ -44,3 +45,14 @@ def test_primitives_lists_every_slot_and_reference(capsys):
         ref = registry.reference(slot)
         if ref:
             assert any(ref in line and "reference" in line for line in out.splitlines())
+
+
+def test_cuda_allocator_default_is_expandable_segments_unless_set(monkeypatch, capsys):
+    from bumblebee.cli import main
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert main(["primitives"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert main(["primitives"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"  # the user's choice stays

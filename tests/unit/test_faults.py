@@ -177,3 +177,25 @@ def test_second_signal_stops_at_once(tmp_path):
             "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(5); sys.exit(0)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert r.returncode == -signal.SIGUSR1, r.stderr
+
+
+def test_out_dir_lock_of_another_host_same_torchrun_job(tmp_path, monkeypatch):
+    """A lock left on another host is refused (its owner cannot be checked) unless it was taken by
+    an earlier attempt of the same torchrun job (TORCHELASTIC_RUN_ID): then it is taken over."""
+    import io
+    import json
+
+    from bumblebee.config import ConfigError
+    from bumblebee.runtime.outdir import OutDirLock
+
+    lock = tmp_path / "bumblebee.lock"
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "job-a"}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    with pytest.raises(ConfigError, match="in use by another run"):
+        OutDirLock(str(tmp_path)).__enter__()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    note = io.StringIO()
+    with OutDirLock(str(tmp_path), stream=note) as held:
+        assert held.owned and json.loads(lock.read_text())["job"] == "job-a"
+    assert "earlier attempt of job job-a" in note.getvalue()
+    assert not lock.exists()
