@@ -5,9 +5,11 @@ import io
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch
 from bumblebee.cli import main
 from bumblebee import load_config
 from bumblebee.models.hf import CheckpointError
+from bumblebee.runtime import integrity
 from bumblebee.runtime.failures import classify, diagnose, first_failure
 from bumblebee.runtime.nonfinite import NonFiniteError
 from bumblebee.runtime.signals import Preempted
@@ -103,6 +106,47 @@ def test_flipped_byte_is_refused_by_verify_and_by_load(saved, tmp_path, capsys):
     assert "corrupt checkpoint" in capsys.readouterr().err
     _flip_byte(victim)  # flipped back: intact again
     assert main(["checkpoint", "verify", str(ckpt)]) == 0
+
+
+
+def test_every_checkpoint_file_is_verified(saved, tmp_path, capsys):
+    """Not only the largest file: a flipped byte in any file the marker lists (config.toml,
+    .metadata, every shard) fails verify, naming that file; a corrupt config.toml also stops a resume."""
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(saved / "checkpoints" / "step_00000004", ckpt)
+    names = sorted(json.loads((ckpt / "complete.json").read_text())["checksums"])
+    assert "config.toml" in names and ".metadata" in names and len(names) >= 3
+    for name in names:
+        _flip_byte(ckpt / name)
+        assert main(["checkpoint", "verify", str(ckpt)]) == 1, name
+        assert f"corrupt checkpoint: {name} has crc32" in capsys.readouterr().err
+        if name == "config.toml":
+            with pytest.raises(CheckpointError, match="corrupt checkpoint: config.toml"):
+                trainer(tmp_path / "resumed", f"train.resume={ckpt}")
+        _flip_byte(ckpt / name)
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0
+
+
+def test_corruption_before_the_last_hash_block_is_found(saved, tmp_path, monkeypatch, capsys):
+    """Files are hashed in blocks (integrity._CHUNK, 16 MiB) with a running CRC: a flip in the
+    first block of a file that spans several blocks must change its checksum. A real file of
+    2.5 blocks, then a real checkpoint hashed in 4 KiB blocks (so its shards span many)."""
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(integrity._CHUNK * 5 // 2))
+    assert integrity.file_checksum(str(big)) == f"{zlib.crc32(big.read_bytes()):08x}"
+    info = {"checksums": integrity.checksum_files(str(tmp_path), ["big.bin"])}
+    _flip_byte(big, at=100)
+    with pytest.raises(CheckpointError, match="corrupt checkpoint: big.bin"):
+        integrity.verify_checksums(str(tmp_path), info)
+    monkeypatch.setattr(integrity, "_CHUNK", 4096)
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(saved / "checkpoints" / "step_00000004", ckpt)
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0  # the sum does not depend on the block size
+    victim = max(ckpt.iterdir(), key=lambda p: p.stat().st_size)
+    assert victim.stat().st_size > 4 * 4096
+    _flip_byte(victim, at=10)
+    assert main(["checkpoint", "verify", str(ckpt)]) == 1
+    assert f"corrupt checkpoint: {victim.name}" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ non-finite steps
