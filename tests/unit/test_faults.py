@@ -150,6 +150,23 @@ def test_corruption_before_the_last_hash_block_is_found(saved, tmp_path, monkeyp
     assert f"corrupt checkpoint: {victim.name}" in capsys.readouterr().err
 
 
+
+def test_a_marker_without_checksums_is_not_verified(saved, tmp_path, capsys):
+    """Sizes alone say nothing of the contents: verify says so (exit 1) for a marker with no
+    checksums, and for one whose checksums leave a file out."""
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(saved / "checkpoints" / "step_00000004", ckpt)
+    marker = ckpt / "complete.json"
+    info = json.loads(marker.read_text())
+    for sums in ({}, {k: v for k, v in info["checksums"].items() if k != "config.toml"}):
+        marker.write_text(json.dumps({**info, "checksums": sums}))
+        assert main(["checkpoint", "verify", str(ckpt)]) == 1
+        out, err = capsys.readouterr()
+        assert "ok" not in out and err.count("\n") == 1, (out, err)
+        assert f"NOT VERIFIED {ckpt}: {len(info['files']) - len(sums)} of {len(info['files'])} files have no " \
+               f"checksum" in err and "only their sizes were checked" in err, err
+
+
 # ------------------------------------------------------------------------------ non-finite steps
 def _poison(t: Trainer, at_step: int, value=float("nan")):
     """Make the loss of optimizer step ``at_step`` (1-based) non-finite."""
