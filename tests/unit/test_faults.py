@@ -167,6 +167,21 @@ def test_a_marker_without_checksums_is_not_verified(saved, tmp_path, capsys):
                f"checksum" in err and "only their sizes were checked" in err, err
 
 
+
+def test_resume_past_train_steps_says_there_is_nothing_to_train(saved, tmp_path, capsys):
+    """A checkpoint at step 4 with train.steps = 3 used to end at once with exit 0; = 4 says so."""
+    ckpt = saved / "checkpoints" / "step_00000004"
+    argv = ["train", *sum((["--set", x] for x in BASE), []), "--set", f"train.out_dir={tmp_path}", "--resume", str(ckpt)]
+    assert main(argv + ["--set", "train.steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("bumblebee: error: train.steps = 3 but the checkpoint it resumes is at step 4: nothing to "
+                       "train; set train.steps above 4 to continue it"), err
+    assert not (tmp_path / "metrics.jsonl").exists()
+    stream = io.StringIO()
+    Trainer(load_config(None, BASE + [f"train.out_dir={tmp_path / 'same'}", f"train.resume={ckpt}"]), stream=stream)
+    assert "the checkpoint is at train.steps = 4 already: nothing to train" in stream.getvalue()
+
+
 # ------------------------------------------------------------------------------ non-finite steps
 def _poison(t: Trainer, at_step: int, value=float("nan")):
     """Make the loss of optimizer step ``at_step`` (1-based) non-finite."""
