@@ -15,8 +15,22 @@ from bumblebee.errors import ConfigError
 DATA_SOURCES = ("synthetic", "jsonl", "tokens", "text", "chat")
 
 
+INT_LIMIT = 2**63  # torch's int64, the widest integer a count, step or seed can be held in
+
+
+def check_int_range(section: str, obj) -> None:
+    """Integers of a config dataclass fit in int64: TOML and --set read any size, and a step
+    count of 1e22 would start a run that never ends or overflow once it meets a tensor."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT < value < INT_LIMIT:
+            raise ConfigError(f"{section}.{f.name} = {value} is beyond a 64-bit integer (|value| < 2^63)")
+
+
 def validate(cfg) -> None:
     """Every section's values, in this order (the first problem found is the one reported)."""
+    for f in dataclasses.fields(cfg):
+        check_int_range(f.name, getattr(cfg, f.name))
     _check_mtp(cfg)
     _check_train(cfg.train)
     _check_moe(cfg)

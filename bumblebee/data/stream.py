@@ -100,6 +100,8 @@ class TokenSource:
                 raise DataError(f"{s.meta.get('source', 'data')}: token id {s.meta['max_token_id']} outside the "
                                 f"model's vocabulary [0, {vocab_size}); the tokenizer does not match the model")
         self.global_batch, self.seed, self.eval_batches = global_batch, seed, eval_batches
+        self.vocab_size, self.name = vocab_size, store.meta.get("source", "data")
+        self.store_max = store.meta.get("max_token_id")
         self.rows = PackedRows(store, seq_len, too_long)
         n = self.rows.num_rows
         self.train_rows = np.arange(n, dtype=np.int64)
@@ -141,7 +143,18 @@ class TokenSource:
 
     def rows_at(self, step: int, lo: int, hi: int) -> Batch:
         """Rows lo..hi-1 of step's global batch (only these are read)."""
-        return self.rows.build(self._global_rows(step)[lo:hi])
+        return self._in_vocab(self.rows.build(self._global_rows(step)[lo:hi]))
+
+    def _in_vocab(self, batch: Batch) -> Batch:
+        """meta.json's max_token_id is checked up front, but the metadata may not match the tokens
+        (edited, or files mixed): each built batch is checked too (one max over its ids), so a
+        foreign id is a one-line error instead of an IndexError inside the embedding."""
+        top = int(batch.input_ids.max()) if batch.input_ids.numel() else -1
+        if top >= self.vocab_size:
+            raise DataError(f"{self.name}: token id {top} outside the model's vocabulary [0, {self.vocab_size}), "
+                            f"although meta.json's max_token_id is {self.store_max}; the corpus does not match "
+                            f"its metadata (prepare it again)")
+        return batch
 
     def num_valid_at(self, step: int) -> int:
         return int(self.rows.row_labels[self._global_rows(step)].sum())
@@ -162,5 +175,5 @@ class TokenSource:
                 b = Batch(torch.cat([b.input_ids, torch.zeros(short, T, dtype=torch.long)]),
                           torch.cat([b.labels, torch.full((short, T), IGNORE, dtype=torch.long)]),
                           torch.cat([b.position_ids, torch.arange(T).expand(short, T)]))
-            out.append(b)
+            out.append(self._in_vocab(b))
         return out

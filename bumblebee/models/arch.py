@@ -44,6 +44,8 @@ def check_field_types(arch) -> None:
               or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))))
         if not ok:
             raise ArchError(f"{f.name} must be {_TYPE_NAMES[kind]}, got {value!r}")
+        if kind is int and not -2**63 < value < 2**63:
+            raise ArchError(f"{f.name} = {value} is beyond a 64-bit integer (|value| < 2^63)")
         if kind is float:
             if not math.isfinite(value):
                 raise ArchError(f"{f.name} must be a finite number, got {value}")
@@ -51,6 +53,17 @@ def check_field_types(arch) -> None:
         item = _LIST_ITEMS.get(f.name)
         if item and not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
             raise ArchError(f"{f.name} must be a list of {'integers' if item is int else 'strings'}, got {value!r}")
+
+
+def check_norm_and_rope(eps: float, theta: float) -> None:
+    """Values no model trains with, refused before any rank starts. ``rms_norm_eps`` is a
+    stabilizer (1e-6 / 1e-5 in every Qwen and DeepSeek config): above 1e-2 it swamps the mean
+    square of small activations and the norm stops normalizing. ``rope_theta`` is the base of the
+    rotary frequencies theta^(-2i/d): at <= 1 they no longer fall from dimension to dimension."""
+    if not 0 < eps <= 1e-2:
+        raise ArchError(f"rms_norm_eps must be in (0, 0.01] (typically 1e-6), got {eps}")
+    if not theta > 1:
+        raise ArchError(f"rope_theta must be > 1 (typically 1e4 to 1e7), got {theta}")
 
 
 @dataclass(kw_only=True)
@@ -93,9 +106,13 @@ class Qwen3MoeArch:
                             f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ArchError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.num_experts < 0 or (self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts):
+        if self.num_experts < 1:  # (HF reads 0 as "every layer dense": not a MoE model to train here)
+            raise ArchError(f"num_experts must be >= 1 (a MoE model; dense layers go in mlp_only_layers), "
+                            f"got {self.num_experts}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ArchError(f"need 1 <= num_experts_per_tok <= num_experts, got "
                             f"{self.num_experts_per_tok} and {self.num_experts}")
+        check_norm_and_rope(self.rms_norm_eps, self.rope_theta)
         if self.hidden_act != "silu":
             raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
         if self.attention_bias:

@@ -11,10 +11,11 @@ holds (``models/mtp.py``; a checkpoint without their tensors loads with 0).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError, check_field_types, replace_fields
+from bumblebee.models.arch import ArchError, check_field_types, check_norm_and_rope, replace_fields
 
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
@@ -115,6 +116,10 @@ class DeepseekV3Arch:
             raise ArchError(f"rope_type {kind!r} is not supported; valid: default, yarn")
         if kind == "yarn" and not self.rope_parameters.get("original_max_position_embeddings"):
             raise ArchError("yarn rope_parameters need original_max_position_embeddings")
+        theta = self.rope_parameters.get("rope_theta", 10000.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
+            raise ArchError(f"rope_parameters.rope_theta must be a finite number, got {theta!r}")
+        check_norm_and_rope(self.rms_norm_eps, float(theta))
 
     # ------------------------------------------------------------------ HF mapping
     @classmethod

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError, check_field_types, replace_fields
+from bumblebee.models.arch import ArchError, check_field_types, check_norm_and_rope, replace_fields
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -72,6 +72,7 @@ class Qwen3_5MoeArch:
 
     def validate(self) -> None:
         check_field_types(self)
+        check_norm_and_rope(self.rms_norm_eps, self.rope_theta)
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                     "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                     "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",

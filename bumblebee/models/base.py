@@ -36,7 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee import registry
-from bumblebee.models.head import LMHead, summed_losses
+from bumblebee.models.head import LMHead, check_token_ids, summed_losses
 from bumblebee.models.kv_cache import KVCache, cache_aware
 from bumblebee.models.routing import RoutingProtocol
 from bumblebee.primitives import init
@@ -402,6 +402,7 @@ class CausalLM(RoutingProtocol, nn.Module):
     def forward(self, input_ids, position_ids=None, labels=None):
         """Logits [B, T, V] without labels; with labels (already shifted, -100 ignored)
         the mean cross-entropy through the configured loss primitive."""
+        check_token_ids(input_ids, self.arch.vocab_size)
         if labels is None:
             h_BTH, _ = self.routed_hidden_states(input_ids, position_ids)
             return self.apply_head(F.linear, h_BTH)

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
 
 from bumblebee.config import Config, ConfigError
 from bumblebee.models import resolve_arch
+from bumblebee.models.head import check_token_ids
 from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.moe.replay import RoutingScope
 from bumblebee.primitives.parallel import ParallelGroups
@@ -58,7 +60,7 @@ from bumblebee.rl.global_batch import GlobalBatchCalls, LogProbs, _all_gather  #
 from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_totals, token_logprobs
 from bumblebee.rl.offload import Offloader
 from bumblebee.rl.weights import EngineWeights
-from bumblebee.runtime.optim import build_optimizer
+from bumblebee.runtime.optim import build_optimizer, check_lr
 from bumblebee.runtime.resolve import resolve_layout
 from bumblebee.runtime.step import ExpertLoad, accumulate, autocast_for, balance_denominator, optimizer_tail
 from bumblebee.runtime.trainer import (build_initial_model, build_parallel_context, build_sharding, pick_device,
@@ -77,6 +79,19 @@ class ForwardOutput:
     routing: torch.Tensor | None = None  # [B, T, L, K] experts per token and MoE layer (return_routing)
 
 
+# vLLM clamps a sampling temperature below 1e-2 up to it (smaller ones cause numerical errors); at
+# 1e-20 the training log-probs' 1/temperature scale turns the first step's gradient into NaN
+MIN_TEMPERATURE = 1e-2
+
+
+def check_temperature(value, name: str = "temperature") -> None:
+    """A training temperature is a finite number >= MIN_TEMPERATURE (0, greedy, is for sampling only)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < MIN_TEMPERATURE:
+        raise ConfigError(f"{name} must be a finite number >= {MIN_TEMPERATURE} (greedy sampling, 0, has no "
+                          f"log-probs to train on), got {value!r}")
+
+
 class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
     """The policy under training on this rank's share of the layout ``cfg`` describes.
 
@@ -92,8 +107,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
                  temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None):
         if hf_path:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=hf_path))
-        if temperature <= 0:
-            raise ConfigError(f"temperature must be > 0, got {temperature}")
+        check_temperature(temperature)
         if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
             raise ConfigError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
         pp = cfg.parallel.pp
@@ -224,6 +238,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         log-probs (and entropies with ``entropy``, and with ``return_routing`` the experts every
         token was routed to, [B, T, L, K]). A batch carrying ``routing`` is run with those experts
         (routing replay, primitives/moe/replay.py). Collective over all ranks."""
+        check_token_ids(batch.input_ids, self.arch.vocab_size, "batch.input_ids")
         if forward_only:
             self.offloader.require("params")
         else:
@@ -309,6 +324,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
     def optimizer_step(self, lr: float | None = None) -> dict:
         """Reduce, clip, set the scheduled LR (or ``lr``), update, zero the gradients
         (runtime/step.py's tail). Returns ``grad_norm`` (before clipping) and ``lr``."""
+        check_lr(lr)  # before anything moves: a refused call leaves the gradients for a retry
         self.offloader.require("params", "grads", "optimizer")
         pp = self.pipeline is not None
         grad_norm, lr, applied = optimizer_tail(self.sharding, self.optimizer, self.cfg.train, self.step, lr=lr,

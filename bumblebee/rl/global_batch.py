@@ -17,8 +17,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from bumblebee.models.head import check_token_ids
 from bumblebee.rl import microbatch as mbs
 from bumblebee.rl.batch import RLBatch, gather_tokens, pad_batch
+from bumblebee.runtime.optim import check_lr
 
 
 @dataclasses.dataclass
@@ -78,6 +80,7 @@ class GlobalBatchCalls:
         ``return_routing``: also the experts every token was routed to, [B, T, L, K] (L MoE
         layers in order), the layout a batch's ``routing`` takes for replay. A batch carrying
         ``routing`` is scored with those experts."""
+        check_token_ids(batch.input_ids, self.arch.vocab_size, "batch.input_ids")  # on every rank alike
         budget = self.max_tokens_per_micro_batch
         part, index = self._rank_part(batch, budget)
         out = self.forward_backward(part, None, forward_only=True, entropy=entropy, return_routing=return_routing)
@@ -92,6 +95,8 @@ class GlobalBatchCalls:
         over trained tokens (PolicyLoss: ``clip_frac``, ``dual_clip_frac``, ``kl``, ``entropy``,
         ``approx_kl_old``)."""
         start = time.perf_counter()
+        check_lr(lr)  # before the forward and backward, not after them
+        check_token_ids(batch.input_ids, self.arch.vocab_size, "batch.input_ids")  # on every rank alike
         part, _ = self._rank_part(batch, self.max_tokens_per_micro_batch)
         out = self.forward_backward(part, loss_fn)
         opt = self.optimizer_step(lr=lr)

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from bumblebee.config import Config, ConfigError, dump_toml
 from bumblebee.models import build_model
-from bumblebee.rl.engine import Engine
+from bumblebee.config_checks import check_int_range
+from bumblebee.rl.engine import Engine, check_temperature
 from bumblebee.runtime.metrics import json_line
 from bumblebee.rl.losses import AGGREGATIONS, KL_ESTIMATORS, PolicyLoss, TokenNLL, grpo_advantages
 from bumblebee.rl.sampler import Sampler
@@ -77,8 +78,8 @@ class RLConfig:
         for name in ("warmup_steps", "steps", "eval_problems", "kl_coef", "entropy_coef", "partial"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"rl.{name} must be >= 0, got {getattr(self, name)}")
-        if self.temperature <= 0 or self.lr <= 0 or self.warmup_lr <= 0:
-            raise ConfigError("rl.temperature, rl.lr and rl.warmup_lr must be > 0")
+        if self.lr <= 0 or self.warmup_lr <= 0:
+            raise ConfigError("rl.lr and rl.warmup_lr must be > 0")
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"rl.dual_clip must be > 1 (or 0 to disable), got {self.dual_clip}")
         if self.agg not in AGGREGATIONS or self.kl_estimator not in KL_ESTIMATORS:
@@ -94,6 +95,8 @@ class RLConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"rl.{f.name} must be a finite number, got {value}")
+        check_int_range("rl", self)
+        check_temperature(self.temperature, "rl.temperature")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
             raise ConfigError(f"rl.clip_low must be in [0, 1) and rl.clip_high >= 0 (the ratio is clipped to "
                               f"[1 - clip_low, 1 + clip_high]), got {self.clip_low}, {self.clip_high}")

@@ -25,6 +25,7 @@ K kv heads, D head dim, H hidden, V vocabulary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +67,9 @@ class Sampler:
                  generator: torch.Generator | None = None) -> Rollouts:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs non-empty prompts")
-        if temperature < 0 or max_new_tokens < 1 or group_size < 1:
-            raise ValueError("need temperature >= 0, max_new_tokens >= 1 and group_size >= 1")
+        if not (math.isfinite(temperature) and temperature >= 0) or max_new_tokens < 1 or group_size < 1:
+            raise ValueError(f"need a finite temperature >= 0, max_new_tokens >= 1 and group_size >= 1, got "
+                             f"temperature={temperature}, max_new_tokens={max_new_tokens}, group_size={group_size}")
         rows = [p for p in prompts for _ in range(group_size)]
         dev = self.model.lm_head_weight.device
         R, P = len(rows), max(len(p) for p in rows)

@@ -60,6 +60,13 @@ def lr_at(step: int, train_cfg) -> float:
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def check_lr(lr) -> None:
+    """An explicit learning rate is a finite number >= 0 (NaN would make every weight NaN)."""
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
+                           or lr < 0):
+        raise ValueError(f"lr must be a finite number >= 0 (or None: the train schedule), got {lr!r}")
+
+
 def set_lr(optimizer, lr: float) -> None:
     """Set the learning rate of every param group."""
     for group in optimizer.param_groups:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee import registry
-from bumblebee.config import Config, balance_mode, dump_toml, eval_interval
+from bumblebee.config import Config, ConfigError, balance_mode, dump_toml, eval_interval
 from bumblebee.data import build_source
 from bumblebee.models import build_model, materialize, resolve_arch
 from bumblebee.perf.memory import MemoryTracker
@@ -123,6 +123,11 @@ class Trainer:
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)
         self.checkpoint = Checkpointer(cfg, ctx, self.model, self.sharding, self.optimizer, stream=stream)
         self.step = self.checkpoint.resume(t.resume)  # 0 unless train.resume names a checkpoint
+        if self.step > t.steps:  # the run would end at once, having trained nothing: say why instead
+            raise ConfigError(f"train.steps = {t.steps} but the checkpoint it resumes is at step {self.step}: "
+                              f"nothing to train; set train.steps above {self.step} to continue it")
+        if self.step and self.step == t.steps:
+            self.checkpoint._say(f"the checkpoint is at train.steps = {t.steps} already: nothing to train")
         if self.rank == 0:
             os.makedirs(t.out_dir, exist_ok=True)
             with open(os.path.join(t.out_dir, "config.toml"), "w") as f:

@@ -13,7 +13,8 @@ from bumblebee.runtime.integrity import HASH, verify_checksums
 
 def verify_command(spec: str) -> int:
     """``bumblebee checkpoint verify DIR``: 0 if every checkpoint under DIR is intact, 1 if
-    one is corrupt or incomplete (each printed on one line)."""
+    one is corrupt or incomplete, or cannot be verified (files without a checksum in its marker):
+    each printed on one line."""
     if os.path.isfile(os.path.join(spec, MARKER)):
         dirs = [spec]
     else:
@@ -31,7 +32,14 @@ def verify_command(spec: str) -> int:
             print(f"bumblebee: FAILED {e}", file=sys.stderr)
             bad += 1
             continue
-        n, size = len(info.get("files", {})), sum(info.get("files", {}).values())
-        how = f"{len(info['checksums'])} {HASH} checksums" if info.get("checksums") else "sizes only (no checksums)"
-        print(f"bumblebee: ok {d}: {n} files, {size / 2**20:.1f} MiB, {how}")
+        files, sums = info.get("files", {}), info.get("checksums") or {}
+        n, size = len(files), sum(files.values())
+        unchecked = sorted(set(files) - set(sums))
+        if unchecked:  # a size match says nothing of the contents: not "ok"
+            print(f"bumblebee: NOT VERIFIED {d}: {len(unchecked)} of {n} files have no checksum in its marker "
+                  f"(e.g. {unchecked[0]}; written before checksums existed, or edited): only their sizes "
+                  f"were checked, not their contents", file=sys.stderr)
+            bad += 1
+            continue
+        print(f"bumblebee: ok {d}: {n} files, {size / 2**20:.1f} MiB, {len(sums)} {HASH} checksums")
     return 1 if bad else 0

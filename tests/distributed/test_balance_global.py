@@ -21,6 +21,10 @@ BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.ar
         "train.seq_len=64", "train.global_batch=4", "train.micro_batch=1", f"train.steps={STEPS}",
         "train.eval_every=0", "data.min_records=2", "data.max_records=4", "train.lr=1e-2", "train.warmup_steps=1"]
 ROUTERS = {"softmax": [], "sigmoid_bias": ["primitives.router=sigmoid_bias", "moe.bias_update_rate=0.01"]}
+# per-micro-batch balancing: cp ranks hold identical copies of each micro-batch's balance loss, so
+# its coefficient is divided by cp as well (balance_denominator); a large coefficient makes the
+# balance gradient a large part of the grad norm, so a missing factor shows far above rounding
+MICRO = {"softmax micro_batch": ["train.balance=micro_batch", "model.arch.router_aux_loss_coef=1.0"]}
 SINGLE = ["primitives.sharding=none", "primitives.moe_comm=local"]
 
 
@@ -48,7 +52,8 @@ def check(got, ref, what):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    return {r: run(SINGLE + extra + ["train.balance=global_batch"], out) for r, extra in ROUTERS.items()}
+    refs = {r: run(SINGLE + extra + ["train.balance=global_batch"], out) for r, extra in ROUTERS.items()}
+    return refs | {r: run(SINGLE + extra, out) for r, extra in MICRO.items()}
 
 
 def test_single_process_micro_batching(references, tmp_path):
@@ -62,13 +67,14 @@ def test_single_process_micro_batching(references, tmp_path):
 
 
 # (layout, router): each router on a 2-rank layout, the bias on 4 ranks
-TWO = {("fsdp2 dp=2", "softmax"): ["parallel.cp=1"], ("fsdp2 cp=2", "sigmoid_bias"): ["parallel.cp=2"]}
+TWO = {("fsdp2 dp=2", "softmax"): ["parallel.cp=1"], ("fsdp2 cp=2", "sigmoid_bias"): ["parallel.cp=2"],
+       ("fsdp2 cp=2", "softmax micro_batch"): ["parallel.cp=2"]}
 FOUR = {("fsdp2 dp=4 x ep=2", "sigmoid_bias"): ["parallel.ep=2"]}
 
 
 @pytest.mark.parametrize("world,layouts", [(2, TWO), (4, FOUR)])
 def test_ranks_match_single_process(references, tmp_path, world, layouts):
-    cases = [(name, router, ROUTERS[router] + layout) for (name, router), layout in layouts.items()]
+    cases = [(name, router, (ROUTERS | MICRO)[router] + layout) for (name, router), layout in layouts.items()]
     results = run_distributed(_ranks, world, [c[2] for c in cases], str(tmp_path))
     for i, (name, router, _) in enumerate(cases):
         check(results[0][i], references[router], f"{router} {name}")

@@ -4,7 +4,8 @@ metrics over two steps, the gathered HF-named weights -- with data, expert and c
 parallelism (zigzag CP shards, cp x ep folded); plus export_hf, save / load (FSDP2
 DTensor optimizer state, zero1 master slices; resumed on the same layout and on one
 process), and offload / onload on 2 ranks (every FSDP2 DTensor shard, zero1 master slice
-and optimizer state tensor is moved)."""
+and optimizer state tensor is moved). With the sigmoid_bias router, every dp / cp rank ends
+with the single-process run's selection bias."""
 
 from __future__ import annotations
 
@@ -107,3 +108,34 @@ def test_two_ranks_match_single_process(tmp_path):
         assert single.step == 2
         want = per_rank[0][name + " saved"]
         assert torch.allclose(single.compute_logprobs(batch(11)).logprobs, want, atol=1e-5), name
+
+
+# the sigmoid_bias router moves its selection bias by the step's expert load over the whole
+# global batch: every dp / cp rank must add the others' counts (an all-reduce), or the replicas
+# drift apart and away from the single-process run
+BIAS = BASE + ["primitives.router=sigmoid_bias", "moe.bias_update_rate=0.01", "primitives.sharding=fsdp2"]
+BIAS_LAYOUTS = {"dp=2": ["parallel.cp=1"], "cp=2": ["parallel.cp=2"]}
+
+
+def bias_trace(engine: Engine) -> torch.Tensor:
+    """The routers' biases [L, E] after three policy updates. Each batch has an even row count:
+    padding rows that dp adds to an odd one would be routed (and counted) on 2 ranks only."""
+    for n in (9, 11, 9):
+        b = batch(n)
+        engine.train_step(b.replace(old_logprobs=engine.compute_logprobs(b).logprobs), LOSS, lr=1e-2)
+    return torch.stack([r.e_score_correction_bias.clone() for r in engine.model.routers()])
+
+
+def _bias_ranks(rank, world, out_dir):
+    return {name: bias_trace(Engine(load_config(None, BIAS + layout + [f"train.out_dir={out_dir}"])))
+            for name, layout in BIAS_LAYOUTS.items()}
+
+
+def test_sigmoid_bias_replicas_agree_and_match_single_process(tmp_path):
+    ref = bias_trace(Engine(load_config(None, BIAS + ["primitives.sharding=none", "primitives.moe_comm=local",
+                                                      f"train.out_dir={tmp_path}"])))
+    assert ref.abs().sum() > 0 and len(ref.unique()) > 1  # the load moved the biases, unevenly
+    per_rank = run_distributed(_bias_ranks, 2, str(tmp_path), timeout=300)
+    for name in BIAS_LAYOUTS:
+        assert torch.equal(per_rank[0][name], per_rank[1][name]), f"{name}: the ranks' biases differ"
+        torch.testing.assert_close(per_rank[0][name], ref, rtol=0, atol=1e-7, msg=f"{name} vs one process")

@@ -4,10 +4,13 @@ preemption by SIGTERM (the multi-rank versions are in tests/distributed/test_lau
 import io
 import itertools
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import torch
 from bumblebee.cli import main
 from bumblebee import load_config
 from bumblebee.models.hf import CheckpointError
+from bumblebee.runtime import integrity
 from bumblebee.runtime.failures import classify, diagnose, first_failure
 from bumblebee.runtime.nonfinite import NonFiniteError
 from bumblebee.runtime.signals import Preempted
@@ -105,6 +109,79 @@ def test_flipped_byte_is_refused_by_verify_and_by_load(saved, tmp_path, capsys):
     assert main(["checkpoint", "verify", str(ckpt)]) == 0
 
 
+
+def test_every_checkpoint_file_is_verified(saved, tmp_path, capsys):
+    """Not only the largest file: a flipped byte in any file the marker lists (config.toml,
+    .metadata, every shard) fails verify, naming that file; a corrupt config.toml also stops a resume."""
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(saved / "checkpoints" / "step_00000004", ckpt)
+    names = sorted(json.loads((ckpt / "complete.json").read_text())["checksums"])
+    assert "config.toml" in names and ".metadata" in names and len(names) >= 3
+    for name in names:
+        _flip_byte(ckpt / name)
+        assert main(["checkpoint", "verify", str(ckpt)]) == 1, name
+        assert f"corrupt checkpoint: {name} has crc32" in capsys.readouterr().err
+        if name == "config.toml":
+            with pytest.raises(CheckpointError, match="corrupt checkpoint: config.toml"):
+                trainer(tmp_path / "resumed", f"train.resume={ckpt}")
+        _flip_byte(ckpt / name)
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0
+
+
+def test_corruption_before_the_last_hash_block_is_found(saved, tmp_path, monkeypatch, capsys):
+    """Files are hashed in blocks (integrity._CHUNK, 16 MiB) with a running CRC: a flip in the
+    first block of a file that spans several blocks must change its checksum. A real file of
+    2.5 blocks, then a real checkpoint hashed in 4 KiB blocks (so its shards span many)."""
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(integrity._CHUNK * 5 // 2))
+    assert integrity.file_checksum(str(big)) == f"{zlib.crc32(big.read_bytes()):08x}"
+    info = {"checksums": integrity.checksum_files(str(tmp_path), ["big.bin"])}
+    _flip_byte(big, at=100)
+    with pytest.raises(CheckpointError, match="corrupt checkpoint: big.bin"):
+        integrity.verify_checksums(str(tmp_path), info)
+    monkeypatch.setattr(integrity, "_CHUNK", 4096)
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(saved / "checkpoints" / "step_00000004", ckpt)
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0  # the sum does not depend on the block size
+    victim = max(ckpt.iterdir(), key=lambda p: p.stat().st_size)
+    assert victim.stat().st_size > 4 * 4096
+    _flip_byte(victim, at=10)
+    assert main(["checkpoint", "verify", str(ckpt)]) == 1
+    assert f"corrupt checkpoint: {victim.name}" in capsys.readouterr().err
+
+
+
+def test_a_marker_without_checksums_is_not_verified(saved, tmp_path, capsys):
+    """Sizes alone say nothing of the contents: verify says so (exit 1) for a marker with no
+    checksums, and for one whose checksums leave a file out."""
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(saved / "checkpoints" / "step_00000004", ckpt)
+    marker = ckpt / "complete.json"
+    info = json.loads(marker.read_text())
+    for sums in ({}, {k: v for k, v in info["checksums"].items() if k != "config.toml"}):
+        marker.write_text(json.dumps({**info, "checksums": sums}))
+        assert main(["checkpoint", "verify", str(ckpt)]) == 1
+        out, err = capsys.readouterr()
+        assert "ok" not in out and err.count("\n") == 1, (out, err)
+        assert f"NOT VERIFIED {ckpt}: {len(info['files']) - len(sums)} of {len(info['files'])} files have no " \
+               f"checksum" in err and "only their sizes were checked" in err, err
+
+
+
+def test_resume_past_train_steps_says_there_is_nothing_to_train(saved, tmp_path, capsys):
+    """A checkpoint at step 4 with train.steps = 3 used to end at once with exit 0; = 4 says so."""
+    ckpt = saved / "checkpoints" / "step_00000004"
+    argv = ["train", *sum((["--set", x] for x in BASE), []), "--set", f"train.out_dir={tmp_path}", "--resume", str(ckpt)]
+    assert main(argv + ["--set", "train.steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("bumblebee: error: train.steps = 3 but the checkpoint it resumes is at step 4: nothing to "
+                       "train; set train.steps above 4 to continue it"), err
+    assert not (tmp_path / "metrics.jsonl").exists()
+    stream = io.StringIO()
+    Trainer(load_config(None, BASE + [f"train.out_dir={tmp_path / 'same'}", f"train.resume={ckpt}"]), stream=stream)
+    assert "the checkpoint is at train.steps = 4 already: nothing to train" in stream.getvalue()
+
+
 # ------------------------------------------------------------------------------ non-finite steps
 def _poison(t: Trainer, at_step: int, value=float("nan")):
     """Make the loss of optimizer step ``at_step`` (1-based) non-finite."""
@@ -141,7 +218,7 @@ def test_nonfinite_skip_counts_and_keeps_weights_finite(tmp_path):
     assert [r["skipped_steps"] for r in t.metrics.history] == [0, 1, 1, 1, 1]
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
     losses = [r["loss"] for r in t.metrics.history]
-    assert losses[1] == float("inf") and all(x == x and x < 1e3 for x in losses[2:])
+    assert losses[1] == float("inf") and all(math.isfinite(x) and x < 1e3 for x in losses[2:])
 
 
 # ------------------------------------------------------------------------------ preemption

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -63,3 +64,17 @@ def test_groups_split_by_mesh_so_fused_kernels_take_two_meshes(tmp_path):
             torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-6, atol=1e-7)
     finally:
         dist.destroy_process_group()
+
+
+def test_lr_schedule_values_are_pinned():
+    """Warmup reaches lr/W at the first step (never 0: that step would be wasted), lr at the
+    last warmup step, then a cosine from lr down to min_lr at the last step."""
+    from bumblebee.runtime.optim import lr_at
+
+    t = load_config(None, ["train.steps=10", "train.warmup_steps=4", "train.lr=1.0", "train.min_lr=0.1"]).train
+    cos = [0.1 + 0.45 * (1 + math.cos(math.pi * k / 5)) for k in range(6)]  # 5 = steps - 1 - warmup
+    assert [lr_at(s, t) for s in range(10)] == pytest.approx([0.25, 0.5, 0.75, 1.0] + cos, rel=1e-12, abs=0)
+    assert lr_at(9, t) == pytest.approx(0.1, rel=1e-12) and lr_at(20, t) == pytest.approx(0.1, rel=1e-12)
+    none = load_config(None, ["train.steps=5", "train.warmup_steps=0", "train.lr=2.0", "train.min_lr=0.0"]).train
+    assert [lr_at(s, none) for s in range(5)] == pytest.approx([2.0, 1 + 0.5 ** 0.5, 1.0, 1 - 0.5 ** 0.5, 0.0],
+                                                               rel=1e-12, abs=1e-15)
