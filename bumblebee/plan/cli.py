@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skew", type=float, default=1.0, metavar="F",
                    help="--dry-run routing: this rank's experts receive F x their balanced share (default 1: "
                         "balanced)")
+    p.add_argument("--doc-len", type=int, default=0, metavar="N",
+                   help="--dry-run documents: back-to-back documents of N tokens (a packed corpus of short "
+                        "documents; the synthetic task starts at 16); default 0: one per sequence")
     p.add_argument("--explain", action="store_true",
                    help="print every term of every stage's peak memory with its formula and numbers "
                         "(the recommended layout, or the one given by --layout)")
@@ -146,7 +149,9 @@ def run(args: argparse.Namespace) -> int:
 
         if args.skew < 1.0:
             raise ConfigError(f"--skew must be >= 1 (1: balanced routing), got {args.skew}")
-        dry = dry_run(spec, hf, rec.candidate, work, skew=args.skew)
+        if args.doc_len < 0:
+            raise ConfigError(f"--doc-len must be >= 0 (0: one document per sequence), got {args.doc_len}")
+        dry = dry_run(spec, hf, rec.candidate, work, skew=args.skew, doc_len=args.doc_len)
         notes.append(dry.summary())
     if args.plot:
         shown = [rec.candidate] + [c for c in cands if c.feasible and c is not rec.candidate]

@@ -28,7 +28,9 @@ share for this rank's experts (``plan/fakerun.py`` carries the integer values th
 reads). Not run: tensor parallelism (no TP runtime; tp folds into dp), the sharding
 primitive (FSDP2 / ZeRO wrappers: the static state is the unsharded 16 B/param, compared
 with the same arithmetic), pipeline send/recv, kernel workspaces (fake kernels allocate
-only outputs). Documents: one per sequence.
+only outputs). Documents: one per sequence, or (``doc_len``, ``plan --dry-run --doc-len N``)
+back-to-back documents of N tokens, as a packed corpus of short documents gives (the synthetic
+task's curriculum starts at 16 tokens).
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ def _adamw_foreach(params, state, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, wd=0.01)
         p.copy_(w)
 
 
-def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew: float = 1.0) -> DryRunResult:
+def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew: float = 1.0,
+            doc_len: int = 0) -> DryRunResult:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -221,12 +224,18 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
     if dist.is_initialized():
         raise ConfigError("--dry-run needs a process without torch.distributed initialized")
     arch = _arch(hf)
-    one_doc = lambda pos: packed.DocLayout(bounds=((0, pos.shape[1]),) * pos.shape[0], seq_len=pos.shape[1])  # noqa: E731
+    def docs(pos):  # documents are data: one per sequence, or back-to-back documents of doc_len tokens
+        T = pos.shape[1]
+        row = tuple(range(0, T, doc_len)) + (T,) if 0 < doc_len < T else (0, T)
+        return packed.DocLayout(bounds=(row,) * pos.shape[0], seq_len=T)
+
+    if doc_len:
+        notes.append(f"documents of {doc_len} tokens")
     run = FakeRun(make_routing(skew, spec.experts // lay.ep, lay.ep))
     dist.init_process_group("fake", store=FakeStore(), rank=lay.world // lay.pp * s, world_size=lay.world)
     try:
         with ExitStack() as stack:
-            _patches(stack, one_doc, run)
+            _patches(stack, docs, run)
             ctx = mesh.build_context(lay, torch.device("cpu"))
             groups = ParallelGroups(ep_group=ctx.ep_group if lay.ep > 1 else None, cp_group=ctx.cp_group)
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
