@@ -28,7 +28,15 @@ class Batch:
         return Batch(self.input_ids[start:stop], self.labels[start:stop], self.position_ids[start:stop])
 
     def to(self, device) -> "Batch":
-        return Batch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device))
+        """On CUDA through pinned memory, asynchronously (a pageable copy waits for the stream)."""
+        cuda = torch.device(device).type == "cuda"
+
+        def move(t):
+            t = t.pin_memory() if cuda else t
+            t.bb_staged = True  # perf/syncs.py: an asynchronous copy, not a host sync
+            return t.to(device, non_blocking=True)
+
+        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids))
 
     @property
     def num_valid(self) -> int:

@@ -10,17 +10,55 @@ Legend: B batch, T tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
+def to_device(values, device, dtype=torch.long) -> torch.Tensor:
+    """Host ints (or a CPU tensor) -> a tensor on ``device`` without a stream sync: on CUDA the
+    values are staged in pinned memory and copied asynchronously (a copy from pageable memory
+    waits for the stream to drain). The host tensor is marked so that ``perf/syncs.py`` counts
+    the copy as asynchronous."""
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    t.bb_staged = True
+    return t.to(device, non_blocking=True)
+
+
+class DeviceCache:
+    """What a layout derived once, by (key, device). Not a dict on purpose: FSDP2 rebuilds the
+    dataclass arguments of every unit's forward (``dataclasses.replace``, dicts copied), and a
+    copied dict would drop what later layers add; an object of its own passes through shared."""
+
+    def __init__(self):
+        self._items = {}
+
+    def get(self, key, device, build):
+        k = (key, str(device))
+        if k not in self._items:
+            self._items[k] = build()
+        return self._items[k]
+
+
+def cached(layout, key, device, build):
+    """``build()`` once per (key, device) for ``layout`` (a layout with a ``_cache`` field)."""
+    return layout._cache.get(key, device, build)
+
+
 @dataclass(frozen=True)
 class DocLayout:
-    """Per-row document boundaries: ``bounds[b] = [0, s1, s2, ..., T]`` (host ints)."""
+    """Per-row document boundaries: ``bounds[b] = [0, s1, s2, ..., T]`` (host ints). One layout
+    serves every layer and pass of a micro-batch: the device tensors derived from it are built
+    once (``cached``), not per layer, recompute and backward."""
 
     bounds: tuple[tuple[int, ...], ...]
     seq_len: int
+    _cache: DeviceCache = field(default_factory=DeviceCache, compare=False, repr=False)
+
+    def cached(self, key, device, build):
+        return cached(self, key, device, build)
 
     @property
     def single_doc(self) -> bool:
@@ -28,13 +66,14 @@ class DocLayout:
 
     def doc_ids(self, device) -> torch.Tensor:
         """[B, T] int: index of the document each token belongs to (within its row)."""
-        rows = []
-        for b in self.bounds:
-            lengths = torch.tensor([e - s for s, e in zip(b[:-1], b[1:])]).to(device)
-            # output_size: the shape is known on the host (no sync; fake tensors can run it)
-            rows.append(torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths,
-                                                output_size=self.seq_len))
-        return torch.stack(rows)
+        return self.cached("doc_ids", device, lambda: self._doc_ids(device))
+
+    def _doc_ids(self, device) -> torch.Tensor:
+        lengths = to_device([e - s for b in self.bounds for s, e in zip(b[:-1], b[1:])], device)
+        docs = to_device([i for b in self.bounds for i in range(len(b) - 1)], device)
+        # output_size: the shape is known on the host (no sync; fake tensors can run it)
+        ids = torch.repeat_interleave(docs, lengths, output_size=len(self.bounds) * self.seq_len)
+        return ids.view(len(self.bounds), self.seq_len)
 
 
 def doc_layout(position_ids_BT: torch.Tensor) -> DocLayout:

@@ -173,7 +173,10 @@ def test_pipeline_needs_the_micro_batch_balance_loss():
 
     cfg = load_config(None, BASE + ["parallel.pp=2", "data.source='synthetic'", "train.seq_len=256"])
     assert cfg.primitives.router == "sigmoid_bias"  # the architecture's router replaces the default
-    assert cfg.train.balance == "global_batch"  # the default: a pipeline run must choose micro_batch
-    with pytest.raises(ConfigError, match="set train.balance = 'micro_batch' with pp > 1"):
-        check_trainer_pipeline(cfg)
+    assert cfg.train.balance == "auto"  # the default computes micro_batch under a pipeline schedule
+    check_trainer_pipeline(cfg)
+    explicit = load_config(None, BASE + ["parallel.pp=2", "data.source='synthetic'", "train.seq_len=256",
+                                         "train.balance='global_batch'"])
+    with pytest.raises(ConfigError, match="set train.balance = 'micro_batch' \\(or 'auto'\\) with pp > 1"):
+        check_trainer_pipeline(explicit)
     check_trainer_pipeline(load_config(None, BASE + MB + ["parallel.pp=2", "data.source='synthetic'"]))  # sigmoid_bias + MTP: accepted

@@ -179,7 +179,8 @@ def test_trainer_pipeline_refuses_what_it_cannot_do():
     from bumblebee.runtime.pipeline import check_trainer_pipeline
 
     with pytest.raises(ConfigError, match="train.balance = 'global_batch' needs every micro-batch"):
-        check_trainer_pipeline(load_config(None, ["parallel.pp=2"]))
+        check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=global_batch"]))
+    check_trainer_pipeline(load_config(None, ["parallel.pp=2"]))  # "auto": micro_batch under a pipeline
     check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=micro_batch"]))
     # each stage moves its own routers' biases (tests/distributed/test_deepseek_layouts.py)
     check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=micro_batch",

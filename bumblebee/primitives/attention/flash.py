@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import torch
 
-from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.packed import DocLayout, to_device
 
 
 def cu_seqlens(layout: DocLayout, device) -> tuple[torch.Tensor, int]:
-    """(int32 [docs + 1] cumulative boundaries of the rows laid back to back, longest document)."""
+    """(int32 [docs + 1] cumulative boundaries of the rows laid back to back, longest document);
+    built once per layout and device."""
     T = layout.seq_len
     cu, longest = [], 0
     for b, bounds in enumerate(layout.bounds):
         cu.extend(b * T + s for s in bounds[:-1])
         longest = max(longest, max(e - s for s, e in zip(bounds[:-1], bounds[1:])))
     cu.append(len(layout.bounds) * T)
-    return torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True), longest
+    return layout.cached("cu_seqlens", device, lambda: to_device(cu, device, torch.int32)), longest
 
 
 def cuda_varlen_attn():

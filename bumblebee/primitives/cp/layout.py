@@ -12,12 +12,12 @@ Legend: B rows, T global tokens, Tl = T / C local tokens, C cp ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from bumblebee.primitives.packed import DocLayout, doc_layout
+from bumblebee.primitives.packed import DeviceCache, DocLayout, cached, doc_layout
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -56,6 +56,11 @@ class CPLayout:
     doc_BT: torch.Tensor  # global document id of every token [B, T]
     index_L: torch.Tensor  # global positions of the local tokens [Tl]
     docs: DocLayout | None = None  # the same documents as host ints (kernel plans without device syncs)
+    _cache: DeviceCache = field(default_factory=DeviceCache, compare=False, repr=False)  # derived once
+
+    def cached(self, key, device, build):
+        """``build()`` once per (key, device): every layer and pass of the micro-batch shares it."""
+        return cached(self, key, device, build)
 
     @property
     def chunk(self) -> int:

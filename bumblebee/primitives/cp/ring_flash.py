@@ -42,6 +42,7 @@ import torch
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import reference_varlen_attn
 from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.primitives.packed import to_device
 from bumblebee.primitives.cp.ring_comm import backward_hop
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
 
@@ -126,12 +127,16 @@ def _pack(pieces, device) -> tuple[torch.Tensor, torch.Tensor, int]:
         idx.extend(range(s, e))
         cu.append(cu[-1] + e - s)
     longest = max(e - s for s, e in pieces)
-    return (torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True),
-            torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True), longest)
+    return to_device(idx, device), to_device(cu, device, torch.int32), longest
 
 
 def step_pairs(layout: CPLayout, src: int) -> list[Pair]:
-    """The kernel calls of the ring step holding rank ``src``'s K/V, decided on the host."""
+    """The kernel calls of the ring step holding rank ``src``'s K/V, decided on the host once per
+    layout (every layer's forward, recompute and backward reuse the index tensors)."""
+    return layout.cached(("ring_pairs", src), layout.index_L.device, lambda: _step_pairs(layout, src))
+
+
+def _step_pairs(layout: CPLayout, src: int) -> list[Pair]:
     C, r, n = layout.size, layout.rank, layout.chunk
     L = 2 * n
     chunks = lambda rank: (rank, 2 * C - 1 - rank)  # noqa: E731  (global chunk of slot 0, slot 1)

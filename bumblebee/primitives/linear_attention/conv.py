@@ -26,12 +26,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.packed import DocLayout, to_device
 from bumblebee.primitives.recompute import lean
 
 
 def doc_offsets(layout: DocLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, T] document index within its row, [B, T] offset of each token in its document)."""
+    """([B, T] document index within its row, [B, T] offset of each token in its document), built
+    once per layout and device."""
+    return layout.cached("doc_offsets", device, lambda: _doc_offsets(layout, device))
+
+
+def _doc_offsets(layout: DocLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
     doc_BT = layout.doc_ids(device)
     T = doc_BT.shape[1]
     t_BT = torch.arange(T, device=device).expand_as(doc_BT)
@@ -79,7 +84,7 @@ def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, layout: DocLayou
     # Window after the last token: x_ext[:, T:T+P] holds x[T-P .. T-1] (negative = initial window);
     # keep only entries of the row's last document (all of them when that is the first document).
     idx_P = torch.arange(T - P, T, device=x.device)
-    last_start_B = torch.tensor([b[-2] for b in layout.bounds]).to(x.device)
+    last_start_B = layout.cached("last_start", x.device, lambda: to_device([b[-2] for b in layout.bounds], x.device))
     keep_BP = (idx_P[None] >= last_start_B[:, None]) | (last_start_B[:, None] == 0)
     final_BPC = x_ext[:, T:T + P] * keep_BP[..., None].to(x.dtype)
     return y.to(x_BTC.dtype), final_BPC.to(x_BTC.dtype)

@@ -100,6 +100,20 @@ def segments(layout: CPLayout, contiguous: bool = False) -> Segments:
     return Segments(2 * C, n, (r, 2 * C - 1 - r), False)
 
 
+def segment_rows(layout: CPLayout, starts: list[int], m: int) -> DocLayout:
+    """DocLayout of the ``m``-token segments starting at global offsets ``starts`` of every row (row
+    b * len(starts) + i), from the host document bounds (no device read), once per layout."""
+    if layout.docs is None:  # a layout built without host bounds: read them off the device ids
+        return rows_layout(torch.stack([layout.doc_BT[:, s:s + m] for s in starts], 1).reshape(-1, m))
+
+    def build():
+        rows = [(0, *(x - lo for x in bounds if lo < x < lo + m), m) for bounds in layout.docs.bounds
+                for lo in starts]
+        return DocLayout(tuple(rows), m)
+
+    return layout.cached(("gdn_rows", tuple(starts), m), "host", build)
+
+
 def rows_layout(doc_RM: torch.Tensor) -> DocLayout:
     """DocLayout of rows given their (global) document ids."""
     starts = torch.ones_like(doc_RM, dtype=torch.bool)
@@ -211,7 +225,7 @@ def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: b
     # Documents (global ids): rows of local segments, whether segment s continues the document
     # open before it, and which halo tokens share the document of their segment's first token.
     doc_BT = layout.doc_BT
-    rows = rows_layout(torch.stack([doc_BT[:, s * m:(s + 1) * m] for s in segs.local], 1).reshape(B * L, m))
+    rows = segment_rows(layout, [s * m for s in segs.local], m)
     cont_BS = torch.zeros(B, S, dtype=torch.bool, device=doc_BT.device)
     cont_BS[:, 1:] = doc_BT[:, m::m] == doc_BT[:, m - 1:-1:m]
 
@@ -232,7 +246,7 @@ def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: b
 
     R = B * L
     if carry == "relay":
-        seg_layouts = [rows_layout(doc_BT[:, s * m:(s + 1) * m]) for s in segs.local]
+        seg_layouts = [segment_rows(layout, [s * m], m) for s in segs.local]
         o_RMHV = relay_core(layer, q_RMGK, k_RMGK, v_RMHV, as_rows(g_BLH), as_rows(beta_BLH), seg_layouts, segs,
                             layout, cont_BS, B)
         y_BLD = layer.finish(o_RMHV.reshape(B, L * m, H, V), z_BLHV)

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.packed import DocLayout, to_device
 
 
 def doc_plan(layout: DocLayout) -> tuple[list[int], list[int], list[int]]:
@@ -147,15 +147,14 @@ def fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLay
     others without (their tokens gathered; the outputs put back in order)."""
     B, T, G, K = q_BTGK.shape
     H, V = v_BTHV.shape[2:]
-    (edge_idx, edge_cu), (mid_idx, mid_cu), first, last = _groups(layout)
     dev = q_BTGK.device
+    plan = layout.cached("fla_plan", dev, lambda: _DevicePlan(layout, dev))
     flat = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731
     # one dtype for q, k, v (the CP probe hands fp32 values [v | 0]; the zeros are exact in bf16)
     xs = [flat(q_BTGK), flat(k_BTGK), flat(v_BTHV.to(q_BTGK.dtype)), flat(g_BTH.float()),
           flat(beta_BTH.to(q_BTGK.dtype))]
 
-    def run(xs, h0, cu, final):
-        cu_t = torch.tensor(cu, dtype=torch.long).to(dev, non_blocking=True)
+    def run(xs, h0, cu_t, final):
         if kernel is None:
             return torch.ops.bumblebee.fla_gdn(*xs, h0, cu_t, K ** -0.5, final)
         return kernel(*xs, scale=K ** -0.5, initial_state=h0, output_final_state=final,
@@ -163,19 +162,30 @@ def fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLay
 
     h0 = None
     if initial_state is not None:
-        h0 = torch.zeros(len(edge_cu) - 1, H, K, V, dtype=torch.float32, device=dev)
-        h0 = h0.index_copy(0, torch.tensor(first).to(dev), initial_state.float())
-    if not mid_idx:  # every document is an edge document: one call in token order
-        o, ht = run(xs, h0, edge_cu, True)
+        h0 = torch.zeros(plan.edge_docs, H, K, V, dtype=torch.float32, device=dev)
+        h0 = h0.index_copy(0, plan.first, initial_state.float())
+    if plan.mid is None:  # every document is an edge document: one call in token order
+        o, ht = run(xs, h0, plan.edge_cu, True)
     else:
-        pick = lambda idx: torch.tensor(idx).to(dev, non_blocking=True)  # noqa: E731
-        edge_t, mid_t = pick(edge_idx), pick(mid_idx)
-        o_edge, ht = run([x.index_select(1, edge_t) for x in xs], h0, edge_cu, True)
-        o_mid, _ = run([x.index_select(1, mid_t) for x in xs], None, mid_cu, False)
-        order = torch.empty(B * T, dtype=torch.long, device=dev)
-        order[torch.cat([edge_t, mid_t])] = torch.arange(B * T, device=dev)
-        o = torch.cat([o_edge, o_mid], 1).index_select(1, order)
-    return o.reshape(B, T, H, V).to(v_BTHV.dtype), ht[torch.tensor(last).to(dev)].float()
+        o_edge, ht = run([x.index_select(1, plan.edge) for x in xs], h0, plan.edge_cu, True)
+        o_mid, _ = run([x.index_select(1, plan.mid) for x in xs], None, plan.mid_cu, False)
+        o = torch.cat([o_edge, o_mid], 1).index_select(1, plan.order)
+    return o.reshape(B, T, H, V).to(v_BTHV.dtype), ht[plan.last].float()
+
+
+class _DevicePlan:
+    """``_groups`` as device tensors, built once per layout and device (every GDN layer, its
+    recompute and its backward share them: no host-to-device copy per call)."""
+
+    def __init__(self, layout: DocLayout, dev):
+        (edge_idx, edge_cu), (mid_idx, mid_cu), first, last = _groups(layout)
+        self.edge_docs = len(edge_cu) - 1
+        self.edge_cu, self.first, self.last = (to_device(x, dev) for x in (edge_cu, first, last))
+        self.edge = self.mid = self.mid_cu = self.order = None
+        if mid_idx:
+            self.edge, self.mid, self.mid_cu = (to_device(x, dev) for x in (edge_idx, mid_idx, mid_cu))
+            self.order = torch.empty(len(edge_idx) + len(mid_idx), dtype=torch.long, device=dev)
+            self.order[torch.cat([self.edge, self.mid])] = torch.arange(self.order.numel(), device=dev)
 
 
 def reference_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

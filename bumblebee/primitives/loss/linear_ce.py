@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from bumblebee.primitives import emulation
 from bumblebee.primitives.loss.ce import check_loss_args, reduce_loss
 from bumblebee.registry import register
 
@@ -230,7 +231,9 @@ def linear_cross_entropy(hidden_TH, weight_VH, labels_T, *, ignore_index: int = 
     offset, v_total = (0, weight_VH.shape[0]) if vocab_group is None else \
         _vocab_offset(weight_VH.shape[0], vocab_group, dev)
     bad = valid_T & ((labels_T < 0) | (labels_T >= v_total))
-    if bool(bad.any()):
+    if emulation.kind(labels_T) == "cuda":  # checked on the device: no host read in the step
+        torch._assert_async(~bad.any(), f"labels must be in [0, {v_total}) or ignore_index={ignore_index}")
+    elif bool(bad.any()):
         raise ValueError(f"labels must be in [0, {v_total}) or ignore_index={ignore_index}; "
                          f"got {labels_T[bad][:4].tolist()}")
     with torch.autocast(dev.type, enabled=False):

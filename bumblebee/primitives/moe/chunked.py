@@ -63,6 +63,7 @@ from bumblebee.primitives import emulation
 from bumblebee.primitives.moe.alltoall import regroup_by_expert
 from bumblebee.primitives.moe.experts import experts_grouped, experts_loop, grouped_mm_supported
 from bumblebee.primitives.moe.local import permute, unsort_rows
+from bumblebee.primitives.packed import to_device
 from bumblebee.primitives.recompute import in_recompute
 from bumblebee.registry import register
 
@@ -117,7 +118,7 @@ class _Gemm:
     def __init__(self, counts: list[int], grouped: bool, device):
         self.counts, self.grouped = counts, grouped
         if grouped:
-            self.offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+            self.offs = to_device(counts, device, torch.int32).cumsum(0, dtype=torch.int32)
 
     def _loop(self, x, width, fn):
         parts, start = [], 0
@@ -169,17 +170,24 @@ class _ChunkedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, weight_TK, w1_EGH, w2_EHF, idx_TK, s: _Setup):
         (T, K), H, ep = idx_TK.shape, x_TH.shape[1], s.comm.ep
-        chunks = []  # per chunk: [lo, hi, order_N, pending counts / send, recv, local, by_expert]
+        chunks = []  # per chunk: [lo, hi, order_N, send, recv, local, by_expert]
         for lo, hi in _bounds(T, s.num_chunks):
             order_N, counts_E = permute(idx_TK[lo:hi], s.num_experts, s.drops)
-            chunks.append([lo, hi, order_N, s.comm.a2a(counts_E), counts_E])
+            chunks.append([lo, hi, order_N, counts_E])
+        # every chunk's counts in one exchange and one device-to-host read (a read per chunk would
+        # drain the stream once per chunk): sent [C, ep, L] destination-major, received [ep, C, L]
+        n, L = len(chunks), s.num_experts // ep
+        sent_CRL = torch.stack([c[3] for c in chunks]).view(n, ep, L)
+        recv_RCL = s.comm.a2a(sent_CRL.transpose(0, 1).reshape(ep * n, L)).wait()
+        host = torch.cat([sent_CRL.flatten(), recv_RCL.flatten()]).cpu()
+        sent_CRL, recv_RCL = host[:n * ep * L].view(n, ep, L), host[n * ep * L:].view(ep, n, L)
         pending_x = []
         for i, c in enumerate(chunks):  # host-side splits of chunk i, then issue its dispatch
             with record_function(f"chunked.fwd.dispatch_issue{i}"):
-                lo, hi, order_N, counts_pending, counts_E = c
-                recv_RL = counts_pending.wait().view(ep, -1).cpu()
-                send, recv = counts_E.view(ep, -1).sum(1).tolist(), recv_RL.sum(1).tolist()
-                by_expert = regroup_by_expert(recv_RL).to(x_TH.device, non_blocking=True)
+                lo, hi, order_N = c[:3]
+                recv_RL = recv_RCL[:, i]
+                send, recv = sent_CRL[i].sum(1).tolist(), recv_RL.sum(1).tolist()
+                by_expert = to_device(regroup_by_expert(recv_RL), x_TH.device)
                 c[3:] = [send, recv, recv_RL.sum(0).tolist(), by_expert]
                 pending_x.append(s.comm.a2a(x_TH[lo:hi][order_N // K], send, recv))
         saved, pending_y = [], []
