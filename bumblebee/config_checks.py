@@ -145,7 +145,7 @@ def _check_primitives(cfg) -> None:
 
 def _check_data(d, t) -> None:
     choices = {"source": DATA_SOURCES, "chat_loss": ("assistant", "all"), "on_error": ("raise", "skip"),
-               "too_long": ("truncate", "drop")}
+               "too_long": ("auto", "split", "truncate", "drop")}
     for key, valid in choices.items():
         if getattr(d, key) not in valid:
             raise ConfigError(f"data.{key} must be one of {', '.join(valid)}; got {getattr(d, key)!r}")

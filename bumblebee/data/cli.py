@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         description="Show what a run would train on from a prepared directory.")
     ip.add_argument("path", metavar="OUT", help="a directory written by `bumblebee data prepare`")
     ip.add_argument("--seq-len", type=int, default=512, metavar="T", help="row length to pack (default 512)")
+    ip.add_argument("--too-long", default="auto", choices=["auto", "split", "truncate", "drop"],
+                    help="documents longer than T, as data.too_long (default auto: split, chat data truncate)")
     ip.add_argument("--row", type=int, default=0, metavar="K", help="which packed row to decode (default 0)")
     ip.add_argument("--tokenizer", default=None, metavar="DIR", help="decode with this tokenizer "
                     "(default: the one recorded at prepare time)")
@@ -65,7 +67,8 @@ def run(args, stream=None) -> int:
         return 0
     if args.seq_len < 2:
         raise ConfigError(f"--seq-len must be >= 2, got {args.seq_len}")
-    inspect(args.path, seq_len=args.seq_len, row=args.row, tokenizer=args.tokenizer, stream=stream)
+    inspect(args.path, seq_len=args.seq_len, row=args.row, tokenizer=args.tokenizer, stream=stream,
+            too_long=args.too_long)
     return 0
 
 
@@ -83,8 +86,9 @@ def histogram(lengths: np.ndarray) -> list[tuple[str, int]]:
     return out
 
 
-def inspect(path: str, *, seq_len: int, row: int, tokenizer: str | None, stream) -> None:
+def inspect(path: str, *, seq_len: int, row: int, tokenizer: str | None, stream, too_long: str = "auto") -> None:
     from bumblebee.config import ConfigError
+    from bumblebee.data.rowplan import describe_cost
     from bumblebee.data.stream import PackedRows
     from bumblebee.data.store import open_store
 
@@ -104,9 +108,8 @@ def inspect(path: str, *, seq_len: int, row: int, tokenizer: str | None, stream)
     w("length histogram (tokens: documents)\n")
     for label, n in hist:
         w(f"  {label:>13}  {n:>8}  {'#' * max(int(40 * n / peak), 1 if n else 0)}\n")
-    rows = PackedRows(store, seq_len)
-    w(f"packed into {rows.num_rows} rows of {seq_len} tokens ({rows.stats['truncated']} documents truncated); "
-      f"fill {100 * m['tokens'] / max(rows.num_rows * seq_len, 1):.1f}%\n")
+    rows = PackedRows(store, seq_len, too_long)
+    w(f"packed into {rows.num_rows} rows of {seq_len} tokens; {describe_cost(rows.stats, rows.too_long)}\n")
     if not 0 <= row < rows.num_rows:
         raise ConfigError(f"--row {row} out of range: {rows.num_rows} rows")
     b = rows.build(np.array([row]))
@@ -114,9 +117,10 @@ def inspect(path: str, *, seq_len: int, row: int, tokenizer: str | None, stream)
     target = [t > 0 and labels[t - 1] != IGNORE for t in range(len(ids))]
     tok_dir = tokenizer if tokenizer is not None else m.get("tokenizer", "")
     decode = _decoder(tok_dir)
-    w(f"row {row} ({sum(target)} targets; [[...]] = trained on, || = document boundary, padding not shown):\n")
+    w(f"row {row} ({sum(target)} targets; [[...]] = trained on, || = document (or continuation) boundary, "
+      "padding not shown):\n")
     out, t = [], 0
-    end = sum(int(rows.doc_len[k]) for k in range(int(rows.row_ptr[row]), int(rows.row_ptr[row + 1])))
+    end = int(rows.piece_len[int(rows.row_ptr[row]):int(rows.row_ptr[row + 1])].sum())
     while t < end:
         u = t + 1
         while u < end and target[u] == target[t] and pos[u] != 0:
