@@ -26,7 +26,8 @@ def _token_store(data_cfg, path: str):
 
     if data_cfg.source == "tokens":
         return open_store(path)
-    enc = Encoder(data_cfg.source, data_cfg.tokenizer, chat_loss=data_cfg.chat_loss)
+    enc = Encoder(data_cfg.source, data_cfg.tokenizer, chat_loss=data_cfg.chat_loss, tools=data_cfg.tools,
+                  template_kwargs=data_cfg.chat_template_kwargs)
     return encode_in_memory(path, enc, on_error=data_cfg.on_error)
 
 

@@ -27,11 +27,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pp.add_argument("input", metavar="IN", help=".jsonl, .parquet, a datasets directory, or a directory of those")
     pp.add_argument("out", metavar="OUT", help="output directory (must not already hold prepared data)")
     pp.add_argument("--source", required=True, choices=["tokens", "text", "chat"],
-                    help="tokens: {input_ids, loss_mask}; text: {text}; chat: {messages: [{role, content}]}")
+                    help="tokens: {input_ids, loss_mask}; text: {text}; chat: {messages: [...]} or ShareGPT "
+                         "{conversations: [{from, value}]}")
     pp.add_argument("--tokenizer", default="", metavar="DIR", help="local Hugging Face tokenizer directory "
                     "(text / chat)")
     pp.add_argument("--chat-loss", default="assistant", choices=["assistant", "all"],
                     help="chat: loss on assistant turns only (default) or on every token")
+    pp.add_argument("--tools", default="", metavar="FILE", help="chat: a JSON list of tool schemas for the template "
+                    "(a record's own 'tools' wins)")
+    pp.add_argument("--template-kwarg", action="append", default=[], metavar="K=V",
+                    help="chat: a chat template variable, V a TOML/JSON literal (e.g. enable_thinking=false)")
     pp.add_argument("--on-error", default="raise", choices=["raise", "skip"],
                     help="a bad record: stop with file:line: reason (default), or skip it and count it")
     pp.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 1))), metavar="N",
@@ -58,12 +63,22 @@ def run(args, stream=None) -> int:
 
         if args.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-        enc = Encoder(args.source, args.tokenizer, chat_loss=args.chat_loss)
+        from bumblebee.config import parse_override
+
+        kwargs = {}
+        for item in args.template_kwarg:
+            if "=" not in item or not item.split("=", 1)[0]:
+                raise ConfigError(f"--template-kwarg {item!r}: expected NAME=VALUE")
+            kwargs[item.split("=", 1)[0]] = parse_override(f"x.{item}")[1]
+        if (args.tools or kwargs) and args.source != "chat":
+            raise ConfigError("--tools and --template-kwarg apply to --source chat")
+        enc = Encoder(args.source, args.tokenizer, chat_loss=args.chat_loss, tools=args.tools, template_kwargs=kwargs)
         meta = prepare(args.input, args.out, enc, on_error=args.on_error, workers=args.workers,
                        progress=not args.no_progress)
         stream.write(f"bumblebee: wrote {args.out}: {meta['documents']} documents, {meta['tokens']} tokens, "
                      f"{meta['loss_tokens']} loss targets; skipped {meta['skipped_total']}"
-                     + (f" {meta['skipped']}" if meta["skipped"] else "") + "\n")
+                     + (f" {meta['skipped']}" if meta["skipped"] else "")
+                     + "".join(f"; records {k}: {v}" for k, v in meta["notes"].items()) + "\n")
         return 0
     if args.seq_len < 2:
         raise ConfigError(f"--seq-len must be >= 2, got {args.seq_len}")
@@ -103,6 +118,8 @@ def inspect(path: str, *, seq_len: int, row: int, tokenizer: str | None, stream,
     w(f"document length: min {lengths.min()}  mean {lengths.mean():.1f}  max {lengths.max()}\n")
     if m.get("skipped_total"):
         w(f"skipped records {m['skipped_total']}: " + ", ".join(f"{k}: {v}" for k, v in m["skipped"].items()) + "\n")
+    for note, n in m.get("notes", {}).items():
+        w(f"records {note}: {n}\n")
     hist = histogram(lengths)
     peak = max(n for _, n in hist)
     w("length histogram (tokens: documents)\n")

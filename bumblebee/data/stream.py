@@ -122,12 +122,17 @@ class TokenSource:
                       "skipped": meta.get("skipped_total", 0)}
         if meta.get("skipped"):
             self.stats["skipped_by_reason"] = meta["skipped"]
+        if meta.get("notes"):  # records used with a remark (chat: rendered per turn, tool calls not rendered)
+            self.stats["notes"] = meta["notes"]
 
     def describe(self) -> str:
         s = self.stats
         extra = f", {s['eval_rows']} held out" if s["eval_rows"] else ""
+        why = lambda d: " (" + ", ".join(f"{k}: {v}" for k, v in d.items()) + ")"  # noqa: E731
+        skipped = f"skipped {s['skipped']}" + (why(s["skipped_by_reason"]) if s.get("skipped_by_reason") else "")
+        notes = "".join(f"; records {k}: {v}" for k, v in s.get("notes", {}).items())
         return (f"data: {s['documents']} documents in {s['rows']} rows of {self.rows.seq_len} tokens{extra}; "
-                f"skipped {s['skipped']}; {describe_cost(s, self.rows.too_long)}")
+                f"{skipped}; {describe_cost(s, self.rows.too_long)}{notes}")
 
     def _global_rows(self, step: int) -> np.ndarray:
         n, B = len(self.train_rows), self.global_batch
