@@ -16,6 +16,19 @@ transformers model holds none.
 
 from __future__ import annotations
 
+def hf_expert_names(name: str, first: int, piece, F: int):
+    """Checkpoint (name, tensor) of a piece of stacked experts (``w_gate_up`` [n, 2F, H] / ``w_down``
+    [n, H, F]) whose first expert is ``first``: one tensor per expert and projection."""
+    base = name.rsplit(".", 1)[0]
+    for k in range(piece.shape[0]):
+        e = first + k
+        if name.endswith("w_gate_up"):
+            yield f"{base}.{e}.gate_proj.weight", piece[k, :F]
+            yield f"{base}.{e}.up_proj.weight", piece[k, F:]
+        else:
+            yield f"{base}.{e}.down_proj.weight", piece[k]
+
+
 FUSED = {"experts.w_gate_up": "experts.gate_up_proj", "experts.w_down": "experts.down_proj"}
 
 

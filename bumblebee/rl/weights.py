@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import _weight_files, hf_state_dict
 from bumblebee.models.hf_write import write_hf
-from bumblebee.rl.weight_names import transformers_named
+from bumblebee.rl.weight_names import hf_expert_names, transformers_named
 
 
 class _FullModel:
@@ -162,18 +162,6 @@ def expert_pieces(p, ep_group, dtype: torch.dtype | None, piece_bytes: int):
                 yield q * e_local + offsets[r] + i, full[q * n:(q + 1) * n]
 
 
-def _hf_expert_names(name: str, first: int, piece, F: int):
-    """HF (name, tensor) of a piece of stacked experts (``w_gate_up`` [n, 2F, H] / ``w_down`` [n, H, F])."""
-    base = name.rsplit(".", 1)[0]
-    for k in range(piece.shape[0]):
-        e = first + k
-        if name.endswith("w_gate_up"):
-            yield f"{base}.{e}.gate_proj.weight", piece[k, :F]
-            yield f"{base}.{e}.up_proj.weight", piece[k, F:]
-        else:
-            yield f"{base}.{e}.down_proj.weight", piece[k]
-
-
 class EngineWeights:
     """Mixin of ``rl.engine.Engine``: named_weights, weight_buckets, sync_weights, export_hf."""
 
@@ -221,7 +209,7 @@ class EngineWeights:
             if (name.endswith(("experts.w_gate_up", "experts.w_down"))
                     and p.numel() * ep * (dtype or p.dtype).itemsize > piece_bytes):
                 for first, piece in expert_pieces(p, ep_group, dtype, piece_bytes):
-                    yield from self._renamed(_hf_expert_names(name, first, piece, F))
+                    yield from self._renamed(hf_expert_names(name, first, piece, F))
             else:
                 yield from self._hf_named([(name, _gather(self.model, name, p, ep_group, dtype))])
 
