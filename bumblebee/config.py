@@ -126,8 +126,12 @@ class DataConfig:
     path: str = ""
     tokenizer: str = ""  # text / chat: a local Hugging Face tokenizer directory
     chat_loss: str = "assistant"  # chat: loss on assistant turns only | "all"
+    tools: str = ""  # chat: a JSON file, a list of tool schemas for the chat template (a record's own 'tools' wins)
+    chat_template_kwargs: dict = field(default_factory=dict)  # chat: template variables, {enable_thinking = false}
     on_error: str = "raise"  # a bad record: "raise" (file:line: reason, exit 2) | "skip" (counted)
-    too_long: str = "truncate"  # a document longer than train.seq_len: "truncate" | "drop" (counted)
+    # a document longer than train.seq_len: "split" into continuations at row boundaries | "truncate" |
+    # "drop" (counted, with the share of tokens dropped); "auto": split, chat data truncate
+    too_long: str = "auto"
     eval_fraction: float = 0.0  # tokens / text / chat: rows held out for train.eval_every
     eval_path: str = ""  # ... or a separate held-out input (same format as path)
     eval_batches: int = 1  # held-out global batches per evaluation

@@ -145,7 +145,7 @@ def _check_primitives(cfg) -> None:
 
 def _check_data(d, t) -> None:
     choices = {"source": DATA_SOURCES, "chat_loss": ("assistant", "all"), "on_error": ("raise", "skip"),
-               "too_long": ("truncate", "drop")}
+               "too_long": ("auto", "split", "truncate", "drop")}
     for key, valid in choices.items():
         if getattr(d, key) not in valid:
             raise ConfigError(f"data.{key} must be one of {', '.join(valid)}; got {getattr(d, key)!r}")
@@ -156,6 +156,11 @@ def _check_data(d, t) -> None:
             p = getattr(d, key)
             if p and not os.path.exists(p):
                 raise ConfigError(f"data.{key} not found: {p}")
+    if d.tools and not os.path.isfile(d.tools):
+        raise ConfigError(f"data.tools not found: {d.tools} (a JSON file with a list of tool schemas)")
+    if (d.tools or d.chat_template_kwargs) and d.source != "chat":
+        raise ConfigError(f"data.tools and data.chat_template_kwargs apply to chat data; data.source is "
+                          f"'{d.source}'")
     if d.source in ("text", "chat") and not d.tokenizer:
         raise ConfigError(f"data.source = '{d.source}' needs data.tokenizer (a local Hugging Face tokenizer directory)")
     if not 0.0 <= d.eval_fraction < 1.0:

@@ -26,7 +26,8 @@ def _token_store(data_cfg, path: str):
 
     if data_cfg.source == "tokens":
         return open_store(path)
-    enc = Encoder(data_cfg.source, data_cfg.tokenizer, chat_loss=data_cfg.chat_loss)
+    enc = Encoder(data_cfg.source, data_cfg.tokenizer, chat_loss=data_cfg.chat_loss, tools=data_cfg.tools,
+                  template_kwargs=data_cfg.chat_template_kwargs)
     return encode_in_memory(path, enc, on_error=data_cfg.on_error)
 
 
@@ -45,7 +46,7 @@ def build_source(data_cfg, train_cfg, vocab_size: int):
         from bumblebee.data.jsonl import JsonlSource
 
         return JsonlSource(data_cfg.path, seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
-                           seed=train_cfg.seed, vocab_size=vocab_size)
+                           seed=train_cfg.seed, vocab_size=vocab_size, too_long=data_cfg.too_long)
     from bumblebee.data.stream import TokenSource
 
     eval_store = _token_store(data_cfg, data_cfg.eval_path) if data_cfg.eval_path else None

@@ -27,11 +27,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pp.add_argument("input", metavar="IN", help=".jsonl, .parquet, a datasets directory, or a directory of those")
     pp.add_argument("out", metavar="OUT", help="output directory (must not already hold prepared data)")
     pp.add_argument("--source", required=True, choices=["tokens", "text", "chat"],
-                    help="tokens: {input_ids, loss_mask}; text: {text}; chat: {messages: [{role, content}]}")
+                    help="tokens: {input_ids, loss_mask}; text: {text}; chat: {messages: [...]} or ShareGPT "
+                         "{conversations: [{from, value}]}")
     pp.add_argument("--tokenizer", default="", metavar="DIR", help="local Hugging Face tokenizer directory "
                     "(text / chat)")
     pp.add_argument("--chat-loss", default="assistant", choices=["assistant", "all"],
                     help="chat: loss on assistant turns only (default) or on every token")
+    pp.add_argument("--tools", default="", metavar="FILE", help="chat: a JSON list of tool schemas for the template "
+                    "(a record's own 'tools' wins)")
+    pp.add_argument("--template-kwarg", action="append", default=[], metavar="K=V",
+                    help="chat: a chat template variable, V a TOML/JSON literal (e.g. enable_thinking=false)")
     pp.add_argument("--on-error", default="raise", choices=["raise", "skip"],
                     help="a bad record: stop with file:line: reason (default), or skip it and count it")
     pp.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 1))), metavar="N",
@@ -41,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         description="Show what a run would train on from a prepared directory.")
     ip.add_argument("path", metavar="OUT", help="a directory written by `bumblebee data prepare`")
     ip.add_argument("--seq-len", type=int, default=512, metavar="T", help="row length to pack (default 512)")
+    ip.add_argument("--too-long", default="auto", choices=["auto", "split", "truncate", "drop"],
+                    help="documents longer than T, as data.too_long (default auto: split, chat data truncate)")
     ip.add_argument("--row", type=int, default=0, metavar="K", help="which packed row to decode (default 0)")
     ip.add_argument("--tokenizer", default=None, metavar="DIR", help="decode with this tokenizer "
                     "(default: the one recorded at prepare time)")
@@ -56,16 +63,27 @@ def run(args, stream=None) -> int:
 
         if args.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-        enc = Encoder(args.source, args.tokenizer, chat_loss=args.chat_loss)
+        from bumblebee.config import parse_override
+
+        kwargs = {}
+        for item in args.template_kwarg:
+            if "=" not in item or not item.split("=", 1)[0]:
+                raise ConfigError(f"--template-kwarg {item!r}: expected NAME=VALUE")
+            kwargs[item.split("=", 1)[0]] = parse_override(f"x.{item}")[1]
+        if (args.tools or kwargs) and args.source != "chat":
+            raise ConfigError("--tools and --template-kwarg apply to --source chat")
+        enc = Encoder(args.source, args.tokenizer, chat_loss=args.chat_loss, tools=args.tools, template_kwargs=kwargs)
         meta = prepare(args.input, args.out, enc, on_error=args.on_error, workers=args.workers,
                        progress=not args.no_progress)
         stream.write(f"bumblebee: wrote {args.out}: {meta['documents']} documents, {meta['tokens']} tokens, "
                      f"{meta['loss_tokens']} loss targets; skipped {meta['skipped_total']}"
-                     + (f" {meta['skipped']}" if meta["skipped"] else "") + "\n")
+                     + (f" {meta['skipped']}" if meta["skipped"] else "")
+                     + "".join(f"; records {k}: {v}" for k, v in meta["notes"].items()) + "\n")
         return 0
     if args.seq_len < 2:
         raise ConfigError(f"--seq-len must be >= 2, got {args.seq_len}")
-    inspect(args.path, seq_len=args.seq_len, row=args.row, tokenizer=args.tokenizer, stream=stream)
+    inspect(args.path, seq_len=args.seq_len, row=args.row, tokenizer=args.tokenizer, stream=stream,
+            too_long=args.too_long)
     return 0
 
 
@@ -83,8 +101,9 @@ def histogram(lengths: np.ndarray) -> list[tuple[str, int]]:
     return out
 
 
-def inspect(path: str, *, seq_len: int, row: int, tokenizer: str | None, stream) -> None:
+def inspect(path: str, *, seq_len: int, row: int, tokenizer: str | None, stream, too_long: str = "auto") -> None:
     from bumblebee.config import ConfigError
+    from bumblebee.data.rowplan import describe_cost
     from bumblebee.data.stream import PackedRows
     from bumblebee.data.store import open_store
 
@@ -99,14 +118,15 @@ def inspect(path: str, *, seq_len: int, row: int, tokenizer: str | None, stream)
     w(f"document length: min {lengths.min()}  mean {lengths.mean():.1f}  max {lengths.max()}\n")
     if m.get("skipped_total"):
         w(f"skipped records {m['skipped_total']}: " + ", ".join(f"{k}: {v}" for k, v in m["skipped"].items()) + "\n")
+    for note, n in m.get("notes", {}).items():
+        w(f"records {note}: {n}\n")
     hist = histogram(lengths)
     peak = max(n for _, n in hist)
     w("length histogram (tokens: documents)\n")
     for label, n in hist:
         w(f"  {label:>13}  {n:>8}  {'#' * max(int(40 * n / peak), 1 if n else 0)}\n")
-    rows = PackedRows(store, seq_len)
-    w(f"packed into {rows.num_rows} rows of {seq_len} tokens ({rows.stats['truncated']} documents truncated); "
-      f"fill {100 * m['tokens'] / max(rows.num_rows * seq_len, 1):.1f}%\n")
+    rows = PackedRows(store, seq_len, too_long)
+    w(f"packed into {rows.num_rows} rows of {seq_len} tokens; {describe_cost(rows.stats, rows.too_long)}\n")
     if not 0 <= row < rows.num_rows:
         raise ConfigError(f"--row {row} out of range: {rows.num_rows} rows")
     b = rows.build(np.array([row]))
@@ -114,9 +134,10 @@ def inspect(path: str, *, seq_len: int, row: int, tokenizer: str | None, stream)
     target = [t > 0 and labels[t - 1] != IGNORE for t in range(len(ids))]
     tok_dir = tokenizer if tokenizer is not None else m.get("tokenizer", "")
     decode = _decoder(tok_dir)
-    w(f"row {row} ({sum(target)} targets; [[...]] = trained on, || = document boundary, padding not shown):\n")
+    w(f"row {row} ({sum(target)} targets; [[...]] = trained on, || = document (or continuation) boundary, "
+      "padding not shown):\n")
     out, t = [], 0
-    end = sum(int(rows.doc_len[k]) for k in range(int(rows.row_ptr[row]), int(rows.row_ptr[row + 1])))
+    end = int(rows.piece_len[int(rows.row_ptr[row]):int(rows.row_ptr[row + 1])].sum())
     while t < end:
         u = t + 1
         while u < end and target[u] == target[t] and pos[u] != 0:

@@ -7,18 +7,13 @@ Kinds (``data.source`` / ``prepare --source``):
   (a BOS if its post-processor adds one), then **EOS appended** unless the text
   already ends with it; every token is a target, so the model learns to end a
   document.
-- ``chat``: ``{"messages": [{"role": ..., "content": ...}, ...]}``, rendered with the
-  tokenizer's chat template (no EOS appended: the template's end-of-turn tokens are
-  what a serving engine stops on). With ``chat_loss = "assistant"`` only assistant
-  turns are targets: the characters each assistant message adds to the rendering,
-  i.e. its content and the template's end-of-turn marker (``<|im_end|>``), not the
-  role header; with ``"all"`` every token is.
-
-Assistant spans come from rendering prefixes of the conversation: turn i spans
-``render(msgs[:i], add_generation_prompt=True)`` .. ``render(msgs[:i+1])``. A
-template that rewrites earlier turns (so prefixes are not prefixes of the full
-rendering) makes that record a bad record with a reason. A token is a target when
-its first character lies in a span (tokenizer offsets).
+- ``chat``: ``{"messages": [...]}`` or ShareGPT ``{"conversations": [...]}``, rendered with the
+  tokenizer's chat template, messages unchanged (tool calls, reasoning, list-of-parts content;
+  chat.py); no EOS appended: the template's end-of-turn tokens are what a serving engine stops
+  on. With ``chat_loss = "assistant"`` only assistant turns are targets (their content, tool
+  calls, reasoning and end-of-turn marker, never the role header; ``{% generation %}`` markers
+  where the template has them); with ``"all"`` every token is. A record may give several
+  documents (a history-rewriting template: one per assistant turn), hence ``documents(rec)``.
 
 The tokenizer is a local Hugging Face directory (``tokenizer.json`` +
 ``tokenizer_config.json``, chat template from there), loaded with ``transformers``
@@ -27,9 +22,8 @@ without any network access (the ``[data]`` extra).
 
 from __future__ import annotations
 
+import json
 import os
-
-import numpy as np
 
 from bumblebee.data.errors import BadRecord, DataError, require
 
@@ -47,16 +41,35 @@ def load_tokenizer(path: str):
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def load_tools(path: str) -> list | None:
+    """``data.tools``: a JSON file holding a list of tool schemas (None when unset)."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            tools = json.load(f)
+    except OSError as e:
+        raise DataError(f"data.tools: cannot read {path} ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"data.tools: {path} is not JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"data.tools: {path} must hold a JSON list of tool schemas (objects)")
+    return tools
+
+
 class Encoder:
     """Turns records of one kind into (ids, mask). Picklable: the tokenizer loads lazily."""
 
-    def __init__(self, kind: str, tokenizer: str = "", *, chat_loss: str = "assistant"):
+    def __init__(self, kind: str, tokenizer: str = "", *, chat_loss: str = "assistant", tools: str = "",
+                 template_kwargs: dict | None = None):
         if kind not in KINDS:
             raise DataError(f"unknown data kind {kind!r}; valid: {', '.join(KINDS)}")
         if chat_loss not in ("assistant", "all"):
             raise DataError(f"chat_loss must be 'assistant' or 'all', got {chat_loss!r}")
         self.kind, self.tokenizer_path, self.chat_loss = kind, tokenizer, chat_loss
-        self._tok = None
+        self.tools_path, self.tools = tools, load_tools(tools) if kind == "chat" else None
+        self.template_kwargs = dict(template_kwargs or {})
+        self._tok = self._chat = None
         if kind != "tokens":
             self._tok = load_tokenizer(tokenizer)  # fail now, not in a worker
             if kind == "chat" and not getattr(self._tok, "chat_template", None):
@@ -64,7 +77,7 @@ class Encoder:
                                 "tokenizer_config.json 'chat_template')")
 
     def __getstate__(self):
-        return {**self.__dict__, "_tok": None}
+        return {**self.__dict__, "_tok": None, "_chat": None}
 
     @property
     def tok(self):
@@ -79,12 +92,28 @@ class Encoder:
                      pad_id=self.tok.pad_token_id, vocab_size=len(self.tok))
         if self.kind == "chat":
             d["chat_loss"] = self.chat_loss
+            if self.tools_path:
+                d["tools"] = os.path.abspath(self.tools_path)
+            if self.template_kwargs:
+                d["chat_template_kwargs"] = self.template_kwargs
         return d
 
-    def encode(self, rec) -> tuple[list[int], list[int]]:
+    def documents(self, rec) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
+        """([(ids, mask)], notes to count) of one record: one document, or for chat data rendered
+        per turn one per assistant turn."""
         if not isinstance(rec, dict):
             raise BadRecord(f"expected a JSON object, got {type(rec).__name__}")
-        return getattr(self, f"_{self.kind}")(rec)
+        if self.kind == "chat":
+            if self._chat is None:
+                from bumblebee.data.chat import ChatRenderer
+
+                self._chat = ChatRenderer(self.tok, self.chat_loss, self.tools, self.template_kwargs)
+            return self._chat.documents(rec)
+        return [getattr(self, f"_{self.kind}")(rec)], []
+
+    def encode(self, rec) -> tuple[list[int], list[int]]:
+        """The one document of a record (a record rendered per turn: its last turn's)."""
+        return self.documents(rec)[0][-1]
 
     @staticmethod
     def _tokens(rec: dict) -> tuple[list[int], list[int]]:
@@ -111,48 +140,3 @@ class Encoder:
         if eos is not None and ids[-1] != eos:
             ids.append(eos)
         return ids, [1] * len(ids)
-
-    def _chat(self, rec: dict) -> tuple[list[int], list[int]]:
-        if "messages" not in rec:
-            raise BadRecord("missing field 'messages'")
-        msgs = rec["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise BadRecord("empty conversation ('messages' must be a non-empty list)")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise BadRecord(f"message {i}: expected {{'role': str, 'content': str}}")
-        msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
-        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-        if self.chat_loss == "assistant" and not turns:
-            raise BadRecord("no assistant message: nothing to train on")
-        full = self._render(msgs)
-        enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        if not ids:
-            raise BadRecord("the conversation renders to no tokens")
-        if self.chat_loss == "all":
-            return ids, [1] * len(ids)
-        starts = np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-        mask = np.zeros(len(ids), dtype=np.int64)
-        for i in turns:
-            a, b = self._span(msgs, i, full)
-            mask[(starts >= a) & (starts < b)] = 1
-        return ids, mask.tolist()
-
-    def _render(self, msgs: list[dict], gen: bool = False) -> str:
-        try:
-            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-        except Exception as e:  # a template's raise_exception() or a jinja error: this record
-            raise BadRecord(f"chat template failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-
-    def _span(self, msgs: list[dict], i: int, full: str) -> tuple[int, int]:
-        """Characters of ``full`` that assistant turn i adds (content + end-of-turn)."""
-        upto = self._render(msgs[:i + 1])
-        try:
-            pre = self._render(msgs[:i], gen=True) if i else ""
-        except BadRecord:  # some templates cannot render an empty / system-only prefix
-            pre = ""
-        if not (full.startswith(upto) and upto.startswith(pre)):
-            raise BadRecord(f"the chat template does not render message {i} as a prefix of the conversation; "
-                            "assistant spans cannot be located (use chat_loss = 'all')")
-        return len(pre), len(upto)

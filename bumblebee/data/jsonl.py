@@ -2,13 +2,14 @@
 
 ``loss_mask`` (optional, default all ones) marks which tokens are prediction
 targets. Samples are packed greedily, in file order, into rows of ``seq_len``;
-a sample longer than a row is split into row-sized pieces. Rows are shuffled
-per epoch with the run's seed. Any malformed line fails the run up front with
+a sample longer than a row is split into continuations at row boundaries, cut,
+or left out (``too_long``, rowplan.py; default split). Rows are shuffled per
+epoch with the run's seed. Any malformed line fails the run up front with
 ``file:line: what is wrong``.
 
 The file is not held in memory: one pass at start validates every line and keeps,
 per sample, its byte offset, and per row, which pieces of which samples it packs
-and its label count; a rank then reads only the samples of the rows it is asked
+(a ``RowPlan``) and its label count; a rank then reads only the samples of the rows it is asked
 for (``rows_at``), so memory is a few integers per sample and per row whatever
 the file's size. For large corpora ``bumblebee data prepare`` + the ``tokens``
 source is still the better path (no JSON parsing per step).
@@ -24,6 +25,7 @@ from collections.abc import Callable
 
 from bumblebee.data.errors import DataError
 from bumblebee.data.packing import Batch, RowPacker, stack_rows
+from bumblebee.data.rowplan import RowPlan, describe_cost, resolve_too_long
 
 __all__ = ["DataError", "JsonlSource", "read_samples", "scan_samples"]
 
@@ -94,37 +96,33 @@ class JsonlSource:
     """Rows of a global batch from a JSONL file, read by offset (see the module docstring).
     ``rows_at`` / ``num_valid_at`` as every source; ``global_batch_at`` for a whole batch."""
 
-    def __init__(self, path: str, *, seq_len: int, global_batch: int, seed: int, vocab_size: int, pad_id: int = 0):
+    def __init__(self, path: str, *, seq_len: int, global_batch: int, seed: int, vocab_size: int, pad_id: int = 0,
+                 too_long: str = "auto"):
         self.path, self.seq_len, self.pad_id, self.vocab_size = path, seq_len, pad_id, vocab_size
         self.global_batch, self.seed = global_batch, seed
+        self.too_long = resolve_too_long(too_long, "jsonl")
         self.offsets = array("q")  # byte offset of every sample's line
-        self.plans: list[list[tuple[int, int, int]]] = []  # per row: (sample, start, stop) pieces in order
-        self.valid = array("q")  # per row: its label count
-        row, free, valid = [], seq_len, 0
+        self.plan = RowPlan(seq_len, self.too_long)  # per row: (sample, start, length) pieces in order
+        labels = array("q")  # per piece: its label count
 
         def visit(offset: int, ids: list[int], mask: list[bool]) -> None:
-            nonlocal row, free, valid
             sample = len(self.offsets)
             self.offsets.append(offset)
-            for s in range(0, len(ids), seq_len):
-                e = min(s + seq_len, len(ids))
-                if e - s > free:
-                    self.plans.append(row)
-                    self.valid.append(valid)
-                    row, free, valid = [], seq_len, 0
-                row.append((sample, s, e))
-                free -= e - s
-                valid += sum(mask[s + 1:e])  # position t has a label iff token t + 1 is marked (packing.py)
+            for s, n in self.plan.add(sample, len(ids)):
+                labels.append(sum(mask[s + 1:s + n]))  # position t has a label iff token t + 1 is marked
 
         scan_samples(path, vocab_size, visit)
-        if row:
-            self.plans.append(row)
-            self.valid.append(valid)
+        self.plan.finish()
+        if not self.plan.num_rows:
+            raise DataError(f"{path}: no rows: every sample is longer than train.seq_len = {seq_len} and "
+                            f"data.too_long = 'drop'")
+        ptr = self.plan.row_ptr
+        self.valid = array("q", (sum(labels[ptr[r]:ptr[r + 1]]) for r in range(self.plan.num_rows)))
         self._perm: tuple[int, list[int]] | None = None  # the last epoch's shuffle
-        self.stats: dict = {}
+        self.stats: dict = self.plan.stats
 
     def __len__(self) -> int:
-        return len(self.plans)
+        return self.plan.num_rows
 
     def _read(self, f, sample: int) -> tuple[list[int], list[bool]]:
         f.seek(self.offsets[sample])
@@ -136,9 +134,11 @@ class JsonlSource:
     def _rows(self, rows: list[int]) -> Batch:
         with open(self.path, "rb") as f:
             built = []
+            p = self.plan
             for r in rows:
                 packer = RowPacker(self.seq_len, self.pad_id)
-                for sample, s, e in self.plans[r]:
+                for k in range(p.row_ptr[r], p.row_ptr[r + 1]):
+                    sample, s, e = p.doc[k], p.start[k], p.start[k] + p.length[k]
                     ids, mask = self._read(f, sample)
                     if e > len(ids):
                         raise DataError(f"{self.path}: sample {sample} changed since the run started")
@@ -149,7 +149,7 @@ class JsonlSource:
     def order(self, step: int) -> list[int]:
         """Row indices of global batch ``step``: rows step*B .. step*B+B-1 of the endless stream of
         per-epoch shuffles."""
-        n = len(self.plans)
+        n = self.plan.num_rows
         out = []
         for g in range(step * self.global_batch, (step + 1) * self.global_batch):
             epoch = g // n
@@ -171,10 +171,12 @@ class JsonlSource:
 
     def all_rows(self) -> Batch:
         """Every packed row in file order (reads the whole file: small files and tests)."""
-        return self._rows(list(range(len(self.plans))))
+        return self._rows(list(range(self.plan.num_rows)))
 
     def eval_batch_list(self) -> list[Batch]:
         return []
 
     def describe(self) -> str:
-        return ""
+        s = self.stats
+        return (f"data: {s['documents']} samples in {s['rows']} rows of {self.seq_len} tokens; "
+                f"{describe_cost(s, self.too_long)}")

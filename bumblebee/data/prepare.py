@@ -7,6 +7,8 @@ parent writes them in input order, so the output does not depend on the number
 of workers. Bad records follow ``on_error``: ``"raise"`` stops at the first one
 in file order with ``file:line: reason`` (exit code 2 from the CLI), ``"skip"``
 drops it and counts it by reason; the counts go to meta.json and the run summary.
+Records that were used but need a word (a chat record rendered per turn, tool calls
+the template does not render) are counted by note the same way (``notes``).
 """
 
 from __future__ import annotations
@@ -28,18 +30,19 @@ ON_ERROR = ("raise", "skip")
 
 
 def encode_chunk(enc: Encoder, chunk: Chunk, on_error: str) -> dict:
-    """Encode one chunk: flat tokens / mask / lengths, skip counts, and the first error."""
+    """Encode one chunk: flat tokens / mask / lengths, skip and note counts, and the first error."""
     ids: list[int] = []
     mask: list[int] = []
     lengths: list[int] = []
     skipped: Counter = Counter()
+    notes: Counter = Counter()
     first_error = None
     for i, item in enumerate(chunk.items):
         try:
             rec = item if chunk.columnar else parse_line(item)
             if rec is None:  # blank line
                 continue
-            t, m = enc.encode(rec)
+            docs, said = enc.documents(rec)
         except BadRecord as e:
             reason = str(e)
             if on_error == "raise":
@@ -47,12 +50,14 @@ def encode_chunk(enc: Encoder, chunk: Chunk, on_error: str) -> dict:
                 break
             skipped[reason.split(" (")[0]] += 1
             continue
-        ids += t
-        mask += m
-        lengths.append(len(t))
+        notes.update(said)
+        for t, m in docs:
+            ids += t
+            mask += m
+            lengths.append(len(t))
     return {"tokens": np.asarray(ids, dtype=np.uint32), "mask": np.asarray(mask, dtype=np.uint8),
-            "lengths": np.asarray(lengths, dtype=np.int64), "skipped": skipped, "error": first_error,
-            "units": chunk.units}
+            "lengths": np.asarray(lengths, dtype=np.int64), "skipped": skipped, "notes": notes,
+            "error": first_error, "units": chunk.units}
 
 
 class Progress:
@@ -137,11 +142,13 @@ def prepare(path: str, out_dir: str, enc: Encoder, *, on_error: str = "raise", w
     scan(path)  # a missing or unknown input fails before OUT is created
     writer = StoreWriter(out_dir)
     skipped: Counter = Counter()
+    notes: Counter = Counter()
     max_id = -1
     try:
         for r in encode_input(path, enc, on_error=on_error, workers=workers, progress=progress, stream=stream):
             writer.append(r["tokens"], r["mask"], r["lengths"])
             skipped.update(r["skipped"])
+            notes.update(r["notes"])
             if len(r["tokens"]):
                 max_id = max(max_id, int(r["tokens"].max()))
         if writer.num_tokens == 0:
@@ -150,15 +157,17 @@ def prepare(path: str, out_dir: str, enc: Encoder, *, on_error: str = "raise", w
         writer.abort()
         raise
     return writer.close({"source": os.path.abspath(path), **enc.describe(), "max_token_id": max_id,
-                         "skipped": dict(skipped), "skipped_total": sum(skipped.values())})
+                         "skipped": dict(skipped), "skipped_total": sum(skipped.values()), "notes": dict(notes)})
 
 
 def encode_in_memory(path: str, enc: Encoder, *, on_error: str = "raise") -> TokenStore:
     """The same encoding into an in-memory store (text / chat sources read directly by a run)."""
     parts = list(encode_input(path, enc, on_error=on_error))
     skipped: Counter = Counter()
+    notes: Counter = Counter()
     for r in parts:
         skipped.update(r["skipped"])
+        notes.update(r["notes"])
     lengths = np.concatenate([r["lengths"] for r in parts]) if parts else np.zeros(0, np.int64)
     if not len(lengths):
         raise DataError(f"{path}: no usable records" + (f" (skipped: {dict(skipped)})" if skipped else ""))
@@ -166,5 +175,6 @@ def encode_in_memory(path: str, enc: Encoder, *, on_error: str = "raise") -> Tok
     mask = np.concatenate([r["mask"] for r in parts])
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     meta = {"source": os.path.abspath(path), **enc.describe(), "documents": len(lengths), "tokens": len(tokens),
-            "max_token_id": int(tokens.max()), "skipped": dict(skipped), "skipped_total": sum(skipped.values())}
+            "max_token_id": int(tokens.max()), "skipped": dict(skipped), "skipped_total": sum(skipped.values()),
+            "notes": dict(notes)}
     return TokenStore(tokens, mask, offsets, doc_loss_counts(mask, offsets), meta)

@@ -2,11 +2,12 @@
 
 Documents are packed greedily in stored order into rows of ``seq_len`` tokens
 (positions restart at every document, labels never cross a document, the tail is
-unlabelled padding; the same rules as packing.py). The packing plan needs only
-the document lengths and per-document label counts (store.py), so building it
-reads no tokens. A document longer than ``seq_len`` is cut to its first
-``seq_len`` tokens (``too_long = "truncate"``) or left out (``"drop"``); both are
-counted.
+unlabelled padding; the same rules as packing.py). A document longer than
+``seq_len`` is split into continuations, cut, or left out (``too_long``,
+rowplan.py); all three are counted, with the share of tokens dropped and padded.
+The packing plan needs only the document lengths and per-document label counts
+(store.py), so building it reads no tokens (a split or truncated document's
+labels are counted from its mask unless every mask is all ones).
 
 Step s of the run trains on global rows s*B .. s*B+B-1 of an endless stream of
 per-epoch shuffles of the training rows (``numpy`` PCG64 seeded with
@@ -28,41 +29,41 @@ import torch
 
 from bumblebee.data.errors import DataError
 from bumblebee.data.packing import IGNORE, Batch
+from bumblebee.data.rowplan import RowPlan, describe_cost, resolve_too_long
 from bumblebee.data.store import TokenStore
-
-TOO_LONG = ("truncate", "drop")
 
 
 class PackedRows:
     """The rows of one store (plan only; tokens are read when a row is built)."""
 
-    def __init__(self, store: TokenStore, seq_len: int, too_long: str = "truncate", pad_id: int = 0):
-        if too_long not in TOO_LONG:
-            raise DataError(f"data.too_long must be 'truncate' or 'drop', got {too_long!r}")
+    def __init__(self, store: TokenStore, seq_len: int, too_long: str = "auto", pad_id: int = 0):
         self.store, self.seq_len, self.pad_id = store, seq_len, pad_id
-        lengths = store.lengths
-        over = lengths > seq_len
-        keep = ~over if too_long == "drop" else np.ones(len(lengths), dtype=bool)
-        self.docs = np.nonzero(keep)[0].astype(np.int64)  # stored document ids, in order
-        self.doc_len = np.minimum(lengths[self.docs], seq_len)
-        doc_labels = store.doc_loss[self.docs].copy()
-        for j in np.nonzero(over[self.docs])[0]:  # a truncated document: count its kept labels
-            s = int(store.offsets[self.docs[j]])
-            doc_labels[j] = int(store.mask[s + 1:s + seq_len].sum())
-        self.stats = {"documents": int(keep.sum()), "truncated": int(over.sum()) if too_long == "truncate" else 0,
-                      "dropped": int(over.sum()) if too_long == "drop" else 0}
-        starts, used = [0], 0  # greedy packing: row r holds self.docs[row_ptr[r]:row_ptr[r+1]]
-        for k, n in enumerate(self.doc_len.tolist()):
-            if used + n > seq_len:
-                starts.append(k)
-                used = 0
-            used += n
-        self.row_ptr = np.array(starts + [len(self.docs)], dtype=np.int64)
-        if len(self.docs) == 0:
-            self.row_ptr = np.zeros(1, dtype=np.int64)
-        csum = np.concatenate([[0], np.cumsum(doc_labels)])
+        self.too_long = resolve_too_long(too_long, store.meta.get("kind"))
+        lengths, offsets = store.lengths, store.offsets
+        # text data (and any store whose masks are all ones past each document's first token):
+        # a piece of n tokens has n - 1 labels, no mask read needed
+        ones = int(store.doc_loss.sum()) == len(store.tokens) - store.num_docs
+        plan, labels = RowPlan(seq_len, self.too_long), []
+        for d, n in enumerate(lengths.tolist()):
+            pieces = plan.add(d, n)
+            if len(pieces) == 1 and pieces[0][1] == n:  # whole
+                labels.append(int(store.doc_loss[d]))
+            elif pieces:
+                if ones:
+                    labels += [k - 1 for _, k in pieces]
+                    continue
+                s = int(offsets[d])
+                c = np.cumsum(np.asarray(store.mask[s:s + n], dtype=np.int64))
+                labels += [int(c[a + k - 1] - c[a]) for a, k in pieces]  # mask[a+1:a+k]: no label at a cut
+        plan.finish()
+        self.plan = plan
+        docs = np.asarray(plan.doc, dtype=np.int64)
+        self.start = offsets[:-1][docs] + np.asarray(plan.start, dtype=np.int64)  # every piece's first token
+        self.piece_len = np.asarray(plan.length, dtype=np.int64)
+        self.row_ptr = np.asarray(plan.row_ptr, dtype=np.int64)
+        csum = np.concatenate([[0], np.cumsum(np.asarray(labels, dtype=np.int64))])
         self.row_labels = csum[self.row_ptr[1:]] - csum[self.row_ptr[:-1]]
-        self.stats["rows"] = self.num_rows
+        self.stats = plan.stats
 
     @property
     def num_rows(self) -> int:
@@ -77,8 +78,7 @@ class PackedRows:
         for b, r in enumerate(rows.tolist()):
             t = 0
             for k in range(int(self.row_ptr[r]), int(self.row_ptr[r + 1])):
-                n = int(self.doc_len[k])
-                s = int(self.store.offsets[self.docs[k]])
+                n, s = int(self.piece_len[k]), int(self.start[k])
                 tok = np.asarray(self.store.tokens[s:s + n], dtype=np.int64)
                 m = np.asarray(self.store.mask[s + 1:s + n], dtype=bool)
                 ids[b, t:t + n] = tok
@@ -93,7 +93,7 @@ class TokenSource:
     """Training batches (and held-out batches) from a token store."""
 
     def __init__(self, store: TokenStore, *, seq_len: int, global_batch: int, seed: int, vocab_size: int,
-                 too_long: str = "truncate", eval_fraction: float = 0.0, eval_store: TokenStore | None = None,
+                 too_long: str = "auto", eval_fraction: float = 0.0, eval_store: TokenStore | None = None,
                  eval_batches: int = 1):
         for s in (store, eval_store):
             if s is not None and s.meta.get("max_token_id", -1) >= vocab_size:
@@ -122,12 +122,17 @@ class TokenSource:
                       "skipped": meta.get("skipped_total", 0)}
         if meta.get("skipped"):
             self.stats["skipped_by_reason"] = meta["skipped"]
+        if meta.get("notes"):  # records used with a remark (chat: rendered per turn, tool calls not rendered)
+            self.stats["notes"] = meta["notes"]
 
     def describe(self) -> str:
         s = self.stats
         extra = f", {s['eval_rows']} held out" if s["eval_rows"] else ""
+        why = lambda d: " (" + ", ".join(f"{k}: {v}" for k, v in d.items()) + ")"  # noqa: E731
+        skipped = f"skipped {s['skipped']}" + (why(s["skipped_by_reason"]) if s.get("skipped_by_reason") else "")
+        notes = "".join(f"; records {k}: {v}" for k, v in s.get("notes", {}).items())
         return (f"data: {s['documents']} documents in {s['rows']} rows of {self.rows.seq_len} tokens{extra}; "
-                f"skipped {s['skipped']}, truncated {s['truncated']}, dropped {s['dropped']}")
+                f"{skipped}; {describe_cost(s, self.rows.too_long)}{notes}")
 
     def _global_rows(self, step: int) -> np.ndarray:
         n, B = len(self.train_rows), self.global_batch

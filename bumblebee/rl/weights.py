@@ -5,10 +5,13 @@ Pushing a policy to an inference engine tensor by tensor costs one round trip pe
 costs a few dozen. ``weight_buckets(bucket_bytes, dtype, names)`` yields lists of
 ``(name, tensor)``:
 
-- names are the checkpoint's own (``names="hf"``): experts split per expert and projection,
-  and the prefixes of the checkpoint the model was loaded from (the multimodal
-  ``Qwen3_5MoeForConditionalGeneration`` keeps the language model under
-  ``model.language_model.``; a rollout engine serving that checkpoint expects those names);
+- names are the checkpoint's own (``names="hf"``, what vLLM / SGLang ``load_weights``
+  take): experts split per expert and projection, and the prefixes of the checkpoint the
+  model was loaded from (the multimodal ``Qwen3_5MoeForConditionalGeneration`` keeps the
+  language model under ``model.language_model.``; a rollout engine serving that checkpoint
+  expects those names); ``names="transformers"`` gives transformers 5's in-memory names
+  (fused ``mlp.experts.gate_up_proj`` / ``down_proj`` per layer; rl/weight_names.py), so
+  ``load_state_dict`` on a transformers model covers every parameter;
   ``names="bumblebee"`` gives the model's own names (stacked experts);
 - each parameter is gathered when its turn comes (FSDP2 shards all-gathered, expert slices
   concatenated over the ep group), after casting this rank's shard to ``dtype``, so the
@@ -40,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import _weight_files, hf_state_dict
 from bumblebee.models.hf_write import write_hf
+from bumblebee.rl.weight_names import hf_expert_names, transformers_named
 
 
 class _FullModel:
@@ -158,18 +162,6 @@ def expert_pieces(p, ep_group, dtype: torch.dtype | None, piece_bytes: int):
                 yield q * e_local + offsets[r] + i, full[q * n:(q + 1) * n]
 
 
-def _hf_expert_names(name: str, first: int, piece, F: int):
-    """HF (name, tensor) of a piece of stacked experts (``w_gate_up`` [n, 2F, H] / ``w_down`` [n, H, F])."""
-    base = name.rsplit(".", 1)[0]
-    for k in range(piece.shape[0]):
-        e = first + k
-        if name.endswith("w_gate_up"):
-            yield f"{base}.{e}.gate_proj.weight", piece[k, :F]
-            yield f"{base}.{e}.up_proj.weight", piece[k, F:]
-        else:
-            yield f"{base}.{e}.down_proj.weight", piece[k]
-
-
 class EngineWeights:
     """Mixin of ``rl.engine.Engine``: named_weights, weight_buckets, sync_weights, export_hf."""
 
@@ -217,20 +209,24 @@ class EngineWeights:
             if (name.endswith(("experts.w_gate_up", "experts.w_down"))
                     and p.numel() * ep * (dtype or p.dtype).itemsize > piece_bytes):
                 for first, piece in expert_pieces(p, ep_group, dtype, piece_bytes):
-                    yield from self._renamed(_hf_expert_names(name, first, piece, F))
+                    yield from self._renamed(hf_expert_names(name, first, piece, F))
             else:
                 yield from self._hf_named([(name, _gather(self.model, name, p, ep_group, dtype))])
 
     def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = torch.bfloat16,
                        names: str = "hf"):
         """Lists of (name, tensor) of at most ``bucket_bytes`` each (module docstring)."""
-        if names not in ("hf", "bumblebee"):
-            raise ValueError(f"names must be 'hf' or 'bumblebee', got {names!r}")
+        if names not in ("hf", "transformers", "bumblebee"):
+            raise ValueError(f"names must be 'hf', 'transformers' or 'bumblebee', got {names!r}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         bucket, size = [], 0
-        stream = self._hf_stream(dtype, bucket_bytes) if names == "hf" else self.named_weights(hf_names=False,
-                                                                                               dtype=dtype)
+        if names == "hf":
+            stream = self._hf_stream(dtype, bucket_bytes)
+        else:  # whole tensors: a fused expert stack larger than a bucket gets a bucket of its own
+            stream = self.named_weights(hf_names=False, dtype=dtype)
+            if names == "transformers":
+                stream = self._renamed(transformers_named(stream))
         for name, t in stream:
             n = t.numel() * t.element_size()
             if bucket and size + n > bucket_bytes:

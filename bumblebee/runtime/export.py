@@ -5,7 +5,8 @@ one tensor if larger; one ``torch.distributed.checkpoint`` load per bucket) and 
 so the export holds a bucket and one converted tensor, never the model. When the run started
 from a Hugging Face directory (``model.hf_path`` in the checkpoint's config) that still exists,
 the tensors it holds outside the language model (vision tower, MTP head) and its non-weight
-files are carried over, so the export is again a complete checkpoint.
+files are carried over, so the export is again a complete checkpoint. A run trained with
+``data.tokenizer`` exports that tokenizer and its token ids (models/hf_tokenizer.py).
 
 The export is written beside the target (a hidden temporary directory) and moved in
 when complete, so an interrupted export leaves no half-written model where a loader
@@ -17,6 +18,7 @@ never written into.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -65,6 +67,7 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
         shutil.rmtree(tmp, ignore_errors=True)
         write_hf(tmp, arch, named_shapes, tensors, dtype=getattr(torch, dtype), max_shard_bytes=max_shard_bytes,
                  source=source)  # written beside the target, then moved in
+        _export_tokenizer(tmp, saved.get("data", {}))
         if os.path.isdir(out_dir) and not os.listdir(out_dir):
             os.rmdir(out_dir)
         if not os.path.exists(out_dir):
@@ -83,6 +86,28 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _export_tokenizer(out_dir: str, data: dict) -> None:
+    """The run's ``data.tokenizer`` (or the one its prepared ``tokens`` directory was made with) beside the
+    weights, its token ids in the configs (models/hf_tokenizer.py)."""
+    tok, kind = data.get("tokenizer", ""), data.get("source")
+    if not tok and kind == "tokens":  # a prepared directory names the tokenizer it was made with
+        try:
+            with open(os.path.join(data.get("path", ""), "meta.json"), encoding="utf-8") as f:
+                meta = json.load(f)
+            tok, kind = meta.get("tokenizer", ""), meta.get("kind")
+        except (OSError, ValueError):
+            return
+    if not tok:
+        return
+    if not os.path.isfile(os.path.join(tok, "tokenizer.json")):
+        print(f"bumblebee: {tok} (the run's data.tokenizer) is gone: exporting without tokenizer files",
+              file=sys.stderr)
+        return
+    from bumblebee.models.hf_tokenizer import add_tokenizer
+
+    add_tokenizer(out_dir, tok, chat=kind == "chat")
 
 
 def _saved_config(path: str) -> dict:

@@ -162,9 +162,8 @@ def test_tokens_source_reads_only_the_rows_asked_for(tmp_path):
     src.rows.store.tokens = rec
     rows = src._global_rows(7)[2:4]
     src.rows_at(7, 2, 4)
-    docs = [int(src.rows.docs[k]) for r in rows for k in range(src.rows.row_ptr[r], src.rows.row_ptr[r + 1])]
-    offsets = src.rows.store.offsets
-    assert rec.reads == [(int(offsets[d]), int(offsets[d + 1])) for d in docs]
+    pieces = [k for r in rows for k in range(src.rows.row_ptr[r], src.rows.row_ptr[r + 1])]
+    assert rec.reads == [(int(src.rows.start[k]), int(src.rows.start[k] + src.rows.piece_len[k])) for k in pieces]
 
 
 def test_over_long_documents_truncate_or_drop(tmp_path):
