@@ -25,6 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from bumblebee.config_checks import check_filled
 from bumblebee.config_checks import validate  # noqa: F401  (re-exported: ``from bumblebee.config import validate``)
 from bumblebee.errors import ConfigError  # noqa: F401  (re-exported: ``from bumblebee.config import ConfigError``)
 
@@ -270,6 +271,7 @@ def parse_config(path: str | None = None, overrides: list[str] | None = None) ->
     ``bumblebee.load_config`` for the full check)."""
     cfg = Config()
     data = read_toml(path) if path else {}
+    check_filled(data, path, overrides or [])
     if path:
         _apply(cfg, data, path)
     dtype_given = isinstance(data.get("train"), dict) and "dtype" in data["train"]

@@ -14,25 +14,29 @@ import math
 import sys
 
 from bumblebee.config import ConfigError
+from bumblebee.console import SetOverride
 from bumblebee.plan import report
 from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.layout import Primitives, Workload, apply_overrides, check, parse_layout
 from bumblebee.plan.recipe import Recommendation, evaluate, recipe, search
-from bumblebee.plan.runnable import config_toml, run_config, runtime_problem
+from bumblebee.plan.runnable import emit_toml, run_config, runtime_problem
 from bumblebee.plan.kernels import assumptions, kernels_note
-from bumblebee.plan.spec import GDN, load_spec
+from bumblebee.plan.spec import GDN, load_spec, preset_names
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name (qwen3.5-35b-a3b, qwen3-30b-a3b, qwen3-235b-a22b) "
-                                                   "or a Hugging Face config.json / model directory")
+    presets = [n for n in preset_names() if not n.endswith("/tiny")]
+    tiny = [n for n in preset_names() if n.endswith("/tiny")]
+    p.add_argument("--model", required=True,
+                   help=f"a preset: {', '.join(presets)}; a family's test-size model as FAMILY/tiny "
+                        f"({', '.join(tiny)}); or a Hugging Face config.json / model directory")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpu", default="h100", help=f"GPU type: {', '.join(GPUS)} (default h100)")
     p.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (default: one per GPU)")
     p.add_argument("--layout", default=None, help='evaluate exactly one layout, e.g. "tp=1 pp=2 ep=8 cp=4"')
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="primitives.KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action=SetOverride, metavar="primitives.KEY=VALUE",
                    help="fix a primitive (sharding, loss, recompute, moe_comm, moe_chunks); repeatable")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--dry-run", action="store_true",
@@ -65,6 +69,12 @@ def _one_layout(args, spec, gpu, work, base: Primitives, fixed: set[str]) -> Rec
     return Recommendation(cand, {"layout": f"{lay.short()} (given by --layout)",
                                  "primitives": f"{prims.short()}" + (" (recipe defaults + --set)" if fixed
                                                                      else " (recipe defaults)")})
+
+
+def _header(args, n: int | None) -> str:
+    which = "" if n is None else f" (candidate {n})"
+    return (f"# written by bumblebee plan --model {args.model} --gpus {args.gpus} --gpu {args.gpu} --seq {args.seq}"
+            + (f" --global-batch {args.global_batch}" if args.global_batch else "") + which)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
         shown = [rec.candidate] + [c for c in cands if c is not rec.candidate]
         if not 0 <= args.emit_config < len(shown):
             raise ConfigError(f"--emit-config {args.emit_config}: choose 0 (the recommendation) .. {len(shown) - 1}")
-        print(config_toml(run_config(args.model, spec.family, shown[args.emit_config], work)), end="")
+        print(emit_toml(run_config(args.model, spec.family, shown[args.emit_config], work),
+                        _header(args, args.emit_config)), end="")
         return 0
     dry = None
     if args.dry_run:
@@ -158,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         out = report.to_json(rec, cands)
         for entry, cand in zip([out["recommended"]] + out["candidates"], [rec.candidate] + cands):
             cfg = run_config(args.model, spec.family, cand, work)  # what `bumblebee train --config` takes
-            entry["config"] = config_toml(cfg)
+            entry["config"] = emit_toml(cfg, _header(args, None))
             entry["runtime_problem"] = runtime_problem(cfg, args.gpus)
             entry["assumptions"] = assumptions(cand.layout.cp, GDN in spec.mixers)
         if dry is not None:
