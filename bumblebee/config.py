@@ -110,6 +110,8 @@ class TrainConfig:
     # (0: never); "auto": every 50 steps where the source has held-out data (synthetic: always)
     eval_every: Union[int, str] = "auto"
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars to out_dir/tensorboard
+    wandb: bool = False  # also log them to Weights & Biases (pip install wandb), run named after out_dir
+    wandb_project: str = "bumblebee"
     max_restarts: int = 0  # --nproc runs: restart every rank after a failure, from the newest checkpoint
     collective_timeout_s: float = 600.0  # every process group: a rank that hangs ends the job after this
     on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: "stop" the run | "skip" the update

@@ -39,6 +39,10 @@ def preflight(cfg: Config, world: int):
                               "distinct key letters (records of one document have unique keys)")
     layout = check_run(cfg, world)
     arch = resolve_arch(cfg.model)
+    if t.wandb:  # an optional extra: missing, one line now rather than from rank 0 after the model is built
+        from bumblebee.runtime.metrics import import_wandb
+
+        import_wandb()
     registry.get("recompute", cfg.primitives.recompute).factory(cfg.primitives.recompute_modules)
     if layout.cp > 1 and "linear_attention" in getattr(arch, "layer_types", ()):
         chunk, window = t.seq_len // (2 * layout.cp), arch.linear_conv_kernel_dim - 1
