@@ -14,7 +14,7 @@ import math
 import sys
 
 from bumblebee.config import ConfigError
-from bumblebee.console import SetOverride
+from bumblebee.console import Progress, SetOverride
 from bumblebee.plan import report
 from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.layout import Primitives, Workload, apply_overrides, check, parse_layout
@@ -103,9 +103,14 @@ def run(args: argparse.Namespace) -> int:
         if args.gpus > 4096:
             raise ConfigError(f"--gpus {args.gpus}: the search covers up to 4096 GPUs")
         rec = recipe(spec, args.gpus, gpu, work, base, fixed)
-        cands = search(spec, args.gpus, gpu, work, base, fixed)
+        with Progress(f"plan {spec.name} on {args.gpus} GPUs: layouts evaluated") as progress:
+            cands = search(spec, args.gpus, gpu, work, base, fixed, progress=progress)
         # rank only what the runtime accepts (its own resolver); the rest only on request, marked
-        problems = {id(c): runtime_problem(run_config(args.model, spec.family, c, work), args.gpus) for c in cands}
+        problems = {}
+        with Progress(f"plan {spec.name}: candidates checked against the runtime", total=len(cands)) as progress:
+            for c in cands:
+                problems[id(c)] = runtime_problem(run_config(args.model, spec.family, c, work), args.gpus)
+                progress.update()
         runnable = [c for c in cands if not problems[id(c)]]
         if args.include_unimplemented:
             for c in cands:
@@ -158,7 +163,6 @@ def run(args: argparse.Namespace) -> int:
         if args.skew < 1.0:
             raise ConfigError(f"--skew must be >= 1 (1: balanced routing), got {args.skew}")
         dry = dry_run(spec, hf, rec.candidate, work, skew=args.skew)
-        notes.append(dry.summary())
     if args.plot:
         shown = [rec.candidate] + [c for c in cands if c.feasible and c is not rec.candidate]
         report.plot(args.plot, shown)
@@ -178,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(report.text(spec, args.gpus, gpu, work, rec, cands, args.top, notes, counts,
                           title="evaluated" if args.layout else "recommended"))
+        if dry is not None:  # a table, after the report it checks
+            print("\n" + dry.table())
     return 0
 
 

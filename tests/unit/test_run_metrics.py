@@ -157,3 +157,20 @@ def test_wandb_missing_is_one_line_before_launch(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("bumblebee: error: train.wandb = true") and "pip install wandb" in err
     assert "\n" not in err and not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_convert_reports_tensors_written(fake_peak_run, tmp_path, monkeypatch, capsys):
+    import itertools
+
+    from bumblebee import console
+    from bumblebee.runtime.export import export_checkpoint
+
+    clock = itertools.count(0.0, 1.0)  # a slow clock: the progress line shows from the first tensor
+    monkeypatch.setattr(console.time, "monotonic", lambda: next(clock))
+    _, _, _, _, out = fake_peak_run
+    export_checkpoint(str(out), str(tmp_path / "hf"))
+    lines = capsys.readouterr().err.splitlines()
+    done = [line for line in lines if "tensors written: done" in line]
+    assert len(done) == 1 and "step_00000003" in done[0]
+    n = done[0].split("(")[1].split("/")[0]
+    assert done[0].endswith(f"({n}/{n}) in 0:00:{int(n) + 1:02d}") or f"({n}/{n})" in done[0]
