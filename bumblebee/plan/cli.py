@@ -132,7 +132,10 @@ def run(args: argparse.Namespace) -> int:
         elif best is None:
             static = spec.num_params()["total"] * 18 / (gpu.hbm_gb * (1 - MEMORY_MARGIN) * 1e9)
             notes.append(f"nothing fits on {args.gpus} x {gpu.name}: the static state alone (18 B/param) needs "
-                         f">= {math.ceil(static)} GPUs; add GPUs, use a larger GPU or a shorter --seq")
+                         f">= {math.ceil(static)} GPUs; add GPUs, use a larger GPU or a shorter --seq"
+                         + (", or set train.offload_optimizer = true (fsdp2 keeps the sharded parameters, "
+                            "gradients and optimizer state in host memory: slower steps; not modelled here)"
+                            if static > args.gpus else ""))
         elif best.tokens_per_s > rec.candidate.tokens_per_s * 1.03:
             gain = best.tokens_per_s / rec.candidate.tokens_per_s - 1
             notes.append(f"the search beats the recipe: {best.layout.short()} | {best.prims.short()} is predicted "

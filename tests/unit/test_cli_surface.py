@@ -94,3 +94,24 @@ def test_warmup_longer_than_the_run_is_warned(capsys):
     assert "bumblebee: warning: train.warmup_steps = 10 > train.steps = 5" in err
     assert main(["train", "--set", "train.steps=50", "--set", "train.warmup_steps=10", "--nproc", "0"]) == 2
     assert "warning" not in capsys.readouterr().err
+
+
+def test_vocabulary_mismatch_names_the_directory_and_the_fix(tmp_path, capsys):
+    """A corpus prepared for a larger vocabulary: refused before launch, naming data.path and
+    how to prepare it again (was: the source's own message naming the input file only)."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"input_ids": [1, 2, 3, 70000]}\n' * 4)  # beyond the tiny preset's vocabulary
+    r = subprocess.run([sys.executable, "-m", "bumblebee.cli", "data", "prepare", "--source", "tokens", str(src),
+                        str(tmp_path / "prepared"), "--no-progress", "--workers", "1"],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert main(["train", "--set", "data.source=tokens", "--set", f"data.path={tmp_path / 'prepared'}",
+                 "--set", f"train.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"bumblebee: error: {tmp_path / 'prepared'}: prepared with token ids up to 70000")
+    assert "bumblebee data prepare" in err and "--tokenizer" in err and "\n" not in err
+
+
+def test_plan_suggests_offloading_when_the_static_state_does_not_fit(capsys):
+    assert main(["plan", "--model", "qwen3-235b-a22b", "--gpus", "8", "--seq", "4096", "--top", "1"]) == 0
+    assert "train.offload_optimizer = true" in capsys.readouterr().out
