@@ -48,20 +48,24 @@ def _train_run(args) -> int:
     resume = [f"train.resume={json.dumps(args.resume)}"] if args.resume else []
     restarts = [f"train.max_restarts={args.max_restarts}"] if args.max_restarts is not None else []
     cfg = load_config(args.config, args.overrides + resume + restarts)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy of each warning
-        for warning in config_warnings(cfg):
-            print(f"bumblebee: warning: {warning}", file=sys.stderr)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    def checks(world: int):  # warnings only for a run that starts: an error stays the only line
+        layout = preflight(cfg, world)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy of each warning
+            for warning in config_warnings(cfg):
+                print(f"bumblebee: warning: {warning}", file=sys.stderr)
+        return layout
+
     try:
         if launch.started_by_torchrun():
             import torch.distributed as dist
 
             launch.init_distributed(cfg.train.collective_timeout_s)
-            with distributed_lock(cfg.train.out_dir, lambda: preflight(cfg, dist.get_world_size())):
+            with distributed_lock(cfg.train.out_dir, lambda: checks(dist.get_world_size())):
                 launch.train_worker(cfg)
             return 0
-        preflight(cfg, args.nproc)  # reject bad input before any process starts
+        checks(args.nproc)  # reject bad input before any process starts
         with OutDirLock(cfg.train.out_dir):  # one run per out_dir, for the run's lifetime
             if args.nproc > 1:
                 return launch.launch_local(cfg, args.nproc, max_restarts=cfg.train.max_restarts)

@@ -87,12 +87,21 @@ def test_closed_pipe_ends_quietly(tmp_path):
     assert r.returncode == 141
 
 
-def test_warmup_longer_than_the_run_is_warned(capsys):
-    # --nproc 0 stops the command right after the config is read: no run starts
-    assert main(["train", "--set", "train.steps=5", "--set", "train.warmup_steps=10", "--nproc", "0"]) == 2
+TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
+        "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
+        "primitives.loss=ce", "primitives.recompute=none", "primitives.attention=sdpa", "train.seq_len=32",
+        "train.global_batch=1", "train.steps=1", "train.eval_every=0"]
+
+
+def test_warmup_longer_than_the_run_is_warned(tmp_path, capsys):
+    sets = [a for s in TINY for a in ("--set", s)]
+    assert main(["train", *sets, "--set", "train.warmup_steps=10", "--set", f"train.out_dir={tmp_path / 'a'}"]) == 0
     err = capsys.readouterr().err
-    assert "bumblebee: warning: train.warmup_steps = 10 > train.steps = 5" in err
-    assert main(["train", "--set", "train.steps=50", "--set", "train.warmup_steps=10", "--nproc", "0"]) == 2
+    assert "bumblebee: warning: train.warmup_steps = 10 > train.steps = 1" in err
+    assert main(["train", *sets, "--set", "train.warmup_steps=0", "--set", f"train.out_dir={tmp_path / 'b'}"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    # a run refused before launch: its error stays the only line
+    assert main(["train", *sets, "--set", "train.warmup_steps=10", "--nproc", "0"]) == 2
     assert "warning" not in capsys.readouterr().err
 
 
