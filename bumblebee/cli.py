@@ -13,10 +13,12 @@ import json
 import os
 import sys
 
+from bumblebee.console import SetOverride
+
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="F", help="TOML config file (default: the embedded default run)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action=SetOverride, metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set train.steps=20 (repeatable)")
 
 
@@ -34,6 +36,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 def _train_run(args) -> int:
     from bumblebee.config import ConfigError
+    from bumblebee.config_checks import config_warnings
     from bumblebee.runtime import launch
     from bumblebee.runtime.interrupts import interrupt_once
     from bumblebee.runtime.outdir import OutDirLock, distributed_lock
@@ -47,15 +50,22 @@ def _train_run(args) -> int:
     cfg = load_config(args.config, args.overrides + resume + restarts)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    def checks(world: int):  # warnings only for a run that starts: an error stays the only line
+        layout = preflight(cfg, world)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy of each warning
+            for warning in config_warnings(cfg):
+                print(f"bumblebee: warning: {warning}", file=sys.stderr)
+        return layout
+
     try:
         if launch.started_by_torchrun():
             import torch.distributed as dist
 
             launch.init_distributed(cfg.train.collective_timeout_s)
-            with distributed_lock(cfg.train.out_dir, lambda: preflight(cfg, dist.get_world_size())):
+            with distributed_lock(cfg.train.out_dir, lambda: checks(dist.get_world_size())):
                 launch.train_worker(cfg)
             return 0
-        preflight(cfg, args.nproc)  # reject bad input before any process starts
+        checks(args.nproc)  # reject bad input before any process starts
         with OutDirLock(cfg.train.out_dir):  # one run per out_dir, for the run's lifetime
             if args.nproc > 1:
                 return launch.launch_local(cfg, args.nproc, max_restarts=cfg.train.max_restarts)
@@ -233,29 +243,49 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with ``only``, the arguments of that subcommand alone (the others are
+    listed by name and help): a subcommand's arguments import its module, which may import
+    torch, and ``bumblebee --help`` / ``bumblebee train ...`` need no other subcommand's."""
+    from bumblebee import __version__
+
     parser = argparse.ArgumentParser(prog="bumblebee", description="Long-context MoE training in pure PyTorch.")
+    parser.add_argument("--version", action="version", version=f"bumblebee {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, add_args, _) in SUBCOMMANDS.items():
-        add_args(sub.add_parser(name, help=help_text, description=help_text))
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or name == only:
+            add_args(p)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from bumblebee.config import ConfigError
-    from bumblebee.runtime.nonfinite import NonFiniteError
+def _command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option), if any."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in SUBCOMMANDS else None
 
+
+def main(argv: list[str] | None = None) -> int:
     # CUDA's caching allocator grows segments in place instead of keeping one per size class: less
     # fragmentation at long context. Read when CUDA first allocates, so set before any command runs
     # (and inherited by the ranks --nproc starts); a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command(argv)
+    parser = build_parser(only=command or "")  # no subcommand: list them, import none
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    # after parsing: --help and --version import nothing of torch (NonFiniteError's module does)
+    from bumblebee.config import ConfigError
+    from bumblebee.runtime.nonfinite import NonFiniteError
+
     try:
         return SUBCOMMANDS[args.command][2](args)
+    except BrokenPipeError:  # `bumblebee data inspect X | head`: the reader has gone; stop quietly
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a command its pipe ended
     except ConfigError as e:
         print(f"bumblebee: error: {e}", file=sys.stderr)
         return 2
@@ -265,6 +295,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bumblebee: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter flushes stdout at exit, and a flush into the
+    closed pipe would print 'Exception ignored ... BrokenPipeError' after all."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (captured): nothing will flush into a pipe
+        pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

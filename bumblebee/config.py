@@ -25,6 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from bumblebee.config_checks import check_filled
 from bumblebee.config_checks import validate  # noqa: F401  (re-exported: ``from bumblebee.config import validate``)
 from bumblebee.errors import ConfigError  # noqa: F401  (re-exported: ``from bumblebee.config import ConfigError``)
 
@@ -109,6 +110,8 @@ class TrainConfig:
     # (0: never); "auto": every 50 steps where the source has held-out data (synthetic: always)
     eval_every: Union[int, str] = "auto"
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars to out_dir/tensorboard
+    wandb: bool = False  # also log them to Weights & Biases (pip install wandb), run named after out_dir
+    wandb_project: str = "bumblebee"
     max_restarts: int = 0  # --nproc runs: restart every rank after a failure, from the newest checkpoint
     collective_timeout_s: float = 600.0  # every process group: a rank that hangs ends the job after this
     on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: "stop" the run | "skip" the update
@@ -274,6 +277,7 @@ def parse_config(path: str | None = None, overrides: list[str] | None = None) ->
     ``bumblebee.load_config`` for the full check)."""
     cfg = Config()
     data = read_toml(path) if path else {}
+    check_filled(data, path, overrides or [])
     if path:
         _apply(cfg, data, path)
     dtype_given = isinstance(data.get("train"), dict) and "dtype" in data["train"]

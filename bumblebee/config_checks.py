@@ -170,3 +170,38 @@ def _check_data(d, t) -> None:
         raise ConfigError("train.eval_every needs held-out data: set data.eval_fraction or data.eval_path")
     if d.eval_batches < 1:
         raise ConfigError(f"data.eval_batches must be >= 1, got {d.eval_batches}")
+
+
+def config_warnings(cfg) -> list[str]:
+    """Settings that run but are probably not what was meant (printed as warnings at start)."""
+    t, out = cfg.train, []
+    if t.warmup_steps > t.steps:
+        out.append(f"train.warmup_steps = {t.warmup_steps} > train.steps = {t.steps}: the learning rate is still "
+                   f"warming up when the run ends and never reaches train.lr = {t.lr:g}; set train.warmup_steps "
+                   f"below train.steps")
+    return out
+
+
+# the value `bumblebee plan --emit-config` writes where the user must decide (data, lr schedule, ...)
+REQUIRED_MARK = "REQUIRED:"
+
+
+def unfilled(data: dict) -> list[str]:
+    """``section.key`` of every value of a TOML dict still holding the ``REQUIRED:`` marker."""
+    return [f"{section}.{key}" for section, values in data.items() if isinstance(values, dict)
+            for key, value in values.items() if isinstance(value, str) and value.startswith(REQUIRED_MARK)]
+
+
+def check_filled(data: dict, path: str | None, overrides: list[str]) -> None:
+    """A config written by ``plan --emit-config`` holds ``"REQUIRED: ..."`` where the plan cannot
+    decide (weights, data, lr schedule, checkpoints, out_dir): refuse it, naming every such key,
+    until each is filled in the file or by ``--set``. The markers ``--set`` fills are dropped
+    from ``data`` (they are not values of their type)."""
+    given = {item.split("=", 1)[0].strip() for item in overrides if "=" in item}
+    missing = [key for key in unfilled(data) if key not in given]
+    if missing:
+        raise ConfigError(f"{path}: required field(s) not filled in: {', '.join(missing)}; replace each "
+                          f"\"REQUIRED: ...\" value (or give it with --set KEY=VALUE)")
+    for key in unfilled(data):
+        section, name = key.split(".", 1)
+        del data[section][name]

@@ -43,7 +43,7 @@ WEIGHT_FILE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensor
 def check_export_target(out_dir: str, source: str) -> None:
     """Refuse to export into ``source``, the directory the model was loaded from: the export
     would overwrite the weights it is carrying over (and the user's original checkpoint)."""
-    from bumblebee.models.hf import CheckpointError
+    from bumblebee.errors import CheckpointError
 
     if source and os.path.isdir(out_dir) and os.path.isdir(source) and os.path.samefile(out_dir, source):
         raise CheckpointError(f"{out_dir}: the Hugging Face directory the model was loaded from (model.hf_path); "

@@ -14,25 +14,29 @@ import math
 import sys
 
 from bumblebee.config import ConfigError
+from bumblebee.console import Progress, SetOverride
 from bumblebee.plan import report
 from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.layout import Primitives, Workload, apply_overrides, check, parse_layout
 from bumblebee.plan.recipe import Recommendation, evaluate, recipe, search
-from bumblebee.plan.runnable import config_toml, run_config, runtime_problem
+from bumblebee.plan.runnable import emit_toml, run_config, runtime_problem
 from bumblebee.plan.kernels import assumptions, kernels_note
-from bumblebee.plan.spec import GDN, load_spec
+from bumblebee.plan.spec import GDN, load_spec, preset_names
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name (qwen3.5-35b-a3b, qwen3-30b-a3b, qwen3-235b-a22b) "
-                                                   "or a Hugging Face config.json / model directory")
+    presets = [n for n in preset_names() if not n.endswith("/tiny")]
+    tiny = [n for n in preset_names() if n.endswith("/tiny")]
+    p.add_argument("--model", required=True,
+                   help=f"a preset: {', '.join(presets)}; a family's test-size model as FAMILY/tiny "
+                        f"({', '.join(tiny)}); or a Hugging Face config.json / model directory")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpu", default="h100", help=f"GPU type: {', '.join(GPUS)} (default h100)")
     p.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (default: one per GPU)")
     p.add_argument("--layout", default=None, help='evaluate exactly one layout, e.g. "tp=1 pp=2 ep=8 cp=4"')
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="primitives.KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action=SetOverride, metavar="primitives.KEY=VALUE",
                    help="fix a primitive (sharding, loss, recompute, moe_comm, moe_chunks); repeatable")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--dry-run", action="store_true",
@@ -70,6 +74,12 @@ def _one_layout(args, spec, gpu, work, base: Primitives, fixed: set[str]) -> Rec
                                                                      else " (recipe defaults)")})
 
 
+def _header(args, n: int | None) -> str:
+    which = "" if n is None else f" (candidate {n})"
+    return (f"# written by bumblebee plan --model {args.model} --gpus {args.gpus} --gpu {args.gpu} --seq {args.seq}"
+            + (f" --global-batch {args.global_batch}" if args.global_batch else "") + which)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
@@ -96,9 +106,14 @@ def run(args: argparse.Namespace) -> int:
         if args.gpus > 4096:
             raise ConfigError(f"--gpus {args.gpus}: the search covers up to 4096 GPUs")
         rec = recipe(spec, args.gpus, gpu, work, base, fixed)
-        cands = search(spec, args.gpus, gpu, work, base, fixed)
+        with Progress(f"plan {spec.name} on {args.gpus} GPUs: layouts evaluated") as progress:
+            cands = search(spec, args.gpus, gpu, work, base, fixed, progress=progress)
         # rank only what the runtime accepts (its own resolver); the rest only on request, marked
-        problems = {id(c): runtime_problem(run_config(args.model, spec.family, c, work), args.gpus) for c in cands}
+        problems = {}
+        with Progress(f"plan {spec.name}: candidates checked against the runtime", total=len(cands)) as progress:
+            for c in cands:
+                problems[id(c)] = runtime_problem(run_config(args.model, spec.family, c, work), args.gpus)
+                progress.update()
         runnable = [c for c in cands if not problems[id(c)]]
         if args.include_unimplemented:
             for c in cands:
@@ -120,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
         elif best is None:
             static = spec.num_params()["total"] * 18 / (gpu.hbm_gb * (1 - MEMORY_MARGIN) * 1e9)
             notes.append(f"nothing fits on {args.gpus} x {gpu.name}: the static state alone (18 B/param) needs "
-                         f">= {math.ceil(static)} GPUs; add GPUs, use a larger GPU or a shorter --seq")
+                         f">= {math.ceil(static)} GPUs; add GPUs, use a larger GPU or a shorter --seq"
+                         + (", or set train.offload_optimizer = true (fsdp2 keeps the sharded parameters, "
+                            "gradients and optimizer state in host memory: slower steps; not modelled here)"
+                            if static > args.gpus else ""))
         elif best.tokens_per_s > rec.candidate.tokens_per_s * 1.03:
             gain = best.tokens_per_s / rec.candidate.tokens_per_s - 1
             notes.append(f"the search beats the recipe: {best.layout.short()} | {best.prims.short()} is predicted "
@@ -141,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         shown = [rec.candidate] + [c for c in cands if c is not rec.candidate]
         if not 0 <= args.emit_config < len(shown):
             raise ConfigError(f"--emit-config {args.emit_config}: choose 0 (the recommendation) .. {len(shown) - 1}")
-        print(config_toml(run_config(args.model, spec.family, shown[args.emit_config], work)), end="")
+        print(emit_toml(run_config(args.model, spec.family, shown[args.emit_config], work),
+                        _header(args, args.emit_config)), end="")
         return 0
     dry = None
     if args.dry_run:
@@ -152,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
         if args.doc_len < 0:
             raise ConfigError(f"--doc-len must be >= 0 (0: one document per sequence), got {args.doc_len}")
         dry = dry_run(spec, hf, rec.candidate, work, skew=args.skew, doc_len=args.doc_len)
-        notes.append(dry.summary())
     if args.plot:
         shown = [rec.candidate] + [c for c in cands if c.feasible and c is not rec.candidate]
         report.plot(args.plot, shown)
@@ -163,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         out = report.to_json(rec, cands)
         for entry, cand in zip([out["recommended"]] + out["candidates"], [rec.candidate] + cands):
             cfg = run_config(args.model, spec.family, cand, work)  # what `bumblebee train --config` takes
-            entry["config"] = config_toml(cfg)
+            entry["config"] = emit_toml(cfg, _header(args, None))
             entry["runtime_problem"] = runtime_problem(cfg, args.gpus)
             entry["assumptions"] = assumptions(cand.layout.cp, GDN in spec.mixers)
         if dry is not None:
@@ -172,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(report.text(spec, args.gpus, gpu, work, rec, cands, args.top, notes, counts,
                           title="evaluated" if args.layout else "recommended"))
+        if dry is not None:  # a table, after the report it checks
+            print("\n" + dry.table())
     return 0
 
 

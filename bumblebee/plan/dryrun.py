@@ -46,6 +46,7 @@ from unittest import mock
 import torch
 
 from bumblebee.config import ConfigError, PrimitivesConfig
+from bumblebee.console import Progress
 from bumblebee.plan.fakerun import DataDependent, FakeRun, make_routing
 from bumblebee.plan.hardware import GB
 from bumblebee.plan.layout import Layout, Primitives, Workload
@@ -88,6 +89,26 @@ class DryRunResult:
         return (f"dry run (stage {self.stage} of {self.layout}, one rank, fake tensors + fake process group, "
                 f"routing skew {self.skew:g}, {self.seconds:.0f} s), GB measured/analytic: static "
                 f"{self.static[0]:.2f}/{self.static[1]:.2f}; " + "; ".join(parts) + "; " + "; ".join(self.notes))
+
+    def table(self) -> str:
+        """The result for a terminal: one row per moment, one column per term, ``measured/analytic``
+        GB in each cell ('-' where both are zero), then the notes."""
+        cols: list[str] = []
+        for terms in self.terms.values():
+            cols += [k for k, (m, a) in terms.items() if (m or a) and k not in cols]
+        rows = [["GB measured/analytic", *cols, "total"]]
+        rows.append(["static (params, grads, optimizer)", *["" for _ in cols], f"{self.static[0]:.2f}/{self.static[1]:.2f}"])
+        for moment, terms in self.terms.items():
+            cells = [f"{terms[k][0]:.2f}/{terms[k][1]:.2f}" if k in terms and any(terms[k]) else "-" for k in cols]
+            m, a = (sum(v[i] for v in terms.values()) for i in (0, 1))
+            rows.append([moment, *cells, f"{m:.2f}/{a:.2f}"])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"dry run: stage {self.stage} of {self.layout}, one rank, fake tensors + fake process group, "
+                 f"routing skew {self.skew:g}, {self.seconds:.0f} s"]
+        lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                  for r in rows]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
 
     def as_json(self) -> dict:
         return {"stage": self.stage, "layout": self.layout, "skew": self.skew, "seconds": round(self.seconds, 1),
@@ -233,8 +254,9 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
         notes.append(f"documents of {doc_len} tokens")
     run = FakeRun(make_routing(skew, spec.experts // lay.ep, lay.ep))
     dist.init_process_group("fake", store=FakeStore(), rank=lay.world // lay.pp * s, world_size=lay.world)
+    progress = Progress(f"plan --dry-run: stage {s} ({len(layers)} layers, fake tensors), layer passes")
     try:
-        with ExitStack() as stack:
+        with progress, ExitStack() as stack:
             _patches(stack, docs, run)
             ctx = mesh.build_context(lay, torch.device("cpu"))
             groups = ParallelGroups(ep_group=ctx.ep_group if lay.ep > 1 else None, cp_group=ctx.cp_group)
@@ -258,7 +280,8 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
             for p in params:
                 p.grad = torch.zeros_like(p)
             run.relabel([p.grad for p in params], "gradients")
-            _instrument(model, run, layers)
+            progress.update(0, note="model built")
+            _instrument(model, run, layers, progress)
             _step(model, run, s, lay.pp, inflight, t, spec.hidden, work.micro_batch)
             run.set_phase("optimizer")
             run.label = "optim_temp"
@@ -282,13 +305,16 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
                         time.perf_counter() - start, dict(run.collectives))
 
 
-def _instrument(model, run: FakeRun, layers) -> None:
-    """Labels: each decoder layer's forward "fwd<mb>:L<i>", the MoE dispatch "moe", the loss "loss"."""
+def _instrument(model, run: FakeRun, layers, progress=None) -> None:
+    """Labels: each decoder layer's forward "fwd<mb>:L<i>", the MoE dispatch "moe", the loss "loss";
+    ``progress`` counts every layer pass (forward, recomputed forward) for the progress line."""
     blocks = list(model.model.layers) + (model.mtp_units() if model.mtp is not None else [])
     for i in layers:
         layer = blocks[i]  # past the decoder's layers: an MTP module (plan/spec.py counts them as layers)
 
         def pre(mod, args, i=i):
+            if progress is not None:
+                progress.update(note=f"{run.phase} of layer {i}")
             if run.phase == "forward":
                 run.label = run.layer = f"fwd{run.mb}:L{i}"
             else:

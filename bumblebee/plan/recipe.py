@@ -116,14 +116,20 @@ def primitive_choices(ep: int, base: Primitives, fixed: set[str]) -> list[Primit
 
 
 def search(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, base: Primitives, fixed: set[str],
-           eff: Efficiency | None = None) -> list[Candidate]:
-    """Every valid combination: feasible ones by predicted throughput, then the rest by memory."""
+           eff: Efficiency | None = None, progress=None) -> list[Candidate]:
+    """Every valid combination: feasible ones by predicted throughput, then the rest by memory.
+    ``progress`` (a ``console.Progress``) counts the layouts evaluated."""
     cands = []
-    for lay in layouts(spec, gpus, gpu):
+    lays = list(layouts(spec, gpus, gpu))
+    if progress is not None:
+        progress.total = len(lays)
+    for lay in lays:
         for prims in primitive_choices(lay.ep, base, fixed):
             if check(spec, lay, prims, work, gpus):
                 continue
             cands.append(evaluate(spec, lay, prims, work, gpu, eff))
+        if progress is not None:
+            progress.update()
     # feasible: fastest first; infeasible: nearest to fitting first
     cands.sort(key=lambda c: (0, -c.tokens_per_s) if c.feasible else (1, c.memory.total if c.memory else 1e30))
     return cands

@@ -4,6 +4,7 @@ runtime refuses."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from bumblebee.config import Config, ConfigError, dump_toml, validate
@@ -45,4 +46,57 @@ def runtime_problem(cfg: Config, world: int) -> str:
 
 
 def config_toml(cfg: Config) -> str:
+    """The whole config as TOML: only for the ``tiny`` CPU demo presets, whose demo settings
+    (synthetic task, lr, out_dir) are the right ones (``emit_toml`` decides)."""
     return "# written by bumblebee plan\n" + dump_toml(cfg)
+
+
+# what a plan cannot decide for a real-size run: the user fills each before `bumblebee train`
+# accepts the file (config_checks.check_filled)
+_REQUIRED = {
+    "model": {"hf_path": "the Hugging Face directory to start from (config.json + *.safetensors), "
+                         "or \"\" for a random init of the preset"},
+    "train": {"steps": "optimizer steps of the run",
+              "lr": "peak learning rate (after warm-up)",
+              "warmup_steps": "linear warm-up steps",
+              "min_lr": "learning rate at the end of the cosine decay",
+              "save_every": "checkpoint every N steps (0: none)",
+              "out_dir": "the run's output directory (metrics, checkpoints)"},
+    "data": {"source": "tokens | text | chat | jsonl",
+             "path": "the training data (data.source = tokens: a `bumblebee data prepare` directory)"},
+}
+
+
+def emit_toml(cfg: Config, header: str) -> str:
+    """``plan --emit-config``: what the plan decided (layout with ``dp_shard = "auto"``, the
+    primitives it assumed, sequence length, batch, dtype) and a ``"REQUIRED: ..."`` marker for
+    everything it cannot decide (weights, data, lr schedule, checkpoint cadence, out_dir), so no
+    CPU-demo default (synthetic data, lr 2e-3, no checkpoints, runs/default) reaches a real run.
+    The router is left out: the runtime takes the architecture's (DeepSeek-V3: sigmoid_bias).
+    ``tiny`` presets (the laptop flow) get the whole demo config instead."""
+    if cfg.model.preset == "tiny" and not cfg.model.hf_path:
+        return config_toml(cfg)
+    p, t = cfg.parallel, cfg.train
+    given = {"model": {"name": cfg.model.name}, "parallel": {"dp_shard": "auto", "cp": p.cp, "ep": p.ep, "tp": p.tp,
+                                                             "pp": p.pp},
+             "primitives": {k: getattr(cfg.primitives, k) for k in ("sharding", "loss", "recompute", "moe_comm",
+                                                                     "moe_chunks")},
+             "train": {k: getattr(t, k) for k in ("seq_len", "global_batch", "micro_batch", "dtype")},
+             "data": {}}
+    if cfg.model.hf_path:  # --model named a Hugging Face directory: decided
+        given["model"]["hf_path"] = cfg.model.hf_path
+    else:
+        given["model"]["preset"] = cfg.model.preset
+    lines = [header, "# Filled in: what the plan decided. Every \"REQUIRED: ...\" value is yours to set;",
+             "# `bumblebee train` refuses this file while one is left (or give it with --set KEY=VALUE).", ""]
+    for section, values in given.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        if section == "parallel":
+            lines.append(f"# dp_shard resolves to {p.dp_shard} at the planned world size")
+        if section == "primitives":
+            lines.append("# router: the architecture's, chosen by the runtime")
+        lines += [f"{k} = {json.dumps('REQUIRED: ' + why)}" for k, why in _REQUIRED.get(section, {}).items()
+                  if not (section == "model" and k == "hf_path" and cfg.model.hf_path)]
+        lines.append("")
+    return "\n".join(lines)

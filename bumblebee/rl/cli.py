@@ -19,6 +19,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from bumblebee.config import ConfigError, parse_override, read_toml
+from bumblebee.console import SetOverride
 from bumblebee.report import plot_rewards, pyplot
 from bumblebee.runtime.resolve import load_config
 from bumblebee.rl.run import RLConfig, run as run_rl
@@ -33,7 +34,7 @@ RL_DEFAULTS = ["primitives.attention=sdpa", "model.arch.num_hidden_layers=2", "m
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="F", help="TOML config file; an [rl] table sets RLConfig")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action=SetOverride, metavar="SECTION.KEY=VALUE",
                    help="override one value, e.g. --set rl.steps=40 or --set model.arch.hidden_size=128 (repeatable)")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="local ranks to start (torch.distributed elastic); under torchrun leave it out")

@@ -197,8 +197,9 @@ class Checkpointer:
         self.last_saved, self.last_path = -1, ""  # the newest checkpoint of this run
 
     def _say(self, text: str) -> None:
-        if self.ctx.rank == 0:
-            self.stream.write(f"bumblebee: {text}\n")
+        if self.ctx.rank == 0:  # on a terminal, over the progress line in place (the next one follows below)
+            erase = "\r\033[K" if getattr(self.stream, "isatty", lambda: False)() else ""
+            self.stream.write(f"{erase}bumblebee: {text}\n")
             self.stream.flush()
 
     def _barrier(self) -> None:
@@ -286,6 +287,7 @@ class Checkpointer:
             raise
         self._barrier()  # nobody moves on before the checkpoint is published
         self.last_saved, self.last_path = step, final
+        self._say(f"saved checkpoint {final} (step {step})")
         return final
 
     def _write(self, tmp: str, final: str, step: int) -> None:

@@ -28,6 +28,7 @@ import sys
 import torch
 
 from bumblebee.config import PrimitivesConfig, tomllib
+from bumblebee.console import Progress
 from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
@@ -65,8 +66,9 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
     tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        write_hf(tmp, arch, named_shapes, tensors, dtype=getattr(torch, dtype), max_shard_bytes=max_shard_bytes,
-                 source=source)  # written beside the target, then moved in
+        with Progress(f"convert {path}: tensors written", total=len(named_shapes)) as progress:
+            write_hf(tmp, arch, named_shapes, _counted(tensors, progress), dtype=getattr(torch, dtype),
+                     max_shard_bytes=max_shard_bytes, source=source)  # written beside the target, then moved in
         _export_tokenizer(tmp, saved.get("data", {}))
         if os.path.isdir(out_dir) and not os.listdir(out_dir):
             os.rmdir(out_dir)
@@ -108,6 +110,13 @@ def _export_tokenizer(out_dir: str, data: dict) -> None:
     from bumblebee.models.hf_tokenizer import add_tokenizer
 
     add_tokenizer(out_dir, tok, chat=kind == "chat")
+
+
+def _counted(items, progress):
+    """``items`` unchanged, each one counted on the progress line as the writer takes it."""
+    for item in items:
+        progress.update()
+        yield item
 
 
 def _saved_config(path: str) -> dict:

@@ -14,12 +14,20 @@ import sys
 import time
 from typing import IO
 
+from bumblebee.console import hms
+
 
 class MetricsWriter:
+    """``wandb``: ``wandb.init`` keyword arguments to also log every step's scalars to Weights &
+    Biases (``train.wandb``), or None. ``expert_ceiling``: E / K, the highest max/mean expert load
+    a layer can reach (every token on the same K experts); 0 when the model has no experts."""
+
     def __init__(self, out_dir: str | None, *, total_steps: int, log_every: int = 1, stream: IO = sys.stdout,
-                 first_step: int = 0, tensorboard: bool = False):
+                 first_step: int = 0, tensorboard: bool = False, wandb: dict | None = None,
+                 expert_ceiling: float = 0.0):
         self.active = out_dir is not None
         self.total_steps, self.log_every, self.stream = total_steps, max(log_every, 1), stream
+        self.routing = RoutingWatch(expert_ceiling)
         self.tty = getattr(stream, "isatty", lambda: False)()
         self.history: list[dict] = []
         self.resumed: dict = {}
@@ -36,7 +44,9 @@ class MetricsWriter:
             self._file.flush()
         # the same scalars as TensorBoard events (train.tensorboard; the [data] extra)
         self._tb = tensorboard_writer(os.path.join(out_dir, "tensorboard")) if self.active and tensorboard else None
+        self._wandb = wandb_run(wandb) if self.active and wandb is not None else None
         self._start = time.perf_counter()
+        self._steady = None  # (time, step) when the run's first step was logged: the ETA leaves start-up out
 
     def log(self, record: dict) -> None:
         if not self.active:
@@ -44,22 +54,32 @@ class MetricsWriter:
         self.history.append(record)
         self._file.write(json_line(record) + "\n")
         self._file.flush()
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, record["step"])
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(strict(scalars), step=record["step"])
         step = record["step"]
+        if self._steady is None:
+            self._steady = (time.perf_counter(), step)
+        warning = self.routing.check(record)
+        if warning:
+            self.stream.write(f"bumblebee: warning: {warning}\n")
         if step % self.log_every == 0 or step == self.total_steps:
             self._progress(record)
 
     def _progress(self, r: dict) -> None:
         done = r["step"] / self.total_steps
         bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
-        elapsed = time.perf_counter() - self._start
-        eta = elapsed / done - elapsed if done > 0 else 0.0
         line = (f"[{bar}] step {r['step']}/{self.total_steps}  loss {r['loss']:.4f}  aux {r['aux_loss']:.3f}  "
-                f"gnorm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_s']:.0f} tok/s  "
-                f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB  eta {eta:.0f}s")
+                f"gnorm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_s']:.0f} tok/s  ")
+        if "tflops_per_gpu" in r:
+            line += f"{r['tflops_per_gpu']:.3g} TFLOP/s/GPU  "
+        if "mfu" in r:
+            line += f"MFU {r['mfu']:.1%}  "
+        line += f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB  eta {self.eta(r['step'])}"
         if r.get("expert_load_max_over_mean", 0.0) > 2.0:  # a layer's busiest expert gets > 2x the mean
             line += f"  load max/mean {r['expert_load_max_over_mean']:.1f} (layer {r['expert_load_worst_layer']})"
         if "eval_loss" in r:
@@ -73,6 +93,16 @@ class MetricsWriter:
             self.stream.write(line + "\n")
         self.stream.flush()
 
+    def eta(self, step: int, now: float | None = None) -> str:
+        """Time to ``total_steps`` as h:mm:ss, from the steps after the first one this writer logged
+        (which carries start-up: compilation, allocator warm-up, the first data reads); '-' before
+        there is such a step."""
+        if self._steady is None or step <= self._steady[1]:
+            return "-" if step < self.total_steps else hms(0)
+        t0, s0 = self._steady
+        per_step = ((time.perf_counter() if now is None else now) - t0) / (step - s0)
+        return hms(per_step * (self.total_steps - step))
+
     def summary(self) -> dict:
         """Aggregate figures of the run (also printed by ``close``)."""
         skipped = sum(bool(r.get("skipped")) for r in self.history)
@@ -85,7 +115,9 @@ class MetricsWriter:
         steady = h[1:] if len(h) > 1 else h  # the first step includes warm-up
         evals = [r for r in h if "eval_accuracy" in r]
         last_eval = {k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else {}
-        return {**last_eval,
+        rates = {k: sum(r[k] for r in steady) / len(steady) for k in ("tflops_per_gpu", "mfu")
+                 if all(k in r for r in steady)}  # mean over the steps after the first
+        return {**last_eval, **rates,
             "steps": len(h),
             "loss_first": first,
             "loss_last": last,
@@ -104,7 +136,9 @@ class MetricsWriter:
             self.stream.write(
                 f"done: {s['steps']} steps in {s['wall_time_s']:.1f}s; loss {s['loss_first']:.4f} -> "
                 f"{s['loss_last']:.4f} (mean of first/last 10%); {s['tokens_per_s']:.0f} tok/s; "
-                f"peak {s['peak_mem_bytes'] / 2**20:.0f} MiB; metrics in {self.path}\n")
+                + (f"{s['tflops_per_gpu']:.3g} TFLOP/s/GPU; " if "tflops_per_gpu" in s else "")
+                + (f"MFU {s['mfu']:.1%}; " if "mfu" in s else "")
+                + f"peak {s['peak_mem_bytes'] / 2**20:.0f} MiB; metrics in {self.path}\n")
             if "eval_accuracy" in s:
                 self.stream.write(
                     f"held-out retrieval accuracy {s['eval_accuracy']:.2f} (exact match of the answers; "
@@ -115,19 +149,59 @@ class MetricsWriter:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         return s
 
 
-def tensorboard_writer(log_dir: str):
-    """A ``torch.utils.tensorboard.SummaryWriter``, or one line naming the extra when missing."""
+class RoutingWatch:
+    """Warns once when routing has saturated: a layer's busiest expert at the E/K ceiling of
+    max/mean load (every token of the step sent to the same K experts) for ``patience`` steps in
+    a row. The balance loss cannot pull such a router back once its scores have collapsed, and
+    the loss curve alone does not show it (the model trains as a dense one of K experts)."""
+
+    def __init__(self, ceiling: float, patience: int = 20, near: float = 0.95):
+        self.ceiling, self.patience, self.near = ceiling, patience, near
+        self.run, self.warned = 0, False
+
+    def check(self, record: dict) -> str:
+        load = record.get("expert_load_max_over_mean")
+        if self.ceiling <= 1 or load is None or self.warned:
+            return ""
+        self.run = self.run + 1 if load >= self.near * self.ceiling else 0
+        if self.run < self.patience:
+            return ""
+        self.warned = True
+        return (f"routing has saturated: layer {record.get('expert_load_worst_layer')}'s busiest expert has had "
+                f"max/mean load {load:.1f} (the E/K ceiling, {self.ceiling:g}: every token on the same experts) "
+                f"for {self.run} steps; what helps: a larger model.arch.router_aux_loss_coef (balance loss), "
+                f"a lower train.lr or a longer train.warmup_steps, moe.capacity_factor > 0 (drops the overflow), "
+                f"or primitives.router = 'sigmoid_bias' (bias balancing, moe.bias_update_rate)")
+
+
+def wandb_init(cfg) -> dict:
+    """``wandb.init`` arguments of a run: its project, named after its out_dir, its resolved config."""
+    t = cfg.train
+    return {"project": t.wandb_project, "name": os.path.basename(os.path.normpath(t.out_dir)),
+            "dir": t.out_dir, "config": cfg.to_dict()}
+
+
+def wandb_run(init: dict):
+    """``wandb.init(**init)`` (W&B is an optional extra, imported here, not at start)."""
+    return import_wandb().init(**init)
+
+
+def import_wandb():
+    """The ``wandb`` module, or one line naming the package when it is not installed (the
+    launch checks call this too, so a missing package stops the run before any rank starts)."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        import wandb
     except ImportError:
         from bumblebee.config import ConfigError
 
-        raise ConfigError("train.tensorboard = true needs the optional package 'tensorboard': "
-                          "pip install 'bumblebee[data]'") from None
-    return SummaryWriter(log_dir=log_dir)
+        raise ConfigError("train.wandb = true needs the optional package 'wandb': pip install wandb "
+                          "(or pip install 'bumblebee[wandb]')") from None
+    return wandb
 
 
 def strict(value):

@@ -39,6 +39,10 @@ def preflight(cfg: Config, world: int):
                               "distinct key letters (records of one document have unique keys)")
     layout = check_run(cfg, world)
     arch = resolve_arch(cfg.model)
+    if t.wandb:  # an optional extra: missing, one line now rather than from rank 0 after the model is built
+        from bumblebee.runtime.metrics import import_wandb
+
+        import_wandb()
     registry.get("recompute", cfg.primitives.recompute).factory(cfg.primitives.recompute_modules)
     if layout.cp > 1 and "linear_attention" in getattr(arch, "layer_types", ()):
         chunk, window = t.seq_len // (2 * layout.cp), arch.linear_conv_kernel_dim - 1
@@ -59,6 +63,8 @@ def preflight(cfg: Config, world: int):
         if not trainable:
             raise ConfigError(f"{d.path}: no sample has a loss token after its first token (all loss_mask "
                               "false, or one-token documents): there is nothing to train on")
+    if d.source == "tokens":
+        check_token_vocab(d.path, d.eval_path, arch.vocab_size, cfg.model)
     if t.resume:
         check_resume(cfg, arch)
     check_kernels(cfg, arch, cuda=torch.cuda.is_available() and not t.emulate_cuda)
@@ -91,3 +97,23 @@ def check_resume(cfg: Config, arch) -> None:
         shown = ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:3])
         raise ConfigError(f"train.resume: {path} was saved for another architecture ({shown}"
                           f"{', ...' if len(changed) > 3 else ''}); resume with the model it was trained with")
+
+
+def check_token_vocab(path: str, eval_path: str, vocab_size: int, model_cfg) -> None:
+    """A prepared corpus (meta.json) whose token ids reach past the model's vocabulary was
+    tokenized for another model: say which directory, whose vocabulary, and how to fix it."""
+    from bumblebee.data.store import open_store
+
+    for where in (path, eval_path):
+        if not where:
+            continue
+        meta = open_store(where).meta
+        top = meta.get("max_token_id", -1)
+        if top >= vocab_size:
+            model = model_cfg.hf_path or f"{model_cfg.name}/{model_cfg.preset}"
+            made_by = f" (tokenizer {meta['tokenizer']})" if meta.get("tokenizer") else ""
+            raise ConfigError(f"{where}: prepared with token ids up to {top}{made_by}, but the model {model} has a "
+                              f"vocabulary of {vocab_size} ids: the data was tokenized for another model; prepare it "
+                              f"again with this model's tokenizer (bumblebee data prepare IN OUT --source ... "
+                              f"--tokenizer MODEL_TOKENIZER_DIR) and point data.path at OUT, or train the model "
+                              f"whose tokenizer made it")

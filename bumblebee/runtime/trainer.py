@@ -14,6 +14,7 @@ The trainer knows nothing of a model's internals: it builds the model through
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from bumblebee import registry
 from bumblebee.config import Config, ConfigError, balance_mode, dump_toml, eval_interval
 from bumblebee.data import build_source
 from bumblebee.models import build_model, materialize, resolve_arch
+from bumblebee.perf.flops import Throughput, device_peak
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives import emulation
 from bumblebee.primitives.dispatch import describe as describe_kernels
@@ -35,8 +37,8 @@ from bumblebee.runtime.checkpoint import Checkpointer
 from bumblebee.runtime.export import export_checkpoint
 from bumblebee.runtime.eval import evaluate
 from bumblebee.runtime.mesh import ParallelContext, build_context, single_process
-from bumblebee.runtime.resolve import check_run
-from bumblebee.runtime.metrics import MetricsWriter
+from bumblebee.runtime.resolve import check_run, mtp_depth
+from bumblebee.runtime.metrics import MetricsWriter, wandb_init
 from bumblebee.runtime.optim import build_optimizer, lr_at, static_state_bytes
 from bumblebee.runtime.pipeline import Pipeline, check_trainer_pipeline
 from bumblebee.runtime.signals import Preempted, Preemption
@@ -141,9 +143,13 @@ class Trainer:
             if self.pipeline is not None:
                 stream.write(f"bumblebee: {self.pipeline.describe()}\n")
         self._describe_static_memory(stream)
+        spec = dataclasses.replace(self.model.arch.to_spec(), mtp_depth=mtp_depth(cfg, self.model.arch))
+        self.throughput = Throughput(spec.model_flops_per_token(t.seq_len), ctx.layout.world,
+                                     device_peak(self.device, t.dtype)[1])  # tflops_per_gpu, mfu of each step
         self.metrics = MetricsWriter(t.out_dir if self.rank == 0 else None, total_steps=t.steps,
                                      log_every=t.log_every, stream=stream, first_step=self.step,
-                                     tensorboard=t.tensorboard)
+                                     tensorboard=t.tensorboard, wandb=wandb_init(cfg) if t.wandb else None,
+                                     expert_ceiling=spec.experts / spec.top_k if spec.experts else 0.0)
         self.skipped = self.metrics.resumed.get("skipped_steps", 0)  # non-finite steps skipped so far
         self.stream = stream
         self._peak = None  # peak live bytes of the last measured step
@@ -232,6 +238,7 @@ class Trainer:
             "tokens": tokens,
             "valid_tokens": global_valid,
             "tokens_per_s": tokens / elapsed,
+            **self.throughput.fields(tokens, elapsed),
             "step_time_s": elapsed,
             "skipped_steps": self.skipped,
         }

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
 
 import bumblebee  # noqa: E402
+import bumblebee.primitives  # noqa: E402,F401  (registers every implementation; the package root is lazy)
 from bumblebee import registry  # noqa: E402
 from bumblebee.config import PrimitivesConfig  # noqa: E402
 

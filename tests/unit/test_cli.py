@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import bumblebee.primitives  # noqa: F401  (registers every implementation; the package root is lazy)
 from bumblebee import registry
 from bumblebee.cli import main
 

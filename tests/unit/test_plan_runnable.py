@@ -21,6 +21,14 @@ from bumblebee.runtime.resolve import check_run
 CASES = [("qwen3.5-35b-a3b", 32, 131072), ("qwen3-30b-a3b", 16, 65536)]
 
 
+def fill_in(tmp_path) -> list[str]:
+    """--set values for what an emitted real-size config leaves to the user (REQUIRED markers)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    return ['model.hf_path=""', "train.steps=100", "train.lr=3e-4", "train.warmup_steps=10", "train.min_lr=3e-5",
+            "train.save_every=50", f"train.out_dir={tmp_path / 'run'}", "data.source=jsonl", f"data.path={data}"]
+
+
 def plan(*args) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -38,7 +46,7 @@ def test_every_ranked_candidate_runs_on_the_runtime(model, gpus, seq, tmp_path):
     for entry in entries[:3]:  # the config text is what `train --config` reads: the runtime's own check
         path = tmp_path / "run.toml"
         path.write_text(entry["config"])
-        cfg = load_config(str(path))
+        cfg = load_config(str(path), fill_in(tmp_path))
         layout = check_run(cfg, gpus)
         assert (layout.dp_shard, layout.cp, layout.ep, layout.pp) == tuple(
             entry["layout"][k] for k in ("dp_shard", "cp", "ep", "pp"))
@@ -50,7 +58,7 @@ def test_emit_config_round_trips(model, gpus, seq, tmp_path):
     for n in (0, 1):  # the recommendation and the first alternative
         text = plan("--model", model, "--gpus", str(gpus), "--seq", str(seq), "--emit-config", str(n))
         (tmp_path / "run.toml").write_text(text)
-        check_run(load_config(str(tmp_path / "run.toml")), gpus)
+        check_run(load_config(str(tmp_path / "run.toml"), fill_in(tmp_path)), gpus)
 
 
 def test_unimplemented_layouts_only_on_request():

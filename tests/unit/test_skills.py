@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import bumblebee.primitives  # noqa: F401  (registers every implementation; the package root is lazy)
 from bumblebee import registry
 from bumblebee.cli import build_parser
 
