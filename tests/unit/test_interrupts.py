@@ -17,7 +17,7 @@ from bumblebee.perf.memory import MemoryTracker
 from bumblebee.runtime.interrupts import interrupt_once
 from bumblebee.runtime.trainer import Trainer
 
-TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
+TINY = ["train.warmup_steps=1", "model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
         "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
         "primitives.loss=ce", "primitives.recompute=none", "train.seq_len=32", "train.global_batch=1",
         "data.min_records=1", "data.max_records=2"]
