@@ -134,8 +134,6 @@ def check_run(cfg: Config, world: int):
         raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
                           f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch})")
     check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
-    if cfg.train.eval_every not in (0, "auto") and layout.pp > 1:
-        raise ConfigError("train.eval_every is not supported with parallel.pp > 1 yet")
     return layout
 
 

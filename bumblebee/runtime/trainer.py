@@ -135,8 +135,7 @@ class Trainer:
         self.skipped = self.metrics.resumed.get("skipped_steps", 0)  # non-finite steps skipped so far
         self.stream = stream
         self._peak = None  # peak live bytes of the last measured step
-        # held-out evaluation cadence (0: none); pipeline runs have none yet
-        self.eval_every = eval_interval(cfg) if ctx.layout.pp == 1 else 0
+        self.eval_every = eval_interval(cfg)  # held-out evaluation cadence (0: none), on every layout
         if self.rank == 0 and self.source.describe():
             stream.write(f"bumblebee: {self.source.describe()}\n")
 
