@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from bumblebee import load_config
 from bumblebee.data.packing import IGNORE
-from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives.loss import linear_cross_entropy
 from bumblebee.runtime.eval import answer_scores, evaluate, tiled_argmax
 from bumblebee.runtime.trainer import Trainer
@@ -95,20 +94,20 @@ def test_answers_match_the_full_logits_evaluation(tmp_path, loss):
 
 
 def test_eval_peak_has_no_tokens_by_vocab_block(tmp_path):
-    """102,400-token vocabulary, one 4,096-token held-out row, evaluated under the trainer's
-    MemoryTracker (live tensor bytes; static state: parameters and Adam state). The full-logits
-    evaluation held a [4096, 102400] fp32 block, 1.56 GiB, above the static state; now a
-    linear-CE tile (32 MiB on CPU) and the row's activations are: bound 64 MiB. (A training step
-    at this size takes seconds on the head alone; benchmarks/eval_memory.py compares the two.)"""
+    """102,400-token vocabulary, one 4,096-token held-out row, evaluated with the trainer's own
+    measurement (MemoryTracker: live tensor bytes, ``eval_peak_mem_bytes``; static state: the
+    parameters). The full-logits evaluation held a [4096, 102400] fp32 block, 1.56 GiB, above the
+    static state; now a linear-CE tile (32 MiB on CPU) and the row's activations do: bound 64 MiB.
+    (A training step at this size takes seconds on the head alone; the metrics line gives both
+    peaks, ``peak_mem_bytes`` and ``eval_peak_mem_bytes``.)"""
     V, T = 102400, 4096
     trainer = trainer_for(tmp_path, f"model.arch.vocab_size={V}", "model.arch.hidden_size=16", f"train.seq_len={T}",
                           "train.global_batch=1", "data.eval_docs=1", "data.eval_min_distance=1024",
                           "data.max_records=16", "primitives.loss=linear_ce", "train.steps=1")
-    with MemoryTracker(trainer.device, trainer.model, trainer.optimizer) as mem:
-        static = mem.current_bytes
-        out = evaluate(trainer)
-    over = mem.peak_bytes - static
-    print(f"static {static / MiB:.1f} MiB, evaluation peak {mem.peak_bytes / MiB:.1f} MiB (+{over / MiB:.1f}), {out}")
+    static = sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # no step: no gradient, no Adam
+    out = trainer.evaluate()  # the trainer's own measurement (MemoryTracker), logged as eval_peak_mem_bytes
+    over = out["eval_peak_mem_bytes"] - static
+    print(f"static {static / MiB:.1f} MiB, evaluation peak +{over / MiB:.1f} MiB, {out}")
     assert out["eval_tokens"] == 16
     assert over <= 64 * MiB, (f"evaluation peak {over / MiB:.0f} MiB above the static state: a [{T}, {V}] "
                               f"fp32 block is {T * V * 4 / MiB:.0f} MiB")
