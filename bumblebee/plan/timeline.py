@@ -1,6 +1,6 @@
 """Peak-moment model: per-GPU memory of each pipeline stage as a timeline of one training step.
 
-The terms (``memory.py``) are placed on four moments of a steady-state 1F1B step on stage s,
+The terms (``memory.py``) are placed on five moments of a steady-state 1F1B step on stage s,
 whose peak is the largest:
 
 - ``forward``: static state + the saved inputs of the micro-batches in flight
@@ -12,7 +12,13 @@ whose peak is the largest:
   of its recompute forward and its backward + FSDP2's units and one fp32 unit gradient;
 - ``loss`` (last stage): static + saved inputs + the loss temporaries (the head's
   all-gather under FSDP2);
-- ``optimizer``: static + the optimizer's temporaries.
+- ``optimizer``: static + the optimizer's temporaries;
+- ``eval`` (held-out evaluation, ``runtime/eval.py``; forward only, no gradient): static + the
+  residual stream one layer reads + the largest forward working set of one layer (nothing is
+  saved for a backward), or on the last stage the head: the loss primitive's forward (linear CE:
+  its tiles; ``ce``: logits of every local token, the plain held-out path). It never exceeds the
+  training moments: ``forward`` holds the same layer beside saved inputs, ``loss`` the same loss
+  beside the head gradient; counted so that ``--explain`` shows it.
 
 Every moment adds ``overhead``: ``FIXED_OVERHEAD_GB`` (CUDA context, cuBLAS workspaces,
 NCCL buffers) + ``FRAGMENTATION`` x the moment's transient bytes (activations, MoE and
@@ -27,13 +33,14 @@ from dataclasses import dataclass, field, fields
 from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
 from bumblebee.plan.layout import Layout, Primitives, Workload
 from bumblebee.plan.layer_bytes import attn_core_bytes, gdn_cp_bytes, norm_bytes, router_bytes, stream_tensors
-from bumblebee.plan.memory import (ADAM_TEMP_B, BF16, BWD_GRAD_FRACTION, FP32, GDN_CP_BWD_FACTOR, allgather_bytes,
+from bumblebee.plan.memory import (ADAM_TEMP_B, BF16, BWD_GRAD_FRACTION, CE_BYTES_PER_LOGIT, FP32, GDN_CP_BWD_FACTOR,
+                                   LCE_TILE_BYTES, allgather_bytes,
                                    cp_extra, expert_grad_bytes, gdn_state_bytes, local_tokens, loss_bytes,
                                    in_flight, loss_kept, mixer_act, mlp_act, routed_buffers, routed_saved, stage_kinds,
                                    stage_layers, static_bytes)
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
-MOMENTS = ("forward", "backward", "loss", "optimizer")
+MOMENTS = ("forward", "backward", "loss", "optimizer", "eval")
 STATIC = ("parameters", "gradients", "optimizer")
 
 
@@ -239,6 +246,17 @@ def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Worklo
         mem = moment("optimizer", saved_inputs=0.0, optim_temp=ADAM_TEMP_B * updated)
         mem.why["optim_temp"] = f"foreach AdamW sqrt(v): 4 B x {updated / 1e9:.3f}B updated parameters"
         moments["optimizer"] = mem
+        stream = t * spec.hidden * BF16  # the residual stream entering the layer (or the head)
+        evals = [moment("eval", saved_inputs=stream, live_layer=p.live_layer, moe_buffers=p.moe_buffers,
+                        workspace=p.workspace, allgather=ag_fwd) for name, p in parts.items() if name.startswith("forward")]
+        if last:
+            ev_loss = t * spec.vocab / lay.tp * CE_BYTES_PER_LOGIT if prims.loss == "ce" else LCE_TILE_BYTES
+            evals.append(moment("eval", saved_inputs=stream, loss=ev_loss, allgather=head))
+            evals[-1].why["loss"] = ("ce forward: [t, V] bf16 logits + fp32 copy" if prims.loss == "ce" else
+                                     "linear_ce forward: its fp32 tiles (no head gradient)")
+        if evals:
+            moments["eval"] = max(evals, key=lambda m: m.total)
+            moments["eval"].why["saved_inputs"] = f"no backward: the {t} x {spec.hidden} bf16 stream a layer reads"
         out.append(StageMemory(s, layers, moments, parts))
     return out
 

@@ -225,6 +225,26 @@ class Pipeline:
         aux = sum((a for m in self.modules for a in m.aux_log[-n:]), zero) / (n * L.dp_shard * L.cp)
         return loss_sum, aux, *self.router_counts(n, zero.device)
 
+    def forward_only(self, local: Batch, head=None):
+        """Every micro-batch's forward through the stages, no backward (held-out evaluation,
+        runtime/eval.py), on rows shaped as a step's. The last stage runs ``head`` (a
+        ``StageModule.head``; None: the summed token loss of each micro-batch, as in training) and
+        gets its outputs concatenated over micro-batches; a rank without the last stage gets None.
+        The stage shapes inferred on the first step are the ones sent (the last stage's output
+        goes nowhere, so the head may return any shape)."""
+        previous = [m.head for m in self.modules]
+        for m in self.modules:
+            m.head = head
+        try:
+            inputs = (local.input_ids,) if 0 in self.modules[0].part.stage_layers else ()
+            with torch.no_grad():
+                out = self.schedule.eval(*inputs, target=local.labels, position_ids=local.position_ids,
+                                         labels=local.labels)
+        finally:
+            for m, h in zip(self.modules, previous):
+                m.head = h
+        return None if out is None else out.detach()
+
     def router_counts(self, n: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(expert counts [R, E] in the rows of the whole model's router stats, capacity-dropped
         pairs) of this rank's stages over their last ``n`` forwards, i.e. this schedule run's

@@ -136,8 +136,6 @@ def check_run(cfg: Config, world: int):
                           f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch}), e.g. "
                           f"--set train.global_batch={unit * max(1, round(cfg.train.global_batch / unit))}")
     check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
-    if cfg.train.eval_every not in (0, "auto") and layout.pp > 1:
-        raise ConfigError("train.eval_every is not supported with parallel.pp > 1 yet")
     return layout
 
 

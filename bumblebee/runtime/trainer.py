@@ -153,8 +153,8 @@ class Trainer:
         self.skipped = self.metrics.resumed.get("skipped_steps", 0)  # non-finite steps skipped so far
         self.stream = stream
         self._peak = None  # peak live bytes of the last measured step
-        # held-out evaluation cadence (0: none); pipeline runs have none yet
-        self.eval_every = eval_interval(cfg) if ctx.layout.pp == 1 else 0
+        self._eval_peak = None  # ... and of the last measured evaluation
+        self.eval_every = eval_interval(cfg)  # held-out evaluation cadence (0: none), on every layout
         if self.rank == 0 and self.source.describe():
             stream.write(f"bumblebee: {self.source.describe()}\n")
 
@@ -186,6 +186,18 @@ class Trainer:
                 self._peak = self._max_over_ranks(memory.peak_bytes)
         record["peak_mem_bytes"] = self._peak
         return record
+
+    def evaluate(self) -> dict:
+        """The held-out figures (runtime/eval.py) with the evaluation's own peak live memory,
+        ``eval_peak_mem_bytes``, measured as ``train_step`` measures a step's (CPU: the first one
+        unless ``train.track_memory``): evaluation is meant to fit wherever training does."""
+        if self.device.type != "cuda" and not self.cfg.train.track_memory and self._eval_peak is not None:
+            out = evaluate(self)
+        else:
+            with MemoryTracker(self.device, self.model, self.optimizer) as memory:
+                out = evaluate(self)
+            self._eval_peak = self._max_over_ranks(memory.peak_bytes)
+        return {**out, "eval_peak_mem_bytes": self._eval_peak} if out else out
 
     def _step(self) -> dict:
         t = self.cfg.train
@@ -279,7 +291,7 @@ class Trainer:
             while self.step < t.steps:
                 record = self.train_step()
                 if self.eval_every and (self.step % self.eval_every == 0 or self.step == t.steps):
-                    record.update(evaluate(self))
+                    record.update(self.evaluate())
                 self.metrics.log(record)
                 self.checkpoint.on_step(self.step)  # saves every train.save_every steps
                 if self.step < t.steps and (signum := preemption.requested(world, self.device)):
