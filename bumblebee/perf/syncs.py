@@ -149,14 +149,3 @@ class SyncCounter:
     def top(self, n: int = 10) -> list[tuple[str, int]]:
         return self.by_site.most_common(n)
 
-
-def count_step(trainer) -> SyncCounter:
-    """The host syncs of one training step of ``trainer`` (a ``runtime.trainer.Trainer`` built with
-    ``train.emulate_cuda``), counted after a first step has built what a run builds once."""
-    from bumblebee.primitives import emulation
-
-    if trainer.step == 0:
-        trainer.train_step()
-    with emulation.emulate_cuda(check_comm=False), SyncCounter() as counter:
-        trainer.train_step()
-    return counter

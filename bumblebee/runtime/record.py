@@ -84,7 +84,11 @@ def set_aside(out_dir: str, *, continues_from: int | None, config_text: str) -> 
               and (continues_from is None or name == "hf")]
     if not moves and not copies:
         return None
-    aside = os.path.join(out_dir, PREVIOUS, f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    base = os.path.join(out_dir, PREVIOUS, f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    aside, n = base, 1
+    while os.path.exists(aside):  # a second set-aside by this process within the same second
+        n += 1
+        aside = f"{base}-{n}"
     os.makedirs(os.path.join(aside, "checkpoints"))
     for rel in copies:
         shutil.copy2(os.path.join(out_dir, rel), os.path.join(aside, rel))

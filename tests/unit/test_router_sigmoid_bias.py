@@ -144,8 +144,9 @@ def test_training_moves_bias_saves_resumes_and_exports(tmp_path):
         t.checkpoint.on_step(t.step)
     t.checkpoint.on_end(t.step)
     final = biases(t.model)
-    # resume at step 2: the bias comes back from the checkpoint and the run continues exactly
-    r = trainer(tmp_path, "a", "train.steps=4", f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002'}")
+    # resume at step 2 (into another out_dir: a continuation in "a" would set a's step 4 aside, as a
+    # run that redoes steps 3-4 must): the bias comes back from the checkpoint and the run continues exactly
+    r = trainer(tmp_path, "a2", "train.steps=4", f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002'}")
     assert torch.equal(biases(r.model), at2)
     resumed = [r.train_step() for _ in range(2)]
     assert [x["loss"] for x in resumed] == [x["loss"] for x in records[2:]]
