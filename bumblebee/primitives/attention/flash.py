@@ -80,8 +80,9 @@ def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
         s = q @ k.transpose(-1, -2) * scale
         if tuple(window_size) == (-1, 0):
             Lq, Lk = q1 - q0, k1 - k0
-            allowed = torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + (Lk - Lq)
-            s = s.masked_fill(~allowed.to(s.device), float("-inf"))
+            i_q, i_k = (torch.arange(n, device=s.device) for n in (Lq, Lk))  # on the scores' device
+            allowed = i_k[None, :] <= i_q[:, None] + (Lk - Lq)
+            s = s.masked_fill(~allowed, float("-inf"))
         l = torch.logsumexp(s, -1)  # noqa: E741
         p = torch.exp(s - torch.where(torch.isinf(l), torch.zeros_like(l), l)[..., None])
         out[q0:q1] = (p @ v).transpose(0, 1).to(out.dtype)

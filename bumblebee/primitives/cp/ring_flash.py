@@ -92,7 +92,8 @@ def reference_block_kernel() -> BlockKernel:
             s = qs @ ks.transpose(-1, -2) * scale
             if causal:
                 Lq, Lk = q1 - q0, k1 - k0
-                allowed = torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + (Lk - Lq)
+                i_q, i_k = (torch.arange(n, device=s.device) for n in (Lq, Lk))  # on the scores' device
+                allowed = i_k[None, :] <= i_q[:, None] + (Lk - Lq)
                 s = s.masked_fill(~allowed, float("-inf"))
             p = torch.exp(s - lse[:, q0:q1, None])
             delta = (dos * os_).sum(-1, keepdim=True)
