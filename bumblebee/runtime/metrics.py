@@ -186,6 +186,18 @@ def wandb_init(cfg) -> dict:
             "dir": t.out_dir, "config": cfg.to_dict()}
 
 
+def tensorboard_writer(log_dir: str):
+    """A ``torch.utils.tensorboard.SummaryWriter``, or one line naming the extra when missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from bumblebee.config import ConfigError
+
+        raise ConfigError("train.tensorboard = true needs the optional package 'tensorboard': "
+                          "pip install 'bumblebee[data]'") from None
+    return SummaryWriter(log_dir=log_dir)
+
+
 def wandb_run(init: dict):
     """``wandb.init(**init)`` (W&B is an optional extra, imported here, not at start)."""
     return import_wandb().init(**init)

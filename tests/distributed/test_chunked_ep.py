@@ -162,9 +162,9 @@ def check_layers(cases, results):
             for name, err, err_local in zip(LAYER_NAMES, errs, errs_local):
                 assert err < RTOL, f"{case}: {name} relative error {err:.2e}"
                 assert err_local < 1e-5, f"{case}: {name} relative error {err_local:.2e} against local"
-            # forward: k count + k dispatch + k combine exchanges; backward: 2k out + 2k back;
-            # the recompute forward repeats counts and dispatch only (combine skipped)
-            assert calls["a2a"] == (9 * k if policy == "full" else 7 * k), (case, calls)
+            # forward: one count exchange for all k chunks + k dispatch + k combine; backward: 2k out +
+            # 2k back; the recompute forward repeats the counts and dispatch only (combine skipped)
+            assert calls["a2a"] == (7 * k + 2 if policy == "full" else 6 * k + 1), (case, calls)
             # fc1 + fc2 per chunk, plus fc1 only in the recompute forward
             assert calls["gemm_fwd"] == (3 * k if policy == "full" else 2 * k), (case, calls)
 
