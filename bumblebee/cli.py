@@ -238,7 +238,7 @@ SUBCOMMANDS = {
     "pair": ("run two implementations of one primitive slot side by side and compare them step by step",
              _pair_args, _pair_run),
     "data": ("prepare (tokenize into memory-mapped tokens) or inspect training data", _data_args, _data_run),
-    "report": ("draw loss, grad norm, tokens/s, memory, expert load of runs (overlaid) into a PNG",
+    "report": ("draw the curves of training or RL runs (overlaid, with their difference to the first) into a PNG",
                _report_args, _report_run),
 }
 

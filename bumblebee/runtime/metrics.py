@@ -51,6 +51,8 @@ class MetricsWriter:
     def log(self, record: dict) -> None:
         if not self.active:
             return
+        if self.routing.ceiling > 1 and "expert_load_max_over_mean" in record:
+            record["expert_ceiling"] = self.routing.ceiling  # E / K: the report draws it as a reference line
         self.history.append(record)
         self._file.write(json_line(record) + "\n")
         self._file.flush()

@@ -178,13 +178,15 @@ class Trainer:
         every op, which costs step time, so only the first step of a run is measured unless
         ``train.track_memory`` (later steps report that peak)."""
         with emulation.maybe(self.cfg.train.emulate_cuda):
-            if self.device.type != "cuda" and not self.cfg.train.track_memory and self._peak is not None:
+            measured = self.device.type == "cuda" or self.cfg.train.track_memory or self._peak is None
+            if not measured:
                 record = self._step()
             else:
                 with MemoryTracker(self.device, self.model, self.optimizer) as memory:
                     record = self._step()
                 self._peak = self._max_over_ranks(memory.peak_bytes)
         record["peak_mem_bytes"] = self._peak
+        record["peak_mem_measured"] = measured  # False: the last measured step's peak, repeated
         return record
 
     def evaluate(self) -> dict:

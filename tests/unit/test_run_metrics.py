@@ -174,3 +174,13 @@ def test_convert_reports_tensors_written(fake_peak_run, tmp_path, monkeypatch, c
     assert len(done) == 1 and "step_00000003" in done[0]
     n = done[0].split("(")[1].split("/")[0]
     assert done[0].endswith(f"({n}/{n}) in 0:00:{int(n) + 1:02d}") or f"({n}/{n})" in done[0]
+
+
+def test_expert_ceiling_is_written_for_the_report(tmp_path):
+    """E / K goes into metrics.jsonl beside the load figures (bumblebee report draws it)."""
+    w = MetricsWriter(str(tmp_path), total_steps=2, stream=io.StringIO(), expert_ceiling=4.0)
+    w.log(record(1, expert_load_max_over_mean=1.5, expert_load_worst_layer=0))
+    dense = MetricsWriter(str(tmp_path / "dense"), total_steps=2, stream=io.StringIO())
+    dense.log(record(1))
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["expert_ceiling"] == 4.0
+    assert "expert_ceiling" not in json.loads((tmp_path / "dense" / "metrics.jsonl").read_text())
