@@ -1,0 +1,143 @@
+"""Every external format bumblebee reads, broken in generated ways, ends in one line
+``bumblebee: error: <file>: <problem>`` (exit 2) or is read as valid: never a traceback.
+
+Variants per file: truncation at every 10% of its bytes (0%..90%), random byte flips (fixed
+seeds) and hand-written wrong JSON types / shapes. Each family states how many it tries."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from bumblebee.cli import main
+from cli_helpers import sets
+
+FLIPS = 8  # byte-flip variants per file
+
+
+def variants(data: bytes, seed: int = 0):
+    """(name, bytes): the file cut at every 10% and FLIPS copies with 1-3 random bytes changed."""
+    out = [(f"cut{p}%", data[:len(data) * p // 10]) for p in range(10)]
+    rng = random.Random(seed)
+    for i in range(FLIPS):
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            j = rng.randrange(len(b))
+            b[j] = (b[j] + rng.randint(1, 255)) % 256
+        out.append((f"flip{i}", bytes(b)))
+    return out
+
+
+def ends_cleanly(capsys, argv, must_fail: bool, names=()) -> str:
+    """Exit 0, or exit 2 with one last stderr line ``bumblebee: error: ...`` naming one of ``names``."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    if code == 0 and not must_fail:
+        return ""
+    lines = err.strip().splitlines()
+    assert code == 2 and lines and lines[-1].startswith("bumblebee: error: "), (code, err)
+    assert not names or any(str(n) in lines[-1] for n in names), lines[-1]
+    return lines[-1]
+
+
+# ---------------------------------------------------------------- prepared corpus (data prepare output)
+
+VOCAB_IDS = 200
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from bumblebee.data.store import StoreWriter
+
+    d = tmp_path_factory.mktemp("corpus") / "prepared"
+    w = StoreWriter(str(d))
+    rng = np.random.default_rng(0)
+    lengths = np.array([40, 33, 57, 40, 21, 64], np.int64)
+    toks = rng.integers(3, VOCAB_IDS, int(lengths.sum())).astype(np.uint32)
+    w.append(toks, np.ones(len(toks), np.uint8), lengths)
+    w.close({"source": "generated", "kind": "tokens", "max_token_id": int(toks.max()), "skipped": {},
+             "skipped_total": 0, "notes": {}})
+    return d
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _train(path, tmp_path):
+    return ["train"] + sets(["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
+                             "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2",
+                             "model.arch.num_experts_per_tok=1", "model.arch.vocab_size=256", "primitives.loss=ce",
+                             "primitives.recompute=none", "train.seq_len=32", "train.global_batch=1",
+                             "train.steps=1", "train.eval_every=0", "data.source=tokens", f"data.path={path}",
+                             f"train.out_dir={tmp_path / 'run'}"])
+
+
+def _meta_variants(meta: dict):
+    """(name, bytes, must_fail) for meta.json."""
+    raw = json.dumps(meta, indent=1).encode()
+    out = [(n, b, n.startswith("cut")) for n, b in variants(raw, seed=1)]
+    typed = [("garbage", b"\x00\xff garbage \x89PNG"), ("list", b"[1, 2, 3]"), ("string", b'"meta"'),
+             ("null", b"null"), ("empty-object", b"{}"), ("deep", b"[" * 100000)]
+    out += [(n, b, True) for n, b in typed]
+    for k in ("documents", "tokens", "loss_tokens", "format"):
+        out.append((f"no-{k}", json.dumps({x: v for x, v in meta.items() if x != k}).encode(), True))
+    for k, bad in (("documents", "6"), ("tokens", -1), ("loss_tokens", 1.5), ("tokens", True), ("documents", None),
+                   ("max_token_id", "x"), ("skipped", [1]), ("notes", {"a": "b"}), ("source", 3),
+                   ("loss_tokens", 10 ** 9), ("documents", 10 ** 30)):
+        out.append((f"{k}={bad!r}", json.dumps({**meta, k: bad}).encode(), True))
+    return out
+
+
+def _offsets_variants(offsets: np.ndarray):
+    """(name, array or bytes, must_fail) for offsets.i64."""
+    out = []
+    o = offsets.copy(); o[2], o[3] = o[3], o[2]; out.append(("swapped", o, True))  # noqa: E702
+    o = offsets.copy(); o[1] = -5; out.append(("negative", o, True))  # noqa: E702
+    o = offsets.copy(); o[3] = 10 ** 12; out.append(("past-end", o, True))  # noqa: E702
+    o = offsets.copy(); o[0] = 3; out.append(("first-not-0", o, True))  # noqa: E702
+    o = offsets.copy(); o[-1] += 7; out.append(("last-past-tokens", o, True))  # noqa: E702
+    o = offsets.copy(); o[-2] = o[-1] + 1; out.append(("overlap-end", o, True))  # noqa: E702
+    raw = offsets.tobytes()
+    out += [(n, b, True if n.startswith("cut") else None) for n, b in variants(raw, seed=2)]
+    out.append(("odd-size", raw + b"\x01\x02\x03", True))
+    return out
+
+
+def test_prepared_corpus_broken_meta_and_offsets(capsys, tmp_path, corpus):
+    """meta.json: 10 truncations + 8 flips + 6 non-objects + 4 missing keys + 11 wrong types = 39;
+    offsets.i64: 6 non-monotonic / out-of-range + 10 truncations + 8 flips + 1 odd size = 25.
+    All 64 through ``data inspect``; the ones that must fail also through ``train``."""
+    from bumblebee.data.store import open_store
+
+    meta = json.loads((corpus / "meta.json").read_text())
+    offsets = np.fromfile(corpus / "offsets.i64", np.int64)
+    cases = [("meta.json", n, b, f) for n, b, f in _meta_variants(meta)]
+    cases += [("offsets.i64", n, b, f) for n, b, f in _offsets_variants(offsets)]
+    assert len(cases) == 64
+    trained = 0
+    for i, (fname, name, data, must_fail) in enumerate(cases):
+        d = _copy(corpus, tmp_path / f"c{i}")
+        (d / fname).write_bytes(data.tobytes() if isinstance(data, np.ndarray) else data)
+        if must_fail is None:  # a flip in offsets: fails unless it left a valid layout
+            try:
+                open_store(str(d))
+                must_fail = False
+            except Exception:
+                must_fail = True
+        try:
+            ends_cleanly(capsys, ["data", "inspect", str(d), "--seq-len", "32"], must_fail, names=[d])
+            if must_fail and trained < 12 and (i % 3 == 0 or fname == "offsets.i64"):  # train reads the same loader
+                trained += 1
+                ends_cleanly(capsys, _train(d, tmp_path / f"r{i}"), True, names=[d])
+        except AssertionError as e:
+            raise AssertionError(f"{fname} variant {name}: {e}") from None
+    assert trained >= 8
