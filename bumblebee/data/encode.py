@@ -38,7 +38,41 @@ def load_tokenizer(path: str):
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise DataError(f"{path}: not a tokenizer directory (no tokenizer.json)")
     transformers = require("transformers", "a Hugging Face tokenizer (text / chat data)")
-    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    for name in TOKENIZER_JSON:
+        check_json_object(os.path.join(path, name), "tokenizer file")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok.decode(tok("bumblebee tokenizer probe")["input_ids"])  # a wrong-typed setting fails here, not mid-run
+        return tok
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:  # noqa: BLE001 - a broken directory surfaces as any of a dozen types (a Rust panic too)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DataError(f"{path}: not a loadable tokenizer directory ({type(e).__name__}: {why})") from None
+
+
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def check_json_object(p: str, what: str) -> dict | None:
+    """A JSON file that must hold an object, if present: the parsed object, or a one-line
+    ``DataError`` naming the file (not UTF-8, truncated / not JSON, not an object)."""
+    if not os.path.isfile(p):
+        return None
+    try:
+        with open(p, "rb") as f:
+            obj = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise DataError(f"{p}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{p}: not UTF-8 text (a corrupt {what})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}: not valid JSON (line {e.lineno}: {e.msg}; a truncated or corrupt {what})") from None
+    except RecursionError:
+        raise DataError(f"{p}: JSON nested too deeply (a corrupt {what})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{p}: must hold a JSON object, got {type(obj).__name__} (a corrupt {what})")
+    return obj
 
 
 def load_tools(path: str) -> list | None:

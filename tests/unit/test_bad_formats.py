@@ -141,3 +141,49 @@ def test_prepared_corpus_broken_meta_and_offsets(capsys, tmp_path, corpus):
         except AssertionError as e:
             raise AssertionError(f"{fname} variant {name}: {e}") from None
     assert trained >= 8
+
+
+# ---------------------------------------------------------------- tokenizer directory
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    from data_helpers import make_tokenizer
+
+    return make_tokenizer(tmp_path_factory.mktemp("tok") / "tok", vocab_size=280)
+
+
+def _json_type_variants(obj: dict):
+    """Non-objects and a wrong type per top-level key (up to 6 keys)."""
+    out = [("list", b"[1, 2]"), ("string", b'"x"'), ("null", b"null"), ("binary", bytes(range(256)) * 4),
+           ("utf16", json.dumps(obj).encode("utf-16"))]
+    for k in list(obj)[:6]:
+        bad = [] if not isinstance(obj[k], list) else {"x": 1}
+        out.append((f"{k}=wrong-type", json.dumps({**obj, k: bad}).encode()))
+    return out
+
+
+@pytest.mark.parametrize("fname", ["tokenizer.json", "tokenizer_config.json"])
+def test_tokenizer_directory_broken_files(capsys, tmp_path, tok_dir, fname):
+    """Per file: 10 truncations + 8 flips + 5 non-objects + up to 6 wrong-typed keys = 29 (28)
+    variants,
+    through ``data prepare --source text``: exit 0 or one line naming the directory or file."""
+    import shutil
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "alpha beta gamma delta"}\n{"text": "user assistant system words"}\n')
+    raw = open(f"{tok_dir}/{fname}", "rb").read()
+    cases = [(n, b, n.startswith("cut") or None) for n, b in variants(raw, seed=3)]
+    cases += [(n, b, n in ("list", "string", "null", "binary", "utf16") or None)
+              for n, b in _json_type_variants(json.loads(raw))]
+    assert len(cases) >= 28  # tokenizer_config.json has 5 top-level keys
+    for i, (name, data, must_fail) in enumerate(cases):
+        d = tmp_path / f"t{i}"
+        shutil.copytree(tok_dir, d)
+        (d / fname).write_bytes(data)
+        try:
+            ends_cleanly(capsys, ["data", "prepare", "--source", "text", "--tokenizer", str(d), str(src),
+                                  str(tmp_path / f"o{i}"), "--workers", "1", "--no-progress"], bool(must_fail),
+                         names=[d])
+        except AssertionError as e:
+            raise AssertionError(f"{fname} variant {name}: {e}") from None
