@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 
-from bumblebee.data.errors import BadRecord, DataError, require
+from bumblebee.data.errors import BadRecord, DataError, check_json_object, require
 
 KINDS = ("tokens", "text", "chat")
 
@@ -53,26 +53,6 @@ def load_tokenizer(path: str):
 
 TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
-
-def check_json_object(p: str, what: str) -> dict | None:
-    """A JSON file that must hold an object, if present: the parsed object, or a one-line
-    ``DataError`` naming the file (not UTF-8, truncated / not JSON, not an object)."""
-    if not os.path.isfile(p):
-        return None
-    try:
-        with open(p, "rb") as f:
-            obj = json.loads(f.read().decode("utf-8"))
-    except OSError as e:
-        raise DataError(f"{p}: cannot read ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise DataError(f"{p}: not UTF-8 text (a corrupt {what})") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{p}: not valid JSON (line {e.lineno}: {e.msg}; a truncated or corrupt {what})") from None
-    except RecursionError:
-        raise DataError(f"{p}: JSON nested too deeply (a corrupt {what})") from None
-    if not isinstance(obj, dict):
-        raise DataError(f"{p}: must hold a JSON object, got {type(obj).__name__} (a corrupt {what})")
-    return obj
 
 
 def load_tools(path: str) -> list | None:

@@ -187,3 +187,77 @@ def test_tokenizer_directory_broken_files(capsys, tmp_path, tok_dir, fname):
                          names=[d])
         except AssertionError as e:
             raise AssertionError(f"{fname} variant {name}: {e}") from None
+
+
+# ---------------------------------------------------------------- Parquet and datasets directories
+
+
+def _prepare_tokens(src, out):
+    return ["data", "prepare", "--source", "tokens", str(src), str(out), "--workers", "1", "--no-progress"]
+
+
+def _rows():
+    return {"input_ids": [[(7 * d + i) % 200 for i in range(20 + d)] for d in range(12)]}
+
+
+def test_parquet_broken_files(capsys, tmp_path):
+    """10 truncations + 12 byte flips = 22 variants through ``data prepare --source tokens``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table(_rows()), good)
+    raw = good.read_bytes()
+    cases = variants(raw, seed=4) + [(f"flip-b{i}", v) for i, (_, v) in enumerate(variants(raw, seed=5)[-4:])]
+    assert len(cases) == 22
+    for i, (name, data) in enumerate(cases):
+        f = tmp_path / f"v{i}.parquet"
+        f.write_bytes(data)
+        try:
+            ends_cleanly(capsys, _prepare_tokens(f, tmp_path / f"o{i}"), name.startswith("cut"), names=[f])
+        except AssertionError as e:
+            raise AssertionError(f"parquet variant {name}: {e}") from None
+
+
+def test_datasets_directory_broken(capsys, tmp_path):
+    """state.json: 10 truncations + 8 flips + 5 non-objects + 4 wrong shapes; the arrow file
+    missing, 10 truncations, 8 flips; dataset_dict.json: 3 broken = 49 variants."""
+    import shutil
+
+    import pyarrow as pa
+
+    good = tmp_path / "good"
+    good.mkdir()
+    table = pa.table(_rows())
+    with pa.OSFile(str(good / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    state = {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_fingerprint": "x", "_split": None}
+    (good / "state.json").write_text(json.dumps(state))
+    (good / "dataset_info.json").write_text("{}")
+    assert main(_prepare_tokens(good, tmp_path / "ok")) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    arrow = (good / "data-00000-of-00001.arrow").read_bytes()
+    raw_state = json.dumps(state).encode()
+    cases = [("state.json", n, b, n.startswith("cut")) for n, b in variants(raw_state, seed=6)]
+    cases += [("state.json", n, b, True) for n, b in (
+        ("list", b"[]"), ("null", b"null"), ("string", b'"s"'), ("binary", bytes(range(256))),
+        ("utf16", raw_state.decode().encode("utf-16")), ("no-files", b"{}"),
+        ("files-dict", json.dumps({"_data_files": {"filename": "a"}}).encode()),
+        ("filename-int", json.dumps({"_data_files": [{"filename": 3}]}).encode()),
+        ("filename-escape", json.dumps({"_data_files": [{"filename": "../../etc/passwd"}]}).encode()))]
+    cases.append(("data-00000-of-00001.arrow", "missing", None, True))
+    cases += [("data-00000-of-00001.arrow", n, b, n.startswith("cut")) for n, b in variants(arrow, seed=7)]
+    cases += [("dataset_dict.json", n, b, True) for n, b in (
+        ("garbage", b"\x00garbage"), ("list", b"[1]"), ("splits-str", b'{"splits": "train"}'))]
+    assert len(cases) == 49
+    for i, (fname, name, data, must_fail) in enumerate(cases):
+        d = tmp_path / f"d{i}"
+        shutil.copytree(good, d)
+        if data is None:
+            (d / fname).unlink()
+        else:
+            (d / fname).write_bytes(data)
+        try:
+            ends_cleanly(capsys, _prepare_tokens(d, tmp_path / f"o{i}"), must_fail, names=[d])
+        except AssertionError as e:
+            raise AssertionError(f"datasets {fname} variant {name}: {e}") from None
