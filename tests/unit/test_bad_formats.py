@@ -261,3 +261,55 @@ def test_datasets_directory_broken(capsys, tmp_path):
             ends_cleanly(capsys, _prepare_tokens(d, tmp_path / f"o{i}"), must_fail, names=[d])
         except AssertionError as e:
             raise AssertionError(f"datasets {fname} variant {name}: {e}") from None
+
+
+# ---------------------------------------------------------------- bumblebee report
+
+
+def _metrics_lines(n=6):
+    return [json.dumps({"step": s, "loss": 5.0 - 0.1 * s, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1000.0,
+                        "peak_mem_gb": 1.0}) for s in range(1, n + 1)]
+
+
+def test_report_broken_metrics_and_outputs(capsys, tmp_path):
+    """metrics.jsonl: 10 truncations + 8 flips + 8 wrong types / shapes; output paths: 7 bad
+    ones = 33 variants of ``bumblebee report``."""
+    pytest.importorskip("matplotlib")
+    lines = _metrics_lines()
+    raw = ("\n".join(lines) + "\n").encode()
+    cases = [(n, b, True if n == "cut0%" else None) for n, b in variants(raw, seed=8)]
+    bad_lines = {"array-line": "[1, 2, 3]", "no-step": json.dumps({"loss": 1.0}), "step-str": '{"step": "3"}',
+                 "step-bool": '{"step": true}', "number-line": "42", "null-line": "null"}
+    for name, line in bad_lines.items():
+        cases.append((name, ("\n".join(lines[:2] + [line] + lines[2:]) + "\n").encode(), True))
+    cases.append(("binary", bytes(range(256)) * 8, True))
+    cases.append(("utf16", raw.decode().encode("utf-16"), True))
+    run = tmp_path / "run"
+    run.mkdir()
+    for i, (name, data, must_fail) in enumerate(cases):
+        (run / "metrics.jsonl").write_bytes(data)
+        if must_fail is None:  # a cut or a flip: fails unless every line but a torn last one stays a record
+            from bumblebee.report_inputs import load_metrics
+            try:
+                load_metrics(str(run))
+                must_fail = False
+            except Exception:
+                must_fail = True
+        try:
+            ends_cleanly(capsys, ["report", str(run), "-o", str(tmp_path / f"r{i}.png")], must_fail,
+                         names=[run / "metrics.jsonl", run])
+        except AssertionError as e:
+            raise AssertionError(f"metrics variant {name}: {e}") from None
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "a_file").write_text("x")
+    outs = {"txt": tmp_path / "r.txt", "csv": tmp_path / "r.csv", "no-extension": tmp_path / "report",
+            "directory": tmp_path / "dir.png", "input-metrics": run / "metrics.jsonl", "input-run": run,
+            "under-a-file": tmp_path / "a_file" / "r.png"}
+    (tmp_path / "dir.png").mkdir()
+    for name, out in outs.items():
+        before = (run / "metrics.jsonl").read_bytes()
+        try:
+            ends_cleanly(capsys, ["report", str(run), "-o", str(out)], True, names=[out])
+        except AssertionError as e:
+            raise AssertionError(f"output variant {name}: {e}") from None
+        assert (run / "metrics.jsonl").read_bytes() == before
