@@ -313,3 +313,36 @@ def test_report_broken_metrics_and_outputs(capsys, tmp_path):
         except AssertionError as e:
             raise AssertionError(f"output variant {name}: {e}") from None
         assert (run / "metrics.jsonl").read_bytes() == before
+
+
+# ---------------------------------------------------------------- TOML
+
+
+def test_toml_not_utf8_or_broken(capsys, tmp_path):
+    """A valid config's bytes: 10 truncations + 8 flips + 6 encodings / non-UTF-8 bytes = 24
+    variants. The 6 must fail through ``train --config``; a cut or flip may leave a valid config
+    (any config: it is not trained), so those go through ``parse_config``, which must return or
+    raise a one-line ConfigError."""
+    from bumblebee.config import ConfigError, parse_config
+
+    text = ('# a config\n[model]\nname = "qwen3_moe"\n\n[train]\nsteps = 3\nseq_len = 64\nlr = 3e-4\n'
+            'out_dir = "runs/café"\n\n[data]\nsource = "synthetic"\n')
+    raw = text.encode()
+    cases = [(n, b, None) for n, b in variants(raw, seed=9)]
+    cases += [("utf16", text.encode("utf-16"), True), ("utf16-be", text.encode("utf-16-be"), True),
+              ("latin1", text.encode("latin-1"), True), ("cp1252-quote", raw.replace(b"a config", b"\x93a\x94"), True),
+              ("binary", bytes(range(256)), True), ("deep", b"a = " + b"[" * 100000, True)]
+    assert len(cases) == 24
+    for i, (name, data, must_fail) in enumerate(cases):
+        f = tmp_path / f"c{i}.toml"
+        f.write_bytes(data)
+        try:
+            if must_fail is None:
+                try:
+                    parse_config(str(f))
+                except ConfigError as e:
+                    assert "\n" not in str(e), str(e)
+                continue
+            ends_cleanly(capsys, ["train", "--config", str(f)], True, names=[f])
+        except AssertionError as e:
+            raise AssertionError(f"toml variant {name}: {e}") from None
