@@ -267,9 +267,22 @@ def read_toml(path: str) -> dict:
         raise ConfigError(f"config file not found: {path}")
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        kind = " (UTF-16: save it as UTF-8)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}){kind}; TOML files are UTF-8") \
+            from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: malformed TOML: nested too deeply") from None
 
 
 def parse_config(path: str | None = None, overrides: list[str] | None = None) -> Config:

@@ -290,6 +290,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from bumblebee.report_inputs import check_inputs
+
+    check_inputs(args.runs, args.out)  # one line per broken input or output, before any plotting
     if args.label is not None and len(args.label) != len(args.runs):
         raise ConfigError(f"--label given {len(args.label)} times for {len(args.runs)} runs")
     plot_runs(args.runs, args.out, args.label, args.x)

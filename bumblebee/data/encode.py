@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 
-from bumblebee.data.errors import BadRecord, DataError, require
+from bumblebee.data.errors import BadRecord, DataError, check_json_object, require
 
 KINDS = ("tokens", "text", "chat")
 
@@ -38,7 +38,21 @@ def load_tokenizer(path: str):
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise DataError(f"{path}: not a tokenizer directory (no tokenizer.json)")
     transformers = require("transformers", "a Hugging Face tokenizer (text / chat data)")
-    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    for name in TOKENIZER_JSON:
+        check_json_object(os.path.join(path, name), "tokenizer file")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok.decode(tok("bumblebee tokenizer probe")["input_ids"])  # a wrong-typed setting fails here, not mid-run
+        return tok
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:  # noqa: BLE001 - a broken directory surfaces as any of a dozen types (a Rust panic too)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DataError(f"{path}: not a loadable tokenizer directory ({type(e).__name__}: {why})") from None
+
+
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
 
 
 def load_tools(path: str) -> list | None:

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
-from bumblebee.data.errors import DataError, require
+from bumblebee.data.errors import DataError, check_json_object, require
 
 CHUNK = 256  # records per chunk handed to a worker
 
@@ -67,21 +67,46 @@ def _kind(f: str) -> str:
 
 
 def _dir_files(path: str) -> list[tuple[str, str]]:
-    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-        with open(os.path.join(path, "dataset_dict.json")) as f:
-            splits = json.load(f).get("splits", [])
+    dd = check_json_object(os.path.join(path, "dataset_dict.json"), "datasets directory")
+    if dd is not None:
+        splits = dd.get("splits", [])
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise DataError(f"{os.path.join(path, 'dataset_dict.json')}: 'splits' must be a list of names")
         if "train" not in splits:
             raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(splits)}); "
                             "point data.path at the split directory")
         return _dir_files(os.path.join(path, "train"))
-    if os.path.isfile(os.path.join(path, "state.json")):
-        with open(os.path.join(path, "state.json")) as f:
-            names = [d["filename"] for d in json.load(f).get("_data_files", [])]
-        return [("arrow", os.path.join(path, n)) for n in names]
+    state_path = os.path.join(path, "state.json")
+    state = check_json_object(state_path, "datasets directory")
+    if state is not None:
+        entries = state.get("_data_files")
+        if (not isinstance(entries, list) or not entries or not all(
+                isinstance(d, dict) and isinstance(d.get("filename"), str) for d in entries)):
+            raise DataError(f"{state_path}: '_data_files' must be a non-empty list of {{\"filename\": ...}} "
+                            "(a corrupt datasets directory)")
+        out = []
+        for d in entries:
+            n = d["filename"]
+            if os.path.basename(n) != n or n in ("", ".", ".."):
+                raise DataError(f"{state_path}: data file name {n!r} is not a file in the directory")
+            if not os.path.isfile(os.path.join(path, n)):
+                raise DataError(f"{path}: missing {n} (listed in state.json; an incomplete datasets directory)")
+            out.append(("arrow", os.path.join(path, n)))
+        return out
     files = sorted(f for f in os.listdir(path) if f.endswith((".jsonl", ".parquet")))
     if not files:
         raise DataError(f"{path}: no .jsonl or .parquet files, and not a directory saved by datasets")
     return [(_kind(f), os.path.join(path, f)) for f in files]
+
+
+def _arrow_error(kind: str, f: str, e: BaseException) -> DataError:
+    why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    what = "Parquet" if kind == "parquet" else "Arrow stream (datasets)"
+    return DataError(f"{f}: not a readable {what} file ({why})")
+
+
+_ARROW_ERRORS = (OSError, ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError, EOFError,
+                 NotImplementedError, RuntimeError)  # what pyarrow raises (its errors subclass these)
 
 
 def _num_rows(kind: str, f: str) -> int:
@@ -89,10 +114,16 @@ def _num_rows(kind: str, f: str) -> int:
         return _count_lines(f)
     if kind == "parquet":
         pq = require("pyarrow.parquet", "reading Parquet")
-        return pq.ParquetFile(f).metadata.num_rows
+        try:
+            return pq.ParquetFile(f).metadata.num_rows
+        except _ARROW_ERRORS as e:  # pyarrow's ArrowInvalid / ArrowIOError are ValueError / OSError
+            raise _arrow_error(kind, f, e) from None
     ipc = require("pyarrow.ipc", "reading a datasets directory")
-    with open(f, "rb") as fh:
-        return sum(b.num_rows for b in ipc.open_stream(fh))
+    try:
+        with open(f, "rb") as fh:
+            return sum(b.num_rows for b in ipc.open_stream(fh))
+    except _ARROW_ERRORS as e:
+        raise _arrow_error(kind, f, e) from None
 
 
 def _count_lines(f: str) -> int:
@@ -119,15 +150,17 @@ def _jsonl_chunks(f: str, size: int) -> Iterator[Chunk]:
 
 
 def _columnar_chunks(kind: str, f: str, size: int) -> Iterator[Chunk]:
-    if kind == "parquet":
-        pq = require("pyarrow.parquet", "reading Parquet")
-        batches = pq.ParquetFile(f).iter_batches(batch_size=size)
-        yield from _batches(f, batches)
-        return
-    ipc = require("pyarrow.ipc", "reading a datasets directory")
-    with open(f, "rb") as fh:
-        yield from _batches(f, (big.slice(i, size) for big in ipc.open_stream(fh)
-                                for i in range(0, big.num_rows, size)))
+    try:
+        if kind == "parquet":
+            pq = require("pyarrow.parquet", "reading Parquet")
+            yield from _batches(f, pq.ParquetFile(f).iter_batches(batch_size=size))
+            return
+        ipc = require("pyarrow.ipc", "reading a datasets directory")
+        with open(f, "rb") as fh:
+            yield from _batches(f, (big.slice(i, size) for big in ipc.open_stream(fh)
+                                    for i in range(0, big.num_rows, size)))
+    except _ARROW_ERRORS as e:
+        raise _arrow_error(kind, f, e) from None
 
 
 def _batches(f: str, batches) -> Iterator[Chunk]:

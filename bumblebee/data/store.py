@@ -126,25 +126,84 @@ class StoreWriter:
         return meta
 
 
+_INT_KEYS = ("documents", "tokens", "loss_tokens")
+_OPTIONAL = {"max_token_id": int, "skipped_total": int, "tokenizer": str, "source": str, "kind": str,
+             "skipped": dict, "notes": dict}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_meta(path: str) -> dict:
+    """meta.json of a prepared directory, checked: a JSON object with the counts as
+    non-negative integers and the optional fields of the right types (one line otherwise)."""
+    meta_path = os.path.join(path, "meta.json")
+    try:
+        with open(meta_path, "rb") as f:
+            raw = f.read()
+        meta = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"{meta_path}: not UTF-8 text (a corrupt meta.json); prepare the data again") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+        raise DataError(f"{meta_path}: not valid JSON ({why}); prepare the data again") from None
+    except OSError as e:
+        raise DataError(f"{meta_path}: cannot read: {e.strerror or e}") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path}: must be a JSON object, got {type(meta).__name__}; prepare the data again")
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise DataError(f"{path}: unknown token format {meta.get('format')!r} v{meta.get('version')!r}")
+    for k in _INT_KEYS:
+        if k not in meta:
+            raise DataError(f"{meta_path}: lacks '{k}'; prepare the data again")
+        if not _is_int(meta[k]) or meta[k] < 0:
+            raise DataError(f"{meta_path}: '{k}' must be a non-negative integer, got {meta[k]!r}")
+    for k, t in _OPTIONAL.items():
+        if k in meta and not (_is_int(meta[k]) if t is int else isinstance(meta[k], t)):
+            raise DataError(f"{meta_path}: '{k}' must be {'an integer' if t is int else 'a ' + t.__name__}, "
+                            f"got {type(meta[k]).__name__}")
+    for k in ("skipped", "notes"):
+        if any(not _is_int(v) for v in meta.get(k, {}).values()):
+            raise DataError(f"{meta_path}: '{k}' must map names to integer counts")
+    if meta["loss_tokens"] > meta["tokens"]:
+        raise DataError(f"{meta_path}: 'loss_tokens' {meta['loss_tokens']} exceeds 'tokens' {meta['tokens']}")
+    return meta
+
+
 def open_store(path: str) -> TokenStore:
-    """Memory-map a prepared directory; a missing or incomplete one is a one-line error."""
+    """Memory-map a prepared directory; a missing, incomplete or inconsistent one is a one-line error."""
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_path):
         raise DataError(f"{path}: not a prepared token directory (no meta.json); "
                         "make one with `bumblebee data prepare`")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise DataError(f"{path}: unknown token format {meta.get('format')!r} v{meta.get('version')}")
+    meta = read_meta(path)
     arrays = {}
     for key, (name, dtype) in FILES.items():
         p = os.path.join(path, name)
         if not os.path.isfile(p):
             raise DataError(f"{path}: missing {name}")
-        n = os.path.getsize(p) // np.dtype(dtype).itemsize
+        size, item = os.path.getsize(p), np.dtype(dtype).itemsize
+        if size % item:
+            raise DataError(f"{p}: {size} bytes is not a whole number of {np.dtype(dtype).name} values (truncated)")
+        n = size // item
         arrays[key] = np.memmap(p, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
     store = TokenStore(meta=meta, **arrays)
-    if (store.num_docs != meta["documents"] or len(store.tokens) != meta["tokens"] or len(store.mask) != len(
-            store.tokens) or len(store.doc_loss) != store.num_docs or int(store.offsets[-1]) != len(store.tokens)):
+    if (len(store.offsets) < 1 or store.num_docs != meta["documents"] or len(store.tokens) != meta["tokens"]
+            or len(store.mask) != len(store.tokens) or len(store.doc_loss) != store.num_docs
+            or int(store.offsets[-1]) != len(store.tokens)):
         raise DataError(f"{path}: array sizes disagree with meta.json (truncated or mixed files)")
+    off = os.path.join(path, FILES["offsets"][0])
+    if int(store.offsets[0]) != 0:
+        raise DataError(f"{off}: the first offset is {int(store.offsets[0])}, not 0 (corrupt offsets)")
+    lengths = store.lengths
+    if len(lengths) and int(lengths.min()) < 0:
+        d = int(np.argmax(lengths < 0))
+        raise DataError(f"{off}: offsets decrease at document {d} ({int(store.offsets[d])} -> "
+                        f"{int(store.offsets[d + 1])}): corrupt offsets; prepare the data again")
+    if len(store.doc_loss) and (int(store.doc_loss.min()) < 0 or bool((store.doc_loss > lengths).any())):
+        raise DataError(f"{os.path.join(path, FILES['doc_loss'][0])}: label counts outside [0, document length] "
+                        "(corrupt file); prepare the data again")
+    if len(store.mask) and int(store.mask.max()) > 1:
+        raise DataError(f"{os.path.join(path, FILES['mask'][0])}: values other than 0/1 (corrupt file)")
     return store

@@ -255,7 +255,7 @@ class Checkpointer:
         try:
             with open(os.path.join(path, "config.toml"), "rb") as f:
                 saved = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError):
+        except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, malformed TOML
             return
         now = self.cfg.to_dict()
         keys = _STREAM_KEYS + [("data", k) for k in now["data"]]

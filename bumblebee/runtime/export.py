@@ -123,7 +123,7 @@ def _saved_config(path: str) -> dict:
     try:
         with open(os.path.join(path, "config.toml"), "rb") as f:
             return tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError):
+    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, malformed TOML
         return {}
 
 

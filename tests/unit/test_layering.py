@@ -25,7 +25,7 @@ PACKAGE = Path(__file__).parents[2] / "bumblebee"
 
 # first component under bumblebee/ -> layer
 LAYER_OF = {
-    "config": "core", "config_checks": "core", "console": "core", "registry": "core", "errors": "core", "report": "core", "__init__": "api",
+    "config": "core", "config_checks": "core", "console": "core", "registry": "core", "errors": "core", "report": "core", "report_inputs": "core", "__init__": "api",
     "primitives": "primitives", "models": "models", "data": "data", "perf": "perf",
     "runtime": "runtime", "rl": "rl", "plan": "plan", "cli": "cli", "__main__": "cli",
     "integrations": "integrations",
