@@ -5,7 +5,6 @@ experts' own gradient norm under ep = 2 (summed over the ep ranks' different exp
 import io
 
 import pytest
-import torch
 from dist_utils import run_distributed
 
 from bumblebee import load_config

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
 
