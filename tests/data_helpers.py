@@ -67,3 +67,19 @@ def conversation(rng: random.Random, turns: int = 2, system: bool = True) -> dic
     for _ in range(turns):
         msgs += [{"role": "user", "content": sentence(rng)}, {"role": "assistant", "content": sentence(rng)}]
     return {"messages": msgs}
+
+
+def write_jsonl_docs(path, rows, vocab: int = 256, seed: int = 0) -> str:
+    """A pre-tokenized JSONL file: one random document per length in ``rows`` (lists of document
+    lengths, one list per packed row), token ids in [0, vocab)."""
+    import json
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for row in rows:
+            for n in row:
+                f.write(json.dumps({"input_ids": torch.randint(0, vocab, (n,), generator=g).tolist()}) + "\n")
+    return str(path)
+

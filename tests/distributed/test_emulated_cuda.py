@@ -9,11 +9,11 @@ kernels compute what the CPU paths compute, in another order); bf16 runs agree t
 A planted non-contiguous send, or ranks disagreeing on a shape, fails through the checks."""
 
 import io
-import json
 
 import pytest
 import torch
 import torch.distributed as dist
+from data_helpers import write_jsonl_docs
 from dist_utils import run_distributed
 
 from bumblebee import load_config
@@ -49,15 +49,6 @@ CASES = {
     "qwen3_5 cp2 ring bf16": (QWEN3_5, ["parallel.cp=2", "primitives.cp='ring'", "train.micro_batch=1",
                                         "train.dtype='bfloat16'"]),
 }
-
-
-def write_data(path) -> str:
-    g = torch.Generator().manual_seed(0)
-    with open(path, "w") as f:
-        for row in DOCS:
-            for n in row:
-                f.write(json.dumps({"input_ids": torch.randint(0, 256, (n,), generator=g).tolist()}) + "\n")
-    return str(path)
 
 
 # the CUDA branches, counted where they run (module attributes the branches look up at call time)
@@ -97,7 +88,7 @@ def _ranks(rank, world, names, data, out_dir):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_data(tmp_path_factory.mktemp("emu") / "docs.jsonl")
+    return write_jsonl_docs(tmp_path_factory.mktemp("emu") / "docs.jsonl", DOCS)
 
 
 def test_emulated_cuda_matches_cpu(data, tmp_path):
