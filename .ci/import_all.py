@@ -23,7 +23,12 @@ for info in pkgutil.walk_packages(bumblebee.__path__, "bumblebee."):
     except Exception as e:  # noqa: BLE001 - every failure is reported, not raised
         extra = EXTRAS.get(name)
         msg = str(e)
-        if extra and isinstance(e, ImportError) and f"bumblebee[{extra}]" in msg and "\n" not in msg:
+        if (
+            extra
+            and isinstance(e, ImportError)
+            and f"bumblebee[{extra}]" in msg
+            and "\n" not in msg
+        ):
             print(f"ok (needs [{extra}]): {name}: {msg}")
             continue
         bad.append(f"{name}: {type(e).__name__}: {msg}")

@@ -26,17 +26,44 @@ import sys
 import tempfile
 import time
 
-TINY = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.intermediate_size=48", "model.arch.num_experts=4",
-        "model.arch.num_experts_per_tok=2", "model.arch.mlp_only_layers=[1]", "primitives.loss=ce",
-        "train.seq_len=64", "train.global_batch=4", "data.min_records=2", "data.max_records=4", "train.lr=1e-2",
-        "train.warmup_steps=2", "train.deterministic=true", "train.keep_last=0", "train.collective_timeout_s=60"]
+TINY = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.intermediate_size=48",
+    "model.arch.num_experts=4",
+    "model.arch.num_experts_per_tok=2",
+    "model.arch.mlp_only_layers=[1]",
+    "primitives.loss=ce",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "data.min_records=2",
+    "data.max_records=4",
+    "train.lr=1e-2",
+    "train.warmup_steps=2",
+    "train.deterministic=true",
+    "train.keep_last=0",
+    "train.collective_timeout_s=60",
+]
 
 
 def command(out_dir: str, args, *extra: str) -> list[str]:
-    sets = TINY + [f"train.steps={args.steps}", f"train.save_every={args.save_every}", f"train.out_dir={out_dir}"]
-    return [sys.executable, "-m", "bumblebee.cli", "train", "--nproc", str(args.nproc),
-            *sum((["--set", s] for s in sets), []), *extra]
+    sets = TINY + [
+        f"train.steps={args.steps}",
+        f"train.save_every={args.save_every}",
+        f"train.out_dir={out_dir}",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "bumblebee.cli",
+        "train",
+        "--nproc",
+        str(args.nproc),
+        *sum((["--set", s] for s in sets), []),
+        *extra,
+    ]
 
 
 def last_step(out_dir: str) -> int:
@@ -89,14 +116,23 @@ def main() -> None:
     r = subprocess.run(command(ref, args), capture_output=True, text=True, env=env)
     if r.returncode:
         sys.exit(f"reference run failed:\n{r.stderr[-3000:]}")
-    print(f"reference run: {args.steps} steps, {args.nproc} ranks, {time.perf_counter() - t0:.0f} s")
+    print(
+        f"reference run: {args.steps} steps, {args.nproc} ranks, {time.perf_counter() - t0:.0f} s"
+    )
 
     # kill points: K distinct steps after the first checkpoint, spread over the run
     targets = sorted(rng.sample(range(args.save_every + 1, args.steps - 1), args.kills))
     t0 = time.perf_counter()
-    with open(os.path.join(root, "chaos.out"), "w") as out, open(os.path.join(root, "chaos.err"), "w") as err:
-        proc = subprocess.Popen(command(run, args, "--max-restarts", str(args.kills + 1)), stdout=out, stderr=err,
-                                env=env)
+    with (
+        open(os.path.join(root, "chaos.out"), "w") as out,
+        open(os.path.join(root, "chaos.err"), "w") as err,
+    ):
+        proc = subprocess.Popen(
+            command(run, args, "--max-restarts", str(args.kills + 1)),
+            stdout=out,
+            stderr=err,
+            env=env,
+        )
         kills, previous = [], set()
         for target in targets:
             while proc.poll() is None:
@@ -121,8 +157,10 @@ def main() -> None:
     for (n, cause), at in zip(restarts, resumed):
         print(f"restart {n}: resumed at step {at}; blamed: {cause[:110]}")
     lost = sum(step - at for (_, step), at in zip(kills, resumed))
-    print(f"chaos run: exit {code}, {len(kills)} kills, {len(restarts)} restarts, {lost} steps lost "
-          f"(recomputed), {wall:.0f} s")
+    print(
+        f"chaos run: exit {code}, {len(kills)} kills, {len(restarts)} restarts, {lost} steps lost "
+        f"(recomputed), {wall:.0f} s"
+    )
 
     from bumblebee.runtime.checkpoint import load_model
 
@@ -130,8 +168,10 @@ def main() -> None:
     final = f"step_{args.steps:08d}"
     a, b = (load_model(os.path.join(d, "checkpoints", final)) for d in (ref, run))
     diff = [n for (n, x), y in zip(a.named_parameters(), b.parameters()) if not x.equal(y)]
-    print(f"loss trace ({args.steps} steps) identical: {same_trace}; final weights ({final}) identical: "
-          f"{not diff}{'' if not diff else ' (differ: ' + ', '.join(diff[:3]) + ')'}")
+    print(
+        f"loss trace ({args.steps} steps) identical: {same_trace}; final weights ({final}) identical: "
+        f"{not diff}{'' if not diff else ' (differ: ' + ', '.join(diff[:3]) + ')'}"
+    )
     print(f"(run directories in {root})")
 
 

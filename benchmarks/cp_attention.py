@@ -57,7 +57,7 @@ def timed(fn, *args):
 def single(seq: int):
     q, k, v, pos = inputs(seq)
     attend = registry.get("attention", "varlen").factory
-    return timed(attend, q, k, v, doc_layout(pos), DIM ** -0.5)
+    return timed(attend, q, k, v, doc_layout(pos), DIM**-0.5)
 
 
 def worker(seqs, impls):
@@ -68,16 +68,20 @@ def worker(seqs, impls):
     for seq in seqs:
         q, k, v, pos = inputs(seq)
         # shard along the token dim (dim 2 of [B, heads, T, D])
-        q, k, v = (shard_sequence(x.transpose(1, 2), C, r).transpose(1, 2).contiguous() for x in (q, k, v))
+        q, k, v = (
+            shard_sequence(x.transpose(1, 2), C, r).transpose(1, 2).contiguous() for x in (q, k, v)
+        )
         layout = build_cp_layout(shard_sequence(pos, C, r), dist.group.WORLD)
         for impl in impls:
-            out[(seq, impl)] = timed(registry.get("cp", impl).factory, q, k, v, layout, DIM ** -0.5)
+            out[(seq, impl)] = timed(registry.get("cp", impl).factory, q, k, v, layout, DIM**-0.5)
     dist.destroy_process_group()
     return out
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seq", type=int, nargs="+", default=[16384, 32768, 65536])
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--impls", nargs="+", default=["allgather", "ring"])
@@ -86,8 +90,16 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = [(seq, 1, "sdpa (varlen)", *single(seq)) for seq in args.seq]
     for cp in args.cp:
-        cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cp, run_id=uuid.uuid4().hex[:8],
-                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn")
+        cfg = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=cp,
+            run_id=uuid.uuid4().hex[:8],
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            max_restarts=0,
+            start_method="spawn",
+        )
         per_rank = elastic_launch(cfg, worker)(args.seq, args.impls)
         for seq in args.seq:
             for impl in args.impls:
@@ -95,12 +107,18 @@ def main() -> None:
                 m = max(per_rank[r][(seq, impl)][1] for r in range(cp))
                 rows.append((seq, cp, impl, t, m))
     base = {seq: (t, m) for seq, cp, _, t, m in rows if cp == 1}
-    print(f"{'tokens':>8} {'cp':>3} {'impl':<14} {'time s':>8} {'x cp=1':>7} {'peak MiB/rank':>14} {'x cp=1':>7}")
+    print(
+        f"{'tokens':>8} {'cp':>3} {'impl':<14} {'time s':>8} {'x cp=1':>7} {'peak MiB/rank':>14} {'x cp=1':>7}"
+    )
     for seq, cp, impl, t, m in sorted(rows):
-        print(f"{seq:>8} {cp:>3} {impl:<14} {t:>8.2f} {t / base[seq][0]:>7.2f} {m / 2**20:>14.1f} "
-              f"{m / base[seq][1]:>7.2f}")
-    print("time: slowest rank, best of 2 after a warm-up; ranks share this machine's cores, so cp > 1 "
-          "time measures work per rank plus exchange, not a speed-up")
+        print(
+            f"{seq:>8} {cp:>3} {impl:<14} {t:>8.2f} {t / base[seq][0]:>7.2f} {m / 2**20:>14.1f} "
+            f"{m / base[seq][1]:>7.2f}"
+        )
+    print(
+        "time: slowest rank, best of 2 after a warm-up; ranks share this machine's cores, so cp > 1 "
+        "time measures work per rank plus exchange, not a speed-up"
+    )
 
 
 if __name__ == "__main__":

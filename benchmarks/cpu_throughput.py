@@ -56,38 +56,76 @@ VARIANTS = ("base", "loop", "tracker", "ce")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--family", choices=("qwen3_moe", "qwen3_5_moe"), default="qwen3_moe")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--seqs", type=int, nargs="+", default=None, help="cost curve over these lengths")
+    p.add_argument(
+        "--seqs", type=int, nargs="+", default=None, help="cost curve over these lengths"
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences per step")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype"
+    )
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4, help="decoder layers (qwen3_5_moe: 3 linear : 1 full)")
+    p.add_argument(
+        "--layers", type=int, default=4, help="decoder layers (qwen3_5_moe: 3 linear : 1 full)"
+    )
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--moe-ffn", type=int, default=192, help="moe_intermediate_size (and the shared expert's)")
+    p.add_argument(
+        "--moe-ffn", type=int, default=192, help="moe_intermediate_size (and the shared expert's)"
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant (median reported)")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
-    p.add_argument("--variants", default="base", help="comma list of bumblebee variants: base, loop, tracker, ce")
-    p.add_argument("--hf-experts", default="grouped_mm",
-                   help="comma list of HF experts_implementation values (eager, grouped_mm, batched_mm)")
-    p.add_argument("--hf-checkpointing", action="store_true", help="HF gradient checkpointing (pair with "
-                                                                   "--recompute full)")
-    p.add_argument("--recompute", default="none", help="bumblebee recompute primitive (none = HF's work)")
-    p.add_argument("--attention", default=None, help="bumblebee attention primitive (default: config default)")
-    p.add_argument("--experts-impl", default=None, help="bumblebee experts primitive (default: config default)")
-    p.add_argument("--loss", default=None, help="bumblebee loss primitive (default: config default)")
-    p.add_argument("--mem-limit-gb", type=float, default=0, help="address-space limit, so that running out "
-                                                                 "of memory is an error, not the OOM killer")
-    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                   help="after timing, profile one step of each side and print the top ROWS ops")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)"
+    )
+    p.add_argument(
+        "--variants",
+        default="base",
+        help="comma list of bumblebee variants: base, loop, tracker, ce",
+    )
+    p.add_argument(
+        "--hf-experts",
+        default="grouped_mm",
+        help="comma list of HF experts_implementation values (eager, grouped_mm, batched_mm)",
+    )
+    p.add_argument(
+        "--hf-checkpointing",
+        action="store_true",
+        help="HF gradient checkpointing (pair with --recompute full)",
+    )
+    p.add_argument(
+        "--recompute", default="none", help="bumblebee recompute primitive (none = HF's work)"
+    )
+    p.add_argument(
+        "--attention", default=None, help="bumblebee attention primitive (default: config default)"
+    )
+    p.add_argument(
+        "--experts-impl", default=None, help="bumblebee experts primitive (default: config default)"
+    )
+    p.add_argument(
+        "--loss", default=None, help="bumblebee loss primitive (default: config default)"
+    )
+    p.add_argument(
+        "--mem-limit-gb",
+        type=float,
+        default=0,
+        help="address-space limit, so that running out of memory is an error, not the OOM killer",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="after timing, profile one step of each side and print the top ROWS ops",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -95,20 +133,36 @@ def parse_args(argv=None):
 def hf_model(args, seq: int):
     import transformers
 
-    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                  num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-                  num_experts=args.experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_ffn,
-                  max_position_embeddings=max(seq, 4096), tie_word_embeddings=False)
+    common = dict(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_ffn,
+        max_position_embeddings=max(seq, 4096),
+        tie_word_embeddings=False,
+    )
     if args.family == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**common, intermediate_size=3 * args.hidden, norm_topk_prob=True,
-                                          rope_theta=1e6)
+        cfg = transformers.Qwen3MoeConfig(
+            **common, intermediate_size=3 * args.hidden, norm_topk_prob=True, rope_theta=1e6
+        )
         return transformers.Qwen3MoeForCausalLM(cfg)
     kinds = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(args.layers)]
     cfg = transformers.Qwen3_5MoeTextConfig(
-        **common, layer_types=kinds, shared_expert_intermediate_size=args.moe_ffn, linear_conv_kernel_dim=4,
-        linear_key_head_dim=args.head_dim, linear_value_head_dim=args.head_dim, linear_num_key_heads=args.kv_heads,
+        **common,
+        layer_types=kinds,
+        shared_expert_intermediate_size=args.moe_ffn,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=args.head_dim,
+        linear_value_head_dim=args.head_dim,
+        linear_num_key_heads=args.kv_heads,
         linear_num_value_heads=args.heads // 2,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    )
     return transformers.Qwen3_5MoeForCausalLM(cfg)
 
 
@@ -116,7 +170,11 @@ def bumblebee_primitives(args, variant: str = "base"):
     from bumblebee.config import PrimitivesConfig
 
     prims = PrimitivesConfig(recompute=args.recompute)
-    for field, value in (("attention", args.attention), ("experts", args.experts_impl), ("loss", args.loss)):
+    for field, value in (
+        ("attention", args.attention),
+        ("experts", args.experts_impl),
+        ("loss", args.loss),
+    ):
         if value is not None:
             setattr(prims, field, value)
     if variant == "ce":
@@ -130,8 +188,9 @@ class Stepper:
 
     def __init__(self, name, model, loss_fn, *, fused=True, tracker=False):
         self.name, self.model, self.loss_fn, self.tracker = name, model, loss_fn, tracker
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused,
-                                     foreach=False)
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused, foreach=False
+        )
         self.phases: list[tuple[float, float, float]] = []
         self.cpu: list[float] = []
         self.peak = None
@@ -144,7 +203,9 @@ class Stepper:
     def step(self, input_ids, labels, timed: bool) -> float:
         from bumblebee.perf.memory import MemoryTracker
 
-        scope = MemoryTracker("cpu", self.model, self.opt) if self.tracker else contextlib.nullcontext()
+        scope = (
+            MemoryTracker("cpu", self.model, self.opt) if self.tracker else contextlib.nullcontext()
+        )
         c0, t0 = time.process_time(), time.perf_counter()
         with scope:
             loss = self.loss_fn(self.model, input_ids, labels)
@@ -166,13 +227,17 @@ class Stepper:
             self.step(input_ids, labels, timed=False)
         self.peak = mem.peak_bytes
 
-    def line(self, tokens: int, ref: "Stepper | None" = None) -> str:
+    def line(self, tokens: int, ref: Stepper | None = None) -> str:
         cpu = statistics.median(self.cpu)
-        out = (f"  {self.name:<28} {tokens / self.wall:9.1f} tokens/s  {self.wall:7.3f} s/step  cpu {cpu:7.3f} "
-               f"s/step  peak {self.peak / 2**20 if self.peak else float('nan'):7.0f} MiB")
+        out = (
+            f"  {self.name:<28} {tokens / self.wall:9.1f} tokens/s  {self.wall:7.3f} s/step  cpu {cpu:7.3f} "
+            f"s/step  peak {self.peak / 2**20 if self.peak else float('nan'):7.0f} MiB"
+        )
         if ref is not None:
-            out += (f"   bumblebee/this: tokens/s {self.wall / ref.wall:.2f}x, cpu time "
-                    f"{cpu / statistics.median(ref.cpu):.2f}x")
+            out += (
+                f"   bumblebee/this: tokens/s {self.wall / ref.wall:.2f}x, cpu time "
+                f"{cpu / statistics.median(ref.cpu):.2f}x"
+            )
         return out
 
     def phase_line(self) -> str:
@@ -203,7 +268,9 @@ def build(args, seq: int, variants: list[str], hf_impls: list[str]):
             if v not in VARIANTS:
                 raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
             bb = bumblebee.from_hf(workdir, dtype=dtype, prims=bumblebee_primitives(args, v))
-            steppers.append(Stepper(f"bumblebee[{v}]", bb, bb_loss, fused=v != "loop", tracker=v == "tracker"))
+            steppers.append(
+                Stepper(f"bumblebee[{v}]", bb, bb_loss, fused=v != "loop", tracker=v == "tracker")
+            )
     initial = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     for i, impl in enumerate(hf_impls):
         model = hf if i == 0 else hf_model(args, seq)
@@ -211,7 +278,9 @@ def build(args, seq: int, variants: list[str], hf_impls: list[str]):
         model = model.to(dtype)
         model.set_experts_implementation(impl)
         if args.hf_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         steppers.append(Stepper(f"transformers[{impl}]", model, hf_loss))
     return steppers
 
@@ -232,13 +301,18 @@ def run(steppers, input_ids, labels, args) -> list:
                 st.step(input_ids, labels, timed=False)
             alive.append(st)
         except (RuntimeError, MemoryError) as e:
-            print(f"  {st.name}: failed at seq {input_ids.shape[1]}: {str(e).splitlines()[0][:160]}", flush=True)
+            print(
+                f"  {st.name}: failed at seq {input_ids.shape[1]}: {str(e).splitlines()[0][:160]}",
+                flush=True,
+            )
     for _ in range(args.steps):  # alternate so background load hits every variant alike
         for st in list(alive):
             try:
                 st.step(input_ids, labels, timed=True)
             except (RuntimeError, MemoryError) as e:
-                print(f"  {st.name}: failed at seq {input_ids.shape[1]}: {str(e).splitlines()[0][:160]}")
+                print(
+                    f"  {st.name}: failed at seq {input_ids.shape[1]}: {str(e).splitlines()[0][:160]}"
+                )
                 alive.remove(st)
     for st in alive:
         try:
@@ -250,12 +324,17 @@ def run(steppers, input_ids, labels, args) -> list:
 
 def describe(args, seq: int, bb) -> None:
     a, p = bb.arch, bb.prims
-    print(f"config: {args.family}, seq {seq} x batch {args.batch}, {args.dtype}, vocab {a.vocab_size}, hidden "
-          f"{a.hidden_size}, layers {a.num_hidden_layers}, heads {a.num_attention_heads}/{a.num_key_value_heads} x "
-          f"{a.head_dim}, experts {a.num_experts} top-{a.num_experts_per_tok} ffn {a.moe_intermediate_size}; "
-          f"{sum(x.numel() for x in bb.parameters()) / 1e6:.1f}M params; {torch.get_num_threads()} threads")
-    print(f"bumblebee primitives: attention={p.attention} experts={p.experts} loss={p.loss} moe_comm={p.moe_comm} "
-          f"recompute={p.recompute}; HF gradient checkpointing: {args.hf_checkpointing}", flush=True)
+    print(
+        f"config: {args.family}, seq {seq} x batch {args.batch}, {args.dtype}, vocab {a.vocab_size}, hidden "
+        f"{a.hidden_size}, layers {a.num_hidden_layers}, heads {a.num_attention_heads}/{a.num_key_value_heads} x "
+        f"{a.head_dim}, experts {a.num_experts} top-{a.num_experts_per_tok} ffn {a.moe_intermediate_size}; "
+        f"{sum(x.numel() for x in bb.parameters()) / 1e6:.1f}M params; {torch.get_num_threads()} threads"
+    )
+    print(
+        f"bumblebee primitives: attention={p.attention} experts={p.experts} loss={p.loss} moe_comm={p.moe_comm} "
+        f"recompute={p.recompute}; HF gradient checkpointing: {args.hf_checkpointing}",
+        flush=True,
+    )
 
 
 def main(argv=None):
@@ -274,12 +353,17 @@ def main(argv=None):
     input_ids, labels = batch_of(args, args.seq)
     with torch.no_grad():
         first = [st.loss_fn(st.model.eval(), input_ids, labels).item() for st in steppers]
-    print("initial loss: " + "  ".join(f"{st.name} {x:.6f}" for st, x in zip(steppers, first)), flush=True)
+    print(
+        "initial loss: " + "  ".join(f"{st.name} {x:.6f}" for st, x in zip(steppers, first)),
+        flush=True,
+    )
     alive = run(steppers, input_ids, labels, args)
     tokens = args.batch * args.seq
     ours = [s for s in alive if s.name.startswith("bumblebee")]
     theirs = [s for s in alive if not s.name.startswith("bumblebee")]
-    print(f"\nmedians over {args.steps} alternating steps per variant (after {args.warmup} warm-up steps):")
+    print(
+        f"\nmedians over {args.steps} alternating steps per variant (after {args.warmup} warm-up steps):"
+    )
     for st in ours:
         print(st.line(tokens, ours[0] if st is not ours[0] else None))
     for st in theirs:
@@ -294,8 +378,11 @@ def main(argv=None):
             with profile(record_shapes=True) as prof:
                 st.step(input_ids, labels, timed=False)
             print(f"\nprofile of one {st.name} step (top {args.profile} ops by self CPU time):")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
-                                            max_name_column_width=48))
+            print(
+                prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=args.profile, max_name_column_width=48
+                )
+            )
 
 
 def cost_curve(args, hf_impl: str) -> None:

@@ -83,16 +83,29 @@ class ExposedComm:
 
 
 def build(args, k: int):
-    arch = Qwen3MoeArch(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.ffn,
-                        moe_intermediate_size=args.ffn, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=32, num_experts=args.experts,
-                        num_experts_per_tok=args.topk)
+    arch = Qwen3MoeArch(
+        vocab_size=256,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        moe_intermediate_size=args.ffn,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=args.experts,
+        num_experts_per_tok=args.topk,
+    )
     comm = "alltoall" if k == 0 else "chunked"
-    dispatch = registry.get("moe_comm", comm).factory(num_experts=args.experts, ep_group=dist.group.WORLD,
-                                                       num_chunks=k or 2)
+    dispatch = registry.get("moe_comm", comm).factory(
+        num_experts=args.experts, ep_group=dist.group.WORLD, num_chunks=k or 2
+    )
     torch.manual_seed(0)  # same weights for every configuration (each rank its own experts)
-    moe = MoE(arch, PrimitivesConfig(experts=args.experts_impl), dispatch,
-              ParallelGroups(ep_group=dist.group.WORLD))
+    moe = MoE(
+        arch,
+        PrimitivesConfig(experts=args.experts_impl),
+        dispatch,
+        ParallelGroups(ep_group=dist.group.WORLD),
+    )
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.02)
     return moe
@@ -132,7 +145,9 @@ def worker(args):
                 exposed.force_sync = label.endswith("-sync")
                 exposed.seconds, t0 = 0.0, time.perf_counter()
                 step(moe, x_BTH, probe_BTH, recompute)
-                elapsed = torch.tensor([time.perf_counter() - t0, exposed.seconds], dtype=torch.float64)
+                elapsed = torch.tensor(
+                    [time.perf_counter() - t0, exposed.seconds], dtype=torch.float64
+                )
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[label].append(elapsed[0].item())
                 comm[label].append(elapsed[1].item())
@@ -144,9 +159,13 @@ def worker(args):
             for label, moe in moes.items():
                 dist.barrier()
                 exposed.force_sync = label.endswith("-sync")
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU]
+                ) as prof:
                     step(moe, x_BTH, probe_BTH, recompute)
-                prof.export_chrome_trace(os.path.join(args.profile_dir, f"ep_overlap_{seq}_{label}_rank{rank}.json"))
+                prof.export_chrome_trace(
+                    os.path.join(args.profile_dir, f"ep_overlap_{seq}_{label}_rank{rank}.json")
+                )
     dist.destroy_process_group()
     return out
 
@@ -161,17 +180,30 @@ def trace_overlap(path: str) -> tuple[float, float]:
 
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith(COMPUTE_SPANS))
+    compute = sorted(
+        (e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith(COMPUTE_SPANS)
+    )
     main_tid = {e["tid"] for e in events if e["name"].startswith("chunked.")}
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in events
-            if e["name"] == "gloo:all_to_all" and e["tid"] not in main_tid]
+    comm = [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e["name"] == "gloo:all_to_all" and e["tid"] not in main_tid
+    ]
     under = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute)
     return sum(b - a for a, b in comm) / 1e3, under / 1e3
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="local tokens per rank")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--seqs",
+        type=int,
+        nargs="+",
+        default=[4096, 8192, 16384, 32768],
+        help="local tokens per rank",
+    )
     p.add_argument("--chunks", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--nproc", type=int, default=2, help="ranks = ep")
     p.add_argument("--hidden", type=int, default=256)
@@ -179,22 +211,39 @@ def main(argv=None) -> None:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--experts-impl", default="grouped", help="experts primitive (loop | grouped)")
-    p.add_argument("--recompute", default="none", help="recompute policy around the layer (none | full)")
+    p.add_argument(
+        "--recompute", default="none", help="recompute policy around the layer (none | full)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--profile-dir", default="", help="write torch.profiler Chrome traces here")
-    p.add_argument("--sync-control", action="store_true",
-                   help="also run chunkK-sync: the chunked code with every all-to-all completed at issue (no overlap)")
+    p.add_argument(
+        "--sync-control",
+        action="store_true",
+        help="also run chunkK-sync: the chunked code with every all-to-all completed at issue (no overlap)",
+    )
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=uuid.uuid4().hex[:8],
-                       rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn")
+    cfg = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=args.nproc,
+        run_id=uuid.uuid4().hex[:8],
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        start_method="spawn",
+    )
     res = elastic_launch(cfg, worker)(args)[0]
-    print(f"one MoE layer fwd+bwd, ep={args.nproc} gloo ranks on {os.cpu_count()} cores, hidden {args.hidden}, "
-          f"expert ffn {args.ffn}, {args.experts} experts top-{args.topk}, experts={args.experts_impl}, "
-          f"recompute={args.recompute}, fp32, {args.threads} thread(s)/rank, median of {args.repeats}")
-    head = (f"{'local seq':>9} {'config':<11} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} | "
-            f"{'peak MiB':>9} {'vs no-chunk':>11}")
+    print(
+        f"one MoE layer fwd+bwd, ep={args.nproc} gloo ranks on {os.cpu_count()} cores, hidden {args.hidden}, "
+        f"expert ffn {args.ffn}, {args.experts} experts top-{args.topk}, experts={args.experts_impl}, "
+        f"recompute={args.recompute}, fp32, {args.threads} thread(s)/rank, median of {args.repeats}"
+    )
+    head = (
+        f"{'local seq':>9} {'config':<11} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} | "
+        f"{'peak MiB':>9} {'vs no-chunk':>11}"
+    )
     print(head)
     print("-" * len(head))
     labels = ["no-chunk"] + [f"chunk{k}" for k in args.chunks]
@@ -202,19 +251,33 @@ def main(argv=None) -> None:
     for seq in args.seqs:
         base_t, base_m = res[(seq, "no-chunk", "time")], res[(seq, "no-chunk", "peak")]
         for label in labels:
-            t, c, m = res[(seq, label, "time")], res[(seq, label, "comm")], res[(seq, label, "peak")]
-            print(f"{seq:>9} {label:<11} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} | {m / 2**20:>9.1f} "
-                  f"{m / base_m:>11.2f}")
+            t, c, m = (
+                res[(seq, label, "time")],
+                res[(seq, label, "comm")],
+                res[(seq, label, "peak")],
+            )
+            print(
+                f"{seq:>9} {label:<11} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} | {m / 2**20:>9.1f} "
+                f"{m / base_m:>11.2f}"
+            )
     if args.profile_dir:
-        print(f"torch.profiler traces in {args.profile_dir} (rank 0): gloo all_to_all time on gloo's threads, "
-              "and the part of it under an expert GEMM (fwd gemm / bwd dgrad / bwd wgrad spans)")
+        print(
+            f"torch.profiler traces in {args.profile_dir} (rank 0): gloo all_to_all time on gloo's threads, "
+            "and the part of it under an expert GEMM (fwd gemm / bwd dgrad / bwd wgrad spans)"
+        )
         for seq in args.seqs:
             for label in labels:
-                total, under = trace_overlap(os.path.join(args.profile_dir, f"ep_overlap_{seq}_{label}_rank0.json"))
-                print(f"{seq:>9} {label:<11} | all_to_all {total:>8.1f} ms | under expert GEMMs {under:>8.1f} ms")
-    print("step s: slowest rank; exposed comm: time blocked on all-to-alls (max over ranks); peak: rank 0's\n"
-          "live tensor bytes (MemoryTracker). On a CPU the ranks and gloo's transfer threads share the same\n"
-          "cores, so communication can only hide under compute where a core is idle.")
+                total, under = trace_overlap(
+                    os.path.join(args.profile_dir, f"ep_overlap_{seq}_{label}_rank0.json")
+                )
+                print(
+                    f"{seq:>9} {label:<11} | all_to_all {total:>8.1f} ms | under expert GEMMs {under:>8.1f} ms"
+                )
+    print(
+        "step s: slowest rank; exposed comm: time blocked on all-to-alls (max over ranks); peak: rank 0's\n"
+        "live tensor bytes (MemoryTracker). On a CPU the ranks and gloo's transfer threads share the same\n"
+        "cores, so communication can only hide under compute where a core is idle."
+    )
 
 
 if __name__ == "__main__":

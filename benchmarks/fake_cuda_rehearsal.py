@@ -23,7 +23,9 @@ from bumblebee.plan.rehearsal import rehearse
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="qwen3.5-35b-a3b")
     p.add_argument("--rows", type=int, default=2, help="sequences / CP segments per rank")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per row")
@@ -33,11 +35,15 @@ def main() -> None:
     cases = [("attention", None), ("gdn", "fla_chunk")]
     if not args.no_torch_chunked:
         cases.append(("gdn", "torch_chunked"))
-    print(f"{args.preset}: one layer forward + backward, bf16, {args.rows} x {args.tokens} tokens per rank "
-          f"(fake tensors; kernel workspaces not counted)")
+    print(
+        f"{args.preset}: one layer forward + backward, bf16, {args.rows} x {args.tokens} tokens per rank "
+        f"(fake tensors; kernel workspaces not counted)"
+    )
     for mixer, kernel in cases:
         start = time.perf_counter()
-        r = rehearse(arch, mixer, rows=args.rows, tokens=args.tokens, dtype=torch.bfloat16, kernel=kernel)
+        r = rehearse(
+            arch, mixer, rows=args.rows, tokens=args.tokens, dtype=torch.bfloat16, kernel=kernel
+        )
         print(f"  {r.line()}   ({time.perf_counter() - start:.0f} s to rehearse)", flush=True)
 
 

@@ -57,7 +57,9 @@ def timed(fn, q, k, v, repeats: int):
     best, peak, out = float("inf"), 0, None
     for i in range(repeats + 1):
         start = time.perf_counter()
-        with torch.no_grad():  # (perf.memory's dispatch mode cannot see inside flex's higher-order op)
+        with (
+            torch.no_grad()
+        ):  # (perf.memory's dispatch mode cannot see inside flex's higher-order op)
             out = fn(q, k, v)
         if i:
             best = min(best, time.perf_counter() - start)
@@ -75,21 +77,27 @@ def backward_error(fn, q, k, v) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--doc", type=int, default=1024, help="document length (tokens)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-compile", action="store_true", help="skip the compiled FlexAttention")
-    p.add_argument("--dense-max", type=int, default=8192, help="skip the dense-mask sdpa above this length")
+    p.add_argument(
+        "--dense-max", type=int, default=8192, help="skip the dense-mask sdpa above this length"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     compiled = None if args.no_compile else torch.compile(flex_attention, dynamic=False)
-    print(f"attention forward (no grad) on CPU, {args.threads} thread(s), {args.dtype}, {HEADS}/{KV_HEADS} heads of dim {DIM}, "
-          f"documents of {args.doc} tokens; best of {args.repeats}")
+    print(
+        f"attention forward (no grad) on CPU, {args.threads} thread(s), {args.dtype}, {HEADS}/{KV_HEADS} heads of dim {DIM}, "
+        f"documents of {args.doc} tokens; best of {args.repeats}"
+    )
     print(f"{'tokens':>7} {'impl':<16} {'time s':>8} {'x varlen':>9} {'max|diff|':>10}")
     for seq in args.seqs:
         q, k, v, pos = inputs(seq, args.doc, dtype)
@@ -98,12 +106,18 @@ def main() -> None:
         impls = {"varlen (per doc)": lambda q, k, v: sdpa_varlen(q, k, v, layout, scale)}
         if seq <= args.dense_max:
             impls["sdpa (dense mask)"] = lambda q, k, v: sdpa_masked(q, k, v, layout, scale)
-        impls["flex eager"] = lambda q, k, v: flex_attention(q, k, v, block_mask=bm, scale=scale, enable_gqa=True)
+        impls["flex eager"] = lambda q, k, v: flex_attention(
+            q, k, v, block_mask=bm, scale=scale, enable_gqa=True
+        )
         compile_s = None
         if seq == args.seqs[0]:
-            print(f"{'':>7} flex backward on CPU: {backward_error(impls['flex eager'], q, k, v) or 'runs'}")
+            print(
+                f"{'':>7} flex backward on CPU: {backward_error(impls['flex eager'], q, k, v) or 'runs'}"
+            )
         if compiled is not None:
-            impls["flex compiled"] = lambda q, k, v: compiled(q, k, v, block_mask=bm, scale=scale, enable_gqa=True)
+            impls["flex compiled"] = lambda q, k, v: compiled(
+                q, k, v, block_mask=bm, scale=scale, enable_gqa=True
+            )
         rows = {}
         for name, fn in impls.items():
             if name == "flex compiled":

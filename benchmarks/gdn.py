@@ -28,34 +28,55 @@ import torch
 import torch.nn.functional as F
 
 from bumblebee.primitives.linear_attention.gated_delta_rule import (
-    gated_delta_rule_chunked, gated_delta_rule_recurrent)
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+)
 from bumblebee.primitives.packed import DocLayout
 
 IMPLS = {"chunked": gated_delta_rule_chunked, "recurrent": gated_delta_rule_recurrent}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--seqs", default="4096,8192,16384,32768", help="comma list of tokens per sequence")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--seqs", default="4096,8192,16384,32768", help="comma list of tokens per sequence"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--key-heads", type=int, default=2)
     p.add_argument("--value-heads", type=int, default=4)
     p.add_argument("--key-dim", type=int, default=32)
     p.add_argument("--value-dim", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (median reported)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per implementation (median reported)"
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per implementation")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
-    p.add_argument("--max-recurrent", type=int, default=32768, help="skip the recurrent reference above this length")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: leave torch's default)"
+    )
+    p.add_argument(
+        "--max-recurrent",
+        type=int,
+        default=32768,
+        help="skip the recurrent reference above this length",
+    )
     args = p.parse_args(argv)
     try:
         args.seqs = [int(s) for s in args.seqs.split(",") if s]
     except ValueError:
         p.error(f"--seqs must be a comma list of integers, got {args.seqs!r}")
-    if not args.seqs or min(args.seqs) <= 0 or min(args.batch, args.repeats) <= 0 or args.warmup < 0:
+    if (
+        not args.seqs
+        or min(args.seqs) <= 0
+        or min(args.batch, args.repeats) <= 0
+        or args.warmup < 0
+    ):
         p.error("--seqs, --batch and --repeats must be positive, --warmup non-negative")
     if args.value_heads % args.key_heads:
-        p.error(f"--value-heads ({args.value_heads}) must be a multiple of --key-heads ({args.key_heads})")
+        p.error(
+            f"--value-heads ({args.value_heads}) must be a multiple of --key-heads ({args.key_heads})"
+        )
     return args
 
 
@@ -63,7 +84,9 @@ def make_inputs(args, T, gen):
     B, G, H, K, V = args.batch, args.key_heads, args.value_heads, args.key_dim, args.value_dim
     q, k = (torch.randn(B, T, G, K, generator=gen) for _ in range(2))
     v = torch.randn(B, T, H, V, generator=gen)
-    g = -F.softplus(torch.randn(B, T, H, generator=gen) + 1)  # log decay, as softplus(a + dt_bias) * A with A ~ 1
+    g = -F.softplus(
+        torch.randn(B, T, H, generator=gen) + 1
+    )  # log decay, as softplus(a + dt_bias) * A with A ~ 1
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     w_o, w_s = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen)
     return (q, k, v, g, beta), (w_o, w_s)
@@ -92,9 +115,11 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"gated delta rule fwd+bwd on CPU ({torch.get_num_threads()} threads), batch {args.batch}, "
-          f"{args.key_heads} key / {args.value_heads} value heads, dims {args.key_dim}/{args.value_dim}, fp32; "
-          f"median of {args.repeats}")
+    print(
+        f"gated delta rule fwd+bwd on CPU ({torch.get_num_threads()} threads), batch {args.batch}, "
+        f"{args.key_heads} key / {args.value_heads} value heads, dims {args.key_dim}/{args.value_dim}, fp32; "
+        f"median of {args.repeats}"
+    )
     header = f"{'tokens':>7} {'impl':>10} {'fwd s':>8} {'bwd s':>8} {'total s':>8} {'tok/s':>9} {'saved MiB':>10}"
     print(header)
     print("-" * len(header))
@@ -118,12 +143,16 @@ def main(argv=None):
         for n in names:
             f, b = statistics.median(fwd[n]), statistics.median(bwd[n])
             totals[n] = statistics.median([x + y for x, y in zip(fwd[n], bwd[n])])
-            print(f"{T:>7} {n:>10} {f:>8.3f} {b:>8.3f} {totals[n]:>8.3f} {args.batch * T / totals[n]:>9.0f} "
-                  f"{saved[n] / 2**20:>10.1f}")
+            print(
+                f"{T:>7} {n:>10} {f:>8.3f} {b:>8.3f} {totals[n]:>8.3f} {args.batch * T / totals[n]:>9.0f} "
+                f"{saved[n] / 2**20:>10.1f}"
+            )
         if "recurrent" in totals:
             diff = (outs["chunked"] - outs["recurrent"]).abs().max().item()
-            print(f"{'':>7} {'speed-up':>10} {totals['recurrent'] / totals['chunked']:>8.1f}x chunked vs recurrent "
-                  f"(max-abs output diff {diff:.1e})")
+            print(
+                f"{'':>7} {'speed-up':>10} {totals['recurrent'] / totals['chunked']:>8.1f}x chunked vs recurrent "
+                f"(max-abs output diff {diff:.1e})"
+            )
 
 
 if __name__ == "__main__":

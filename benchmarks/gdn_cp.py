@@ -49,7 +49,9 @@ HIDDEN, KEY_HEADS, VALUE_HEADS, DIM, DOC = 256, 2, 4, 64, 8192
 
 def make_layer():
     torch.manual_seed(0)
-    return GatedDeltaNet(HIDDEN, KEY_HEADS, VALUE_HEADS, DIM, DIM, 4, 1e-6, gated_delta_rule_chunked, NoRecompute())
+    return GatedDeltaNet(
+        HIDDEN, KEY_HEADS, VALUE_HEADS, DIM, DIM, 4, 1e-6, gated_delta_rule_chunked, NoRecompute()
+    )
 
 
 def inputs(seq: int):
@@ -80,7 +82,11 @@ class ByteCounter:
             self.bytes += sum(op.tensor.nbytes for op in ops if op.op is dist.irecv)
             return self._orig["batch_isend_irecv"](ops)
 
-        dist.all_gather, dist.all_reduce, dist.batch_isend_irecv = all_gather, all_reduce, batch_isend_irecv
+        dist.all_gather, dist.all_reduce, dist.batch_isend_irecv = (
+            all_gather,
+            all_reduce,
+            batch_isend_irecv,
+        )
         return self
 
     def __exit__(self, *exc):
@@ -132,10 +138,12 @@ def worker(seqs, impls):
         x, pos_local = shard_sequence(x, C, r).contiguous(), shard_sequence(pos, C, r)
         layout, docs = build_cp_layout(pos_local, dist.group.WORLD), doc_layout(pos)
         w = torch.ones_like(x)
-        fns = {"gather": lambda t: gather_everything(layer, t, layout, docs),
-               "zigzag": lambda t: gated_delta_net_cp(layer, t, layout),
-               "relayout": lambda t: gated_delta_net_cp(layer, t, layout, relayout=True),
-               "relay": lambda t: gated_delta_net_cp(layer, t, layout, carry="relay")}
+        fns = {
+            "gather": lambda t: gather_everything(layer, t, layout, docs),
+            "zigzag": lambda t: gated_delta_net_cp(layer, t, layout),
+            "relayout": lambda t: gated_delta_net_cp(layer, t, layout, relayout=True),
+            "relay": lambda t: gated_delta_net_cp(layer, t, layout, carry="relay"),
+        }
         for impl in impls:
             out[(seq, impl)] = timed(fns[impl], x, w)
     dist.destroy_process_group()
@@ -143,35 +151,66 @@ def worker(seqs, impls):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--impls", nargs="+", default=["gather", "zigzag", "relayout", "relay"],
-                   choices=["gather", "zigzag", "relayout", "relay"])
+    p.add_argument(
+        "--impls",
+        nargs="+",
+        default=["gather", "zigzag", "relayout", "relay"],
+        choices=["gather", "zigzag", "relayout", "relay"],
+    )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     rows = [(seq, 1, "single", *single(seq)) for seq in args.seq]
     for cp in args.cp:
-        cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cp, run_id=uuid.uuid4().hex[:8],
-                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn")
+        cfg = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=cp,
+            run_id=uuid.uuid4().hex[:8],
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            max_restarts=0,
+            start_method="spawn",
+        )
         per_rank = elastic_launch(cfg, worker)(args.seq, args.impls)
         for seq in args.seq:
             for impl in args.impls:
                 res = [per_rank[r][(seq, impl)] for r in range(cp)]
-                rows.append((seq, cp, impl, max(r[0] for r in res), max(r[1] for r in res),
-                             max(r[2] for r in res), max(r[3] for r in res)))
+                rows.append(
+                    (
+                        seq,
+                        cp,
+                        impl,
+                        max(r[0] for r in res),
+                        max(r[1] for r in res),
+                        max(r[2] for r in res),
+                        max(r[3] for r in res),
+                    )
+                )
     base = {seq: (t, m) for seq, cp, _, t, m, _, _ in rows if cp == 1}
-    print(f"GDN layer fwd+bwd, hidden {HIDDEN}, {KEY_HEADS}/{VALUE_HEADS} heads of dim {DIM}, fp32, gloo, "
-          f"1 thread per rank")
-    print(f"{'tokens':>7} {'cp':>3} {'impl':<9} {'time s':>7} {'x cp=1':>7} {'cpu s':>7} {'peak MiB/rank':>14} "
-          f"{'x cp=1':>7} {'recv MiB/rank':>14}")
+    print(
+        f"GDN layer fwd+bwd, hidden {HIDDEN}, {KEY_HEADS}/{VALUE_HEADS} heads of dim {DIM}, fp32, gloo, "
+        f"1 thread per rank"
+    )
+    print(
+        f"{'tokens':>7} {'cp':>3} {'impl':<9} {'time s':>7} {'x cp=1':>7} {'cpu s':>7} {'peak MiB/rank':>14} "
+        f"{'x cp=1':>7} {'recv MiB/rank':>14}"
+    )
     order = {"single": 0, "gather": 1, "zigzag": 2, "relayout": 3, "relay": 4}
     for seq, cp, impl, t, m, b, c in sorted(rows, key=lambda row: (row[0], row[1], order[row[2]])):
-        print(f"{seq:>7} {cp:>3} {impl:<9} {t:>7.2f} {t / base[seq][0]:>7.2f} {c:>7.2f} {m / 2**20:>14.1f} "
-              f"{m / base[seq][1]:>7.2f} {b / 2**20:>14.2f}")
-    print("time: slowest rank (wall), best of 2 after a warm-up; cpu: the busiest rank's own CPU time; "
-          "peak and bytes: the most loaded rank (bytes: forward + backward)")
+        print(
+            f"{seq:>7} {cp:>3} {impl:<9} {t:>7.2f} {t / base[seq][0]:>7.2f} {c:>7.2f} {m / 2**20:>14.1f} "
+            f"{m / base[seq][1]:>7.2f} {b / 2**20:>14.2f}"
+        )
+    print(
+        "time: slowest rank (wall), best of 2 after a warm-up; cpu: the busiest rank's own CPU time; "
+        "peak and bytes: the most loaded rank (bytes: forward + backward)"
+    )
 
 
 if __name__ == "__main__":

@@ -49,11 +49,21 @@ def _status(key: str) -> int:
 
 
 def overrides(args, accum: int, mode: str, balance: str) -> list[str]:
-    return [f"model.arch.hidden_size={args.hidden}", f"model.arch.num_hidden_layers={args.layers}",
-            f"model.arch.num_experts={args.experts}", f"model.arch.moe_intermediate_size={args.hidden}",
-            f"train.seq_len={args.seq}", f"train.global_batch={args.nproc * accum}", "train.micro_batch=1",
-            f"train.dtype={args.dtype}", f"train.grad_accum={mode}", f"train.balance={balance}", "primitives.sharding=fsdp2",
-            "train.steps=2", "train.out_dir=/tmp/bumblebee-accum-memory"]
+    return [
+        f"model.arch.hidden_size={args.hidden}",
+        f"model.arch.num_hidden_layers={args.layers}",
+        f"model.arch.num_experts={args.experts}",
+        f"model.arch.moe_intermediate_size={args.hidden}",
+        f"train.seq_len={args.seq}",
+        f"train.global_batch={args.nproc * accum}",
+        "train.micro_batch=1",
+        f"train.dtype={args.dtype}",
+        f"train.grad_accum={mode}",
+        f"train.balance={balance}",
+        "primitives.sharding=fsdp2",
+        "train.steps=2",
+        "train.out_dir=/tmp/bumblebee-accum-memory",
+    ]
 
 
 class Phases:
@@ -62,7 +72,11 @@ class Phases:
 
     def __init__(self, trainer, mem: MemoryTracker):
         self.mem, self.rows, self.phase, self.n = mem, [], "start", {"forward": 0, "backward": 0}
-        model, orig_terms, orig_backward = trainer.model, trainer.model.loss_terms, torch.Tensor.backward
+        model, orig_terms, orig_backward = (
+            trainer.model,
+            trainer.model.loss_terms,
+            torch.Tensor.backward,
+        )
 
         def loss_terms(*a, **k):
             self.enter("forward")
@@ -76,11 +90,15 @@ class Phases:
             self.enter("after backward")
             return out
 
-        self.undo = [lambda: setattr(model, "loss_terms", orig_terms),  # FSDP's wrapped method again
-                     lambda: setattr(torch.Tensor, "backward", orig_backward)]
+        self.undo = [
+            lambda: setattr(model, "loss_terms", orig_terms),  # FSDP's wrapped method again
+            lambda: setattr(torch.Tensor, "backward", orig_backward),
+        ]
         model.loss_terms, torch.Tensor.backward = loss_terms, backward
-        hooks = [trainer.optimizer.register_step_pre_hook(lambda *_: self.enter("optimizer")),
-                 trainer.optimizer.register_step_post_hook(lambda *_: self.enter("after optimizer"))]
+        hooks = [
+            trainer.optimizer.register_step_pre_hook(lambda *_: self.enter("optimizer")),
+            trainer.optimizer.register_step_post_hook(lambda *_: self.enter("after optimizer")),
+        ]
         self.undo += [h.remove for h in hooks]
 
     def enter(self, name: str) -> None:
@@ -109,8 +127,12 @@ def measure(cfg, phases: bool) -> dict:
         trainer._step()
         rows = marks.close() if marks else []
     peak = max([mem.peak_bytes] + [r[1] for r in rows])
-    return {"tracker": peak, "rss_growth": _status("VmHWM") - before, "phases": rows,
-            "grads": trainer.sharding.state_bytes(trainer.optimizer)["grads"]}
+    return {
+        "tracker": peak,
+        "rss_growth": _status("VmHWM") - before,
+        "phases": rows,
+        "grads": trainer.sharding.state_bytes(trainer.optimizer)["grads"],
+    }
 
 
 def worker(args, runs):
@@ -120,42 +142,69 @@ def worker(args, runs):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--balance", nargs="+", default=["micro_batch", "global_batch"],
-                   choices=("micro_batch", "global_batch"))
-    p.add_argument("--modes", nargs="+", default=["sharded", "unsharded"], choices=("sharded", "unsharded"))
+    p.add_argument(
+        "--balance",
+        nargs="+",
+        default=["micro_batch", "global_batch"],
+        choices=("micro_batch", "global_batch"),
+    )
+    p.add_argument(
+        "--modes", nargs="+", default=["sharded", "unsharded"], choices=("sharded", "unsharded")
+    )
     p.add_argument("--phases", action="store_true", help="per-phase peaks and their split (rank 0)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     runs = [(accum, mode, bal) for bal in args.balance for mode in args.modes for accum in (1, 4)]
-    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=uuid.uuid4().hex[:8],
-                       rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn")
+    cfg = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=args.nproc,
+        run_id=uuid.uuid4().hex[:8],
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        start_method="spawn",
+    )
     results = elastic_launch(cfg, worker)(args, runs)
     mib = lambda b: b / 2**20  # noqa: E731
-    print(f"fsdp2, {args.nproc} ranks, {args.dtype}, hidden {args.hidden}, {args.layers} layers, "
-          f"{args.experts} experts, seq {args.seq}, micro-batch 1; second step, per rank")
-    print(f"{'balance':<13}{'grad_accum':<12}{'accum':>6}{'rank':>5}{'tracker MiB':>13}{'vs accum 1':>11}"
-          f"{'RSS growth MiB':>16}{'vs accum 1':>11}")
+    print(
+        f"fsdp2, {args.nproc} ranks, {args.dtype}, hidden {args.hidden}, {args.layers} layers, "
+        f"{args.experts} experts, seq {args.seq}, micro-batch 1; second step, per rank"
+    )
+    print(
+        f"{'balance':<13}{'grad_accum':<12}{'accum':>6}{'rank':>5}{'tracker MiB':>13}{'vs accum 1':>11}"
+        f"{'RSS growth MiB':>16}{'vs accum 1':>11}"
+    )
     for i, (accum, mode, bal) in enumerate(runs):
         base = runs.index((1, mode, bal))
         for rank in range(args.nproc):
             r, b = results[rank][i], results[rank][base]
-            print(f"{bal:<13}{mode:<12}{accum:>6}{rank:>5}{mib(r['tracker']):>13.1f}"
-                  f"{r['tracker'] / b['tracker']:>11.3f}{mib(r['rss_growth']):>16.1f}"
-                  f"{r['rss_growth'] / max(b['rss_growth'], 1):>11.3f}")
+            print(
+                f"{bal:<13}{mode:<12}{accum:>6}{rank:>5}{mib(r['tracker']):>13.1f}"
+                f"{r['tracker'] / b['tracker']:>11.3f}{mib(r['rss_growth']):>16.1f}"
+                f"{r['rss_growth'] / max(b['rss_growth'], 1):>11.3f}"
+            )
     if args.phases:
         cats = ("parameters", "gradients", "optimizer_state", "activations")
         for i, (accum, mode, bal) in enumerate(runs):
-            print(f"\nrank 0, {bal}, {mode}, accum {accum}: peak inside each phase, MiB "
-                  f"({' / '.join(cats)} at that peak)")
+            print(
+                f"\nrank 0, {bal}, {mode}, accum {accum}: peak inside each phase, MiB "
+                f"({' / '.join(cats)} at that peak)"
+            )
             for name, peak, split in results[0][i]["phases"]:
-                print(f"  {name:<20}{mib(peak):>9.2f}   " + " / ".join(f"{mib(split[c]):.2f}" for c in cats))
+                print(
+                    f"  {name:<20}{mib(peak):>9.2f}   "
+                    + " / ".join(f"{mib(split[c]):.2f}" for c in cats)
+                )
 
 
 if __name__ == "__main__":

@@ -20,10 +20,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 CASES = {
     "qwen3_5_moe cp2 ring": ["model.name=qwen3_5_moe", "model.preset=tiny", "parallel.cp=2"],
-    "qwen3_moe ep2 chunked": ["model.name=qwen3_moe", "model.preset=tiny", "parallel.ep=2",
-                              "primitives.moe_comm=chunked"],
-    "deepseek_v3 cp2 ep2 chunked": ["model.name=deepseek_v3", "model.preset=tiny", "parallel.cp=2", "parallel.ep=2",
-                                    "primitives.moe_comm=chunked"],
+    "qwen3_moe ep2 chunked": [
+        "model.name=qwen3_moe",
+        "model.preset=tiny",
+        "parallel.ep=2",
+        "primitives.moe_comm=chunked",
+    ],
+    "deepseek_v3 cp2 ep2 chunked": [
+        "model.name=deepseek_v3",
+        "model.preset=tiny",
+        "parallel.cp=2",
+        "parallel.ep=2",
+        "primitives.moe_comm=chunked",
+    ],
 }
 
 
@@ -33,29 +42,49 @@ def _rank(rank, world, sets, out_dir):
     from bumblebee.primitives.emulation import emulate_cuda
     from bumblebee.runtime.trainer import Trainer
 
-    cfg = load_config(None, sets + [f"train.out_dir={out_dir}/{rank}", "train.eval_every=0", "train.emulate_cuda=true"])
+    cfg = load_config(
+        None,
+        sets + [f"train.out_dir={out_dir}/{rank}", "train.eval_every=0", "train.emulate_cuda=true"],
+    )
     trainer = Trainer(cfg, stream=io.StringIO())
     trainer.train_step()  # the first step builds what a run builds once
     with emulate_cuda(check_comm=False), SyncCounter() as c:
         trainer.train_step()
-    return (c.syncs, sum(c.async_by_site.values()), trainer.model.arch.num_hidden_layers, trainer.accum,
-            c.top(6), c.async_by_site.most_common(4))
+    return (
+        c.syncs,
+        sum(c.async_by_site.values()),
+        trainer.model.arch.num_hidden_layers,
+        trainer.accum,
+        c.top(6),
+        c.async_by_site.most_common(4),
+    )
 
 
 def main() -> None:
     from dist_utils import run_distributed
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--out", default="/tmp/bb_host_syncs")
     args = p.parse_args()
-    base = [f"train.seq_len={args.seq}", "train.global_batch=4", "train.micro_batch=1", "train.dtype=bfloat16",
-            f"model.arch.num_hidden_layers={args.layers}"]
+    base = [
+        f"train.seq_len={args.seq}",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+        "train.dtype=bfloat16",
+        f"model.arch.num_hidden_layers={args.layers}",
+    ]
     for name, sets in CASES.items():
-        syncs, staged, layers, micro, top, top_async = run_distributed(_rank, 2, base + sets, f"{args.out}/{name}")[0]
-        print(f"{name}: {syncs} host syncs per step ({syncs / (layers * micro):.2f} per layer per micro-batch; "
-              f"{layers} layers, {micro} micro-batches), {staged} staged async copies")
+        syncs, staged, layers, micro, top, top_async = run_distributed(
+            _rank, 2, base + sets, f"{args.out}/{name}"
+        )[0]
+        print(
+            f"{name}: {syncs} host syncs per step ({syncs / (layers * micro):.2f} per layer per micro-batch; "
+            f"{layers} layers, {micro} micro-batches), {staged} staged async copies"
+        )
         for site, n in top:
             print(f"    {n:5d}  {site}")
         for site, n in top_async:

@@ -83,11 +83,19 @@ def measure(name: str, virtual: int, m: int, args, clock: Clock) -> float:
     """Mean bubble of this rank over ``args.steps`` steps (after one warm-up step)."""
     P, rank = dist.get_world_size(), dist.get_rank()
     stages_total = P * virtual
-    seconds = args.forward_ms / 1000 / virtual  # a rank's forward of one micro-batch costs forward_ms
+    seconds = (
+        args.forward_ms / 1000 / virtual
+    )  # a rank's forward of one micro-batch costs forward_ms
     mine = [rank + j * P for j in range(virtual)]
-    stages = [PipelineStage(Stage(seconds, clock, s == stages_total - 1), s, stages_total, torch.device("cpu"))
-              for s in mine]
-    schedule = registry.get("pipeline", name).factory.build(stages, m, lambda out, target: out.sum())
+    stages = [
+        PipelineStage(
+            Stage(seconds, clock, s == stages_total - 1), s, stages_total, torch.device("cpu")
+        )
+        for s in mine
+    ]
+    schedule = registry.get("pipeline", name).factory.build(
+        stages, m, lambda out, target: out.sum()
+    )
     x, target = torch.ones(m, 16), torch.zeros(m, 1)
     bubbles = []
     for step in range(args.steps + 1):
@@ -120,9 +128,15 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks P (default 4)")
-    p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8], help="micro-batches per step m")
-    p.add_argument("--forward-ms", type=float, default=20.0, help="forward cost of one micro-batch per rank")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per point (after one warm-up)")
+    p.add_argument(
+        "--microbatches", type=int, nargs="+", default=[4, 8], help="micro-batches per step m"
+    )
+    p.add_argument(
+        "--forward-ms", type=float, default=20.0, help="forward cost of one micro-batch per rank"
+    )
+    p.add_argument(
+        "--steps", type=int, default=3, help="measured steps per point (after one warm-up)"
+    )
     p.add_argument("--work", choices=["sleep", "matmul"], default="sleep")
     args = p.parse_args()
     with socket.socket() as s:
@@ -130,9 +144,13 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_rank, args=(args.pp, port, args, queue), nprocs=args.pp, start_method="spawn")
-    print(f"pipeline bubble, P = {args.pp} ranks, forward {args.forward_ms:g} ms + backward "
-          f"{2 * args.forward_ms:g} ms per micro-batch and rank, work = {args.work}, mean of {args.steps} steps")
+    mp.start_processes(
+        _rank, args=(args.pp, port, args, queue), nprocs=args.pp, start_method="spawn"
+    )
+    print(
+        f"pipeline bubble, P = {args.pp} ranks, forward {args.forward_ms:g} ms + backward "
+        f"{2 * args.forward_ms:g} ms per micro-batch and rank, work = {args.work}, mean of {args.steps} steps"
+    )
     print(f"{'schedule':<18} {'v':>2} {'m':>3} {'measured':>9} {'ideal':>7}")
     while not queue.empty():
         name, virtual, m, measured = queue.get()

@@ -37,9 +37,18 @@ import threading
 import time
 
 GiB = 2**30
-ARCH = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=256,
-            num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
-            num_experts_per_tok=4)
+ARCH = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=64,
+    num_experts_per_tok=4,
+)
 
 MAKE = """
 import json, sys, torch, bumblebee
@@ -89,13 +98,21 @@ def is_tracker(pid: int) -> bool:
         return b"resource_tracker" in f.read()
 
 
-def run_measured(argv: list[str], env: dict, marks: dict[str, str]) -> tuple[dict[int, int], dict[str, dict]]:
+def run_measured(
+    argv: list[str], env: dict, marks: dict[str, str]
+) -> tuple[dict[int, int], dict[str, dict]]:
     """Run ``argv``: the peak resident bytes of every process it starts (worker ranks by pid, the
     main process as 0), and a snapshot of those peaks when the first output line starting with
     each of ``marks`` (name -> prefix) appeared (stdout is unbuffered: PYTHONUNBUFFERED)."""
     # cwd: ``python -m`` puts the working directory first on sys.path, which would shadow --tree
-    proc = subprocess.Popen(argv, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=env["PYTHONPATH"])
+    proc = subprocess.Popen(
+        argv,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=env["PYTHONPATH"],
+    )
     peaks: dict[int, int] = {}
     lock = threading.Lock()
 
@@ -138,47 +155,104 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": args.tree, "OMP_NUM_THREADS": "1"}
     ckpt, run, out = (os.path.join(args.work, d) for d in ("hf", "run", "export"))
     if not os.path.isfile(os.path.join(ckpt, "config.json")):
-        subprocess.run([sys.executable, "-c", MAKE, ckpt, json.dumps(ARCH)], check=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+        subprocess.run(
+            [sys.executable, "-c", MAKE, ckpt, json.dumps(ARCH)],
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
         size = json.load(f)["metadata"]["total_size"]
     n = size // 4
     a = ARCH
-    experts = a["num_hidden_layers"] * a["num_experts"] * 3 * a["moe_intermediate_size"] * a["hidden_size"]
+    experts = (
+        a["num_hidden_layers"]
+        * a["num_experts"]
+        * 3
+        * a["moe_intermediate_size"]
+        * a["hidden_size"]
+    )
     largest = a["vocab_size"] * a["hidden_size"] * 4
-    per_rank = n // args.nproc  # fsdp2 over every rank, experts split by ep = nproc: 1/nproc of everything
+    per_rank = (
+        n // args.nproc
+    )  # fsdp2 over every rank, experts split by ep = nproc: 1/nproc of everything
     static = 16 * per_rank
-    print(f"checkpoint {size / GiB:.2f} GiB ({n / 1e9:.3f} B params, {experts / 1e9:.3f} B in experts); "
-          f"tree {args.tree}")
+    print(
+        f"checkpoint {size / GiB:.2f} GiB ({n / 1e9:.3f} B params, {experts / 1e9:.3f} B in experts); "
+        f"tree {args.tree}"
+    )
     for d in (run, out):
         subprocess.run(["rm", "-rf", d], check=True)
     t0 = time.time()
     marks = {"startup": "bumblebee: kernels", "step": "[", "end": "done:"}
-    peaks, snaps = run_measured([sys.executable, "-m", "bumblebee.cli", "train", "--nproc", str(args.nproc),
-                                 "--set", f"parallel.ep={args.nproc}", "--set", f"model.hf_path={ckpt}",
-                                 "--set", f"train.steps={args.steps}", "--set", "train.track_memory=true",
-                                 "--set", "train.seq_len=64", "--set",
-                                 f"train.global_batch={args.nproc}", "--set", "train.save_every=1",
-                                 "--set", "train.eval_every=0", "--set", f"train.out_dir={run}"], env, marks)
-    print(f"train --nproc {args.nproc} ep={args.nproc}, {args.steps} step(s) + save: {time.time() - t0:.0f} s")
-    print(f"  checkpoint / {args.nproc} = {size / args.nproc / GiB:.2f} GiB; static fp32 state per rank "
-          f"(16 B x {per_rank / 1e6:.0f} M params) = {static / GiB:.2f} GiB; goal <= {(static + GiB) / GiB:.2f} GiB")
+    peaks, snaps = run_measured(
+        [
+            sys.executable,
+            "-m",
+            "bumblebee.cli",
+            "train",
+            "--nproc",
+            str(args.nproc),
+            "--set",
+            f"parallel.ep={args.nproc}",
+            "--set",
+            f"model.hf_path={ckpt}",
+            "--set",
+            f"train.steps={args.steps}",
+            "--set",
+            "train.track_memory=true",
+            "--set",
+            "train.seq_len=64",
+            "--set",
+            f"train.global_batch={args.nproc}",
+            "--set",
+            "train.save_every=1",
+            "--set",
+            "train.eval_every=0",
+            "--set",
+            f"train.out_dir={run}",
+        ],
+        env,
+        marks,
+    )
+    print(
+        f"train --nproc {args.nproc} ep={args.nproc}, {args.steps} step(s) + save: {time.time() - t0:.0f} s"
+    )
+    print(
+        f"  checkpoint / {args.nproc} = {size / args.nproc / GiB:.2f} GiB; static fp32 state per rank "
+        f"(16 B x {per_rank / 1e6:.0f} M params) = {static / GiB:.2f} GiB; goal <= {(static + GiB) / GiB:.2f} GiB"
+    )
     workers = sorted(k for k in peaks if k)
-    print("  peak RSS (GiB) per worker:   " + "  ".join(f"{'rank?' if len(workers) > 1 else 'rank'}{i}" for i in
-                                                       range(len(workers))) + "   (ranks in pid order)")
+    print(
+        "  peak RSS (GiB) per worker:   "
+        + "  ".join(f"{'rank?' if len(workers) > 1 else 'rank'}{i}" for i in range(len(workers)))
+        + "   (ranks in pid order)"
+    )
     for name in ("startup", "step", "end"):
         if name in snaps:
-            print(f"    after {name:8s}           " + "  ".join(f"{snaps[name].get(w, 0) / GiB:6.2f}" for w in workers))
-    print(f"    whole run                " + "  ".join(f"{peaks[w] / GiB:6.2f}" for w in workers)
-          + f"   (launcher {peaks.get(0, 0) / GiB:.2f})")
+            print(
+                f"    after {name:8s}           "
+                + "  ".join(f"{snaps[name].get(w, 0) / GiB:6.2f}" for w in workers)
+            )
+    print(
+        "    whole run                "
+        + "  ".join(f"{peaks[w] / GiB:6.2f}" for w in workers)
+        + f"   (launcher {peaks.get(0, 0) / GiB:.2f})"
+    )
     with open(os.path.join(run, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f if '"peak_mem_bytes"' in line]
-    print("  tracker peak (live tensors, largest rank) per step: "
-          + "  ".join(f"{r['peak_mem_bytes'] / GiB:.2f}" for r in steps) + " GiB")
+    print(
+        "  tracker peak (live tensors, largest rank) per step: "
+        + "  ".join(f"{r['peak_mem_bytes'] / GiB:.2f}" for r in steps)
+        + " GiB"
+    )
     t0 = time.time()
-    peaks, _ = run_measured([sys.executable, "-m", "bumblebee.cli", "convert", "--to", "hf", run, out], env, {})
-    print(f"convert --to hf: {time.time() - t0:.0f} s; peak RSS {max(peaks.values()) / GiB:.2f} GiB; "
-          f"goal <= 2 x largest tensor ({largest / GiB:.2f} GiB) + 1 GiB = {(2 * largest + GiB) / GiB:.2f} GiB")
+    peaks, _ = run_measured(
+        [sys.executable, "-m", "bumblebee.cli", "convert", "--to", "hf", run, out], env, {}
+    )
+    print(
+        f"convert --to hf: {time.time() - t0:.0f} s; peak RSS {max(peaks.values()) / GiB:.2f} GiB; "
+        f"goal <= 2 x largest tensor ({largest / GiB:.2f} GiB) + 1 GiB = {(2 * largest + GiB) / GiB:.2f} GiB"
+    )
 
 
 if __name__ == "__main__":

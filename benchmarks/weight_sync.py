@@ -19,8 +19,6 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from dist_utils import run_distributed  # noqa: E402
 
@@ -55,19 +53,31 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--bucket-mib", type=float, default=512)
     args = ap.parse_args()
-    overrides = [f"model.arch.num_hidden_layers={args.layers}", f"model.arch.hidden_size={args.hidden}",
-                 f"model.arch.num_experts={args.experts}", "model.arch.moe_intermediate_size=64",
-                 "primitives.sharding=fsdp2", "train.out_dir=/tmp/bumblebee_weight_sync"]
-    modes = [("tensor by tensor", 1), (f"buckets of {args.bucket_mib:g} MiB", int(args.bucket_mib * 2**20)),
-             ("buckets of 1 MiB", 2**20)]
+    overrides = [
+        f"model.arch.num_hidden_layers={args.layers}",
+        f"model.arch.hidden_size={args.hidden}",
+        f"model.arch.num_experts={args.experts}",
+        "model.arch.moe_intermediate_size=64",
+        "primitives.sharding=fsdp2",
+        "train.out_dir=/tmp/bumblebee_weight_sync",
+    ]
+    modes = [
+        ("tensor by tensor", 1),
+        (f"buckets of {args.bucket_mib:g} MiB", int(args.bucket_mib * 2**20)),
+        ("buckets of 1 MiB", 2**20),
+    ]
     res = run_distributed(_ranks, 2, overrides, modes)
-    print(f"{args.layers} layers x {args.experts} experts, hidden {args.hidden}; bf16 weights, gloo broadcast, 2 ranks")
+    print(
+        f"{args.layers} layers x {args.experts} experts, hidden {args.hidden}; bf16 weights, gloo broadcast, 2 ranks"
+    )
     base = res[1][modes[0][0]][2]
     for name, _ in modes:
         n, nbytes, secs, _ = res[1][name]
         peak0 = res[0][name][3]
-        print(f"  {name:>22}: {n:5d} buckets, {nbytes / 2**20:7.1f} MiB, {secs:6.2f} s on the receiver "
-              f"({base / secs:4.1f}x), sender peak extra {peak0 / 2**20:6.1f} MiB")
+        print(
+            f"  {name:>22}: {n:5d} buckets, {nbytes / 2**20:7.1f} MiB, {secs:6.2f} s on the receiver "
+            f"({base / secs:4.1f}x), sender peak extra {peak0 / 2**20:6.1f} MiB"
+        )
 
 
 if __name__ == "__main__":

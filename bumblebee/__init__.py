@@ -9,11 +9,30 @@ distributed packages take seconds to import).
 """
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "load_config", "build_model", "from_hf", "to_hf", "Engine", "__version__"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "build_model",
+    "from_hf",
+    "to_hf",
+    "Engine",
+    "__version__",
+]
 
 
 # reachable as attributes of the package, imported on first use (plan is the CLI's, not the API's)
-_SUBPACKAGES = {"config", "errors", "registry", "primitives", "models", "runtime", "rl", "data", "perf"}
+_SUBPACKAGES = {
+    "config",
+    "errors",
+    "registry",
+    "primitives",
+    "models",
+    "runtime",
+    "rl",
+    "data",
+    "perf",
+}
 
 
 def __getattr__(name: str):

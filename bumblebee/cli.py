@@ -17,21 +17,40 @@ from bumblebee.console import SetOverride
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="F", help="TOML config file (default: the embedded default run)")
-    p.add_argument("--set", dest="overrides", action=SetOverride, metavar="SECTION.KEY=VALUE",
-                   help="override one config value, e.g. --set train.steps=20 (repeatable)")
+    p.add_argument(
+        "--config", metavar="F", help="TOML config file (default: the embedded default run)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action=SetOverride,
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set train.steps=20 (repeatable)",
+    )
 
 
 # ------------------------------------------------------------------------------ train
 def _train_args(p: argparse.ArgumentParser) -> None:
     _add_config_args(p)
-    p.add_argument("--nproc", type=int, default=1, metavar="N",
-                   help="local ranks to start (torch.distributed elastic); under torchrun leave it out")
-    p.add_argument("--resume", metavar="DIR|auto",
-                   help="continue from a checkpoint directory, or 'auto': the newest complete one in train.out_dir")
-    p.add_argument("--max-restarts", type=int, metavar="N",
-                   help="with --nproc: restart every rank up to N times after a failure, resuming from the newest "
-                        "complete checkpoint (train.max_restarts)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="local ranks to start (torch.distributed elastic); under torchrun leave it out",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="DIR|auto",
+        help="continue from a checkpoint directory, or 'auto': the newest complete one in train.out_dir",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="N",
+        help="with --nproc: restart every rank up to N times after a failure, resuming from the newest "
+        "complete checkpoint (train.max_restarts)",
+    )
 
 
 def _train_run(args) -> int:
@@ -50,6 +69,7 @@ def _train_run(args) -> int:
     cfg = load_config(args.config, args.overrides + resume + restarts)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+
     def checks(world: int):  # warnings only for a run that starts: an error stays the only line
         layout = preflight(cfg, world)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy of each warning
@@ -95,7 +115,14 @@ def _primitives_run(args) -> int:
         if not impls:
             print("    (no implementation yet)")
         for name, impl in impls.items():
-            tags = [t for t, on in (("reference", impl.reference), ("default", getattr(defaults, slot) == name)) if on]
+            tags = [
+                t
+                for t, on in (
+                    ("reference", impl.reference),
+                    ("default", getattr(defaults, slot) == name),
+                )
+                if on
+            ]
             tag = f" [{', '.join(tags)}]" if tags else ""
             print(f"    {name:<14}{tag:<22} {impl.summary}")
             for device, dtype, label in dispatch.rows(slot, name):  # the kernel it runs where
@@ -132,23 +159,42 @@ def _plan_run(args) -> int:
 
 # ------------------------------------------------------------------------------ convert
 def _convert_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--to", required=True, choices=["hf"], help="output format: a Hugging Face directory")
-    p.add_argument("ckpt_dir", metavar="CKPT_DIR",
-                   help="a checkpoint (out_dir/checkpoints/step_N), or a run directory: its newest complete one")
+    p.add_argument(
+        "--to", required=True, choices=["hf"], help="output format: a Hugging Face directory"
+    )
+    p.add_argument(
+        "ckpt_dir",
+        metavar="CKPT_DIR",
+        help="a checkpoint (out_dir/checkpoints/step_N), or a run directory: its newest complete one",
+    )
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30, metavar="N",
-                   help="split the safetensors into shards of at most N bytes, with an index (default 5 GiB)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="OUT_DIR holds an earlier export: replace its files (otherwise a non-empty OUT_DIR is refused)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
-                   help="dtype of the exported weights (default: bfloat16 for a checkpoint of a train.dtype = "
-                        "bfloat16 run, float32 otherwise); written one tensor at a time")
+    p.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=5 * 2**30,
+        metavar="N",
+        help="split the safetensors into shards of at most N bytes, with an index (default 5 GiB)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="OUT_DIR holds an earlier export: replace its files (otherwise a non-empty OUT_DIR is refused)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="dtype of the exported weights (default: bfloat16 for a checkpoint of a train.dtype = "
+        "bfloat16 run, float32 otherwise); written one tensor at a time",
+    )
 
 
 def _convert_run(args) -> int:
     from bumblebee.runtime.export import export_checkpoint
 
-    path = export_checkpoint(args.ckpt_dir, args.out_dir, args.max_shard_bytes, args.overwrite, dtype=args.dtype)
+    path = export_checkpoint(
+        args.ckpt_dir, args.out_dir, args.max_shard_bytes, args.overwrite, dtype=args.dtype
+    )
     print(f"bumblebee: wrote {args.out_dir} from {path}")
     return 0
 
@@ -156,8 +202,11 @@ def _convert_run(args) -> int:
 # ------------------------------------------------------------------------------ checkpoint
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    v = sub.add_parser("verify", help="check every file of a checkpoint against the checksums in its marker "
-                                      "(no model is built); a run or checkpoints directory: all of its checkpoints")
+    v = sub.add_parser(
+        "verify",
+        help="check every file of a checkpoint against the checksums in its marker "
+        "(no model is built); a run or checkpoints directory: all of its checkpoints",
+    )
     v.add_argument("path", metavar="DIR")
 
 
@@ -202,7 +251,9 @@ def _data_run(args) -> int:
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"data prepare OUT: cannot create {args.out} ({e.strerror or e})") from None
+        raise ConfigError(
+            f"data prepare OUT: cannot create {args.out} ({e.strerror or e})"
+        ) from None
     try:
         with OutDirLock(args.out, what="data prepare OUT"):
             return run(args)
@@ -228,18 +279,51 @@ def _report_run(args) -> int:
 
 
 SUBCOMMANDS = {
-    "train": ("train a model (no arguments: the embedded default run on CPU)", _train_args, _train_run),
-    "primitives": ("list every primitive slot and its implementations", _primitives_args, _primitives_run),
-    "convert": ("export a training checkpoint (--to hf: a Hugging Face directory)", _convert_args, _convert_run),
-    "checkpoint": ("checkpoint tools (verify: checksums of every file, without loading)", _checkpoint_args,
-                   _checkpoint_run),
-    "plan": ("plan a layout: per-GPU memory, predicted throughput, the default recipe (no GPU)", _plan_args, _plan_run),
-    "rl": ("warm-up + GRPO on a built-in verifiable task (no arguments: a tiny model on CPU)", _rl_args, _rl_run),
-    "pair": ("run two implementations of one primitive slot side by side and compare them step by step",
-             _pair_args, _pair_run),
-    "data": ("prepare (tokenize into memory-mapped tokens) or inspect training data", _data_args, _data_run),
-    "report": ("draw the curves of training or RL runs (overlaid, with their difference to the first) into a PNG",
-               _report_args, _report_run),
+    "train": (
+        "train a model (no arguments: the embedded default run on CPU)",
+        _train_args,
+        _train_run,
+    ),
+    "primitives": (
+        "list every primitive slot and its implementations",
+        _primitives_args,
+        _primitives_run,
+    ),
+    "convert": (
+        "export a training checkpoint (--to hf: a Hugging Face directory)",
+        _convert_args,
+        _convert_run,
+    ),
+    "checkpoint": (
+        "checkpoint tools (verify: checksums of every file, without loading)",
+        _checkpoint_args,
+        _checkpoint_run,
+    ),
+    "plan": (
+        "plan a layout: per-GPU memory, predicted throughput, the default recipe (no GPU)",
+        _plan_args,
+        _plan_run,
+    ),
+    "rl": (
+        "warm-up + GRPO on a built-in verifiable task (no arguments: a tiny model on CPU)",
+        _rl_args,
+        _rl_run,
+    ),
+    "pair": (
+        "run two implementations of one primitive slot side by side and compare them step by step",
+        _pair_args,
+        _pair_run,
+    ),
+    "data": (
+        "prepare (tokenize into memory-mapped tokens) or inspect training data",
+        _data_args,
+        _data_run,
+    ),
+    "report": (
+        "draw the curves of training or RL runs (overlaid, with their difference to the first) into a PNG",
+        _report_args,
+        _report_run,
+    ),
 }
 
 
@@ -249,7 +333,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     torch, and ``bumblebee --help`` / ``bumblebee train ...`` need no other subcommand's."""
     from bumblebee import __version__
 
-    parser = argparse.ArgumentParser(prog="bumblebee", description="Long-context MoE training in pure PyTorch.")
+    parser = argparse.ArgumentParser(
+        prog="bumblebee", description="Long-context MoE training in pure PyTorch."
+    )
     parser.add_argument("--version", action="version", version=f"bumblebee {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, add_args, _) in SUBCOMMANDS.items():
@@ -303,7 +389,10 @@ def _silence_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is not a real file (captured): nothing will flush into a pipe
+    except (
+        OSError,
+        ValueError,
+    ):  # stdout is not a real file (captured): nothing will flush into a pipe
         pass
     finally:
         os.close(devnull)

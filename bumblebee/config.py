@@ -25,10 +25,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from bumblebee.config_checks import check_filled
-from bumblebee.config_checks import validate  # noqa: F401  (re-exported: ``from bumblebee.config import validate``)
+from bumblebee.config_checks import (
+    check_filled,
+    validate,  # noqa: F401  (re-exported: ``from bumblebee.config import validate``)
+)
 from bumblebee.errors import ConfigError  # noqa: F401  (re-exported: ``from bumblebee.config import ConfigError``)
-
 
 
 @dataclass(kw_only=True)
@@ -42,7 +43,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    dp_shard: Union[int, str] = "auto"  # "auto" = world / (cp * tp * pp)
+    dp_shard: int | str = "auto"  # "auto" = world / (cp * tp * pp)
     cp: int = 1
     ep: int = 1
     tp: int = 1
@@ -66,9 +67,13 @@ class PrimitivesConfig:
     recompute: str = "full"
     recompute_modules: list = field(default_factory=list)
     pipeline: str = "1f1b"
-    pp_microbatches: int = 0  # micro-batches per pipeline step; 0: this rank's rows / train.micro_batch
+    pp_microbatches: int = (
+        0  # micro-batches per pipeline step; 0: this rank's rows / train.micro_batch
+    )
     pp_virtual_stages: int = 1  # pipeline stages per rank (interleaved_1f1b: >= 2)
-    pp_layout: list = field(default_factory=list)  # decoder layers of each stage, [[0, 1], [2, 3]]; []: balance cost
+    pp_layout: list = field(
+        default_factory=list
+    )  # decoder layers of each stage, [[0, 1], [2, 3]]; []: balance cost
     # CUDA without a fused kernel's package (fla for Gated DeltaNet): run the slow PyTorch path instead of refusing
     allow_fallback: bool = False
 
@@ -88,32 +93,48 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0
-    offload_optimizer: bool = False  # fsdp2: keep sharded params/grads/optimizer state in host memory
+    offload_optimizer: bool = (
+        False  # fsdp2: keep sharded params/grads/optimizer state in host memory
+    )
     # compute dtype: float32 | bfloat16 (parameters and optimizer state stay fp32); unset, a real-size
     # preset (model.preset other than "tiny", no hf_path) runs bfloat16, everything else float32
     dtype: str = "float32"
     grad_accum: str = "sharded"  # fsdp2: "sharded" (reduce-scatter every micro-batch) | "unsharded" (once per step)
-    reduce_dtype: str = "float32"  # fsdp2 with dtype = bfloat16: gradient reduce-scatter in float32 | bfloat16
+    reduce_dtype: str = (
+        "float32"  # fsdp2 with dtype = bfloat16: gradient reduce-scatter in float32 | bfloat16
+    )
     seed: int = 0
     deterministic: bool = False
     out_dir: str = "runs/default"
     log_every: int = 1
-    track_memory: bool = False  # CPU: count live tensors on every step (slower), not only on the first
+    track_memory: bool = (
+        False  # CPU: count live tensors on every step (slower), not only on the first
+    )
     # tests: take the CUDA code paths on CPU tensors, each CUDA kernel replaced by its reference, every
     # collective and point-to-point call checked (primitives/emulation.py); CPU only, slow
     emulate_cuda: bool = False
     save_every: int = 0  # checkpoint every N steps and at the end (0: no checkpoints)
     keep_last: int = 2  # complete checkpoints kept in out_dir/checkpoints (0: all)
-    resume: str = ""  # "auto" (newest complete checkpoint of out_dir, if any) | a checkpoint or run directory
+    resume: str = (
+        ""  # "auto" (newest complete checkpoint of out_dir, if any) | a checkpoint or run directory
+    )
     export_hf: bool = False  # write a Hugging Face directory to out_dir/hf at the end of training
     # log eval_loss (synthetic task: and eval_accuracy) on held-out data every N steps and at the end
     # (0: never); "auto": every 50 steps where the source has held-out data (synthetic: always)
-    eval_every: Union[int, str] = "auto"
-    tensorboard: bool = False  # also write the metrics as TensorBoard scalars to out_dir/tensorboard
-    wandb: bool = False  # also log them to Weights & Biases (pip install wandb), run named after out_dir
+    eval_every: int | str = "auto"
+    tensorboard: bool = (
+        False  # also write the metrics as TensorBoard scalars to out_dir/tensorboard
+    )
+    wandb: bool = (
+        False  # also log them to Weights & Biases (pip install wandb), run named after out_dir
+    )
     wandb_project: str = "bumblebee"
-    max_restarts: int = 0  # --nproc runs: restart every rank after a failure, from the newest checkpoint
-    collective_timeout_s: float = 600.0  # every process group: a rank that hangs ends the job after this
+    max_restarts: int = (
+        0  # --nproc runs: restart every rank after a failure, from the newest checkpoint
+    )
+    collective_timeout_s: float = (
+        600.0  # every process group: a rank that hangs ends the job after this
+    )
     on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: "stop" the run | "skip" the update
     # balance loss (weight: model.arch.router_aux_loss_coef): "global_batch" (expert frequencies over the
     # whole global batch; keeps every micro-batch's graph until the backwards) | "micro_batch" (per
@@ -130,7 +151,9 @@ class DataConfig:
     tokenizer: str = ""  # text / chat: a local Hugging Face tokenizer directory
     chat_loss: str = "assistant"  # chat: loss on assistant turns only | "all"
     tools: str = ""  # chat: a JSON file, a list of tool schemas for the chat template (a record's own 'tools' wins)
-    chat_template_kwargs: dict = field(default_factory=dict)  # chat: template variables, {enable_thinking = false}
+    chat_template_kwargs: dict = field(
+        default_factory=dict
+    )  # chat: template variables, {enable_thinking = false}
     on_error: str = "raise"  # a bad record: "raise" (file:line: reason, exit 2) | "skip" (counted)
     # a document longer than train.seq_len: "split" into continuations at row boundaries | "truncate" |
     # "drop" (counted, with the share of tokens dropped); "auto": split, chat data truncate
@@ -145,24 +168,38 @@ class DataConfig:
     min_doc_len: int = 16
     max_doc_len: int = 2048
     ramp_steps: int = 200
-    value_len: int = 2  # answer digits (the default run learns 2 within its 400 steps, not 3: see README)
-    eval_min_distance: int = 1024  # held-out queries ask about records at least this many tokens back
+    value_len: int = (
+        2  # answer digits (the default run learns 2 within its 400 steps, not 3: see README)
+    )
+    eval_min_distance: int = (
+        1024  # held-out queries ask about records at least this many tokens back
+    )
     eval_docs: int = 32  # held-out documents per evaluation (rounded up to whole global batches)
 
 
 @dataclass(kw_only=True)
 class MoeConfig:
-    bias_update_rate: float = 0.001  # router sigmoid_bias: bias += rate * sign(mean load - load) after each step
-    load_histogram_every: int = 0  # every N steps: per-layer per-expert token counts (metrics field expert_load)
-    capacity_factor: float = 0.0  # > 0: each expert takes <= ceil(f * T * K / E) of a forward's T tokens; rest dropped
+    bias_update_rate: float = (
+        0.001  # router sigmoid_bias: bias += rate * sign(mean load - load) after each step
+    )
+    load_histogram_every: int = (
+        0  # every N steps: per-layer per-expert token counts (metrics field expert_load)
+    )
+    capacity_factor: float = (
+        0.0  # > 0: each expert takes <= ceil(f * T * K / E) of a forward's T tokens; rest dropped
+    )
 
 
 @dataclass(kw_only=True)
 class MTPConfig:
     """Multi-token prediction (models/mtp.py) on models that hold MTP modules."""
 
-    depth: Union[int, str] = "auto"  # MTP depths trained: "auto" = every module the model holds, 0 = none
-    loss_weight: float = 0.1  # the MTP loss weight (lambda / depth per depth; DeepSeek-V3: 0.3, then 0.1)
+    depth: int | str = (
+        "auto"  # MTP depths trained: "auto" = every module the model holds, 0 = none
+    )
+    loss_weight: float = (
+        0.1  # the MTP loss weight (lambda / depth per depth; DeepSeek-V3: 0.3, then 0.1)
+    )
 
 
 @dataclass(kw_only=True)
@@ -203,7 +240,9 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
                 return _coerce(value, arm, where)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(f"{where}: {value!r} is not valid ({' or '.join(a.__name__ for a in get_args(hint))})")
+        raise ConfigError(
+            f"{where}: {value!r} is not valid ({' or '.join(a.__name__ for a in get_args(hint))})"
+        )
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -234,14 +273,18 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 def _apply(cfg: Config, data: dict, source: str) -> None:
     for section, values in data.items():
         if section not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{section}]{_suggest(section, list(SECTIONS))}")
+            raise ConfigError(
+                f"{source}: unknown section [{section}]{_suggest(section, list(SECTIONS))}"
+            )
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{section}] must be a table")
         obj = getattr(cfg, section)
         hints = get_type_hints(type(obj))
         for key, value in values.items():
             if key not in hints:
-                raise ConfigError(f"{source}: unknown key {section}.{key}{_suggest(key, list(hints))}")
+                raise ConfigError(
+                    f"{source}: unknown key {section}.{key}{_suggest(key, list(hints))}"
+                )
             setattr(obj, key, _coerce(value, hints[key], f"{source}: {section}.{key}"))
 
 
@@ -273,10 +316,11 @@ def read_toml(path: str) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
+        line = raw[: e.start].count(b"\n") + 1
         kind = " (UTF-16: save it as UTF-8)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}){kind}; TOML files are UTF-8") \
-            from None
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}){kind}; TOML files are UTF-8"
+        ) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -304,7 +348,9 @@ def parse_config(path: str | None = None, overrides: list[str] | None = None) ->
         _apply(cfg, {keys[0]: {keys[1]: value}}, "--set")
         dtype_given = dtype_given or keys == ["train", "dtype"]
     if not dtype_given and cfg.model.preset != "tiny" and not cfg.model.hf_path:
-        cfg.train.dtype = "bfloat16"  # real-size presets: bf16 compute (the grouped expert GEMM), fp32 masters
+        cfg.train.dtype = (
+            "bfloat16"  # real-size presets: bf16 compute (the grouped expert GEMM), fp32 masters
+        )
     validate(cfg)
     return cfg
 

@@ -23,8 +23,14 @@ def check_int_range(section: str, obj) -> None:
     count of 1e22 would start a run that never ends or overflow once it meets a tensor."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT < value < INT_LIMIT:
-            raise ConfigError(f"{section}.{f.name} = {value} is beyond a 64-bit integer (|value| < 2^63)")
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and not -INT_LIMIT < value < INT_LIMIT
+        ):
+            raise ConfigError(
+                f"{section}.{f.name} = {value} is beyond a 64-bit integer (|value| < 2^63)"
+            )
 
 
 def validate(cfg) -> None:
@@ -35,7 +41,9 @@ def validate(cfg) -> None:
     _check_train(cfg.train)
     _check_moe(cfg)
     _check_parallel(cfg)
-    if cfg.train.eval_every != "auto" and not (isinstance(cfg.train.eval_every, int) and cfg.train.eval_every >= 0):
+    if cfg.train.eval_every != "auto" and not (
+        isinstance(cfg.train.eval_every, int) and cfg.train.eval_every >= 0
+    ):
         raise ConfigError(f"train.eval_every must be >= 0 or 'auto', got {cfg.train.eval_every!r}")
     _check_data(cfg.data, cfg.train)
     _check_synthetic(cfg)
@@ -62,21 +70,31 @@ def _check_train(t) -> None:
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise ConfigError(f"train.lr must be > 0 and 0 <= train.min_lr <= train.lr (got lr={t.lr}, min_lr={t.min_lr})")
+        raise ConfigError(
+            f"train.lr must be > 0 and 0 <= train.min_lr <= train.lr (got lr={t.lr}, min_lr={t.min_lr})"
+        )
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(t, name) < 1:
-            raise ConfigError(f"train.{name} must be in [0, 1) (AdamW's moment decay), got {getattr(t, name)}")
+            raise ConfigError(
+                f"train.{name} must be in [0, 1) (AdamW's moment decay), got {getattr(t, name)}"
+            )
     if t.eps <= 0 or t.weight_decay < 0:
-        raise ConfigError(f"train.eps must be > 0 and train.weight_decay >= 0 (got eps={t.eps}, "
-                          f"weight_decay={t.weight_decay})")
+        raise ConfigError(
+            f"train.eps must be > 0 and train.weight_decay >= 0 (got eps={t.eps}, "
+            f"weight_decay={t.weight_decay})"
+        )
     if not t.out_dir.strip():
         raise ConfigError("train.out_dir is empty; give the directory the run writes to")
     if t.clip_grad < 0:
         raise ConfigError(f"train.clip_grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
     if t.resume not in ("", "auto") and not os.path.isdir(t.resume):
-        raise ConfigError(f"train.resume: no such directory {t.resume!r}; give a checkpoint directory or 'auto'")
+        raise ConfigError(
+            f"train.resume: no such directory {t.resume!r}; give a checkpoint directory or 'auto'"
+        )
     if not 0 < t.collective_timeout_s < 1e7:
-        raise ConfigError(f"train.collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s}")
+        raise ConfigError(
+            f"train.collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s}"
+        )
     if t.adamw not in ("fused", "foreach", "loop"):
         raise ConfigError(f"train.adamw must be 'fused', 'foreach' or 'loop', got {t.adamw!r}")
     if t.on_nonfinite not in ("stop", "skip"):
@@ -84,20 +102,30 @@ def _check_train(t) -> None:
     if t.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
     if t.grad_accum not in ("sharded", "unsharded"):
-        raise ConfigError(f"train.grad_accum must be 'sharded' or 'unsharded', got {t.grad_accum!r}")
+        raise ConfigError(
+            f"train.grad_accum must be 'sharded' or 'unsharded', got {t.grad_accum!r}"
+        )
     if t.reduce_dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"train.reduce_dtype must be 'float32' or 'bfloat16', got {t.reduce_dtype!r}")
+        raise ConfigError(
+            f"train.reduce_dtype must be 'float32' or 'bfloat16', got {t.reduce_dtype!r}"
+        )
     if t.balance not in ("auto", "global_batch", "micro_batch", "hf"):
-        raise ConfigError(f"train.balance must be 'auto', 'global_batch', 'micro_batch' or 'hf', got {t.balance!r}")
+        raise ConfigError(
+            f"train.balance must be 'auto', 'global_batch', 'micro_batch' or 'hf', got {t.balance!r}"
+        )
 
 
 def _check_moe(cfg) -> None:
     m = cfg.moe
     if not (math.isfinite(m.bias_update_rate) and m.bias_update_rate >= 0):
-        raise ConfigError(f"moe.bias_update_rate must be a finite number >= 0, got {m.bias_update_rate}")
+        raise ConfigError(
+            f"moe.bias_update_rate must be a finite number >= 0, got {m.bias_update_rate}"
+        )
     if not (math.isfinite(m.capacity_factor) and m.capacity_factor >= 0):
-        raise ConfigError(f"moe.capacity_factor must be a finite number >= 0 (0: no capacity limit), "
-                          f"got {m.capacity_factor}")
+        raise ConfigError(
+            f"moe.capacity_factor must be a finite number >= 0 (0: no capacity limit), "
+            f"got {m.capacity_factor}"
+        )
     if m.load_histogram_every < 0:
         raise ConfigError(f"moe.load_histogram_every must be >= 0, got {m.load_histogram_every}")
 
@@ -108,7 +136,9 @@ def _check_parallel(cfg) -> None:
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     if isinstance(p.dp_shard, str) and p.dp_shard != "auto":
-        raise ConfigError(f"parallel.dp_shard must be a positive integer or 'auto', got {p.dp_shard!r}")
+        raise ConfigError(
+            f"parallel.dp_shard must be a positive integer or 'auto', got {p.dp_shard!r}"
+        )
     if isinstance(p.dp_shard, int) and p.dp_shard < 1:
         raise ConfigError(f"parallel.dp_shard must be >= 1, got {p.dp_shard}")
 
@@ -116,8 +146,10 @@ def _check_parallel(cfg) -> None:
 def _check_synthetic(cfg) -> None:
     d = cfg.data
     if not 1 <= d.min_records <= d.max_records <= 26:
-        raise ConfigError(f"data needs 1 <= min_records <= max_records <= 26 (one key letter each), "
-                          f"got {d.min_records}, {d.max_records}")
+        raise ConfigError(
+            f"data needs 1 <= min_records <= max_records <= 26 (one key letter each), "
+            f"got {d.min_records}, {d.max_records}"
+        )
     for name in ("min_doc_len", "max_doc_len", "value_len", "eval_docs"):
         if getattr(d, name) < 1:
             raise ConfigError(f"data.{name} must be a positive integer, got {getattr(d, name)}")
@@ -129,26 +161,40 @@ def _check_synthetic(cfg) -> None:
 def _check_primitives(cfg) -> None:
     pr = cfg.primitives
     if not all(isinstance(s, list) and all(type(i) is int for i in s) for s in pr.pp_layout):
-        raise ConfigError(f"primitives.pp_layout must be a list of stages, each a list of decoder layer indices "
-                          f"(integers), e.g. [[0, 1], [2, 3]]; got {pr.pp_layout}")
+        raise ConfigError(
+            f"primitives.pp_layout must be a list of stages, each a list of decoder layer indices "
+            f"(integers), e.g. [[0, 1], [2, 3]]; got {pr.pp_layout}"
+        )
     if not all(isinstance(m, str) for m in pr.recompute_modules):
-        raise ConfigError(f"primitives.recompute_modules must be a list of module names, got {pr.recompute_modules}")
+        raise ConfigError(
+            f"primitives.recompute_modules must be a list of module names, got {pr.recompute_modules}"
+        )
     if pr.linear_attention_cp not in ("scan", "relay"):
-        raise ConfigError(f"primitives.linear_attention_cp must be 'scan' or 'relay', got {pr.linear_attention_cp!r}")
+        raise ConfigError(
+            f"primitives.linear_attention_cp must be 'scan' or 'relay', got {pr.linear_attention_cp!r}"
+        )
     for name in ("moe_chunks", "pp_microbatches", "pp_virtual_stages"):
         if getattr(pr, name) < 0:
             raise ConfigError(f"primitives.{name} must be >= 0, got {getattr(pr, name)}")
     if cfg.primitives.moe_comm == "chunked" and cfg.primitives.moe_chunks not in (2, 3, 4):
-        raise ConfigError(f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', "
-                          f"got {cfg.primitives.moe_chunks}")
+        raise ConfigError(
+            f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', "
+            f"got {cfg.primitives.moe_chunks}"
+        )
 
 
 def _check_data(d, t) -> None:
-    choices = {"source": DATA_SOURCES, "chat_loss": ("assistant", "all"), "on_error": ("raise", "skip"),
-               "too_long": ("auto", "split", "truncate", "drop")}
+    choices = {
+        "source": DATA_SOURCES,
+        "chat_loss": ("assistant", "all"),
+        "on_error": ("raise", "skip"),
+        "too_long": ("auto", "split", "truncate", "drop"),
+    }
     for key, valid in choices.items():
         if getattr(d, key) not in valid:
-            raise ConfigError(f"data.{key} must be one of {', '.join(valid)}; got {getattr(d, key)!r}")
+            raise ConfigError(
+                f"data.{key} must be one of {', '.join(valid)}; got {getattr(d, key)!r}"
+            )
     if d.source != "synthetic":
         if not d.path:
             raise ConfigError(f"data.source = '{d.source}' needs data.path")
@@ -157,17 +203,25 @@ def _check_data(d, t) -> None:
             if p and not os.path.exists(p):
                 raise ConfigError(f"data.{key} not found: {p}")
     if d.tools and not os.path.isfile(d.tools):
-        raise ConfigError(f"data.tools not found: {d.tools} (a JSON file with a list of tool schemas)")
+        raise ConfigError(
+            f"data.tools not found: {d.tools} (a JSON file with a list of tool schemas)"
+        )
     if (d.tools or d.chat_template_kwargs) and d.source != "chat":
-        raise ConfigError(f"data.tools and data.chat_template_kwargs apply to chat data; data.source is "
-                          f"'{d.source}'")
+        raise ConfigError(
+            f"data.tools and data.chat_template_kwargs apply to chat data; data.source is "
+            f"'{d.source}'"
+        )
     if d.source in ("text", "chat") and not d.tokenizer:
-        raise ConfigError(f"data.source = '{d.source}' needs data.tokenizer (a local Hugging Face tokenizer directory)")
+        raise ConfigError(
+            f"data.source = '{d.source}' needs data.tokenizer (a local Hugging Face tokenizer directory)"
+        )
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
     held_out = d.eval_fraction or d.eval_path
     if t.eval_every != "auto" and t.eval_every and d.source != "synthetic" and not held_out:
-        raise ConfigError("train.eval_every needs held-out data: set data.eval_fraction or data.eval_path")
+        raise ConfigError(
+            "train.eval_every needs held-out data: set data.eval_fraction or data.eval_path"
+        )
     if d.eval_batches < 1:
         raise ConfigError(f"data.eval_batches must be >= 1, got {d.eval_batches}")
 
@@ -176,9 +230,11 @@ def config_warnings(cfg) -> list[str]:
     """Settings that run but are probably not what was meant (printed as warnings at start)."""
     t, out = cfg.train, []
     if t.warmup_steps > t.steps:
-        out.append(f"train.warmup_steps = {t.warmup_steps} > train.steps = {t.steps}: the learning rate is still "
-                   f"warming up when the run ends and never reaches train.lr = {t.lr:g}; set train.warmup_steps "
-                   f"below train.steps")
+        out.append(
+            f"train.warmup_steps = {t.warmup_steps} > train.steps = {t.steps}: the learning rate is still "
+            f"warming up when the run ends and never reaches train.lr = {t.lr:g}; set train.warmup_steps "
+            f"below train.steps"
+        )
     return out
 
 
@@ -188,8 +244,13 @@ REQUIRED_MARK = "REQUIRED:"
 
 def unfilled(data: dict) -> list[str]:
     """``section.key`` of every value of a TOML dict still holding the ``REQUIRED:`` marker."""
-    return [f"{section}.{key}" for section, values in data.items() if isinstance(values, dict)
-            for key, value in values.items() if isinstance(value, str) and value.startswith(REQUIRED_MARK)]
+    return [
+        f"{section}.{key}"
+        for section, values in data.items()
+        if isinstance(values, dict)
+        for key, value in values.items()
+        if isinstance(value, str) and value.startswith(REQUIRED_MARK)
+    ]
 
 
 def check_filled(data: dict, path: str | None, overrides: list[str]) -> None:
@@ -200,8 +261,10 @@ def check_filled(data: dict, path: str | None, overrides: list[str]) -> None:
     given = {item.split("=", 1)[0].strip() for item in overrides if "=" in item}
     missing = [key for key in unfilled(data) if key not in given]
     if missing:
-        raise ConfigError(f"{path}: required field(s) not filled in: {', '.join(missing)}; replace each "
-                          f"\"REQUIRED: ...\" value (or give it with --set KEY=VALUE)")
+        raise ConfigError(
+            f"{path}: required field(s) not filled in: {', '.join(missing)}; replace each "
+            f'"REQUIRED: ..." value (or give it with --set KEY=VALUE)'
+        )
     for key in unfilled(data):
         section, name = key.split(".", 1)
         del data[section][name]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import IO, Callable
+from collections.abc import Callable
+from typing import IO
 
 
 def hms(seconds: float) -> str:
@@ -35,10 +36,14 @@ class SetOverride(argparse.Action):
 
     def __call__(self, parser, namespace, value, option_string=None):
         if "=" not in value:
-            parser.error(f"{option_string} {value}: expected KEY=VALUE with '=' (e.g. {option_string} "
-                         f"{value}=...), one {option_string} per value")
+            parser.error(
+                f"{option_string} {value}: expected KEY=VALUE with '=' (e.g. {option_string} "
+                f"{value}=...), one {option_string} per value"
+            )
         items = getattr(namespace, self.dest, None)
-        setattr(namespace, self.dest, [*(items or []), value])  # a fresh list: never the shared default
+        setattr(
+            namespace, self.dest, [*(items or []), value]
+        )  # a fresh list: never the shared default
 
 
 class Progress:
@@ -48,8 +53,16 @@ class Progress:
     ``total=None`` counts without a percentage. ``clock`` is injectable so tests need no
     sleeping; ``delay=0`` prints from the first update."""
 
-    def __init__(self, what: str, total: int | None = None, *, stream: IO | None = None, delay: float = 2.0,
-                 every: float = 5.0, clock: Callable[[], float] | None = None):
+    def __init__(
+        self,
+        what: str,
+        total: int | None = None,
+        *,
+        stream: IO | None = None,
+        delay: float = 2.0,
+        every: float = 5.0,
+        clock: Callable[[], float] | None = None,
+    ):
         self.what, self.total, self.delay, self.every = what, total, delay, every
         self.clock = clock or time.monotonic  # looked up now: tests replace time.monotonic
         self.stream = stream if stream is not None else sys.stderr
@@ -58,7 +71,7 @@ class Progress:
         self.start = self.clock()
         self._last = None  # when the last line was printed
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, kind, *_):
@@ -72,7 +85,9 @@ class Progress:
         self.done += n
         now = self.clock()
         elapsed = now - self.start
-        if elapsed < self.delay or (self._last is not None and now - self._last < (0.5 if self.tty else self.every)):
+        if elapsed < self.delay or (
+            self._last is not None and now - self._last < (0.5 if self.tty else self.every)
+        ):
             return
         self._last = now
         line = f"{self.what} {self.done}"

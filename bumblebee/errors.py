@@ -18,8 +18,6 @@ class DiskFullError(ConfigError):
     filesystem and its free space; whatever was being written has been removed."""
 
 
-
-
 def out_of_room(exc: BaseException) -> bool:
     """Whether ``exc`` is a write failing for lack of room. torch's zip writer (``torch.save``,
     DCP's files) reports it as a RuntimeError ("file write failed", or "unexpected pos" when a
@@ -30,8 +28,10 @@ def out_of_room(exc: BaseException) -> bool:
     if isinstance(exc, OSError):
         return exc.errno in codes
     text = str(exc)
-    return isinstance(exc, RuntimeError) and ("file write failed" in text or  # a short write in its zip writer:
-                                              ("inline_container" in text and "unexpected pos" in text))
+    return isinstance(exc, RuntimeError) and (
+        "file write failed" in text  # a short write in its zip writer:
+        or ("inline_container" in text and "unexpected pos" in text)
+    )
 
 
 def disk_full(path: str, doing: str, exc: BaseException) -> DiskFullError:
@@ -47,7 +47,9 @@ def disk_full(path: str, doing: str, exc: BaseException) -> DiskFullError:
     except OSError:
         free = "free space unknown"
     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "file write failed"
-    err = DiskFullError(f"{path}: no room to {doing} ({why}: disk full or over a file-size limit; {free} on "
-                        f"the filesystem of {where}); nothing partial was kept")
+    err = DiskFullError(
+        f"{path}: no room to {doing} ({why}: disk full or over a file-size limit; {free} on "
+        f"the filesystem of {where}); nothing partial was kept"
+    )
     err.cause = exc  # a caller that knows the path better can say it again (disk_full(path, doing, err.cause))
     return err

@@ -12,8 +12,9 @@ implementation, so whoever looks names up has imported them already.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from bumblebee.errors import ConfigError
 
@@ -51,7 +52,9 @@ def register(slot: str, name: str, *, reference: bool = False, summary: str = ""
     def deco(factory):
         impls = _IMPLS[slot]
         assert name not in impls, f"{slot}/{name} registered twice"
-        assert not (reference and any(i.reference for i in impls.values())), f"slot {slot} has two references"
+        assert not (reference and any(i.reference for i in impls.values())), (
+            f"slot {slot} has two references"
+        )
         doc = (factory.__doc__ or "").strip().splitlines()
         impls[name] = Impl(slot, name, factory, reference, summary or (doc[0] if doc else ""))
         return factory

@@ -40,18 +40,24 @@ def load_metrics(run_dir: str) -> list[dict]:
         try:
             rec = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
-            raise ConfigError(f"{path}:{i}: not UTF-8 text (a binary file, not metrics.jsonl)") from None
+            raise ConfigError(
+                f"{path}:{i}: not UTF-8 text (a binary file, not metrics.jsonl)"
+            ) from None
         except (json.JSONDecodeError, RecursionError):
             if last:
                 break  # torn by a crash
             raise ConfigError(f"{path}:{i}: not valid JSON") from None
         if not isinstance(rec, dict):
-            raise ConfigError(f"{path}:{i}: a JSON {type(rec).__name__}, not an object (one record per line)")
+            raise ConfigError(
+                f"{path}:{i}: a JSON {type(rec).__name__}, not an object (one record per line)"
+            )
         step = rec.get("step")
         if "step" not in rec:
             raise ConfigError(f"{path}:{i}: record has no 'step'")
         if not isinstance(step, int) or isinstance(step, bool):
-            raise ConfigError(f"{path}:{i}: 'step' must be an integer, got {type(step).__name__} {step!r:.40}")
+            raise ConfigError(
+                f"{path}:{i}: 'step' must be an integer, got {type(step).__name__} {step!r:.40}"
+            )
         out.append(rec)
     if not out:
         raise ConfigError(f"{path}: no steps logged")
@@ -62,10 +68,14 @@ def check_output(out: str, run_dirs: list[str]) -> None:
     """The report's output path: a supported image extension, not a directory, not an input, writable."""
     ext = os.path.splitext(out)[1].lower()
     if ext not in FORMATS:
-        raise ConfigError(f"{out}: unsupported output format {ext or '(no extension)'!r}; "
-                          f"use one of {', '.join(FORMATS)}")
+        raise ConfigError(
+            f"{out}: unsupported output format {ext or '(no extension)'!r}; "
+            f"use one of {', '.join(FORMATS)}"
+        )
     if os.path.isdir(out):
-        raise ConfigError(f"{out}: is a directory; give a file name such as {os.path.join(out, 'report.png')}")
+        raise ConfigError(
+            f"{out}: is a directory; give a file name such as {os.path.join(out, 'report.png')}"
+        )
     real = os.path.realpath(out)
     for d in run_dirs:
         if real in (os.path.realpath(d), os.path.realpath(metrics_path(d))):
@@ -75,7 +85,9 @@ def check_output(out: str, run_dirs: list[str]) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ConfigError(f"{out}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(out) and not os.access(out, os.W_OK)):
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+        os.path.exists(out) and not os.access(out, os.W_OK)
+    ):
         raise ConfigError(f"{out}: not writable")
 
 

@@ -15,8 +15,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # for `import dist_utils`
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-MISSING_EXTRA = ("transformers is not installed: the Hugging Face reference tests need the [test] extra "
-                 "(pip install -e \".[test]\")")
+MISSING_EXTRA = (
+    "transformers is not installed: the Hugging Face reference tests need the [test] extra "
+    '(pip install -e ".[test]")'
+)
 
 
 def pytest_configure(config):

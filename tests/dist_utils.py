@@ -29,11 +29,20 @@ HOST = "127.0.0.1"
 
 
 def _worker(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR=HOST,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=120))
+        store = dist.TCPStore(
+            HOST, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=120)
+        )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()  # by value: shared-memory tensors would die with this process
@@ -50,10 +59,18 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     # the parent owns the store (and so the port) until every rank has finished
-    store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
-    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, fn, args, queue))
-             for r in range(world_size)]
+    store = dist.TCPStore(
+        HOST,
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, store.port, fn, args, queue))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results, errors = {}, {}

@@ -10,9 +10,15 @@ def train_state(e):
     parameters (zero1's fp32 masters) and non-scalar optimizer state."""
     own = {id(p) for p in e.model.parameters()}
     out = [("param " + n, local(p)) for n, p in e.model.named_parameters()]
-    out += [("master", p) for g in e.optimizer.param_groups for p in g["params"] if id(p) not in own]
-    out += [(f"state {k}", local(v)) for st in e.optimizer.state.values() for k, v in st.items()
-            if torch.is_tensor(v) and v.dim() > 0]
+    out += [
+        ("master", p) for g in e.optimizer.param_groups for p in g["params"] if id(p) not in own
+    ]
+    out += [
+        (f"state {k}", local(v))
+        for st in e.optimizer.state.values()
+        for k, v in st.items()
+        if torch.is_tensor(v) and v.dim() > 0
+    ]
     return out
 
 

@@ -26,8 +26,13 @@ def _token_store(data_cfg, path: str):
 
     if data_cfg.source == "tokens":
         return open_store(path)
-    enc = Encoder(data_cfg.source, data_cfg.tokenizer, chat_loss=data_cfg.chat_loss, tools=data_cfg.tools,
-                  template_kwargs=data_cfg.chat_template_kwargs)
+    enc = Encoder(
+        data_cfg.source,
+        data_cfg.tokenizer,
+        chat_loss=data_cfg.chat_loss,
+        tools=data_cfg.tools,
+        template_kwargs=data_cfg.chat_template_kwargs,
+    )
     return encode_in_memory(path, enc, on_error=data_cfg.on_error)
 
 
@@ -36,24 +41,44 @@ def build_source(data_cfg, train_cfg, vocab_size: int):
     if data_cfg.source == "synthetic":
         from bumblebee.data.synthetic import KeyValueRetrieval
 
-        return KeyValueRetrieval(seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
-                                 seed=train_cfg.seed, min_records=data_cfg.min_records,
-                                 max_records=data_cfg.max_records, min_doc_len=data_cfg.min_doc_len,
-                                 max_doc_len=data_cfg.max_doc_len, ramp_steps=data_cfg.ramp_steps,
-                                 value_len=data_cfg.value_len, eval_min_distance=data_cfg.eval_min_distance,
-                                 eval_docs=data_cfg.eval_docs)
+        return KeyValueRetrieval(
+            seq_len=train_cfg.seq_len,
+            global_batch=train_cfg.global_batch,
+            seed=train_cfg.seed,
+            min_records=data_cfg.min_records,
+            max_records=data_cfg.max_records,
+            min_doc_len=data_cfg.min_doc_len,
+            max_doc_len=data_cfg.max_doc_len,
+            ramp_steps=data_cfg.ramp_steps,
+            value_len=data_cfg.value_len,
+            eval_min_distance=data_cfg.eval_min_distance,
+            eval_docs=data_cfg.eval_docs,
+        )
     if data_cfg.source == "jsonl":
         from bumblebee.data.jsonl import JsonlSource
 
-        return JsonlSource(data_cfg.path, seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
-                           seed=train_cfg.seed, vocab_size=vocab_size, too_long=data_cfg.too_long)
+        return JsonlSource(
+            data_cfg.path,
+            seq_len=train_cfg.seq_len,
+            global_batch=train_cfg.global_batch,
+            seed=train_cfg.seed,
+            vocab_size=vocab_size,
+            too_long=data_cfg.too_long,
+        )
     from bumblebee.data.stream import TokenSource
 
     eval_store = _token_store(data_cfg, data_cfg.eval_path) if data_cfg.eval_path else None
-    return TokenSource(_token_store(data_cfg, data_cfg.path), seq_len=train_cfg.seq_len,
-                       global_batch=train_cfg.global_batch, seed=train_cfg.seed, vocab_size=vocab_size,
-                       too_long=data_cfg.too_long, eval_fraction=data_cfg.eval_fraction, eval_store=eval_store,
-                       eval_batches=data_cfg.eval_batches)
+    return TokenSource(
+        _token_store(data_cfg, data_cfg.path),
+        seq_len=train_cfg.seq_len,
+        global_batch=train_cfg.global_batch,
+        seed=train_cfg.seed,
+        vocab_size=vocab_size,
+        too_long=data_cfg.too_long,
+        eval_fraction=data_cfg.eval_fraction,
+        eval_store=eval_store,
+        eval_batches=data_cfg.eval_batches,
+    )
 
 
 __all__ = ["Batch", "build_source"]

@@ -37,8 +37,17 @@ import numpy as np
 
 from bumblebee.data.errors import BadRecord
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-                  "function_call": "assistant", "observation": "tool", "function_response": "tool", "tool": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "function_call": "assistant",
+    "observation": "tool",
+    "function_response": "tool",
+    "tool": "tool",
+}
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 PER_TURN = "rendered per turn (the chat template rewrites earlier turns)"
 UNRENDERED_CALLS = "tool calls the chat template does not render"
@@ -54,12 +63,18 @@ def messages_of(rec: dict) -> list[dict]:
         msgs = rec["messages"]
     elif "conversations" in rec:
         msgs = rec["conversations"]
-        if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "from" in m for m in msgs):
+        if (
+            isinstance(msgs, list)
+            and msgs
+            and all(isinstance(m, dict) and "from" in m for m in msgs)
+        ):
             out = []
             for i, m in enumerate(msgs):
                 if m["from"] not in SHAREGPT_ROLES:
-                    raise BadRecord(f"message {i}: unknown ShareGPT speaker {m['from']!r} (known: "
-                                    f"{', '.join(SHAREGPT_ROLES)})")
+                    raise BadRecord(
+                        f"message {i}: unknown ShareGPT speaker {m['from']!r} (known: "
+                        f"{', '.join(SHAREGPT_ROLES)})"
+                    )
                 rest = {k: v for k, v in m.items() if k not in ("from", "value")}
                 out.append({"role": SHAREGPT_ROLES[m["from"]], "content": m.get("value"), **rest})
             msgs = out
@@ -69,10 +84,18 @@ def messages_of(rec: dict) -> list[dict]:
         raise BadRecord("empty conversation ('messages' must be a non-empty list)")
     for i, m in enumerate(msgs):
         content = m.get("content") if isinstance(m, dict) else None
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
-                content is None or isinstance(content, str) or (isinstance(content, list) and all(
-                    isinstance(p, dict) for p in content))):
-            raise BadRecord(f"message {i}: expected {{'role': str, 'content': str, a list of parts or null, ...}}")
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not (
+                content is None
+                or isinstance(content, str)
+                or (isinstance(content, list) and all(isinstance(p, dict) for p in content))
+            )
+        ):
+            raise BadRecord(
+                f"message {i}: expected {{'role': str, 'content': str, a list of parts or null, ...}}"
+            )
     return [{k: v for k, v in m.items() if v is not None} for m in msgs]
 
 
@@ -83,7 +106,9 @@ def tools_of(rec: dict, default: list | None) -> list | None:
             tools = json.loads(tools) if tools.strip() else None
         except json.JSONDecodeError as e:
             raise BadRecord(f"'tools' is a string but not JSON ({e.msg})") from None
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
         raise BadRecord("'tools' must be a list of tool schemas (objects)")
     return tools or None
 
@@ -119,7 +144,9 @@ class ChatRenderer:
             ids = self._tokens(full)[0]
             return [(ids, [1] * len(ids))], notes
         if self.generation:
-            out = self._call(msgs, tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            out = self._call(
+                msgs, tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
             return [self._checked(list(out["input_ids"]), list(out["assistant_masks"]))], notes
         ids, starts = self._tokens(full)
         mask = np.zeros(len(ids), dtype=np.int64)
@@ -143,7 +170,9 @@ class ChatRenderer:
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         if not enc["input_ids"]:
             raise BadRecord("the conversation renders to no tokens")
-        return list(enc["input_ids"]), np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+        return list(enc["input_ids"]), np.array(
+            [s for s, _ in enc["offset_mapping"]], dtype=np.int64
+        )
 
     @staticmethod
     def _checked(ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
@@ -160,17 +189,21 @@ class ChatRenderer:
     def _span(self, msgs, tools, i: int, full: str) -> tuple[int, int] | None:
         """Characters of ``full`` that assistant turn i adds, or None when the template renders the
         conversation up to turn i differently from the start of the whole (history rewritten)."""
-        upto, pre = self._render(msgs[:i + 1], tools), self._prefix(msgs, tools, i)
+        upto, pre = self._render(msgs[: i + 1], tools), self._prefix(msgs, tools, i)
         if not (full.startswith(upto) and upto.startswith(pre)):
             return None
         return len(pre), len(upto)
 
     def _turn(self, msgs, tools, i: int) -> tuple[list[int], list[int]]:
         """The per-turn document of assistant turn i: the conversation up to it, only turn i a target."""
-        upto, pre = self._render(msgs[:i + 1], tools), self._prefix(msgs, tools, i)
+        upto, pre = self._render(msgs[: i + 1], tools), self._prefix(msgs, tools, i)
         if not upto.startswith(pre):
-            raise BadRecord(f"the chat template does not render message {i} after the generation prompt of "
-                            "the turns before it (a template keyword such as enable_thinking changes that prompt); "
-                            "assistant spans cannot be located (use chat_loss = 'all')")
+            raise BadRecord(
+                f"the chat template does not render message {i} after the generation prompt of "
+                "the turns before it (a template keyword such as enable_thinking changes that prompt); "
+                "assistant spans cannot be located (use chat_loss = 'all')"
+            )
         ids, starts = self._tokens(upto)
-        return self._checked(ids, ((starts >= len(pre)) & (starts < len(upto))).astype(np.int64).tolist())
+        return self._checked(
+            ids, ((starts >= len(pre)) & (starts < len(upto))).astype(np.int64).tolist()
+        )

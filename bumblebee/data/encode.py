@@ -33,8 +33,10 @@ KINDS = ("tokens", "text", "chat")
 def load_tokenizer(path: str):
     """A local Hugging Face tokenizer directory; nothing is downloaded."""
     if not path:
-        raise DataError("text and chat data need a tokenizer: set data.tokenizer (or --tokenizer) to a local "
-                        "Hugging Face tokenizer directory")
+        raise DataError(
+            "text and chat data need a tokenizer: set data.tokenizer (or --tokenizer) to a local "
+            "Hugging Face tokenizer directory"
+        )
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise DataError(f"{path}: not a tokenizer directory (no tokenizer.json)")
     transformers = require("transformers", "a Hugging Face tokenizer (text / chat data)")
@@ -42,17 +44,25 @@ def load_tokenizer(path: str):
         check_json_object(os.path.join(path, name), "tokenizer file")
     try:
         tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        tok.decode(tok("bumblebee tokenizer probe")["input_ids"])  # a wrong-typed setting fails here, not mid-run
+        tok.decode(
+            tok("bumblebee tokenizer probe")["input_ids"]
+        )  # a wrong-typed setting fails here, not mid-run
         return tok
     except (KeyboardInterrupt, SystemExit, MemoryError):
         raise
     except BaseException as e:  # noqa: BLE001 - a broken directory surfaces as any of a dozen types (a Rust panic too)
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise DataError(f"{path}: not a loadable tokenizer directory ({type(e).__name__}: {why})") from None
+        raise DataError(
+            f"{path}: not a loadable tokenizer directory ({type(e).__name__}: {why})"
+        ) from None
 
 
-TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
-
+TOKENIZER_JSON = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
 
 
 def load_tools(path: str) -> list | None:
@@ -74,8 +84,15 @@ def load_tools(path: str) -> list | None:
 class Encoder:
     """Turns records of one kind into (ids, mask). Picklable: the tokenizer loads lazily."""
 
-    def __init__(self, kind: str, tokenizer: str = "", *, chat_loss: str = "assistant", tools: str = "",
-                 template_kwargs: dict | None = None):
+    def __init__(
+        self,
+        kind: str,
+        tokenizer: str = "",
+        *,
+        chat_loss: str = "assistant",
+        tools: str = "",
+        template_kwargs: dict | None = None,
+    ):
         if kind not in KINDS:
             raise DataError(f"unknown data kind {kind!r}; valid: {', '.join(KINDS)}")
         if chat_loss not in ("assistant", "all"):
@@ -87,8 +104,10 @@ class Encoder:
         if kind != "tokens":
             self._tok = load_tokenizer(tokenizer)  # fail now, not in a worker
             if kind == "chat" and not getattr(self._tok, "chat_template", None):
-                raise DataError(f"{tokenizer}: the tokenizer has no chat template (chat_template.jinja or "
-                                "tokenizer_config.json 'chat_template')")
+                raise DataError(
+                    f"{tokenizer}: the tokenizer has no chat template (chat_template.jinja or "
+                    "tokenizer_config.json 'chat_template')"
+                )
 
     def __getstate__(self):
         return {**self.__dict__, "_tok": None, "_chat": None}
@@ -102,8 +121,12 @@ class Encoder:
     def describe(self) -> dict:
         d = {"kind": self.kind}
         if self.kind != "tokens":
-            d.update(tokenizer=os.path.abspath(self.tokenizer_path), eos_id=self.tok.eos_token_id,
-                     pad_id=self.tok.pad_token_id, vocab_size=len(self.tok))
+            d.update(
+                tokenizer=os.path.abspath(self.tokenizer_path),
+                eos_id=self.tok.eos_token_id,
+                pad_id=self.tok.pad_token_id,
+                vocab_size=len(self.tok),
+            )
         if self.kind == "chat":
             d["chat_loss"] = self.chat_loss
             if self.tools_path:
@@ -121,7 +144,9 @@ class Encoder:
             if self._chat is None:
                 from bumblebee.data.chat import ChatRenderer
 
-                self._chat = ChatRenderer(self.tok, self.chat_loss, self.tools, self.template_kwargs)
+                self._chat = ChatRenderer(
+                    self.tok, self.chat_loss, self.tools, self.template_kwargs
+                )
             return self._chat.documents(rec)
         return [getattr(self, f"_{self.kind}")(rec)], []
 
@@ -134,12 +159,21 @@ class Encoder:
         if "input_ids" not in rec:
             raise BadRecord("missing field 'input_ids'")
         ids, mask = rec["input_ids"], rec.get("loss_mask")
-        if not isinstance(ids, list) or not ids or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**32 for i in ids):
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**32 for i in ids
+            )
+        ):
             raise BadRecord("'input_ids' must be a non-empty list of non-negative integers")
         if mask is None:
             mask = [1] * len(ids)
-        if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
+        if (
+            not isinstance(mask, list)
+            or len(mask) != len(ids)
+            or not all(m in (0, 1) for m in mask)
+        ):
             raise BadRecord("'loss_mask' must be a list of 0/1 of the same length as 'input_ids'")
         return ids, [int(m) for m in mask]
 

@@ -27,8 +27,10 @@ def require(module: str, what: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ConfigError(f"{what} needs the optional package '{module.split('.')[0]}': "
-                          "pip install 'bumblebee[data]'") from None
+        raise ConfigError(
+            f"{what} needs the optional package '{module.split('.')[0]}': "
+            "pip install 'bumblebee[data]'"
+        ) from None
 
 
 def check_json_object(p: str, what: str) -> dict | None:
@@ -44,9 +46,13 @@ def check_json_object(p: str, what: str) -> dict | None:
     except UnicodeDecodeError:
         raise DataError(f"{p}: not UTF-8 text (a corrupt {what})") from None
     except json.JSONDecodeError as e:
-        raise DataError(f"{p}: not valid JSON (line {e.lineno}: {e.msg}; a truncated or corrupt {what})") from None
+        raise DataError(
+            f"{p}: not valid JSON (line {e.lineno}: {e.msg}; a truncated or corrupt {what})"
+        ) from None
     except RecursionError:
         raise DataError(f"{p}: JSON nested too deeply (a corrupt {what})") from None
     if not isinstance(obj, dict):
-        raise DataError(f"{p}: must hold a JSON object, got {type(obj).__name__} (a corrupt {what})")
+        raise DataError(
+            f"{p}: must hold a JSON object, got {type(obj).__name__} (a corrupt {what})"
+        )
     return obj

@@ -22,15 +22,19 @@ import random
 from array import array
 from collections.abc import Callable
 
-
 from bumblebee.data.errors import DataError
 from bumblebee.data.packing import Batch, RowPacker, stack_rows
 from bumblebee.data.rowplan import RowPlan, describe_cost, resolve_too_long
 
 __all__ = ["DataError", "JsonlSource", "read_samples", "scan_samples"]
 
-_COMPRESSED = [(b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"),
-               (b"PK\x03\x04", "zip")]
+_COMPRESSED = [
+    (b"\x1f\x8b", "gzip"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ", "xz"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"PK\x03\x04", "zip"),
+]
 
 
 def _sample(raw: bytes, where: str, vocab_size: int) -> tuple[list[int], list[bool]] | None:
@@ -38,29 +42,45 @@ def _sample(raw: bytes, where: str, vocab_size: int) -> tuple[list[int], list[bo
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not UTF-8 text (byte {e.start}); data.path must be UTF-8 JSONL") from None
+        raise DataError(
+            f"{where}: not UTF-8 text (byte {e.start}); data.path must be UTF-8 JSONL"
+        ) from None
     if not line.strip():
         return None
     try:
         obj = json.loads(line)
     except (json.JSONDecodeError, RecursionError) as e:
-        raise DataError(f"{where}: not valid JSON ({getattr(e, 'msg', 'nested too deeply')})") from None
+        raise DataError(
+            f"{where}: not valid JSON ({getattr(e, 'msg', 'nested too deeply')})"
+        ) from None
     if not isinstance(obj, dict) or "input_ids" not in obj:
         raise DataError(f"{where}: expected an object with 'input_ids' (and optional 'loss_mask')")
     ids, mask = obj["input_ids"], obj.get("loss_mask")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
         raise DataError(f"{where}: 'input_ids' must be a non-empty list of integers")
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise DataError(f"{where}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
     if mask is None:
         mask = [1] * len(ids)
-    if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1, True, False) for m in mask):
-        raise DataError(f"{where}: 'loss_mask' must be a list of 0/1 of the same length as 'input_ids'")
+    if (
+        not isinstance(mask, list)
+        or len(mask) != len(ids)
+        or not all(m in (0, 1, True, False) for m in mask)
+    ):
+        raise DataError(
+            f"{where}: 'loss_mask' must be a list of 0/1 of the same length as 'input_ids'"
+        )
     return ids, [bool(m) for m in mask]
 
 
-def scan_samples(path: str, vocab_size: int, visit: Callable[[int, list[int], list[bool]], None]) -> int:
+def scan_samples(
+    path: str, vocab_size: int, visit: Callable[[int, list[int], list[bool]], None]
+) -> int:
     """Validate every line of ``path``, calling ``visit(byte offset, ids, mask)`` per sample in
     file order without keeping any; returns the number of samples (a DataError if none)."""
     try:
@@ -70,8 +90,10 @@ def scan_samples(path: str, vocab_size: int, visit: Callable[[int, list[int], li
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
     for magic, kind in _COMPRESSED:
         if head.startswith(magic):
-            raise DataError(f"{path}: a {kind}-compressed file; data.path must be plain UTF-8 JSONL "
-                            f"(decompress it first)")
+            raise DataError(
+                f"{path}: a {kind}-compressed file; data.path must be plain UTF-8 JSONL "
+                f"(decompress it first)"
+            )
     count, offset = 0, 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -96,28 +118,45 @@ class JsonlSource:
     """Rows of a global batch from a JSONL file, read by offset (see the module docstring).
     ``rows_at`` / ``num_valid_at`` as every source; ``global_batch_at`` for a whole batch."""
 
-    def __init__(self, path: str, *, seq_len: int, global_batch: int, seed: int, vocab_size: int, pad_id: int = 0,
-                 too_long: str = "auto"):
+    def __init__(
+        self,
+        path: str,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        vocab_size: int,
+        pad_id: int = 0,
+        too_long: str = "auto",
+    ):
         self.path, self.seq_len, self.pad_id, self.vocab_size = path, seq_len, pad_id, vocab_size
         self.global_batch, self.seed = global_batch, seed
         self.too_long = resolve_too_long(too_long, "jsonl")
         self.offsets = array("q")  # byte offset of every sample's line
-        self.plan = RowPlan(seq_len, self.too_long)  # per row: (sample, start, length) pieces in order
+        self.plan = RowPlan(
+            seq_len, self.too_long
+        )  # per row: (sample, start, length) pieces in order
         labels = array("q")  # per piece: its label count
 
         def visit(offset: int, ids: list[int], mask: list[bool]) -> None:
             sample = len(self.offsets)
             self.offsets.append(offset)
             for s, n in self.plan.add(sample, len(ids)):
-                labels.append(sum(mask[s + 1:s + n]))  # position t has a label iff token t + 1 is marked
+                labels.append(
+                    sum(mask[s + 1 : s + n])
+                )  # position t has a label iff token t + 1 is marked
 
         scan_samples(path, vocab_size, visit)
         self.plan.finish()
         if not self.plan.num_rows:
-            raise DataError(f"{path}: no rows: every sample is longer than train.seq_len = {seq_len} and "
-                            f"data.too_long = 'drop'")
+            raise DataError(
+                f"{path}: no rows: every sample is longer than train.seq_len = {seq_len} and "
+                f"data.too_long = 'drop'"
+            )
         ptr = self.plan.row_ptr
-        self.valid = array("q", (sum(labels[ptr[r]:ptr[r + 1]]) for r in range(self.plan.num_rows)))
+        self.valid = array(
+            "q", (sum(labels[ptr[r] : ptr[r + 1]]) for r in range(self.plan.num_rows))
+        )
         self._perm: tuple[int, list[int]] | None = None  # the last epoch's shuffle
         self.stats: dict = self.plan.stats
 
@@ -128,7 +167,9 @@ class JsonlSource:
         f.seek(self.offsets[sample])
         got = _sample(f.readline(), f"{self.path} (sample {sample})", self.vocab_size)
         if got is None:  # the file changed under the run
-            raise DataError(f"{self.path}: sample {sample} is no longer at byte {self.offsets[sample]}")
+            raise DataError(
+                f"{self.path}: sample {sample} is no longer at byte {self.offsets[sample]}"
+            )
         return got
 
     def _rows(self, rows: list[int]) -> Batch:
@@ -141,7 +182,9 @@ class JsonlSource:
                     sample, s, e = p.doc[k], p.start[k], p.start[k] + p.length[k]
                     ids, mask = self._read(f, sample)
                     if e > len(ids):
-                        raise DataError(f"{self.path}: sample {sample} changed since the run started")
+                        raise DataError(
+                            f"{self.path}: sample {sample} changed since the run started"
+                        )
                     packer.add(ids[s:e], mask[s:e])
                 built.append(packer.finish())
         return stack_rows(built)
@@ -178,5 +221,7 @@ class JsonlSource:
 
     def describe(self) -> str:
         s = self.stats
-        return (f"data: {s['documents']} samples in {s['rows']} rows of {self.seq_len} tokens; "
-                f"{describe_cost(s, self.too_long)}")
+        return (
+            f"data: {s['documents']} samples in {s['rows']} rows of {self.seq_len} tokens; "
+            f"{describe_cost(s, self.too_long)}"
+        )

@@ -24,10 +24,12 @@ class Batch:
     labels: torch.Tensor  # [B, T] int64, IGNORE where no loss
     position_ids: torch.Tensor  # [B, T] int64, restart per document
 
-    def rows(self, start: int, stop: int) -> "Batch":
-        return Batch(self.input_ids[start:stop], self.labels[start:stop], self.position_ids[start:stop])
+    def rows(self, start: int, stop: int) -> Batch:
+        return Batch(
+            self.input_ids[start:stop], self.labels[start:stop], self.position_ids[start:stop]
+        )
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         """On CUDA through pinned memory, asynchronously (a pageable copy waits for the stream)."""
         cuda = torch.device(device).type == "cuda"
 
@@ -61,7 +63,9 @@ class RowPacker:
         assert len(tokens) <= self.free and len(tokens) == len(loss_mask)
         n = len(tokens)
         self.ids += tokens
-        self.labels += [tokens[i + 1] if loss_mask[i + 1] else IGNORE for i in range(n - 1)] + [IGNORE]
+        self.labels += [tokens[i + 1] if loss_mask[i + 1] else IGNORE for i in range(n - 1)] + [
+            IGNORE
+        ]
         self.pos += list(range(n))
 
     def finish(self) -> tuple[list[int], list[int], list[int]]:

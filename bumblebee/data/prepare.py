@@ -55,16 +55,27 @@ def encode_chunk(enc: Encoder, chunk: Chunk, on_error: str) -> dict:
             ids += t
             mask += m
             lengths.append(len(t))
-    return {"tokens": np.asarray(ids, dtype=np.uint32), "mask": np.asarray(mask, dtype=np.uint8),
-            "lengths": np.asarray(lengths, dtype=np.int64), "skipped": skipped, "notes": notes,
-            "error": first_error, "units": chunk.units}
+    return {
+        "tokens": np.asarray(ids, dtype=np.uint32),
+        "mask": np.asarray(mask, dtype=np.uint8),
+        "lengths": np.asarray(lengths, dtype=np.int64),
+        "skipped": skipped,
+        "notes": notes,
+        "error": first_error,
+        "units": chunk.units,
+    }
 
 
 class Progress:
     """A one-line progress bar on stderr (redrawn in place on a terminal, every 10% otherwise)."""
 
     def __init__(self, total: int, unit: str, stream=None, label: str = "prepare"):
-        self.total, self.unit, self.stream, self.label = max(total, 1), unit, stream or sys.stderr, label
+        self.total, self.unit, self.stream, self.label = (
+            max(total, 1),
+            unit,
+            stream or sys.stderr,
+            label,
+        )
         self.done, self.docs, self.start, self._tenth = 0, 0, time.perf_counter(), -1
         self.tty = getattr(stream, "isatty", lambda: False)()
 
@@ -84,8 +95,10 @@ class Progress:
         frac = min(self.done / self.total, 1.0)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-        line = (f"{self.label} [{bar}] {100 * frac:3.0f}%  {self._fmt(self.done)} / {self._fmt(self.total)}  "
-                f"{self.docs} docs  {self._fmt(self.done / elapsed)}/s")
+        line = (
+            f"{self.label} [{bar}] {100 * frac:3.0f}%  {self._fmt(self.done)} / {self._fmt(self.total)}  "
+            f"{self.docs} docs  {self._fmt(self.done / elapsed)}/s"
+        )
         self.stream.write(("\r\033[K" if self.tty else "") + line + end)
         self.stream.flush()
 
@@ -106,8 +119,15 @@ def _pool_encode(args) -> dict:
     return encode_chunk(_WORKER["enc"], chunk, on_error)
 
 
-def encode_input(path: str, enc: Encoder, *, on_error: str = "raise", workers: int = 1, progress: bool = False,
-                 stream=None):
+def encode_input(
+    path: str,
+    enc: Encoder,
+    *,
+    on_error: str = "raise",
+    workers: int = 1,
+    progress: bool = False,
+    stream=None,
+):
     """Yield encoded chunks of ``path`` in input order (in ``workers`` processes when > 1)."""
     if on_error not in ON_ERROR:
         raise DataError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -116,7 +136,9 @@ def encode_input(path: str, enc: Encoder, *, on_error: str = "raise", workers: i
     jobs = ((c, on_error) for c in chunks(files))
     pool = None
     if workers > 1:
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizers library warns after fork
+        os.environ.setdefault(
+            "TOKENIZERS_PARALLELISM", "false"
+        )  # the tokenizers library warns after fork
         pool = mp.get_context("fork").Pool(workers, initializer=_pool_init, initargs=(enc,))
         results = pool.imap(_pool_encode, jobs, chunksize=1)
     else:
@@ -136,8 +158,16 @@ def encode_input(path: str, enc: Encoder, *, on_error: str = "raise", workers: i
             bar.close()
 
 
-def prepare(path: str, out_dir: str, enc: Encoder, *, on_error: str = "raise", workers: int = 1,
-            progress: bool = True, stream=None) -> dict:
+def prepare(
+    path: str,
+    out_dir: str,
+    enc: Encoder,
+    *,
+    on_error: str = "raise",
+    workers: int = 1,
+    progress: bool = True,
+    stream=None,
+) -> dict:
     """Write ``out_dir`` in the memory-mapped format; returns its meta.json."""
     scan(path)  # a missing or unknown input fails before OUT is created
     writer = StoreWriter(out_dir)
@@ -145,19 +175,31 @@ def prepare(path: str, out_dir: str, enc: Encoder, *, on_error: str = "raise", w
     notes: Counter = Counter()
     max_id = -1
     try:
-        for r in encode_input(path, enc, on_error=on_error, workers=workers, progress=progress, stream=stream):
+        for r in encode_input(
+            path, enc, on_error=on_error, workers=workers, progress=progress, stream=stream
+        ):
             writer.append(r["tokens"], r["mask"], r["lengths"])
             skipped.update(r["skipped"])
             notes.update(r["notes"])
             if len(r["tokens"]):
                 max_id = max(max_id, int(r["tokens"].max()))
         if writer.num_tokens == 0:
-            raise DataError(f"{path}: no usable records" + (f" (skipped: {dict(skipped)})" if skipped else ""))
+            raise DataError(
+                f"{path}: no usable records" + (f" (skipped: {dict(skipped)})" if skipped else "")
+            )
     except BaseException:
         writer.abort()
         raise
-    return writer.close({"source": os.path.abspath(path), **enc.describe(), "max_token_id": max_id,
-                         "skipped": dict(skipped), "skipped_total": sum(skipped.values()), "notes": dict(notes)})
+    return writer.close(
+        {
+            "source": os.path.abspath(path),
+            **enc.describe(),
+            "max_token_id": max_id,
+            "skipped": dict(skipped),
+            "skipped_total": sum(skipped.values()),
+            "notes": dict(notes),
+        }
+    )
 
 
 def encode_in_memory(path: str, enc: Encoder, *, on_error: str = "raise") -> TokenStore:
@@ -170,11 +212,20 @@ def encode_in_memory(path: str, enc: Encoder, *, on_error: str = "raise") -> Tok
         notes.update(r["notes"])
     lengths = np.concatenate([r["lengths"] for r in parts]) if parts else np.zeros(0, np.int64)
     if not len(lengths):
-        raise DataError(f"{path}: no usable records" + (f" (skipped: {dict(skipped)})" if skipped else ""))
+        raise DataError(
+            f"{path}: no usable records" + (f" (skipped: {dict(skipped)})" if skipped else "")
+        )
     tokens = np.concatenate([r["tokens"] for r in parts])
     mask = np.concatenate([r["mask"] for r in parts])
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    meta = {"source": os.path.abspath(path), **enc.describe(), "documents": len(lengths), "tokens": len(tokens),
-            "max_token_id": int(tokens.max()), "skipped": dict(skipped), "skipped_total": sum(skipped.values()),
-            "notes": dict(notes)}
+    meta = {
+        "source": os.path.abspath(path),
+        **enc.describe(),
+        "documents": len(lengths),
+        "tokens": len(tokens),
+        "max_token_id": int(tokens.max()),
+        "skipped": dict(skipped),
+        "skipped_total": sum(skipped.values()),
+        "notes": dict(notes),
+    }
     return TokenStore(tokens, mask, offsets, doc_loss_counts(mask, offsets), meta)

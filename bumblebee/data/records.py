@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from bumblebee.data.errors import DataError, check_json_object, require
 
@@ -63,7 +63,9 @@ def _kind(f: str) -> str:
         return "parquet"
     if f.endswith(".arrow"):
         return "arrow"
-    raise DataError(f"{f}: unknown input format; expected .jsonl, .parquet, or a directory saved by datasets")
+    raise DataError(
+        f"{f}: unknown input format; expected .jsonl, .parquet, or a directory saved by datasets"
+    )
 
 
 def _dir_files(path: str) -> list[tuple[str, str]]:
@@ -71,31 +73,46 @@ def _dir_files(path: str) -> list[tuple[str, str]]:
     if dd is not None:
         splits = dd.get("splits", [])
         if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
-            raise DataError(f"{os.path.join(path, 'dataset_dict.json')}: 'splits' must be a list of names")
+            raise DataError(
+                f"{os.path.join(path, 'dataset_dict.json')}: 'splits' must be a list of names"
+            )
         if "train" not in splits:
-            raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(splits)}); "
-                            "point data.path at the split directory")
+            raise DataError(
+                f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(splits)}); "
+                "point data.path at the split directory"
+            )
         return _dir_files(os.path.join(path, "train"))
     state_path = os.path.join(path, "state.json")
     state = check_json_object(state_path, "datasets directory")
     if state is not None:
         entries = state.get("_data_files")
-        if (not isinstance(entries, list) or not entries or not all(
-                isinstance(d, dict) and isinstance(d.get("filename"), str) for d in entries)):
-            raise DataError(f"{state_path}: '_data_files' must be a non-empty list of {{\"filename\": ...}} "
-                            "(a corrupt datasets directory)")
+        if (
+            not isinstance(entries, list)
+            or not entries
+            or not all(isinstance(d, dict) and isinstance(d.get("filename"), str) for d in entries)
+        ):
+            raise DataError(
+                f"{state_path}: '_data_files' must be a non-empty list of {{\"filename\": ...}} "
+                "(a corrupt datasets directory)"
+            )
         out = []
         for d in entries:
             n = d["filename"]
             if os.path.basename(n) != n or n in ("", ".", ".."):
-                raise DataError(f"{state_path}: data file name {n!r} is not a file in the directory")
+                raise DataError(
+                    f"{state_path}: data file name {n!r} is not a file in the directory"
+                )
             if not os.path.isfile(os.path.join(path, n)):
-                raise DataError(f"{path}: missing {n} (listed in state.json; an incomplete datasets directory)")
+                raise DataError(
+                    f"{path}: missing {n} (listed in state.json; an incomplete datasets directory)"
+                )
             out.append(("arrow", os.path.join(path, n)))
         return out
     files = sorted(f for f in os.listdir(path) if f.endswith((".jsonl", ".parquet")))
     if not files:
-        raise DataError(f"{path}: no .jsonl or .parquet files, and not a directory saved by datasets")
+        raise DataError(
+            f"{path}: no .jsonl or .parquet files, and not a directory saved by datasets"
+        )
     return [(_kind(f), os.path.join(path, f)) for f in files]
 
 
@@ -105,8 +122,18 @@ def _arrow_error(kind: str, f: str, e: BaseException) -> DataError:
     return DataError(f"{f}: not a readable {what} file ({why})")
 
 
-_ARROW_ERRORS = (OSError, ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError, EOFError,
-                 NotImplementedError, RuntimeError)  # what pyarrow raises (its errors subclass these)
+_ARROW_ERRORS = (
+    OSError,
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    MemoryError,
+    EOFError,
+    NotImplementedError,
+    RuntimeError,
+)  # what pyarrow raises (its errors subclass these)
 
 
 def _num_rows(kind: str, f: str) -> int:
@@ -157,8 +184,14 @@ def _columnar_chunks(kind: str, f: str, size: int) -> Iterator[Chunk]:
             return
         ipc = require("pyarrow.ipc", "reading a datasets directory")
         with open(f, "rb") as fh:
-            yield from _batches(f, (big.slice(i, size) for big in ipc.open_stream(fh)
-                                    for i in range(0, big.num_rows, size)))
+            yield from _batches(
+                f,
+                (
+                    big.slice(i, size)
+                    for big in ipc.open_stream(fh)
+                    for i in range(0, big.num_rows, size)
+                ),
+            )
     except _ARROW_ERRORS as e:
         raise _arrow_error(kind, f, e) from None
 

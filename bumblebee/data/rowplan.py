@@ -48,7 +48,14 @@ class RowPlan:
         self.doc, self.start, self.length = array("q"), array("q"), array("q")
         self.row_ptr = array("q", [0])
         self.free = seq_len
-        self.counts = {"documents": 0, "split": 0, "truncated": 0, "dropped": 0, "tokens": 0, "dropped_tokens": 0}
+        self.counts = {
+            "documents": 0,
+            "split": 0,
+            "truncated": 0,
+            "dropped": 0,
+            "tokens": 0,
+            "dropped_tokens": 0,
+        }
 
     def _piece(self, doc: int, start: int, n: int) -> None:
         if n > self.free:  # does not fit: close the row (never an empty one)
@@ -82,7 +89,7 @@ class RowPlan:
             self._piece(doc, s, k)
         return pieces
 
-    def finish(self) -> "RowPlan":
+    def finish(self) -> RowPlan:
         if self.row_ptr[-1] != len(self.doc):
             self.row_ptr.append(len(self.doc))
         return self
@@ -98,17 +105,26 @@ class RowPlan:
         c = dict(self.counts)
         packed = c["tokens"] - c["dropped_tokens"]
         room = self.num_rows * self.seq_len
-        c.update(rows=self.num_rows, pieces=len(self.doc), padding_tokens=room - packed,
-                 dropped_share=c["dropped_tokens"] / max(c["tokens"], 1),
-                 padding_share=(room - packed) / max(room, 1))
+        c.update(
+            rows=self.num_rows,
+            pieces=len(self.doc),
+            padding_tokens=room - packed,
+            dropped_share=c["dropped_tokens"] / max(c["tokens"], 1),
+            padding_share=(room - packed) / max(room, 1),
+        )
         return c
 
 
 def describe_cost(stats: dict, too_long: str) -> str:
     """One phrase: what too-long documents became and what packing cost."""
     s = stats
-    what = {"split": f"{s['split']} split", "truncated": f"{s['truncated']} truncated",
-            "dropped": f"{s['dropped']} dropped"}
+    what = {
+        "split": f"{s['split']} split",
+        "truncated": f"{s['truncated']} truncated",
+        "dropped": f"{s['dropped']} dropped",
+    }
     done = ", ".join(v for k, v in what.items() if s[k]) or "none over the row length"
-    return (f"long documents ({too_long}): {done}; tokens dropped {100 * s['dropped_share']:.1f}%, "
-            f"padding {100 * s['padding_share']:.1f}% of row tokens")
+    return (
+        f"long documents ({too_long}): {done}; tokens dropped {100 * s['dropped_share']:.1f}%, "
+        f"padding {100 * s['padding_share']:.1f}% of row tokens"
+    )

@@ -26,8 +26,12 @@ from bumblebee.data.errors import DataError
 
 FORMAT = "bumblebee-tokens"
 VERSION = 1
-FILES = {"tokens": ("tokens.u32", np.uint32), "mask": ("loss_mask.u8", np.uint8),
-         "offsets": ("offsets.i64", np.int64), "doc_loss": ("doc_loss.i64", np.int64)}
+FILES = {
+    "tokens": ("tokens.u32", np.uint32),
+    "mask": ("loss_mask.u8", np.uint8),
+    "offsets": ("offsets.i64", np.int64),
+    "doc_loss": ("doc_loss.i64", np.int64),
+}
 
 
 @dataclass
@@ -67,7 +71,9 @@ def from_documents(docs: list[tuple[list[int], list[int]]], meta: dict) -> Token
     """An in-memory store from (tokens, mask) pairs."""
     lengths = np.array([len(t) for t, _ in docs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    tokens = np.fromiter((t for ids, _ in docs for t in ids), dtype=np.uint32, count=int(offsets[-1]))
+    tokens = np.fromiter(
+        (t for ids, _ in docs for t in ids), dtype=np.uint32, count=int(offsets[-1])
+    )
     mask = np.fromiter((m for _, ms in docs for m in ms), dtype=np.uint8, count=int(offsets[-1]))
     return TokenStore(tokens, mask, offsets, doc_loss_counts(mask, offsets), meta)
 
@@ -77,7 +83,9 @@ class StoreWriter:
 
     def __init__(self, out_dir: str):
         if os.path.exists(os.path.join(out_dir, "meta.json")):
-            raise DataError(f"{out_dir} already holds prepared data (meta.json); choose a new directory")
+            raise DataError(
+                f"{out_dir} already holds prepared data (meta.json); choose a new directory"
+            )
         self._created = not os.path.isdir(out_dir)
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
@@ -89,7 +97,11 @@ class StoreWriter:
         self.loss_tokens = 0
 
     def append(self, tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> None:
-        assert tokens.dtype == np.uint32 and mask.dtype == np.uint8 and len(tokens) == int(lengths.sum())
+        assert (
+            tokens.dtype == np.uint32
+            and mask.dtype == np.uint8
+            and len(tokens) == int(lengths.sum())
+        )
         self._tokens.write(tokens.tobytes())
         self._mask.write(mask.tobytes())
         self._lengths.append(lengths.astype(np.int64))
@@ -117,8 +129,14 @@ class StoreWriter:
         offsets.tofile(os.path.join(self.out_dir, FILES["offsets"][0]))
         doc_loss = np.concatenate(self._doc_loss) if self._doc_loss else np.zeros(0, np.int64)
         doc_loss.tofile(os.path.join(self.out_dir, FILES["doc_loss"][0]))
-        meta = {"format": FORMAT, "version": VERSION, "documents": len(lengths), "tokens": self.num_tokens,
-                "loss_tokens": self.loss_tokens, **meta}
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "documents": len(lengths),
+            "tokens": self.num_tokens,
+            "loss_tokens": self.loss_tokens,
+            **meta,
+        }
         tmp = os.path.join(self.out_dir, "meta.json.tmp")
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=1)
@@ -127,8 +145,15 @@ class StoreWriter:
 
 
 _INT_KEYS = ("documents", "tokens", "loss_tokens")
-_OPTIONAL = {"max_token_id": int, "skipped_total": int, "tokenizer": str, "source": str, "kind": str,
-             "skipped": dict, "notes": dict}
+_OPTIONAL = {
+    "max_token_id": int,
+    "skipped_total": int,
+    "tokenizer": str,
+    "source": str,
+    "kind": str,
+    "skipped": dict,
+    "notes": dict,
+}
 
 
 def _is_int(v) -> bool:
@@ -144,16 +169,26 @@ def read_meta(path: str) -> dict:
             raw = f.read()
         meta = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        raise DataError(f"{meta_path}: not UTF-8 text (a corrupt meta.json); prepare the data again") from None
+        raise DataError(
+            f"{meta_path}: not UTF-8 text (a corrupt meta.json); prepare the data again"
+        ) from None
     except (json.JSONDecodeError, RecursionError) as e:
-        why = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+        why = (
+            f"line {e.lineno}: {e.msg}"
+            if isinstance(e, json.JSONDecodeError)
+            else "nested too deeply"
+        )
         raise DataError(f"{meta_path}: not valid JSON ({why}); prepare the data again") from None
     except OSError as e:
         raise DataError(f"{meta_path}: cannot read: {e.strerror or e}") from None
     if not isinstance(meta, dict):
-        raise DataError(f"{meta_path}: must be a JSON object, got {type(meta).__name__}; prepare the data again")
+        raise DataError(
+            f"{meta_path}: must be a JSON object, got {type(meta).__name__}; prepare the data again"
+        )
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise DataError(f"{path}: unknown token format {meta.get('format')!r} v{meta.get('version')!r}")
+        raise DataError(
+            f"{path}: unknown token format {meta.get('format')!r} v{meta.get('version')!r}"
+        )
     for k in _INT_KEYS:
         if k not in meta:
             raise DataError(f"{meta_path}: lacks '{k}'; prepare the data again")
@@ -161,13 +196,17 @@ def read_meta(path: str) -> dict:
             raise DataError(f"{meta_path}: '{k}' must be a non-negative integer, got {meta[k]!r}")
     for k, t in _OPTIONAL.items():
         if k in meta and not (_is_int(meta[k]) if t is int else isinstance(meta[k], t)):
-            raise DataError(f"{meta_path}: '{k}' must be {'an integer' if t is int else 'a ' + t.__name__}, "
-                            f"got {type(meta[k]).__name__}")
+            raise DataError(
+                f"{meta_path}: '{k}' must be {'an integer' if t is int else 'a ' + t.__name__}, "
+                f"got {type(meta[k]).__name__}"
+            )
     for k in ("skipped", "notes"):
         if any(not _is_int(v) for v in meta.get(k, {}).values()):
             raise DataError(f"{meta_path}: '{k}' must map names to integer counts")
     if meta["loss_tokens"] > meta["tokens"]:
-        raise DataError(f"{meta_path}: 'loss_tokens' {meta['loss_tokens']} exceeds 'tokens' {meta['tokens']}")
+        raise DataError(
+            f"{meta_path}: 'loss_tokens' {meta['loss_tokens']} exceeds 'tokens' {meta['tokens']}"
+        )
     return meta
 
 
@@ -175,8 +214,10 @@ def open_store(path: str) -> TokenStore:
     """Memory-map a prepared directory; a missing, incomplete or inconsistent one is a one-line error."""
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_path):
-        raise DataError(f"{path}: not a prepared token directory (no meta.json); "
-                        "make one with `bumblebee data prepare`")
+        raise DataError(
+            f"{path}: not a prepared token directory (no meta.json); "
+            "make one with `bumblebee data prepare`"
+        )
     meta = read_meta(path)
     arrays = {}
     for key, (name, dtype) in FILES.items():
@@ -185,25 +226,42 @@ def open_store(path: str) -> TokenStore:
             raise DataError(f"{path}: missing {name}")
         size, item = os.path.getsize(p), np.dtype(dtype).itemsize
         if size % item:
-            raise DataError(f"{p}: {size} bytes is not a whole number of {np.dtype(dtype).name} values (truncated)")
+            raise DataError(
+                f"{p}: {size} bytes is not a whole number of {np.dtype(dtype).name} values (truncated)"
+            )
         n = size // item
         arrays[key] = np.memmap(p, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
     store = TokenStore(meta=meta, **arrays)
-    if (len(store.offsets) < 1 or store.num_docs != meta["documents"] or len(store.tokens) != meta["tokens"]
-            or len(store.mask) != len(store.tokens) or len(store.doc_loss) != store.num_docs
-            or int(store.offsets[-1]) != len(store.tokens)):
+    if (
+        len(store.offsets) < 1
+        or store.num_docs != meta["documents"]
+        or len(store.tokens) != meta["tokens"]
+        or len(store.mask) != len(store.tokens)
+        or len(store.doc_loss) != store.num_docs
+        or int(store.offsets[-1]) != len(store.tokens)
+    ):
         raise DataError(f"{path}: array sizes disagree with meta.json (truncated or mixed files)")
     off = os.path.join(path, FILES["offsets"][0])
     if int(store.offsets[0]) != 0:
-        raise DataError(f"{off}: the first offset is {int(store.offsets[0])}, not 0 (corrupt offsets)")
+        raise DataError(
+            f"{off}: the first offset is {int(store.offsets[0])}, not 0 (corrupt offsets)"
+        )
     lengths = store.lengths
     if len(lengths) and int(lengths.min()) < 0:
         d = int(np.argmax(lengths < 0))
-        raise DataError(f"{off}: offsets decrease at document {d} ({int(store.offsets[d])} -> "
-                        f"{int(store.offsets[d + 1])}): corrupt offsets; prepare the data again")
-    if len(store.doc_loss) and (int(store.doc_loss.min()) < 0 or bool((store.doc_loss > lengths).any())):
-        raise DataError(f"{os.path.join(path, FILES['doc_loss'][0])}: label counts outside [0, document length] "
-                        "(corrupt file); prepare the data again")
+        raise DataError(
+            f"{off}: offsets decrease at document {d} ({int(store.offsets[d])} -> "
+            f"{int(store.offsets[d + 1])}): corrupt offsets; prepare the data again"
+        )
+    if len(store.doc_loss) and (
+        int(store.doc_loss.min()) < 0 or bool((store.doc_loss > lengths).any())
+    ):
+        raise DataError(
+            f"{os.path.join(path, FILES['doc_loss'][0])}: label counts outside [0, document length] "
+            "(corrupt file); prepare the data again"
+        )
     if len(store.mask) and int(store.mask.max()) > 1:
-        raise DataError(f"{os.path.join(path, FILES['mask'][0])}: values other than 0/1 (corrupt file)")
+        raise DataError(
+            f"{os.path.join(path, FILES['mask'][0])}: values other than 0/1 (corrupt file)"
+        )
     return store

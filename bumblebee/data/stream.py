@@ -53,12 +53,16 @@ class PackedRows:
                     labels += [k - 1 for _, k in pieces]
                     continue
                 s = int(offsets[d])
-                c = np.cumsum(np.asarray(store.mask[s:s + n], dtype=np.int64))
-                labels += [int(c[a + k - 1] - c[a]) for a, k in pieces]  # mask[a+1:a+k]: no label at a cut
+                c = np.cumsum(np.asarray(store.mask[s : s + n], dtype=np.int64))
+                labels += [
+                    int(c[a + k - 1] - c[a]) for a, k in pieces
+                ]  # mask[a+1:a+k]: no label at a cut
         plan.finish()
         self.plan = plan
         docs = np.asarray(plan.doc, dtype=np.int64)
-        self.start = offsets[:-1][docs] + np.asarray(plan.start, dtype=np.int64)  # every piece's first token
+        self.start = offsets[:-1][docs] + np.asarray(
+            plan.start, dtype=np.int64
+        )  # every piece's first token
         self.piece_len = np.asarray(plan.length, dtype=np.int64)
         self.row_ptr = np.asarray(plan.row_ptr, dtype=np.int64)
         csum = np.concatenate([[0], np.cumsum(np.asarray(labels, dtype=np.int64))])
@@ -79,11 +83,11 @@ class PackedRows:
             t = 0
             for k in range(int(self.row_ptr[r]), int(self.row_ptr[r + 1])):
                 n, s = int(self.piece_len[k]), int(self.start[k])
-                tok = np.asarray(self.store.tokens[s:s + n], dtype=np.int64)
-                m = np.asarray(self.store.mask[s + 1:s + n], dtype=bool)
-                ids[b, t:t + n] = tok
-                labels[b, t:t + n - 1] = np.where(m, tok[1:], IGNORE)
-                pos[b, t:t + n] = np.arange(n)
+                tok = np.asarray(self.store.tokens[s : s + n], dtype=np.int64)
+                m = np.asarray(self.store.mask[s + 1 : s + n], dtype=bool)
+                ids[b, t : t + n] = tok
+                labels[b, t : t + n - 1] = np.where(m, tok[1:], IGNORE)
+                pos[b, t : t + n] = np.arange(n)
                 t += n
             pos[b, t:] = np.arange(T - t)  # padding: its own pseudo-document
         return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(pos))
@@ -92,13 +96,25 @@ class PackedRows:
 class TokenSource:
     """Training batches (and held-out batches) from a token store."""
 
-    def __init__(self, store: TokenStore, *, seq_len: int, global_batch: int, seed: int, vocab_size: int,
-                 too_long: str = "auto", eval_fraction: float = 0.0, eval_store: TokenStore | None = None,
-                 eval_batches: int = 1):
+    def __init__(
+        self,
+        store: TokenStore,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        vocab_size: int,
+        too_long: str = "auto",
+        eval_fraction: float = 0.0,
+        eval_store: TokenStore | None = None,
+        eval_batches: int = 1,
+    ):
         for s in (store, eval_store):
             if s is not None and s.meta.get("max_token_id", -1) >= vocab_size:
-                raise DataError(f"{s.meta.get('source', 'data')}: token id {s.meta['max_token_id']} outside the "
-                                f"model's vocabulary [0, {vocab_size}); the tokenizer does not match the model")
+                raise DataError(
+                    f"{s.meta.get('source', 'data')}: token id {s.meta['max_token_id']} outside the "
+                    f"model's vocabulary [0, {vocab_size}); the tokenizer does not match the model"
+                )
         self.global_batch, self.seed, self.eval_batches = global_batch, seed, eval_batches
         self.vocab_size, self.name = vocab_size, store.meta.get("source", "data")
         self.store_max = store.meta.get("max_token_id")
@@ -114,25 +130,37 @@ class TokenSource:
             perm = np.random.default_rng([seed, 0xE7A1]).permutation(n)
             self.eval_rows, self.train_rows = np.sort(perm[:k]), np.sort(perm[k:])
         if len(self.train_rows) == 0:
-            raise DataError(f"{store.meta.get('source', 'data')}: no training rows "
-                            f"({store.num_docs} documents, {n} rows of {seq_len} tokens after the held-out split)")
+            raise DataError(
+                f"{store.meta.get('source', 'data')}: no training rows "
+                f"({store.num_docs} documents, {n} rows of {seq_len} tokens after the held-out split)"
+            )
         self._perms: dict[int, np.ndarray] = {}
         meta = store.meta
-        self.stats = {**self.rows.stats, "train_rows": len(self.train_rows), "eval_rows": len(self.eval_rows),
-                      "skipped": meta.get("skipped_total", 0)}
+        self.stats = {
+            **self.rows.stats,
+            "train_rows": len(self.train_rows),
+            "eval_rows": len(self.eval_rows),
+            "skipped": meta.get("skipped_total", 0),
+        }
         if meta.get("skipped"):
             self.stats["skipped_by_reason"] = meta["skipped"]
-        if meta.get("notes"):  # records used with a remark (chat: rendered per turn, tool calls not rendered)
+        if meta.get(
+            "notes"
+        ):  # records used with a remark (chat: rendered per turn, tool calls not rendered)
             self.stats["notes"] = meta["notes"]
 
     def describe(self) -> str:
         s = self.stats
         extra = f", {s['eval_rows']} held out" if s["eval_rows"] else ""
         why = lambda d: " (" + ", ".join(f"{k}: {v}" for k, v in d.items()) + ")"  # noqa: E731
-        skipped = f"skipped {s['skipped']}" + (why(s["skipped_by_reason"]) if s.get("skipped_by_reason") else "")
+        skipped = f"skipped {s['skipped']}" + (
+            why(s["skipped_by_reason"]) if s.get("skipped_by_reason") else ""
+        )
         notes = "".join(f"; records {k}: {v}" for k, v in s.get("notes", {}).items())
-        return (f"data: {s['documents']} documents in {s['rows']} rows of {self.rows.seq_len} tokens{extra}; "
-                f"{skipped}; {describe_cost(s, self.rows.too_long)}{notes}")
+        return (
+            f"data: {s['documents']} documents in {s['rows']} rows of {self.rows.seq_len} tokens{extra}; "
+            f"{skipped}; {describe_cost(s, self.rows.too_long)}{notes}"
+        )
 
     def _global_rows(self, step: int) -> np.ndarray:
         n, B = len(self.train_rows), self.global_batch
@@ -142,7 +170,9 @@ class TokenSource:
             if epoch not in self._perms:
                 if len(self._perms) > 2:
                     self._perms.pop(min(self._perms))
-                self._perms[epoch] = self.train_rows[np.random.default_rng([self.seed, epoch]).permutation(n)]
+                self._perms[epoch] = self.train_rows[
+                    np.random.default_rng([self.seed, epoch]).permutation(n)
+                ]
             out[i] = self._perms[epoch][g % n]
         return out
 
@@ -156,9 +186,11 @@ class TokenSource:
         foreign id is a one-line error instead of an IndexError inside the embedding."""
         top = int(batch.input_ids.max()) if batch.input_ids.numel() else -1
         if top >= self.vocab_size:
-            raise DataError(f"{self.name}: token id {top} outside the model's vocabulary [0, {self.vocab_size}), "
-                            f"although meta.json's max_token_id is {self.store_max}; the corpus does not match "
-                            f"its metadata (prepare it again)")
+            raise DataError(
+                f"{self.name}: token id {top} outside the model's vocabulary [0, {self.vocab_size}), "
+                f"although meta.json's max_token_id is {self.store_max}; the corpus does not match "
+                f"its metadata (prepare it again)"
+            )
         return batch
 
     def num_valid_at(self, step: int) -> int:
@@ -170,15 +202,17 @@ class TokenSource:
     def eval_batch_list(self) -> list[Batch]:
         """Held-out global batches: the first ``eval_batches`` x B held-out rows (fewer if fewer exist)."""
         B = self.global_batch
-        rows = self.eval_rows[:self.eval_batches * B]
+        rows = self.eval_rows[: self.eval_batches * B]
         out = []
         for i in range(0, len(rows), B):
-            b = self.eval_pack.build(rows[i:i + B])
+            b = self.eval_pack.build(rows[i : i + B])
             short = B - b.input_ids.shape[0]  # the last batch: unlabelled padding rows up to B
             if short:
                 T = self.rows.seq_len
-                b = Batch(torch.cat([b.input_ids, torch.zeros(short, T, dtype=torch.long)]),
-                          torch.cat([b.labels, torch.full((short, T), IGNORE, dtype=torch.long)]),
-                          torch.cat([b.position_ids, torch.arange(T).expand(short, T)]))
+                b = Batch(
+                    torch.cat([b.input_ids, torch.zeros(short, T, dtype=torch.long)]),
+                    torch.cat([b.labels, torch.full((short, T), IGNORE, dtype=torch.long)]),
+                    torch.cat([b.position_ids, torch.arange(T).expand(short, T)]),
+                )
             out.append(self._in_vocab(b))
         return out

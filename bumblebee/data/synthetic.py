@@ -54,17 +54,33 @@ class EvalBatch:
     """Held-out rows plus, per token, the query its label belongs to (-1: none)."""
 
     batch: Batch
-    query_ids: torch.Tensor  # [B, T] int64: query index (unique over the batch) of each answer label
+    query_ids: (
+        torch.Tensor
+    )  # [B, T] int64: query index (unique over the batch) of each answer label
     distances: list[int]  # per query: tokens from the record's value to the query's answer
 
 
 class KeyValueRetrieval:
-    def __init__(self, *, seq_len: int, global_batch: int, seed: int, min_records: int = 4, max_records: int = 16,
-                 min_doc_len: int = 64, max_doc_len: int = 4096, ramp_steps: int = 0, value_len: int = 3,
-                 eval_min_distance: int = 1024, eval_docs: int = 32):
+    def __init__(
+        self,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        min_records: int = 4,
+        max_records: int = 16,
+        min_doc_len: int = 64,
+        max_doc_len: int = 4096,
+        ramp_steps: int = 0,
+        value_len: int = 3,
+        eval_min_distance: int = 1024,
+        eval_docs: int = 32,
+    ):
         if not 1 <= min_records <= max_records <= len(KEYS):
-            raise ValueError(f"the key-value task needs 1 <= min_records <= max_records <= {len(KEYS)}, "
-                             f"got {min_records}, {max_records}")
+            raise ValueError(
+                f"the key-value task needs 1 <= min_records <= max_records <= {len(KEYS)}, "
+                f"got {min_records}, {max_records}"
+            )
         self.record_len, self.query_len = value_len + 3, value_len + 3  # " K123;" and "?K123\n"
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.min_records, self.max_records, self.value_len = min_records, max_records, value_len
@@ -73,8 +89,10 @@ class KeyValueRetrieval:
         self.min_doc_len = max(min_doc_len, self.doc_len(min_records))
         self.max_doc_len, self.ramp_steps = max(max_doc_len, self.min_doc_len), ramp_steps
         if seq_len < self.min_doc_len:
-            raise ValueError(f"the key-value task needs seq_len >= {self.min_doc_len} "
-                             f"({min_records} records and their queries), got {seq_len}")
+            raise ValueError(
+                f"the key-value task needs seq_len >= {self.min_doc_len} "
+                f"({min_records} records and their queries), got {seq_len}"
+            )
 
     def doc_len(self, n_records: int) -> int:
         """Shortest document with ``n_records`` records (no filler)."""
@@ -112,7 +130,7 @@ class KeyValueRetrieval:
             tokens += list(values[i].encode()) + [ord("\n")]
         mask += [False] * (len(tokens) - len(mask))
         for start, _ in answers:
-            mask[start:start + self.value_len] = [True] * self.value_len
+            mask[start : start + self.value_len] = [True] * self.value_len
         assert len(tokens) == length
         return tokens, mask, answers
 
@@ -159,19 +177,28 @@ class KeyValueRetrieval:
 
     def num_valid_at(self, step: int) -> int:
         """Answer labels in the global batch of ``step`` (value_len per record), without building it."""
-        return self.value_len * sum(n for row in range(self.global_batch) for _, n in self._plan(step, row)[1])
+        return self.value_len * sum(
+            n for row in range(self.global_batch) for _, n in self._plan(step, row)[1]
+        )
 
     def eval_batch_list(self) -> list[Batch]:
         return [ev.batch for ev in self.eval_queries()]
 
-    def eval_queries(self) -> list["EvalBatch"]:
+    def eval_queries(self) -> list[EvalBatch]:
         """The held-out batches (``eval_docs`` documents, one per row, in batches of ``global_batch``
         rows), built once."""
         if self._eval is None:
             room = self.seq_len - self.doc_len(self.max_records)
-            self._eval = [] if room < 0 else [
-                self.eval_batch(self.global_batch, min_distance=min(self.eval_min_distance, room), index=i)
-                for i in range(-(-self.eval_docs // self.global_batch))]
+            self._eval = (
+                []
+                if room < 0
+                else [
+                    self.eval_batch(
+                        self.global_batch, min_distance=min(self.eval_min_distance, room), index=i
+                    )
+                    for i in range(-(-self.eval_docs // self.global_batch))
+                ]
+            )
         return self._eval
 
     def describe(self) -> str:
@@ -182,9 +209,13 @@ class KeyValueRetrieval:
         from a seed stream disjoint from training; every record sits >= ``min_distance`` tokens
         before the queries. ``index`` picks another batch of the same stream."""
         if self.doc_len(self.max_records) + min_distance > self.seq_len:
-            raise ValueError(f"seq_len {self.seq_len} is too short for records {min_distance} tokens "
-                             "before the queries")
-        rng = random.Random(f"bumblebee-eval:{self.seed}:{index}")  # str seeds never meet the int seeds
+            raise ValueError(
+                f"seq_len {self.seq_len} is too short for records {min_distance} tokens "
+                "before the queries"
+            )
+        rng = random.Random(
+            f"bumblebee-eval:{self.seed}:{index}"
+        )  # str seeds never meet the int seeds
         packed, qids, distances = [], [], []
         for _ in range(rows):
             tokens, mask, answers = self.document(rng, self.max_records, self.seq_len, min_distance)
@@ -192,8 +223,11 @@ class KeyValueRetrieval:
             packer.add(tokens, mask)
             packed.append(packer.finish())
             q = [-1] * self.seq_len
-            for start, distance in answers:  # labels[t] is token t + 1: an answer's labels sit one earlier
-                q[start - 1:start - 1 + self.value_len] = [len(distances)] * self.value_len
+            for (
+                start,
+                distance,
+            ) in answers:  # labels[t] is token t + 1: an answer's labels sit one earlier
+                q[start - 1 : start - 1 + self.value_len] = [len(distances)] * self.value_len
                 distances.append(distance)
             qids.append(q)
         batch = stack_rows(packed)

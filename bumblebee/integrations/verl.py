@@ -41,12 +41,14 @@ try:
     from verl.workers.engine import BaseEngine, EngineRegistry
     from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 except ImportError:
-    raise ImportError("bumblebee.integrations.verl needs verl: pip install 'bumblebee[verl]'") from None
+    raise ImportError(
+        "bumblebee.integrations.verl needs verl: pip install 'bumblebee[verl]'"
+    ) from None
 
 from bumblebee.config import Config, ConfigError
-from bumblebee.runtime.resolve import load_config
 from bumblebee.rl.batch import RLBatch
 from bumblebee.rl.engine import Engine
+from bumblebee.runtime.resolve import load_config
 
 
 @dataclasses.dataclass
@@ -63,7 +65,9 @@ class _VerlLoss:
     outputs: list = dataclasses.field(default_factory=list)
 
     def _nested(self, x_1T: torch.Tensor) -> torch.Tensor:
-        return torch.nested.nested_tensor_from_jagged(x_1T.reshape(-1), self.offsets.to(x_1T.device))
+        return torch.nested.nested_tensor_from_jagged(
+            x_1T.reshape(-1), self.offsets.to(x_1T.device)
+        )
 
     def __call__(self, x):
         model_output = {"log_probs": self._nested(x.logprobs)}
@@ -72,9 +76,16 @@ class _VerlLoss:
         if self.loss_function is None:
             loss, metrics = x.logprobs.sum() * 0.0, {}
         else:
-            loss, metrics = self.loss_function(model_output=model_output, data=self.micro_batch, dp_group=None)
-        self.outputs.append({"model_output": {k: v.detach() for k, v in model_output.items()},
-                             "loss": float(loss.detach()), "metrics": metrics})
+            loss, metrics = self.loss_function(
+                model_output=model_output, data=self.micro_batch, dp_group=None
+            )
+        self.outputs.append(
+            {
+                "model_output": {k: v.detach() for k, v in model_output.items()},
+                "loss": float(loss.detach()),
+                "metrics": metrics,
+            }
+        )
         return loss / self.dp_size, {}
 
 
@@ -84,22 +95,37 @@ class BumblebeeEngine(BaseEngine):
     the embedded one); ``model_config.local_path`` (verl's HFModelConfig) starts from a HF directory;
     ``optimizer_config.lr`` / ``clip_grad`` override ``train.lr`` / ``train.clip_grad``."""
 
-    def __init__(self, model_config=None, engine_config=None, optimizer_config=None, checkpoint_config=None, *,
-                 config: Config | None = None, temperature: float = 1.0):
+    def __init__(
+        self,
+        model_config=None,
+        engine_config=None,
+        optimizer_config=None,
+        checkpoint_config=None,
+        *,
+        config: Config | None = None,
+        temperature: float = 1.0,
+    ):
         super().__init__()
         cfg = config or load_config(None, [])
         if optimizer_config is not None:
-            train = {k: getattr(optimizer_config, k) for k in ("lr", "clip_grad")
-                     if getattr(optimizer_config, k, None) is not None}
+            train = {
+                k: getattr(optimizer_config, k)
+                for k in ("lr", "clip_grad")
+                if getattr(optimizer_config, k, None) is not None
+            }
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
         self.cfg, self.temperature, self.mode = cfg, temperature, None
         self.hf_path = getattr(model_config, "local_path", None)
         self.engine: Engine | None = None
 
     def initialize(self):
-        if self.cfg.parallel.cp > 1:  # verl's nested outputs are whole sequences; a CP rank holds a share
-            raise ConfigError("the verl adapter runs parallel.cp = 1 (bumblebee's log-probs come back per CP "
-                              "shard inside the loss callback)")
+        if (
+            self.cfg.parallel.cp > 1
+        ):  # verl's nested outputs are whole sequences; a CP rank holds a share
+            raise ConfigError(
+                "the verl adapter runs parallel.cp = 1 (bumblebee's log-probs come back per CP "
+                "shard inside the loss callback)"
+            )
         self.engine = Engine(self.cfg, hf_path=self.hf_path, temperature=self.temperature)
 
     # ------------------------------------------------------------------ modes, offload, groups
@@ -143,7 +169,9 @@ class BumblebeeEngine(BaseEngine):
         return self.engine.get_data_parallel_group()
 
     def is_mp_src_rank_with_outputs(self):
-        return True  # every rank returns the outputs of its rows (pp: broadcast from the last stage)
+        return (
+            True  # every rank returns the outputs of its rows (pp: broadcast from the last stage)
+        )
 
     # ------------------------------------------------------------------ the step
     def optimizer_zero_grad(self):
@@ -164,13 +192,18 @@ class BumblebeeEngine(BaseEngine):
                 dist.all_reduce(n, group=self.get_data_parallel_group())
             tu.assign_non_tensor(data, batch_num_tokens=n.item())
         tu.assign_non_tensor(data, dp_size=dp_size)
-        micro_batches, indices = prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(),
-                                                       same_micro_num_in_dp=True)
+        micro_batches, indices = prepare_micro_batches(
+            data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
+        )
         entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         outputs = []
         for mb in micro_batches:
             ids, pos = mb["input_ids"], mb["position_ids"]
-            packed = RLBatch(ids.values()[None], pos.values()[None], torch.ones_like(ids.values(), dtype=torch.bool)[None])
+            packed = RLBatch(
+                ids.values()[None],
+                pos.values()[None],
+                torch.ones_like(ids.values(), dtype=torch.bool)[None],
+            )
             callback = _VerlLoss(loss_function, mb, ids.offsets(), dp_size, entropy)
             self.engine.forward_backward(packed, callback, forward_only=forward_only)
             outputs += callback.outputs
@@ -181,7 +214,9 @@ class BumblebeeEngine(BaseEngine):
         """(HF name, full bf16 tensor) in 512 MB buckets gathered just in time; no PEFT config."""
         return (t for bucket in self.engine.weight_buckets() for t in bucket), None
 
-    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+    def save_checkpoint(
+        self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs
+    ):
         self.engine.save(local_path, step=global_step, keep=max_ckpt_to_keep)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):

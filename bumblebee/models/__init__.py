@@ -19,19 +19,43 @@ from bumblebee.models.family import FAMILIES, Family, family_of_model_type, regi
 from bumblebee.models.mtp_names import without_absent_mtp
 from bumblebee.models.presets import PRESETS
 
-register_family(Family(name="qwen3_moe", arch=qwen3_moe.Qwen3MoeArch, model=qwen3_moe.Qwen3MoeForCausalLM,
-                       presets=PRESETS["qwen3_moe"], hf_model_types=("qwen3_moe",)))
+register_family(
+    Family(
+        name="qwen3_moe",
+        arch=qwen3_moe.Qwen3MoeArch,
+        model=qwen3_moe.Qwen3MoeForCausalLM,
+        presets=PRESETS["qwen3_moe"],
+        hf_model_types=("qwen3_moe",),
+    )
+)
 # qwen3_5_moe is also the released multimodal wrapper: its text_config is the language model,
 # stored under model.language_model.*, its MTP head under mtp.*; the vision tower is not part of it
-register_family(Family(name="qwen3_5_moe", arch=qwen3_5_moe.Qwen3_5MoeArch, model=qwen3_5_moe.Qwen3_5MoeForCausalLM,
-                       presets=PRESETS["qwen3_5_moe"], hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
-                       hf_prefixes={"model.language_model.": "model."}, skip_prefixes=("model.visual.",),
-                       mtp_arch_key="mtp_num_hidden_layers"))
-register_family(Family(name="deepseek_v3", arch=deepseek_v3.DeepseekV3Arch, model=deepseek_v3.DeepseekV3ForCausalLM,
-                       presets=PRESETS["deepseek_v3"], hf_model_types=("deepseek_v3", "kimi_k2"),
-                       hf_name_in=deepseek_v3.hf_name_in, hf_name_out=deepseek_v3.hf_name_out,
-                       hf_copies=deepseek_v3.hf_copies, mtp_arch_key="num_nextn_predict_layers",
-                       router=deepseek_v3.ROUTER))
+register_family(
+    Family(
+        name="qwen3_5_moe",
+        arch=qwen3_5_moe.Qwen3_5MoeArch,
+        model=qwen3_5_moe.Qwen3_5MoeForCausalLM,
+        presets=PRESETS["qwen3_5_moe"],
+        hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
+        hf_prefixes={"model.language_model.": "model."},
+        skip_prefixes=("model.visual.",),
+        mtp_arch_key="mtp_num_hidden_layers",
+    )
+)
+register_family(
+    Family(
+        name="deepseek_v3",
+        arch=deepseek_v3.DeepseekV3Arch,
+        model=deepseek_v3.DeepseekV3ForCausalLM,
+        presets=PRESETS["deepseek_v3"],
+        hf_model_types=("deepseek_v3", "kimi_k2"),
+        hf_name_in=deepseek_v3.hf_name_in,
+        hf_name_out=deepseek_v3.hf_name_out,
+        hf_copies=deepseek_v3.hf_copies,
+        mtp_arch_key="num_nextn_predict_layers",
+        router=deepseek_v3.ROUTER,
+    )
+)
 
 
 def family_of(arch) -> Family:
@@ -39,8 +63,15 @@ def family_of(arch) -> Family:
 
 
 # keys a Hugging Face config.json must state (a default would silently build another model)
-REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "moe_intermediate_size", "num_experts_per_tok")
+REQUIRED_HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+)
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -98,8 +129,10 @@ def resolve_arch(model_cfg):
         arch = without_absent_mtp(arch, model_cfg.hf_path)
     else:
         if model_cfg.preset not in family.presets:
-            raise ConfigError(f"unknown {model_cfg.name} preset {model_cfg.preset!r}; "
-                              f"valid: {', '.join(family.presets)}")
+            raise ConfigError(
+                f"unknown {model_cfg.name} preset {model_cfg.preset!r}; "
+                f"valid: {', '.join(family.presets)}"
+            )
         arch = arch_from_hf_dict(dict(family.presets[model_cfg.preset]))
     try:
         return arch.with_overrides(model_cfg.arch) if model_cfg.arch else arch

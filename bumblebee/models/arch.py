@@ -19,7 +19,13 @@ class ArchError(ValueError):
 
 
 _LIST_ITEMS = {"mlp_only_layers": int, "layer_types": str}  # element type of list-valued fields
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    list: "a list",
+}
 
 
 def replace_fields(arch, overrides: dict[str, Any]):
@@ -38,13 +44,20 @@ def check_field_types(arch) -> None:
     """Every field holds a value of its annotated type (an int is taken for a float), so a
     string, a float size or a string for a bool names its key instead of failing deep inside."""
     for f in dataclasses.fields(arch):
-        value, kind = getattr(arch, f.name), {"int": int, "float": float, "bool": bool, "str": str,
-                                              "list": list}.get(str(f.type), None)
-        ok = (kind is None or (kind is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-              or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))))
+        value, kind = (
+            getattr(arch, f.name),
+            {"int": int, "float": float, "bool": bool, "str": str, "list": list}.get(
+                str(f.type), None
+            ),
+        )
+        ok = (
+            kind is None
+            or (kind is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+            or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
+        )
         if not ok:
             raise ArchError(f"{f.name} must be {_TYPE_NAMES[kind]}, got {value!r}")
-        if kind is int and not -2**63 < value < 2**63:
+        if kind is int and not -(2**63) < value < 2**63:
             raise ArchError(f"{f.name} = {value} is beyond a 64-bit integer (|value| < 2^63)")
         if kind is float:
             if not math.isfinite(value):
@@ -52,7 +65,9 @@ def check_field_types(arch) -> None:
             setattr(arch, f.name, float(value))
         item = _LIST_ITEMS.get(f.name)
         if item and not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
-            raise ArchError(f"{f.name} must be a list of {'integers' if item is int else 'strings'}, got {value!r}")
+            raise ArchError(
+                f"{f.name} must be a list of {'integers' if item is int else 'strings'}, got {value!r}"
+            )
 
 
 def check_norm_and_rope(eps: float, theta: float) -> None:
@@ -92,26 +107,46 @@ class Qwen3MoeArch:
 
     def is_moe_layer(self, i: int) -> bool:
         """HF rule: MoE unless listed in mlp_only_layers or off the sparse step."""
-        return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+        return (
+            i not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     def validate(self) -> None:
         check_field_types(self)
-        positive = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim", "decoder_sparse_step")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "moe_intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "decoder_sparse_step",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ArchError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                            f"num_key_value_heads ({self.num_key_value_heads})")
+            raise ArchError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             raise ArchError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.num_experts < 1:  # (HF reads 0 as "every layer dense": not a MoE model to train here)
-            raise ArchError(f"num_experts must be >= 1 (a MoE model; dense layers go in mlp_only_layers), "
-                            f"got {self.num_experts}")
+        if (
+            self.num_experts < 1
+        ):  # (HF reads 0 as "every layer dense": not a MoE model to train here)
+            raise ArchError(
+                f"num_experts must be >= 1 (a MoE model; dense layers go in mlp_only_layers), "
+                f"got {self.num_experts}"
+            )
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ArchError(f"need 1 <= num_experts_per_tok <= num_experts, got "
-                            f"{self.num_experts_per_tok} and {self.num_experts}")
+            raise ArchError(
+                f"need 1 <= num_experts_per_tok <= num_experts, got "
+                f"{self.num_experts_per_tok} and {self.num_experts}"
+            )
         check_norm_and_rope(self.rms_norm_eps, self.rope_theta)
         if self.hidden_act != "silu":
             raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
@@ -120,12 +155,15 @@ class Qwen3MoeArch:
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ArchError(f"mlp_only_layers {bad} out of range 0..{self.num_hidden_layers - 1}")
-        if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)) and self.intermediate_size <= 0:
+        if (
+            any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+            and self.intermediate_size <= 0
+        ):
             raise ArchError("dense-MLP layers need intermediate_size > 0")
 
     # ------------------------------------------------------------------ HF mapping
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen3MoeArch":
+    def from_hf_dict(cls, d: dict[str, Any]) -> Qwen3MoeArch:
         d = dict(d)
         if "num_local_experts" in d and "num_experts" not in d:
             d["num_experts"] = d["num_local_experts"]
@@ -154,7 +192,7 @@ class Qwen3MoeArch:
         d["output_router_logits"] = False
         return d
 
-    def with_overrides(self, overrides: dict[str, Any]) -> "Qwen3MoeArch":
+    def with_overrides(self, overrides: dict[str, Any]) -> Qwen3MoeArch:
         return replace_fields(self, overrides)
 
     # ------------------------------------------------------------------ arithmetic
@@ -163,13 +201,24 @@ class Qwen3MoeArch:
         from bumblebee.models.spec import ATTN, DENSE, MOE, ModelSpec
 
         layers = self.num_hidden_layers
-        return ModelSpec(name=name, family="qwen3_moe", vocab=self.vocab_size, hidden=self.hidden_size,
-                         mixers=(ATTN,) * layers, mlps=tuple(MOE if self.is_moe_layer(i) else DENSE
-                                                               for i in range(layers)),
-                         n_heads=self.num_attention_heads, n_kv_heads=self.num_key_value_heads,
-                         head_dim=self.head_dim, attn_gate=False, experts=self.num_experts,
-                         top_k=self.num_experts_per_tok, expert_ffn=self.moe_intermediate_size, shared_ffn=0,
-                         dense_ffn=self.intermediate_size, tied=self.tie_word_embeddings)
+        return ModelSpec(
+            name=name,
+            family="qwen3_moe",
+            vocab=self.vocab_size,
+            hidden=self.hidden_size,
+            mixers=(ATTN,) * layers,
+            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
+            n_heads=self.num_attention_heads,
+            n_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            attn_gate=False,
+            experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            expert_ffn=self.moe_intermediate_size,
+            shared_ffn=0,
+            dense_ffn=self.intermediate_size,
+            tied=self.tie_word_embeddings,
+        )
 
     def num_params(self) -> dict[str, int]:
         """Parameter counts: total, dense and routed-expert parts."""

@@ -84,46 +84,80 @@ class DeepseekV3Arch:
 
     def validate(self) -> None:
         check_field_types(self)
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                    "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_group",
+            "topk_group",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("q_lora_rank", "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
+        for name in (
+            "q_lora_rank",
+            "n_shared_experts",
+            "first_k_dense_replace",
+            "num_nextn_predict_layers",
+        ):
             if getattr(self, name) < 0:
                 raise ArchError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2:
-            raise ArchError(f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}")
+            raise ArchError(
+                f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}"
+            )
         if self.v_head_dim > self.head_dim:
-            raise ArchError(f"v_head_dim ({self.v_head_dim}) must be <= qk_nope_head_dim + qk_rope_head_dim "
-                            f"({self.head_dim})")
+            raise ArchError(
+                f"v_head_dim ({self.v_head_dim}) must be <= qk_nope_head_dim + qk_rope_head_dim "
+                f"({self.head_dim})"
+            )
         if self.n_routed_experts % self.n_group:
-            raise ArchError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
+            raise ArchError(
+                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})"
+            )
         per_group = self.n_routed_experts // self.n_group
         if not 1 <= self.topk_group <= self.n_group or per_group < 2 and self.n_group > 1:
-            raise ArchError(f"need 1 <= topk_group <= n_group and >= 2 experts per group, got topk_group "
-                            f"{self.topk_group}, n_group {self.n_group}, {per_group} experts per group")
+            raise ArchError(
+                f"need 1 <= topk_group <= n_group and >= 2 experts per group, got topk_group "
+                f"{self.topk_group}, n_group {self.n_group}, {per_group} experts per group"
+            )
         if not 1 <= self.num_experts_per_tok <= self.topk_group * per_group:
-            raise ArchError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be within 1..topk_group x "
-                            f"experts per group ({self.topk_group * per_group})")
+            raise ArchError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be within 1..topk_group x "
+                f"experts per group ({self.topk_group * per_group})"
+            )
         if self.hidden_act != "silu":
             raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
         if self.attention_bias:
-            raise ArchError("attention_bias = true is not supported (DeepSeek-V3 checkpoints have none)")
+            raise ArchError(
+                "attention_bias = true is not supported (DeepSeek-V3 checkpoints have none)"
+            )
         kind = self.rope_parameters.get("rope_type", "default")
         if kind not in ("default", "yarn"):
             raise ArchError(f"rope_type {kind!r} is not supported; valid: default, yarn")
         if kind == "yarn" and not self.rope_parameters.get("original_max_position_embeddings"):
             raise ArchError("yarn rope_parameters need original_max_position_embeddings")
         theta = self.rope_parameters.get("rope_theta", 10000.0)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
+        if (
+            isinstance(theta, bool)
+            or not isinstance(theta, (int, float))
+            or not math.isfinite(theta)
+        ):
             raise ArchError(f"rope_parameters.rope_theta must be a finite number, got {theta!r}")
         check_norm_and_rope(self.rms_norm_eps, float(theta))
 
     # ------------------------------------------------------------------ HF mapping
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "DeepseekV3Arch":
+    def from_hf_dict(cls, d: dict[str, Any]) -> DeepseekV3Arch:
         d = dict(d)
         if "num_mtp_layers" in d and "num_nextn_predict_layers" not in d:
             d["num_nextn_predict_layers"] = d["num_mtp_layers"]
@@ -137,7 +171,9 @@ class DeepseekV3Arch:
         d["rope_parameters"] = rope
         heads, kv_heads = d.get("num_attention_heads"), d.get("num_key_value_heads")
         if kv_heads is not None and heads is not None and kv_heads != heads:
-            raise ArchError(f"num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) in MLA")
+            raise ArchError(
+                f"num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads}) in MLA"
+            )
         if d.get("q_lora_rank", 1) is None:
             d["q_lora_rank"] = 0
         names = {f.name for f in dataclasses.fields(cls)}
@@ -153,7 +189,7 @@ class DeepseekV3Arch:
         d["architectures"] = ["DeepseekV3ForCausalLM"]
         return d
 
-    def with_overrides(self, overrides: dict[str, Any]) -> "DeepseekV3Arch":
+    def with_overrides(self, overrides: dict[str, Any]) -> DeepseekV3Arch:
         return replace_fields(self, overrides)
 
     # ------------------------------------------------------------------ arithmetic
@@ -162,17 +198,30 @@ class DeepseekV3Arch:
         from bumblebee.models.spec import ATTN, DENSE, MOE, ModelSpec
 
         layers = self.num_hidden_layers
-        return ModelSpec(name=name, family="deepseek_v3", vocab=self.vocab_size, hidden=self.hidden_size,
-                         mixers=(ATTN,) * layers, mlps=tuple(MOE if self.is_moe_layer(i) else DENSE
-                                                              for i in range(layers)),
-                         n_heads=self.num_attention_heads, n_kv_heads=self.num_attention_heads,
-                         head_dim=self.head_dim, attn_gate=False, experts=self.n_routed_experts,
-                         top_k=self.num_experts_per_tok, expert_ffn=self.moe_intermediate_size,
-                         shared_ffn=self.shared_expert_intermediate_size, shared_gate=False,
-                         dense_ffn=self.intermediate_size, tied=self.tie_word_embeddings,
-                         mla_q_rank=self.q_lora_rank, mla_kv_rank=self.kv_lora_rank,
-                         mla_rope_dim=self.qk_rope_head_dim, mla_v_dim=self.v_head_dim,
-                         mtp_depth=self.num_nextn_predict_layers)
+        return ModelSpec(
+            name=name,
+            family="deepseek_v3",
+            vocab=self.vocab_size,
+            hidden=self.hidden_size,
+            mixers=(ATTN,) * layers,
+            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
+            n_heads=self.num_attention_heads,
+            n_kv_heads=self.num_attention_heads,
+            head_dim=self.head_dim,
+            attn_gate=False,
+            experts=self.n_routed_experts,
+            top_k=self.num_experts_per_tok,
+            expert_ffn=self.moe_intermediate_size,
+            shared_ffn=self.shared_expert_intermediate_size,
+            shared_gate=False,
+            dense_ffn=self.intermediate_size,
+            tied=self.tie_word_embeddings,
+            mla_q_rank=self.q_lora_rank,
+            mla_kv_rank=self.kv_lora_rank,
+            mla_rope_dim=self.qk_rope_head_dim,
+            mla_v_dim=self.v_head_dim,
+            mtp_depth=self.num_nextn_predict_layers,
+        )
 
     def num_params(self) -> dict[str, int]:
         """Parameter counts: total, dense and routed-expert parts."""

@@ -23,8 +23,10 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 def default_layer_types(num_layers: int, full_attention_interval: int = 4) -> list[str]:
     """HF's default pattern: every ``full_attention_interval``-th layer is full attention."""
-    return ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
-            for i in range(num_layers)]
+    return [
+        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
 
 
 @dataclass(kw_only=True)
@@ -73,42 +75,68 @@ class Qwen3_5MoeArch:
     def validate(self) -> None:
         check_field_types(self)
         check_norm_and_rope(self.rms_norm_eps, self.rope_theta)
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                    "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size",
-                    "shared_expert_intermediate_size", "num_experts")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "num_experts",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ArchError(f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
-                            f"{self.num_hidden_layers}")
+            raise ArchError(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
+                f"{self.num_hidden_layers}"
+            )
         bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
         if bad:
             raise ArchError(f"unknown layer_types {bad}; valid: {', '.join(LAYER_TYPES)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ArchError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                            f"num_key_value_heads ({self.num_key_value_heads})")
+            raise ArchError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ArchError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be divisible by "
-                            f"linear_num_key_heads ({self.linear_num_key_heads})")
+            raise ArchError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be divisible by "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim <= 0 or self.rotary_dim % 2:
-            raise ArchError(f"head_dim * partial_rotary_factor must be a positive even number, got "
-                            f"{self.head_dim} * {self.partial_rotary_factor}")
+            raise ArchError(
+                f"head_dim * partial_rotary_factor must be a positive even number, got "
+                f"{self.head_dim} * {self.partial_rotary_factor}"
+            )
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ArchError(f"need 1 <= num_experts_per_tok <= num_experts, got "
-                            f"{self.num_experts_per_tok} and {self.num_experts}")
+            raise ArchError(
+                f"need 1 <= num_experts_per_tok <= num_experts, got "
+                f"{self.num_experts_per_tok} and {self.num_experts}"
+            )
         if self.hidden_act != "silu":
             raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
         if self.attention_bias:
-            raise ArchError("attention_bias = true is not supported (Qwen3.5 checkpoints have none)")
+            raise ArchError(
+                "attention_bias = true is not supported (Qwen3.5 checkpoints have none)"
+            )
         if self.mtp_num_hidden_layers < 0:
             raise ArchError(f"mtp_num_hidden_layers must be >= 0, got {self.mtp_num_hidden_layers}")
 
     # ------------------------------------------------------------------ HF mapping
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "Qwen3_5MoeArch":
-        if d.get("model_type") == "qwen3_5_moe":  # multimodal wrapper: the language model is text_config
+    def from_hf_dict(cls, d: dict[str, Any]) -> Qwen3_5MoeArch:
+        if (
+            d.get("model_type") == "qwen3_5_moe"
+        ):  # multimodal wrapper: the language model is text_config
             if not isinstance(d.get("text_config"), dict):
                 raise ArchError("a qwen3_5_moe config needs a text_config section")
             top = d
@@ -123,12 +151,16 @@ class Qwen3_5MoeArch:
         if rope.get("rope_type", "default") not in ("default", None):
             raise ArchError(f"rope_type {rope['rope_type']!r} is not supported; valid: default")
         if d.get("mtp_use_dedicated_embeddings"):
-            raise ArchError("mtp_use_dedicated_embeddings = true is not supported (the MTP head shares the embedding)")
+            raise ArchError(
+                "mtp_use_dedicated_embeddings = true is not supported (the MTP head shares the embedding)"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names and v is not None}
         if "layer_types" not in kwargs:
             kwargs["layer_types"] = default_layer_types(
-                kwargs.get("num_hidden_layers", cls.num_hidden_layers), d.get("full_attention_interval", 4))
+                kwargs.get("num_hidden_layers", cls.num_hidden_layers),
+                d.get("full_attention_interval", 4),
+            )
         kwargs["layer_types"] = list(kwargs["layer_types"])
         arch = cls(**kwargs)
         arch.validate()
@@ -136,13 +168,16 @@ class Qwen3_5MoeArch:
 
     def to_hf_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
-                                "partial_rotary_factor": d.pop("partial_rotary_factor")}
+        d["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": d.pop("rope_theta"),
+            "partial_rotary_factor": d.pop("partial_rotary_factor"),
+        }
         d["architectures"] = ["Qwen3_5MoeForCausalLM"]
         d["output_router_logits"] = False
         return d
 
-    def with_overrides(self, overrides: dict[str, Any]) -> "Qwen3_5MoeArch":
+    def with_overrides(self, overrides: dict[str, Any]) -> Qwen3_5MoeArch:
         """Replace fields; changing ``num_hidden_layers`` without ``layer_types`` re-derives the
         layer pattern with HF's default rule (every 4th layer full attention)."""
         overrides = dict(overrides)
@@ -155,16 +190,30 @@ class Qwen3_5MoeArch:
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
         from bumblebee.models.spec import ATTN, GDN, MOE, ModelSpec
 
-        return ModelSpec(name=name, family="qwen3_5_moe", vocab=self.vocab_size, hidden=self.hidden_size,
-                         mixers=tuple(ATTN if t == "full_attention" else GDN for t in self.layer_types),
-                         mlps=(MOE,) * self.num_hidden_layers, n_heads=self.num_attention_heads,
-                         n_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, attn_gate=True,
-                         gdn_k_heads=self.linear_num_key_heads, gdn_v_heads=self.linear_num_value_heads,
-                         gdn_k_dim=self.linear_key_head_dim, gdn_v_dim=self.linear_value_head_dim,
-                         gdn_conv=self.linear_conv_kernel_dim, experts=self.num_experts,
-                         top_k=self.num_experts_per_tok, expert_ffn=self.moe_intermediate_size,
-                         shared_ffn=self.shared_expert_intermediate_size, dense_ffn=0,
-                         tied=self.tie_word_embeddings, mtp_depth=self.mtp_num_hidden_layers)
+        return ModelSpec(
+            name=name,
+            family="qwen3_5_moe",
+            vocab=self.vocab_size,
+            hidden=self.hidden_size,
+            mixers=tuple(ATTN if t == "full_attention" else GDN for t in self.layer_types),
+            mlps=(MOE,) * self.num_hidden_layers,
+            n_heads=self.num_attention_heads,
+            n_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            attn_gate=True,
+            gdn_k_heads=self.linear_num_key_heads,
+            gdn_v_heads=self.linear_num_value_heads,
+            gdn_k_dim=self.linear_key_head_dim,
+            gdn_v_dim=self.linear_value_head_dim,
+            gdn_conv=self.linear_conv_kernel_dim,
+            experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            expert_ffn=self.moe_intermediate_size,
+            shared_ffn=self.shared_expert_intermediate_size,
+            dense_ffn=0,
+            tied=self.tie_word_embeddings,
+            mtp_depth=self.mtp_num_hidden_layers,
+        )
 
     def num_params(self) -> dict[str, int]:
         """Parameter counts: total, dense and routed-expert parts."""

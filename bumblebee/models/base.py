@@ -54,8 +54,12 @@ def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     e.g. the ``sigmoid_bias`` router's ``e_score_correction_bias``. Not parameters, no gradient."""
     if not hasattr(module, "named_modules"):  # a stand-in holding parameters only
         return []
-    return [(f"{mn}.{bn}" if mn else bn, b) for mn, m in module.named_modules()
-            for bn, b in m.named_buffers(recurse=False) if b is not None and bn not in m._non_persistent_buffers_set]
+    return [
+        (f"{mn}.{bn}" if mn else bn, b)
+        for mn, m in module.named_modules()
+        for bn, b in m.named_buffers(recurse=False)
+        if b is not None and bn not in m._non_persistent_buffers_set
+    ]
 
 
 @dataclass
@@ -64,8 +68,12 @@ class LossTerms:
 
     loss_sum: torch.Tensor  # summed token losses over the valid labels of this micro-batch
     num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
-    aux_loss: torch.Tensor  # load-balancing loss of the asked definition (0 if none, or "global_batch")
-    router_stats: torch.Tensor | None = None  # [L, 2E + 2] per MoE layer (primitives/moe/balance.py)
+    aux_loss: (
+        torch.Tensor
+    )  # load-balancing loss of the asked definition (0 if none, or "global_batch")
+    router_stats: torch.Tensor | None = (
+        None  # [L, 2E + 2] per MoE layer (primitives/moe/balance.py)
+    )
     # multi-token prediction (models/mtp.py), already weighted into loss_sum: per-depth summed
     # token losses (detached, for logs) and valid-label counts; empty without MTP
     mtp_sums: list = field(default_factory=list)
@@ -119,29 +127,42 @@ class CausalLM(RoutingProtocol, nn.Module):
         self.prims = prims = prims or PrimitivesConfig()
         self.groups = groups = groups or ParallelGroups()
         dispatch = registry.get("moe_comm", prims.moe_comm).factory(
-            num_experts=arch.num_experts, ep_group=groups.ep_group, num_chunks=prims.moe_chunks)
+            num_experts=arch.num_experts, ep_group=groups.ep_group, num_chunks=prims.moe_chunks
+        )
         self.recompute = registry.get("recompute", prims.recompute).factory(prims.recompute_modules)
         self.loss_fn = registry.get("loss", prims.loss).factory
         # one attention core for the whole model: the CP implementation when the sequence is split
-        attend = (registry.get("cp", prims.cp) if groups.cp_size > 1 else registry.get("attention", prims.attention))
+        attend = (
+            registry.get("cp", prims.cp)
+            if groups.cp_size > 1
+            else registry.get("attention", prims.attention)
+        )
         parts = LayerParts(prims, cache_aware(attend.factory), dispatch, self.recompute, groups)
         embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
         layers = [self.make_layer(i, parts) for i in range(arch.num_hidden_layers)]
         self.model = Backbone(embed, layers, self.norm_cls(arch.hidden_size, arch.rms_norm_eps))
-        self.lm_head = None if arch.tie_word_embeddings else LMHead(arch.hidden_size, arch.vocab_size)
+        self.lm_head = (
+            None if arch.tie_word_embeddings else LMHead(arch.hidden_size, arch.vocab_size)
+        )
         self.main_moe_layers = sum(int(layer.is_moe) for layer in self.model.layers)
         self.num_moe_layers = max(self.main_moe_layers, 1)
         for j, layer in enumerate(layer for layer in self.model.layers if layer.is_moe):
             layer.mlp.moe_index = j  # its slot in router stats and routing replay ids
         self.mtp = self.make_mtp(parts)  # multi-token prediction modules (models/mtp.py) or None
         for k, block in enumerate(self.mtp_moe_blocks()):
-            block.moe_index = self.main_moe_layers + k  # router stats rows after the decoder's MoE layers
+            block.moe_index = (
+                self.main_moe_layers + k
+            )  # router stats rows after the decoder's MoE layers
         # counted once: a pipeline stage without the last layers drops the MTP part (keep_stages)
         self.mtp_held, self.mtp_moe_held = self.mtp_modules(), len(self.mtp_moe_blocks())
         self.mtp_depth = self.mtp_held  # depths trained (``set_mtp``)
         self.mtp_loss_weight = 0.1
-        self.stage_layers: dict[int, list[int]] | None = None  # pipeline stage -> its layers (keep_stages)
-        self.num_stages = 1  # parameters are left as constructed: build_model / materialize initialize them
+        self.stage_layers: dict[int, list[int]] | None = (
+            None  # pipeline stage -> its layers (keep_stages)
+        )
+        self.num_stages = (
+            1  # parameters are left as constructed: build_model / materialize initialize them
+        )
 
     # ------------------------------------------------------------------ family hooks
     def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
@@ -196,7 +217,9 @@ class CausalLM(RoutingProtocol, nn.Module):
         of (seed, tensor name, position) only (primitives/init.py), so an expert slice, an FSDP2
         shard or a pipeline stage gets exactly its part of the full tensors, generated one block
         at a time. ``seed=None`` draws one from torch's global generator. Nothing to do on meta."""
-        if any(p.is_meta or is_fake(p) for p in self.parameters()):  # shapes only (meta, or the planner's fakes)
+        if any(
+            p.is_meta or is_fake(p) for p in self.parameters()
+        ):  # shapes only (meta, or the planner's fakes)
             return
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
@@ -204,7 +227,9 @@ class CausalLM(RoutingProtocol, nn.Module):
         ep, r = self.groups.ep_size, self.groups.ep_rank
         for name, p in self.named_parameters():
             if name not in rules:
-                raise NotImplementedError(f"{type(self).__name__}: no init rule for {name} (init_vectors)")
+                raise NotImplementedError(
+                    f"{type(self).__name__}: no init rule for {name} (init_vectors)"
+                )
             shape, lo, part = row_extent(p, self.is_expert_param(name), r, ep)
             init.fill_rows(part, shape, lo, rules[name], seed, name)
         for name, b in self.named_buffers():
@@ -237,8 +262,12 @@ class CausalLM(RoutingProtocol, nn.Module):
         """Whether parameter ``name`` is a routed-expert weight (sharded over ep, reduced over edp)."""
         names = self.__dict__.get("_expert_names")
         if names is None:
-            names = {f"{mn}.{pn}" for mn, m in self.named_modules() if isinstance(m, Experts)
-                     for pn, _ in m.named_parameters()}
+            names = {
+                f"{mn}.{pn}"
+                for mn, m in self.named_modules()
+                if isinstance(m, Experts)
+                for pn, _ in m.named_parameters()
+            }
             self.__dict__["_expert_names"] = names
         return name in names
 
@@ -280,13 +309,24 @@ class CausalLM(RoutingProtocol, nn.Module):
         """What every decoder layer takes besides its input: RoPE (cos, sin) in ``dtype`` and the
         document layout (the CP layout when the sequence is split)."""
         cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
-        layout = build_cp_layout(position_ids_BT, cp_group) if cp_group is not None else doc_layout(position_ids_BT)
+        layout = (
+            build_cp_layout(position_ids_BT, cp_group)
+            if cp_group is not None
+            else doc_layout(position_ids_BT)
+        )
         cos, sin = self.rope_tables(position_ids_BT, dtype)
         return cos, sin, layout
 
     # ------------------------------------------------------------------ entry points
-    def hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None, routing=None,
-                      return_stats: bool = False):
+    def hidden_states(
+        self,
+        inputs,
+        position_ids_BT=None,
+        *,
+        stage: int | None = None,
+        routing=None,
+        return_stats: bool = False,
+    ):
         """Final-norm hidden states [B, T, H] and this part's share of the mean balance loss over
         MoE layers (``micro_batch`` definition). With ``stage`` (pipeline parallelism) only that
         stage runs: ``inputs`` are token ids on stage 0, else the previous stage's output, and the
@@ -295,12 +335,21 @@ class CausalLM(RoutingProtocol, nn.Module):
         ``routing``: a ``RoutingScope`` (primitives/moe/replay.py) to replay given experts and/or
         record the chosen ones. ``return_stats``: also the raw router stats [L, 2E + 2] (None
         without MoE layers), for the bias update of ``sigmoid_bias`` routers."""
-        h, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing)
+        h, stats_LS = self.routed_hidden_states(
+            inputs, position_ids_BT, stage=stage, routing=routing
+        )
         aux = self.part_balance(stats_LS, stage)
         return (h, aux, stats_LS) if return_stats else (h, aux)
 
-    def routed_hidden_states(self, inputs, position_ids_BT=None, *, stage: int | None = None, routing=None,
-                             context: list | None = None):
+    def routed_hidden_states(
+        self,
+        inputs,
+        position_ids_BT=None,
+        *,
+        stage: int | None = None,
+        routing=None,
+        context: list | None = None,
+    ):
         """``hidden_states`` with the raw router stats [L, 2E + 2] of the MoE layers run (None if none).
         Internal to ``hidden_states`` / ``loss_terms`` (the FSDP2 entry points): not one itself.
         ``context`` (a list) receives the layers' (cos, sin, layout)."""
@@ -326,13 +375,22 @@ class CausalLM(RoutingProtocol, nn.Module):
             x = x.contiguous()
         else:
             x = inputs
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = (
+            torch.get_autocast_dtype(x.device.type)
+            if torch.is_autocast_enabled(x.device.type)
+            else x.dtype
+        )
         cos, sin, layout = self.layer_context(position_ids_BT, dtype)
         if carry and first:
             from bumblebee.models.mtp import shift_global
 
-            embs = torch.cat([self.model.embed_tokens(shift_global(inputs, layout, k, 0))
-                              for k in range(1, self.mtp_depth + 1)], dim=-1)
+            embs = torch.cat(
+                [
+                    self.model.embed_tokens(shift_global(inputs, layout, k, 0))
+                    for k in range(1, self.mtp_depth + 1)
+                ],
+                dim=-1,
+            )
         if context is not None:
             context.extend((cos, sin, layout))
             if carry and last:
@@ -347,8 +405,16 @@ class CausalLM(RoutingProtocol, nn.Module):
             return self.model.norm(x), stats
         return (torch.cat([x, embs.to(x.dtype)], dim=-1) if carry else x), stats
 
-    def loss_terms(self, inputs, labels_BT, position_ids_BT=None, *, stage: int | None = None,
-                   balance: str = "micro_batch", routing=None) -> LossTerms:
+    def loss_terms(
+        self,
+        inputs,
+        labels_BT,
+        position_ids_BT=None,
+        *,
+        stage: int | None = None,
+        balance: str = "micro_batch",
+        routing=None,
+    ) -> LossTerms:
         """The summed token loss through the loss primitive (``stage``: the last pipeline stage), the
         balance loss of definition ``balance`` (``micro_batch`` | ``hf``; ``global_batch``: 0 here,
         the step builds it from ``router_stats`` over the whole batch) and the router stats.
@@ -356,17 +422,25 @@ class CausalLM(RoutingProtocol, nn.Module):
         layers are neither replayed nor recorded). With MTP trained, its weighted loss is added to
         ``loss_sum`` and its MoE layers' stats follow the decoder's rows (models/mtp.py)."""
         context: list = []
-        h_BTH, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing,
-                                                    context=context)
+        h_BTH, stats_LS = self.routed_hidden_states(
+            inputs, position_ids_BT, stage=stage, routing=routing, context=context
+        )
         labels_T = labels_BT.reshape(-1)
         hidden, labels = [h_BTH.reshape(-1, h_BTH.shape[-1])], [labels_T]
-        with_mtp = self.mtp is not None and self.mtp_depth and (stage is None or stage == self.num_stages - 1)
+        with_mtp = (
+            self.mtp is not None
+            and self.mtp_depth
+            and (stage is None or stage == self.num_stages - 1)
+        )
         if with_mtp:
             from bumblebee.models.mtp import mtp_hidden
 
-            cos, sin, layout, *embs = context  # embs: the MTP embeddings stage 0 sent (pipelined_mtp)
-            mtp_h, mtp_labels, mtp_stats = mtp_hidden(self, h_BTH, inputs, labels_BT, cos, sin, layout,
-                                                      embs=embs[0] if embs else None)
+            cos, sin, layout, *embs = (
+                context  # embs: the MTP embeddings stage 0 sent (pipelined_mtp)
+            )
+            mtp_h, mtp_labels, mtp_stats = mtp_hidden(
+                self, h_BTH, inputs, labels_BT, cos, sin, layout, embs=embs[0] if embs else None
+            )
             hidden, labels = hidden + mtp_h, labels + mtp_labels
         # every loss that reads the head in one head call: one gather, one gradient reduction.
         # (Each [T, H] view above is taken where its hidden state is made, so the backward adds
@@ -374,7 +448,12 @@ class CausalLM(RoutingProtocol, nn.Module):
         # depth: bit-identical sums.)
         sums = self.apply_head(summed_losses, hidden, labels, self.loss_fn)
         loss_sum = sums[0]
-        terms = LossTerms(loss_sum, (labels_T != -100).sum(), loss_sum.new_zeros((), dtype=torch.float32), stats_LS)
+        terms = LossTerms(
+            loss_sum,
+            (labels_T != -100).sum(),
+            loss_sum.new_zeros((), dtype=torch.float32),
+            stats_LS,
+        )
         layers = self.num_moe_layers if stage is None else self.router_row_count()
         if with_mtp:
             from bumblebee.models.mtp import mtp_loss_sum
@@ -389,12 +468,23 @@ class CausalLM(RoutingProtocol, nn.Module):
             terms.aux_loss = self.balance_loss(terms.router_stats, balance, layers)
         return terms
 
-    def scores(self, inputs, position_ids_BT, fn, *args, stage: int | None = None, routing=None,
-               return_stats: bool = False, **kwargs):
+    def scores(
+        self,
+        inputs,
+        position_ids_BT,
+        fn,
+        *args,
+        stage: int | None = None,
+        routing=None,
+        return_stats: bool = False,
+        **kwargs,
+    ):
         """(``fn(h_TH, W, *args, **kwargs)`` on the final-norm hidden states [B x T, H] and the LM
         head weight, the balance loss as ``hidden_states`` gives it[, the raw router stats]): e.g.
         per-token log-probs. ``stage``: the last pipeline stage; ``routing``: a ``RoutingScope``."""
-        h_BTH, stats_LS = self.routed_hidden_states(inputs, position_ids_BT, stage=stage, routing=routing)
+        h_BTH, stats_LS = self.routed_hidden_states(
+            inputs, position_ids_BT, stage=stage, routing=routing
+        )
         aux = self.part_balance(stats_LS, stage)
         out = self.apply_head(fn, h_BTH.reshape(-1, h_BTH.shape[-1]), *args, **kwargs)
         return (out, aux, stats_LS) if return_stats else (out, aux)
@@ -412,14 +502,29 @@ class CausalLM(RoutingProtocol, nn.Module):
     # ------------------------------------------------------------------ decoding with a K/V cache
     def new_kv_cache(self, rows: int, length: int) -> KVCache:
         """An empty cache for ``rows`` sequences of up to ``length`` tokens (full attention only)."""
-        if any(getattr(layer, "layer_type", "full_attention") != "full_attention" for layer in self.decoder_layers):
-            raise NotImplementedError(f"{self.family}: K/V-cache decoding needs full attention in every layer "
-                                      "(linear attention would carry a recurrent state instead)")
+        if any(
+            getattr(layer, "layer_type", "full_attention") != "full_attention"
+            for layer in self.decoder_layers
+        ):
+            raise NotImplementedError(
+                f"{self.family}: K/V-cache decoding needs full attention in every layer "
+                "(linear attention would carry a recurrent state instead)"
+            )
         a, w = self.arch, self.lm_head_weight
-        return KVCache(len(self.decoder_layers), rows, a.num_key_value_heads, length, a.head_dim, w.dtype, w.device)
+        return KVCache(
+            len(self.decoder_layers),
+            rows,
+            a.num_key_value_heads,
+            length,
+            a.head_dim,
+            w.dtype,
+            w.device,
+        )
 
     @torch.no_grad()
-    def forward_cached(self, ids_RT, position_ids_RT, cache: KVCache, start: int, mask_R1TS) -> torch.Tensor:
+    def forward_cached(
+        self, ids_RT, position_ids_RT, cache: KVCache, start: int, mask_R1TS
+    ) -> torch.Tensor:
         """Logits [R, T, V] (fp32) of new tokens ``ids_RT`` whose keys/values go to cache slots
         ``[start, start + T)``; ``mask_R1TS`` says which slots each new token attends."""
         x = self.model.embed_tokens(ids_RT)

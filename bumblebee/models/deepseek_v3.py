@@ -40,7 +40,6 @@ from bumblebee.primitives.norms import RMSNorm
 from bumblebee.primitives.packed import DocLayout
 from bumblebee.primitives.rope import rope_cos_sin, yarn_inv_freq, yarn_mscale
 
-
 ROUTER = "sigmoid_bias"  # the architecture's router
 
 
@@ -53,8 +52,11 @@ class DeepseekMoE(MoE):
         if prims.router == "softmax_topk":
             prims = dataclasses.replace(prims, router=ROUTER)
         super().__init__(arch, prims, parts.dispatch, parts.groups)
-        self.shared_experts = MLP(arch.hidden_size, arch.shared_expert_intermediate_size) \
-            if arch.n_shared_experts else None
+        self.shared_experts = (
+            MLP(arch.hidden_size, arch.shared_expert_intermediate_size)
+            if arch.n_shared_experts
+            else None
+        )
         self.recompute = parts.recompute
 
     def forward(self, x_BTH):
@@ -66,7 +68,7 @@ class DeepseekMoE(MoE):
 
 def mla_scale(arch: DeepseekV3Arch) -> float:
     """Softmax scale: D^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (HF's rule)."""
-    scale, rope = arch.head_dim ** -0.5, arch.rope_parameters
+    scale, rope = arch.head_dim**-0.5, arch.rope_parameters
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
         scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
     return scale
@@ -78,14 +80,29 @@ class DecoderLayer(nn.Module):
         self.recompute = parts.recompute
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = MultiHeadLatentAttention(
-            arch.hidden_size, arch.num_attention_heads, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
-            qk_nope_head_dim=arch.qk_nope_head_dim, qk_rope_head_dim=arch.qk_rope_head_dim,
-            v_head_dim=arch.v_head_dim, eps=arch.rms_norm_eps, scale=mla_scale(arch),
-            rope_interleave=arch.rope_interleave, attend=parts.attend, recompute=parts.recompute,
-            cp_latents=parts.prims.cp if parts.groups.cp_size > 1 and parts.prims.cp in ("allgather", "ring") else "")
+            arch.hidden_size,
+            arch.num_attention_heads,
+            q_lora_rank=arch.q_lora_rank,
+            kv_lora_rank=arch.kv_lora_rank,
+            qk_nope_head_dim=arch.qk_nope_head_dim,
+            qk_rope_head_dim=arch.qk_rope_head_dim,
+            v_head_dim=arch.v_head_dim,
+            eps=arch.rms_norm_eps,
+            scale=mla_scale(arch),
+            rope_interleave=arch.rope_interleave,
+            attend=parts.attend,
+            recompute=parts.recompute,
+            cp_latents=parts.prims.cp
+            if parts.groups.cp_size > 1 and parts.prims.cp in ("allgather", "ring")
+            else "",
+        )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.is_moe = arch.is_moe_layer(idx) if moe is None else moe
-        self.mlp = DeepseekMoE(arch, parts) if self.is_moe else MLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = (
+            DeepseekMoE(arch, parts)
+            if self.is_moe
+            else MLP(arch.hidden_size, arch.intermediate_size)
+        )
 
     def forward(self, x_BTH, cos, sin, layout: DocLayout):
         rc = self.recompute
@@ -118,7 +135,9 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, h_BTH, emb_BTH, cos, sin, layout):
-        x, aux = super().forward(combine(self.enorm, self.hnorm, self.eh_proj, emb_BTH, h_BTH), cos, sin, layout)
+        x, aux = super().forward(
+            combine(self.enorm, self.hnorm, self.eh_proj, emb_BTH, h_BTH), cos, sin, layout
+        )
         return self.shared_head.norm(x), aux
 
 
@@ -152,22 +171,40 @@ class DeepseekV3ForCausalLM(CausalLM):
         if a.rope_parameters.get("rope_type", "default") == "default":
             return super().rope_tables(position_ids_BT, dtype)
         if "_yarn" not in self.__dict__:  # host fp32 frequencies, kept out of .to(dtype)
-            self.__dict__["_yarn"] = yarn_inv_freq(a.qk_rope_head_dim, a.rope_theta, a.rope_parameters,
-                                                   a.max_position_embeddings)
+            self.__dict__["_yarn"] = yarn_inv_freq(
+                a.qk_rope_head_dim, a.rope_theta, a.rope_parameters, a.max_position_embeddings
+            )
         inv_freq, scale = self.__dict__["_yarn"]
-        return rope_cos_sin(position_ids_BT, a.qk_rope_head_dim, a.rope_theta, dtype, inv_freq=inv_freq, scale=scale)
+        return rope_cos_sin(
+            position_ids_BT, a.qk_rope_head_dim, a.rope_theta, dtype, inv_freq=inv_freq, scale=scale
+        )
 
     def new_kv_cache(self, rows: int, length: int) -> KVCache:
         """Expanded per-head keys / values (v zero-padded to the q/k head dim, as MLA attends)."""
         a, w = self.arch, self.lm_head_weight
-        return KVCache(len(self.decoder_layers), rows, a.num_attention_heads, length, a.head_dim, w.dtype, w.device)
+        return KVCache(
+            len(self.decoder_layers),
+            rows,
+            a.num_attention_heads,
+            length,
+            a.head_dim,
+            w.dtype,
+            w.device,
+        )
 
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
         """Forward FLOPs of one ``seq_len``-token sequence per decoder layer (MLA projections and
         causal core, then router + top-k + shared experts, or the dense MLP) and the LM head."""
         spec, T = self.arch.to_spec(), seq_len
-        layers = [T * (spec.mixer_gemm_flops(mixer) + spec.attn_core_flops(T) + sum(spec.moe_gemm_flops(mlp)))
-                  for mixer, mlp in zip(spec.mixers, spec.mlps)]
+        layers = [
+            T
+            * (
+                spec.mixer_gemm_flops(mixer)
+                + spec.attn_core_flops(T)
+                + sum(spec.moe_gemm_flops(mlp))
+            )
+            for mixer, mlp in zip(spec.mixers, spec.mlps)
+        ]
         return layers, 2.0 * T * spec.hidden * spec.vocab
 
 
@@ -184,18 +221,28 @@ def hf_name_in(arch: DeepseekV3Arch, name: str) -> str:
     m = _LAYER.match(name)
     if m is None or int(m.group(1)) < arch.num_hidden_layers:
         return name
-    return "" if m.group(2) in _SHARED_COPIES else f"mtp.{int(m.group(1)) - arch.num_hidden_layers}.{m.group(2)}"
+    return (
+        ""
+        if m.group(2) in _SHARED_COPIES
+        else f"mtp.{int(m.group(1)) - arch.num_hidden_layers}.{m.group(2)}"
+    )
 
 
 def hf_name_out(arch: DeepseekV3Arch, name: str) -> str:
     m = _MTP.match(name)
-    return name if m is None else f"model.layers.{arch.num_hidden_layers + int(m.group(1))}.{m.group(2)}"
+    return (
+        name
+        if m is None
+        else f"model.layers.{arch.num_hidden_layers + int(m.group(1))}.{m.group(2)}"
+    )
 
 
 def hf_copies(arch: DeepseekV3Arch) -> dict[str, list[str]]:
     """The per-module copies of the embedding and LM head that DeepSeek's checkpoints carry:
     bumblebee name of the shared tensor -> checkpoint names written with the same values."""
-    layers = [f"model.layers.{arch.num_hidden_layers + k}" for k in range(arch.num_nextn_predict_layers)]
+    layers = [
+        f"model.layers.{arch.num_hidden_layers + k}" for k in range(arch.num_nextn_predict_layers)
+    ]
     embed = [f"{base}.embed_tokens.weight" for base in layers]
     head = [f"{base}.shared_head.head.weight" for base in layers]
     if arch.tie_word_embeddings:

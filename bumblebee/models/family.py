@@ -24,7 +24,9 @@ class Family:
     hf_prefixes: dict = field(default_factory=dict)  # checkpoint prefix -> bumblebee prefix
     skip_prefixes: tuple[str, ...] = ()  # checkpoint tensors outside the language model
     # names that need the arch (DeepSeek's MTP modules live at model.layers.{L + k}):
-    hf_name_in: object = None  # (arch, checkpoint name) -> bumblebee name, "" = a copy of a shared tensor
+    hf_name_in: object = (
+        None  # (arch, checkpoint name) -> bumblebee name, "" = a copy of a shared tensor
+    )
     hf_name_out: object = None  # (arch, bumblebee name) -> checkpoint name
     # arch -> {bumblebee name: [checkpoint names]}: copies of a tensor a checkpoint stores again
     # (DeepSeek's per-MTP-module embedding and LM head), written right after it
@@ -40,7 +42,9 @@ def register_family(family: Family) -> Family:
     """Add ``family`` to the table (a name or model_type already taken is an error)."""
     assert family.name not in FAMILIES, f"model family {family.name!r} registered twice"
     taken = {t for f in FAMILIES.values() for t in f.hf_model_types}
-    assert not taken & set(family.hf_model_types), f"model_type(s) {taken & set(family.hf_model_types)} taken"
+    assert not taken & set(family.hf_model_types), (
+        f"model_type(s) {taken & set(family.hf_model_types)} taken"
+    )
     FAMILIES[family.name] = family
     return family
 

@@ -37,19 +37,32 @@ class LMHead(nn.Linear):
 
 def summed_losses(hidden_list, weight_VH, labels_list, loss_fn):
     """One summed token loss per (hidden [T, H], labels [T]) pair, all with one head weight."""
-    return [loss_fn(h_TH, weight_VH, labels_T, reduction="sum") for h_TH, labels_T in zip(hidden_list, labels_list)]
+    return [
+        loss_fn(h_TH, weight_VH, labels_T, reduction="sum")
+        for h_TH, labels_T in zip(hidden_list, labels_list)
+    ]
 
 
 def check_token_ids(ids, vocab_size: int, name: str = "input_ids") -> None:
     """The public entry points' one-line ``ValueError`` for ids the embedding cannot look up
     (an integer tensor with every id in [0, vocab_size)), instead of an IndexError deep inside.
     One min/max over the ids (a device sync on CUDA, once per call)."""
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
-            or ids.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor of token ids, got "
-                         f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-    if ids.numel() and not is_fake(ids) and ids.device.type != "meta":  # (the planner's dry run: no values)
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.dtype.is_floating_point
+        or ids.dtype.is_complex
+        or ids.dtype == torch.bool
+    ):
+        raise ValueError(
+            f"{name} must be an integer tensor of token ids, got "
+            f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}"
+        )
+    if (
+        ids.numel() and not is_fake(ids) and ids.device.type != "meta"
+    ):  # (the planner's dry run: no values)
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"{name}: token id {lo if lo < 0 else hi} is outside the vocabulary "
-                             f"[0, {vocab_size}) (arch.vocab_size)")
+            raise ValueError(
+                f"{name}: token id {lo if lo < 0 else hi} is outside the vocabulary "
+                f"[0, {vocab_size}) (arch.vocab_size)"
+            )

@@ -24,7 +24,6 @@ import torch
 from bumblebee.errors import CheckpointError
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf_read import load_hf_weights, weight_files  # noqa: F401  (load_hf_weights re-exported)
-from bumblebee.models.family import family_of_model_type
 from bumblebee.models.hf_write import write_hf
 from bumblebee.models.mtp_names import without_absent_mtp
 
@@ -42,7 +41,9 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, prims=None):
     try:
         arch = arch_from_hf_dict(read_hf_config(cfg_path))
     except ValueError as e:  # unsupported model_type, invalid architecture, malformed JSON
-        raise CheckpointError(f"{cfg_path}: {e}" if not str(e).startswith(cfg_path) else str(e)) from None
+        raise CheckpointError(
+            f"{cfg_path}: {e}" if not str(e).startswith(cfg_path) else str(e)
+        ) from None
     weight_files(path)  # a missing weights file is reported before anything is built
     model = build_model(without_absent_mtp(arch, path), prims, device="meta")
     return materialize(model, torch.device("cpu"), hf_path=path, dtype=dtype)
@@ -72,12 +73,20 @@ def hf_state_dict(model):
             yield hf, t
         for copy in copies.get(name, ()):
             yield copy, t
-    for name, b in persistent_buffers(model):  # e.g. the sigmoid_bias router's e_score_correction_bias
+    for name, b in persistent_buffers(
+        model
+    ):  # e.g. the sigmoid_bias router's e_score_correction_bias
         yield (family.hf_name_out(model.arch, name) if family.hf_name_out else name), b.detach()
 
 
-def to_hf(model, out_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: torch.dtype | None = None,
-          source: str = "") -> None:
+def to_hf(
+    model,
+    out_dir: str,
+    max_shard_bytes: int = 5 * 2**30,
+    *,
+    dtype: torch.dtype | None = None,
+    source: str = "",
+) -> None:
     """Write ``model`` as a HF directory: config.json and safetensors (in ``dtype``, default the
     parameters'), sharded with an index when larger than ``max_shard_bytes``, one tensor at a time
     (models/hf_write.py, which also writes the family's copies, e.g. DeepSeek's per-MTP-module
@@ -85,5 +94,12 @@ def to_hf(model, out_dir: str, max_shard_bytes: int = 5 * 2**30, *, dtype: torch
     language model (vision tower, MTP head) are carried over unchanged."""
     named = [(n, p.detach()) for n, p in list(model.named_parameters()) + persistent_buffers(model)]
     dtype = dtype or (named[0][1].dtype if named else torch.float32)
-    write_hf(out_dir, model.arch, [(n, tuple(t.shape)) for n, t in named], named, dtype=dtype,
-             max_shard_bytes=max_shard_bytes, source=source)
+    write_hf(
+        out_dir,
+        model.arch,
+        [(n, tuple(t.shape)) for n, t in named],
+        named,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        source=source,
+    )

@@ -35,9 +35,18 @@ from bumblebee.primitives.sharding.common import row_extent
 
 EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 FUSED = re.compile(r"^(.+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def weight_files(path: str) -> list[str]:
@@ -50,8 +59,12 @@ def weight_files(path: str) -> list[str]:
                 weight_map = json.load(f).get("weight_map")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
             raise CheckpointError(f"{index}: not a JSON object ({e})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor name -> file name")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise CheckpointError(
+                f"{index}: needs a 'weight_map' object of tensor name -> file name"
+            )
         files = sorted(set(weight_map.values()))
         if any(os.path.basename(n) != n for n in files):
             raise CheckpointError(f"{index}: weight_map names a file outside {path}")
@@ -72,11 +85,17 @@ class HFCheckpoint:
     """The tensors of a HF directory by bumblebee name (renamed, skip list applied), read lazily.
     A context manager: the files stay open (memory-mapped) while it is."""
 
-    def __init__(self, path: str, renames: dict | None = None, skip_prefixes: tuple = (), name_in=None):
+    def __init__(
+        self, path: str, renames: dict | None = None, skip_prefixes: tuple = (), name_in=None
+    ):
         self.path, self.renames, self.skip_prefixes = path, renames or {}, tuple(skip_prefixes)
-        self.name_in = name_in  # the family's arch-aware map (DeepSeek's MTP layers); "" = a shared copy
+        self.name_in = (
+            name_in  # the family's arch-aware map (DeepSeek's MTP layers); "" = a shared copy
+        )
         self.files = weight_files(path)
-        self.where: dict[str, tuple[object, str, str]] = {}  # our name -> (handle, stored name, file)
+        self.where: dict[
+            str, tuple[object, str, str]
+        ] = {}  # our name -> (handle, stored name, file)
         self.skipped: list[str] = []  # stored names under the skip list
 
     def __enter__(self):
@@ -92,9 +111,14 @@ class HFCheckpoint:
                 if stored.startswith(self.skip_prefixes):
                     self.skipped.append(stored)
                     continue
-                ours = next((o + stored[len(p):] for p, o in self.renames.items() if stored.startswith(p)), stored)
+                ours = next(
+                    (o + stored[len(p) :] for p, o in self.renames.items() if stored.startswith(p)),
+                    stored,
+                )
                 ours = self.name_in(ours) if self.name_in else ours
-                if ours:  # "": a copy of a shared tensor (DeepSeek's per-MTP-module embedding / head)
+                if (
+                    ours
+                ):  # "": a copy of a shared tensor (DeepSeek's per-MTP-module embedding / head)
                     self.where[ours] = (handle, stored, file)
         return self
 
@@ -154,9 +178,13 @@ def _plan(ckpt: HFCheckpoint, full: dict[str, tuple], F: int, tied: bool) -> dic
             raise CheckpointError(f"unexpected tensor {name} in {file}")
         shape, dtype = ckpt.shape(name), ckpt.dtype(name)
         if shape != tuple(want):
-            raise CheckpointError(f"shape mismatch for {name}: checkpoint {shape}, model {tuple(want)}")
+            raise CheckpointError(
+                f"shape mismatch for {name}: checkpoint {shape}, model {tuple(want)}"
+            )
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise CheckpointError(f"{name} is stored as {dtype}; model weights must be floating point")
+            raise CheckpointError(
+                f"{name} is stored as {dtype}; model weights must be floating point"
+            )
         covered.add(name)
     missing = []
     for name in full:
@@ -165,11 +193,17 @@ def _plan(ckpt: HFCheckpoint, full: dict[str, tuple], F: int, tied: bool) -> dic
         elif kinds.get(name) != "fused":
             base = name.rsplit(".", 1)[0]
             projs = ("gate_proj", "up_proj") if name.endswith("w_gate_up") else ("down_proj",)
-            missing += [n for e in range(full[name][0]) for p in projs
-                        if (n := f"{base}.{e}.{p}.weight") not in covered]
+            missing += [
+                n
+                for e in range(full[name][0])
+                for p in projs
+                if (n := f"{base}.{e}.{p}.weight") not in covered
+            ]
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise CheckpointError(f"{ckpt.path}: checkpoint lacks {', '.join(sorted(missing)[:3])}{more}")
+        raise CheckpointError(
+            f"{ckpt.path}: checkpoint lacks {', '.join(sorted(missing)[:3])}{more}"
+        )
     return kinds
 
 
@@ -180,15 +214,21 @@ def load_hf_weights(model, path: str) -> None:
     reading only the rows it owns; every tensor of the whole model must be in the checkpoint."""
     family = family_of_model_type(model.arch.model_type)
     with torch.device("meta"):
-        whole = family.model(model.arch, model.prims)  # the whole model's names and global shapes only
-    full = {n: tuple(p.shape) for n, p in list(whole.named_parameters()) + persistent_buffers(whole)}
+        whole = family.model(
+            model.arch, model.prims
+        )  # the whole model's names and global shapes only
+    full = {
+        n: tuple(p.shape) for n, p in list(whole.named_parameters()) + persistent_buffers(whole)
+    }
     F = model.arch.moe_intermediate_size
     ep, ep_rank = model.groups.ep_size, model.groups.ep_rank
     name_in = (lambda n: family.hf_name_in(model.arch, n)) if family.hf_name_in else None
     skip = skip_prefixes(family, model.arch)
     with HFCheckpoint(path, family.hf_prefixes, skip, name_in) as ckpt:
         kinds = _plan(ckpt, full, F, whole.lm_head is None)
-        for name, p in list(model.named_parameters()) + persistent_buffers(model):  # buffers: the router bias
+        for name, p in list(model.named_parameters()) + persistent_buffers(
+            model
+        ):  # buffers: the router bias
             shape, lo, part = row_extent(p, model.is_expert_param(name), ep_rank, ep)
             hi = lo + (part.shape[0] if part.dim() else 1)
             assert shape == full[name], (name, shape, full[name])
@@ -208,5 +248,8 @@ def load_hf_weights(model, path: str) -> None:
             else:
                 part.copy_(ckpt.rows(name, lo, hi) if part.dim() else ckpt.rows(name))
         if ckpt.skipped:
-            print(f"bumblebee: ignored {len(ckpt.skipped)} checkpoint tensor(s) under "
-                  f"{', '.join(skip)} (not part of the language model)", file=sys.stderr)
+            print(
+                f"bumblebee: ignored {len(ckpt.skipped)} checkpoint tensor(s) under "
+                f"{', '.join(skip)} (not part of the language model)",
+                file=sys.stderr,
+            )

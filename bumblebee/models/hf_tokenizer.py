@@ -27,14 +27,29 @@ import json
 import os
 import shutil
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt",
-                   "tokenizer.model", "spiece.model", "*.tiktoken")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "*.tiktoken",
+)
 
 
 def tokenizer_files(tok_dir: str) -> list[str]:
-    return sorted(n for n in os.listdir(tok_dir) if os.path.isfile(os.path.join(tok_dir, n))
-                  and any(fnmatch.fnmatch(n, p) for p in TOKENIZER_FILES))
+    return sorted(
+        n
+        for n in os.listdir(tok_dir)
+        if os.path.isfile(os.path.join(tok_dir, n))
+        and any(fnmatch.fnmatch(n, p) for p in TOKENIZER_FILES)
+    )
 
 
 def _read(path: str) -> dict:
@@ -84,11 +99,15 @@ def end_of_turn_id(tok_dir: str) -> int | None:
         if not getattr(tok, "chat_template", None):
             return None
         marker = "bumblebee end of turn probe"
-        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
-                                       tokenize=False)
-        after = text[text.rindex(marker) + len(marker):]
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+            tokenize=False,
+        )
+        after = text[text.rindex(marker) + len(marker) :]
         special = set(tok.all_special_ids) | {int(i) for i in tok.added_tokens_decoder}
-        return next((i for i in tok(after, add_special_tokens=False)["input_ids"] if i in special), None)
+        return next(
+            (i for i in tok(after, add_special_tokens=False)["input_ids"] if i in special), None
+        )
     except Exception:  # no transformers, or a template that cannot render the probe: the EOS alone
         return None
 

@@ -30,14 +30,21 @@ import struct
 import torch
 
 from bumblebee.models.family import family_of_model_type
-from bumblebee.models.mtp_names import skip_prefixes
 from bumblebee.models.hf_read import HFCheckpoint
+from bumblebee.models.mtp_names import skip_prefixes
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # the weight files an export writes (and so replaces): anything else in the directory (an adapter,
 # a README, tokenizer files) belongs to someone else and is never removed
-WEIGHT_FILE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
+WEIGHT_FILE = re.compile(
+    r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$"
+)
 
 
 def check_export_target(out_dir: str, source: str) -> None:
@@ -45,9 +52,16 @@ def check_export_target(out_dir: str, source: str) -> None:
     would overwrite the weights it is carrying over (and the user's original checkpoint)."""
     from bumblebee.errors import CheckpointError
 
-    if source and os.path.isdir(out_dir) and os.path.isdir(source) and os.path.samefile(out_dir, source):
-        raise CheckpointError(f"{out_dir}: the Hugging Face directory the model was loaded from (model.hf_path); "
-                              "export to another directory")
+    if (
+        source
+        and os.path.isdir(out_dir)
+        and os.path.isdir(source)
+        and os.path.samefile(out_dir, source)
+    ):
+        raise CheckpointError(
+            f"{out_dir}: the Hugging Face directory the model was loaded from (model.hf_path); "
+            "export to another directory"
+        )
 
 
 def stale_weight_files(out_dir: str, written: list[str]) -> list[str]:
@@ -73,7 +87,12 @@ def hf_layout(named_shapes, F: int):
 
 
 def _entry(name: str, shape: tuple, dtype: torch.dtype) -> tuple[str, tuple, int, str]:
-    return name, tuple(shape), math.prod(shape) * torch.empty((), dtype=dtype).element_size(), _ST_DTYPES[dtype]
+    return (
+        name,
+        tuple(shape),
+        math.prod(shape) * torch.empty((), dtype=dtype).element_size(),
+        _ST_DTYPES[dtype],
+    )
 
 
 def _plan(entries: list, max_shard_bytes: int) -> list[list]:
@@ -91,7 +110,11 @@ def _plan(entries: list, max_shard_bytes: int) -> list[list]:
 def _header(shard: list) -> bytes:
     head, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, nbytes, st_dtype in shard:
-        head[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        head[name] = {
+            "dtype": st_dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     text = json.dumps(head, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -112,20 +135,33 @@ class _Source:
         self.path, self.family = path, family
         with HFCheckpoint(path, {}, ()) as ckpt:  # stored names, nothing renamed or skipped
             stored = list(ckpt.where)
-            self.carried = [(n, ckpt.shape(n), ckpt.dtype(n)) for n in stored
-                            if n.startswith(skip_prefixes(family, arch))]
-        self.prefix = next(((p, o) for p, o in family.hf_prefixes.items() if any(n.startswith(p) for n in stored)),
-                           None)
+            self.carried = [
+                (n, ckpt.shape(n), ckpt.dtype(n))
+                for n in stored
+                if n.startswith(skip_prefixes(family, arch))
+            ]
+        self.prefix = next(
+            ((p, o) for p, o in family.hf_prefixes.items() if any(n.startswith(p) for n in stored)),
+            None,
+        )
 
     def rename(self, name: str) -> str:
         if self.prefix and name.startswith(self.prefix[1]):
-            return self.prefix[0] + name[len(self.prefix[1]):]
+            return self.prefix[0] + name[len(self.prefix[1]) :]
         return name
 
 
 @torch.no_grad()
-def write_hf(out_dir: str, arch, named_shapes, tensors, *, dtype: torch.dtype = torch.float32,
-             max_shard_bytes: int = 5 * 2**30, source: str = "") -> None:
+def write_hf(
+    out_dir: str,
+    arch,
+    named_shapes,
+    tensors,
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 2**30,
+    source: str = "",
+) -> None:
     """Write ``out_dir``: config.json and safetensors in ``dtype``. ``named_shapes``: (bumblebee
     name, global shape) of every parameter in the order ``tensors`` yields (name, full tensor);
     ``source``: the HF directory the model came from, whose extra tensors are carried over."""
@@ -134,21 +170,38 @@ def write_hf(out_dir: str, arch, named_shapes, tensors, *, dtype: torch.dtype = 
     family = family_of_model_type(arch.model_type)
     src = _Source(source, family, arch) if source else None
     layout = list(hf_layout(named_shapes, F))
-    if family.hf_name_out:  # names that need the arch (DeepSeek's MTP modules at model.layers.{L + k})
-        layout = [(family.hf_name_out(arch, h), shape, name, part) for h, shape, name, part in layout]
+    if (
+        family.hf_name_out
+    ):  # names that need the arch (DeepSeek's MTP modules at model.layers.{L + k})
+        layout = [
+            (family.hf_name_out(arch, h), shape, name, part) for h, shape, name, part in layout
+        ]
     if family.hf_copies:  # copies right after their tensor: the stream yields it once
         copies = family.hf_copies(arch)
-        layout = [row for entry in layout for row in
-                  [entry] + [(c, entry[1], entry[2], entry[3]) for c in copies.get(entry[2], ()) if entry[3] is None]]
+        layout = [
+            row
+            for entry in layout
+            for row in [entry]
+            + [
+                (c, entry[1], entry[2], entry[3])
+                for c in copies.get(entry[2], ())
+                if entry[3] is None
+            ]
+        ]
     entries = [_entry(src.rename(h) if src else h, shape, dtype) for h, shape, _, _ in layout]
     written = {e[0] for e in entries}
-    carried = [_entry(n, s, d) for n, s, d in (src.carried if src else []) if n not in written]  # never twice
+    carried = [
+        _entry(n, s, d) for n, s, d in (src.carried if src else []) if n not in written
+    ]  # never twice
     os.makedirs(out_dir, exist_ok=True)
     shards = _plan(entries, max_shard_bytes)
     extra = _plan(carried, max_shard_bytes) if carried else []
     total = len(shards) + len(extra)
-    names = ["model.safetensors"] if total == 1 else [f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-                                                       for i in range(total)]
+    names = (
+        ["model.safetensors"]
+        if total == 1
+        else [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+    )
     parts = _parts(layout, tensors)
     for fname, shard in zip(names, shards):
         with open(os.path.join(out_dir, fname), "wb") as f:
@@ -157,14 +210,16 @@ def write_hf(out_dir: str, arch, named_shapes, tensors, *, dtype: torch.dtype = 
                 f.write(_raw(next(parts).to(dtype)))
     assert next(parts, None) is None, "more tensors than parameters"
     if extra:
-        _carry(src, out_dir, names[len(shards):], extra)
+        _carry(src, out_dir, names[len(shards) :], extra)
     if total > 1:
         weight_map = {e[0]: fname for fname, shard in zip(names, shards + extra) for e in shard}
         nbytes = sum(e[2] for shard in shards + extra for e in shard)
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, f, indent=2)
     _config(out_dir, arch, dtype, src)
-    for name in stale_weight_files(out_dir, names + (["model.safetensors.index.json"] if total > 1 else [])):
+    for name in stale_weight_files(
+        out_dir, names + (["model.safetensors.index.json"] if total > 1 else [])
+    ):
         os.remove(os.path.join(out_dir, name))
 
 
@@ -194,14 +249,20 @@ def _config(out_dir: str, arch, dtype: torch.dtype, src: _Source | None) -> None
     if src is not None:
         with open(os.path.join(src.path, "config.json"), encoding="utf-8") as f:
             outer = json.load(f)
-        if isinstance(outer.get("text_config"), dict):  # the multimodal wrapper: our arch is its text part
+        if isinstance(
+            outer.get("text_config"), dict
+        ):  # the multimodal wrapper: our arch is its text part
             text_type = outer["text_config"].get("model_type", cfg["model_type"])
             outer["text_config"] = {**outer["text_config"], **cfg, "model_type": text_type}
             cfg = outer
         for name in os.listdir(src.path):  # tokenizer, processor, chat template, generation config
             path = os.path.join(src.path, name)
-            if (os.path.isfile(path) and name != "config.json" and not name.endswith(".safetensors")
-                    and name != "model.safetensors.index.json"):
+            if (
+                os.path.isfile(path)
+                and name != "config.json"
+                and not name.endswith(".safetensors")
+                and name != "model.safetensors.index.json"
+            ):
                 shutil.copyfile(path, os.path.join(out_dir, name))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)

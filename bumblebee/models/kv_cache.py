@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 
 class KVCache:
-    def __init__(self, num_layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device):
+    def __init__(
+        self, num_layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device
+    ):
         shape = (rows, kv_heads, length, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -29,10 +31,15 @@ class KVCache:
         """Store the new keys/values of the current layer, attend over slots [0, start + T)."""
         end = self.start + k_RKTD.shape[2]
         k_cache, v_cache = self.k[self.layer], self.v[self.layer]
-        k_cache[:, :, self.start:end], v_cache[:, :, self.start:end] = k_RKTD, v_RKTD
-        return F.scaled_dot_product_attention(q_RNTD, k_cache[:, :, :end], v_cache[:, :, :end],
-                                              attn_mask=self.mask_R1TS, scale=scale,
-                                              enable_gqa=q_RNTD.shape[1] != k_RKTD.shape[1])
+        k_cache[:, :, self.start : end], v_cache[:, :, self.start : end] = k_RKTD, v_RKTD
+        return F.scaled_dot_product_attention(
+            q_RNTD,
+            k_cache[:, :, :end],
+            v_cache[:, :, :end],
+            attn_mask=self.mask_R1TS,
+            scale=scale,
+            enable_gqa=q_RNTD.shape[1] != k_RKTD.shape[1],
+        )
 
 
 def cache_aware(attend):

@@ -23,7 +23,7 @@ def hf_name_in(family, arch, name: str) -> str:
     ("" = a copy of a shared tensor, skipped)."""
     for prefix, ours in family.hf_prefixes.items():
         if name.startswith(prefix):
-            name = ours + name[len(prefix):]
+            name = ours + name[len(prefix) :]
             break
     return family.hf_name_in(arch, name) if family.hf_name_in else name
 
@@ -41,7 +41,14 @@ def checkpoint_names(path: str) -> list[str]:
             with safe_open(file, framework="pt") as f:
                 names.extend(f.keys())
         return names
-    except (OSError, RuntimeError, SafetensorError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+    except (
+        OSError,
+        RuntimeError,
+        SafetensorError,
+        UnicodeDecodeError,
+        json.JSONDecodeError,
+        AttributeError,
+    ):
         return []
 
 
@@ -55,8 +62,10 @@ def without_absent_mtp(arch, path: str):
     names = checkpoint_names(path)
     if not names or any(hf_name_in(family, arch, n).startswith("mtp.") for n in names):
         return arch
-    print(f"bumblebee: {path} holds no multi-token-prediction tensors; building without MTP ({key} = 0)",
-          file=sys.stderr)
+    print(
+        f"bumblebee: {path} holds no multi-token-prediction tensors; building without MTP ({key} = 0)",
+        file=sys.stderr,
+    )
     return arch.with_overrides({key: 0})
 
 

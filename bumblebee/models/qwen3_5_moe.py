@@ -54,8 +54,14 @@ class GatedAttention(nn.Module):
     def __init__(self, arch: Qwen3_5MoeArch, attend, recompute):
         super().__init__()
         h, e = arch.hidden_size, arch.head_dim
-        self.n_heads, self.n_kv, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, e
-        self.q_proj = nn.Linear(h, self.n_heads * e * 2, bias=False)  # per head: [query (E) | gate (E)]
+        self.n_heads, self.n_kv, self.head_dim = (
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            e,
+        )
+        self.q_proj = nn.Linear(
+            h, self.n_heads * e * 2, bias=False
+        )  # per head: [query (E) | gate (E)]
         self.k_proj = nn.Linear(h, self.n_kv * e, bias=False)
         self.v_proj = nn.Linear(h, self.n_kv * e, bias=False)
         self.o_proj = nn.Linear(self.n_heads * e, h, bias=False)
@@ -65,13 +71,19 @@ class GatedAttention(nn.Module):
 
     def forward(self, x_BTD, cos, sin, layout: DocLayout):
         B, T, _ = x_BTD.shape
-        q_BTNE, gate_BTNE = self.q_proj(x_BTD).view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q_BTNE, gate_BTNE = (
+            self.q_proj(x_BTD).view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        )
         q = self.q_norm(q_BTNE).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BTD).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BTD).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o_BNTE = self.recompute.module("attn_core", self.attend, q, k, v, layout, self.head_dim ** -0.5)
-        o_BTX = o_BNTE.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate_BTNE.reshape(B, T, -1))
+        o_BNTE = self.recompute.module(
+            "attn_core", self.attend, q, k, v, layout, self.head_dim**-0.5
+        )
+        o_BTX = o_BNTE.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(
+            gate_BTNE.reshape(B, T, -1)
+        )
         return self.o_proj(o_BTX)
 
 
@@ -95,16 +107,29 @@ class SharedExpertMoE(MoE):
 class DecoderLayer(nn.Module):
     def __init__(self, arch: Qwen3_5MoeArch, idx: int, parts: LayerParts, linear_core):
         super().__init__()
-        prims, attend, dispatch, recompute, groups = (parts.prims, parts.attend, parts.dispatch, parts.recompute,
-                                                      parts.groups)
+        prims, attend, dispatch, recompute, groups = (
+            parts.prims,
+            parts.attend,
+            parts.dispatch,
+            parts.recompute,
+            parts.groups,
+        )
         self.recompute = recompute
         self.layer_type = arch.layer_types[idx]
         self.input_layernorm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(
-                arch.hidden_size, arch.linear_num_key_heads, arch.linear_num_value_heads, arch.linear_key_head_dim,
-                arch.linear_value_head_dim, arch.linear_conv_kernel_dim, arch.rms_norm_eps, linear_core, recompute,
-                cp_carry=prims.linear_attention_cp)
+                arch.hidden_size,
+                arch.linear_num_key_heads,
+                arch.linear_num_value_heads,
+                arch.linear_key_head_dim,
+                arch.linear_value_head_dim,
+                arch.linear_conv_kernel_dim,
+                arch.rms_norm_eps,
+                linear_core,
+                recompute,
+                cp_carry=prims.linear_attention_cp,
+            )
         else:
             self.self_attn = GatedAttention(arch, attend, recompute)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -135,8 +160,9 @@ class MultiTokenPredictor(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(h, eps)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(h, eps)
-        self.layers = nn.ModuleList([DecoderLayer(full, 0, parts, linear_core)
-                                     for _ in range(arch.mtp_num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [DecoderLayer(full, 0, parts, linear_core) for _ in range(arch.mtp_num_hidden_layers)]
+        )
         self.norm = ZeroCenteredRMSNorm(h, eps)
 
     def forward(self, h_BTD, emb_BTD, cos, sin, layout, k: int):
@@ -158,7 +184,9 @@ class Qwen3_5MoeForCausalLM(CausalLM):
     def make_mtp(self, parts: LayerParts):
         if not self.arch.mtp_num_hidden_layers:
             return None
-        return MultiTokenPredictor(self.arch, parts, registry.get("linear_attention", parts.prims.linear_attention).factory)
+        return MultiTokenPredictor(
+            self.arch, parts, registry.get("linear_attention", parts.prims.linear_attention).factory
+        )
 
     def mtp_modules(self) -> int:
         return 0 if self.mtp is None else len(self.mtp.layers)
@@ -190,10 +218,23 @@ class Qwen3_5MoeForCausalLM(CausalLM):
         a, T, H = self.arch, seq_len, self.arch.hidden_size
         nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
         dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
-        full = 2 * T * H * a.head_dim * (3 * a.num_attention_heads + 2 * a.num_key_value_heads)  # q doubled: gate
+        full = (
+            2 * T * H * a.head_dim * (3 * a.num_attention_heads + 2 * a.num_key_value_heads)
+        )  # q doubled: gate
         full += 2 * T * T * a.num_attention_heads * a.head_dim
-        linear = 2 * T * H * (2 * nk * dk + 3 * nv * dv + 2 * nv) + 2 * T * nv * (2 * dk * dv + 64 * (dk + dv))
-        moe = 2 * T * H * (a.num_experts + 3 * a.num_experts_per_tok * a.moe_intermediate_size
-                           + 3 * a.shared_expert_intermediate_size + 1)
+        linear = 2 * T * H * (2 * nk * dk + 3 * nv * dv + 2 * nv) + 2 * T * nv * (
+            2 * dk * dv + 64 * (dk + dv)
+        )
+        moe = (
+            2
+            * T
+            * H
+            * (
+                a.num_experts
+                + 3 * a.num_experts_per_tok * a.moe_intermediate_size
+                + 3 * a.shared_expert_intermediate_size
+                + 1
+            )
+        )
         layers = [(full if kind == "full_attention" else linear) + moe for kind in a.layer_types]
         return layers, 2 * T * H * a.vocab_size

@@ -22,14 +22,14 @@ from torch import nn
 from bumblebee import registry
 from bumblebee.models.arch import Qwen3MoeArch
 from bumblebee.models.base import CausalLM, LayerParts
-from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.moe.balance import router_stats
 from bumblebee.primitives.moe.capacity import drop_over_capacity
+from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.moe.router import build_router
 from bumblebee.primitives.norms import RMSNorm
-from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.rope import apply_rope
 
 
@@ -37,7 +37,11 @@ class Attention(nn.Module):
     def __init__(self, arch: Qwen3MoeArch, attend, recompute):
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
-        self.n_heads, self.n_kv, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, d
+        self.n_heads, self.n_kv, self.head_dim = (
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            d,
+        )
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
@@ -52,7 +56,9 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x_BTH).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BTH).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o_BNTD = self.recompute.module("attn_core", self.attend, q, k, v, layout, self.head_dim ** -0.5)
+        o_BNTD = self.recompute.module(
+            "attn_core", self.attend, q, k, v, layout, self.head_dim**-0.5
+        )
         return self.o_proj(o_BNTD.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -79,9 +85,13 @@ class MoE(nn.Module):
         self.gate = build_router(prims.router, arch)
         self.moe_index = -1  # position among the model's MoE layers (set by CausalLM)
         self.num_experts = arch.num_experts
-        self.capacity_factor = 0.0  # > 0: expert capacity with token dropping (CausalLM.set_capacity)
+        self.capacity_factor = (
+            0.0  # > 0: expert capacity with token dropping (CausalLM.set_capacity)
+        )
         # only this rank's E / ep experts live here (expert parallelism)
-        self.experts = Experts(arch.num_experts // ep_size, arch.hidden_size, arch.moe_intermediate_size)
+        self.experts = Experts(
+            arch.num_experts // ep_size, arch.hidden_size, arch.moe_intermediate_size
+        )
         self.expert_fn = registry.get("experts", prims.experts).factory
         self.dispatch = dispatch
 
@@ -117,8 +127,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, parts.attend, parts.recompute)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.is_moe = arch.is_moe_layer(idx)
-        self.mlp = (MoE(arch, parts.prims, parts.dispatch, parts.groups) if self.is_moe
-                    else MLP(arch.hidden_size, arch.intermediate_size))
+        self.mlp = (
+            MoE(arch, parts.prims, parts.dispatch, parts.groups)
+            if self.is_moe
+            else MLP(arch.hidden_size, arch.intermediate_size)
+        )
 
     def forward(self, x_BTH, cos, sin, layout: DocLayout):
         rc = self.recompute
@@ -146,7 +159,9 @@ class Qwen3MoeForCausalLM(CausalLM):
         MLP), and through the LM head (the embedding is a lookup). Pipeline stages balance on these."""
         a, T, H = self.arch, seq_len, self.arch.hidden_size
         attn = 2 * T * H * a.head_dim * (2 * a.num_attention_heads + 2 * a.num_key_value_heads)
-        attn += 2 * T * T * a.num_attention_heads * a.head_dim  # QK^T and PV, half of them causal-masked
+        attn += (
+            2 * T * T * a.num_attention_heads * a.head_dim
+        )  # QK^T and PV, half of them causal-masked
         moe = 2 * T * H * (a.num_experts + 3 * a.num_experts_per_tok * a.moe_intermediate_size)
         mlp = 6 * T * H * a.intermediate_size
         layers = [attn + (moe if a.is_moe_layer(i) else mlp) for i in range(a.num_hidden_layers)]

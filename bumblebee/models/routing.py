@@ -19,8 +19,10 @@ class RoutingProtocol:
         """The router of every MoE layer this rank holds, in layer order (the order of the rows of
         ``LossTerms.router_stats``), then those of the trained MTP depths (``router_rows()`` says
         which rows of the whole model's router stats they are)."""
-        mtp = [block.gate for block in self.mtp_moe_blocks()[:self.mtp_depth]]
-        return [layer.mlp.gate for layer in self.model.layers if getattr(layer, "is_moe", False)] + mtp
+        mtp = [block.gate for block in self.mtp_moe_blocks()[: self.mtp_depth]]
+        return [
+            layer.mlp.gate for layer in self.model.layers if getattr(layer, "is_moe", False)
+        ] + mtp
 
     def router_row_count(self) -> int:
         """Rows of the whole model's router stats: its decoder MoE layers, then the trained MTP
@@ -31,9 +33,13 @@ class RoutingProtocol:
         """Rows (``moe_index``) of the whole model's router stats that pipeline ``stage`` produces, in
         its stats' order (None: every MoE layer this rank holds, ``routers()``' order)."""
         ids = range(len(self.model.layers)) if stage is None else self.stage_layers[stage]
-        rows = [self.model.layers[i].mlp.moe_index for i in ids if getattr(self.model.layers[i], "is_moe", False)]
+        rows = [
+            self.model.layers[i].mlp.moe_index
+            for i in ids
+            if getattr(self.model.layers[i], "is_moe", False)
+        ]
         if stage is None or stage == self.num_stages - 1:
-            rows += [block.moe_index for block in self.mtp_moe_blocks()[:self.mtp_depth]]
+            rows += [block.moe_index for block in self.mtp_moe_blocks()[: self.mtp_depth]]
         return rows
 
     def mtp_moe_blocks(self) -> list[nn.Module]:
@@ -53,13 +59,20 @@ class RoutingProtocol:
         """After an optimizer step: routers with a selection bias (``sigmoid_bias``) move it by the
         step's global expert load ``counts_LE`` (``router_row_count()`` rows: the whole model's MoE
         layers; a pipeline stage reads the rows of the layers it holds)."""
-        assert counts_LE.shape[0] == self.router_row_count(), (self.router_row_count(), counts_LE.shape)
+        assert counts_LE.shape[0] == self.router_row_count(), (
+            self.router_row_count(),
+            counts_LE.shape,
+        )
         for router, row in zip(self.routers(), self.router_rows(), strict=True):
             if hasattr(router, "update_bias"):
                 router.update_bias(counts_LE[row], rate)
 
-    def balance_loss(self, stats_LS: torch.Tensor | None, mode: str = "micro_batch",
-                     num_layers: int | None = None) -> torch.Tensor:
+    def balance_loss(
+        self,
+        stats_LS: torch.Tensor | None,
+        mode: str = "micro_batch",
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
         """The balance loss of one micro-batch from its router stats: ``micro_batch`` (per layer, mean
         over the model's MoE layers, ``num_layers`` with the MTP ones) or ``hf`` (transformers' pooled
         definition); sums span the sequence under CP. 0 without MoE layers."""
@@ -77,8 +90,10 @@ class RoutingProtocol:
         held = self.mtp_held
         depth = held if depth == "auto" else depth
         if not 0 <= depth <= held:
-            raise ValueError(f"mtp.depth {depth} is more than the {held} MTP module(s) this model holds "
-                             f"(set the architecture's MTP layer count to add modules)")
+            raise ValueError(
+                f"mtp.depth {depth} is more than the {held} MTP module(s) this model holds "
+                f"(set the architecture's MTP layer count to add modules)"
+            )
         self.mtp_depth, self.mtp_loss_weight = depth, float(loss_weight)
 
     @property
@@ -98,4 +113,6 @@ class RoutingProtocol:
     def part_balance(self, stats_LS: torch.Tensor | None, stage: int | None) -> torch.Tensor:
         """The balance loss of what this part ran: a pipeline ``stage`` averages over the whole
         model's router rows (its share of the mean), the whole model over its own MoE layers."""
-        return self.balance_loss(stats_LS, num_layers=self.router_row_count() if stage is not None else None)
+        return self.balance_loss(
+            stats_LS, num_layers=self.router_row_count() if stage is not None else None
+        )

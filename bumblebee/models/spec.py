@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-
 ATTN, GDN = "attention", "gdn"  # token-mixer kinds
 MOE, DENSE = "moe", "dense"  # MLP kinds
 
@@ -75,20 +74,33 @@ class ModelSpec:
     def mixer_params(self, kind: str) -> int:
         h = self.hidden
         if kind == ATTN and self.mla:
-            return self._mla_weights() + self.mla_q_rank + self.mla_kv_rank + h  # + q / kv latent norms, input norm
+            return (
+                self._mla_weights() + self.mla_q_rank + self.mla_kv_rank + h
+            )  # + q / kv latent norms, input norm
         if kind == ATTN:
             q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
             kv = 2 * self.n_kv_heads * self.head_dim
             return h * (q_out + kv) + self.n_heads * self.head_dim * h + 2 * self.head_dim + h
         kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
         conv_ch = 2 * kd + vd
-        return (h * (conv_ch + vd + 2 * self.gdn_v_heads)  # in_proj qkv, z, b, a
-                + conv_ch * self.gdn_conv + 2 * self.gdn_v_heads + self.gdn_v_dim  # conv, A_log, dt_bias, norm
-                + vd * h + h)  # out_proj, input_layernorm
+        return (
+            h * (conv_ch + vd + 2 * self.gdn_v_heads)  # in_proj qkv, z, b, a
+            + conv_ch * self.gdn_conv
+            + 2 * self.gdn_v_heads
+            + self.gdn_v_dim  # conv, A_log, dt_bias, norm
+            + vd * h
+            + h
+        )  # out_proj, input_layernorm
 
     def _mla_weights(self) -> int:
         """Matmul weights of one MLA layer: q (LoRA or plain), kv down + up, output."""
-        h, n, d, r, c = self.hidden, self.n_heads, self.head_dim, self.mla_rope_dim, self.mla_kv_rank
+        h, n, d, r, c = (
+            self.hidden,
+            self.n_heads,
+            self.head_dim,
+            self.mla_rope_dim,
+            self.mla_kv_rank,
+        )
         q = (h * self.mla_q_rank + self.mla_q_rank * n * d) if self.mla_q_rank else h * n * d
         nope = d - r
         return q + h * (c + r) + c * n * (nope + self.mla_v_dim) + n * self.mla_v_dim * h
@@ -98,7 +110,9 @@ class ModelSpec:
         h = self.hidden
         if kind == DENSE:
             return 3 * h * self.dense_ffn + h, 0
-        shared = (3 * h * self.shared_ffn + h * self.shared_gate) if self.shared_ffn else 0  # + sigmoid gate [1, H]
+        shared = (
+            (3 * h * self.shared_ffn + h * self.shared_gate) if self.shared_ffn else 0
+        )  # + sigmoid gate [1, H]
         return self.experts * h + shared + h, self.experts * 3 * h * self.expert_ffn
 
     def layer_params(self, i: int) -> tuple[int, int]:
@@ -129,8 +143,12 @@ class ModelSpec:
     @functools.cached_property
     def _param_counts(self) -> dict[str, int]:
         mtp_dense, mtp_expert = self.mtp_params()
-        dense = (sum(self.layer_params(i)[0] for i in range(self.layers)) + self.embed_params + self.head_params
-                 + mtp_dense)
+        dense = (
+            sum(self.layer_params(i)[0] for i in range(self.layers))
+            + self.embed_params
+            + self.head_params
+            + mtp_dense
+        )
         expert = sum(self.layer_params(i)[1] for i in range(self.layers)) + mtp_expert
         return {"total": dense + expert, "dense": dense, "expert": expert}
 
@@ -142,7 +160,11 @@ class ModelSpec:
             return 2.0 * self._mla_weights()
         if kind == ATTN:
             q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
-            return 2.0 * h * (q_out + 2 * self.n_kv_heads * self.head_dim + self.n_heads * self.head_dim)
+            return (
+                2.0
+                * h
+                * (q_out + 2 * self.n_kv_heads * self.head_dim + self.n_heads * self.head_dim)
+            )
         kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
         return 2.0 * h * (2 * kd + 2 * vd + 2 * self.gdn_v_heads + vd)
 
@@ -150,7 +172,9 @@ class ModelSpec:
         """Causal softmax attention, mean over a sequence of ``seq`` tokens: QK^T and PV
         over seq/2 keys on average (2 matmuls x 2 FLOPs x N*D x seq/2); MLA's PV runs over
         its value dim."""
-        return self.n_heads * (self.head_dim + (self.mla_v_dim if self.mla else self.head_dim)) * seq
+        return (
+            self.n_heads * (self.head_dim + (self.mla_v_dim if self.mla else self.head_dim)) * seq
+        )
 
     def gdn_core_flops(self, chunk: int = 64) -> float:
         """Chunked gated delta rule (Yang et al. 2024, "Gated Delta Networks", chunkwise
@@ -164,8 +188,9 @@ class ModelSpec:
         h = self.hidden
         if kind == DENSE:
             return 2.0 * 3 * h * self.dense_ffn, 0.0
-        dense = 2.0 * h * self.experts + (2.0 * 3 * h * self.shared_ffn + 2.0 * h * self.shared_gate
-                                          if self.shared_ffn else 0.0)
+        dense = 2.0 * h * self.experts + (
+            2.0 * 3 * h * self.shared_ffn + 2.0 * h * self.shared_gate if self.shared_ffn else 0.0
+        )
         return dense, 2.0 * 3 * h * self.expert_ffn * self.top_k
 
     def model_flops_per_token(self, seq: int) -> float:
@@ -176,5 +201,7 @@ class ModelSpec:
         for mixer, mlp in tuple(zip(self.mixers, self.mlps)) + mtp:
             fwd += self.mixer_gemm_flops(mixer) + sum(self.moe_gemm_flops(mlp))
             fwd += self.attn_core_flops(seq) if mixer == ATTN else self.gdn_core_flops()
-        fwd += self.mtp_depth * (2.0 * 2 * self.hidden * self.hidden + 2.0 * self.hidden * self.vocab)
+        fwd += self.mtp_depth * (
+            2.0 * 2 * self.hidden * self.hidden + 2.0 * self.hidden * self.vocab
+        )
         return 3.0 * fwd

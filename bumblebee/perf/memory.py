@@ -88,7 +88,7 @@ class _AllocationMode(TorchDispatchMode):
     context (a view of a weight made inside the step is not a new allocation). So are
     the returns of c10d collectives: the tensors they were given."""
 
-    def __init__(self, tracker: "MemoryTracker"):
+    def __init__(self, tracker: MemoryTracker):
         super().__init__()
         self.tracker = tracker
         self.fresh = {}  # op -> per return: True if it is a new tensor (no alias annotation)
@@ -101,7 +101,9 @@ class _AllocationMode(TorchDispatchMode):
             # c10d collectives (``_reduce_scatter_base_``, ``allreduce_``, ...) write into and return
             # their tensor arguments, though their schemas carry no alias annotation
             collective = func.namespace == "c10d"
-            fresh = self.fresh[func] = tuple(r.alias_info is None and not collective for r in func._schema.returns)
+            fresh = self.fresh[func] = tuple(
+                r.alias_info is None and not collective for r in func._schema.returns
+            )
         track = self.tracker._track
         if isinstance(out, torch.Tensor):
             if fresh[0]:
@@ -178,7 +180,7 @@ class MemoryTracker:
         return {**snap, "total": sum(snap.values())}
 
     # ------------------------------------------------------------------ context
-    def __enter__(self) -> "MemoryTracker":
+    def __enter__(self) -> MemoryTracker:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_live = True
@@ -189,7 +191,9 @@ class MemoryTracker:
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         if self.optimizer is not None:
-            self._hooks.append(self.optimizer.register_step_pre_hook(lambda *_: self._set_phase("optimizer_state")))
+            self._hooks.append(
+                self.optimizer.register_step_pre_hook(lambda *_: self._set_phase("optimizer_state"))
+            )
             self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
         self.reset_peak()
         self._watch_resizes()
@@ -206,7 +210,9 @@ class MemoryTracker:
         self._mode.__exit__(*exc)
         self._mode = None
         original, wrapper = self._resize
-        if torch.UntypedStorage.__dict__.get("resize_") is wrapper:  # nested trackers exit in reverse order
+        if (
+            torch.UntypedStorage.__dict__.get("resize_") is wrapper
+        ):  # nested trackers exit in reverse order
             if original is None:
                 del torch.UntypedStorage.resize_  # the inherited method again
             else:

@@ -39,19 +39,23 @@ def _site() -> str:
         path = frame.f_code.co_filename
         helper = path.endswith(os.sep + "syncs.py") or frame.f_code.co_name == "to_device"
         if path.startswith(_PACKAGE) and not helper:
-            return f"{path[len(_PACKAGE):]}:{frame.f_lineno}"
+            return f"{path[len(_PACKAGE) :]}:{frame.f_lineno}"
         frame = frame.f_back
     return "outside bumblebee"
 
 
 class _ScalarReads(TorchDispatchMode):
-    def __init__(self, counter: "SyncCounter"):
+    def __init__(self, counter: SyncCounter):
         super().__init__()
         self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         c = self.counter
-        inputs = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        inputs = [
+            x
+            for x in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(x, torch.Tensor)
+        ]
         host = bool(inputs) and all(c._is_host(x) for x in inputs)
         if func is torch.ops.aten._local_scalar_dense.default:
             if not host:
@@ -99,7 +103,9 @@ class SyncCounter:
 
     def __enter__(self):
         self._saved = {("torch", n): getattr(torch, n) for n in self.MAKERS}
-        self._saved.update({("Tensor", n): getattr(torch.Tensor, n) for n in ("tolist", "cpu", "numpy", "to")})
+        self._saved.update(
+            {("Tensor", n): getattr(torch.Tensor, n) for n in ("tolist", "cpu", "numpy", "to")}
+        )
         counter, saved = self, self._saved
 
         def maker(name):
@@ -108,6 +114,7 @@ class SyncCounter:
                 if isinstance(t, torch.Tensor):
                     counter._mark(t)
                 return t
+
             return make
 
         for n in self.MAKERS:
@@ -121,6 +128,7 @@ class SyncCounter:
                 if isinstance(out, torch.Tensor):  # cpu(): what it returns lives on the host
                     counter._mark(out)
                 return out
+
             return read
 
         for n in ("tolist", "cpu", "numpy"):
@@ -131,8 +139,11 @@ class SyncCounter:
             target = k.get("device", a[0] if a and isinstance(a[0], (torch.device, str)) else None)
             if counter._is_host(t) and target is not None:
                 # packed.to_device stages in pinned memory on CUDA: an asynchronous copy, no sync
-                counter._add("host-to-device (pinned, async)" if getattr(t, "bb_staged", False)
-                             else "host-to-device")
+                counter._add(
+                    "host-to-device (pinned, async)"
+                    if getattr(t, "bb_staged", False)
+                    else "host-to-device"
+                )
             return out
 
         torch.Tensor.to = to
@@ -148,4 +159,3 @@ class SyncCounter:
 
     def top(self, n: int = 10) -> list[tuple[str, int]]:
         return self.by_site.most_common(n)
-

@@ -64,7 +64,9 @@ class DryRunResult:
     layout: str  # the executed layout
     skew: float
     terms: dict[str, dict[str, tuple[float, float]]]  # moment -> term -> (measured GB, analytic GB)
-    static: tuple[float, float]  # (measured, analytic) GB: bf16 params + grads, fp32 master + moments
+    static: tuple[
+        float, float
+    ]  # (measured, analytic) GB: bf16 params + grads, fp32 master + moments
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     collectives: dict[str, int] = field(default_factory=dict)  # c10d op -> calls made by the rank
@@ -85,10 +87,18 @@ class DryRunResult:
     def summary(self) -> str:
         parts = []
         for moment, terms in self.terms.items():
-            parts.append(f"{moment}: " + ", ".join(f"{k} {m:.2f}/{a:.2f}" for k, (m, a) in terms.items() if m or a))
-        return (f"dry run (stage {self.stage} of {self.layout}, one rank, fake tensors + fake process group, "
-                f"routing skew {self.skew:g}, {self.seconds:.0f} s), GB measured/analytic: static "
-                f"{self.static[0]:.2f}/{self.static[1]:.2f}; " + "; ".join(parts) + "; " + "; ".join(self.notes))
+            parts.append(
+                f"{moment}: "
+                + ", ".join(f"{k} {m:.2f}/{a:.2f}" for k, (m, a) in terms.items() if m or a)
+            )
+        return (
+            f"dry run (stage {self.stage} of {self.layout}, one rank, fake tensors + fake process group, "
+            f"routing skew {self.skew:g}, {self.seconds:.0f} s), GB measured/analytic: static "
+            f"{self.static[0]:.2f}/{self.static[1]:.2f}; "
+            + "; ".join(parts)
+            + "; "
+            + "; ".join(self.notes)
+        )
 
     def table(self) -> str:
         """The result for a terminal: one row per moment, one column per term, ``measured/analytic``
@@ -97,25 +107,49 @@ class DryRunResult:
         for terms in self.terms.values():
             cols += [k for k, (m, a) in terms.items() if (m or a) and k not in cols]
         rows = [["GB measured/analytic", *cols, "total"]]
-        rows.append(["static (params, grads, optimizer)", *["" for _ in cols], f"{self.static[0]:.2f}/{self.static[1]:.2f}"])
+        rows.append(
+            [
+                "static (params, grads, optimizer)",
+                *["" for _ in cols],
+                f"{self.static[0]:.2f}/{self.static[1]:.2f}",
+            ]
+        )
         for moment, terms in self.terms.items():
-            cells = [f"{terms[k][0]:.2f}/{terms[k][1]:.2f}" if k in terms and any(terms[k]) else "-" for k in cols]
+            cells = [
+                f"{terms[k][0]:.2f}/{terms[k][1]:.2f}" if k in terms and any(terms[k]) else "-"
+                for k in cols
+            ]
             m, a = (sum(v[i] for v in terms.values()) for i in (0, 1))
             rows.append([moment, *cells, f"{m:.2f}/{a:.2f}"])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [f"dry run: stage {self.stage} of {self.layout}, one rank, fake tensors + fake process group, "
-                 f"routing skew {self.skew:g}, {self.seconds:.0f} s"]
-        lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                  for r in rows]
+        lines = [
+            f"dry run: stage {self.stage} of {self.layout}, one rank, fake tensors + fake process group, "
+            f"routing skew {self.skew:g}, {self.seconds:.0f} s"
+        ]
+        lines += [
+            "  "
+            + "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            )
+            for r in rows
+        ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def as_json(self) -> dict:
-        return {"stage": self.stage, "layout": self.layout, "skew": self.skew, "seconds": round(self.seconds, 1),
-                "collectives": self.collectives,
-                "static_gb": [round(v, 3) for v in self.static], "notes": self.notes,
-                "terms_gb": {mo: {k: [round(m, 3), round(a, 3)] for k, (m, a) in t.items()}
-                             for mo, t in self.terms.items()}}
+        return {
+            "stage": self.stage,
+            "layout": self.layout,
+            "skew": self.skew,
+            "seconds": round(self.seconds, 1),
+            "collectives": self.collectives,
+            "static_gb": [round(v, 3) for v in self.static],
+            "notes": self.notes,
+            "terms_gb": {
+                mo: {k: [round(m, 3), round(a, 3)] for k, (m, a) in t.items()}
+                for mo, t in self.terms.items()
+            },
+        }
 
 
 def _arch(hf: dict):
@@ -124,16 +158,29 @@ def _arch(hf: dict):
 
     mt = hf.get("model_type")
     if family_of_model_type(mt) is None:
-        raise ConfigError(f"--dry-run: model family of model_type {mt!r} is not implemented in bumblebee.models "
-                          f"yet (implemented: {', '.join(FAMILIES)}); the analytic estimate stands alone")
+        raise ConfigError(
+            f"--dry-run: model family of model_type {mt!r} is not implemented in bumblebee.models "
+            f"yet (implemented: {', '.join(FAMILIES)}); the analytic estimate stands alone"
+        )
     return arch_from_hf_dict(hf)
 
 
 def _prims(p: Primitives) -> PrimitivesConfig:
-    modules = ["norm", "attn_core", "moe_act", "linear_attn_core"] if p.recompute == "selective" else []
-    return PrimitivesConfig(attention="varlen", cp="ring", linear_attention="chunked", experts="grouped",
-                            moe_comm=p.moe_comm, moe_chunks=p.moe_chunks, loss=p.loss, recompute=p.recompute,
-                            recompute_modules=modules, sharding="none")
+    modules = (
+        ["norm", "attn_core", "moe_act", "linear_attn_core"] if p.recompute == "selective" else []
+    )
+    return PrimitivesConfig(
+        attention="varlen",
+        cp="ring",
+        linear_attention="chunked",
+        experts="grouped",
+        moe_comm=p.moe_comm,
+        moe_chunks=p.moe_chunks,
+        loss=p.loss,
+        recompute=p.recompute,
+        recompute_modules=modules,
+        sharding="none",
+    )
 
 
 def _as_cuda(select):
@@ -146,26 +193,41 @@ def _patches(stack: ExitStack, one_doc, run: FakeRun) -> None:
 
     from bumblebee.primitives import dispatch
 
-    for name in ("attention.sdpa", "cp.ring", "cp.ring_latent", "linear_attention.gated_delta_rule"):
+    for name in (
+        "attention.sdpa",
+        "cp.ring",
+        "cp.ring_latent",
+        "linear_attention.gated_delta_rule",
+    ):
         mod = importlib.import_module(f"bumblebee.primitives.{name}")
         stack.enter_context(mock.patch.object(mod, "select", _as_cuda(dispatch.select)))
     for name in ("moe.experts", "moe.chunked"):
-        stack.enter_context(mock.patch.object(importlib.import_module(f"bumblebee.primitives.{name}"),
-                                              "grouped_mm_supported", lambda x: True))
+        stack.enter_context(
+            mock.patch.object(
+                importlib.import_module(f"bumblebee.primitives.{name}"),
+                "grouped_mm_supported",
+                lambda x: True,
+            )
+        )
     linear_ce = importlib.import_module("bumblebee.primitives.loss.linear_ce")
-    stack.enter_context(mock.patch.object(linear_ce, "default_tiles", lambda dev: linear_ce.DEFAULT_TILES["cuda"]))
+    stack.enter_context(
+        mock.patch.object(linear_ce, "default_tiles", lambda dev: linear_ce.DEFAULT_TILES["cuda"])
+    )
     for name in ("bumblebee.models.base", "bumblebee.primitives.cp.layout"):  # documents are data
         stack.enter_context(mock.patch.object(importlib.import_module(name), "doc_layout", one_doc))
     mesh = importlib.import_module("bumblebee.runtime.mesh")
     stack.enter_context(mock.patch.object(mesh, "_group_options", lambda device: ("fake", None)))
     recompute = importlib.import_module("bumblebee.primitives.recompute")
-    stack.enter_context(mock.patch.object(recompute, "_recomputing", _recompute_scope(run, recompute._recomputing)))
+    stack.enter_context(
+        mock.patch.object(recompute, "_recomputing", _recompute_scope(run, recompute._recomputing))
+    )
 
 
 def _recompute_scope(run: FakeRun, original):
     """A checkpoint's recompute forward (it runs inside whichever backward node first unpacks the
     layer's tensors) allocates under "recompute", the mixer's and the dispatch's under their own
     labels; the interrupted label comes back when it ends (also when torch stops it early)."""
+
     @contextlib.contextmanager
     def scope(*args):
         depth = len(run.stack)
@@ -175,8 +237,9 @@ def _recompute_scope(run: FakeRun, original):
             with original(*args):
                 yield
         finally:
-            del run.stack[depth + 1:]
+            del run.stack[depth + 1 :]
             run.label = run.stack.pop()
+
     return scope
 
 
@@ -219,8 +282,15 @@ def _adamw_foreach(params, state, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, wd=0.01)
         p.copy_(w)
 
 
-def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew: float = 1.0,
-            doc_len: int = 0) -> DryRunResult:
+def dry_run(
+    spec: ModelSpec,
+    hf: dict,
+    cand: Candidate,
+    work: Workload,
+    *,
+    skew: float = 1.0,
+    doc_len: int = 0,
+) -> DryRunResult:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -245,7 +315,10 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
     if dist.is_initialized():
         raise ConfigError("--dry-run needs a process without torch.distributed initialized")
     arch = _arch(hf)
-    def docs(pos):  # documents are data: one per sequence, or back-to-back documents of doc_len tokens
+
+    def docs(
+        pos,
+    ):  # documents are data: one per sequence, or back-to-back documents of doc_len tokens
         T = pos.shape[1]
         row = tuple(range(0, T, doc_len)) + (T,) if 0 < doc_len < T else (0, T)
         return packed.DocLayout(bounds=(row,) * pos.shape[0], seq_len=T)
@@ -253,13 +326,19 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
     if doc_len:
         notes.append(f"documents of {doc_len} tokens")
     run = FakeRun(make_routing(skew, spec.experts // lay.ep, lay.ep))
-    dist.init_process_group("fake", store=FakeStore(), rank=lay.world // lay.pp * s, world_size=lay.world)
-    progress = Progress(f"plan --dry-run: stage {s} ({len(layers)} layers, fake tensors), layer passes")
+    dist.init_process_group(
+        "fake", store=FakeStore(), rank=lay.world // lay.pp * s, world_size=lay.world
+    )
+    progress = Progress(
+        f"plan --dry-run: stage {s} ({len(layers)} layers, fake tensors), layer passes"
+    )
     try:
         with progress, ExitStack() as stack:
             _patches(stack, docs, run)
             ctx = mesh.build_context(lay, torch.device("cpu"))
-            groups = ParallelGroups(ep_group=ctx.ep_group if lay.ep > 1 else None, cp_group=ctx.cp_group)
+            groups = ParallelGroups(
+                ep_group=ctx.ep_group if lay.ep > 1 else None, cp_group=ctx.cp_group
+            )
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
             stack.enter_context(run)
             old = torch.get_default_dtype()
@@ -274,8 +353,14 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
                 model.keep_stages({s: [i for i in layers if i < arch.num_hidden_layers]}, lay.pp)
             params = [p for p in model.parameters() if p.requires_grad]
             run.relabel(params, "parameters")
-            state = {id(p): (p.float(), torch.zeros_like(p, dtype=torch.float32),
-                             torch.zeros_like(p, dtype=torch.float32)) for p in params}
+            state = {
+                id(p): (
+                    p.float(),
+                    torch.zeros_like(p, dtype=torch.float32),
+                    torch.zeros_like(p, dtype=torch.float32),
+                )
+                for p in params
+            }
             run.relabel([x for v in state.values() for x in v], "optimizer")
             for p in params:
                 p.grad = torch.zeros_like(p)
@@ -288,21 +373,41 @@ def dry_run(spec: ModelSpec, hf: dict, cand: Candidate, work: Workload, *, skew:
             _adamw_foreach(params, state)
             static = sum(run.by_label.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
     except DataDependent as e:
-        raise ConfigError(f"--dry-run: the model code reads tensor values the run cannot supply ({e}); "
-                          f"the analytic estimate stands alone") from None
+        raise ConfigError(
+            f"--dry-run: the model code reads tensor values the run cannot supply ({e}); "
+            f"the analytic estimate stands alone"
+        ) from None
     finally:
         dist.destroy_process_group()
     n_local = sum(p.numel() for p in params)
     moments = dict(analytic[s].moments)
     moments.update(analytic[s].parts)
     terms = {}
-    for key in ("forward", "forward:mixer", "forward:moe", "backward", "backward:moe", "backward:mixer", "loss",
-                "optimizer"):
+    for key in (
+        "forward",
+        "forward:mixer",
+        "forward:moe",
+        "backward",
+        "backward:moe",
+        "backward:mixer",
+        "loss",
+        "optimizer",
+    ):
         if key not in moments or key not in run.peaks:
             continue
-        terms[key] = {k: (v / GB, getattr(moments[key], k) / GB) for k, v in _measured(run, key).items()}
-    return DryRunResult(s, lay.short(), skew, terms, (static / GB, 16 * n_local / GB), notes,
-                        time.perf_counter() - start, dict(run.collectives))
+        terms[key] = {
+            k: (v / GB, getattr(moments[key], k) / GB) for k, v in _measured(run, key).items()
+        }
+    return DryRunResult(
+        s,
+        lay.short(),
+        skew,
+        terms,
+        (static / GB, 16 * n_local / GB),
+        notes,
+        time.perf_counter() - start,
+        dict(run.collectives),
+    )
 
 
 def _instrument(model, run: FakeRun, layers, progress=None) -> None:
@@ -310,7 +415,9 @@ def _instrument(model, run: FakeRun, layers, progress=None) -> None:
     ``progress`` counts every layer pass (forward, recomputed forward) for the progress line."""
     blocks = list(model.model.layers) + (model.mtp_units() if model.mtp is not None else [])
     for i in layers:
-        layer = blocks[i]  # past the decoder's layers: an MTP module (plan/spec.py counts them as layers)
+        layer = blocks[
+            i
+        ]  # past the decoder's layers: an MTP module (plan/spec.py counts them as layers)
 
         def pre(mod, args, i=i):
             if progress is not None:
@@ -319,6 +426,7 @@ def _instrument(model, run: FakeRun, layers, progress=None) -> None:
                 run.label = run.layer = f"fwd{run.mb}:L{i}"
             else:
                 run.layer = f"L{i}"
+
         layer.register_forward_pre_hook(pre)
         for name in ("self_attn", "linear_attn"):  # the token mixer's backward: label "mixer"
             mixer = getattr(layer, name, None)
@@ -330,7 +438,9 @@ def _instrument(model, run: FakeRun, layers, progress=None) -> None:
             mlp.dispatch = _Scoped(mlp.dispatch, run, "moe")
     model.loss_fn = _Scoped(model.loss_fn, run, "loss")
     if model.model.norm is not None:  # the final norm's output belongs to the loss moment
-        model.model.norm.register_forward_pre_hook(lambda mod, args: setattr(run, "label", f"fwd{run.mb}:head"))
+        model.model.norm.register_forward_pre_hook(
+            lambda mod, args: setattr(run, "label", f"fwd{run.mb}:head")
+        )
 
 
 def _enter(run: FakeRun, args) -> None:
@@ -352,18 +462,27 @@ def _leave(run: FakeRun, args, out) -> None:
         x.register_hook(lambda g: setattr(run, "label", "backward"))
 
 
-def _step(model, run: FakeRun, s: int, pp: int, inflight: int, t: int, hidden: int, mb: int) -> None:
+def _step(
+    model, run: FakeRun, s: int, pp: int, inflight: int, t: int, hidden: int, mb: int
+) -> None:
     first, last = s == 0, s == pp - 1
     stage = s if pp > 1 else None
     outs = []
     run.set_phase("forward")
     for j in range(inflight):
         run.mb, run.label = j, f"fwd{j}:in"
-        width = hidden * (1 + model.mtp_depth) if model.pipelined_mtp else hidden  # + MTP embeddings (models/base.py)
-        x = (torch.zeros(mb, t, dtype=torch.long) if first
-             else torch.empty(mb, t, width, dtype=torch.bfloat16, requires_grad=True))
+        width = (
+            hidden * (1 + model.mtp_depth) if model.pipelined_mtp else hidden
+        )  # + MTP embeddings (models/base.py)
+        x = (
+            torch.zeros(mb, t, dtype=torch.long)
+            if first
+            else torch.empty(mb, t, width, dtype=torch.bfloat16, requires_grad=True)
+        )
         if last:
-            outs.append(model.loss_terms(x, torch.zeros(mb, t, dtype=torch.long), stage=stage).loss_sum)
+            outs.append(
+                model.loss_terms(x, torch.zeros(mb, t, dtype=torch.long), stage=stage).loss_sum
+            )
         else:
             outs.append(model.hidden_states(x, stage=stage)[0])
     run.set_phase("backward")
@@ -383,8 +502,14 @@ def _measured(run: FakeRun, key: str) -> dict[str, float]:
         elif label.startswith("fwd"):
             key = "live_layer" if (phase == "forward" and label == current) else "saved_inputs"
         else:
-            key = {"backward": "live_layer", "mixer": "live_layer", "recompute": "live_layer", "moe": "moe_buffers", "loss": "loss",
-                   "optim_temp": "optim_temp"}.get(label)
+            key = {
+                "backward": "live_layer",
+                "mixer": "live_layer",
+                "recompute": "live_layer",
+                "moe": "moe_buffers",
+                "loss": "loss",
+                "optim_temp": "optim_temp",
+            }.get(label)
         if key:
             out[key] += n
     return out

@@ -27,10 +27,13 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
-                                           unset_fake_temporarily)
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    unset_fake_temporarily,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 aten = torch.ops.aten
 SHADOW_MAX = 1 << 24  # integer tensors up to this many elements carry values
@@ -79,7 +82,9 @@ class FakeRun(TorchDispatchMode):
         weakref.finalize(st, self._free, key)
         moment = "loss" if label == "loss" else self.phase
         # the moment, the moment per layer, and the backward's MoE / mixer parts on their own
-        keys = (moment, f"{moment}@{self.layer}") + ((f"{moment}:{label}",) if label in ("moe", "mixer") else ())
+        keys = (moment, f"{moment}@{self.layer}") + (
+            (f"{moment}:{label}",) if label in ("moe", "mixer") else ()
+        )
         for key in keys:
             best = self.peaks.get(key)
             if best is None or self.current > best[0]:
@@ -112,7 +117,7 @@ class FakeRun(TorchDispatchMode):
             si = shadow(i)
             if si is not None:
                 size = torch._C._distributed_c10d.ProcessGroup.unbox(pg).size()
-                first = (args[4][0] if len(args) > 4 and args[4] else i.shape[0] // size)
+                first = args[4][0] if len(args) > 4 and args[4] else i.shape[0] // size
                 o._bb_shadow = si[:first].repeat((size,) + (1,) * (si.dim() - 1))
         elif "allgather" in name or "all_gather" in name:
             outs, i = args[0], args[1]
@@ -154,8 +159,11 @@ class FakeRun(TorchDispatchMode):
             out = func(*args, **kwargs)
             if _shadowable(out):
                 with unset_fake_temporarily():
-                    out._bb_shadow = args[0].clone() if not hasattr(args[0], "fake_mode") else torch.zeros(
-                        args[0].shape, dtype=args[0].dtype)
+                    out._bb_shadow = (
+                        args[0].clone()
+                        if not hasattr(args[0], "fake_mode")
+                        else torch.zeros(args[0].shape, dtype=args[0].dtype)
+                    )
             self.track(out)
             return out
         if func is aten.bincount.default and shadow(args[0]) is None:
@@ -168,14 +176,24 @@ class FakeRun(TorchDispatchMode):
         values = bool(flat) and all(shadow(t) is not None for t in flat)
         try:
             out = func(*args, **kwargs)
-            factory = not flat and all(_shadowable(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            factory = not flat and all(
+                _shadowable(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+            )
             real_out = self._on_shadows(func, args, kwargs) if values or factory else None
         except (DynamicOutputShapeException, DataDependentOutputException):
             if not values:
-                raise DataDependent(f"{func}: output shape depends on values that do not exist") from None
+                raise DataDependent(
+                    f"{func}: output shape depends on values that do not exist"
+                ) from None
             real_out = self._on_shadows(func, args, kwargs)
-            out = tree_map(lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=flat[0].device)
-                           if isinstance(r, torch.Tensor) else r, real_out)
+            out = tree_map(
+                lambda r: (
+                    torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=flat[0].device)
+                    if isinstance(r, torch.Tensor)
+                    else r
+                ),
+                real_out,
+            )
         if real_out is not None:
             outs, _ = tree_flatten(out)
             reals, _ = tree_flatten(real_out)
@@ -192,6 +210,7 @@ def make_routing(skew: float, num_local: int, ep: int):
     """Counts per expert for ``rows`` routed rows over ``bins`` experts: balanced (``skew`` 1),
     or the ``num_local`` experts of ep-rank 0 (this rank) receiving ``skew`` x their share, the
     rest spread evenly over the other experts (the sum is unchanged)."""
+
     def routing(rows: int, bins: int) -> torch.Tensor:
         with unset_fake_temporarily():
             if skew == 1.0 or ep == 1 or bins < ep:
@@ -205,6 +224,7 @@ def make_routing(skew: float, num_local: int, ep: int):
             rest = rows - hot
             others = bins - num_local
             counts[num_local:] = rest // others
-            counts[num_local:num_local + rest - (rest // others) * others] += 1
+            counts[num_local : num_local + rest - (rest // others) * others] += 1
             return counts
+
     return routing

@@ -27,8 +27,10 @@ def kernels_note(cp: int, has_gdn: bool) -> str:
         table.pop("linear_attention")
     line = "kernels assumed (CUDA, bf16): " + dispatch.describe(table)
     if has_gdn and not dispatch.package_present("fla"):
-        line += ("; flash-linear-attention is not installed here: a run with these packages would use the "
-                 "pure-PyTorch chunked GDN core, which this plan does not model (pip install -e '.[gpu]')")
+        line += (
+            "; flash-linear-attention is not installed here: a run with these packages would use the "
+            "pure-PyTorch chunked GDN core, which this plan does not model (pip install -e '.[gpu]')"
+        )
     return line
 
 
@@ -38,13 +40,24 @@ def assumptions(cp: int, has_gdn: bool) -> dict:
     this environment* would execute in pure PyTorch on CUDA (its TFLOPs would be lower than
     predicted: the model does not cost those paths)."""
     table = assumed_kernels(cp)
-    here = dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=cp)  # packages present here
+    here = dispatch.kernel_table(
+        PrimitivesConfig(), "cuda", "bfloat16", cp=cp
+    )  # packages present here
     if not has_gdn:
         table.pop("linear_attention")
         here.pop("linear_attention")
     pure = sorted(slot for slot, k in here.items() if not k.fused)
-    return {"device": "cuda", "compute_dtype": "bfloat16", "master_dtype": "float32",
-            "kernels": {slot: k.label for slot, k in table.items()},
-            "pure_pytorch_here": pure,
-            "tflops_basis": "fused kernels above" + (f"; with this environment's packages {', '.join(pure)} "
-                                                     f"would run pure PyTorch (slower, not modelled)" if pure else "")}
+    return {
+        "device": "cuda",
+        "compute_dtype": "bfloat16",
+        "master_dtype": "float32",
+        "kernels": {slot: k.label for slot, k in table.items()},
+        "pure_pytorch_here": pure,
+        "tflops_basis": "fused kernels above"
+        + (
+            f"; with this environment's packages {', '.join(pure)} "
+            f"would run pure PyTorch (slower, not modelled)"
+            if pure
+            else ""
+        ),
+    }

@@ -62,12 +62,26 @@ def attn_core_bytes(spec: ModelSpec, lay: Layout) -> tuple[float, float, str]:
         fwd, bwd = nd * BF16 + n * FP32, nd * BF16 + (nd + 2 * kvd) * BF16
         return fwd, bwd, f"varlen flash: fwd out {nd:.0f}x2 + lse; bwd dO copy + dq/dk/dv"
     fwd = nd * FP32 + n * FP32 + 2 * kvd * BF16 + (nd * BF16 + 3 * nd * FP32) / 2
-    bwd = nd * BF16 + nd * FP32 + 2 * kvd * FP32 + (3 * nd + 2 * kvd) * BF16 / 2 + 2 * (nd + 2 * kvd) * BF16 / 2
-    return fwd, bwd, (f"ring: fwd fp32 o {nd:.0f}x4 + next K/V 2x{kvd:.0f}x2 + pair (t/2) out + 3 fp32 merge "
-                      f"temporaries; bwd dO + fp32 dq + fp32 dk/dv + pair gathers + 2 pairs' dq/dk/dv")
+    bwd = (
+        nd * BF16
+        + nd * FP32
+        + 2 * kvd * FP32
+        + (3 * nd + 2 * kvd) * BF16 / 2
+        + 2 * (nd + 2 * kvd) * BF16 / 2
+    )
+    return (
+        fwd,
+        bwd,
+        (
+            f"ring: fwd fp32 o {nd:.0f}x4 + next K/V 2x{kvd:.0f}x2 + pair (t/2) out + 3 fp32 merge "
+            f"temporaries; bwd dO + fp32 dq + fp32 dk/dv + pair gathers + 2 pairs' dq/dk/dv"
+        ),
+    )
 
 
-def gdn_cp_bytes(spec: ModelSpec, lay: Layout, micro_batch: int = 1, tokens: int = 0) -> dict[str, tuple[float, float]]:
+def gdn_cp_bytes(
+    spec: ModelSpec, lay: Layout, micro_batch: int = 1, tokens: int = 0
+) -> dict[str, tuple[float, float]]:
     """A Gated DeltaNet layer under context parallelism with full recompute, counted from its code
     (``linear_attention/gdn.py``, ``cp.py``, ``fla.py``): phase -> (bytes per token, fixed bytes).
 
@@ -102,6 +116,8 @@ def gdn_cp_bytes(spec: ModelSpec, lay: Layout, micro_batch: int = 1, tokens: int
     recompute = saved + 8 * hw + 4 * vd + norm_t
     r, c = 2 * micro_batch, lay.cp
     state_w, state_v = r * hv * k * (v + k) * FP32, r * hv * k * v * FP32
-    return {"saved": (saved, (1 + c) * state_w + state_v + 2 * state_v / r),
-            "fwd": (fwd, (2 + c) * state_w + state_v + norm_fixed),
-            "recompute": (recompute, (3 + c) * state_w + state_v + 2 * state_v / r + norm_fixed)}
+    return {
+        "saved": (saved, (1 + c) * state_w + state_v + 2 * state_v / r),
+        "fwd": (fwd, (2 + c) * state_w + state_v + norm_fixed),
+        "recompute": (recompute, (3 + c) * state_w + state_v + 2 * state_v / r + norm_fixed),
+    }

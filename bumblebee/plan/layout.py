@@ -30,15 +30,21 @@ class Primitives:
     recompute: str = "full"
     moe_comm: str = "chunked"
     moe_chunks: int = 2
-    balance: str = "auto"  # train.balance: "auto" / "global_batch" keep every micro-batch in flight at pp = 1
+    balance: str = (
+        "auto"  # train.balance: "auto" / "global_batch" keep every micro-batch in flight at pp = 1
+    )
 
     def short(self) -> str:
         comm = f"{self.moe_comm}x{self.moe_chunks}" if self.moe_comm == "chunked" else self.moe_comm
         return f"{self.sharding} {self.loss} {self.recompute} {comm}"
 
     def as_dict(self) -> dict:
-        return {"sharding": self.sharding, "loss": self.loss, "recompute": self.recompute,
-                "moe_comm": self.moe_comm}
+        return {
+            "sharding": self.sharding,
+            "loss": self.loss,
+            "recompute": self.recompute,
+            "moe_comm": self.moe_comm,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,9 +64,11 @@ def parse_layout(text: str, gpus: int) -> Layout:
         key = key.strip().lower()
         key = "dp_shard" if key == "dp" else key  # dp: the runtime's dp_shard
         if not sep or key not in ("tp", "pp", "ep", "cp", "dp_shard"):
-            raise ConfigError(f"--layout: bad item {item!r}; expected e.g. \"tp=1 pp=2 ep=8 cp=4\"")
+            raise ConfigError(f'--layout: bad item {item!r}; expected e.g. "tp=1 pp=2 ep=8 cp=4"')
         if key in values:
-            raise ConfigError(f"--layout: {key} is given twice ({text!r}); give each of tp, pp, ep, cp, dp once")
+            raise ConfigError(
+                f"--layout: {key} is given twice ({text!r}); give each of tp, pp, ep, cp, dp once"
+            )
         try:
             values[key] = int(raw)
         except ValueError:
@@ -68,15 +76,20 @@ def parse_layout(text: str, gpus: int) -> Layout:
         if values[key] < 1:
             raise ConfigError(f"--layout: {key} must be >= 1, got {values[key]}")
     if not values:
-        raise ConfigError("--layout: empty; expected e.g. \"tp=1 pp=2 ep=8 cp=4\"")
+        raise ConfigError('--layout: empty; expected e.g. "tp=1 pp=2 ep=8 cp=4"')
     inner = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
     if gpus % inner:
         raise ConfigError(f"--layout: tp*pp*cp = {inner} does not divide --gpus {gpus}")
     dp = values.get("dp_shard", gpus // inner)
     if inner * dp != gpus:
         raise ConfigError(f"--layout: tp*pp*cp*dp = {inner * dp} != --gpus {gpus}")
-    return Layout(tp=values.get("tp", 1), pp=values.get("pp", 1), ep=values.get("ep", 1),
-                  cp=values.get("cp", 1), dp_shard=dp)
+    return Layout(
+        tp=values.get("tp", 1),
+        pp=values.get("pp", 1),
+        ep=values.get("ep", 1),
+        cp=values.get("cp", 1),
+        dp_shard=dp,
+    )
 
 
 def apply_overrides(prims: Primitives, items: list[str]) -> tuple[Primitives, set[str]]:
@@ -86,8 +99,10 @@ def apply_overrides(prims: Primitives, items: list[str]) -> tuple[Primitives, se
     for item in items:
         keys, value = parse_override(item)
         if len(keys) != 2 or keys[0] != "primitives":
-            raise ConfigError(f"--set {item!r}: the planner takes primitives.KEY=VALUE "
-                              f"(KEY: {', '.join([*choices, 'moe_chunks'])})")
+            raise ConfigError(
+                f"--set {item!r}: the planner takes primitives.KEY=VALUE "
+                f"(KEY: {', '.join([*choices, 'moe_chunks'])})"
+            )
         key = keys[1]
         if key == "moe_chunks":
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -96,8 +111,10 @@ def apply_overrides(prims: Primitives, items: list[str]) -> tuple[Primitives, se
             if value not in choices[key]:
                 raise ConfigError(f"--set {item!r}: {key} must be one of {', '.join(choices[key])}")
         else:
-            raise ConfigError(f"--set {item!r}: unknown planner primitive {key!r}; "
-                              f"valid: {', '.join([*choices, 'moe_chunks'])}")
+            raise ConfigError(
+                f"--set {item!r}: unknown planner primitive {key!r}; "
+                f"valid: {', '.join([*choices, 'moe_chunks'])}"
+            )
         changes[key] = value
     return dataclasses.replace(prims, **changes), set(changes)
 

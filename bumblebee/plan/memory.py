@@ -58,8 +58,8 @@ Legend: t local tokens, H hidden, k experts per token, F expert FFN, V vocabular
 
 from __future__ import annotations
 
-from bumblebee.plan.layout import Layout, Primitives, Workload
 from bumblebee.plan.layer_bytes import norm_bytes
+from bumblebee.plan.layout import Layout, Primitives, Workload
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 BF16, FP32 = 2, 4
@@ -118,7 +118,9 @@ def in_flight(work: Workload, lay: Layout, prims, stage: int) -> int:
 # ------------------------------------------------------------------------ static state (bytes)
 
 
-def static_bytes(spec: ModelSpec, lay: Layout, prims: Primitives, layers: range, first: bool, last: bool):
+def static_bytes(
+    spec: ModelSpec, lay: Layout, prims: Primitives, layers: range, first: bool, last: bool
+):
     """(parameters, gradients, optimizer, parameters this rank's optimizer updates, formula)."""
     kinds = stage_kinds(spec, layers)
     dense = sum(n * kind_params(spec, k)[0] for k, n in kinds.items())
@@ -133,21 +135,45 @@ def static_bytes(spec: ModelSpec, lay: Layout, prims: Primitives, layers: range,
     shard = d / (lay.dp_shard * lay.cp) + e / lay.edp
     where = f"dense {d / 1e9:.3f}B/tp-shard, experts {e / 1e9:.3f}B/ep-shard"
     if prims.sharding == "fsdp2":
-        return (FP32 * shard, FP32 * shard, 2 * FP32 * shard, shard,
-                f"fsdp2: 4+4+8 B x {shard / 1e9:.3f}B sharded params ({where}; / dp*cp={lay.dp_shard * lay.cp}, "
-                f"/ edp={lay.edp})")
+        return (
+            FP32 * shard,
+            FP32 * shard,
+            2 * FP32 * shard,
+            shard,
+            f"fsdp2: 4+4+8 B x {shard / 1e9:.3f}B sharded params ({where}; / dp*cp={lay.dp_shard * lay.cp}, "
+            f"/ edp={lay.edp})",
+        )
     if prims.sharding == "zero1":
-        return (BF16 * (d + e), FP32 * (d + e), 12 * shard, shard,
-                f"zero1: (2+4) B x {(d + e) / 1e9:.3f}B params + 12 B x {shard / 1e9:.3f}B optimizer shard ({where})")
-    return (BF16 * (d + e), FP32 * (d + e), 12 * (d + e), d + e, f"none: 2+4+12 B x {(d + e) / 1e9:.3f}B ({where})")
+        return (
+            BF16 * (d + e),
+            FP32 * (d + e),
+            12 * shard,
+            shard,
+            f"zero1: (2+4) B x {(d + e) / 1e9:.3f}B params + 12 B x {shard / 1e9:.3f}B optimizer shard ({where})",
+        )
+    return (
+        BF16 * (d + e),
+        FP32 * (d + e),
+        12 * (d + e),
+        d + e,
+        f"none: 2+4+12 B x {(d + e) / 1e9:.3f}B ({where})",
+    )
 
 
-def allgather_bytes(spec: ModelSpec, lay: Layout, layers: range, first: bool, last: bool) -> tuple[float, float]:
+def allgather_bytes(
+    spec: ModelSpec, lay: Layout, layers: range, first: bool, last: bool
+) -> tuple[float, float]:
     """FSDP2 units = decoder layers (+ embedding, + LM head): (forward, backward) bytes of the
     unit being computed and the prefetched one in bf16; backward adds the unsharded fp32
     gradient of one unit before its reduce-scatter."""
-    layer = max(kind_params(spec, k)[0] / lay.tp + kind_params(spec, k)[1] / lay.ep
-                for k in stage_kinds(spec, layers)) if len(layers) else 0.0
+    layer = (
+        max(
+            kind_params(spec, k)[0] / lay.tp + kind_params(spec, k)[1] / lay.ep
+            for k in stage_kinds(spec, layers)
+        )
+        if len(layers)
+        else 0.0
+    )
     units = [layer] * min(len(layers), 2)  # identical-size neighbours suffice for the max pair
     if first:
         units.insert(0, spec.embed_params / lay.tp)
@@ -170,7 +196,9 @@ def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
         nd = spec.n_heads * spec.head_dim / tp
         kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim
         g = 1 if spec.attn_gate else 0
-        if not g:  # Qwen3: q/k RMSNorm keep their fp32 input and bf16 normalized output; the core keeps
+        if (
+            not g
+        ):  # Qwen3: q/k RMSNorm keep their fp32 input and bf16 normalized output; the core keeps
             # roped q, k, v, its output and fp32 logsumexp (checked: dry run 46.4 vs 46.2 KB/token, cp 1-2)
             kept = (2 * nd + 2 * kvd + 2 * spec.n_heads / tp + h / tp) * BF16
             cheap = (nd + kvd + h / tp) * BF16 + (h / tp + nd + kvd) * FP32
@@ -205,13 +233,25 @@ def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str
         nd = spec.n_heads * spec.head_dim / tp
         kv = spec.n_heads / tp * (spec.head_dim + spec.mla_v_dim)  # one block expanded: K + V
         b = 2 * x * BF16 + kv * BF16 + 2 * nd * FP32 + kv * FP32 + 2 * x * FP32
-        return 0.0, b, (f"latent ring: latent blocks 2x{x}x2 + expanded K/V {kv:.0f}x2 + fp32 o/dq 2x{nd:.0f}x4 "
-                        f"+ fp32 block dK/dV {kv:.0f}x4 + fp32 d latent 2x{x}x4 (mixer only)")
-    if kind == ATTN:  # ring: current + next K/V block, fp32 out/dq accumulators, fp32 dk/dv in flight
+        return (
+            0.0,
+            b,
+            (
+                f"latent ring: latent blocks 2x{x}x2 + expanded K/V {kv:.0f}x2 + fp32 o/dq 2x{nd:.0f}x4 "
+                f"+ fp32 block dK/dV {kv:.0f}x4 + fp32 d latent 2x{x}x4 (mixer only)"
+            ),
+        )
+    if (
+        kind == ATTN
+    ):  # ring: current + next K/V block, fp32 out/dq accumulators, fp32 dk/dv in flight
         nd = spec.n_heads * spec.head_dim / tp
         kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim
         b = 4 * kvd * BF16 + 2 * nd * FP32 + 4 * kvd * FP32
-        return 0.0, b, f"ring K/V 4x{kvd:.0f}x2 + fp32 o/dq 2x{nd:.0f}x4 + fp32 dk/dv 4x{kvd:.0f}x4 (mixer only)"
+        return (
+            0.0,
+            b,
+            f"ring K/V 4x{kvd:.0f}x2 + fp32 o/dq 2x{nd:.0f}x4 + fp32 dk/dv 4x{kvd:.0f}x4 (mixer only)",
+        )
     # Gated DeltaNet CP scan (linear_attention/cp.py): the core runs on fp32 values [v | 0_K] (kept by
     # the core) and returns fp32 [o|0, e]; the state correction e S_in and the sum are fp32 [t, Hv, V]
     hv, v, w = spec.gdn_v_heads / tp, spec.gdn_v_dim, spec.gdn_v_dim + spec.gdn_k_dim
@@ -219,8 +259,14 @@ def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str
     # forward: v_ext and [o|0, e] (fp32, V+K wide), the fp32 cast of v beside v_ext's cat, the
     # correction e S_in and the corrected output (fp32, V wide)
     moving = 2 * hv * w * FP32 + 3 * hv * v * FP32
-    return kept, moving, (f"GDN CP scan: kept fp32 v_ext {hv:.0f}x{w}x4 + fp32 {hv:.0f}x{v}x4; forward "
-                          f"2x{hv:.0f}x{w}x4 + 3x{hv:.0f}x{v}x4")
+    return (
+        kept,
+        moving,
+        (
+            f"GDN CP scan: kept fp32 v_ext {hv:.0f}x{w}x4 + fp32 {hv:.0f}x{v}x4; forward "
+            f"2x{hv:.0f}x{w}x4 + 3x{hv:.0f}x{v}x4"
+        ),
+    )
 
 
 def gdn_state_bytes(spec: ModelSpec, tp: int, chunk: int = 64) -> float:
@@ -248,7 +294,9 @@ def routed_units(spec: ModelSpec, tp: int) -> tuple[float, float]:
     return spec.top_k * spec.hidden * BF16 / tp, spec.top_k * spec.expert_ffn * BF16 / tp
 
 
-def routed_buffers(spec: ModelSpec, prims: Primitives, tp: int, skew: float = 1.0) -> dict[str, tuple[float, str]]:
+def routed_buffers(
+    spec: ModelSpec, prims: Primitives, tp: int, skew: float = 1.0
+) -> dict[str, tuple[float, str]]:
     """Per-token bytes of the routed [k*t, .] tensors alive at the MoE block's largest moment of
     each phase: "fwd" (a forward whose tensors autograd does not keep: full recompute's first
     pass), "recompute" (the forward again, inside backward, saving) and "bwd". Each count is
@@ -263,21 +311,37 @@ def routed_buffers(spec: ModelSpec, prims: Primitives, tp: int, skew: float = 1.
     f = skew if prims.moe_comm != "local" else 1.0
     # phase -> (home, expert side), in units of X and A: (x, a) pairs
     table = {
-        "local": {"fwd": max(((0, 0), (2, 4)), ((0, 0), (3, 0)), key=lambda v: v[1][0] * X + v[1][1] * A),
-                  "recompute": ((0, 0), (4 - last, 4)), "bwd": ((0, 0), (4, 5))},
-        "alltoall": {"fwd": max(((1, 0), (3, 4)), ((4, 0), (3, 0)),
-                                key=lambda v: (v[0][0] + v[1][0]) * X + v[1][1] * A),
-                     "recompute": ((4 - last, 0), (4, 4)), "bwd": ((2, 0), (2, 5))},
+        "local": {
+            "fwd": max(((0, 0), (2, 4)), ((0, 0), (3, 0)), key=lambda v: v[1][0] * X + v[1][1] * A),
+            "recompute": ((0, 0), (4 - last, 4)),
+            "bwd": ((0, 0), (4, 5)),
+        },
+        "alltoall": {
+            "fwd": max(
+                ((1, 0), (3, 4)),
+                ((4, 0), (3, 0)),
+                key=lambda v: (v[0][0] + v[1][0]) * X + v[1][1] * A,
+            ),
+            "recompute": ((4 - last, 0), (4, 4)),
+            "bwd": ((2, 0), (2, 5)),
+        },
         # backward: its peak is the first delayed wgrad (every chunk's g and dh, the last chunk's dgrad
         # locals, dx sent and received; fc1's weight gradient); "bwd_wgrad": the second one (the first
         # chunk's g and dh freed; fc1's gradient summed: dw1 + new -> sum, fc2's)
-        "chunked": {"fwd": ((1 + 1 / c, 0), (2 + 2 / c, 2)), "recompute": ((1, 0), (1, 2 / c)),
-                    "bwd": ((1, 0), (3 + 1 / c, 4 + 5 / c)), "bwd_wgrad": ((1, 0), (3, 4 + 2 / c))},
+        "chunked": {
+            "fwd": ((1 + 1 / c, 0), (2 + 2 / c, 2)),
+            "recompute": ((1, 0), (1, 2 / c)),
+            "bwd": ((1, 0), (3 + 1 / c, 4 + 5 / c)),
+            "bwd_wgrad": ((1, 0), (3, 4 + 2 / c)),
+        },
     }[prims.moe_comm]
     out = {}
     for phase, ((hx, ha), (ex, ea)) in table.items():
         v = hx * X + ha * A + f * (ex * X + ea * A)
-        out[phase] = (v, f"home {hx:g}X+{ha:g}A + {f:g} x expert side {ex:g}X+{ea:g}A, X={X:.0f}, A={A:.0f} B/token")
+        out[phase] = (
+            v,
+            f"home {hx:g}X+{ha:g}A + {f:g} x expert side {ex:g}X+{ea:g}A, X={X:.0f}, A={A:.0f} B/token",
+        )
     return out
 
 
@@ -301,7 +365,9 @@ def routed_saved(spec: ModelSpec, prims: Primitives, tp: int) -> float:
 # ------------------------------------------------------------------------------------ loss (bytes)
 
 
-LCE_TILE_BYTES = 4 * 2048 * 8192 * FP32  # linear_ce on CUDA: about four fp32 [2048, 8192] tiles alive
+LCE_TILE_BYTES = (
+    4 * 2048 * 8192 * FP32
+)  # linear_ce on CUDA: about four fp32 [2048, 8192] tiles alive
 
 
 def loss_kept(spec: ModelSpec, lay: Layout, prims: Primitives) -> float:
@@ -313,7 +379,9 @@ def loss_kept(spec: ModelSpec, lay: Layout, prims: Primitives) -> float:
     return norm + 8 + 1 + FP32 if prims.loss == "linear_ce" else norm + FP32 * spec.vocab / lay.tp
 
 
-def loss_bytes(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload) -> tuple[float, str]:
+def loss_bytes(
+    spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload
+) -> tuple[float, str]:
     """Loss temporaries on the last stage at the loss moment. Tokens: all t local tokens
     (the LM head's input is gathered over tp; its vocabulary is split over tp)."""
     t, h = local_tokens(work, lay), spec.hidden
@@ -321,9 +389,16 @@ def loss_bytes(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload) 
     norm = norm_bytes(spec, 1)  # the final norm's saved tensors (the hidden is gathered over tp)
     if prims.loss == "ce":
         b = t * vshard * CE_BYTES_PER_LOGIT + t * norm
-        return b, (f"ce: {t} x {vshard:.0f} x (2+4) B (bf16 logits + fp32 working copy) + {t} x {norm:.0f} B "
-                   f"(final norm)")
-    hidden = t * norm + (FP32 + BF16) * t * h  # final norm, fp32 dh accumulator, bf16 hidden gradient
+        return b, (
+            f"ce: {t} x {vshard:.0f} x (2+4) B (bf16 logits + fp32 working copy) + {t} x {norm:.0f} B "
+            f"(final norm)"
+        )
+    hidden = (
+        t * norm + (FP32 + BF16) * t * h
+    )  # final norm, fp32 dh accumulator, bf16 hidden gradient
     head = f"{t} x ({norm:.0f} + {h} x 6) B (final norm, fp32 dh, hidden grad)"
     b = BF16 * vshard * h + hidden + LCE_TILE_BYTES
-    return b, f"linear_ce: {vshard:.0f} x {h} x 2 B (head gradient, bf16) + {head} + 4 fp32 [2048, 8192] tiles"
+    return (
+        b,
+        f"linear_ce: {vshard:.0f} x {h} x 2 B (head gradient, bf16) + {head} + 4 fp32 [2048, 8192] tiles",
+    )

@@ -30,11 +30,27 @@ from dataclasses import dataclass, field
 
 from bumblebee.plan.hardware import GPU, Efficiency
 from bumblebee.plan.layout import Layout, Primitives, Workload
-from bumblebee.plan.memory import (BF16, FP32, kind_params, local_tokens, micro_batches, mixer_act, mlp_act,
-                                   routed_units, stage_kinds, stage_layers)
+from bumblebee.plan.memory import (
+    BF16,
+    FP32,
+    kind_params,
+    local_tokens,
+    micro_batches,
+    mixer_act,
+    mlp_act,
+    routed_units,
+    stage_kinds,
+    stage_layers,
+)
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
-KERNELS = {ATTN: 22, "gdn": 30, MOE: 28, "dense": 8, "chunk": 10}  # forward launches per sub-layer / per EP chunk
+KERNELS = {
+    ATTN: 22,
+    "gdn": 30,
+    MOE: 28,
+    "dense": 8,
+    "chunk": 10,
+}  # forward launches per sub-layer / per EP chunk
 P2P_LATENCY_S = 20e-6  # one small NCCL send/recv hop
 
 
@@ -83,11 +99,21 @@ def _a2a(nbytes: float, ep: int, gpu: GPU, eff: Efficiency) -> float:
     on_node = min(ep, gpu.gpus_per_node)
     nv = remote * (on_node - 1) / max(ep - 1, 1)
     ib = remote - nv
-    return max(nv / (gpu.nvlink_gbps * 1e9), ib / (gpu.ib_gbps * 1e9)) / eff.all_to_all + P2P_LATENCY_S
+    return (
+        max(nv / (gpu.nvlink_gbps * 1e9), ib / (gpu.ib_gbps * 1e9)) / eff.all_to_all + P2P_LATENCY_S
+    )
 
 
-def _layer_time(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Primitives, work: Workload, gpu: GPU,
-                eff: Efficiency, clock: _Clock) -> float:
+def _layer_time(
+    spec: ModelSpec,
+    kind: tuple[str, str],
+    lay: Layout,
+    prims: Primitives,
+    work: Workload,
+    gpu: GPU,
+    eff: Efficiency,
+    clock: _Clock,
+) -> float:
     """One layer, one micro-batch, forward + backward (+ recompute). Returns its compute time."""
     t = local_tokens(work, lay)
     ts = t / lay.tp  # sequence-parallel tokens
@@ -98,7 +124,9 @@ def _layer_time(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Prim
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm
 
     # token mixer: projections + core
-    proj = _gemm(t * spec.mixer_gemm_flops(mixer) / tp, min(h, spec.n_heads * spec.head_dim / tp), gpu, eff)
+    proj = _gemm(
+        t * spec.mixer_gemm_flops(mixer) / tp, min(h, spec.n_heads * spec.head_dim / tp), gpu, eff
+    )
     if mixer == ATTN:
         core_f = t * spec.attn_core_flops(work.seq) / tp
         core = core_f / (gpu.bf16_tflops * 1e12 * eff.attn_fwd)
@@ -142,10 +170,14 @@ def _layer_time(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Prim
     mk, mc = mixer_act(spec, mixer, tp)
     fk, fc = mlp_act(spec, mlp, tp)
     X, A = routed_units(spec, tp) if mlp == MOE else (0.0, 0.0)
-    act = mk + mc + fk + fc + 3 * X + 4 * A  # routed rows moved 3x, expert fc1 out / SwiGLU (4 x [k*t, F])
+    act = (
+        mk + mc + fk + fc + 3 * X + 4 * A
+    )  # routed rows moved 3x, expert fc1 out / SwiGLU (4 x [k*t, F])
     elem_passes = 1 + 2 + (1 if rc == "full" else 0)
     elem = 2 * t * act / hbm
-    clock.add("elementwise", elem * elem_passes + (2 * t * (mc + fc) / hbm if rc == "selective" else 0.0))
+    clock.add(
+        "elementwise", elem * elem_passes + (2 * t * (mc + fc) / hbm if rc == "selective" else 0.0)
+    )
     kernels = KERNELS[mixer if mixer == ATTN else "gdn"] + KERNELS[mlp]
     clock.add("launch", kernels * (elem_passes) * eff.kernel_us * 1e-6)
 
@@ -162,15 +194,30 @@ def _layer_time(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Prim
                 # ... and kv_b_proj over the cp - 1 received blocks per forward pass; backward re-expands
                 # all cp blocks and takes d latent and dW of each (3 GEMMs) where the local block took 2
                 nope = spec.head_dim - spec.mla_rope_dim
-                expand = _gemm(t * 2 * spec.mla_kv_rank * spec.n_heads * (nope + spec.mla_v_dim) / tp,
-                               spec.mla_kv_rank, gpu, eff)
+                expand = _gemm(
+                    t * 2 * spec.mla_kv_rank * spec.n_heads * (nope + spec.mla_v_dim) / tp,
+                    spec.mla_kv_rank,
+                    gpu,
+                    eff,
+                )
                 extra = expand * ((lay.cp - 1) * fwd_passes + 3 * lay.cp - 2)
                 clock.add("gemm", extra)
                 compute += extra
             else:
-                kv = (lay.cp - 1) * t * 2 * max(1.0, spec.n_kv_heads / tp) * spec.head_dim * BF16 / bw
+                kv = (
+                    (lay.cp - 1)
+                    * t
+                    * 2
+                    * max(1.0, spec.n_kv_heads / tp)
+                    * spec.head_dim
+                    * BF16
+                    / bw
+                )
             hidden = core * fwd_passes + core_b
-            clock.add("cp_comm", max(0.0, kv * (fwd_passes + 1) - hidden) + (fwd_passes + 1) * P2P_LATENCY_S)
+            clock.add(
+                "cp_comm",
+                max(0.0, kv * (fwd_passes + 1) - hidden) + (fwd_passes + 1) * P2P_LATENCY_S,
+            )
         else:
             state = spec.gdn_v_heads / tp * spec.gdn_k_dim * spec.gdn_v_dim * FP32
             hop = P2P_LATENCY_S + state / bw
@@ -178,20 +225,27 @@ def _layer_time(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Prim
     return compute
 
 
-def _fsdp_layer_comm(spec: ModelSpec, kind: tuple[str, str], lay: Layout, gpu: GPU, eff: Efficiency) -> float:
+def _fsdp_layer_comm(
+    spec: ModelSpec, kind: tuple[str, str], lay: Layout, gpu: GPU, eff: Efficiency
+) -> float:
     """FSDP2 traffic of one layer per micro-batch: all-gather (forward), all-gather
     (backward, covering the recompute), fp32 reduce-scatter of the gradients."""
     dense, expert = kind_params(spec, kind)
     g_d, g_e = lay.dp_shard * lay.cp, lay.edp
     t = 0.0
-    for n, g, inner in ((dense / lay.tp, g_d, lay.tp), (expert / lay.ep, g_e, lay.tp * lay.cp * lay.dp_shard // g_e)):
+    for n, g, inner in (
+        (dense / lay.tp, g_d, lay.tp),
+        (expert / lay.ep, g_e, lay.tp * lay.cp * lay.dp_shard // g_e),
+    ):
         if g > 1:
             bw = _link(g, inner, gpu) * 1e9 * eff.collective
             t += n * (BF16 + BF16 + FP32) * (g - 1) / g / bw
     return t
 
 
-def _loss_time(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gpu: GPU, eff: Efficiency) -> float:
+def _loss_time(
+    spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gpu: GPU, eff: Efficiency
+) -> float:
     t = local_tokens(work, lay)
     vshard = spec.vocab / lay.tp
     gemm = _gemm(3 * 2.0 * t * spec.hidden * vshard, spec.hidden, gpu, eff)
@@ -199,8 +253,14 @@ def _loss_time(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, 
     return ce * eff.linear_ce_slowdown if prims.loss == "linear_ce" else ce
 
 
-def estimate(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gpu: GPU,
-             eff: Efficiency | None = None) -> PerfEstimate:
+def estimate(
+    spec: ModelSpec,
+    lay: Layout,
+    prims: Primitives,
+    work: Workload,
+    gpu: GPU,
+    eff: Efficiency | None = None,
+) -> PerfEstimate:
     eff = eff or Efficiency()
     m = micro_batches(work, lay)
     stages, clocks = [], []
@@ -210,7 +270,13 @@ def estimate(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gp
             one = _Clock()
             compute = _layer_time(spec, kind, lay, prims, work, gpu, eff, one)
             if prims.sharding == "fsdp2":
-                one.add("fsdp_comm", max(0.0, _fsdp_layer_comm(spec, kind, lay, gpu, eff) - eff.comm_overlap * compute))
+                one.add(
+                    "fsdp_comm",
+                    max(
+                        0.0,
+                        _fsdp_layer_comm(spec, kind, lay, gpu, eff) - eff.comm_overlap * compute,
+                    ),
+                )
             for name, sec in one.parts.items():
                 clock.add(name, n * sec)
         if s == lay.pp - 1:
@@ -222,7 +288,9 @@ def estimate(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gp
         clocks.append(clock)
     slow = max(range(len(stages)), key=lambda s: stages[s])
     step = m * stages[slow] + (sum(stages) - stages[slow])  # 1F1B: bottleneck x m + ramp up/down
-    step += _dp_sync(spec, lay, prims, gpu, eff, stages[slow]) + _optimizer(spec, lay, prims, gpu, eff)
+    step += _dp_sync(spec, lay, prims, gpu, eff, stages[slow]) + _optimizer(
+        spec, lay, prims, gpu, eff
+    )
     tokens = work.global_batch * work.seq
     world = lay.world
     tok_s = tokens / step / world
@@ -232,7 +300,9 @@ def estimate(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gp
     return PerfEstimate(step, tok_s, tflops, stages, parts)
 
 
-def _dp_sync(spec: ModelSpec, lay: Layout, prims: Primitives, gpu: GPU, eff: Efficiency, micro_s: float) -> float:
+def _dp_sync(
+    spec: ModelSpec, lay: Layout, prims: Primitives, gpu: GPU, eff: Efficiency, micro_s: float
+) -> float:
     """Once-per-step gradient sync for none/zero1 (reduce-scatter or all-reduce of fp32 grads,
     all-gather of bf16 params), overlapped with the last micro-batch's backward."""
     if prims.sharding == "fsdp2":
@@ -241,7 +311,10 @@ def _dp_sync(spec: ModelSpec, lay: Layout, prims: Primitives, gpu: GPU, eff: Eff
     d = (n["dense"] / lay.pp) / lay.tp
     e = (n["expert"] / lay.pp) / lay.ep
     t = 0.0
-    for params, g, inner in ((d, lay.dp_shard * lay.cp, lay.tp), (e, lay.edp, lay.tp * lay.cp * lay.dp_shard // lay.edp)):
+    for params, g, inner in (
+        (d, lay.dp_shard * lay.cp, lay.tp),
+        (e, lay.edp, lay.tp * lay.cp * lay.dp_shard // lay.edp),
+    ):
         if g > 1:
             bw = _link(g, inner, gpu) * 1e9 * eff.collective
             vol = params * (2 * FP32 if prims.sharding == "none" else FP32 + BF16) * (g - 1) / g

@@ -19,9 +19,9 @@ from bumblebee.config import ConfigError
 from bumblebee.plan.hardware import GB, GPU, MEMORY_MARGIN, Efficiency
 from bumblebee.plan.layout import Layout, Primitives, Workload, check
 from bumblebee.plan.memory import local_tokens
-from bumblebee.plan.timeline import MemoryBreakdown, StageMemory, stage_timeline
 from bumblebee.plan.perf import PerfEstimate, estimate
 from bumblebee.plan.spec import ModelSpec
+from bumblebee.plan.timeline import MemoryBreakdown, StageMemory, stage_timeline
 
 LARGE_MODEL = 100e9  # published recipe: EP 8 for models <= 100B parameters, 32 above
 LOCAL_SEQ_MAX = 32768  # published recipe: per-GPU sequence about 16K-32K
@@ -45,7 +45,13 @@ class Candidate:
     def as_json(self) -> dict:
         lay = self.layout
         return {
-            "layout": {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "dp_shard": lay.dp_shard},
+            "layout": {
+                "tp": lay.tp,
+                "pp": lay.pp,
+                "ep": lay.ep,
+                "cp": lay.cp,
+                "dp_shard": lay.dp_shard,
+            },
             "primitives": self.prims.as_dict(),
             "memory_gb": self.memory.as_gb() if self.memory else None,
             "peak_stage": self.memory.stage if self.memory else None,
@@ -58,8 +64,14 @@ class Candidate:
         }
 
 
-def evaluate(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gpu: GPU,
-             eff: Efficiency | None = None) -> Candidate:
+def evaluate(
+    spec: ModelSpec,
+    lay: Layout,
+    prims: Primitives,
+    work: Workload,
+    gpu: GPU,
+    eff: Efficiency | None = None,
+) -> Candidate:
     why = check(spec, lay, prims, work, lay.world)
     if why:
         return Candidate(lay, prims, False, why)
@@ -68,16 +80,22 @@ def evaluate(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gp
     peak = max(range(len(stages)), key=lambda s: stages[s].total)
     mem = stages[peak]
     perf = estimate(spec, lay, prims, work, gpu, eff)
-    cand = Candidate(lay, prims, True, "", mem, [round(m.total / GB, 2) for m in stages], perf, timeline)
+    cand = Candidate(
+        lay, prims, True, "", mem, [round(m.total / GB, 2) for m in stages], perf, timeline
+    )
     limit = gpu.hbm_gb * (1 - MEMORY_MARGIN)
     if mem.total > limit * GB:
         top = max(mem.as_gb().items(), key=lambda kv: kv[1] if kv[0] != "total" else -1)
         where = (f"stage {peak}" if lay.pp > 1 else "each GPU") + f" at the {mem.moment} moment"
         cand.feasible = False
-        cand.reason = (f"needs {mem.total / GB:.1f} GB > {limit:.0f} GB usable of {gpu.hbm_gb:.0f} on {where} "
-                       f"(largest: {top[0]} {top[1]:.1f} GB)")
+        cand.reason = (
+            f"needs {mem.total / GB:.1f} GB > {limit:.0f} GB usable of {gpu.hbm_gb:.0f} on {where} "
+            f"(largest: {top[0]} {top[1]:.1f} GB)"
+        )
     else:
-        cand.reason = f"fits: {mem.total / GB:.1f} of {limit:.0f} GB usable ({gpu.hbm_gb:.0f} GB HBM)"
+        cand.reason = (
+            f"fits: {mem.total / GB:.1f} of {limit:.0f} GB usable ({gpu.hbm_gb:.0f} GB HBM)"
+        )
     return cand
 
 
@@ -107,16 +125,32 @@ def primitive_choices(ep: int, base: Primitives, fixed: set[str]) -> list[Primit
     def opts(name, values):
         return [getattr(base, name)] if name in fixed else values
 
-    comms = [("local", base.moe_chunks)] if ep == 1 else [("chunked", 2), ("chunked", 4), ("alltoall", 2)]
+    comms = (
+        [("local", base.moe_chunks)]
+        if ep == 1
+        else [("chunked", 2), ("chunked", 4), ("alltoall", 2)]
+    )
     if "moe_comm" in fixed or "moe_chunks" in fixed:
         comms = [(base.moe_comm, base.moe_chunks)]
-    return [Primitives(sharding=sh, loss=lo, recompute=rc, moe_comm=mc, moe_chunks=ch)
-            for sh in opts("sharding", ["fsdp2", "zero1"]) for lo in opts("loss", ["linear_ce", "ce"])
-            for rc in opts("recompute", ["full", "selective", "none"]) for mc, ch in comms]
+    return [
+        Primitives(sharding=sh, loss=lo, recompute=rc, moe_comm=mc, moe_chunks=ch)
+        for sh in opts("sharding", ["fsdp2", "zero1"])
+        for lo in opts("loss", ["linear_ce", "ce"])
+        for rc in opts("recompute", ["full", "selective", "none"])
+        for mc, ch in comms
+    ]
 
 
-def search(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, base: Primitives, fixed: set[str],
-           eff: Efficiency | None = None, progress=None) -> list[Candidate]:
+def search(
+    spec: ModelSpec,
+    gpus: int,
+    gpu: GPU,
+    work: Workload,
+    base: Primitives,
+    fixed: set[str],
+    eff: Efficiency | None = None,
+    progress=None,
+) -> list[Candidate]:
     """Every valid combination: feasible ones by predicted throughput, then the rest by memory.
     ``progress`` (a ``console.Progress``) counts the layouts evaluated."""
     cands = []
@@ -131,7 +165,11 @@ def search(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, base: Primitive
         if progress is not None:
             progress.update()
     # feasible: fastest first; infeasible: nearest to fitting first
-    cands.sort(key=lambda c: (0, -c.tokens_per_s) if c.feasible else (1, c.memory.total if c.memory else 1e30))
+    cands.sort(
+        key=lambda c: (
+            (0, -c.tokens_per_s) if c.feasible else (1, c.memory.total if c.memory else 1e30)
+        )
+    )
     return cands
 
 
@@ -153,8 +191,15 @@ def _largest_divisor_pow2(limit: int, *must_divide: int) -> int:
     return v
 
 
-def recipe(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, base: Primitives, fixed: set[str],
-           eff: Efficiency | None = None) -> Recommendation:
+def recipe(
+    spec: ModelSpec,
+    gpus: int,
+    gpu: GPU,
+    work: Workload,
+    base: Primitives,
+    fixed: set[str],
+    eff: Efficiency | None = None,
+) -> Recommendation:
     n = spec.num_params()["total"]
     ep_rule = 32 if n > LARGE_MODEL else 8
     cp0 = 1
@@ -162,9 +207,20 @@ def recipe(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, base: Primitive
         cp0 *= 2
     local = work.seq // cp0
     chunks = 2 if local <= LOCAL_SEQ_MAX else 4
-    prims = dataclasses.replace(base, **{k: v for k, v in dict(
-        sharding="fsdp2", loss="linear_ce", recompute="full", moe_comm="chunked", moe_chunks=chunks).items()
-        if k not in fixed})
+    prims = dataclasses.replace(
+        base,
+        **{
+            k: v
+            for k, v in dict(
+                sharding="fsdp2",
+                loss="linear_ce",
+                recompute="full",
+                moe_comm="chunked",
+                moe_chunks=chunks,
+            ).items()
+            if k not in fixed
+        },
+    )
     tried: list[Candidate] = []
     # escalation: (pp, cp multiplier) in the order the recipe prefers
     for pp, cp_mult in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2)):
@@ -180,27 +236,44 @@ def recipe(spec: ModelSpec, gpus: int, gpu: GPU, work: Workload, base: Primitive
             break
     best = next((c for c in tried if c.feasible), tried[0] if tried else None)
     if best is None:  # no (pp, cp) the recipe tries divides the GPU count
-        raise ConfigError(f"--gpus {gpus}: the recipe needs a GPU count divisible by its context-parallel "
-                          f"degree ({cp0} for --seq {work.seq}) times pp in 1, 2, 4, 8; use e.g. --gpus "
-                          f"{cp0 * -(-gpus // cp0)} or pass --layout")
+        raise ConfigError(
+            f"--gpus {gpus}: the recipe needs a GPU count divisible by its context-parallel "
+            f"degree ({cp0} for --seq {work.seq}) times pp in 1, 2, 4, 8; use e.g. --gpus "
+            f"{cp0 * -(-gpus // cp0)} or pass --layout"
+        )
     return Recommendation(best, explain(spec, best, tried, ep_rule, n, work, gpu, eff))
 
 
-def explain(spec: ModelSpec, cand: Candidate, tried: list[Candidate], ep_rule: int, n_params: float,
-            work: Workload, gpu: GPU, eff: Efficiency | None) -> dict[str, str]:
+def explain(
+    spec: ModelSpec,
+    cand: Candidate,
+    tried: list[Candidate],
+    ep_rule: int,
+    n_params: float,
+    work: Workload,
+    gpu: GPU,
+    eff: Efficiency | None,
+) -> dict[str, str]:
     lay, p = cand.layout, cand.prims
     local = local_tokens(work, lay)
     r: dict[str, str] = {}
     size = f"{n_params / 1e9:.1f}B parameters"
-    r["ep"] = (f"{size} {'<=' if ep_rule == 8 else '>'} 100B -> EP {ep_rule} (the recipe's default)"
-               + ("" if lay.ep == ep_rule else f"; capped to {lay.ep} by experts/GPUs"))
+    r["ep"] = (
+        f"{size} {'<=' if ep_rule == 8 else '>'} 100B -> EP {ep_rule} (the recipe's default)"
+        + ("" if lay.ep == ep_rule else f"; capped to {lay.ep} by experts/GPUs")
+    )
     r["cp"] = f"{work.seq} tokens / cp {lay.cp} = {local} per GPU (target 16K-32K)"
     r["tp"] = "off by default: no model or hardware reason to split matrices"
     fails = [c for c in tried if not c.feasible and c is not cand]
-    r["pp"] = (f"{lay.pp}: no depth the recipe tries (pp 1-8, local sequence down to half) fits" if not cand.feasible
-               else "1: fits without pipelining (no bubble)" if lay.pp == 1 else
-               f"{lay.pp}: smaller layouts do not fit ({fails[-1].layout.short()}: {fails[-1].reason})"
-               if fails else f"{lay.pp}")
+    r["pp"] = (
+        f"{lay.pp}: no depth the recipe tries (pp 1-8, local sequence down to half) fits"
+        if not cand.feasible
+        else "1: fits without pipelining (no bubble)"
+        if lay.pp == 1
+        else f"{lay.pp}: smaller layouts do not fit ({fails[-1].layout.short()}: {fails[-1].reason})"
+        if fails
+        else f"{lay.pp}"
+    )
     r["dp"] = f"{lay.dp_shard} = GPUs / (tp*cp*pp); experts replicated over edp={lay.edp}"
 
     def alt(**kw) -> Candidate:
@@ -209,29 +282,45 @@ def explain(spec: ModelSpec, cand: Candidate, tried: list[Candidate], ep_rule: i
     m = cand.memory
     if p.sharding == "fsdp2":
         z = alt(sharding="zero1")
-        r["sharding"] = (f"fsdp2: params+grads+optimizer {(m.parameters + m.gradients + m.optimizer) / GB:.1f} GB/GPU "
-                         f"(zero1: {z.memory.parameters / GB + z.memory.gradients / GB + z.memory.optimizer / GB:.1f} GB)"
-                         if z.memory else "fsdp2: shards all static state over every GPU")
+        r["sharding"] = (
+            f"fsdp2: params+grads+optimizer {(m.parameters + m.gradients + m.optimizer) / GB:.1f} GB/GPU "
+            f"(zero1: {z.memory.parameters / GB + z.memory.gradients / GB + z.memory.optimizer / GB:.1f} GB)"
+            if z.memory
+            else "fsdp2: shards all static state over every GPU"
+        )
     else:
         r["sharding"] = f"{p.sharding}: set by --set"
     if p.loss == "linear_ce":
         c = alt(loss="ce")
-        r["loss"] = (f"linear_ce: no [{local} x {spec.vocab // lay.tp}] logits "
-                     f"(ce peak {c.memory.total / GB:.1f} GB vs {m.total / GB:.1f} GB)" if c.memory else "linear_ce")
+        r["loss"] = (
+            f"linear_ce: no [{local} x {spec.vocab // lay.tp}] logits "
+            f"(ce peak {c.memory.total / GB:.1f} GB vs {m.total / GB:.1f} GB)"
+            if c.memory
+            else "linear_ce"
+        )
     else:
         r["loss"] = f"{p.loss}: set by --set"
     if p.recompute == "full":
-        s = alt(recompute="selective", moe_comm="alltoall" if p.moe_comm == "chunked" else p.moe_comm)
-        tail = (f"; selective would fit ({s.memory.total / GB:.1f} GB, {s.tokens_per_s / cand.tokens_per_s - 1:+.0%} tok/s)"
-                if s.feasible else "; selective does not fit" if s.memory else "")
+        s = alt(
+            recompute="selective", moe_comm="alltoall" if p.moe_comm == "chunked" else p.moe_comm
+        )
+        tail = (
+            f"; selective would fit ({s.memory.total / GB:.1f} GB, {s.tokens_per_s / cand.tokens_per_s - 1:+.0%} tok/s)"
+            if s.feasible
+            else "; selective does not fit"
+            if s.memory
+            else ""
+        )
         r["recompute"] = "full: activations independent of depth, ~30% extra compute" + tail
     else:
         r["recompute"] = f"{p.recompute}: set by --set"
     if p.moe_comm == "chunked":
         a = alt(moe_comm="alltoall")
         gain = cand.tokens_per_s / a.tokens_per_s - 1 if a.perf else 0.0
-        r["moe_comm"] = (f"chunked x{p.moe_chunks}: hides dispatch/combine under expert GEMMs "
-                         f"({gain:+.1%} tok/s vs plain all-to-all)")
+        r["moe_comm"] = (
+            f"chunked x{p.moe_chunks}: hides dispatch/combine under expert GEMMs "
+            f"({gain:+.1%} tok/s vs plain all-to-all)"
+        )
     elif p.moe_comm == "local":
         r["moe_comm"] = "local: ep = 1, no token exchange"
     else:

@@ -48,14 +48,18 @@ class Rehearsal:
     peak_bytes: int
 
     def line(self) -> str:
-        gib = 2 ** 30
-        return (f"{self.mixer:<10} {self.kernel:<34} {self.rows} x {self.tokens:>6} tokens: saved "
-                f"{self.saved_bytes / gib:6.2f} GiB ({self.saved_bytes / (self.rows * self.tokens):8.0f} B/token), "
-                f"peak {self.peak_bytes / gib:6.2f} GiB")
+        gib = 2**30
+        return (
+            f"{self.mixer:<10} {self.kernel:<34} {self.rows} x {self.tokens:>6} tokens: saved "
+            f"{self.saved_bytes / gib:6.2f} GiB ({self.saved_bytes / (self.rows * self.tokens):8.0f} B/token), "
+            f"peak {self.peak_bytes / gib:6.2f} GiB"
+        )
 
 
 def _gdn_core(kernel_name: str):
-    return {"fla_chunk": fla_gated_delta_rule, "torch_chunked": gated_delta_rule_chunked}[kernel_name]
+    return {"fla_chunk": fla_gated_delta_rule, "torch_chunked": gated_delta_rule_chunked}[
+        kernel_name
+    ]
 
 
 def _attention_core(kernel_name: str):
@@ -76,16 +80,32 @@ def _build(arch, mixer: str, core, dtype):
     try:
         with torch.device("meta"):
             if mixer == "gdn":
-                return GatedDeltaNet(arch.hidden_size, arch.linear_num_key_heads, arch.linear_num_value_heads,
-                                     arch.linear_key_head_dim, arch.linear_value_head_dim,
-                                     arch.linear_conv_kernel_dim, arch.rms_norm_eps, core, NoRecompute())
+                return GatedDeltaNet(
+                    arch.hidden_size,
+                    arch.linear_num_key_heads,
+                    arch.linear_num_value_heads,
+                    arch.linear_key_head_dim,
+                    arch.linear_value_head_dim,
+                    arch.linear_conv_kernel_dim,
+                    arch.rms_norm_eps,
+                    core,
+                    NoRecompute(),
+                )
             return GatedAttention(arch, core, NoRecompute())
     finally:
         torch.set_default_dtype(previous)
 
 
-def rehearse(arch, mixer: str, *, rows: int, tokens: int, dtype=torch.bfloat16, fla: bool = True,
-             kernel: str | None = None) -> Rehearsal:
+def rehearse(
+    arch,
+    mixer: str,
+    *,
+    rows: int,
+    tokens: int,
+    dtype=torch.bfloat16,
+    fla: bool = True,
+    kernel: str | None = None,
+) -> Rehearsal:
     """Forward + backward of one ``mixer`` layer of ``arch`` (a Qwen3.5 arch) on fake tensors.
     ``kernel``: force a kernel name; default: what the dispatch picks on CUDA for ``dtype``."""
     slot, impl = ("linear_attention", "chunked") if mixer == "gdn" else ("attention", "varlen")
@@ -97,7 +117,9 @@ def rehearse(arch, mixer: str, *, rows: int, tokens: int, dtype=torch.bfloat16, 
     with FakeTensorMode():
         layer = _build(arch, mixer, core, dtype)
         params = {p.untyped_storage()._cdata for p in layer.parameters()}
-        x = torch.empty(rows, tokens, arch.hidden_size, device="meta", dtype=dtype, requires_grad=True)
+        x = torch.empty(
+            rows, tokens, arch.hidden_size, device="meta", dtype=dtype, requires_grad=True
+        )
         if mixer == "attention":
             pos = torch.arange(tokens, device="meta").expand(rows, tokens)
             rot = int(arch.head_dim * arch.partial_rotary_factor)

@@ -20,14 +20,29 @@ def run_config(model: str, family: str, cand, work) -> Config:
         cfg.model.name, cfg.model.preset = family, preset
     else:
         cfg.model.name = family
-        cfg.model.hf_path = os.path.dirname(os.path.abspath(model)) if model.endswith(".json") else model
+        cfg.model.hf_path = (
+            os.path.dirname(os.path.abspath(model)) if model.endswith(".json") else model
+        )
     lay = cand.layout
     cfg.parallel.dp_shard, cfg.parallel.cp, cfg.parallel.ep, cfg.parallel.tp, cfg.parallel.pp = (
-        lay.dp_shard, lay.cp, lay.ep, lay.tp, lay.pp)
+        lay.dp_shard,
+        lay.cp,
+        lay.ep,
+        lay.tp,
+        lay.pp,
+    )
     p = cand.prims
-    cfg.primitives.sharding, cfg.primitives.loss, cfg.primitives.recompute = p.sharding, p.loss, p.recompute
+    cfg.primitives.sharding, cfg.primitives.loss, cfg.primitives.recompute = (
+        p.sharding,
+        p.loss,
+        p.recompute,
+    )
     cfg.primitives.moe_comm, cfg.primitives.moe_chunks = p.moe_comm, p.moe_chunks
-    cfg.train.seq_len, cfg.train.global_batch, cfg.train.micro_batch = work.seq, work.global_batch, work.micro_batch
+    cfg.train.seq_len, cfg.train.global_batch, cfg.train.micro_batch = (
+        work.seq,
+        work.global_batch,
+        work.micro_batch,
+    )
     cfg.train.dtype = "bfloat16"
     return cfg
 
@@ -54,16 +69,22 @@ def config_toml(cfg: Config) -> str:
 # what a plan cannot decide for a real-size run: the user fills each before `bumblebee train`
 # accepts the file (config_checks.check_filled)
 _REQUIRED = {
-    "model": {"hf_path": "the Hugging Face directory to start from (config.json + *.safetensors), "
-                         "or \"\" for a random init of the preset"},
-    "train": {"steps": "optimizer steps of the run",
-              "lr": "peak learning rate (after warm-up)",
-              "warmup_steps": "linear warm-up steps",
-              "min_lr": "learning rate at the end of the cosine decay",
-              "save_every": "checkpoint every N steps (0: none)",
-              "out_dir": "the run's output directory (metrics, checkpoints)"},
-    "data": {"source": "tokens | text | chat | jsonl",
-             "path": "the training data (data.source = tokens: a `bumblebee data prepare` directory)"},
+    "model": {
+        "hf_path": "the Hugging Face directory to start from (config.json + *.safetensors), "
+        'or "" for a random init of the preset'
+    },
+    "train": {
+        "steps": "optimizer steps of the run",
+        "lr": "peak learning rate (after warm-up)",
+        "warmup_steps": "linear warm-up steps",
+        "min_lr": "learning rate at the end of the cosine decay",
+        "save_every": "checkpoint every N steps (0: none)",
+        "out_dir": "the run's output directory (metrics, checkpoints)",
+    },
+    "data": {
+        "source": "tokens | text | chat | jsonl",
+        "path": "the training data (data.source = tokens: a `bumblebee data prepare` directory)",
+    },
 }
 
 
@@ -77,18 +98,26 @@ def emit_toml(cfg: Config, header: str) -> str:
     if cfg.model.preset == "tiny" and not cfg.model.hf_path:
         return config_toml(cfg)
     p, t = cfg.parallel, cfg.train
-    given = {"model": {"name": cfg.model.name}, "parallel": {"dp_shard": "auto", "cp": p.cp, "ep": p.ep, "tp": p.tp,
-                                                             "pp": p.pp},
-             "primitives": {k: getattr(cfg.primitives, k) for k in ("sharding", "loss", "recompute", "moe_comm",
-                                                                     "moe_chunks")},
-             "train": {k: getattr(t, k) for k in ("seq_len", "global_batch", "micro_batch", "dtype")},
-             "data": {}}
+    given = {
+        "model": {"name": cfg.model.name},
+        "parallel": {"dp_shard": "auto", "cp": p.cp, "ep": p.ep, "tp": p.tp, "pp": p.pp},
+        "primitives": {
+            k: getattr(cfg.primitives, k)
+            for k in ("sharding", "loss", "recompute", "moe_comm", "moe_chunks")
+        },
+        "train": {k: getattr(t, k) for k in ("seq_len", "global_batch", "micro_batch", "dtype")},
+        "data": {},
+    }
     if cfg.model.hf_path:  # --model named a Hugging Face directory: decided
         given["model"]["hf_path"] = cfg.model.hf_path
     else:
         given["model"]["preset"] = cfg.model.preset
-    lines = [header, "# Filled in: what the plan decided. Every \"REQUIRED: ...\" value is yours to set;",
-             "# `bumblebee train` refuses this file while one is left (or give it with --set KEY=VALUE).", ""]
+    lines = [
+        header,
+        '# Filled in: what the plan decided. Every "REQUIRED: ..." value is yours to set;',
+        "# `bumblebee train` refuses this file while one is left (or give it with --set KEY=VALUE).",
+        "",
+    ]
     for section, values in given.items():
         lines.append(f"[{section}]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
@@ -96,7 +125,10 @@ def emit_toml(cfg: Config, header: str) -> str:
             lines.append(f"# dp_shard resolves to {p.dp_shard} at the planned world size")
         if section == "primitives":
             lines.append("# router: the architecture's, chosen by the runtime")
-        lines += [f"{k} = {json.dumps('REQUIRED: ' + why)}" for k, why in _REQUIRED.get(section, {}).items()
-                  if not (section == "model" and k == "hf_path" and cfg.model.hf_path)]
+        lines += [
+            f"{k} = {json.dumps('REQUIRED: ' + why)}"
+            for k, why in _REQUIRED.get(section, {}).items()
+            if not (section == "model" and k == "hf_path" and cfg.model.hf_path)
+        ]
         lines.append("")
     return "\n".join(lines)

@@ -28,7 +28,9 @@ def spec_from_hf_dict(d: dict, name: str = "custom") -> ModelSpec:
     spec = arch.to_spec(name)
     if spec.mtp_depth:
         d_ = spec.mtp_depth
-        spec = dataclasses.replace(spec, mixers=spec.mixers + (ATTN,) * d_, mlps=spec.mlps + (MOE,) * d_, mtp_depth=0)
+        spec = dataclasses.replace(
+            spec, mixers=spec.mixers + (ATTN,) * d_, mlps=spec.mlps + (MOE,) * d_, mtp_depth=0
+        )
     return spec
 
 
@@ -56,5 +58,9 @@ def load_spec(model: str) -> tuple[ModelSpec, dict]:
             raise ConfigError(f"--model {model}: cannot read JSON: {e}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"--model {model}: expected a JSON object")
-        return spec_from_hf_dict(d, name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path), d
-    raise ConfigError(f"unknown model {model!r}; valid: {', '.join(names)}, or a path to a config.json")
+        return spec_from_hf_dict(
+            d, name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+        ), d
+    raise ConfigError(
+        f"unknown model {model!r}; valid: {', '.join(names)}, or a path to a config.json"
+    )

@@ -31,13 +31,38 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
+from bumblebee.plan.layer_bytes import (
+    attn_core_bytes,
+    gdn_cp_bytes,
+    norm_bytes,
+    router_bytes,
+    stream_tensors,
+)
 from bumblebee.plan.layout import Layout, Primitives, Workload
-from bumblebee.plan.layer_bytes import attn_core_bytes, gdn_cp_bytes, norm_bytes, router_bytes, stream_tensors
-from bumblebee.plan.memory import (ADAM_TEMP_B, BF16, BWD_GRAD_FRACTION, CE_BYTES_PER_LOGIT, FP32, GDN_CP_BWD_FACTOR,
-                                   LCE_TILE_BYTES, allgather_bytes,
-                                   cp_extra, expert_grad_bytes, gdn_state_bytes, local_tokens, loss_bytes,
-                                   in_flight, loss_kept, mixer_act, mlp_act, routed_buffers, routed_saved, stage_kinds,
-                                   stage_layers, static_bytes)
+from bumblebee.plan.memory import (
+    ADAM_TEMP_B,
+    BF16,
+    BWD_GRAD_FRACTION,
+    CE_BYTES_PER_LOGIT,
+    FP32,
+    GDN_CP_BWD_FACTOR,
+    LCE_TILE_BYTES,
+    allgather_bytes,
+    cp_extra,
+    expert_grad_bytes,
+    gdn_state_bytes,
+    in_flight,
+    local_tokens,
+    loss_bytes,
+    loss_kept,
+    mixer_act,
+    mlp_act,
+    routed_buffers,
+    routed_saved,
+    stage_kinds,
+    stage_layers,
+    static_bytes,
+)
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 MOMENTS = ("forward", "backward", "loss", "optimizer", "eval")
@@ -61,7 +86,9 @@ class MemoryBreakdown:
     overhead: float = 0.0
     moment: str = field(default="", compare=False)
     stage: int = field(default=0, compare=False)
-    why: dict = field(default_factory=dict, compare=False, repr=False)  # term -> formula with numbers
+    why: dict = field(
+        default_factory=dict, compare=False, repr=False
+    )  # term -> formula with numbers
 
     @staticmethod
     def terms() -> tuple[str, ...]:
@@ -82,7 +109,9 @@ class StageMemory:
     stage: int
     layers: range
     moments: dict[str, MemoryBreakdown]
-    parts: dict[str, MemoryBreakdown] = field(default_factory=dict)  # "backward:moe", ... (dry-run checks)
+    parts: dict[str, MemoryBreakdown] = field(
+        default_factory=dict
+    )  # "backward:moe", ... (dry-run checks)
 
     @property
     def peak(self) -> MemoryBreakdown:
@@ -90,13 +119,25 @@ class StageMemory:
 
     def as_json(self) -> dict:
         p = self.peak
-        return {"stage": self.stage, "layers": [self.layers.start, self.layers.stop - 1] if len(self.layers) else [],
-                "peak_moment": p.moment, "peak_gb": round(p.total / GB, 2), "terms_gb": p.as_gb(),
-                "moments_gb": {k: round(m.total / GB, 2) for k, m in self.moments.items()}}
+        return {
+            "stage": self.stage,
+            "layers": [self.layers.start, self.layers.stop - 1] if len(self.layers) else [],
+            "peak_moment": p.moment,
+            "peak_gb": round(p.total / GB, 2),
+            "terms_gb": p.as_gb(),
+            "moments_gb": {k: round(m.total / GB, 2) for k, m in self.moments.items()},
+        }
 
 
-def _layer_moments(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: Primitives, t: int,
-                   skew: float = 1.0, mb: int = 1):
+def _layer_moments(
+    spec: ModelSpec,
+    kind: tuple[str, str],
+    lay: Layout,
+    prims: Primitives,
+    t: int,
+    skew: float = 1.0,
+    mb: int = 1,
+):
     """Bytes per micro-batch saved by one layer of ``kind``, and its candidate moments:
     (moment, live_layer, moe_buffers, workspace, why) in bytes for t local tokens."""
     mixer, mlp = kind
@@ -112,14 +153,21 @@ def _layer_moments(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: P
     saved = {"full": h2, "selective": mk + fk + rsaved, "none": mk + mc + fk + fc + rsaved}[rc]
     # the mixer's saved tensors with its input norm counted from the code (mixer_act's count of it is
     # the throughput model's elementwise bytes: 6H, 8H for attention)
-    mix_saved = mk + mc + norm_bytes(spec, tp) - (BF16 + FP32 + (BF16 if mixer == ATTN else 0)) * h / tp
+    mix_saved = (
+        mk + mc + norm_bytes(spec, tp) - (BF16 + FP32 + (BF16 if mixer == ATTN else 0)) * h / tp
+    )
     # the MLP block's side of a recomputed layer at its backward: its input norm, the router, the
     # gradients in flight (the layer output's; with a shared expert, its input gradient waiting for
     # the routed one); the shared expert's own tensors are gone (its backward runs first)
     in_flight = 2 if spec.shared_ffn else 1
     moe_side = norm_bytes(spec, tp) + router_bytes(spec, tp) + in_flight * h2
     # live bytes beside the MoE's routed peak (the whole layer's saved tensors under full recompute)
-    moe_live = t * {"full": mix_saved + cpk + moe_side, "selective": mc + fc + cpk, "none": f * (fk + fc)}[rc]
+    moe_live = (
+        t
+        * {"full": mix_saved + cpk + moe_side, "selective": mc + fc + cpk, "none": f * (fk + fc)}[
+            rc
+        ]
+    )
     name = f"a {mixer}/{mlp} layer"
     cp_note = f" + {cp_why}" if cp_why else ""
     gdn_cp = mixer != ATTN and lay.cp > 1 and rc == "full"
@@ -128,13 +176,25 @@ def _layer_moments(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: P
         moe_live = t * (gb["saved"][0] + norm_bytes(spec, tp) + moe_side) + gb["saved"][1]
         fwd_b = t * (h2 + gb["fwd"][0]) + gb["fwd"][1]
         bwd_b = t * (norm_bytes(spec, tp) + h2 + gb["recompute"][0]) + gb["recompute"][1]
-        out = [("forward:mixer", fwd_b, 0.0, 0.0,
+        out = [
+            (
+                "forward:mixer",
+                fwd_b,
+                0.0,
+                0.0,
                 f"{name}'s mixer forward: {h2 + gb['fwd'][0]:.0f} B/token + {gb['fwd'][1] / GB:.3f} GB states "
-                f"(GDN CP scan, full recompute)"),
-               ("backward:mixer", bwd_b, 0.0, ws,
+                f"(GDN CP scan, full recompute)",
+            ),
+            (
+                "backward:mixer",
+                bwd_b,
+                0.0,
+                ws,
                 f"{name}'s mixer backward (its recompute at the gated norm): "
                 f"{norm_bytes(spec, tp) + h2 + gb['recompute'][0]:.0f} B/token + {gb['recompute'][1] / GB:.3f} GB "
-                f"states")]
+                f"states",
+            ),
+        ]
     elif mixer == ATTN:
         # attention: inputs of the core + its transients (attn_core_bytes); backward: the saved tensors,
         # the layer output's gradient, the core output's (+ the gate's) and the core's backward buffers
@@ -142,74 +202,153 @@ def _layer_moments(spec: ModelSpec, kind: tuple[str, str], lay: Layout, prims: P
         g = 1 if spec.attn_gate else 0
         nd = spec.n_heads * spec.head_dim / tp
         kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim
-        core_in = nd * BF16 * (1 + 2 * g) + 2 * kvd * BF16  # roped q (+ q_proj's [q | gate]), roped k, v
+        core_in = (
+            nd * BF16 * (1 + 2 * g) + 2 * kvd * BF16
+        )  # roped q (+ q_proj's [q | gate]), roped k, v
         fwd_live = {"full": h2 + core_in + afwd}.get(rc, mk + mc + afwd)
-        mix_live = {"full": mix_saved, "selective": mc}.get(rc, 0.0) + h2 + nd * BF16 * (1 + g) + abwd
-        out = [("forward:mixer", t * fwd_live, 0.0, 0.0,
-                f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}; core inputs + {awhy})"),
-               ("backward:mixer", t * mix_live, 0.0, 0.0,
-                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; saved + gradients + {awhy})")]
+        mix_live = (
+            {"full": mix_saved, "selective": mc}.get(rc, 0.0) + h2 + nd * BF16 * (1 + g) + abwd
+        )
+        out = [
+            (
+                "forward:mixer",
+                t * fwd_live,
+                0.0,
+                0.0,
+                f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}; core inputs + {awhy})",
+            ),
+            (
+                "backward:mixer",
+                t * mix_live,
+                0.0,
+                0.0,
+                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; saved + gradients + {awhy})",
+            ),
+        ]
     else:
         # mixer backward: its saved tensors, their gradients, the CP scan's fp32 gradients, and the bf16
         # gradients of the mixer's weights before accumulation
         cp_bwd = cpk * (1 + GDN_CP_BWD_FACTOR)
         wgrad = spec.mixer_params(mixer) / tp * BF16
-        mix_live = {"full": (mk + mc) * (1 + f), "selective": mc + mk * f, "none": (mk + mc) * f}[rc] + cp_bwd
-        out = [("forward:mixer", t * (mk + mc + cpm), 0.0, 0.0,
-                f"{name}'s mixer forward: {mk + mc + cpm:.0f} B/token"),
-               ("backward:mixer", t * mix_live + wgrad, 0.0, ws,
+        mix_live = {"full": (mk + mc) * (1 + f), "selective": mc + mk * f, "none": (mk + mc) * f}[
+            rc
+        ] + cp_bwd
+        out = [
+            (
+                "forward:mixer",
+                t * (mk + mc + cpm),
+                0.0,
+                0.0,
+                f"{name}'s mixer forward: {mk + mc + cpm:.0f} B/token",
+            ),
+            (
+                "backward:mixer",
+                t * mix_live + wgrad,
+                0.0,
+                ws,
                 f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; grads {f} x saved){cp_note}; weight "
-                f"gradients {wgrad / GB:.2f} GB")]
+                f"gradients {wgrad / GB:.2f} GB",
+            ),
+        ]
     if routed:
         # forward: the layer's bf16 stream tensors and the router beside the routed buffers (full
         # recompute keeps nothing else); the block's output [t, H]
         fwd_live = {"full": stream_tensors(spec) * h2 + router_bytes(spec, tp)}.get(rc, fk + fc)
-        out.append(("forward:moe", t * fwd_live, t * (routed["fwd"][0] + h2), 0.0,
-                    f"{name}'s MoE forward: {fwd_live:.0f} B/token + routed {routed['fwd'][1]} + output"))
-        cands = [(moe_live, t * routed[ph][0] + expert_grad_bytes(spec, lay, prims, ph),
-                  routed[ph][1] + f" + expert grads {expert_grad_bytes(spec, lay, prims, ph) / GB:.2f} GB")
-                 for ph in ("bwd", "bwd_wgrad") if ph in routed]
-        if rc == "full":  # the recompute forward: the layer's residual h is still a local of its forward
-            cands.append((moe_live + t * h2, t * routed["recompute"][0],
-                          routed["recompute"][1] + " (recompute forward)"))
+        out.append(
+            (
+                "forward:moe",
+                t * fwd_live,
+                t * (routed["fwd"][0] + h2),
+                0.0,
+                f"{name}'s MoE forward: {fwd_live:.0f} B/token + routed {routed['fwd'][1]} + output",
+            )
+        )
+        cands = [
+            (
+                moe_live,
+                t * routed[ph][0] + expert_grad_bytes(spec, lay, prims, ph),
+                routed[ph][1]
+                + f" + expert grads {expert_grad_bytes(spec, lay, prims, ph) / GB:.2f} GB",
+            )
+            for ph in ("bwd", "bwd_wgrad")
+            if ph in routed
+        ]
+        if (
+            rc == "full"
+        ):  # the recompute forward: the layer's residual h is still a local of its forward
+            cands.append(
+                (
+                    moe_live + t * h2,
+                    t * routed["recompute"][0],
+                    routed["recompute"][1] + " (recompute forward)",
+                )
+            )
         live, rb, rwhy = max(cands, key=lambda v: v[0] + v[1])
-        out.append(("backward:moe", live, rb, 0.0,
-                    f"{name}'s MoE backward: {live / t:.0f} B/token of the layer's saved tensors; routed {rwhy}"))
+        out.append(
+            (
+                "backward:moe",
+                live,
+                rb,
+                0.0,
+                f"{name}'s MoE backward: {live / t:.0f} B/token of the layer's saved tensors; routed {rwhy}",
+            )
+        )
     else:
         out.append(("forward:mlp", t * (fk + fc), 0.0, 0.0, f"{name}'s MLP forward"))
     return saved, out
 
 
-def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload,
-                   skew: float = 1.0) -> list[StageMemory]:
+def stage_timeline(
+    spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, skew: float = 1.0
+) -> list[StageMemory]:
     """Every stage's moments; ``skew``: this rank's experts receive ``skew`` x the balanced rows."""
     t = local_tokens(work, lay)
     out = []
     for s, layers in enumerate(stage_layers(spec, lay.pp)):
         first, last = s == 0, s == lay.pp - 1
-        params, grads, optim, updated, static_why = static_bytes(spec, lay, prims, layers, first, last)
+        params, grads, optim, updated, static_why = static_bytes(
+            spec, lay, prims, layers, first, last
+        )
         inflight = in_flight(work, lay, prims, s)
         kinds = stage_kinds(spec, layers)
-        per_kind = {k: _layer_moments(spec, k, lay, prims, t, skew, work.micro_batch) for k in kinds}
+        per_kind = {
+            k: _layer_moments(spec, k, lay, prims, t, skew, work.micro_batch) for k in kinds
+        }
         saved_mb = sum(n * per_kind[k][0] for k, n in kinds.items())
-        ag_fwd, ag_bwd = allgather_bytes(spec, lay, layers, first, last) if prims.sharding == "fsdp2" else (0, 0)
+        ag_fwd, ag_bwd = (
+            allgather_bytes(spec, lay, layers, first, last) if prims.sharding == "fsdp2" else (0, 0)
+        )
 
         def moment(name: str, **terms) -> MemoryBreakdown:
-            mem = MemoryBreakdown(parameters=params, gradients=grads, optimizer=optim, moment=name, stage=s, **terms)
-            transient = (mem.saved_inputs + mem.live_layer + mem.moe_buffers + mem.allgather + mem.optim_temp
-                         + mem.workspace)
+            mem = MemoryBreakdown(
+                parameters=params, gradients=grads, optimizer=optim, moment=name, stage=s, **terms
+            )
+            transient = (
+                mem.saved_inputs
+                + mem.live_layer
+                + mem.moe_buffers
+                + mem.allgather
+                + mem.optim_temp
+                + mem.workspace
+            )
             mem.overhead = FIXED_OVERHEAD_GB * GB + FRAGMENTATION * transient
             mem.why.update({k: static_why for k in STATIC})
             if mem.saved_inputs:
-                mem.why["saved_inputs"] = (f"{inflight} micro-batch(es) in flight x {t} tokens x {saved_mb:.0f} "
-                                           f"B/token ({prims.recompute} recompute, {len(layers)} layers)")
-            mem.why["overhead"] = f"{FIXED_OVERHEAD_GB} GB fixed + {FRAGMENTATION} x {transient / GB:.2f} GB transient"
+                mem.why["saved_inputs"] = (
+                    f"{inflight} micro-batch(es) in flight x {t} tokens x {saved_mb:.0f} "
+                    f"B/token ({prims.recompute} recompute, {len(layers)} layers)"
+                )
+            mem.why["overhead"] = (
+                f"{FIXED_OVERHEAD_GB} GB fixed + {FRAGMENTATION} x {transient / GB:.2f} GB transient"
+            )
             return mem
 
         moments: dict[str, MemoryBreakdown] = {}
         saved = inflight * t * saved_mb
         # the global-batch balance loss runs every micro-batch's forward, loss included, before the backwards
-        others_loss = (inflight - 1) * t * loss_kept(spec, lay, prims) if last and lay.pp == 1 else 0.0
+        others_loss = (
+            (inflight - 1) * t * loss_kept(spec, lay, prims) if last and lay.pp == 1 else 0.0
+        )
         parts: dict[str, MemoryBreakdown] = {}
         # while layer j of the last micro-batch in flight runs (or is recomputed and runs backward), the
         # inputs saved by layers 0..j of it are alive (a checkpoint holds a layer's input until its
@@ -218,55 +357,102 @@ def stage_timeline(spec: ModelSpec, lay: Layout, prims: Primitives, work: Worklo
         last_of = {k: j + 1 for j, k in enumerate(kind_of)}  # layers 0..j, j the kind's last layer
         upto = {k: (n, t * sum(per_kind[kk][0] for kk in kind_of[:n])) for k, n in last_of.items()}
         for name, ag in (("forward", ag_fwd), ("backward", ag_bwd)):
-            for part in sorted({c[0] for k in kinds for c in per_kind[k][1] if c[0].startswith(name)}):
+            for part in sorted(
+                {c[0] for k in kinds for c in per_kind[k][1] if c[0].startswith(name)}
+            ):
                 cands = [(upto[k], c) for k in kinds for c in per_kind[k][1] if c[0] == part]
-                (n_in, own), (_, live, routed, ws, why) = max(cands, key=lambda v: v[0][1] + sum(v[1][1:4]))
+                (n_in, own), (_, live, routed, ws, why) = max(
+                    cands, key=lambda v: v[0][1] + sum(v[1][1:4])
+                )
                 kept = (inflight - 1) * t * saved_mb + own
-                mem = moment(name, saved_inputs=kept, live_layer=live, moe_buffers=routed, workspace=ws,
-                             allgather=ag, loss=others_loss)
+                mem = moment(
+                    name,
+                    saved_inputs=kept,
+                    live_layer=live,
+                    moe_buffers=routed,
+                    workspace=ws,
+                    allgather=ag,
+                    loss=others_loss,
+                )
                 mem.why["live_layer"] = why
-                mem.why["saved_inputs"] = (f"{inflight - 1} other micro-batch(es) in flight x {t} tokens x "
-                                           f"{saved_mb:.0f} B/token + layers 0..{n_in - 1} of this one "
-                                           f"({prims.recompute} recompute)")
+                mem.why["saved_inputs"] = (
+                    f"{inflight - 1} other micro-batch(es) in flight x {t} tokens x "
+                    f"{saved_mb:.0f} B/token + layers 0..{n_in - 1} of this one "
+                    f"({prims.recompute} recompute)"
+                )
                 if routed:
                     mem.why["moe_buffers"] = why.split("routed ")[-1]
                 if ws:
-                    mem.why["workspace"] = "FLA chunk states [t/64, Hv, Dk, Dv] and their gradient, bf16 (kernel-internal)"
+                    mem.why["workspace"] = (
+                        "FLA chunk states [t/64, Hv, Dk, Dv] and their gradient, bf16 (kernel-internal)"
+                    )
                 parts[part] = mem
             best = [m for p, m in parts.items() if p.startswith(name)]
             if best:
                 moments[name] = max(best, key=lambda m: m.total)
         if last:
             lb, lwhy = loss_bytes(spec, lay, prims, work)
-            head = allgather_bytes(spec, lay, range(0), False, True)[1] if prims.sharding == "fsdp2" else 0.0
+            head = (
+                allgather_bytes(spec, lay, range(0), False, True)[1]
+                if prims.sharding == "fsdp2"
+                else 0.0
+            )
             mem = moment("loss", saved_inputs=saved, loss=lb + others_loss, allgather=head)
-            mem.why["loss"] = lwhy + (f" + {inflight - 1} other micro-batch(es)' loss saved tensors"
-                                      if others_loss else "")
+            mem.why["loss"] = lwhy + (
+                f" + {inflight - 1} other micro-batch(es)' loss saved tensors"
+                if others_loss
+                else ""
+            )
             moments["loss"] = mem
         mem = moment("optimizer", saved_inputs=0.0, optim_temp=ADAM_TEMP_B * updated)
-        mem.why["optim_temp"] = f"foreach AdamW sqrt(v): 4 B x {updated / 1e9:.3f}B updated parameters"
+        mem.why["optim_temp"] = (
+            f"foreach AdamW sqrt(v): 4 B x {updated / 1e9:.3f}B updated parameters"
+        )
         moments["optimizer"] = mem
         stream = t * spec.hidden * BF16  # the residual stream entering the layer (or the head)
-        evals = [moment("eval", saved_inputs=stream, live_layer=p.live_layer, moe_buffers=p.moe_buffers,
-                        workspace=p.workspace, allgather=ag_fwd) for name, p in parts.items() if name.startswith("forward")]
+        evals = [
+            moment(
+                "eval",
+                saved_inputs=stream,
+                live_layer=p.live_layer,
+                moe_buffers=p.moe_buffers,
+                workspace=p.workspace,
+                allgather=ag_fwd,
+            )
+            for name, p in parts.items()
+            if name.startswith("forward")
+        ]
         if last:
-            ev_loss = t * spec.vocab / lay.tp * CE_BYTES_PER_LOGIT if prims.loss == "ce" else LCE_TILE_BYTES
+            ev_loss = (
+                t * spec.vocab / lay.tp * CE_BYTES_PER_LOGIT
+                if prims.loss == "ce"
+                else LCE_TILE_BYTES
+            )
             evals.append(moment("eval", saved_inputs=stream, loss=ev_loss, allgather=head))
-            evals[-1].why["loss"] = ("ce forward: [t, V] bf16 logits + fp32 copy" if prims.loss == "ce" else
-                                     "linear_ce forward: its fp32 tiles (no head gradient)")
+            evals[-1].why["loss"] = (
+                "ce forward: [t, V] bf16 logits + fp32 copy"
+                if prims.loss == "ce"
+                else "linear_ce forward: its fp32 tiles (no head gradient)"
+            )
         if evals:
             moments["eval"] = max(evals, key=lambda m: m.total)
-            moments["eval"].why["saved_inputs"] = f"no backward: the {t} x {spec.hidden} bf16 stream a layer reads"
+            moments["eval"].why["saved_inputs"] = (
+                f"no backward: the {t} x {spec.hidden} bf16 stream a layer reads"
+            )
         out.append(StageMemory(s, layers, moments, parts))
     return out
 
 
-def stage_memory(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload) -> list[MemoryBreakdown]:
+def stage_memory(
+    spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload
+) -> list[MemoryBreakdown]:
     """The peak moment of every pipeline stage."""
     return [st.peak for st in stage_timeline(spec, lay, prims, work)]
 
 
-def peak_memory(spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload) -> tuple[MemoryBreakdown, int]:
+def peak_memory(
+    spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload
+) -> tuple[MemoryBreakdown, int]:
     """The stage whose GPUs need the most memory (the one that OOMs first), and its index."""
     stages = stage_memory(spec, lay, prims, work)
     idx = max(range(len(stages)), key=lambda s: stages[s].total)

@@ -1,4 +1,13 @@
 """Replaceable capabilities behind registry slots. Importing this package registers
 every implementation; nothing here imports models, runtime, rl or plan."""
 
-from bumblebee.primitives import attention, cp, linear_attention, loss, moe, pipeline, recompute, sharding  # noqa: F401
+from bumblebee.primitives import (
+    attention,
+    cp,
+    linear_attention,
+    loss,
+    moe,
+    pipeline,
+    recompute,
+    sharding,
+)  # noqa: F401

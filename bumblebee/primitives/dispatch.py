@@ -40,7 +40,7 @@ class Kernel:
     note: str = ""  # why this kernel and not the fused one, when it matters
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def package_present(name: str) -> bool:
     """True when ``name`` can be imported (``fla`` also needs ``triton``)."""
     if importlib.util.find_spec(name) is None:
@@ -64,31 +64,47 @@ def select(slot: str, impl: str, device: str, dtype, *, fla: bool | None = None)
     if (slot, impl) == ("attention", "varlen"):
         if cuda and dtype in HALF:
             return Kernel("varlen_attn", "varlen_attn (flash)", True)
-        return Kernel("sdpa_per_doc", "SDPA per document", cuda,
-                      "flash kernels take bf16/fp16 only" if cuda else "")
+        return Kernel(
+            "sdpa_per_doc",
+            "SDPA per document",
+            cuda,
+            "flash kernels take bf16/fp16 only" if cuda else "",
+        )
     if (slot, impl) == ("cp", "ring"):
         if cuda and dtype in HALF:
             return Kernel("ring_varlen_attn", "ring of varlen_attn steps (flash)", True)
-        return Kernel("ring_tiles", "ring, fp32 score tiles", False,
-                      "flash kernels take bf16/fp16 only" if cuda else "")
+        return Kernel(
+            "ring_tiles",
+            "ring, fp32 score tiles",
+            False,
+            "flash kernels take bf16/fp16 only" if cuda else "",
+        )
     if (slot, impl) == ("linear_attention", "chunked"):
         if cuda and fla:
             return Kernel("fla_chunk", "fla chunk_gated_delta_rule", True)
-        return Kernel("torch_chunked", "chunked PyTorch (64-token chunks)", False,
-                      "fla not installed (pip install -e '.[gpu]')" if cuda else "")
+        return Kernel(
+            "torch_chunked",
+            "chunked PyTorch (64-token chunks)",
+            False,
+            "fla not installed (pip install -e '.[gpu]')" if cuda else "",
+        )
     return Kernel(impl, f"{impl} (PyTorch)", False)
 
 
 KERNEL_SLOTS = ("attention", "cp", "linear_attention")
 
 
-def kernel_table(prims, device: str, dtype, *, cp: int = 1, fla: bool | None = None) -> dict[str, Kernel]:
+def kernel_table(
+    prims, device: str, dtype, *, cp: int = 1, fla: bool | None = None
+) -> dict[str, Kernel]:
     """slot -> Kernel for the configured implementations (``prims``: a PrimitivesConfig).
     ``cp`` omitted or 1: no CP slot (full attention runs the ``attention`` slot)."""
     out = {"attention": select("attention", prims.attention, device, dtype, fla=fla)}
     if cp > 1:
         out["cp"] = select("cp", prims.cp, device, dtype, fla=fla)
-    out["linear_attention"] = select("linear_attention", prims.linear_attention, device, dtype, fla=fla)
+    out["linear_attention"] = select(
+        "linear_attention", prims.linear_attention, device, dtype, fla=fla
+    )
     return out
 
 
@@ -103,7 +119,11 @@ def describe(table: dict[str, Kernel]) -> str:
 def rows(slot: str, impl: str) -> list[tuple[str, str, str]]:
     """(device, dtype, kernel label) rows for ``bumblebee primitives``; one row when the kernel
     never changes."""
-    if (slot, impl) not in (("attention", "varlen"), ("cp", "ring"), ("linear_attention", "chunked")):
+    if (slot, impl) not in (
+        ("attention", "varlen"),
+        ("cp", "ring"),
+        ("linear_attention", "chunked"),
+    ):
         return []
     out = []
     for device, dtype in (("cuda", "bfloat16"), ("cuda", "float32"), ("cpu", "any")):

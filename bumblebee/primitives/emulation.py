@@ -87,7 +87,11 @@ def current_stream(device: torch.device):
 
 
 def use_stream(stream):
-    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
+    return (
+        torch.cuda.stream(stream)
+        if isinstance(stream, torch.cuda.Stream)
+        else contextlib.nullcontext()
+    )
 
 
 def new_event(device: torch.device):

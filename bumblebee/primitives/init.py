@@ -35,19 +35,23 @@ BLOCK_ELEMENTS = 1 << 22
 def normal(std: float):
     def fill(t: torch.Tensor, g: torch.Generator) -> None:
         t.normal_(0.0, std, generator=g)
+
     return fill
 
 
 def const(value: float):
     def fill(t: torch.Tensor, g: torch.Generator) -> None:
         t.fill_(value)
+
     return fill
 
 
 def log_uniform(lo: float, hi: float):
     """log(U(lo, hi)) (e.g. Gated DeltaNet's A_log: A = exp(A_log) ~ U(0.01, 16))."""
+
     def fill(t: torch.Tensor, g: torch.Generator) -> None:
         t.uniform_(lo, hi, generator=g).log_()
+
     return fill
 
 
@@ -61,7 +65,9 @@ def block_seed(seed: int, name: str, block: int) -> int:
 
 
 @torch.no_grad()
-def fill_rows(local: torch.Tensor, shape: tuple[int, ...], lo: int, fill, seed: int, name: str) -> None:
+def fill_rows(
+    local: torch.Tensor, shape: tuple[int, ...], lo: int, fill, seed: int, name: str
+) -> None:
     """Write rows [lo, lo + local.shape[0]) of the global tensor ``name`` (global ``shape``) into
     ``local``, each block of rows drawn from its own generator (see the module docstring)."""
     if local.numel() == 0:
@@ -78,4 +84,4 @@ def fill_rows(local: torch.Tensor, shape: tuple[int, ...], lo: int, fill, seed: 
         block = torch.empty((b_hi - b_lo, *shape[1:]), dtype=torch.float32)
         fill(block, torch.Generator().manual_seed(block_seed(seed, name, b)))
         s, e = max(lo, b_lo), min(hi, b_hi)
-        local[s - lo:e - lo].copy_(block[s - b_lo:e - b_lo])
+        local[s - lo : e - lo].copy_(block[s - b_lo : e - b_lo])

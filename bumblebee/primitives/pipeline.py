@@ -60,12 +60,18 @@ class _Schedule:
         return cls.schedule_class(stage, microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-@register("pipeline", "gpipe", reference=True, summary="all forwards, then all backwards (fill-drain)")
+@register(
+    "pipeline", "gpipe", reference=True, summary="all forwards, then all backwards (fill-drain)"
+)
 class GPipe(_Schedule):
     schedule_class = ScheduleGPipe
 
 
-@register("pipeline", "1f1b", summary="one forward, one backward in the steady state (<= P micro-batches alive)")
+@register(
+    "pipeline",
+    "1f1b",
+    summary="one forward, one backward in the steady state (<= P micro-batches alive)",
+)
 class OneFOneB(_Schedule):
     schedule_class = Schedule1F1B
 
@@ -76,7 +82,9 @@ class OneFOneB(_Schedule):
         return super().check(pp, microbatches, virtual)
 
 
-@register("pipeline", "interleaved_1f1b", summary="1F1B over v virtual stages per rank (bubble / v)")
+@register(
+    "pipeline", "interleaved_1f1b", summary="1F1B over v virtual stages per rank (bubble / v)"
+)
 class Interleaved1F1B(_Schedule):
     schedule_class = ScheduleInterleaved1F1B
     interleaved = True
@@ -85,6 +93,8 @@ class Interleaved1F1B(_Schedule):
     def check(cls, pp: int, microbatches: int, virtual: int) -> str | None:
         rounds = max(1, microbatches // pp)  # torch's flexible rounds of pp micro-batches
         if microbatches % rounds:
-            return (f"needs a micro-batch count that is a multiple of max(1, m // pp) = {rounds}, "
-                    f"got {microbatches}")
+            return (
+                f"needs a micro-batch count that is a multiple of max(1, m // pp) = {rounds}, "
+                f"got {microbatches}"
+            )
         return super().check(pp, microbatches, virtual)

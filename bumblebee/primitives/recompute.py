@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -84,8 +84,12 @@ def _checkpoint(fn: Callable, *args):
     from bumblebee.primitives.moe import replay as routing_replay  # here: moe imports this module
 
     scope = routing_replay.current()
-    return checkpoint(fn, *args, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), _recomputing(scope)))
+    return checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), _recomputing(scope)),
+    )
 
 
 def lean(fn: Callable, *args):
@@ -94,8 +98,11 @@ def lean(fn: Callable, *args):
     Gated DeltaNet conv, gated norm and chunked core). Same ops, same values; backward
     reruns ``fn``. Independent of the ``recompute`` policy (nested inside it when both apply).
     Inside ``eager()`` it runs ``fn`` directly."""
-    if (not _EAGER.get() and torch.is_grad_enabled()
-            and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+    if (
+        not _EAGER.get()
+        and torch.is_grad_enabled()
+        and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    ):
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
     return fn(*args)
 
@@ -134,15 +141,19 @@ class FullRecompute(NoRecompute):
         return _checkpoint(fn, *args)
 
 
-@register("recompute", "selective", summary="checkpoint the named sub-modules (recompute_modules) only")
+@register(
+    "recompute", "selective", summary="checkpoint the named sub-modules (recompute_modules) only"
+)
 class SelectiveRecompute(NoRecompute):
     def __init__(self, modules=()):
         super().__init__(modules)
         if not self.modules:
             from bumblebee.config import ConfigError
 
-            raise ConfigError("recompute = 'selective' needs recompute_modules, e.g. ['norm', 'attn_core']; "
-                             f"valid: {', '.join(MODULE_NAMES)}")
+            raise ConfigError(
+                "recompute = 'selective' needs recompute_modules, e.g. ['norm', 'attn_core']; "
+                f"valid: {', '.join(MODULE_NAMES)}"
+            )
         self.selected = frozenset(self.modules)
 
     def module(self, name: str, fn: Callable, *args):

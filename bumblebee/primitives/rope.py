@@ -19,13 +19,24 @@ import math
 import torch
 
 
-def rope_cos_sin(position_ids_BT: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
-                 inv_freq: torch.Tensor | None = None, scale: float = 1.0):
+def rope_cos_sin(
+    position_ids_BT: torch.Tensor,
+    rotary_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    inv_freq: torch.Tensor | None = None,
+    scale: float = 1.0,
+):
     """cos/sin tables [B, T, R] in ``dtype`` (computed in fp32), HF's half-split layout.
     ``inv_freq`` [R/2] replaces the default frequencies (YaRN); ``scale`` multiplies cos and sin."""
     if inv_freq is None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32,
-                                                 device=position_ids_BT.device) / rotary_dim))
+        inv_freq = 1.0 / (
+            theta
+            ** (
+                torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids_BT.device)
+                / rotary_dim
+            )
+        )
     freqs = position_ids_BT[..., None].float() * inv_freq.to(position_ids_BT.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     if scale == 1.0:
@@ -50,7 +61,11 @@ def yarn_inv_freq(rotary_dim: int, theta: float, rope: dict, max_position_embedd
     scale = rope.get("attention_factor")
     if scale is None:
         m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        scale = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+        scale = (
+            yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+            if m and m_all
+            else yarn_mscale(factor)
+        )
     beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
 
     def dim_of(rotations):  # the dimension that rotates ``rotations`` times over ``orig`` positions

@@ -5,8 +5,26 @@
 and runtime; only the CLI and ``bumblebee/__init__`` import it."""
 
 from bumblebee.rl.batch import RLBatch, pack_sequences  # noqa: F401
-from bumblebee.rl.losses import (PolicyInputs, PolicyLoss, TokenNLL, aggregation_weights,  # noqa: F401
-                                 grpo_advantages, kl_penalty, ppo_clip, token_logprobs)
+from bumblebee.rl.losses import (
+    PolicyInputs,
+    PolicyLoss,
+    TokenNLL,
+    aggregation_weights,  # noqa: F401
+    grpo_advantages,
+    kl_penalty,
+    ppo_clip,
+    token_logprobs,
+)
 
-__all__ = ["RLBatch", "pack_sequences", "PolicyInputs", "PolicyLoss", "TokenNLL", "aggregation_weights",
-           "grpo_advantages", "kl_penalty", "ppo_clip", "token_logprobs"]
+__all__ = [
+    "RLBatch",
+    "pack_sequences",
+    "PolicyInputs",
+    "PolicyLoss",
+    "TokenNLL",
+    "aggregation_weights",
+    "grpo_advantages",
+    "kl_penalty",
+    "ppo_clip",
+    "token_logprobs",
+]

@@ -24,8 +24,8 @@ Legend: B rows, T tokens per row.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -50,28 +50,38 @@ class RLBatch:
 
     def __post_init__(self):
         if self.input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [rows, seq_len], got shape {tuple(self.input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be [rows, seq_len], got shape {tuple(self.input_ids.shape)}"
+            )
         shape = self.input_ids.shape
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
             if f.name == "routing" and t is not None and (t.dim() != 4 or t.shape[:2] != shape):
-                raise ValueError(f"RLBatch.routing has shape {tuple(t.shape)}, expected [{shape[0]}, {shape[1]}, "
-                                 "MoE layers, experts per token] (aligned to input_ids)")
+                raise ValueError(
+                    f"RLBatch.routing has shape {tuple(t.shape)}, expected [{shape[0]}, {shape[1]}, "
+                    "MoE layers, experts per token] (aligned to input_ids)"
+                )
             if t is not None and f.name != "routing" and t.shape != shape:
-                raise ValueError(f"RLBatch.{f.name} has shape {tuple(t.shape)}, expected {tuple(shape)} "
-                                 "(every per-token tensor is aligned to input_ids)")
+                raise ValueError(
+                    f"RLBatch.{f.name} has shape {tuple(t.shape)}, expected {tuple(shape)} "
+                    "(every per-token tensor is aligned to input_ids)"
+                )
         self.loss_mask = self.loss_mask.bool()
 
     @property
     def rows(self) -> int:
         return self.input_ids.shape[0]
 
-    def replace(self, **changes) -> "RLBatch":
+    def replace(self, **changes) -> RLBatch:
         return dataclasses.replace(self, **changes)
 
-    def select_rows(self, start: int, stop: int) -> "RLBatch":
-        return RLBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]
-                          for f in dataclasses.fields(self)})
+    def select_rows(self, start: int, stop: int) -> RLBatch:
+        return RLBatch(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]
+                for f in dataclasses.fields(self)
+            }
+        )
 
     def unpack(self, values_BT: torch.Tensor) -> list[torch.Tensor]:
         """Per-sequence slices of a token-aligned tensor, in packing order (needs ``seq_index``)."""
@@ -81,8 +91,16 @@ class RLBatch:
         return [values_BT[self.seq_index == i] for i in range(n)]
 
 
-def pack_sequences(tokens: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[bool]], seq_len: int, *,
-                   advantages=None, old_logprobs=None, ref_logprobs=None, pad_id: int = 0) -> RLBatch:
+def pack_sequences(
+    tokens: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[bool]],
+    seq_len: int,
+    *,
+    advantages=None,
+    old_logprobs=None,
+    ref_logprobs=None,
+    pad_id: int = 0,
+) -> RLBatch:
     """Pack sequences first-fit, in order, into rows of ``seq_len`` tokens.
     ``advantages``: one float per sequence (broadcast over its tokens) or one list per
     sequence; ``old_logprobs`` / ``ref_logprobs``: one list per sequence (token-aligned)."""
@@ -91,7 +109,9 @@ def pack_sequences(tokens: Sequence[Sequence[int]], loss_masks: Sequence[Sequenc
         raise ValueError(f"{n} sequences but {len(loss_masks)} loss masks")
     for i, (t, m) in enumerate(zip(tokens, loss_masks)):
         if not 0 < len(t) <= seq_len or len(m) != len(t):
-            raise ValueError(f"sequence {i}: length {len(t)} (mask {len(m)}) must be in 1..seq_len={seq_len}")
+            raise ValueError(
+                f"sequence {i}: length {len(t)} (mask {len(m)}) must be in 1..seq_len={seq_len}"
+            )
     rows: list[list[int]] = []  # sequence indices per row
     free: list[int] = []
     for i, t in enumerate(tokens):
@@ -138,7 +158,9 @@ def sequence_ids(position_ids_BT: torch.Tensor) -> torch.Tensor:
     """[B, T] int64, equal exactly within one packed sequence (distinct across rows)."""
     B, T = position_ids_BT.shape
     starts = ~has_prefix(position_ids_BT)
-    return torch.cumsum(starts.long(), dim=1) - 1 + torch.arange(B, device=starts.device)[:, None] * T
+    return (
+        torch.cumsum(starts.long(), dim=1) - 1 + torch.arange(B, device=starts.device)[:, None] * T
+    )
 
 
 def shift_left(x_BT: torch.Tensor, fill=0) -> torch.Tensor:
@@ -160,8 +182,13 @@ def trained_tokens(batch: RLBatch) -> torch.Tensor:
     return batch.loss_mask & has_prefix(batch.position_ids)
 
 
-def prediction_view(batch: RLBatch, agg: str | None, totals: torch.Tensor | None = None, *,
-                    all_targets: bool = False) -> dict[str, torch.Tensor]:
+def prediction_view(
+    batch: RLBatch,
+    agg: str | None,
+    totals: torch.Tensor | None = None,
+    *,
+    all_targets: bool = False,
+) -> dict[str, torch.Tensor]:
     """Batch -> [B, T] tensors at prediction positions. ``agg``: the training view (targets
     only where trained, ``mask`` of trained tokens, aggregation weights); None: every token
     with a prefix. ``totals``: the aggregation denominators of the whole global batch when
@@ -171,14 +198,18 @@ def prediction_view(batch: RLBatch, agg: str | None, totals: torch.Tensor | None
     prefix = has_prefix(batch.position_ids)
     trained = batch.loss_mask & prefix if agg else prefix
     targeted = prefix if all_targets else trained
-    out = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
-           "targets": shift_left(torch.where(targeted, batch.input_ids, IGNORE), IGNORE)}
+    out = {
+        "input_ids": batch.input_ids,
+        "position_ids": batch.position_ids,
+        "targets": shift_left(torch.where(targeted, batch.input_ids, IGNORE), IGNORE),
+    }
     if batch.routing is not None:  # the experts of the token at each position: not shifted
         out["routing"] = batch.routing
     if agg:
         out["mask"] = shift_left(trained, False)
-        out["weights"] = shift_left(aggregation_weights(trained, sequence_ids(batch.position_ids), agg,
-                                                        totals=totals))
+        out["weights"] = shift_left(
+            aggregation_weights(trained, sequence_ids(batch.position_ids), agg, totals=totals)
+        )
         for name in OPTIONAL:
             t = getattr(batch, name)
             if t is not None:  # zero off the mask: garbage there must not reach the loss
@@ -196,8 +227,12 @@ def pad_batch(batch: RLBatch, rows: int, cols: int) -> RLBatch:
     for f in dataclasses.fields(batch):
         v = getattr(batch, f.name)
         if v is not None:
-            x = torch.full((rows, cols, *v.shape[2:]), -1 if f.name == "seq_index" else 0, dtype=v.dtype,
-                           device=v.device)
+            x = torch.full(
+                (rows, cols, *v.shape[2:]),
+                -1 if f.name == "seq_index" else 0,
+                dtype=v.dtype,
+                device=v.device,
+            )
             x[:B, :T] = v
             fields[f.name] = x
     pos = fields["position_ids"]
@@ -209,4 +244,9 @@ def pad_batch(batch: RLBatch, rows: int, cols: int) -> RLBatch:
 def gather_tokens(batch: RLBatch, index: torch.Tensor) -> RLBatch:
     """One row holding the tokens at flat positions ``index`` of ``batch`` (whole sequences)."""
     fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    return RLBatch(**{k: None if v is None else v.reshape(-1, *v.shape[2:])[index][None] for k, v in fields.items()})
+    return RLBatch(
+        **{
+            k: None if v is None else v.reshape(-1, *v.shape[2:])[index][None]
+            for k, v in fields.items()
+        }
+    )

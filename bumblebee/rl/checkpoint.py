@@ -18,10 +18,13 @@ from bumblebee.runtime.checkpoint import Checkpointer, checkpoint_root, named_ch
 
 class EngineCheckpoints:
     def _checkpointer(self, out_dir: str, keep: int | None = None) -> Checkpointer:
-        train = dataclasses.replace(self.cfg.train, out_dir=out_dir,
-                                    **({} if keep is None else {"keep_last": keep}))
+        train = dataclasses.replace(
+            self.cfg.train, out_dir=out_dir, **({} if keep is None else {"keep_last": keep})
+        )
         cfg = dataclasses.replace(self.cfg, train=train)
-        return Checkpointer(cfg, self.ctx, self.model, self.sharding, self.optimizer, stream=io.StringIO())
+        return Checkpointer(
+            cfg, self.ctx, self.model, self.sharding, self.optimizer, stream=io.StringIO()
+        )
 
     def save(self, path: str, step: int | None = None, keep: int | None = None) -> str:
         """Parameters, optimizer state, step and RNG as ``<path>/checkpoints/step_<step>`` (default:

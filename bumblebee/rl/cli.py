@@ -21,27 +21,56 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from bumblebee.config import ConfigError, parse_override, read_toml
 from bumblebee.console import SetOverride
 from bumblebee.report import plot_rewards, pyplot
+from bumblebee.rl.run import RLConfig
+from bumblebee.rl.run import run as run_rl
 from bumblebee.runtime.resolve import load_config
-from bumblebee.rl.run import RLConfig, run as run_rl
 
 # the run config of the embedded RL run, before the user's file and overrides; rows hold ~10
 # short rollouts each, so one masked SDPA call beats varlen's per-document loop
-RL_DEFAULTS = ["primitives.attention=sdpa", "model.arch.num_hidden_layers=2", "model.arch.hidden_size=64",
-               "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.arch.head_dim=16",
-               "model.arch.num_experts=4", "model.arch.moe_intermediate_size=64", "train.micro_batch=16",
-               "train.global_batch=32", "train.weight_decay=0.0", "train.clip_grad=1.0", "train.out_dir=runs/rl"]
+RL_DEFAULTS = [
+    "primitives.attention=sdpa",
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=64",
+    "model.arch.num_attention_heads=4",
+    "model.arch.num_key_value_heads=2",
+    "model.arch.head_dim=16",
+    "model.arch.num_experts=4",
+    "model.arch.moe_intermediate_size=64",
+    "train.micro_batch=16",
+    "train.global_batch=32",
+    "train.weight_decay=0.0",
+    "train.clip_grad=1.0",
+    "train.out_dir=runs/rl",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="F", help="TOML config file; an [rl] table sets RLConfig")
-    p.add_argument("--set", dest="overrides", action=SetOverride, metavar="SECTION.KEY=VALUE",
-                   help="override one value, e.g. --set rl.steps=40 or --set model.arch.hidden_size=128 (repeatable)")
-    p.add_argument("--nproc", type=int, default=1, metavar="N",
-                   help="local ranks to start (torch.distributed elastic); under torchrun leave it out")
-    p.add_argument("--plot", metavar="OUT.png", help="write a PNG of the reward curve (needs matplotlib)")
-    p.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="intra-op CPU threads of a single-process run (default 1: the toy model is too small to "
-                        "gain from more, and on a busy machine extra threads only contend)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action=SetOverride,
+        metavar="SECTION.KEY=VALUE",
+        help="override one value, e.g. --set rl.steps=40 or --set model.arch.hidden_size=128 (repeatable)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="local ranks to start (torch.distributed elastic); under torchrun leave it out",
+    )
+    p.add_argument(
+        "--plot", metavar="OUT.png", help="write a PNG of the reward curve (needs matplotlib)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="intra-op CPU threads of a single-process run (default 1: the toy model is too small to "
+        "gain from more, and on a busy machine extra threads only contend)",
+    )
 
 
 def _flatten(prefix: str, value) -> list[str]:
@@ -89,7 +118,6 @@ def load_configs(path: str | None, overrides: list[str]):
 @record
 def _worker(job) -> None:
     from bumblebee.runtime import launch
-
     from bumblebee.runtime.interrupts import interrupt_once
 
     cfg, rl, out_png = job

@@ -53,8 +53,15 @@ from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.moe.replay import RoutingScope
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.rl import microbatch as mbs
-from bumblebee.rl.batch import (OPTIONAL, RLBatch, has_prefix, prediction_view, sequence_ids, shift_right,
-                                trained_tokens)
+from bumblebee.rl.batch import (
+    OPTIONAL,
+    RLBatch,
+    has_prefix,
+    prediction_view,
+    sequence_ids,
+    shift_right,
+    trained_tokens,
+)
 from bumblebee.rl.checkpoint import EngineCheckpoints
 from bumblebee.rl.global_batch import GlobalBatchCalls, LogProbs, _all_gather  # noqa: F401 (LogProbs: public)
 from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_totals, token_logprobs
@@ -62,9 +69,20 @@ from bumblebee.rl.offload import Offloader
 from bumblebee.rl.weights import EngineWeights
 from bumblebee.runtime.optim import build_optimizer, check_lr
 from bumblebee.runtime.resolve import resolve_layout
-from bumblebee.runtime.step import ExpertLoad, accumulate, autocast_for, balance_denominator, optimizer_tail
-from bumblebee.runtime.trainer import (build_initial_model, build_parallel_context, build_sharding, pick_device,
-                                       seed_everything)
+from bumblebee.runtime.step import (
+    ExpertLoad,
+    accumulate,
+    autocast_for,
+    balance_denominator,
+    optimizer_tail,
+)
+from bumblebee.runtime.trainer import (
+    build_initial_model,
+    build_parallel_context,
+    build_sharding,
+    pick_device,
+    seed_everything,
+)
 
 
 @dataclasses.dataclass
@@ -76,7 +94,9 @@ class ForwardOutput:
     metrics: dict  # each loss metric as a mean over trained tokens
     logprobs: torch.Tensor | None = None  # [B, T] token-aligned, this rank's rows (forward_only)
     entropy: torch.Tensor | None = None
-    routing: torch.Tensor | None = None  # [B, T, L, K] experts per token and MoE layer (return_routing)
+    routing: torch.Tensor | None = (
+        None  # [B, T, L, K] experts per token and MoE layer (return_routing)
+    )
 
 
 # vLLM clamps a sampling temperature below 1e-2 up to it (smaller ones cause numerical errors); at
@@ -86,10 +106,16 @@ MIN_TEMPERATURE = 1e-2
 
 def check_temperature(value, name: str = "temperature") -> None:
     """A training temperature is a finite number >= MIN_TEMPERATURE (0, greedy, is for sampling only)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < MIN_TEMPERATURE:
-        raise ConfigError(f"{name} must be a finite number >= {MIN_TEMPERATURE} (greedy sampling, 0, has no "
-                          f"log-probs to train on), got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < MIN_TEMPERATURE
+    ):
+        raise ConfigError(
+            f"{name} must be a finite number >= {MIN_TEMPERATURE} (greedy sampling, 0, has no "
+            f"log-probs to train on), got {value!r}"
+        )
 
 
 class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
@@ -103,28 +129,47 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
     ``max_tokens_per_micro_batch``: micro-batch by a token budget instead of by rows.
     """
 
-    def __init__(self, cfg: Config, hf_path: str | None = None, *, device: torch.device | None = None,
-                 temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        hf_path: str | None = None,
+        *,
+        device: torch.device | None = None,
+        temperature: float = 1.0,
+        max_tokens_per_micro_batch: int | None = None,
+    ):
         if hf_path:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=hf_path))
         check_temperature(temperature)
         if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
-            raise ConfigError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+            raise ConfigError(
+                f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}"
+            )
         pp = cfg.parallel.pp
         if pp > 1 and max_tokens_per_micro_batch is not None:
-            raise ConfigError("max_tokens_per_micro_batch needs parallel.pp = 1 (pipeline stages run fixed shapes)")
+            raise ConfigError(
+                "max_tokens_per_micro_batch needs parallel.pp = 1 (pipeline stages run fixed shapes)"
+            )
         # the caller's batch is the batch: train.global_batch only has to pass the runtime's check
         # (with pp > 1: pp_microbatches micro-batches per schedule run, default pp)
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp = resolve_layout(cfg.parallel, world, resolve_arch(cfg.model)).dp_shard
         m = (cfg.primitives.pp_microbatches or pp) if pp > 1 else 1
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=dp * cfg.train.micro_batch * m))
+        cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, global_batch=dp * cfg.train.micro_batch * m)
+        )
         if pp > 1 and cfg.train.balance not in ("auto", "micro_batch"):  # what the stages compute
-            raise ConfigError(f"train.balance = '{cfg.train.balance}' cannot run under a pipeline schedule "
-                              "(parallel.pp > 1): set 'micro_batch' or 'auto'")
+            raise ConfigError(
+                f"train.balance = '{cfg.train.balance}' cannot run under a pipeline schedule "
+                "(parallel.pp > 1): set 'micro_batch' or 'auto'"
+            )
         # the policy is the next-token model: MTP modules are carried (exported as held) but not trained
         cfg = dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, depth=0))
-        self.cfg, self.temperature, self.max_tokens_per_micro_batch = cfg, temperature, max_tokens_per_micro_batch
+        self.cfg, self.temperature, self.max_tokens_per_micro_batch = (
+            cfg,
+            temperature,
+            max_tokens_per_micro_batch,
+        )
         self.device = device or pick_device()
         self.ctx = build_parallel_context(cfg, self.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
@@ -136,12 +181,19 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
             if pp > 1:  # keep this rank's stages (rl/pipeline.py); that part is what gets sharded
                 from bumblebee.rl.pipeline import EnginePipeline
 
-                self.pipeline = EnginePipeline(cfg, ctx, model, self.device,
-                                               autocast_for(self.device, cfg.train.dtype), temperature)
+                self.pipeline = EnginePipeline(
+                    cfg,
+                    ctx,
+                    model,
+                    self.device,
+                    autocast_for(self.device, cfg.train.dtype),
+                    temperature,
+                )
             return self.sharding.wrap(model)
 
-        self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group),
-                                         split)  # split and sharded on the meta device, then filled
+        self.model = build_initial_model(
+            cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group), split
+        )  # split and sharded on the meta device, then filled
         self.sharding.after_load()
         self.optimizer = build_optimizer(cfg.train, self.sharding)
         self.arch = self.model.arch
@@ -149,7 +201,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         self.step = 0
         self.weight_version = 0  # bumped by every applied optimizer step (rl/weights.py)
         self.offloader = Offloader(self)
-        self.expert_load = ExpertLoad(self.model)  # expert counts of the training forwards, for sigmoid_bias routers
+        self.expert_load = ExpertLoad(
+            self.model
+        )  # expert counts of the training forwards, for sigmoid_bias routers
         self.hf_prefixes = self._source_prefixes(cfg.model.hf_path)
 
     # ------------------------------------------------------------------ data parallelism
@@ -161,7 +215,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
 
     def get_data_parallel_group(self):
         """The process group over which rank-local batches differ (None on one process)."""
-        return self.ctx.dense.get_group("dp_shard") if self.ctx.distributed and self._dp > 1 else None
+        return (
+            self.ctx.dense.get_group("dp_shard") if self.ctx.distributed and self._dp > 1 else None
+        )
 
     @property
     def _dp(self) -> int:
@@ -190,7 +246,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
                 self.model.train()
 
     # ------------------------------------------------------------------ micro-batches
-    def _micro_batches(self, P: dict[str, torch.Tensor], seq_index, budget: int | None) -> list[dict]:
+    def _micro_batches(
+        self, P: dict[str, torch.Tensor], seq_index, budget: int | None
+    ) -> list[dict]:
         """This rank's micro-batches, as many on every dp rank (``rl/microbatch.py``)."""
         if budget is None:
             parts = mbs.row_micro_batches(P, self.cfg.train.micro_batch)
@@ -200,7 +258,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         spans = mbs.spans(P["position_ids"], seq_index)
         lengths = [n for _, n in spans]
         mbs.check_budget(lengths, budget)
-        count = max(self._dp_sum(torch.tensor([mbs.ffd_bins(lengths, budget)]), dist.ReduceOp.MAX).item(), 1)
+        count = max(
+            self._dp_sum(torch.tensor([mbs.ffd_bins(lengths, budget)]), dist.ReduceOp.MAX).item(), 1
+        )
         return mbs.token_micro_batches(P, spans, mbs.token_bins(lengths, budget, count))
 
     def _cp_share(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -216,8 +276,15 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         ``scope``: a ``RoutingScope`` replaying ``mb["routing"]`` and/or recording the experts used."""
         with self.autocast:
             (logp_T, ent_T), aux, stats = self.model.scores(
-                mb["input_ids"], mb["position_ids"], token_logprobs, mb["targets"].reshape(-1), routing=scope,
-                return_stats=True, temperature=self.temperature, with_entropy=with_entropy)
+                mb["input_ids"],
+                mb["position_ids"],
+                token_logprobs,
+                mb["targets"].reshape(-1),
+                routing=scope,
+                return_stats=True,
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+            )
         shape = mb["targets"].shape
         return logp_T.view(shape), None if ent_T is None else ent_T.view(shape), aux, stats
 
@@ -226,9 +293,16 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         return unshard_sequence(_all_gather(t, self.ctx.cp_group)) if self.ctx.layout.cp > 1 else t
 
     # ------------------------------------------------------------------ the engine-level step
-    def forward_backward(self, batch: RLBatch, loss_fn=None, forward_only: bool = False, *,
-                         entropy: bool = False, max_tokens_per_micro_batch: int | None = None,
-                         return_routing: bool = False) -> ForwardOutput:
+    def forward_backward(
+        self,
+        batch: RLBatch,
+        loss_fn=None,
+        forward_only: bool = False,
+        *,
+        entropy: bool = False,
+        max_tokens_per_micro_batch: int | None = None,
+        return_routing: bool = False,
+    ) -> ForwardOutput:
         """Forward (and unless ``forward_only`` backward, accumulating into the gradients) over
         micro-batches of this dp rank's rows ``batch``. ``loss_fn(PolicyInputs) -> (loss share,
         {name: sum over trained tokens})`` is called per micro-batch (attributes ``agg``,
@@ -248,30 +322,53 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         agg = getattr(loss_fn, "agg", "token-mean") if loss_fn is not None else None
         totals = None
         if agg:
-            totals = self._dp_sum(aggregation_totals(trained_tokens(batch), sequence_ids(batch.position_ids)))
-        P = prediction_view(batch, agg, totals, all_targets=forward_only or getattr(loss_fn, "all_targets", False))
+            totals = self._dp_sum(
+                aggregation_totals(trained_tokens(batch), sequence_ids(batch.position_ids))
+            )
+        P = prediction_view(
+            batch, agg, totals, all_targets=forward_only or getattr(loss_fn, "all_targets", False)
+        )
         with_entropy = entropy or getattr(loss_fn, "needs_entropy", False)
         if self.pipeline is not None and (batch.routing is not None or return_routing):
-            raise ValueError("routing replay / return_routing is not supported with parallel.pp > 1 yet")
+            raise ValueError(
+                "routing replay / return_routing is not supported with parallel.pp > 1 yet"
+            )
         if self.pipeline is not None:  # the schedule runs every micro-batch (rl/pipeline.py)
             dp_max = lambda t: self._dp_sum(t, dist.ReduceOp.MAX)  # noqa: E731
-            sums, kept = self.pipeline.run(P, loss_fn, forward_only, with_entropy, dp_max,
-                                           self.arch.router_aux_loss_coef, None if forward_only else self.expert_load)
+            sums, kept = self.pipeline.run(
+                P,
+                loss_fn,
+                forward_only,
+                with_entropy,
+                dp_max,
+                self.arch.router_aux_loss_coef,
+                None if forward_only else self.expert_load,
+            )
             return self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
         parts = self._micro_batches(P, batch.seq_index, budget)
-        aux_scale = self.arch.router_aux_loss_coef / balance_denominator(len(parts), self._dp, self.ctx.layout.cp)
+        aux_scale = self.arch.router_aux_loss_coef / balance_denominator(
+            len(parts), self._dp, self.ctx.layout.cp
+        )
         kept: list[tuple] = []
 
         def forward(mb):
             scope = None
             if "routing" in mb or return_routing:
-                scope = RoutingScope(replay_BTLK=mb.get("routing"), record={} if return_routing else None)
+                scope = RoutingScope(
+                    replay_BTLK=mb.get("routing"), record={} if return_routing else None
+                )
             logp, ent, aux, stats = self._scores(mb, with_entropy, scope)
             if not forward_only:  # the expert load of what trains (sigmoid_bias routers follow it)
                 self.expert_load.add_stats(stats)
             if forward_only:
-                kept.append((logp.detach(), None if ent is None else ent.detach(), mb["index"],
-                             scope.recorded() if return_routing else None))
+                kept.append(
+                    (
+                        logp.detach(),
+                        None if ent is None else ent.detach(),
+                        mb["index"],
+                        scope.recorded() if return_routing else None,
+                    )
+                )
             if loss_fn is None:
                 return aux, {}
             x = PolicyInputs(logp, ent, mb["mask"], mb["weights"], *(mb.get(k) for k in OPTIONAL))
@@ -290,12 +387,18 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         return self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
 
     def _finish(self, batch, sums, totals, loss_fn, forward_only, kept, entropy) -> ForwardOutput:
-        out = self._aggregate(sums, int(totals[0]) if totals is not None else 0, loss_fn is not None)
+        out = self._aggregate(
+            sums, int(totals[0]) if totals is not None else 0, loss_fn is not None
+        )
         if forward_only:
             out.logprobs, out.entropy = self._token_aligned(batch, kept, entropy)
-            if kept and len(kept[0]) > 3 and kept[0][3] is not None:  # recorded experts, at token positions
+            if (
+                kept and len(kept[0]) > 3 and kept[0][3] is not None
+            ):  # recorded experts, at token positions
                 index = [self._whole(p[2]) for p in kept]
-                out.routing = mbs.scatter_back([self._whole(p[3]) for p in kept], index, batch.input_ids.shape)
+                out.routing = mbs.scatter_back(
+                    [self._whole(p[3]) for p in kept], index, batch.input_ids.shape
+                )
         return out
 
     def _aggregate(self, sums: dict, n_tokens: int, has_loss: bool) -> ForwardOutput:
@@ -306,8 +409,11 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         totals = torch.stack([sums["loss"]] + [sums[k] for k in names])
         if self.ctx.distributed:
             dist.all_reduce(totals, group=self.ctx.dp_cp_group)
-        return ForwardOutput(float(totals[0]), n_tokens,
-                             {k: float(v) / max(n_tokens, 1) for k, v in zip(names, totals[1:])})
+        return ForwardOutput(
+            float(totals[0]),
+            n_tokens,
+            {k: float(v) / max(n_tokens, 1) for k, v in zip(names, totals[1:])},
+        )
 
     def _token_aligned(self, batch: RLBatch, kept: list, entropy: bool):
         """Per-micro-batch results at prediction positions -> token-aligned [B, T] of this rank."""
@@ -316,8 +422,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         res = []
         for k in range(2 if entropy else 1):
             parts = [self._whole(p[k]).float() for p in kept]
-            flat = mbs.scatter_back(parts, [self._whole(p[2]) if self.ctx.layout.cp > 1 else p[2] for p in kept],
-                                    (B, T))
+            flat = mbs.scatter_back(
+                parts, [self._whole(p[2]) if self.ctx.layout.cp > 1 else p[2] for p in kept], (B, T)
+            )
             res.append(torch.where(prefix, shift_right(flat), 0.0).to(batch.input_ids.device))
         return res[0], res[1] if entropy else None
 
@@ -327,12 +434,23 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         check_lr(lr)  # before anything moves: a refused call leaves the gradients for a retry
         self.offloader.require("params", "grads", "optimizer")
         pp = self.pipeline is not None
-        grad_norm, lr, applied = optimizer_tail(self.sharding, self.optimizer, self.cfg.train, self.step, lr=lr,
-                                                pp_group=self.ctx.pp_group if pp else None,
-                                                params=self.model.parameters() if pp else None)
+        grad_norm, lr, applied = optimizer_tail(
+            self.sharding,
+            self.optimizer,
+            self.cfg.train,
+            self.step,
+            lr=lr,
+            pp_group=self.ctx.pp_group if pp else None,
+            params=self.model.parameters() if pp else None,
+        )
         # routers with a selection bias move it by the step's global expert load (as the Trainer)
-        self.expert_load.update_bias(self.cfg.moe.bias_update_rate, applied, None if pp else self.ctx.dp_cp_group,
-                              self.ctx.distributed, self.device)
+        self.expert_load.update_bias(
+            self.cfg.moe.bias_update_rate,
+            applied,
+            None if pp else self.ctx.dp_cp_group,
+            self.ctx.distributed,
+            self.device,
+        )
         self.step += 1
         self.weight_version += int(applied)
         return {"grad_norm": float(grad_norm), "lr": lr, "applied": applied}
@@ -342,11 +460,19 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         self.expert_load.counts = None  # the expert load of the dropped gradients goes with them
 
     # ------------------------------------------------------------------ memory
-    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True, *,
-                device: torch.device | None = None) -> dict:
+    def offload(
+        self,
+        params: bool = True,
+        grads: bool = True,
+        optimizer: bool = True,
+        *,
+        device: torch.device | None = None,
+    ) -> dict:
         """Move the chosen parts to host memory (``device``, default the CPU); returns the bytes
         moved per part and what stays on the compute device (``rl/offload.py``)."""
-        return self.offloader.offload(params=params, grads=grads, optimizer=optimizer, device=device)
+        return self.offloader.offload(
+            params=params, grads=grads, optimizer=optimizer, device=device
+        )
 
     def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
         return self.offloader.onload(params=params, grads=grads, optimizer=optimizer)

@@ -27,7 +27,9 @@ from bumblebee.runtime.optim import check_lr
 class LogProbs:
     logprobs: torch.Tensor  # [B, T] log p(token | its prefix), 0 where there is no prefix
     entropy: torch.Tensor | None = None  # [B, T] entropy of the distribution the token came from
-    routing: torch.Tensor | None = None  # [B, T, L, K] experts per token and MoE layer (return_routing)
+    routing: torch.Tensor | None = (
+        None  # [B, T, L, K] experts per token and MoE layer (return_routing)
+    )
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -49,12 +51,19 @@ class GlobalBatchCalls:
             return padded.select_rows(self.ctx.dp_rank * rows, (self.ctx.dp_rank + 1) * rows), None
         spans = mbs.spans(batch.position_ids, batch.seq_index)
         owner = mbs.assign_to_ranks([n for _, n in spans], self._dp)
-        index = [torch.cat([torch.arange(spans[i][0], sum(spans[i]))
-                            for i in mine]) if mine else torch.zeros(0, dtype=torch.long) for mine in owner]
+        index = [
+            torch.cat([torch.arange(spans[i][0], sum(spans[i])) for i in mine])
+            if mine
+            else torch.zeros(0, dtype=torch.long)
+            for mine in owner
+        ]
         mine = index[self.ctx.dp_rank]
         if not len(mine):  # no sequence for this rank: one padding token
-            return RLBatch(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
-                           torch.zeros(1, 1, dtype=torch.bool)), index
+            return RLBatch(
+                torch.zeros(1, 1, dtype=torch.long),
+                torch.zeros(1, 1, dtype=torch.long),
+                torch.zeros(1, 1, dtype=torch.bool),
+            ), index
         return gather_tokens(batch, mine), index
 
     def _gather_rows(self, t: torch.Tensor, B: int, T: int, index) -> torch.Tensor:
@@ -70,23 +79,33 @@ class GlobalBatchCalls:
         rows = _all_gather(row, self.get_data_parallel_group()) if self._dp > 1 else [row]
         out = torch.zeros(B * T, *extra, dtype=t.dtype, device=t.device)
         for r, i in zip(rows, index):
-            out[i.to(t.device)] = r[:len(i)]
+            out[i.to(t.device)] = r[: len(i)]
         return out.view(B, T, *extra)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: RLBatch, entropy: bool = False, return_routing: bool = False) -> LogProbs:
+    def compute_logprobs(
+        self, batch: RLBatch, entropy: bool = False, return_routing: bool = False
+    ) -> LogProbs:
         """Token-aligned log-probs (and entropies) of the global ``batch`` under the current
         policy, forward only; the full [B, T] result on every rank, on the batch's device.
         ``return_routing``: also the experts every token was routed to, [B, T, L, K] (L MoE
         layers in order), the layout a batch's ``routing`` takes for replay. A batch carrying
         ``routing`` is scored with those experts."""
-        check_token_ids(batch.input_ids, self.arch.vocab_size, "batch.input_ids")  # on every rank alike
+        check_token_ids(
+            batch.input_ids, self.arch.vocab_size, "batch.input_ids"
+        )  # on every rank alike
         budget = self.max_tokens_per_micro_batch
         part, index = self._rank_part(batch, budget)
-        out = self.forward_backward(part, None, forward_only=True, entropy=entropy, return_routing=return_routing)
+        out = self.forward_backward(
+            part, None, forward_only=True, entropy=entropy, return_routing=return_routing
+        )
         B, T = batch.input_ids.shape
-        gather = lambda t: None if t is None else self._gather_rows(t, B, T, index).to(batch.input_ids.device)  # noqa: E731
-        return LogProbs(gather(out.logprobs), gather(out.entropy) if entropy else None, gather(out.routing))
+        gather = lambda t: (
+            None if t is None else self._gather_rows(t, B, T, index).to(batch.input_ids.device)
+        )  # noqa: E731
+        return LogProbs(
+            gather(out.logprobs), gather(out.entropy) if entropy else None, gather(out.routing)
+        )
 
     def train_step(self, batch: RLBatch, loss_fn=None, *, lr: float | None = None) -> dict:
         """One optimizer step on the global ``batch``: ``forward_backward`` on this rank's part,
@@ -96,11 +115,19 @@ class GlobalBatchCalls:
         ``approx_kl_old``)."""
         start = time.perf_counter()
         check_lr(lr)  # before the forward and backward, not after them
-        check_token_ids(batch.input_ids, self.arch.vocab_size, "batch.input_ids")  # on every rank alike
+        check_token_ids(
+            batch.input_ids, self.arch.vocab_size, "batch.input_ids"
+        )  # on every rank alike
         part, _ = self._rank_part(batch, self.max_tokens_per_micro_batch)
         out = self.forward_backward(part, loss_fn)
         opt = self.optimizer_step(lr=lr)
-        metrics = {"step": self.step, "loss": out.loss, "grad_norm": opt["grad_norm"], "lr": opt["lr"],
-                   "tokens": out.tokens, **out.metrics}
+        metrics = {
+            "step": self.step,
+            "loss": out.loss,
+            "grad_norm": opt["grad_norm"],
+            "lr": opt["lr"],
+            "tokens": out.tokens,
+            **out.metrics,
+        }
         metrics["step_time_s"] = time.perf_counter() - start
         return metrics

@@ -43,14 +43,31 @@ IGNORE = -100
 
 
 # ------------------------------------------------------------------------------ per-token terms
-def token_logprobs(hidden_TH, weight_VH, targets_T, *, temperature: float = 1.0, with_entropy: bool = False,
-                   vocab_group=None, **tiles):
+def token_logprobs(
+    hidden_TH,
+    weight_VH,
+    targets_T,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    vocab_group=None,
+    **tiles,
+):
     """(log p(target) [T] fp32, entropy [T] or None) of ``softmax(hidden @ weight^T / temperature)``,
     differentiable, through the fused linear CE. ``targets_T == -100`` marks positions
     without a target (log-prob 0 there; the entropy is computed everywhere).
     ``vocab_group``: ranks holding row slices of ``weight_VH`` (targets are global ids)."""
-    out = linear_cross_entropy(hidden_TH, weight_VH, targets_T, ignore_index=IGNORE, reduction="none",
-                               with_entropy=with_entropy, temperature=temperature, vocab_group=vocab_group, **tiles)
+    out = linear_cross_entropy(
+        hidden_TH,
+        weight_VH,
+        targets_T,
+        ignore_index=IGNORE,
+        reduction="none",
+        with_entropy=with_entropy,
+        temperature=temperature,
+        vocab_group=vocab_group,
+        **tiles,
+    )
     nll_T, entropy_T = out if with_entropy else (out, None)
     return -nll_T, entropy_T
 
@@ -61,8 +78,15 @@ def token_logprobs_no_grad(hidden_TH, weight_VH, targets_T, **kwargs):
     return token_logprobs(hidden_TH, weight_VH, targets_T, **kwargs)
 
 
-def ppo_clip(logp_T, old_logp_T, adv_T, *, clip_low: float = 0.2, clip_high: float = 0.2,
-             dual_clip: float | None = None):
+def ppo_clip(
+    logp_T,
+    old_logp_T,
+    adv_T,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+):
     """Per-token clipped surrogate loss, and where the ratio clip / the dual clip is active."""
     ratio_T = torch.exp(logp_T - old_logp_T)
     unclipped_T = -adv_T * ratio_T
@@ -174,11 +198,15 @@ class PolicyLoss:
 
     def __post_init__(self):
         if self.clip_low < 0 or self.clip_high < 0:
-            raise ValueError(f"clip_low/clip_high must be >= 0, got {self.clip_low}, {self.clip_high}")
+            raise ValueError(
+                f"clip_low/clip_high must be >= 0, got {self.clip_low}, {self.clip_high}"
+            )
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+            raise ValueError(
+                f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}"
+            )
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg must be one of {AGGREGATIONS}, got {self.agg!r}")
 
@@ -186,11 +214,20 @@ class PolicyLoss:
         if x.advantages is None or x.old_logprobs is None:
             raise ValueError("PolicyLoss needs advantages and old_logprobs in the batch")
         m = x.mask
-        pg_T, clipped_T, dual_T = ppo_clip(x.logprobs, x.old_logprobs, x.advantages, clip_low=self.clip_low,
-                                           clip_high=self.clip_high, dual_clip=self.dual_clip)
+        pg_T, clipped_T, dual_T = ppo_clip(
+            x.logprobs,
+            x.old_logprobs,
+            x.advantages,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+        )
         loss_T = pg_T
-        stats = {"clip_frac": (clipped_T & m).sum().float(), "dual_clip_frac": (dual_T & m).sum().float(),
-                 "approx_kl_old": (kl_penalty(x.logprobs.detach(), x.old_logprobs, "k3") * m).sum()}
+        stats = {
+            "clip_frac": (clipped_T & m).sum().float(),
+            "dual_clip_frac": (dual_T & m).sum().float(),
+            "approx_kl_old": (kl_penalty(x.logprobs.detach(), x.old_logprobs, "k3") * m).sum(),
+        }
         if x.ref_logprobs is not None:
             kl_T = kl_penalty(x.logprobs, x.ref_logprobs, self.kl_estimator)
             stats["kl"] = (kl_T.detach() * m).sum()
@@ -218,12 +255,39 @@ class TokenNLL:
         return aggregate(-x.logprobs, x.weights), {}
 
 
-def fused_policy_loss(hidden_TH, weight_VH, targets_T, loss_fn, *, weights_T, advantages_T=None,
-                      old_logprobs_T=None, ref_logprobs_T=None, temperature: float = 1.0, vocab_group=None, **tiles):
+def fused_policy_loss(
+    hidden_TH,
+    weight_VH,
+    targets_T,
+    loss_fn,
+    *,
+    weights_T,
+    advantages_T=None,
+    old_logprobs_T=None,
+    ref_logprobs_T=None,
+    temperature: float = 1.0,
+    vocab_group=None,
+    **tiles,
+):
     """Hidden states + LM head -> (loss, metric sums, logp_T, entropy_T) in one call, the
     logits never materialized. ``targets_T``: next-token ids, -100 where nothing is trained."""
-    logp_T, entropy_T = token_logprobs(hidden_TH, weight_VH, targets_T, temperature=temperature,
-                                       with_entropy=loss_fn.needs_entropy, vocab_group=vocab_group, **tiles)
-    x = PolicyInputs(logp_T, entropy_T, targets_T != IGNORE, weights_T, advantages_T, old_logprobs_T, ref_logprobs_T)
+    logp_T, entropy_T = token_logprobs(
+        hidden_TH,
+        weight_VH,
+        targets_T,
+        temperature=temperature,
+        with_entropy=loss_fn.needs_entropy,
+        vocab_group=vocab_group,
+        **tiles,
+    )
+    x = PolicyInputs(
+        logp_T,
+        entropy_T,
+        targets_T != IGNORE,
+        weights_T,
+        advantages_T,
+        old_logprobs_T,
+        ref_logprobs_T,
+    )
     loss, stats = loss_fn(x)
     return loss, stats, logp_T, entropy_T

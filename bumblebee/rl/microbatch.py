@@ -31,7 +31,9 @@ import torch
 IGNORE = -100
 
 
-def spans(position_ids_BT: torch.Tensor, seq_index_BT: torch.Tensor | None = None) -> list[tuple[int, int]]:
+def spans(
+    position_ids_BT: torch.Tensor, seq_index_BT: torch.Tensor | None = None
+) -> list[tuple[int, int]]:
     """(flat start, length) of every packed sequence in [B, T] (position ids restart at 0 at each,
     and a row's first token always starts one). With ``seq_index`` (-1 on padding), the padding
     pseudo-sequences at the end of rows are dropped."""
@@ -43,7 +45,7 @@ def spans(position_ids_BT: torch.Tensor, seq_index_BT: torch.Tensor | None = Non
     out = list(zip(starts.tolist(), (ends - starts).tolist()))
     if seq_index_BT is not None:
         flat = seq_index_BT.reshape(-1)
-        out = [(s, n) for s, n in out if bool((flat[s:s + n] >= 0).any())]
+        out = [(s, n) for s, n in out if bool((flat[s : s + n] >= 0).any())]
     return out
 
 
@@ -97,8 +99,10 @@ def token_bins(lengths: list[int], budget: int, count: int) -> list[list[int]]:
 def check_budget(lengths: list[int], budget: int) -> None:
     longest = max(lengths, default=0)
     if longest > budget:
-        raise ValueError(f"a sequence of {longest} tokens does not fit max_tokens_per_micro_batch={budget} "
-                         "(sequences are never split across micro-batches)")
+        raise ValueError(
+            f"a sequence of {longest} tokens does not fit max_tokens_per_micro_batch={budget} "
+            "(sequences are never split across micro-batches)"
+        )
 
 
 def assign_to_ranks(lengths: list[int], ranks: int) -> list[list[int]]:
@@ -111,11 +115,15 @@ def row_micro_batches(P: dict[str, torch.Tensor], micro: int) -> list[dict[str, 
     """Consecutive rows of ``micro``; ``index`` = flat positions in [B, T]."""
     B, T = P["input_ids"].shape
     index = torch.arange(B * T, device=P["input_ids"].device).view(B, T)
-    return [{**{k: v[i:i + micro] for k, v in P.items()}, "index": index[i:i + micro]} for i in range(0, B, micro)]
+    return [
+        {**{k: v[i : i + micro] for k, v in P.items()}, "index": index[i : i + micro]}
+        for i in range(0, B, micro)
+    ]
 
 
-def token_micro_batches(P: dict[str, torch.Tensor], spans_: list[tuple[int, int]],
-                        bins: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+def token_micro_batches(
+    P: dict[str, torch.Tensor], spans_: list[tuple[int, int]], bins: list[list[int]]
+) -> list[dict[str, torch.Tensor]]:
     """One row per bin: its sequences back to back (an empty bin: a one-token padding row)."""
     device = P["input_ids"].device
     out = []
@@ -123,17 +131,30 @@ def token_micro_batches(P: dict[str, torch.Tensor], spans_: list[tuple[int, int]
         if not members:
             out.append(empty_micro_batch(P, 1))
             continue
-        index = torch.cat([torch.arange(spans_[i][0], spans_[i][0] + spans_[i][1], device=device)
-                           for i in members])
-        out.append({**{k: v.reshape(-1, *v.shape[2:])[index][None] for k, v in P.items()}, "index": index[None]})
+        index = torch.cat(
+            [
+                torch.arange(spans_[i][0], spans_[i][0] + spans_[i][1], device=device)
+                for i in members
+            ]
+        )
+        out.append(
+            {
+                **{k: v.reshape(-1, *v.shape[2:])[index][None] for k, v in P.items()},
+                "index": index[None],
+            }
+        )
     return out
 
 
 def empty_micro_batch(P: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
     """One row of ``width`` padding tokens: nothing trained, nothing returned."""
     device = P["input_ids"].device
-    mb = {k: torch.full((1, width, *v.shape[2:]), IGNORE if k == "targets" else 0, dtype=v.dtype, device=device)
-          for k, v in P.items()}
+    mb = {
+        k: torch.full(
+            (1, width, *v.shape[2:]), IGNORE if k == "targets" else 0, dtype=v.dtype, device=device
+        )
+        for k, v in P.items()
+    }
     mb["position_ids"] = torch.arange(width, device=device)[None]
     mb["index"] = torch.full((1, width), -1, dtype=torch.long, device=device)
     return mb
@@ -148,8 +169,12 @@ def pad_columns(mb: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.T
         return mb
     out = {}
     for k, v in mb.items():
-        x = torch.full((b, cols, *v.shape[2:]), IGNORE if k == "targets" else (-1 if k == "index" else 0),
-                       dtype=v.dtype, device=v.device)
+        x = torch.full(
+            (b, cols, *v.shape[2:]),
+            IGNORE if k == "targets" else (-1 if k == "index" else 0),
+            dtype=v.dtype,
+            device=v.device,
+        )
         x[:, :T] = v
         out[k] = x
     out["position_ids"][:, T:] = torch.arange(cols - T, device=v.device)

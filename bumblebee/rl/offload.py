@@ -63,11 +63,18 @@ class Offloader:
         """Bytes of each part on the compute device now."""
         dev = self.engine.device
         on = lambda t: local(t).device == dev  # noqa: E731
-        out = {"params": sum(_nbytes(p) for p in self._params() if on(p)),
-               "grads": sum(_nbytes(p.grad) for p in self._params() if p.grad is not None and on(p.grad))
-               + sum(_nbytes(g) for _, g in self.stash if on(g)),
-               "optimizer": sum(_nbytes(c if k is None else c[k]) for c, k in self._optimizer_tensors()
-                                if on(c if k is None else c[k]))}
+        out = {
+            "params": sum(_nbytes(p) for p in self._params() if on(p)),
+            "grads": sum(
+                _nbytes(p.grad) for p in self._params() if p.grad is not None and on(p.grad)
+            )
+            + sum(_nbytes(g) for _, g in self.stash if on(g)),
+            "optimizer": sum(
+                _nbytes(c if k is None else c[k])
+                for c, k in self._optimizer_tensors()
+                if on(c if k is None else c[k])
+            ),
+        }
         if dev.type == "cuda":
             out["cuda_allocated"] = torch.cuda.memory_allocated(dev)
         return out
@@ -117,8 +124,11 @@ class Offloader:
     def offload(self, *, params=True, grads=True, optimizer=True, device=None) -> dict:
         host = torch.device("cpu") if device is None else torch.device(device)
         moved = {}
-        for part, on, move in (("grads", grads, self._move_grads), ("params", params, self._move_params),
-                               ("optimizer", optimizer, self._move_optimizer)):
+        for part, on, move in (
+            ("grads", grads, self._move_grads),
+            ("params", params, self._move_params),
+            ("optimizer", optimizer, self._move_optimizer),
+        ):
             if on:
                 moved[part] = move(host)
                 self.away[part] = host
@@ -129,8 +139,11 @@ class Offloader:
     @torch.no_grad()
     def onload(self, *, params=True, grads=True, optimizer=True) -> dict:
         dev, moved = self.engine.device, {}
-        for part, on, move in (("params", params, self._move_params), ("grads", grads, self._move_grads),
-                               ("optimizer", optimizer, self._move_optimizer)):
+        for part, on, move in (
+            ("params", params, self._move_params),
+            ("grads", grads, self._move_grads),
+            ("optimizer", optimizer, self._move_optimizer),
+        ):
             if on and part in self.away:
                 moved[part] = move(dev)
                 del self.away[part]
@@ -152,4 +165,6 @@ class Offloader:
     def require(self, *parts: str) -> None:
         away = [p for p in parts if p in self.away]
         if away:
-            raise RuntimeError(f"the Engine's {', '.join(away)} are offloaded; call onload() before using them")
+            raise RuntimeError(
+                f"the Engine's {', '.join(away)} are offloaded; call onload() before using them"
+            )

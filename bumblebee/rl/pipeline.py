@@ -36,16 +36,24 @@ from bumblebee.runtime.pipeline import Pipeline
 class EnginePipeline:
     def __init__(self, cfg, ctx, model, device, autocast, temperature: float):
         self.cfg, self.ctx, self.device, self.temperature = cfg, ctx, device, temperature
-        self.pipe = Pipeline(cfg, ctx, model, device, autocast)  # keeps this rank's stages of ``model``
+        self.pipe = Pipeline(
+            cfg, ctx, model, device, autocast
+        )  # keeps this rank's stages of ``model``
         for m in self.pipe.modules:
             m.head = self._head
         self.schedule = registry.get("pipeline", cfg.primitives.pipeline).factory.build(
-            self.pipe.stages, self.pipe.microbatches, self._loss)
+            self.pipe.stages, self.pipe.microbatches, self._loss
+        )
         self.rows = self.pipe.microbatches * cfg.train.micro_batch  # rows per schedule run
-        self.last_rank = dist.get_global_rank(ctx.pp_group, ctx.layout.pp - 1)  # holds the last stage (v = 1
-        if cfg.primitives.pp_virtual_stages > 1:  # and with v stages per rank: stage S-1 on rank (S-1) mod pp)
-            self.last_rank = dist.get_global_rank(ctx.pp_group, (ctx.layout.pp * cfg.primitives.pp_virtual_stages - 1)
-                                                  % ctx.layout.pp)
+        self.last_rank = dist.get_global_rank(
+            ctx.pp_group, ctx.layout.pp - 1
+        )  # holds the last stage (v = 1
+        if (
+            cfg.primitives.pp_virtual_stages > 1
+        ):  # and with v stages per rank: stage S-1 on rank (S-1) mod pp)
+            self.last_rank = dist.get_global_rank(
+                ctx.pp_group, (ctx.layout.pp * cfg.primitives.pp_virtual_stages - 1) % ctx.layout.pp
+            )
         self.is_last = dist.get_rank() == self.last_rank
         self.with_entropy, self.loss_fn, self.names, self.log = False, None, (), []
 
@@ -54,16 +62,28 @@ class EnginePipeline:
 
     # ------------------------------------------------------------------ the last stage
     def _head(self, part, x, position_ids, labels, stage):
-        (logp_T, ent_T), aux, stats = part.scores(x, position_ids, token_logprobs, labels.reshape(-1), stage=stage,
-                                                  return_stats=True, temperature=self.temperature,
-                                                  with_entropy=self.with_entropy)
+        (logp_T, ent_T), aux, stats = part.scores(
+            x,
+            position_ids,
+            token_logprobs,
+            labels.reshape(-1),
+            stage=stage,
+            return_stats=True,
+            temperature=self.temperature,
+            with_entropy=self.with_entropy,
+        )
         ent_T = torch.zeros_like(logp_T) if ent_T is None else ent_T
         return torch.stack([logp_T, ent_T], -1).view(*labels.shape, 2), aux, stats
 
     def _inputs(self, out_bT2, target_bTk) -> PolicyInputs:
         extra = iter(target_bTk[..., 2:].unbind(-1))
-        return PolicyInputs(out_bT2[..., 0], out_bT2[..., 1] if self.with_entropy else None, target_bTk[..., 0] > 0,
-                            target_bTk[..., 1], *(next(extra) if k in self.names else None for k in OPTIONAL))
+        return PolicyInputs(
+            out_bT2[..., 0],
+            out_bT2[..., 1] if self.with_entropy else None,
+            target_bTk[..., 0] > 0,
+            target_bTk[..., 1],
+            *(next(extra) if k in self.names else None for k in OPTIONAL),
+        )
 
     def _loss(self, out_bT2, target_bTk):
         if self.loss_fn is None:  # forward only, nothing to score
@@ -73,7 +93,16 @@ class EnginePipeline:
         return loss
 
     # ------------------------------------------------------------------ one call of forward_backward
-    def run(self, P: dict, loss_fn, forward_only: bool, with_entropy: bool, dp_max, aux_coef: float, load=None):
+    def run(
+        self,
+        P: dict,
+        loss_fn,
+        forward_only: bool,
+        with_entropy: bool,
+        dp_max,
+        aux_coef: float,
+        load=None,
+    ):
         """All of this rank's rows through the schedule. Returns (metric sums or {}, kept) where kept
         holds (logp, entropy, index) per run as ``Engine._token_aligned`` reads them (forward only).
         ``load`` (runtime.step.ExpertLoad) receives each training run's expert counts of this rank's
@@ -81,25 +110,34 @@ class EnginePipeline:
         t, L = self.cfg.train, self.ctx.layout
         B, T = P["input_ids"].shape
         if T > t.seq_len:
-            raise ValueError(f"rows of {T} tokens are longer than train.seq_len = {t.seq_len}, the row length "
-                             "of the pipeline's micro-batches (pp > 1)")
+            raise ValueError(
+                f"rows of {T} tokens are longer than train.seq_len = {t.seq_len}, the row length "
+                "of the pipeline's micro-batches (pp > 1)"
+            )
         runs = max(int(dp_max(torch.tensor([-(-B // self.rows)]))), 1)
-        for m in self.pipe.modules:  # the balance loss is a mean over every micro-batch of the batch
+        for (
+            m
+        ) in self.pipe.modules:  # the balance loss is a mean over every micro-batch of the batch
             m.aux_scale = aux_coef / (runs * self.pipe.microbatches * L.dp_shard * L.cp)
         self.with_entropy, self.loss_fn, self.log = with_entropy, loss_fn, []
         self.names = tuple(k for k in OPTIONAL if k in P)
         index = torch.arange(B * T).view(B, T)
         kept = []
         for r in range(runs):
-            part = {k: v[r * self.rows:(r + 1) * self.rows] for k, v in P.items()}
-            part["index"] = index[r * self.rows:(r + 1) * self.rows]
-            part = mbs.pad_columns(self._pad_rows(part), t.seq_len) if part["input_ids"].shape[1] < t.seq_len \
+            part = {k: v[r * self.rows : (r + 1) * self.rows] for k, v in P.items()}
+            part["index"] = index[r * self.rows : (r + 1) * self.rows]
+            part = (
+                mbs.pad_columns(self._pad_rows(part), t.seq_len)
+                if part["input_ids"].shape[1] < t.seq_len
                 else self._pad_rows(part)
+            )
             for m in self.pipe.modules:
                 m.aux_log.clear()
                 m.stats_log.clear()
             kept.append(self._run(part, forward_only))
-            if load is not None:  # the run's micro-batches (the first run also logs a metadata forward)
+            if (
+                load is not None
+            ):  # the run's micro-batches (the first run also logs a metadata forward)
                 load.add(self.pipe.router_counts(self.pipe.microbatches, self.device)[0])
         sums = self._sums(loss_fn, kept)
         return sums, [k for k in kept if k is not None]
@@ -116,8 +154,11 @@ class EnginePipeline:
         part = {k: v.to(self.device) for k, v in part.items()}
         if cp > 1:
             part = {k: shard_sequence(v, cp, self.ctx.cp_rank) for k, v in part.items()}
-        fields = [part["mask"].float(), part["weights"]] if "mask" in part else [torch.zeros_like(part["targets"],
-                                                                                                  dtype=torch.float)] * 2
+        fields = (
+            [part["mask"].float(), part["weights"]]
+            if "mask" in part
+            else [torch.zeros_like(part["targets"], dtype=torch.float)] * 2
+        )
         target = torch.stack(fields + [part[k].float() for k in self.names], -1)
         first = 0 in self.pipe.modules[0].part.stage_layers
         inputs = (part["input_ids"],) if first else ()

@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.config import Config, ConfigError, dump_toml
-from bumblebee.models import build_model
 from bumblebee.config_checks import check_int_range
+from bumblebee.models import build_model
 from bumblebee.rl.engine import Engine, check_temperature
-from bumblebee.runtime.metrics import json_line
 from bumblebee.rl.losses import AGGREGATIONS, KL_ESTIMATORS, PolicyLoss, TokenNLL, grpo_advantages
 from bumblebee.rl.sampler import Sampler
 from bumblebee.rl.toy import EOS, TASKS, make_task, rollout_batch, supervised_batch
+from bumblebee.runtime.metrics import json_line
 
 
 @dataclass(kw_only=True)
@@ -71,11 +71,26 @@ class RLConfig:
     def validate(self) -> None:
         if self.task not in TASKS:
             raise ConfigError(f"rl.task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        for name in ("digits", "warmup_batch", "prompts_per_step", "group_size", "max_new_tokens",
-                     "updates_per_step", "seq_len", "eval_samples"):
+        for name in (
+            "digits",
+            "warmup_batch",
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+            "updates_per_step",
+            "seq_len",
+            "eval_samples",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "steps", "eval_problems", "kl_coef", "entropy_coef", "partial"):
+        for name in (
+            "warmup_steps",
+            "steps",
+            "eval_problems",
+            "kl_coef",
+            "entropy_coef",
+            "partial",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"rl.{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0 or self.warmup_lr <= 0:
@@ -83,7 +98,9 @@ class RLConfig:
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"rl.dual_clip must be > 1 (or 0 to disable), got {self.dual_clip}")
         if self.agg not in AGGREGATIONS or self.kl_estimator not in KL_ESTIMATORS:
-            raise ConfigError(f"rl.agg must be one of {AGGREGATIONS} and rl.kl_estimator one of {KL_ESTIMATORS}")
+            raise ConfigError(
+                f"rl.agg must be one of {AGGREGATIONS} and rl.kl_estimator one of {KL_ESTIMATORS}"
+            )
         if self.group_size < 2:
             raise ConfigError("rl.group_size must be >= 2 (GRPO normalizes within a group)")
         self.validate_ranges()
@@ -98,31 +115,47 @@ class RLConfig:
         check_int_range("rl", self)
         check_temperature(self.temperature, "rl.temperature")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            raise ConfigError(f"rl.clip_low must be in [0, 1) and rl.clip_high >= 0 (the ratio is clipped to "
-                              f"[1 - clip_low, 1 + clip_high]), got {self.clip_low}, {self.clip_high}")
+            raise ConfigError(
+                f"rl.clip_low must be in [0, 1) and rl.clip_high >= 0 (the ratio is clipped to "
+                f"[1 - clip_low, 1 + clip_high]), got {self.clip_low}, {self.clip_high}"
+            )
         if self.partial > 1:
-            raise ConfigError(f"rl.partial must be in [0, 1] (a wrong answer's reward), got {self.partial}")
+            raise ConfigError(
+                f"rl.partial must be in [0, 1] (a wrong answer's reward), got {self.partial}"
+            )
         task = TASKS[self.task]
         if self.digits > task.max_digits:
-            raise ConfigError(f"rl.digits must be <= {task.max_digits} for task {self.task!r}, got {self.digits}")
+            raise ConfigError(
+                f"rl.digits must be <= {task.max_digits} for task {self.task!r}, got {self.digits}"
+            )
         prompt, answer = task.longest(self.digits)
         need = max(prompt + answer, prompt + self.max_new_tokens)
         if self.seq_len < need:
-            raise ConfigError(f"rl.seq_len = {self.seq_len} is shorter than the longest {self.task!r} sequence with "
-                              f"digits = {self.digits}: {prompt} prompt + max({answer} answer, {self.max_new_tokens} "
-                              f"max_new_tokens) = {need} tokens")
+            raise ConfigError(
+                f"rl.seq_len = {self.seq_len} is shorter than the longest {self.task!r} sequence with "
+                f"digits = {self.digits}: {prompt} prompt + max({answer} answer, {self.max_new_tokens} "
+                f"max_new_tokens) = {need} tokens"
+            )
         if self.max_new_tokens < answer:
-            raise ConfigError(f"rl.max_new_tokens = {self.max_new_tokens} cannot produce the longest answer of "
-                              f"{answer} tokens (with its end token): its reward would always be 0")
+            raise ConfigError(
+                f"rl.max_new_tokens = {self.max_new_tokens} cannot produce the longest answer of "
+                f"{answer} tokens (with its end token): its reward would always be 0"
+            )
         try:
             self.loss()
         except ValueError as e:
             raise ConfigError(f"rl: {e}") from None
 
     def loss(self) -> PolicyLoss:
-        return PolicyLoss(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip or None,
-                          kl_coef=self.kl_coef, kl_estimator=self.kl_estimator, entropy_coef=self.entropy_coef,
-                          agg=self.agg)
+        return PolicyLoss(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip or None,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            entropy_coef=self.entropy_coef,
+            agg=self.agg,
+        )
 
 
 class _Log:
@@ -184,41 +217,87 @@ def _evaluate(sampler, task, problems, rl: RLConfig) -> dict:
     training temperature, on a fixed problem set with a fixed sampling seed (low-noise figures)."""
     prompts = [p.prompt for p in problems]
     greedy = sampler.generate(prompts, max_new_tokens=rl.max_new_tokens, temperature=0, eos_id=EOS)
-    sampled = sampler.generate(prompts, group_size=rl.eval_samples, max_new_tokens=rl.max_new_tokens,
-                               temperature=rl.temperature, eos_id=EOS,
-                               generator=torch.Generator().manual_seed(rl.seed + 17))
-    rewards = [task.reward(problems[i // rl.eval_samples], c) for i, c in enumerate(sampled.completions)]
-    return {"greedy_accuracy": sum(c == p.answer for p, c in zip(problems, greedy.completions)) / len(problems),
-            "reward": sum(rewards) / len(rewards)}
+    sampled = sampler.generate(
+        prompts,
+        group_size=rl.eval_samples,
+        max_new_tokens=rl.max_new_tokens,
+        temperature=rl.temperature,
+        eos_id=EOS,
+        generator=torch.Generator().manual_seed(rl.seed + 17),
+    )
+    rewards = [
+        task.reward(problems[i // rl.eval_samples], c) for i, c in enumerate(sampled.completions)
+    ]
+    return {
+        "greedy_accuracy": sum(c == p.answer for p, c in zip(problems, greedy.completions))
+        / len(problems),
+        "reward": sum(rewards) / len(rewards),
+    }
 
 
-def _grpo_step(step: int, engine: Engine, reference: Engine, sampler, task, rl: RLConfig, loss_fn, g) -> dict:
+def _grpo_step(
+    step: int, engine: Engine, reference: Engine, sampler, task, rl: RLConfig, loss_fn, g
+) -> dict:
     """Sample groups, score them, ``updates_per_step`` PPO updates; one metrics record."""
     t0 = time.perf_counter()
     problems = task.sample(rl.prompts_per_step, g)
-    ro = sampler.generate([p.prompt for p in problems], group_size=rl.group_size, max_new_tokens=rl.max_new_tokens,
-                          temperature=rl.temperature, eos_id=EOS,
-                          generator=torch.Generator().manual_seed(rl.seed * 7919 + step)) if sampler else None
+    ro = (
+        sampler.generate(
+            [p.prompt for p in problems],
+            group_size=rl.group_size,
+            max_new_tokens=rl.max_new_tokens,
+            temperature=rl.temperature,
+            eos_id=EOS,
+            generator=torch.Generator().manual_seed(rl.seed * 7919 + step),
+        )
+        if sampler
+        else None
+    )
     ro = _broadcast(ro, engine.ctx)  # rank 0 samples, every rank trains on the same global batch
     rewards = [task.reward(problems[i // rl.group_size], c) for i, c in enumerate(ro.completions)]
-    batch = rollout_batch(ro.prompts, ro.completions, rl.seq_len,
-                          advantages=grpo_advantages(rewards, rl.group_size).tolist())
+    batch = rollout_batch(
+        ro.prompts,
+        ro.completions,
+        rl.seq_len,
+        advantages=grpo_advantages(rewards, rl.group_size).tolist(),
+    )
     old = engine.compute_logprobs(batch).logprobs
     batch = batch.replace(old_logprobs=old, ref_logprobs=reference.compute_logprobs(batch).logprobs)
     # the sampler's log-probs of its own tokens vs the Engine's (KV cache vs packed forward)
-    engine_lp = torch.cat([lp[m] for lp, m in zip(batch.unpack(old), batch.unpack(batch.loss_mask))])
+    engine_lp = torch.cat(
+        [lp[m] for lp, m in zip(batch.unpack(old), batch.unpack(batch.loss_mask))]
+    )
     mismatch = (engine_lp - torch.tensor([x for lp in ro.logprobs for x in lp])).abs().max()
     per_update = -(-batch.rows // rl.updates_per_step)
-    ms = [_update(engine, batch.select_rows(i, i + per_update), loss_fn, rl.lr)
-          for i in range(0, batch.rows, per_update)]
+    ms = [
+        _update(engine, batch.select_rows(i, i + per_update), loss_fn, rl.lr)
+        for i in range(0, batch.rows, per_update)
+    ]
     _push_weights(engine, sampler)
     mean = lambda k: sum(m[k] for m in ms) / len(ms)  # noqa: E731
-    return {"phase": "grpo", "step": step, "reward": sum(rewards) / len(rewards),
-            "reward_std": float(torch.tensor(rewards).std()), "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
-            **{k: mean(k) for k in ("kl", "entropy", "clip_frac", "dual_clip_frac", "approx_kl_old", "loss",
-                                    "grad_norm")},
-            "lr": rl.lr, "response_len": sum(len(c) for c in ro.completions) / len(ro.completions),
-            "rollout_logprob_err": float(mismatch), "step_time_s": time.perf_counter() - t0}
+    return {
+        "phase": "grpo",
+        "step": step,
+        "reward": sum(rewards) / len(rewards),
+        "reward_std": float(torch.tensor(rewards).std()),
+        "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+        **{
+            k: mean(k)
+            for k in (
+                "kl",
+                "entropy",
+                "clip_frac",
+                "dual_clip_frac",
+                "approx_kl_old",
+                "loss",
+                "grad_norm",
+            )
+        },
+        "lr": rl.lr,
+        "response_len": sum(len(c) for c in ro.completions) / len(ro.completions),
+        "rollout_logprob_err": float(mismatch),
+        "step_time_s": time.perf_counter() - t0,
+    }
 
 
 def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
@@ -231,47 +310,92 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
     log = _Log(out_dir, ctx.rank == 0, stream)
     if ctx.rank == 0:
         with open(os.path.join(out_dir, "config.toml"), "w") as f:
-            f.write(dump_toml(cfg) + "[rl]\n" + "".join(f"{k} = {json.dumps(v)}\n"
-                                                       for k, v in dataclasses.asdict(rl).items()))
+            f.write(
+                dump_toml(cfg)
+                + "[rl]\n"
+                + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataclasses.asdict(rl).items())
+            )
     task = make_task(rl.task, rl.digits, rl.partial)
     g = torch.Generator().manual_seed(rl.seed)
     eval_set = task.sample(rl.eval_problems, torch.Generator().manual_seed(rl.seed + 1_000_003))
-    sampler = Sampler(build_model(engine.arch, dataclasses.replace(cfg.primitives, moe_comm="local"))
-                      .to(engine.device)) if ctx.rank == 0 else None  # the rollout side: a full copy on rank 0
+    sampler = (
+        Sampler(
+            build_model(engine.arch, dataclasses.replace(cfg.primitives, moe_comm="local")).to(
+                engine.device
+            )
+        )
+        if ctx.rank == 0
+        else None
+    )  # the rollout side: a full copy on rank 0
 
     for step in range(1, rl.warmup_steps + 1):  # 1. supervised warm-up
-        m = engine.train_step(supervised_batch(task.sample(rl.warmup_batch, g), rl.seq_len), TokenNLL(),
-                              lr=rl.warmup_lr)
-        log({"phase": "warmup", "step": step, "loss": m["loss"], "grad_norm": m["grad_norm"]},
-            f"warmup {step}/{rl.warmup_steps}  loss {m['loss']:.4f}" if step % 10 == 0 or step == 1 else None)
+        m = engine.train_step(
+            supervised_batch(task.sample(rl.warmup_batch, g), rl.seq_len),
+            TokenNLL(),
+            lr=rl.warmup_lr,
+        )
+        log(
+            {"phase": "warmup", "step": step, "loss": m["loss"], "grad_norm": m["grad_norm"]},
+            f"warmup {step}/{rl.warmup_steps}  loss {m['loss']:.4f}"
+            if step % 10 == 0 or step == 1
+            else None,
+        )
     ref_dir = os.path.join(out_dir, "reference")
     engine.export_hf(ref_dir)
-    reference = Engine(cfg, hf_path=ref_dir, temperature=rl.temperature)  # KL is tracked even at kl_coef = 0
+    reference = Engine(
+        cfg, hf_path=ref_dir, temperature=rl.temperature
+    )  # KL is tracked even at kl_coef = 0
     _push_weights(engine, sampler)
-    before = _broadcast(_evaluate(sampler, task, eval_set, rl) if sampler else None, ctx) if eval_set else None
+    before = (
+        _broadcast(_evaluate(sampler, task, eval_set, rl) if sampler else None, ctx)
+        if eval_set
+        else None
+    )
     if before:
-        log({"phase": "eval", "step": 0, **before}, f"eval after warm-up: reward {before['reward']:.3f}  "
-                                                     f"greedy accuracy {before['greedy_accuracy']:.3f}")
+        log(
+            {"phase": "eval", "step": 0, **before},
+            f"eval after warm-up: reward {before['reward']:.3f}  "
+            f"greedy accuracy {before['greedy_accuracy']:.3f}",
+        )
 
     loss_fn, rewards_per_step = rl.loss(), []
     for step in range(1, rl.steps + 1):  # 2. GRPO
         rec = _grpo_step(step, engine, reference, sampler, task, rl, loss_fn, g)
         rewards_per_step.append(rec["reward"])
-        log(rec, f"grpo {step}/{rl.steps}  reward {rec['reward']:.3f}  acc {rec['accuracy']:.3f}  "
-                 f"kl {rec['kl']:.4f}  entropy {rec['entropy']:.3f}  clip {rec['clip_frac']:.3f}  "
-                 f"({rec['step_time_s']:.1f}s)")
-    after = _broadcast(_evaluate(sampler, task, eval_set, rl) if sampler else None, ctx) if eval_set else None
+        log(
+            rec,
+            f"grpo {step}/{rl.steps}  reward {rec['reward']:.3f}  acc {rec['accuracy']:.3f}  "
+            f"kl {rec['kl']:.4f}  entropy {rec['entropy']:.3f}  clip {rec['clip_frac']:.3f}  "
+            f"({rec['step_time_s']:.1f}s)",
+        )
+    after = (
+        _broadcast(_evaluate(sampler, task, eval_set, rl) if sampler else None, ctx)
+        if eval_set
+        else None
+    )
     if after:
         log({"phase": "eval", "step": rl.steps, **after}, None)
     k = max(1, len(rewards_per_step) // 10)
-    summary = {"rewards": rewards_per_step, "eval_before": before, "eval_after": after,
-               "reward_first": sum(rewards_per_step[:k]) / k if rewards_per_step else None,
-               "reward_last": sum(rewards_per_step[-k:]) / k if rewards_per_step else None,
-               "wall_time_s": time.perf_counter() - start}
+    summary = {
+        "rewards": rewards_per_step,
+        "eval_before": before,
+        "eval_after": after,
+        "reward_first": sum(rewards_per_step[:k]) / k if rewards_per_step else None,
+        "reward_last": sum(rewards_per_step[-k:]) / k if rewards_per_step else None,
+        "wall_time_s": time.perf_counter() - start,
+    }
     if ctx.rank == 0 and rewards_per_step:
-        ev = (f"; held-out reward {before['reward']:.3f} -> {after['reward']:.3f}, greedy accuracy "
-              f"{before['greedy_accuracy']:.3f} -> {after['greedy_accuracy']:.3f}") if eval_set else ""
-        stream.write(f"done: mean reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} "
-                     f"(first/last {k} steps){ev}; {summary['wall_time_s']:.0f}s; metrics in {log.path}\n")
+        ev = (
+            (
+                f"; held-out reward {before['reward']:.3f} -> {after['reward']:.3f}, greedy accuracy "
+                f"{before['greedy_accuracy']:.3f} -> {after['greedy_accuracy']:.3f}"
+            )
+            if eval_set
+            else ""
+        )
+        stream.write(
+            f"done: mean reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} "
+            f"(first/last {k} steps){ev}; {summary['wall_time_s']:.0f}s; metrics in {log.path}\n"
+        )
     log.close()
     return summary

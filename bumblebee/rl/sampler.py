@@ -62,14 +62,28 @@ class Sampler:
             raise ValueError(f"load_weights: missing {sorted(params.keys() - seen)[:3]}")
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, group_size: int = 1, max_new_tokens: int = 16,
-                 temperature: float = 1.0, eos_id: int, pad_id: int = 0,
-                 generator: torch.Generator | None = None) -> Rollouts:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        group_size: int = 1,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        eos_id: int,
+        pad_id: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> Rollouts:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs non-empty prompts")
-        if not (math.isfinite(temperature) and temperature >= 0) or max_new_tokens < 1 or group_size < 1:
-            raise ValueError(f"need a finite temperature >= 0, max_new_tokens >= 1 and group_size >= 1, got "
-                             f"temperature={temperature}, max_new_tokens={max_new_tokens}, group_size={group_size}")
+        if (
+            not (math.isfinite(temperature) and temperature >= 0)
+            or max_new_tokens < 1
+            or group_size < 1
+        ):
+            raise ValueError(
+                f"need a finite temperature >= 0, max_new_tokens >= 1 and group_size >= 1, got "
+                f"temperature={temperature}, max_new_tokens={max_new_tokens}, group_size={group_size}"
+            )
         rows = [p for p in prompts for _ in range(group_size)]
         dev = self.model.lm_head_weight.device
         R, P = len(rows), max(len(p) for p in rows)
@@ -77,13 +91,15 @@ class Sampler:
         pad_R = torch.tensor([P - len(p) for p in rows], device=dev)
         ids = torch.full((R, P), pad_id, dtype=torch.long, device=dev)
         for r, p in enumerate(rows):
-            ids[r, P - len(p):] = torch.tensor(p, dtype=torch.long)
+            ids[r, P - len(p) :] = torch.tensor(p, dtype=torch.long)
         slot_S = torch.arange(S, device=dev)
         valid_RS = slot_S[None] >= pad_R[:, None]  # cache slots holding real tokens
         cache = self.model.new_kv_cache(R, S)
         # prefill: causal over slots, padding hidden (a padding query sees itself only)
         causal_PP = slot_S[:P, None] >= slot_S[None, :P]
-        mask = (causal_PP[None] & valid_RS[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)[None]
+        mask = (causal_PP[None] & valid_RS[:, None, :P]) | torch.eye(
+            P, dtype=torch.bool, device=dev
+        )[None]
         pos = (slot_S[None, :P] - pad_R[:, None]).clamp(min=0)
         logits_RV = self.model.forward_cached(ids, pos, cache, 0, mask[:, None])[:, -1]
         out = torch.full((R, max_new_tokens), pad_id, dtype=torch.long, device=dev)
@@ -103,10 +119,15 @@ class Sampler:
             done_R |= tok_R == eos_id
             if bool(done_R.all()) or i == max_new_tokens - 1:
                 break
-            step_mask = valid_RS[:, None, None, :P + i + 1]
+            step_mask = valid_RS[:, None, None, : P + i + 1]
             pos = (P + i - pad_R)[:, None]
-            logits_RV = self.model.forward_cached(tok_R[:, None], pos, cache, P + i, step_mask)[:, -1]
+            logits_RV = self.model.forward_cached(tok_R[:, None], pos, cache, P + i, step_mask)[
+                :, -1
+            ]
         n = n_R.tolist()
-        return Rollouts(prompts=rows, completions=[out[r, :n[r]].tolist() for r in range(R)],
-                        logprobs=[logp_out[r, :n[r]].tolist() for r in range(R)],
-                        finished=[bool(d) for d in done_R.tolist()])
+        return Rollouts(
+            prompts=rows,
+            completions=[out[r, : n[r]].tolist() for r in range(R)],
+            logprobs=[logp_out[r, : n[r]].tolist() for r in range(R)],
+            finished=[bool(d) for d in done_R.tolist()],
+        )

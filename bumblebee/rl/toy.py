@@ -113,7 +113,9 @@ def supervised_batch(problems: list[Problem], seq_len: int) -> RLBatch:
     return pack_sequences(tokens, masks, seq_len)
 
 
-def rollout_batch(prompts: list[list[int]], completions: list[list[int]], seq_len: int, **per_sequence) -> RLBatch:
+def rollout_batch(
+    prompts: list[list[int]], completions: list[list[int]], seq_len: int, **per_sequence
+) -> RLBatch:
     """Prompt + completion per rollout, trained on the completion."""
     tokens = [p + c for p, c in zip(prompts, completions)]
     masks = [[False] * len(p) + [True] * len(c) for p, c in zip(prompts, completions)]

@@ -16,6 +16,7 @@ transformers model holds none.
 
 from __future__ import annotations
 
+
 def hf_expert_names(name: str, first: int, piece, F: int):
     """Checkpoint (name, tensor) of a piece of stacked experts (``w_gate_up`` [n, 2F, H] / ``w_down``
     [n, H, F]) whose first expert is ``first``: one tensor per expert and projection."""
@@ -39,7 +40,7 @@ def transformers_name(name: str) -> str | None:
         return None
     for ours, theirs in FUSED.items():
         if name.endswith(ours):
-            return name[:-len(ours)] + theirs
+            return name[: -len(ours)] + theirs
     return name
 
 

@@ -81,17 +81,33 @@ def gathered(model, ep_group, dtype: torch.dtype | None, pp_group=None):
         yield from _gathered_here(model, ep_group, dtype)
         return
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
-    mine = [(n, ((p.shape[0] * ep if ep > 1 and model.is_expert_param(n) else p.shape[0]), *p.shape[1:]),
-             dtype if dtype is not None and isinstance(p, torch.nn.Parameter) else p.dtype,
-             isinstance(p, torch.nn.Parameter)) for n, p in _state(model)]
+    mine = [
+        (
+            n,
+            (
+                (p.shape[0] * ep if ep > 1 and model.is_expert_param(n) else p.shape[0]),
+                *p.shape[1:],
+            ),
+            dtype if dtype is not None and isinstance(p, torch.nn.Parameter) else p.dtype,
+            isinstance(p, torch.nn.Parameter),
+        )
+        for n, p in _state(model)
+    ]
     every = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(every, mine, group=pp_group)
     here, me = _gathered_here(model, ep_group, dtype), dist.get_rank(pp_group)
     device = next(model.parameters()).device
-    for params in (True, False):  # every stage's parameters, then every stage's buffers (a whole model's order)
+    for params in (
+        True,
+        False,
+    ):  # every stage's parameters, then every stage's buffers (a whole model's order)
         for r, entries in enumerate(every):
             for name, shape, dt, _ in (e for e in entries if e[3] == params):
-                t = next(here)[1].contiguous() if r == me else torch.empty(shape, dtype=dt, device=device)
+                t = (
+                    next(here)[1].contiguous()
+                    if r == me
+                    else torch.empty(shape, dtype=dt, device=device)
+                )
                 dist.broadcast(t, src=dist.get_global_rank(pp_group, r), group=pp_group)
                 yield name, t
 
@@ -149,8 +165,11 @@ def expert_pieces(p, ep_group, dtype: torch.dtype | None, piece_bytes: int):
     for r in range(world):
         for i in range(0, sizes[r], per_piece):
             n = min(per_piece, sizes[r] - i)
-            piece = local[i:i + n].contiguous() if r == me else torch.empty((n, *row_shape), dtype=local.dtype,
-                                                                            device=local.device)
+            piece = (
+                local[i : i + n].contiguous()
+                if r == me
+                else torch.empty((n, *row_shape), dtype=local.dtype, device=local.device)
+            )
             if group is not None:
                 dist.broadcast(piece, src=dist.get_global_rank(group, r), group=group)
             if ep == 1:
@@ -159,7 +178,7 @@ def expert_pieces(p, ep_group, dtype: torch.dtype | None, piece_bytes: int):
             full = torch.empty((ep * n, *row_shape), dtype=piece.dtype, device=piece.device)
             dist.all_gather(list(full.chunk(ep)), piece, group=ep_group)
             for q in range(ep):
-                yield q * e_local + offsets[r] + i, full[q * n:(q + 1) * n]
+                yield q * e_local + offsets[r] + i, full[q * n : (q + 1) * n]
 
 
 class EngineWeights:
@@ -172,15 +191,18 @@ class EngineWeights:
         from bumblebee.models import family_of
 
         names = checkpoint_names(hf_path)
-        return {ours: theirs for theirs, ours in family_of(self.arch).hf_prefixes.items()
-                if any(n.startswith(theirs) for n in names)}
+        return {
+            ours: theirs
+            for theirs, ours in family_of(self.arch).hf_prefixes.items()
+            if any(n.startswith(theirs) for n in names)
+        }
 
     def _renamed(self, pairs):
         """The source checkpoint's prefixes (``hf_prefixes``) on HF names."""
         for name, t in pairs:
             for ours, theirs in self.hf_prefixes.items():
                 if name.startswith(ours):
-                    name = theirs + name[len(ours):]
+                    name = theirs + name[len(ours) :]
                     break
             yield name, t
 
@@ -206,15 +228,21 @@ class EngineWeights:
         F, ep_group = self.arch.moe_intermediate_size, self.ctx.ep_group
         ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         for name, p in _state(self.model):
-            if (name.endswith(("experts.w_gate_up", "experts.w_down"))
-                    and p.numel() * ep * (dtype or p.dtype).itemsize > piece_bytes):
+            if (
+                name.endswith(("experts.w_gate_up", "experts.w_down"))
+                and p.numel() * ep * (dtype or p.dtype).itemsize > piece_bytes
+            ):
                 for first, piece in expert_pieces(p, ep_group, dtype, piece_bytes):
                     yield from self._renamed(hf_expert_names(name, first, piece, F))
             else:
                 yield from self._hf_named([(name, _gather(self.model, name, p, ep_group, dtype))])
 
-    def weight_buckets(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = torch.bfloat16,
-                       names: str = "hf"):
+    def weight_buckets(
+        self,
+        bucket_bytes: int = 512 << 20,
+        dtype: torch.dtype | None = torch.bfloat16,
+        names: str = "hf",
+    ):
         """Lists of (name, tensor) of at most ``bucket_bytes`` each (module docstring)."""
         if names not in ("hf", "transformers", "bumblebee"):
             raise ValueError(f"names must be 'hf', 'transformers' or 'bumblebee', got {names!r}")
@@ -259,7 +287,9 @@ class EngineWeights:
             from bumblebee.models import build_model
 
             whole = build_model(self.arch, self.cfg.primitives, device="meta")
-            shapes = [(n, tuple(p.shape)) for n, p in _state(whole)]  # the stream's order: parameters, buffers
+            shapes = [
+                (n, tuple(p.shape)) for n, p in _state(whole)
+            ]  # the stream's order: parameters, buffers
             write_hf(out_dir, self.arch, shapes, named, dtype=dtype, source=self.cfg.model.hf_path)
         else:
             for _ in named:
@@ -288,7 +318,9 @@ class BroadcastTransport:
         meta = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in bucket]
         dist.broadcast_object_list([meta], src=self.src, group=self.group)
         for dtype in sorted({m[2] for m in meta}):
-            flat = torch.cat([t.reshape(-1) for t, m in zip((t for _, t in bucket), meta) if m[2] == dtype])
+            flat = torch.cat(
+                [t.reshape(-1) for t, m in zip((t for _, t in bucket), meta) if m[2] == dtype]
+            )
             dist.broadcast(flat.to(self.device), src=self.src, group=self.group)
         return bucket
 
@@ -301,10 +333,15 @@ class BroadcastTransport:
         out = {}
         for dtype in sorted({m[2] for m in box[0]}):
             members = [m for m in box[0] if m[2] == dtype]
-            flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in members), dtype=getattr(torch, dtype),
-                               device=self.device)
+            flat = torch.empty(
+                sum(torch.Size(s).numel() for _, s, _ in members),
+                dtype=getattr(torch, dtype),
+                device=self.device,
+            )
             dist.broadcast(flat, src=self.src, group=self.group)
-            for (name, shape, _), part in zip(members, flat.split([torch.Size(s).numel() for _, s, _ in members])):
+            for (name, shape, _), part in zip(
+                members, flat.split([torch.Size(s).numel() for _, s, _ in members])
+            ):
                 out[name] = part.view(shape)
         return [(n, out[n]) for n, _, _ in box[0]]
 

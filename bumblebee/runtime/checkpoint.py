@@ -75,11 +75,17 @@ def read_marker(path: str) -> dict:
         raise CheckpointError(f"{path}: no such checkpoint directory")
     marker = os.path.join(path, MARKER)
     if not os.path.isfile(marker):
-        if os.path.isfile(os.path.join(path, ".metadata")) or os.path.basename(path).startswith(".tmp-"):
-            raise CheckpointError(f"{path}: incomplete checkpoint (no {MARKER}: its save did not finish)")
+        if os.path.isfile(os.path.join(path, ".metadata")) or os.path.basename(path).startswith(
+            ".tmp-"
+        ):
+            raise CheckpointError(
+                f"{path}: incomplete checkpoint (no {MARKER}: its save did not finish)"
+            )
         if os.path.isfile(os.path.join(path, "config.json")):
-            raise CheckpointError(f"{path}: a Hugging Face model directory, not a training checkpoint "
-                                  "(start a run from it with model.hf_path)")
+            raise CheckpointError(
+                f"{path}: a Hugging Face model directory, not a training checkpoint "
+                "(start a run from it with model.hf_path)"
+            )
         raise CheckpointError(f"{path}: not a bumblebee checkpoint (no {MARKER})")
     try:
         with open(marker) as f:
@@ -89,13 +95,22 @@ def read_marker(path: str) -> dict:
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise CheckpointError(f"{path}: {MARKER} does not describe a bumblebee checkpoint")
     if info.get("version") != VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {info.get('version')!r}; "
-                              f"this bumblebee reads {VERSION}")
-    step, files, arch, shapes = info.get("step"), info.get("files"), info.get("arch"), info.get("shapes", {})
+        raise CheckpointError(
+            f"{path}: checkpoint format version {info.get('version')!r}; "
+            f"this bumblebee reads {VERSION}"
+        )
+    step, files, arch, shapes = (
+        info.get("step"),
+        info.get("files"),
+        info.get("arch"),
+        info.get("shapes", {}),
+    )
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{path}: {MARKER}: 'step' must be an integer >= 0, got {step!r}")
-    if not isinstance(files, dict) or not all(isinstance(n, str) and isinstance(v, int) and not isinstance(v, bool)
-                                              and v >= 0 for n, v in files.items()):
+    if not isinstance(files, dict) or not all(
+        isinstance(n, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for n, v in files.items()
+    ):
         raise CheckpointError(f"{path}: {MARKER}: 'files' must map file names to sizes in bytes")
     if not isinstance(arch, dict) or not isinstance(shapes, dict):
         raise CheckpointError(f"{path}: {MARKER}: 'arch' and 'shapes' must be objects")
@@ -106,15 +121,20 @@ def read_marker(path: str) -> dict:
         if not os.path.isfile(file):
             raise CheckpointError(f"{path}: truncated checkpoint: {name} is missing")
         if os.path.getsize(file) != size:
-            raise CheckpointError(f"{path}: truncated checkpoint: {name} has {os.path.getsize(file)} bytes, "
-                                  f"{size} expected")
+            raise CheckpointError(
+                f"{path}: truncated checkpoint: {name} has {os.path.getsize(file)} bytes, "
+                f"{size} expected"
+            )
     return info
 
 
 def newest_complete(root: str, notify=None) -> str | None:
     """The newest valid ``step_<N>`` under ``root`` (None if none); others are reported."""
-    steps = sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := _STEP_DIR.match(n))) \
-        if os.path.isdir(root) else []
+    steps = (
+        sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := _STEP_DIR.match(n)))
+        if os.path.isdir(root)
+        else []
+    )
     for _, name in reversed(steps):
         try:
             read_marker(os.path.join(root, name))
@@ -162,7 +182,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _check_fits(path: str, info: dict, md: Metadata, pieces: dict[str, Piece], whole: bool = True) -> None:
+def _check_fits(
+    path: str, info: dict, md: Metadata, pieces: dict[str, Piece], whole: bool = True
+) -> None:
     """Every piece's tensor exists in the checkpoint at its global size and, for a ``whole``
     model (not one pipeline stage), the checkpoint holds no parameter the model lacks."""
     shapes = {f"model/{n}": tuple(s) for n, s in info.get("shapes", {}).items()}
@@ -171,18 +193,27 @@ def _check_fits(path: str, info: dict, md: Metadata, pieces: dict[str, Piece], w
     for key, p in pieces.items():
         saved = md.state_dict_metadata.get(key)
         if saved is None:
-            raise CheckpointError(f"{path}: checkpoint lacks {key[6:] if key in mine else key} (a different model?)")
+            raise CheckpointError(
+                f"{path}: checkpoint lacks {key[6:] if key in mine else key} (a different model?)"
+            )
         if not isinstance(saved, TensorStorageMetadata):
             raise CheckpointError(f"{path}: {key} is not a tensor in the checkpoint")
         if (key in shapes and shapes[key] != p.shape) or tuple(saved.size) != (p.numel,):
-            raise CheckpointError(f"{path}: {key[6:]} has shape {list(shapes.get(key, saved.size))} in the checkpoint, "
-                                  f"{list(p.shape)} in this model (a different architecture?)")
+            raise CheckpointError(
+                f"{path}: {key[6:]} has shape {list(shapes.get(key, saved.size))} in the checkpoint, "
+                f"{list(p.shape)} in this model (a different architecture?)"
+            )
     if extra and whole:
-        raise CheckpointError(f"{path}: checkpoint has tensors this model lacks: {', '.join(k[6:] for k in extra[:3])}")
+        raise CheckpointError(
+            f"{path}: checkpoint has tensors this model lacks: {', '.join(k[6:] for k in extra[:3])}"
+        )
 
 
 # ------------------------------------------------------------------------------ the trainer's hook
-_STREAM_KEYS = [("train", k) for k in ("seed", "global_batch", "seq_len", "steps", "lr", "min_lr", "warmup_steps")]
+_STREAM_KEYS = [
+    ("train", k)
+    for k in ("seed", "global_batch", "seq_len", "steps", "lr", "min_lr", "warmup_steps")
+]
 
 
 class Checkpointer:
@@ -197,7 +228,9 @@ class Checkpointer:
         self.last_saved, self.last_path = -1, ""  # the newest checkpoint of this run
 
     def _say(self, text: str) -> None:
-        if self.ctx.rank == 0:  # on a terminal, over the progress line in place (the next one follows below)
+        if (
+            self.ctx.rank == 0
+        ):  # on a terminal, over the progress line in place (the next one follows below)
             erase = "\r\033[K" if getattr(self.stream, "isatty", lambda: False)() else ""
             self.stream.write(f"{erase}bumblebee: {text}\n")
             self.stream.flush()
@@ -208,7 +241,9 @@ class Checkpointer:
 
     def _pieces(self) -> dict[str, Piece]:
         self.sharding.reshard()  # e.g. fsdp2's root unit, left gathered by an evaluation forward
-        return state_pieces(self.model, self.sharding, self.optimizer, self.ctx.ep_rank, self.ctx.layout.ep)
+        return state_pieces(
+            self.model, self.sharding, self.optimizer, self.ctx.ep_rank, self.ctx.layout.ep
+        )
 
     # -------------------------------------------------------------------- resume
     def resume(self, spec: str) -> int:
@@ -230,11 +265,17 @@ class Checkpointer:
         checkpoints, export) is moved to ``out_dir/previous/`` unless this run continues it, and
         then what the continuation replaces is (runtime/record.py). Rank 0; collective."""
         if self.ctx.rank == 0:
-            moved = set_aside(self.cfg.train.out_dir, continues_from=continues_from, config_text=dump_toml(self.cfg))
+            moved = set_aside(
+                self.cfg.train.out_dir,
+                continues_from=continues_from,
+                config_text=dump_toml(self.cfg),
+            )
             if moved:
                 aside, names = moved
-                self._say(f"set aside the earlier record of {self.cfg.train.out_dir} ({', '.join(names)}) "
-                          f"in {aside}")
+                self._say(
+                    f"set aside the earlier record of {self.cfg.train.out_dir} ({', '.join(names)}) "
+                    f"in {aside}"
+                )
         self._barrier()
 
     def load(self, path: str) -> int:
@@ -243,8 +284,11 @@ class Checkpointer:
         md = read_dcp_metadata(path)
         pieces = self._pieces()
         _check_fits(path, info, md, pieces, whole=self.ctx.layout.pp == 1)
-        rng = {k: Piece(torch.empty(tuple(s.size), dtype=s.properties.dtype), 0, tuple(s.size))
-               for k, s in md.state_dict_metadata.items() if k.startswith(f"rng/{self.ctx.rank}/")}
+        rng = {
+            k: Piece(torch.empty(tuple(s.size), dtype=s.properties.dtype), 0, tuple(s.size))
+            for k, s in md.state_dict_metadata.items()
+            if k.startswith(f"rng/{self.ctx.rank}/")
+        }
         load_pieces(path, {**pieces, **rng}, self.group)
         self.sharding.after_load()  # e.g. zero1 refreshes its fp32 masters from the parameters
         set_rng_states({k: p.local for k, p in rng.items()})
@@ -259,11 +303,16 @@ class Checkpointer:
             return
         now = self.cfg.to_dict()
         keys = _STREAM_KEYS + [("data", k) for k in now["data"]]
-        changed = [f"{s}.{k} {saved.get(s, {}).get(k)!r} -> {now[s][k]!r}" for s, k in keys
-                   if saved.get(s, {}).get(k) != now[s][k]]
+        changed = [
+            f"{s}.{k} {saved.get(s, {}).get(k)!r} -> {now[s][k]!r}"
+            for s, k in keys
+            if saved.get(s, {}).get(k) != now[s][k]
+        ]
         if changed:
-            self._say(f"note: resuming with changed {', '.join(changed)}: "
-                      "the run will not continue the saved one exactly")
+            self._say(
+                f"note: resuming with changed {', '.join(changed)}: "
+                "the run will not continue the saved one exactly"
+            )
 
     # -------------------------------------------------------------------- save
     def save(self, step: int) -> str:
@@ -275,14 +324,22 @@ class Checkpointer:
             try:
                 os.makedirs(tmp)
             except OSError as e:  # e.g. checkpoints/ became unwritable during the run
-                raise CheckpointError(f"{self.root}: cannot write a checkpoint ({e.strerror or e})") from None
+                raise CheckpointError(
+                    f"{self.root}: cannot write a checkpoint ({e.strerror or e})"
+                ) from None
         try:
             self._write(tmp, final, step)
-        except BaseException as e:  # Ctrl-C or a write error at any point before publication: no partial save
+        except (
+            BaseException
+        ) as e:  # Ctrl-C or a write error at any point before publication: no partial save
             if self.ctx.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # a no-op once published (renamed)
-            cause = getattr(e, "cause", e)  # DCP's writes say the temporary directory; name the checkpoints'
-            if out_of_room(cause):  # also the marker or config.toml; earlier checkpoints are untouched
+            cause = getattr(
+                e, "cause", e
+            )  # DCP's writes say the temporary directory; name the checkpoints'
+            if out_of_room(
+                cause
+            ):  # also the marker or config.toml; earlier checkpoints are untouched
                 raise disk_full(self.root, f"write checkpoint {name}", cause) from None
             raise
         self._barrier()  # nobody moves on before the checkpoint is published
@@ -294,10 +351,14 @@ class Checkpointer:
         """Every rank writes its pieces into ``tmp`` and hashes a share; rank 0 publishes."""
         self._barrier()
         pieces = self._pieces()
-        pieces.update({k: Piece(v, 0, tuple(v.shape)) for k, v in rng_states(self.ctx.rank).items()})
+        pieces.update(
+            {k: Piece(v, 0, tuple(v.shape)) for k, v in rng_states(self.ctx.rank).items()}
+        )
         save_pieces(tmp, pieces, self.group)
         shapes = {k[6:]: list(p.shape) for k, p in pieces.items() if k.startswith("model/")}
-        if self.group is not None:  # every rank has written its files; pipeline stages hold different layers
+        if (
+            self.group is not None
+        ):  # every rank has written its files; pipeline stages hold different layers
             every = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(every, shapes, group=self.group)
             shapes = {k: v for d in every for k, v in d.items()}
@@ -305,14 +366,23 @@ class Checkpointer:
         if self.ctx.rank == 0:
             self._publish(tmp, final, step, shapes, sums)
 
-    def _publish(self, tmp: str, final: str, step: int, shapes: dict[str, list[int]], sums: dict[str, str]) -> None:
+    def _publish(
+        self, tmp: str, final: str, step: int, shapes: dict[str, list[int]], sums: dict[str, str]
+    ) -> None:
         _write_durably(os.path.join(tmp, "config.toml"), dump_toml(self.cfg))
         sums = {**sums, "config.toml": file_checksum(os.path.join(tmp, "config.toml"))}
-        info = {"format": FORMAT, "version": VERSION, "step": step, "layout": self.ctx.layout.describe(),
-                "sharding": self.cfg.primitives.sharding, "arch": self.model.arch.to_hf_dict(),
-                "shapes": shapes,
-                "files": {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))},
-                "hash": HASH, "checksums": dict(sorted(sums.items()))}
+        info = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "layout": self.ctx.layout.describe(),
+            "sharding": self.cfg.primitives.sharding,
+            "arch": self.model.arch.to_hf_dict(),
+            "shapes": shapes,
+            "files": {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))},
+            "hash": HASH,
+            "checksums": dict(sorted(sums.items())),
+        }
         _write_durably(os.path.join(tmp, MARKER), json.dumps(info, indent=1))
         if os.path.exists(final):  # an older save of this step (a run resumed from before it)
             shutil.rmtree(final)
@@ -328,8 +398,11 @@ class Checkpointer:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         keep = self.cfg.train.keep_last
         if keep:
-            done = sorted((int(m.group(1)), n) for n in os.listdir(self.root) if (m := _STEP_DIR.match(n))
-                          and os.path.isfile(os.path.join(self.root, n, MARKER)))
+            done = sorted(
+                (int(m.group(1)), n)
+                for n in os.listdir(self.root)
+                if (m := _STEP_DIR.match(n)) and os.path.isfile(os.path.join(self.root, n, MARKER))
+            )
             for _, name in done[:-keep]:
                 if name != written:
                     shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
@@ -354,7 +427,9 @@ def load_model(path: str) -> torch.nn.Module:
     verify_checksums(path, info)
     # a router with a selection bias saved its buffer: build that router to receive it
     biased = any(k.endswith("mlp.gate.e_score_correction_bias") for k in info.get("shapes", {}))
-    model = build_model(arch_from_hf_dict(info["arch"]), PrimitivesConfig(router="sigmoid_bias") if biased else None)
+    model = build_model(
+        arch_from_hf_dict(info["arch"]), PrimitivesConfig(router="sigmoid_bias") if biased else None
+    )
     named = list(model.named_parameters()) + persistent_buffers(model)
     pieces = {f"model/{n}": Piece(p.detach().view(-1), 0, tuple(p.shape)) for n, p in named}
     _check_fits(path, info, read_dcp_metadata(path), pieces)

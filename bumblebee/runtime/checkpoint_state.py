@@ -38,9 +38,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties)
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor, Shard
 
@@ -92,21 +103,30 @@ def ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
             if opt.state[p]:
                 continue
             on_device = group.get("capturable") or group.get("fused")
-            state = {"step": torch.zeros((), dtype=step_dtype, device=p.device if on_device else "cpu"),
-                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            state = {
+                "step": torch.zeros((), dtype=step_dtype, device=p.device if on_device else "cpu"),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
             if group.get("amsgrad"):
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             opt.state[p] = state
 
 
-def state_pieces(model: torch.nn.Module, sharding, optimizer, ep_rank: int, ep: int) -> dict[str, Piece]:
+def state_pieces(
+    model: torch.nn.Module, sharding, optimizer, ep_rank: int, ep: int
+) -> dict[str, Piece]:
     """Keys ``model/<param>`` and ``optim/<param>/<state>`` -> this rank's pieces. The sharding
     primitive says which optimizer parameter holds each parameter's state and where in the
     flattened parameter that state starts (zero1: a slice of it)."""
     named = list(model.named_parameters())
-    pieces = {f"model/{name}": _param_piece(name, p, ep_rank, ep, model.is_expert_param(name)) for name, p in named}
-    for name, b in persistent_buffers(model):  # replicated state without optimizer state (router bias)
+    pieces = {
+        f"model/{name}": _param_piece(name, p, ep_rank, ep, model.is_expert_param(name))
+        for name, p in named
+    }
+    for name, b in persistent_buffers(
+        model
+    ):  # replicated state without optimizer state (router bias)
         pieces[f"model/{name}"] = Piece(b.detach().view(-1), 0, tuple(b.shape))
     ensure_optimizer_state(optimizer)
     owned = {id(q) for g in optimizer.param_groups for q in g["params"]}
@@ -129,7 +149,10 @@ def state_pieces(model: torch.nn.Module, sharding, optimizer, ep_rank: int, ep: 
 
 def rng_states(rank: int) -> dict[str, torch.Tensor]:
     """This rank's generators: torch (CPU), Python's ``random`` (its 625-word state), CUDA."""
-    states = {"torch": torch.get_rng_state(), "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor(random.getstate()[1], dtype=torch.int64),
+    }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return {f"rng/{rank}/{k}": v for k, v in states.items()}
@@ -161,10 +184,19 @@ class _SavePlanner(DefaultSavePlanner):
         self.pieces = pieces
 
     def create_local_plan(self) -> SavePlan:
-        items = [WriteItem(index=MetadataIndex(key, _chunk(p).offsets), type=WriteItemType.SHARD,
-                           tensor_data=TensorWriteData(chunk=_chunk(p), size=torch.Size([p.numel]),
-                                                       properties=TensorProperties.create_from_tensor(p.local)))
-                 for key, p in self.pieces.items() if p.local.numel()]
+        items = [
+            WriteItem(
+                index=MetadataIndex(key, _chunk(p).offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=_chunk(p),
+                    size=torch.Size([p.numel]),
+                    properties=TensorProperties.create_from_tensor(p.local),
+                ),
+            )
+            for key, p in self.pieces.items()
+            if p.local.numel()
+        ]
         self.plan = SavePlan(items)
         return self.plan
 
@@ -183,21 +215,40 @@ class _LoadPlanner(DefaultLoadPlanner):
         items = []
         for key, p in self.pieces.items():
             if p.local.numel():
-                items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [_chunk(p)])
+                items += create_read_items_for_chunk_list(
+                    key, self.metadata.state_dict_metadata[key], [_chunk(p)]
+                )
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.pieces[index.fqn].local
 
     def load_bytes(self, read_item, value) -> None:
-        raise CheckpointError(f"refusing to unpickle {read_item.dest_index.fqn}: a checkpoint holds tensors only")
+        raise CheckpointError(
+            f"refusing to unpickle {read_item.dest_index.fqn}: a checkpoint holds tensors only"
+        )
 
 
-_SAFE_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
-    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-    "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}
+_SAFE_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -207,7 +258,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) in _SAFE_GLOBALS or dtype:
             return super().find_class(module, name)
-        raise CheckpointError(f"refusing to load {module}.{name} from checkpoint metadata (not a DCP metadata type)")
+        raise CheckpointError(
+            f"refusing to load {module}.{name} from checkpoint metadata (not a DCP metadata type)"
+        )
 
 
 def read_dcp_metadata(path: str) -> Metadata:
@@ -255,7 +308,9 @@ def _unwrapped(path: str, doing: str):
                 raise disk_full(path, f"{doing} the checkpoint", exc) from None
         for exc in errors:
             if isinstance(exc, OSError):
-                raise CheckpointError(f"{path}: cannot {doing} the checkpoint ({exc.strerror or exc})") from None
+                raise CheckpointError(
+                    f"{path}: cannot {doing} the checkpoint ({exc.strerror or exc})"
+                ) from None
         raise
 
 
@@ -264,8 +319,13 @@ def save_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None
     this process alone). Data files are fsynced before DCP writes ``.metadata``."""
     with warnings.catch_warnings(), _unwrapped(path, "write"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({k: p.local for k, p in pieces.items()}, storage_writer=FileSystemWriter(path, sync_files=True),
-                 planner=_SavePlanner(pieces), process_group=process_group, no_dist=process_group is None)
+        dcp.save(
+            {k: p.local for k, p in pieces.items()},
+            storage_writer=FileSystemWriter(path, sync_files=True),
+            planner=_SavePlanner(pieces),
+            process_group=process_group,
+            no_dist=process_group is None,
+        )
 
 
 def load_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None:
@@ -273,5 +333,10 @@ def load_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None
     ``None`` with no process group: this process alone)."""
     with warnings.catch_warnings(), _unwrapped(path, "read"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({k: p.local for k, p in pieces.items()}, storage_reader=_SafeReader(path),
-                 planner=_LoadPlanner(pieces), process_group=process_group, no_dist=process_group is None)
+        dcp.load(
+            {k: p.local for k, p in pieces.items()},
+            storage_reader=_SafeReader(path),
+            planner=_LoadPlanner(pieces),
+            process_group=process_group,
+            no_dist=process_group is None,
+        )

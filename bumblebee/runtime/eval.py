@@ -49,12 +49,12 @@ def tiled_argmax(h_NH, w_VH) -> torch.Tensor:
     token_tile, vocab_tile = default_tiles(h_NH.device)
     out_N = torch.zeros(h_NH.shape[0], dtype=torch.long, device=h_NH.device)
     for t0 in range(0, h_NH.shape[0], token_tile):
-        h_tH = h_NH[t0:t0 + token_tile]
+        h_tH = h_NH[t0 : t0 + token_tile]
         best_t = torch.full((h_tH.shape[0],), float("-inf"), device=h_NH.device)
-        arg_t = out_N[t0:t0 + token_tile]
+        arg_t = out_N[t0 : t0 + token_tile]
         for v0 in range(0, w_VH.shape[0], vocab_tile):
             # GEMM in the compute dtype (under autocast: bf16, as F.linear gives the logits), compared in fp32
-            m_t, i_t = (h_tH @ w_VH[v0:v0 + vocab_tile].T).float().max(-1)
+            m_t, i_t = (h_tH @ w_VH[v0 : v0 + vocab_tile].T).float().max(-1)
             better = m_t > best_t
             best_t = torch.where(better, m_t, best_t)
             arg_t.copy_(torch.where(better, i_t + v0, arg_t))
@@ -76,8 +76,15 @@ def answer_scores(h_TH, w_VH, labels_T, loss_fn) -> torch.Tensor:
 
 def answer_head(part, x, position_ids, labels_BT, stage):
     """``StageModule.head`` (and the pp = 1 call): per-token (loss, miss) [b, T, 2], balance loss, router stats."""
-    out, aux, stats = part.scores(x, position_ids, answer_scores, labels_BT.reshape(-1), part.loss_fn, stage=stage,
-                                  return_stats=True)
+    out, aux, stats = part.scores(
+        x,
+        position_ids,
+        answer_scores,
+        labels_BT.reshape(-1),
+        part.loss_fn,
+        stage=stage,
+        return_stats=True,
+    )
     return out.view(*labels_BT.shape, 2), aux, stats
 
 
@@ -100,9 +107,15 @@ def _forward(trainer, ids, labels, pos, head):
     for i in range(0, ids.shape[0], mb):
         with trainer.autocast:
             if head is None:
-                outs.append(model.loss_terms(ids[i:i + mb], labels[i:i + mb], pos[i:i + mb]).loss_sum.float()[None])
+                outs.append(
+                    model.loss_terms(
+                        ids[i : i + mb], labels[i : i + mb], pos[i : i + mb]
+                    ).loss_sum.float()[None]
+                )
             else:
-                outs.append(head(model, ids[i:i + mb], pos[i:i + mb], labels[i:i + mb], None)[0])
+                outs.append(
+                    head(model, ids[i : i + mb], pos[i : i + mb], labels[i : i + mb], None)[0]
+                )
     return torch.cat(outs)
 
 
@@ -134,11 +147,18 @@ def evaluate(trainer) -> dict:
     loss_sum = torch.zeros((), device=trainer.device, dtype=torch.float32)
     with _eval_mode(trainer.model):
         for batch in batches:
-            sums = _forward(trainer, *_local(trainer, batch.input_ids, batch.labels, batch.position_ids), None)
-            for s in [] if sums is None else sums:  # one micro-batch at a time, as before (same rounding)
+            sums = _forward(
+                trainer, *_local(trainer, batch.input_ids, batch.labels, batch.position_ids), None
+            )
+            for s in (
+                [] if sums is None else sums
+            ):  # one micro-batch at a time, as before (same rounding)
                 loss_sum += s
     valid = sum(batch.num_valid for batch in batches)
-    return {"eval_loss": float(_all_reduce(trainer, loss_sum)) / max(valid, 1), "eval_tokens": valid}
+    return {
+        "eval_loss": float(_all_reduce(trainer, loss_sum)) / max(valid, 1),
+        "eval_tokens": valid,
+    }
 
 
 @torch.no_grad()
@@ -150,12 +170,16 @@ def evaluate_answers(trainer, held_out) -> dict:
     device = trainer.device
     n_queries = [len(ev.distances) for ev in held_out]
     wrong_Q = torch.zeros(sum(n_queries), dtype=torch.float64, device=device)
-    stats = torch.zeros(2, dtype=torch.float64, device=device)  # answer-token loss sum, answer tokens
+    stats = torch.zeros(
+        2, dtype=torch.float64, device=device
+    )  # answer-token loss sum, answer tokens
     with _eval_mode(trainer.model):
         offset = 0
         for ev, n in zip(held_out, n_queries):
             b = ev.batch
-            ids, labels, pos, qids = _local(trainer, b.input_ids, b.labels, b.position_ids, ev.query_ids)
+            ids, labels, pos, qids = _local(
+                trainer, b.input_ids, b.labels, b.position_ids, ev.query_ids
+            )
             scores_BT2 = _forward(trainer, ids, labels, pos, answer_head)
             if scores_BT2 is not None:
                 keep = labels != IGNORE
@@ -167,6 +191,10 @@ def evaluate_answers(trainer, held_out) -> dict:
     both = _all_reduce(trainer, torch.cat([wrong_Q, stats]))
     wrong_Q, stats = both[:-2], both[-2:]
     distances = [d for ev in held_out for d in ev.distances]
-    return {"eval_loss": float(stats[0] / stats[1].clamp(min=1)), "eval_tokens": int(stats[1]),
-            "eval_accuracy": float((wrong_Q == 0).double().mean()),
-            "eval_distance_min": min(distances), "eval_distance_max": max(distances)}
+    return {
+        "eval_loss": float(stats[0] / stats[1].clamp(min=1)),
+        "eval_tokens": int(stats[1]),
+        "eval_accuracy": float((wrong_Q == 0).double().mean()),
+        "eval_distance_min": min(distances),
+        "eval_distance_max": max(distances),
+    }

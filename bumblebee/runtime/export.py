@@ -34,16 +34,27 @@ from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 from bumblebee.models.hf_write import check_export_target, write_hf
-from bumblebee.runtime.checkpoint import (_STEP_DIR, HF_SHARD_BYTES, MARKER, _check_fits, named_checkpoint,
-                                          read_marker)
+from bumblebee.runtime.checkpoint import (
+    _STEP_DIR,
+    HF_SHARD_BYTES,
+    MARKER,
+    _check_fits,
+    named_checkpoint,
+    read_marker,
+)
 from bumblebee.runtime.checkpoint_state import Piece, load_pieces, read_dcp_metadata
 from bumblebee.runtime.integrity import verify_checksums
 
 BUCKET_BYTES = 64 * 2**20
 
 
-def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_BYTES, overwrite: bool = False,
-                      dtype: str | None = None) -> str:
+def export_checkpoint(
+    spec: str,
+    out_dir: str,
+    max_shard_bytes: int = HF_SHARD_BYTES,
+    overwrite: bool = False,
+    dtype: str | None = None,
+) -> str:
     """``bumblebee convert --to hf``: the parameters of a checkpoint (or the newest complete
     one under a run / checkpoints directory) as a HF directory, in ``dtype`` ("bfloat16" |
     "float32"; default the run's ``train.dtype``); one process. Returns the checkpoint used.
@@ -55,11 +66,15 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
     path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
     arch, named_shapes, tensors = stream_checkpoint(path)  # checksums verified
     saved = _saved_config(path)
-    dtype = dtype or ("bfloat16" if saved.get("train", {}).get("dtype") == "bfloat16" else "float32")
+    dtype = dtype or (
+        "bfloat16" if saved.get("train", {}).get("dtype") == "bfloat16" else "float32"
+    )
     source = saved.get("model", {}).get("hf_path", "")
     if source and not os.path.isfile(os.path.join(source, "config.json")):
-        print(f"bumblebee: {source} (the run's model.hf_path) is gone: exporting the language model only",
-              file=sys.stderr)
+        print(
+            f"bumblebee: {source} (the run's model.hf_path) is gone: exporting the language model only",
+            file=sys.stderr,
+        )
         source = ""
     check_export_target(out_dir, source)  # --overwrite would replace the run's own starting model
     parent, base = os.path.split(os.path.abspath(out_dir))
@@ -67,8 +82,15 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         with Progress(f"convert {path}: tensors written", total=len(named_shapes)) as progress:
-            write_hf(tmp, arch, named_shapes, _counted(tensors, progress), dtype=getattr(torch, dtype),
-                     max_shard_bytes=max_shard_bytes, source=source)  # written beside the target, then moved in
+            write_hf(
+                tmp,
+                arch,
+                named_shapes,
+                _counted(tensors, progress),
+                dtype=getattr(torch, dtype),
+                max_shard_bytes=max_shard_bytes,
+                source=source,
+            )  # written beside the target, then moved in
         _export_tokenizer(tmp, saved.get("data", {}))
         if os.path.isdir(out_dir) and not os.listdir(out_dir):
             os.rmdir(out_dir)
@@ -78,7 +100,9 @@ def export_checkpoint(spec: str, out_dir: str, max_shard_bytes: int = HF_SHARD_B
             for name in old:  # the earlier export's files (--overwrite)
                 os.remove(os.path.join(out_dir, name))
             for name in sorted(os.listdir(tmp), key=lambda n: n.startswith("model.safetensors")):
-                os.rename(os.path.join(tmp, name), os.path.join(out_dir, name))  # the entry point last
+                os.rename(
+                    os.path.join(tmp, name), os.path.join(out_dir, name)
+                )  # the entry point last
     except (OSError, RuntimeError) as e:
         if out_of_room(e):  # the partial export (beside the target) is removed below
             raise disk_full(out_dir, "write the export", e) from None
@@ -104,8 +128,10 @@ def _export_tokenizer(out_dir: str, data: dict) -> None:
     if not tok:
         return
     if not os.path.isfile(os.path.join(tok, "tokenizer.json")):
-        print(f"bumblebee: {tok} (the run's data.tokenizer) is gone: exporting without tokenizer files",
-              file=sys.stderr)
+        print(
+            f"bumblebee: {tok} (the run's data.tokenizer) is gone: exporting without tokenizer files",
+            file=sys.stderr,
+        )
         return
     from bumblebee.models.hf_tokenizer import add_tokenizer
 
@@ -135,8 +161,12 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
     arch = arch_from_hf_dict(info["arch"])
     # a router with a selection bias saved its buffer: build that router to receive it
     biased = any(k.endswith("mlp.gate.e_score_correction_bias") for k in info.get("shapes", {}))
-    whole = build_model(arch, PrimitivesConfig(router="sigmoid_bias") if biased else None, device="meta")
-    named_shapes = [(n, tuple(p.shape)) for n, p in list(whole.named_parameters()) + persistent_buffers(whole)]
+    whole = build_model(
+        arch, PrimitivesConfig(router="sigmoid_bias") if biased else None, device="meta"
+    )
+    named_shapes = [
+        (n, tuple(p.shape)) for n, p in list(whole.named_parameters()) + persistent_buffers(whole)
+    ]
     meta = {f"model/{n}": Piece(torch.empty(0, device="meta"), 0, s) for n, s in named_shapes}
     _check_fits(path, info, read_dcp_metadata(path), meta)
 
@@ -148,7 +178,10 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
             following = math.prod(named_shapes[i + 1][1]) * 4 if i + 1 < len(named_shapes) else None
             if following is None or size + following > bucket_bytes:
                 full = {n: torch.empty(s) for n, s in bucket}
-                load_pieces(path, {f"model/{n}": Piece(t.view(-1), 0, tuple(t.shape)) for n, t in full.items()})
+                load_pieces(
+                    path,
+                    {f"model/{n}": Piece(t.view(-1), 0, tuple(t.shape)) for n, t in full.items()},
+                )
                 for n, _ in bucket:
                     yield n, full.pop(n)
                 bucket, size = [], 0
@@ -157,7 +190,9 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
 
 
 # what an export writes itself (models/hf_write.py WEIGHT_FILE, and config.json)
-_EXPORT_FILE = re.compile(r"^(config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
+_EXPORT_FILE = re.compile(
+    r"^(config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$"
+)
 
 
 def export_target_files(out_dir: str, overwrite: bool) -> list[str]:
@@ -169,18 +204,32 @@ def export_target_files(out_dir: str, overwrite: bool) -> list[str]:
     if not os.path.isdir(out_dir):
         return []
     names = os.listdir(out_dir)
-    if (MARKER in names or ".metadata" in names or _STEP_DIR.match(os.path.basename(os.path.abspath(out_dir)))
-            or any(_STEP_DIR.match(n) for n in names)):
-        raise CheckpointError(f"{out_dir}: a training checkpoint directory; export to a new directory")
+    if (
+        MARKER in names
+        or ".metadata" in names
+        or _STEP_DIR.match(os.path.basename(os.path.abspath(out_dir)))
+        or any(_STEP_DIR.match(n) for n in names)
+    ):
+        raise CheckpointError(
+            f"{out_dir}: a training checkpoint directory; export to a new directory"
+        )
     if "checkpoints" in names or "metrics.jsonl" in names or "config.toml" in names:
-        raise CheckpointError(f"{out_dir}: a training run directory; export to a new directory (e.g. {out_dir}/hf)")
+        raise CheckpointError(
+            f"{out_dir}: a training run directory; export to a new directory (e.g. {out_dir}/hf)"
+        )
     if not names:
         return []
     if not overwrite:
-        raise CheckpointError(f"{out_dir}: not empty ({len(names)} entries); export to a new directory, or pass "
-                              "--overwrite to replace the Hugging Face export in it")
-    old = sorted(n for n in names if _EXPORT_FILE.match(n) and os.path.isfile(os.path.join(out_dir, n)))
+        raise CheckpointError(
+            f"{out_dir}: not empty ({len(names)} entries); export to a new directory, or pass "
+            "--overwrite to replace the Hugging Face export in it"
+        )
+    old = sorted(
+        n for n in names if _EXPORT_FILE.match(n) and os.path.isfile(os.path.join(out_dir, n))
+    )
     if "config.json" not in old:
-        raise CheckpointError(f"{out_dir}: --overwrite replaces an earlier Hugging Face export, and this directory "
-                              "holds none (no config.json); export to a new directory")
+        raise CheckpointError(
+            f"{out_dir}: --overwrite replaces an earlier Hugging Face export, and this directory "
+            "holds none (no config.json); export to a new directory"
+        )
     return old

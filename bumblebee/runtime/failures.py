@@ -24,16 +24,28 @@ import signal
 import time
 
 # substrings of errors that a rank sees because *another* rank died or stalled
-_PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
-              "socket closed", "econnreset", "epipe", "remote process exited", "read error", "write error",
-              "process group watchdog", "recvbytes", "sendbytes")
+_PEER_LOSS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+    "socket closed",
+    "econnreset",
+    "epipe",
+    "remote process exited",
+    "read error",
+    "write error",
+    "process group watchdog",
+    "recvbytes",
+    "sendbytes",
+)
 _TIMEOUT = ("timed out", "timeout", "deadline exceeded")
 
 
 def _first_line(text: str, limit: int = 300) -> str:
     lines = [x.strip() for x in str(text).splitlines() if x.strip()]
     line = lines[0] if lines else ""
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def classify(exc: BaseException) -> str:
@@ -51,8 +63,13 @@ def classify(exc: BaseException) -> str:
 def write_report(report_dir: str, attempt: int, rank: int, exc: BaseException) -> str:
     """Record this rank's failure (called from the worker's ``except``, before teardown);
     returns its kind."""
-    report = {"rank": rank, "attempt": attempt, "time_ns": time.time_ns(), "kind": classify(exc),
-              "error": f"{type(exc).__name__}: {_first_line(str(exc)) or 'no message'}"}
+    report = {
+        "rank": rank,
+        "attempt": attempt,
+        "time_ns": time.time_ns(),
+        "kind": classify(exc),
+        "error": f"{type(exc).__name__}: {_first_line(str(exc)) or 'no message'}",
+    }
     tmp = os.path.join(report_dir, f".a{attempt}_r{rank}.json")
     with open(tmp, "w") as f:
         json.dump(report, f)
@@ -94,20 +111,25 @@ def _exit_text(exitcode: int | None) -> str:
 def first_failure(failures: dict) -> tuple[int, object]:
     """(rank, failure) of the rank that stopped by itself first among torch elastic's failures: a rank
     the agent killed while tearing the job down (a signal) is a consequence; ties by lowest rank."""
+
     def key(item):
         rank, f = item
         return (f.exitcode is None or f.exitcode < 0, f.timestamp, rank)
+
     return min(failures.items(), key=key)
 
 
-def diagnose(reports: dict[int, dict], world: int, seen: tuple[int, int | None] | None = None) -> str:
+def diagnose(
+    reports: dict[int, dict], world: int, seen: tuple[int, int | None] | None = None
+) -> str:
     """One line naming the root cause among ``world`` ranks. ``seen`` is the (rank,
     exit code) the elastic agent reported, used for a rank that left no report."""
-    roots = sorted((r for r in reports.values() if r["kind"] == "error"), key=lambda r: r["time_ns"])
+    roots = sorted(
+        (r for r in reports.values() if r["kind"] == "error"), key=lambda r: r["time_ns"]
+    )
     if roots:
         first = roots[0]
-        return (f"rank {first['rank']} failed first (exit 1): {first['error']}; "
-                f"{_others(world - 1)}")
+        return f"rank {first['rank']} failed first (exit 1): {first['error']}; {_others(world - 1)}"
     silent = [r for r in range(world) if r not in reports]
     waited = sorted(reports.values(), key=lambda r: r["time_ns"])
     seen_text = ""
@@ -115,14 +137,20 @@ def diagnose(reports: dict[int, dict], world: int, seen: tuple[int, int | None] 
         seen_text = f" ({_exit_text(seen[1])})"
     if silent and any(r["kind"] == "timeout" for r in waited):
         t = next(r for r in waited if r["kind"] == "timeout")
-        return (f"{_ranks(silent)} did not arrive at a collective within train.collective_timeout_s "
-                f"(hung or stuck): rank {t['rank']} gave up waiting: {t['error']}")
+        return (
+            f"{_ranks(silent)} did not arrive at a collective within train.collective_timeout_s "
+            f"(hung or stuck): rank {t['rank']} gave up waiting: {t['error']}"
+        )
     if silent:
         if seen is not None and seen[0] in silent:
             # the rank the agent saw stop first; the other silent ranks were stopped by the agent's
             # teardown before they noticed the loss (no report: they never raised)
             silent = [seen[0]]
-        what = seen_text.strip(" ()") if seen_text else "no Python error: killed by a signal or crashed"
+        what = (
+            seen_text.strip(" ()")
+            if seen_text
+            else "no Python error: killed by a signal or crashed"
+        )
         line = f"{_ranks(silent)} failed first ({what})"
         if waited:
             line += f"; rank {waited[0]['rank']} then saw: {waited[0]['error']}"

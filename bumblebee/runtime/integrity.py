@@ -42,7 +42,9 @@ def _share(names: list[str], rank: int, world: int) -> list[str]:
 
 def checksum_files(path: str, names: list[str], group=None) -> dict[str, str]:
     """CRC-32 of ``names`` in ``path``; collective over ``group`` (each rank hashes a share)."""
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    rank, world = (
+        (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    )
     mine = {n: file_checksum(os.path.join(path, n)) for n in _share(names, rank, world)}
     if group is None:
         return mine
@@ -57,7 +59,9 @@ def _errors(path: str, info: dict, names: list[str]) -> list[str]:
     for n in names:
         got = file_checksum(os.path.join(path, n))
         if got != sums[n]:
-            out.append(f"{path}: corrupt checkpoint: {n} has {HASH} {got}, the marker records {sums[n]}")
+            out.append(
+                f"{path}: corrupt checkpoint: {n} has {HASH} {got}, the marker records {sums[n]}"
+            )
     return out
 
 
@@ -68,12 +72,18 @@ def verify_checksums(path: str, info: dict, group=None) -> None:
     if not names:
         return
     if info.get("hash", HASH) != HASH:
-        raise CheckpointError(f"{path}: checksums use {info.get('hash')!r}; this bumblebee knows {HASH}")
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+        raise CheckpointError(
+            f"{path}: checksums use {info.get('hash')!r}; this bumblebee knows {HASH}"
+        )
+    rank, world = (
+        (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    )
     errors = _errors(path, info, _share(names, rank, world))
     if group is not None:
         every = [None] * world
         dist.all_gather_object(every, errors, group=group)
         errors = [e for part in every for e in part]
     if errors:
-        raise CheckpointError(errors[0] + (f" (and {len(errors) - 1} more files)" if len(errors) > 1 else ""))
+        raise CheckpointError(
+            errors[0] + (f" (and {len(errors) - 1} more files)" if len(errors) > 1 else "")
+        )

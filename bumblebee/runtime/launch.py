@@ -49,7 +49,9 @@ PREEMPTED = "preempted.json"
 
 def started_by_torchrun() -> bool:
     """True inside a worker that torchrun / elastic started (its environment protocol)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
 
 
 def restart_count() -> int:
@@ -78,11 +80,19 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # the elastic agent keeps one store across restarts: without a per-attempt prefix a
         # restarted rank reads the addresses its dead predecessors published and fails to connect
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"bumblebee/attempt_{restart_count()}", store),
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=timeout)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timeout,
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"bumblebee/attempt_{restart_count()}", store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
     else:
         dist.init_process_group(backend, timeout=timeout)
     return device
@@ -105,7 +115,9 @@ def train_worker(cfg) -> None:
 
     init_distributed(cfg.train.collective_timeout_s)
     cfg.train.resume = resume_spec(cfg)
-    with interrupt_once(ignore_after=True):  # Ctrl-C stops the rank quietly (the launcher prints one line)
+    with interrupt_once(
+        ignore_after=True
+    ):  # Ctrl-C stops the rank quietly (the launcher prints one line)
         Trainer(cfg).run()
 
 
@@ -114,17 +126,25 @@ def _entry(worker, report_dir: str, world: int, max_restarts: int, cfg) -> None:
     rank, attempt = int(os.environ["RANK"]), restart_count()
     if attempt and rank == 0:
         cause = diagnose(read_reports(report_dir, attempt - 1), world)
-        print(f"bumblebee: restart {attempt}/{max_restarts} after: {cause}", file=sys.stderr, flush=True)
+        print(
+            f"bumblebee: restart {attempt}/{max_restarts} after: {cause}",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         worker(cfg)
-    except Preempted as p:  # a clean stop: exit 0 so the agent does not restart, the parent reports it
+    except (
+        Preempted
+    ) as p:  # a clean stop: exit 0 so the agent does not restart, the parent reports it
         if rank == 0:
             with open(os.path.join(report_dir, PREEMPTED), "w") as f:
                 json.dump({"message": str(p), "exit_code": p.exit_code}, f)
     except BaseException as e:  # noqa: BLE001 - recorded, then re-raised
         # before the group is torn down, so a cause is stamped before its echoes on other ranks
         if write_report(report_dir, attempt, rank, e) != "error":
-            time.sleep(1.0)  # an echo lingers: the agent then sees (and gives the exit code of) the cause's death first
+            time.sleep(
+                1.0
+            )  # an echo lingers: the agent then sees (and gives the exit code of) the cause's death first
         raise
     finally:
         if dist.is_initialized():
@@ -143,7 +163,10 @@ def _worker_pids_catching(signum: int) -> list[int]:
                 status = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
             continue
-        if int(status.get("PPid", "0")) == me and int(status.get("SigCgt", "0"), 16) >> (signum - 1) & 1:
+        if (
+            int(status.get("PPid", "0")) == me
+            and int(status.get("SigCgt", "0"), 16) >> (signum - 1) & 1
+        ):
             pids.append(int(name))
     return pids
 
@@ -169,10 +192,16 @@ class _ForwardPreemption:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         if self.signum:  # the second signal: torch elastic stops every worker with it
-            raise SignalException(f"second {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+            raise SignalException(
+                f"second {signal.Signals(signum).name}", sigval=signal.Signals(signum)
+            )
         self.signum = signum
-        print(f"bumblebee: {signal.Signals(signum).name}: stopping after the current step "
-              "(send it again to stop at once)", file=sys.stderr, flush=True)
+        print(
+            f"bumblebee: {signal.Signals(signum).name}: stopping after the current step "
+            "(send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
         def forward():
             for pid in _worker_pids_catching(signum):
@@ -199,13 +228,27 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # signals_to_handle: torch elastic's own SIGTERM handler would kill the workers; _ForwardPreemption owns it
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"bumblebee-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
-                          monitor_interval=0.2, start_method="spawn", signals_to_handle="SIGINT,SIGHUP,SIGQUIT")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"bumblebee-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+    )
     report_dir = tempfile.mkdtemp(prefix="bumblebee-ranks-")
     try:
-        with _ForwardPreemption(), rank_errors.quiet_elastic():  # our one line replaces elastic's logs
-            elastic_launch(config, _entry)(worker or train_worker, report_dir, nproc, max_restarts, cfg)
+        with (
+            _ForwardPreemption(),
+            rank_errors.quiet_elastic(),
+        ):  # our one line replaces elastic's logs
+            elastic_launch(config, _entry)(
+                worker or train_worker, report_dir, nproc, max_restarts, cfg
+            )
         preempted = os.path.join(report_dir, PREEMPTED)
         if os.path.exists(preempted):
             with open(preempted) as f:
@@ -217,9 +260,13 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
         if (message := rank_errors.config_error(e.failures)) is not None:
             raise ConfigError(message) from None  # bad input found by a rank: one line, exit 2
         rank, failure = first_failure(e.failures)
-        cause = diagnose(read_reports(report_dir, max_restarts), nproc, (rank, failure.exitcode))  # the last attempt
-        print(f"bumblebee: {cause}" + (f" (after {max_restarts} restarts)" if max_restarts else ""),
-              file=sys.stderr)
+        cause = diagnose(
+            read_reports(report_dir, max_restarts), nproc, (rank, failure.exitcode)
+        )  # the last attempt
+        print(
+            f"bumblebee: {cause}" + (f" (after {max_restarts} restarts)" if max_restarts else ""),
+            file=sys.stderr,
+        )
         return 1
     except SignalException as e:
         if rank_errors.interrupted(e):  # Ctrl-C: the CLI prints one line and exits 130

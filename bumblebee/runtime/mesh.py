@@ -93,7 +93,9 @@ def _group_options(device: torch.device):
     ``init_process_group`` was told, and a hung rank would hold the job that long."""
     backend = dist.get_backend()
     world = dist.group.WORLD._get_backend(device)
-    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options = (
+        dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    )
     options._timeout = world.options._timeout
     return backend, options
 
@@ -110,7 +112,9 @@ def build_context(layout: Layout, device: torch.device) -> ParallelContext:
     opt = _group_options(device)
 
     def mesh(shape, names):
-        return DeviceMesh(kind, ranks.view(*shape), mesh_dim_names=names, backend_override=(opt,) * len(names))
+        return DeviceMesh(
+            kind, ranks.view(*shape), mesh_dim_names=names, backend_override=(opt,) * len(names)
+        )
 
     dense = mesh((L.pp, L.dp_shard, L.cp, L.tp), ("pp", "dp_shard", "cp", "tp"))
     dp_cp = mesh((L.pp, L.dp_shard * L.cp * L.tp), ("pp", "dp_cp"))

@@ -22,9 +22,18 @@ class MetricsWriter:
     Biases (``train.wandb``), or None. ``expert_ceiling``: E / K, the highest max/mean expert load
     a layer can reach (every token on the same K experts); 0 when the model has no experts."""
 
-    def __init__(self, out_dir: str | None, *, total_steps: int, log_every: int = 1, stream: IO = sys.stdout,
-                 first_step: int = 0, tensorboard: bool = False, wandb: dict | None = None,
-                 expert_ceiling: float = 0.0):
+    def __init__(
+        self,
+        out_dir: str | None,
+        *,
+        total_steps: int,
+        log_every: int = 1,
+        stream: IO = sys.stdout,
+        first_step: int = 0,
+        tensorboard: bool = False,
+        wandb: dict | None = None,
+        expert_ceiling: float = 0.0,
+    ):
         self.active = out_dir is not None
         self.total_steps, self.log_every, self.stream = total_steps, max(log_every, 1), stream
         self.routing = RoutingWatch(expert_ceiling)
@@ -38,26 +47,39 @@ class MetricsWriter:
             # a resumed run keeps the lines of the steps it continues from, and drops any
             # lines past the checkpoint (steps that will be recomputed)
             kept = _lines_up_to(self.path, first_step, stream) if first_step > 0 else []
-            self.resumed = json.loads(kept[-1]) if kept else {}  # the record of the step resumed from
+            self.resumed = (
+                json.loads(kept[-1]) if kept else {}
+            )  # the record of the step resumed from
             self._file = open(self.path, "w")
             self._file.writelines(kept)
             self._file.flush()
         # the same scalars as TensorBoard events (train.tensorboard; the [data] extra)
-        self._tb = tensorboard_writer(os.path.join(out_dir, "tensorboard")) if self.active and tensorboard else None
+        self._tb = (
+            tensorboard_writer(os.path.join(out_dir, "tensorboard"))
+            if self.active and tensorboard
+            else None
+        )
         self._wandb = wandb_run(wandb) if self.active and wandb is not None else None
         self._start = time.perf_counter()
-        self._steady = None  # (time, step) when the run's first step was logged: the ETA leaves start-up out
+        self._steady = (
+            None  # (time, step) when the run's first step was logged: the ETA leaves start-up out
+        )
 
     def log(self, record: dict) -> None:
         if not self.active:
             return
         if self.routing.ceiling > 1 and "expert_load_max_over_mean" in record:
-            record["expert_ceiling"] = self.routing.ceiling  # E / K: the report draws it as a reference line
+            record["expert_ceiling"] = (
+                self.routing.ceiling
+            )  # E / K: the report draws it as a reference line
         self.history.append(record)
         self._file.write(json_line(record) + "\n")
         self._file.flush()
-        scalars = {k: v for k, v in record.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            k: v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, record["step"])
@@ -75,14 +97,18 @@ class MetricsWriter:
     def _progress(self, r: dict) -> None:
         done = r["step"] / self.total_steps
         bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
-        line = (f"[{bar}] step {r['step']}/{self.total_steps}  loss {r['loss']:.4f}  aux {r['aux_loss']:.3f}  "
-                f"gnorm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_s']:.0f} tok/s  ")
+        line = (
+            f"[{bar}] step {r['step']}/{self.total_steps}  loss {r['loss']:.4f}  aux {r['aux_loss']:.3f}  "
+            f"gnorm {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tokens_per_s']:.0f} tok/s  "
+        )
         if "tflops_per_gpu" in r:
             line += f"{r['tflops_per_gpu']:.3g} TFLOP/s/GPU  "
         if "mfu" in r:
             line += f"MFU {r['mfu']:.1%}  "
         line += f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB  eta {self.eta(r['step'])}"
-        if r.get("expert_load_max_over_mean", 0.0) > 2.0:  # a layer's busiest expert gets > 2x the mean
+        if (
+            r.get("expert_load_max_over_mean", 0.0) > 2.0
+        ):  # a layer's busiest expert gets > 2x the mean
             line += f"  load max/mean {r['expert_load_max_over_mean']:.1f} (layer {r['expert_load_worst_layer']})"
         if "eval_loss" in r:
             line += f"  eval_loss {r['eval_loss']:.4f}"
@@ -108,7 +134,9 @@ class MetricsWriter:
     def summary(self) -> dict:
         """Aggregate figures of the run (also printed by ``close``)."""
         skipped = sum(bool(r.get("skipped")) for r in self.history)
-        h = [r for r in self.history if not r.get("skipped")]  # steps without a loss token trained nothing
+        h = [
+            r for r in self.history if not r.get("skipped")
+        ]  # steps without a loss token trained nothing
         if not h:
             return {"steps": 0, "skipped_steps": skipped} if skipped else {}
         k = max(1, len(h) // 10)
@@ -117,13 +145,19 @@ class MetricsWriter:
         steady = h[1:] if len(h) > 1 else h  # the first step includes warm-up
         evals = [r for r in h if "eval_accuracy" in r]
         last_eval = {k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else {}
-        rates = {k: sum(r[k] for r in steady) / len(steady) for k in ("tflops_per_gpu", "mfu")
-                 if all(k in r for r in steady)}  # mean over the steps after the first
-        return {**last_eval, **rates,
+        rates = {
+            k: sum(r[k] for r in steady) / len(steady)
+            for k in ("tflops_per_gpu", "mfu")
+            if all(k in r for r in steady)
+        }  # mean over the steps after the first
+        return {
+            **last_eval,
+            **rates,
             "steps": len(h),
             "loss_first": first,
             "loss_last": last,
-            "tokens_per_s": sum(r["tokens"] for r in steady) / sum(r["step_time_s"] for r in steady),
+            "tokens_per_s": sum(r["tokens"] for r in steady)
+            / sum(r["step_time_s"] for r in steady),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in h),
             "wall_time_s": time.perf_counter() - self._start,
             "skipped_steps": skipped,
@@ -132,20 +166,24 @@ class MetricsWriter:
     def close(self) -> dict:
         s = self.summary()
         if self.active and s.get("skipped_steps"):
-            self.stream.write(f"bumblebee: note: {s['skipped_steps']} step(s) skipped: their global batch had no "
-                              "loss token (all loss_mask false or one-token documents)\n")
+            self.stream.write(
+                f"bumblebee: note: {s['skipped_steps']} step(s) skipped: their global batch had no "
+                "loss token (all loss_mask false or one-token documents)\n"
+            )
         if self.active and s.get("steps"):
             self.stream.write(
                 f"done: {s['steps']} steps in {s['wall_time_s']:.1f}s; loss {s['loss_first']:.4f} -> "
                 f"{s['loss_last']:.4f} (mean of first/last 10%); {s['tokens_per_s']:.0f} tok/s; "
                 + (f"{s['tflops_per_gpu']:.3g} TFLOP/s/GPU; " if "tflops_per_gpu" in s else "")
                 + (f"MFU {s['mfu']:.1%}; " if "mfu" in s else "")
-                + f"peak {s['peak_mem_bytes'] / 2**20:.0f} MiB; metrics in {self.path}\n")
+                + f"peak {s['peak_mem_bytes'] / 2**20:.0f} MiB; metrics in {self.path}\n"
+            )
             if "eval_accuracy" in s:
                 self.stream.write(
                     f"held-out retrieval accuracy {s['eval_accuracy']:.2f} (exact match of the answers; "
                     f"eval loss {s['eval_loss']:.3f}) at distance {_tokens(s['eval_distance_min'])}-"
-                    f"{_tokens(s['eval_distance_max'])} tokens\n")
+                    f"{_tokens(s['eval_distance_max'])} tokens\n"
+                )
             self.stream.flush()
         if self._file:
             self._file.close()
@@ -174,18 +212,24 @@ class RoutingWatch:
         if self.run < self.patience:
             return ""
         self.warned = True
-        return (f"routing has saturated: layer {record.get('expert_load_worst_layer')}'s busiest expert has had "
-                f"max/mean load {load:.1f} (the E/K ceiling, {self.ceiling:g}: every token on the same experts) "
-                f"for {self.run} steps; what helps: a larger model.arch.router_aux_loss_coef (balance loss), "
-                f"a lower train.lr or a longer train.warmup_steps, moe.capacity_factor > 0 (drops the overflow), "
-                f"or primitives.router = 'sigmoid_bias' (bias balancing, moe.bias_update_rate)")
+        return (
+            f"routing has saturated: layer {record.get('expert_load_worst_layer')}'s busiest expert has had "
+            f"max/mean load {load:.1f} (the E/K ceiling, {self.ceiling:g}: every token on the same experts) "
+            f"for {self.run} steps; what helps: a larger model.arch.router_aux_loss_coef (balance loss), "
+            f"a lower train.lr or a longer train.warmup_steps, moe.capacity_factor > 0 (drops the overflow), "
+            f"or primitives.router = 'sigmoid_bias' (bias balancing, moe.bias_update_rate)"
+        )
 
 
 def wandb_init(cfg) -> dict:
     """``wandb.init`` arguments of a run: its project, named after its out_dir, its resolved config."""
     t = cfg.train
-    return {"project": t.wandb_project, "name": os.path.basename(os.path.normpath(t.out_dir)),
-            "dir": t.out_dir, "config": cfg.to_dict()}
+    return {
+        "project": t.wandb_project,
+        "name": os.path.basename(os.path.normpath(t.out_dir)),
+        "dir": t.out_dir,
+        "config": cfg.to_dict(),
+    }
 
 
 def tensorboard_writer(log_dir: str):
@@ -195,8 +239,10 @@ def tensorboard_writer(log_dir: str):
     except ImportError:
         from bumblebee.config import ConfigError
 
-        raise ConfigError("train.tensorboard = true needs the optional package 'tensorboard': "
-                          "pip install 'bumblebee[data]'") from None
+        raise ConfigError(
+            "train.tensorboard = true needs the optional package 'tensorboard': "
+            "pip install 'bumblebee[data]'"
+        ) from None
     return SummaryWriter(log_dir=log_dir)
 
 
@@ -213,8 +259,10 @@ def import_wandb():
     except ImportError:
         from bumblebee.config import ConfigError
 
-        raise ConfigError("train.wandb = true needs the optional package 'wandb': pip install wandb "
-                          "(or pip install 'bumblebee[wandb]')") from None
+        raise ConfigError(
+            "train.wandb = true needs the optional package 'wandb': pip install wandb "
+            "(or pip install 'bumblebee[wandb]')"
+        ) from None
     return wandb
 
 
@@ -254,7 +302,9 @@ def _lines_up_to(path: str, step: int, stream: IO) -> list[str]:
             elif rec["step"] <= step:
                 kept.append(raw.decode().rstrip("\n") + "\n")
     if dropped:
-        stream.write(f"bumblebee: note: dropped {dropped} unreadable line(s) of {path} (a torn write)\n")
+        stream.write(
+            f"bumblebee: note: dropped {dropped} unreadable line(s) of {path} (a torn write)\n"
+        )
     return kept
 
 

@@ -24,7 +24,9 @@ class NonFiniteError(RuntimeError):
     """A NaN/Inf loss or gradient norm with ``train.on_nonfinite = "stop"``. One line."""
 
 
-def check_finite(step: int, loss: float | torch.Tensor, grad_norm: float | torch.Tensor, policy: str) -> bool:
+def check_finite(
+    step: int, loss: float | torch.Tensor, grad_norm: float | torch.Tensor, policy: str
+) -> bool:
     """True if step ``step`` (1-based, the one being taken) may update the weights; False
     if it must be skipped; raises ``NonFiniteError`` under policy ``"stop"``."""
     loss, grad_norm = float(loss), float(grad_norm)
@@ -32,6 +34,8 @@ def check_finite(step: int, loss: float | torch.Tensor, grad_norm: float | torch
         return True
     if policy == "skip":
         return False
-    raise NonFiniteError(f"step {step}: non-finite loss {loss} / grad norm {grad_norm}; stopped before the update "
-                         "(weights and checkpoints are those of the previous step); set train.on_nonfinite = "
-                         "'skip' to drop such steps, or lower train.lr")
+    raise NonFiniteError(
+        f"step {step}: non-finite loss {loss} / grad norm {grad_norm}; stopped before the update "
+        "(weights and checkpoints are those of the previous step); set train.on_nonfinite = "
+        "'skip' to drop such steps, or lower train.lr"
+    )

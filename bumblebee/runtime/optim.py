@@ -23,7 +23,6 @@ import math
 
 import torch
 
-
 IMPLS = ("fused", "foreach", "loop")
 
 
@@ -62,9 +61,12 @@ def lr_at(step: int, train_cfg) -> float:
 
 def check_lr(lr) -> None:
     """An explicit learning rate is a finite number >= 0 (NaN would make every weight NaN)."""
-    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
-                           or lr < 0):
-        raise ValueError(f"lr must be a finite number >= 0 (or None: the train schedule), got {lr!r}")
+    if lr is not None and (
+        isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0
+    ):
+        raise ValueError(
+            f"lr must be a finite number >= 0 (or None: the train schedule), got {lr!r}"
+        )
 
 
 def set_lr(optimizer, lr: float) -> None:

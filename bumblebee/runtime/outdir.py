@@ -40,7 +40,11 @@ def check_out_dir(out_dir: str, *, checkpoints: bool) -> None:
     name_max = _limit("PC_NAME_MAX", 255)
     long = [part for part in path.split(os.sep) if len(part.encode()) > name_max]
     if long or len(path.encode()) >= _limit("PC_PATH_MAX", 4096):
-        what = f"component {long[0][:40]!r}... longer than {name_max} bytes" if long else "path too long"
+        what = (
+            f"component {long[0][:40]!r}... longer than {name_max} bytes"
+            if long
+            else "path too long"
+        )
         raise ConfigError(f"train.out_dir: {what}")
     dirs = [path] + ([os.path.join(path, "checkpoints")] if checkpoints else [])
     for d in dirs:
@@ -99,9 +103,14 @@ class OutDirLock:
         self.what = what  # how the user named the directory, for the messages
         self.stream, self.owned = stream or sys.stderr, False
 
-    def __enter__(self) -> "OutDirLock":
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid()),
-              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "job": _elastic_job()}
+    def __enter__(self) -> OutDirLock:
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": _start_time(os.getpid()),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "job": _elastic_job(),
+        }
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -115,32 +124,44 @@ class OutDirLock:
                     return self
                 if me["job"] and holder.get("job") == me["job"]:
                     # the same torchrun job, restarted by its agents: its rank 0 may be on another host
-                    self.stream.write(f"bumblebee: note: taking over {self.path} from an earlier attempt of job "
-                                      f"{me['job']} (pid {holder.get('pid')} on {holder.get('host')})\n")
+                    self.stream.write(
+                        f"bumblebee: note: taking over {self.path} from an earlier attempt of job "
+                        f"{me['job']} (pid {holder.get('pid')} on {holder.get('host')})\n"
+                    )
                     try:
                         os.remove(self.path)
                     except FileNotFoundError:
                         pass
                     continue
-                if holder.get("host") != me["host"] or _alive(holder.get("pid", -1), holder.get("started")):
-                    raise ConfigError(f"{self.what} {os.path.dirname(self.path) or '.'} is in use by another run "
-                                      f"(pid {holder.get('pid')} on {holder.get('host')} since "
-                                      f"{holder.get('since')}); use another directory, or delete {self.path} if "
-                                      "that run is gone")
-                self.stream.write(f"bumblebee: note: taking over a stale lock {self.path} (pid {holder.get('pid')} "
-                                  "is not running)\n")
+                if holder.get("host") != me["host"] or _alive(
+                    holder.get("pid", -1), holder.get("started")
+                ):
+                    raise ConfigError(
+                        f"{self.what} {os.path.dirname(self.path) or '.'} is in use by another run "
+                        f"(pid {holder.get('pid')} on {holder.get('host')} since "
+                        f"{holder.get('since')}); use another directory, or delete {self.path} if "
+                        "that run is gone"
+                    )
+                self.stream.write(
+                    f"bumblebee: note: taking over a stale lock {self.path} (pid {holder.get('pid')} "
+                    "is not running)\n"
+                )
                 try:
                     os.remove(self.path)
                 except FileNotFoundError:
                     pass
                 continue
             except OSError as e:
-                raise ConfigError(f"{self.what}: cannot create {self.path} ({e.strerror or e})") from None
+                raise ConfigError(
+                    f"{self.what}: cannot create {self.path} ({e.strerror or e})"
+                ) from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.owned = True
             return self
-        raise ConfigError(f"{self.what}: could not take the lock {self.path} (another run keeps taking it)")
+        raise ConfigError(
+            f"{self.what}: could not take the lock {self.path} (another run keeps taking it)"
+        )
 
     def _read(self) -> dict | None:
         try:
@@ -157,8 +178,11 @@ class OutDirLock:
                 return None
             except (OSError, ValueError):
                 return {"host": socket.gethostname(), "pid": -1}
-        return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else \
-            {"host": socket.gethostname(), "pid": -1}
+        return (
+            holder
+            if isinstance(holder, dict) and isinstance(holder.get("pid"), int)
+            else {"host": socket.gethostname(), "pid": -1}
+        )
 
     def __exit__(self, *exc) -> None:
         if self.owned:

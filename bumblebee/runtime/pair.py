@@ -44,8 +44,8 @@ from typing import IO, Any
 
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError, parse_override, validate
-from bumblebee.runtime.resolve import load_config, validate_run
 from bumblebee.runtime.metrics import strict
+from bumblebee.runtime.resolve import load_config, validate_run
 
 # Relative tolerance per slot: (float32, bfloat16) runs, applied to every compared quantity
 # over a few steps of the tiny models. fp32 budgets cover reassociation (different summation
@@ -58,7 +58,10 @@ from bumblebee.runtime.metrics import strict
 TOLERANCES: dict[str, tuple[float, float]] = {
     "attention": (1e-4, 5e-2),  # masked SDPA vs per-document SDPA: different kernels/blocking
     "cp": (1e-4, 5e-2),  # all-gathered masked SDPA vs ring blocks with an online log-sum-exp merge
-    "linear_attention": (1e-4, 5e-2),  # token recurrence vs WY/UT chunks: a triangular solve per chunk
+    "linear_attention": (
+        1e-4,
+        5e-2,
+    ),  # token recurrence vs WY/UT chunks: a triangular solve per chunk
     "router": (1e-5, 2e-2),
     "experts": (1e-4, 5e-2),  # per-expert matmuls vs grouped GEMM
     "moe_comm": (1e-4, 5e-2),  # same expert math; the exchange may reorder rows and sums
@@ -75,7 +78,10 @@ DEFAULT_TOLERANCE = (1e-4, 5e-2)  # a slot added to the registry without an entr
 COMPANION_KEYS: dict[str, tuple[str, ...]] = {
     "recompute": ("primitives.recompute_modules",),
     "moe_comm": ("primitives.moe_chunks", "parallel.ep"),
-    "pipeline": ("primitives.pp_virtual_stages", "primitives.pp_layout"),  # interleaved: v stages per rank
+    "pipeline": (
+        "primitives.pp_virtual_stages",
+        "primitives.pp_layout",
+    ),  # interleaved: v stages per rank
 }
 
 # Slots used only when a parallel axis is > 1: pairing them sets the axis to --nproc if it is 1.
@@ -96,21 +102,55 @@ def pairable_slots() -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The pair-specific options (the CLI adds --config and --set)."""
-    p.add_argument("--slot", required=True, help="the primitive slot to pair (see `bumblebee primitives`)")
-    p.add_argument("--a", required=True, metavar="IMPL", help="implementation of side a (usually the reference)")
+    p.add_argument(
+        "--slot", required=True, help="the primitive slot to pair (see `bumblebee primitives`)"
+    )
+    p.add_argument(
+        "--a",
+        required=True,
+        metavar="IMPL",
+        help="implementation of side a (usually the reference)",
+    )
     p.add_argument("--b", required=True, metavar="IMPL", help="implementation of side b")
-    p.add_argument("--steps", type=int, default=3, metavar="N", help="optimizer steps per side (default 3)")
-    p.add_argument("--nproc", type=int, default=1, metavar="N", help="local ranks for both runs (default 1)")
-    p.add_argument("--set-a", dest="set_a", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a value on side a only (only the slot's own options may differ)")
-    p.add_argument("--set-b", dest="set_b", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a value on side b only")
-    p.add_argument("--hook", dest="hooks", action="append", default=[], metavar="MODULE",
-                   help="module whose output to compare, e.g. model.layers.0 (repeatable; default: "
-                        "first, middle and last decoder layer and model.norm)")
-    p.add_argument("--nondeterministic", action="store_true",
-                   help="keep train.deterministic as configured (default: deterministic on both sides)")
-    p.add_argument("--json", metavar="OUT", help="write the config diff, the table and the verdict as JSON")
+    p.add_argument(
+        "--steps", type=int, default=3, metavar="N", help="optimizer steps per side (default 3)"
+    )
+    p.add_argument(
+        "--nproc", type=int, default=1, metavar="N", help="local ranks for both runs (default 1)"
+    )
+    p.add_argument(
+        "--set-a",
+        dest="set_a",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a value on side a only (only the slot's own options may differ)",
+    )
+    p.add_argument(
+        "--set-b",
+        dest="set_b",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a value on side b only",
+    )
+    p.add_argument(
+        "--hook",
+        dest="hooks",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="module whose output to compare, e.g. model.layers.0 (repeatable; default: "
+        "first, middle and last decoder layer and model.norm)",
+    )
+    p.add_argument(
+        "--nondeterministic",
+        action="store_true",
+        help="keep train.deterministic as configured (default: deterministic on both sides)",
+    )
+    p.add_argument(
+        "--json", metavar="OUT", help="write the config diff, the table and the verdict as JSON"
+    )
 
 
 # ------------------------------------------------------------------------------ the two configs
@@ -129,15 +169,21 @@ def config_diff(cfg_a: Config, cfg_b: Config) -> list[tuple[str, Any, Any]]:
     """(key, value in a, value in b) for every key whose values differ ("<unset>" if absent)."""
     fa, fb = _flatten(cfg_a), _flatten(cfg_b)
     keys = sorted(set(fa) | set(fb))
-    return [(k, fa.get(k, "<unset>"), fb.get(k, "<unset>")) for k in keys if fa.get(k, "<unset>") != fb.get(k, "<unset>")]
+    return [
+        (k, fa.get(k, "<unset>"), fb.get(k, "<unset>"))
+        for k in keys
+        if fa.get(k, "<unset>") != fb.get(k, "<unset>")
+    ]
 
 
 def check_diff(diff: list[tuple[str, Any, Any]], slot: str) -> None:
     allowed = {f"primitives.{slot}", *COMPANION_KEYS.get(slot, ())}
     extra = [k for k, _, _ in diff if k not in allowed]
     if extra:
-        raise ConfigError(f"the two runs differ in {', '.join(extra)} besides primitives.{slot}; a pair may differ "
-                          f"only in: {', '.join(sorted(allowed))}")
+        raise ConfigError(
+            f"the two runs differ in {', '.join(extra)} besides primitives.{slot}; a pair may differ "
+            f"only in: {', '.join(sorted(allowed))}"
+        )
 
 
 def _side_overrides(items: list[str], slot: str, flag: str) -> list[str]:
@@ -153,30 +199,44 @@ def _prepare_slot(cfg: Config, slot: str, nproc: int, notes: list[str]) -> None:
     family = SLOT_FAMILY.get(slot)
     if family and cfg.model.name != family:
         if cfg.model.hf_path:
-            raise ConfigError(f"slot {slot} is only used by model.name = {family!r}, but model.hf_path is a "
-                              f"{cfg.model.name} checkpoint; use a {family} checkpoint or preset")
-        notes.append(f"slot {slot} is only used by {family}: model.name set to {family!r} on both sides")
+            raise ConfigError(
+                f"slot {slot} is only used by model.name = {family!r}, but model.hf_path is a "
+                f"{cfg.model.name} checkpoint; use a {family} checkpoint or preset"
+            )
+        notes.append(
+            f"slot {slot} is only used by {family}: model.name set to {family!r} on both sides"
+        )
         cfg.model.name = family
     axis = SLOT_AXIS.get(slot)
     if axis:
         if nproc < 2:
-            raise ConfigError(f"slot {slot} runs across ranks: pass --nproc N with N >= 2 "
-                              f"(parallel.{axis} is set to N unless configured)")
+            raise ConfigError(
+                f"slot {slot} runs across ranks: pass --nproc N with N >= 2 "
+                f"(parallel.{axis} is set to N unless configured)"
+            )
         if getattr(cfg.parallel, axis) == 1:
             setattr(cfg.parallel, axis, nproc)
-            notes.append(f"parallel.{axis} set to {nproc} on both sides (the {slot} slot is unused at {axis} = 1)")
+            notes.append(
+                f"parallel.{axis} set to {nproc} on both sides (the {slot} slot is unused at {axis} = 1)"
+            )
 
 
 def _coverage_notes(cfg_a: Config, cfg_b: Config, slot: str, nproc: int) -> list[str]:
     """What this configuration leaves unexercised (the pair still runs)."""
     notes = []
     if slot == "sharding" and nproc == 1:
-        notes.append("one process: every sharding reduces to a single optimizer (pair fsdp2/zero1 with --nproc 2)")
+        notes.append(
+            "one process: every sharding reduces to a single optimizer (pair fsdp2/zero1 with --nproc 2)"
+        )
     if slot == "moe_comm" and cfg_a.parallel.ep == cfg_b.parallel.ep == 1:
-        notes.append("parallel.ep = 1: the dispatch runs without communication "
-                     "(e.g. --nproc 2 --set-b parallel.ep=2 against local, or --set parallel.ep=2)")
+        notes.append(
+            "parallel.ep = 1: the dispatch runs without communication "
+            "(e.g. --nproc 2 --set-b parallel.ep=2 against local, or --set parallel.ep=2)"
+        )
     if cfg_a.parallel.pp > 1:
-        notes.append("parallel.pp > 1: ranks hold pipeline stages, so no probe forward (no log-prob or hooked rows)")
+        notes.append(
+            "parallel.pp > 1: ranks hold pipeline stages, so no probe forward (no log-prob or hooked rows)"
+        )
     return notes
 
 
@@ -184,12 +244,16 @@ def build_pair(args) -> tuple[Config, Config, list[str]]:
     """The two validated configs and notes about what was adjusted for the slot."""
     slot = args.slot
     if slot not in registry.SLOTS:
-        raise ConfigError(f"unknown slot {slot!r}; slots that can be paired: {', '.join(pairable_slots())}")
+        raise ConfigError(
+            f"unknown slot {slot!r}; slots that can be paired: {', '.join(pairable_slots())}"
+        )
     impls = registry.implementations(slot)
     if len(impls) < 2:
         have = ", ".join(impls) or "none"
-        raise ConfigError(f"slot {slot} has {len(impls)} implementation(s) ({have}): nothing to pair; "
-                          f"slots that can be paired: {', '.join(pairable_slots())}")
+        raise ConfigError(
+            f"slot {slot} has {len(impls)} implementation(s) ({have}): nothing to pair; "
+            f"slots that can be paired: {', '.join(pairable_slots())}"
+        )
     registry.get(slot, args.a)
     registry.get(slot, args.b)
     if args.steps < 1 or args.nproc < 1:
@@ -222,8 +286,7 @@ def set_out_dirs(cfg_a: Config, cfg_b: Config, slot: str) -> None:
 # ------------------------------------------------------------------------------ the command
 def run(args, stream: IO | None = None) -> int:
     """``bumblebee pair``: returns the exit code (0 pass, 1 above tolerance or a rank failed)."""
-    from bumblebee.runtime import launch
-    from bumblebee.runtime import pair_run
+    from bumblebee.runtime import launch, pair_run
     from bumblebee.runtime.resolve import check_run
 
     torchrun = launch.started_by_torchrun()
@@ -242,10 +305,23 @@ def run(args, stream: IO | None = None) -> int:
     set_out_dirs(cfg_a, cfg_b, args.slot)
     probe = cfg_a.parallel.pp == 1
     if args.hooks and not probe:
-        raise ConfigError("--hook needs parallel.pp = 1 (with pipeline stages no rank holds the whole model)")
+        raise ConfigError(
+            "--hook needs parallel.pp = 1 (with pipeline stages no rank holds the whole model)"
+        )
     hooks = pair_run.hook_names(cfg_a, args.hooks) if probe else []
-    job = pair_run.PairJob(slot=args.slot, a=args.a, b=args.b, cfg_a=cfg_a, cfg_b=cfg_b, hooks=hooks, probe=probe,
-                           rtol=tolerance(args.slot, cfg_a.train.dtype), diff=diff, notes=notes, nproc=args.nproc)
+    job = pair_run.PairJob(
+        slot=args.slot,
+        a=args.a,
+        b=args.b,
+        cfg_a=cfg_a,
+        cfg_b=cfg_b,
+        hooks=hooks,
+        probe=probe,
+        rtol=tolerance(args.slot, cfg_a.train.dtype),
+        diff=diff,
+        notes=notes,
+        nproc=args.nproc,
+    )
     if torchrun:
         launch.init_distributed()
         result = pair_run.execute(job, out)
@@ -260,5 +336,7 @@ def run(args, stream: IO | None = None) -> int:
                 return 1
     if args.json and rank0:
         with open(args.json, "w") as f:
-            json.dump(strict(result), f, indent=1, allow_nan=False)  # a diverged side is null, not NaN
+            json.dump(
+                strict(result), f, indent=1, allow_nan=False
+            )  # a diverged side is null, not NaN
     return 0 if result["passed"] else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+
 def check(rows: list[dict], rtol: float) -> list[str]:
     """Mark every checked row ok / not ok against ``rtol``; returns the failures as text."""
     failures = []
@@ -25,23 +26,33 @@ def _num(x, fmt: str) -> str:
 def format_rows(rows: list[dict], a: str, b: str, header: bool) -> str:
     """Fixed-width table lines; tensor rows show max|x| in the a / b columns."""
     w = max(14, len(a) + 3, len(b) + 3)
-    cols = f"{'step':>4}  {'quantity':<18} {'a: ' + a:>{w}} {'b: ' + b:>{w}} {'b/a':>7} {'max|a-b|':>10} " \
-           f"{'rel':>9}  {'bits':<9} check"
+    cols = (
+        f"{'step':>4}  {'quantity':<18} {'a: ' + a:>{w}} {'b: ' + b:>{w}} {'b/a':>7} {'max|a-b|':>10} "
+        f"{'rel':>9}  {'bits':<9} check"
+    )
     lines = [cols] if header else []
     for r in rows:
         fmt = {"tensor": ".4g", "scalar": ".7g", "memory": ".2f", "time": ".3f"}[r["kind"]]
         check_txt = "" if not r.get("checked") else ("ok" if r.get("ok") else "FAIL")
-        bits = "" if r.get("identical") is None else ("identical" if r["identical"] else "different")
+        bits = (
+            "" if r.get("identical") is None else ("identical" if r["identical"] else "different")
+        )
         step = "end" if r["step"] is None else str(r["step"])
-        lines.append(f"{step:>4}  {r['quantity']:<18} {_num(r['a'], fmt):>{w}} {_num(r['b'], fmt):>{w}} "
-                     f"{_num(r['ratio'], '.3f'):>7} {_num(r['max_abs'], '.2e'):>10} {_num(r['rel'], '.2e'):>9}  "
-                     f"{bits:<9} {check_txt}".rstrip())
+        lines.append(
+            f"{step:>4}  {r['quantity']:<18} {_num(r['a'], fmt):>{w}} {_num(r['b'], fmt):>{w}} "
+            f"{_num(r['ratio'], '.3f'):>7} {_num(r['max_abs'], '.2e'):>10} {_num(r['rel'], '.2e'):>9}  "
+            f"{bits:<9} {check_txt}".rstrip()
+        )
     return "\n".join(lines)
 
 
 def summarize(result: dict) -> str:
     if result["passed"]:
-        return (f"pass: every compared difference within the {result['slot']} tolerance for {result['dtype']} "
-                f"(rel <= {result['tolerance']:g})")
-    return f"FAIL: {len(result['failures'])} difference(s) above rel {result['tolerance']:g}: " + \
-        "; ".join(result["failures"][:5])
+        return (
+            f"pass: every compared difference within the {result['slot']} tolerance for {result['dtype']} "
+            f"(rel <= {result['tolerance']:g})"
+        )
+    return (
+        f"FAIL: {len(result['failures'])} difference(s) above rel {result['tolerance']:g}: "
+        + "; ".join(result["failures"][:5])
+    )

@@ -47,7 +47,7 @@ from bumblebee.runtime.pair_report import check, format_rows, summarize
 from bumblebee.runtime.step import local_batch, micro_batches
 from bumblebee.runtime.trainer import Trainer
 
-MiB = 2 ** 20
+MiB = 2**20
 IGNORE = -100
 
 
@@ -75,7 +75,9 @@ def hook_names(cfg: Config, requested: list[str]) -> list[str]:
     layers = [n for n in modules if re.fullmatch(r"model\.layers\.\d+", n)]
     for name in requested:
         if name not in modules:
-            raise ConfigError(f"--hook {name!r}: no such module; e.g. {', '.join(layers[:2] + ['model.norm'])}")
+            raise ConfigError(
+                f"--hook {name!r}: no such module; e.g. {', '.join(layers[:2] + ['model.norm'])}"
+            )
     if requested:
         return list(requested)
     picks = sorted({0, len(layers) // 2, len(layers) - 1}) if layers else []
@@ -84,7 +86,9 @@ def hook_names(cfg: Config, requested: list[str]) -> list[str]:
 
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes (bit-for-bit identity)."""
-    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(
+        t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    ).hexdigest()
 
 
 # ------------------------------------------------------------------------------ probe and step
@@ -92,8 +96,12 @@ def first_micro_batch(trainer: Trainer) -> Batch:
     """The first micro-batch this rank trains on in the trainer's next step (the same slicing
     as ``Trainer.train_step``: this dp rank's rows, then its cp shard)."""
     lo = trainer.dp_rank * trainer.rows_per_rank
-    local = local_batch(trainer.source.rows_at(trainer.step, lo, lo + trainer.rows_per_rank), trainer.cp,
-                        trainer.cp_rank, trainer.device)
+    local = local_batch(
+        trainer.source.rows_at(trainer.step, lo, lo + trainer.rows_per_rank),
+        trainer.cp,
+        trainer.cp_rank,
+        trainer.device,
+    )
     return micro_batches(local, trainer.cfg.train.micro_batch)[0]
 
 
@@ -110,6 +118,7 @@ def probe(trainer: Trainer, names: list[str]) -> dict[str, torch.Tensor]:
             if name not in captured:  # the first call (a recomputing policy may call again)
                 t = out[0] if isinstance(out, (tuple, list)) else out
                 captured[name] = t.detach().float().clone()
+
         return fn
 
     inner = model.loss_fn
@@ -151,7 +160,11 @@ class Reducer:
     def __call__(self, values: list[float], op) -> list[float]:
         if not self.on:
             return values
-        t = torch.tensor([math.inf if math.isnan(v) else v for v in values], dtype=torch.float64, device=self.device)
+        t = torch.tensor(
+            [math.inf if math.isnan(v) else v for v in values],
+            dtype=torch.float64,
+            device=self.device,
+        )
         dist.all_reduce(t, op=op)
         return t.tolist()
 
@@ -167,7 +180,13 @@ class Reducer:
             squares = [float(t.pow(2).sum()) for t in (x - y, x, y)]
         d, mx, my = self(maxes, dist.ReduceOp.MAX)
         sq_d, sq_x, sq_y = self(squares, dist.ReduceOp.SUM)
-        return d, mx, my, _rel(math.sqrt(sq_d), math.sqrt(max(sq_x, sq_y))), bool(self([same], dist.ReduceOp.MIN)[0])
+        return (
+            d,
+            mx,
+            my,
+            _rel(math.sqrt(sq_d), math.sqrt(max(sq_x, sq_y))),
+            bool(self([same], dist.ReduceOp.MIN)[0]),
+        )
 
 
 def _rel(diff: float, scale: float) -> float:
@@ -180,19 +199,49 @@ def _rel(diff: float, scale: float) -> float:
 
 def tensor_row(step, name: str, stats) -> dict:
     d, mx, my, rel, same = stats
-    return {"step": step, "quantity": name, "kind": "tensor", "a": mx, "b": my, "ratio": None, "max_abs": d,
-            "rel": rel, "identical": same, "checked": True}
+    return {
+        "step": step,
+        "quantity": name,
+        "kind": "tensor",
+        "a": mx,
+        "b": my,
+        "ratio": None,
+        "max_abs": d,
+        "rel": rel,
+        "identical": same,
+        "checked": True,
+    }
 
 
 def scalar_row(step, name: str, a: float, b: float) -> dict:
     d = abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
-    return {"step": step, "quantity": name, "kind": "scalar", "a": a, "b": b, "ratio": b / a if a else None,
-            "max_abs": d, "rel": _rel(d, max(abs(a), abs(b))), "identical": a == b, "checked": True}
+    return {
+        "step": step,
+        "quantity": name,
+        "kind": "scalar",
+        "a": a,
+        "b": b,
+        "ratio": b / a if a else None,
+        "max_abs": d,
+        "rel": _rel(d, max(abs(a), abs(b))),
+        "identical": a == b,
+        "checked": True,
+    }
 
 
 def measure_row(step, name: str, kind: str, a: float, b: float) -> dict:
-    return {"step": step, "quantity": name, "kind": kind, "a": a, "b": b, "ratio": b / a if a else None,
-            "max_abs": None, "rel": None, "identical": None, "checked": False}
+    return {
+        "step": step,
+        "quantity": name,
+        "kind": kind,
+        "a": a,
+        "b": b,
+        "ratio": b / a if a else None,
+        "max_abs": None,
+        "rel": None,
+        "identical": None,
+        "checked": False,
+    }
 
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -201,18 +250,24 @@ def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     weights = dict(full_named_parameters(trainer.model, trainer.ctx.ep_group))
     if getattr(trainer, "pipeline", None) is not None:
         parts: list = [None] * dist.get_world_size(trainer.ctx.pp_group)
-        dist.all_gather_object(parts, {n: t.cpu() for n, t in weights.items()}, group=trainer.ctx.pp_group)
+        dist.all_gather_object(
+            parts, {n: t.cpu() for n, t in weights.items()}, group=trainer.ctx.pp_group
+        )
         weights = {n: t for part in parts for n, t in part.items()}
     return weights
 
 
-def compare_weights(ta: Trainer, tb: Trainer) -> tuple[tuple[float, float, float, float, bool], str, str]:
+def compare_weights(
+    ta: Trainer, tb: Trainer
+) -> tuple[tuple[float, float, float, float, bool], str, str]:
     """Full (unsharded) parameters of both sides: (max|a-b|, max|a|, max|b|, ||a-b|| / max(||a||, ||b||)
     over all parameters, identical) and the two digests. Collective."""
     wa, wb = full_weights(ta), full_weights(tb)
     if {n: tuple(t.shape) for n, t in wa.items()} != {n: tuple(t.shape) for n, t in wb.items()}:
-        raise ConfigError("the two implementations hold different parameters (names or shapes); "
-                          "a pair needs the same weights on both sides")
+        raise ConfigError(
+            "the two implementations hold different parameters (names or shapes); "
+            "a pair needs the same weights on both sides"
+        )
     ha, hb = hashlib.sha256(), hashlib.sha256()
     d = mx = my = sq_d = sq_x = sq_y = 0.0
     for name in sorted(wa):
@@ -220,8 +275,16 @@ def compare_weights(ta: Trainer, tb: Trainer) -> tuple[tuple[float, float, float
         hb.update(digest(wb[name]).encode())
         x, y = wa[name].double(), wb[name].double()
         if x.numel():
-            d, mx, my = max(d, float((x - y).abs().max())), max(mx, float(x.abs().max())), max(my, float(y.abs().max()))
-            sq_d, sq_x, sq_y = sq_d + float((x - y).pow(2).sum()), sq_x + float(x.pow(2).sum()), sq_y + float(y.pow(2).sum())
+            d, mx, my = (
+                max(d, float((x - y).abs().max())),
+                max(mx, float(x.abs().max())),
+                max(my, float(y.abs().max())),
+            )
+            sq_d, sq_x, sq_y = (
+                sq_d + float((x - y).pow(2).sum()),
+                sq_x + float(x.pow(2).sum()),
+                sq_y + float(y.pow(2).sum()),
+            )
     d = math.inf if math.isnan(d) else d
     rel = _rel(math.sqrt(sq_d), math.sqrt(max(sq_x, sq_y)))
     return (d, mx, my, rel, ha.hexdigest() == hb.hexdigest()), ha.hexdigest(), hb.hexdigest()
@@ -236,25 +299,43 @@ def execute(job: PairJob, stream: IO) -> dict:
     reduce = Reducer(ta.device)
     (*_, same), ha, _ = compare_weights(ta, tb)
     if not same:
-        raise ConfigError(f"initial weights differ between {job.a} and {job.b} (same seed): the implementations "
-                          "initialize differently; a pair needs the same weights")
+        raise ConfigError(
+            f"initial weights differ between {job.a} and {job.b} (same seed): the implementations "
+            "initialize differently; a pair needs the same weights"
+        )
     t = job.cfg_a.train
-    out.write(f"pair {job.slot}: a = {job.a}, b = {job.b}; {t.steps} step(s); {ta.ctx.layout.describe()}; "
-              f"{ta.device.type}; {t.dtype}; deterministic {'on' if t.deterministic else 'off'}; "
-              f"tolerance rel <= {job.rtol:g}\ninitial weights: identical (sha256 {ha[:12]}); metrics.jsonl in "
-              f"{job.cfg_a.train.out_dir} and {job.cfg_b.train.out_dir}\n\n")
+    out.write(
+        f"pair {job.slot}: a = {job.a}, b = {job.b}; {t.steps} step(s); {ta.ctx.layout.describe()}; "
+        f"{ta.device.type}; {t.dtype}; deterministic {'on' if t.deterministic else 'off'}; "
+        f"tolerance rel <= {job.rtol:g}\ninitial weights: identical (sha256 {ha[:12]}); metrics.jsonl in "
+        f"{job.cfg_a.train.out_dir} and {job.cfg_b.train.out_dir}\n\n"
+    )
     rows: list[dict] = []
     for step in range(1, t.steps + 1):
         pa, pb = (probe(ta, job.hooks), probe(tb, job.hooks)) if job.probe else ({}, {})
         ra, rb = measured_step(ta), measured_step(tb)
-        step_rows = [scalar_row(step, "loss", ra["loss"], rb["loss"]),
-                     scalar_row(step, "grad_norm", ra["grad_norm"], rb["grad_norm"])]
-        step_rows += [tensor_row(step, name, reduce.tensors(pa[name], pb[name])) for name in ["logprobs", *job.hooks]
-                      if name in pa]
-        times = reduce([ra["step_time_s"], rb["step_time_s"]], dist.ReduceOp.MAX)  # the slowest rank's
-        step_rows += [measure_row(step, "peak_mem_MiB", "memory", ra["peak_mem_bytes"] / MiB,
-                                  rb["peak_mem_bytes"] / MiB),
-                      measure_row(step, "step_time_s", "time", times[0], times[1])]
+        step_rows = [
+            scalar_row(step, "loss", ra["loss"], rb["loss"]),
+            scalar_row(step, "grad_norm", ra["grad_norm"], rb["grad_norm"]),
+        ]
+        step_rows += [
+            tensor_row(step, name, reduce.tensors(pa[name], pb[name]))
+            for name in ["logprobs", *job.hooks]
+            if name in pa
+        ]
+        times = reduce(
+            [ra["step_time_s"], rb["step_time_s"]], dist.ReduceOp.MAX
+        )  # the slowest rank's
+        step_rows += [
+            measure_row(
+                step,
+                "peak_mem_MiB",
+                "memory",
+                ra["peak_mem_bytes"] / MiB,
+                rb["peak_mem_bytes"] / MiB,
+            ),
+            measure_row(step, "step_time_s", "time", times[0], times[1]),
+        ]
         check(step_rows, job.rtol)
         out.write(format_rows(step_rows, job.a, job.b, header=step == 1) + "\n\n")
         out.flush()
@@ -264,15 +345,30 @@ def execute(job: PairJob, stream: IO) -> dict:
     rows.append(end)
     failures = check(rows, job.rtol)
     out.write(format_rows([end], job.a, job.b, header=False) + "\n")
-    result = {"slot": job.slot, "a": job.a, "b": job.b, "steps": t.steps, "nproc": ta.ctx.layout.world,
-              "layout": ta.ctx.layout.describe(), "device": ta.device.type, "dtype": t.dtype,
-              "deterministic": t.deterministic, "tolerance": job.rtol,
-              "config_diff": [list(d) for d in job.diff], "notes": job.notes, "hooks": job.hooks,
-              "weights_sha256": {"a": ha, "b": hb}, "rows": rows, "failures": failures,
-              "passed": not failures}
+    result = {
+        "slot": job.slot,
+        "a": job.a,
+        "b": job.b,
+        "steps": t.steps,
+        "nproc": ta.ctx.layout.world,
+        "layout": ta.ctx.layout.describe(),
+        "device": ta.device.type,
+        "dtype": t.dtype,
+        "deterministic": t.deterministic,
+        "tolerance": job.rtol,
+        "config_diff": [list(d) for d in job.diff],
+        "notes": job.notes,
+        "hooks": job.hooks,
+        "weights_sha256": {"a": ha, "b": hb},
+        "rows": rows,
+        "failures": failures,
+        "passed": not failures,
+    }
     if all(r["identical"] for r in rows if r["checked"]) and job.a != job.b:
-        out.write("note: the two runs are bit-identical: the implementations agree exactly here, "
-                  "or this configuration does not exercise the slot\n")
+        out.write(
+            "note: the two runs are bit-identical: the implementations agree exactly here, "
+            "or this configuration does not exercise the slot\n"
+        )
     out.write(summarize(result) + "\n")
     out.flush()
     ta.metrics.close()

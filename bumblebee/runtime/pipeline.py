@@ -49,8 +49,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from bumblebee import registry
 from bumblebee.config import balance_mode
-from bumblebee.errors import ConfigError
 from bumblebee.data import Batch
+from bumblebee.errors import ConfigError
 from bumblebee.primitives.moe.balance import dropped_pairs, split_stats
 
 
@@ -87,10 +87,15 @@ def stage_layout(cfg, model, stages: int) -> list[list[int]]:
     if cfg.primitives.pp_layout:
         return [list(layers) for layers in cfg.primitives.pp_layout]
     layers, head = model.layer_flops(cfg.train.seq_len)
-    passes = 4 if cfg.primitives.recompute == "full" else 3  # forward + backward (+ recomputed forward)
+    passes = (
+        4 if cfg.primitives.recompute == "full" else 3
+    )  # forward + backward (+ recomputed forward)
     mtp = model.mtp_depth  # MTP depths run on the last stage: a (MoE) layer and the LM head each
-    return balance_layers([passes * c for c in layers], stages,
-                          last_extra=3 * head * (1 + mtp) + passes * mtp * max(layers))
+    return balance_layers(
+        [passes * c for c in layers],
+        stages,
+        last_extra=3 * head * (1 + mtp) + passes * mtp * max(layers),
+    )
 
 
 # ------------------------------------------------------------------------------ one stage
@@ -116,7 +121,9 @@ class StageModule(nn.Module):
 
     def __init__(self, part, stage: int, aux_scale: float, autocast):
         super().__init__()
-        object.__setattr__(self, "part", part)  # not a submodule: the model (this rank's part) is the FSDP root
+        object.__setattr__(
+            self, "part", part
+        )  # not a submodule: the model (this rank's part) is the FSDP root
         self.stage, self.aux_scale, self.autocast = stage, aux_scale, autocast
         self.is_last = stage == part.num_stages - 1
         self.aux_log: list[torch.Tensor] = []  # this stage's balance loss, one per forward
@@ -131,10 +138,15 @@ class StageModule(nn.Module):
                 out, aux, stats = self.head(self.part, x, position_ids, labels, self.stage)
             elif self.is_last:  # the loss, with the MTP modules' when they train (models/mtp.py)
                 terms = self.part.loss_terms(x, labels, position_ids, stage=self.stage)
-                out, aux = torch.stack([terms.loss_sum.float()]), terms.aux_loss  # [1], concatenated over micro-batches
+                out, aux = (
+                    torch.stack([terms.loss_sum.float()]),
+                    terms.aux_loss,
+                )  # [1], concatenated over micro-batches
                 stats = terms.router_stats
             else:
-                out, aux, stats = self.part.hidden_states(x, position_ids, stage=self.stage, return_stats=True)
+                out, aux, stats = self.part.hidden_states(
+                    x, position_ids, stage=self.stage, return_stats=True
+                )
         self.aux_log.append(aux.detach())
         self.stats_log.append(None if stats is None else stats.detach())
         return AttachAuxGrad.apply(out, aux, self.aux_scale)
@@ -143,11 +155,15 @@ class StageModule(nn.Module):
         """(FSDP unit, recurse) for the units whose gradients this stage's backward produces."""
         units = [(self.part.decoder_layers[i], True) for i in self.part.stage_layers[self.stage]]
         if self.stage == 0:
-            units.append((self.part.model.embed_tokens, True))  # a unit of its own when untied (fsdp_units)
+            units.append(
+                (self.part.model.embed_tokens, True)
+            )  # a unit of its own when untied (fsdp_units)
         if self.is_last and self.part.lm_head is not None:
             units.append((self.part.lm_head, True))  # a unit of its own (fsdp_units)
         if self.is_last:
-            units += [(m, True) for m in ([] if self.part.mtp is None else self.part.mtp_units())]  # MTP: last stage
+            units += [
+                (m, True) for m in ([] if self.part.mtp is None else self.part.mtp_units())
+            ]  # MTP: last stage
         if self.stage == 0 or self.is_last:
             units.append((self.part, False))  # the root: final norm (and a tied embedding)
         return [(u, recurse) for u, recurse in units if isinstance(u, FSDPModule)]
@@ -161,19 +177,27 @@ class _Stage(PipelineStage):
 
     sync_every = True  # set from train.grad_accum by Pipeline
 
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+    def backward_maybe_with_nosync(
+        self, backward_type, bwd_kwargs: dict, last_backward: bool = False
+    ):
         for unit, recurse in self.submod.sync_units():
             unit.set_requires_gradient_sync(last_backward or self.sync_every, recurse=recurse)
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        return super().backward_maybe_with_nosync(
+            backward_type, bwd_kwargs, last_backward=last_backward
+        )
 
 
 # ------------------------------------------------------------------------------ the schedule
 def check_trainer_pipeline(cfg) -> None:
     """What the Trainer's step cannot do with a pipeline schedule (one-line ConfigErrors)."""
-    if balance_mode(cfg, cfg.parallel.pp) != "micro_batch":  # a stage backs a micro-batch up before the others ran
-        raise ConfigError(f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
-                          f"before the first backward, which a pipeline schedule (parallel.pp > 1) does not "
-                          f"give; set train.balance = 'micro_batch' (or 'auto') with pp > 1")
+    if (
+        balance_mode(cfg, cfg.parallel.pp) != "micro_batch"
+    ):  # a stage backs a micro-batch up before the others ran
+        raise ConfigError(
+            f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
+            f"before the first backward, which a pipeline schedule (parallel.pp > 1) does not "
+            f"give; set train.balance = 'micro_batch' (or 'auto') with pp > 1"
+        )
 
 
 class Pipeline:
@@ -193,11 +217,14 @@ class Pipeline:
         # d loss / d (mean balance loss of one micro-batch), as at pp = 1
         aux_scale = model.arch.router_aux_loss_coef / (self.microbatches * L.dp_shard * L.cp)
         self.modules = [StageModule(model, s, aux_scale, autocast) for s in mine]
-        self.stages = [_Stage(m, s, num_stages, device, group=ctx.pp_group) for m, s in zip(self.modules, mine)]
+        self.stages = [
+            _Stage(m, s, num_stages, device, group=ctx.pp_group) for m, s in zip(self.modules, mine)
+        ]
         for stage in self.stages:
             stage.sync_every = cfg.train.grad_accum == "sharded"
-        self.schedule = registry.get("pipeline", p.pipeline).factory.build(self.stages, self.microbatches,
-                                                                           self._loss)
+        self.schedule = registry.get("pipeline", p.pipeline).factory.build(
+            self.stages, self.microbatches, self._loss
+        )
         self.global_tokens = 1
 
     def describe(self) -> str:
@@ -218,7 +245,9 @@ class Pipeline:
             m.aux_log.clear()
             m.stats_log.clear()
         inputs = (local.input_ids,) if 0 in self.modules[0].part.stage_layers else ()
-        out = self.schedule.step(*inputs, target=local.labels, position_ids=local.position_ids, labels=local.labels)
+        out = self.schedule.step(
+            *inputs, target=local.labels, position_ids=local.position_ids, labels=local.labels
+        )
         n = self.microbatches
         zero = torch.zeros((), device=local.input_ids.device)
         loss_sum = out.detach().float().sum() if out is not None else zero
@@ -238,8 +267,12 @@ class Pipeline:
         try:
             inputs = (local.input_ids,) if 0 in self.modules[0].part.stage_layers else ()
             with torch.no_grad():
-                out = self.schedule.eval(*inputs, target=local.labels, position_ids=local.position_ids,
-                                         labels=local.labels)
+                out = self.schedule.eval(
+                    *inputs,
+                    target=local.labels,
+                    position_ids=local.position_ids,
+                    labels=local.labels,
+                )
         finally:
             for m, h in zip(self.modules, previous):
                 m.head = h

@@ -11,7 +11,6 @@ output directory (``outdir.check_out_dir``).
 
 from __future__ import annotations
 
-
 import torch
 
 from bumblebee import registry
@@ -32,14 +31,20 @@ def preflight(cfg: Config, world: int):
     if d.source == "synthetic":
         need = min_doc_len(d.min_records, d.value_len)
         if t.seq_len < need:
-            raise ConfigError(f"train.seq_len = {t.seq_len} is too short for the synthetic key-value task: a row "
-                              f"needs >= {need} tokens (BOS, data.min_records records, their queries and answers)")
+            raise ConfigError(
+                f"train.seq_len = {t.seq_len} is too short for the synthetic key-value task: a row "
+                f"needs >= {need} tokens (BOS, data.min_records records, their queries and answers)"
+            )
         if d.max_records > SYNTHETIC_KEYS:
-            raise ConfigError(f"data.max_records = {d.max_records} exceeds the synthetic task's {SYNTHETIC_KEYS} "
-                              "distinct key letters (records of one document have unique keys)")
+            raise ConfigError(
+                f"data.max_records = {d.max_records} exceeds the synthetic task's {SYNTHETIC_KEYS} "
+                "distinct key letters (records of one document have unique keys)"
+            )
     layout = check_run(cfg, world)
     arch = resolve_arch(cfg.model)
-    if t.wandb:  # an optional extra: missing, one line now rather than from rank 0 after the model is built
+    if (
+        t.wandb
+    ):  # an optional extra: missing, one line now rather than from rank 0 after the model is built
         from bumblebee.runtime.metrics import import_wandb
 
         import_wandb()
@@ -47,9 +52,11 @@ def preflight(cfg: Config, world: int):
     if layout.cp > 1 and "linear_attention" in getattr(arch, "layer_types", ()):
         chunk, window = t.seq_len // (2 * layout.cp), arch.linear_conv_kernel_dim - 1
         if chunk < window:
-            raise ConfigError(f"Gated DeltaNet with parallel.cp = {layout.cp}: each zigzag chunk has "
-                              f"{t.seq_len} / {2 * layout.cp} = {chunk} tokens, fewer than the conv window "
-                              f"({window}); use train.seq_len >= {2 * layout.cp * window} or a smaller cp")
+            raise ConfigError(
+                f"Gated DeltaNet with parallel.cp = {layout.cp}: each zigzag chunk has "
+                f"{t.seq_len} / {2 * layout.cp} = {chunk} tokens, fewer than the conv window "
+                f"({window}); use train.seq_len >= {2 * layout.cp * window} or a smaller cp"
+            )
     if d.source == "jsonl":
         from bumblebee.data.jsonl import scan_samples
 
@@ -61,8 +68,10 @@ def preflight(cfg: Config, world: int):
 
         scan_samples(d.path, arch.vocab_size, visit)
         if not trainable:
-            raise ConfigError(f"{d.path}: no sample has a loss token after its first token (all loss_mask "
-                              "false, or one-token documents): there is nothing to train on")
+            raise ConfigError(
+                f"{d.path}: no sample has a loss token after its first token (all loss_mask "
+                "false, or one-token documents): there is nothing to train on"
+            )
     if d.source == "tokens":
         check_token_vocab(d.path, d.eval_path, arch.vocab_size, cfg.model)
     if t.resume:
@@ -76,12 +85,18 @@ def check_kernels(cfg: Config, arch, cuda: bool) -> None:
     """On CUDA, a model with Gated DeltaNet layers and no FLA would run the pure-PyTorch chunk loop
     (thousands of small kernels per layer, ~10x the fused kernel's activation memory): refuse it
     unless ``primitives.allow_fallback`` says the user wants exactly that."""
-    if not cuda or cfg.primitives.allow_fallback or "linear_attention" not in getattr(arch, "layer_types", ()):
+    if (
+        not cuda
+        or cfg.primitives.allow_fallback
+        or "linear_attention" not in getattr(arch, "layer_types", ())
+    ):
         return
     kernel = select("linear_attention", cfg.primitives.linear_attention, "cuda", cfg.train.dtype)
     if cfg.primitives.linear_attention == "chunked" and not kernel.fused:
-        raise ConfigError("Gated DeltaNet on CUDA needs flash-linear-attention's kernel: pip install -e '.[gpu]' "
-                          "(or set primitives.allow_fallback = true to run the slow pure-PyTorch chunk loop)")
+        raise ConfigError(
+            "Gated DeltaNet on CUDA needs flash-linear-attention's kernel: pip install -e '.[gpu]' "
+            "(or set primitives.allow_fallback = true to run the slow pure-PyTorch chunk loop)"
+        )
 
 
 def check_resume(cfg: Config, arch) -> None:
@@ -95,8 +110,10 @@ def check_resume(cfg: Config, arch) -> None:
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if changed:
         shown = ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:3])
-        raise ConfigError(f"train.resume: {path} was saved for another architecture ({shown}"
-                          f"{', ...' if len(changed) > 3 else ''}); resume with the model it was trained with")
+        raise ConfigError(
+            f"train.resume: {path} was saved for another architecture ({shown}"
+            f"{', ...' if len(changed) > 3 else ''}); resume with the model it was trained with"
+        )
 
 
 def check_token_vocab(path: str, eval_path: str, vocab_size: int, model_cfg) -> None:
@@ -112,8 +129,10 @@ def check_token_vocab(path: str, eval_path: str, vocab_size: int, model_cfg) -> 
         if top >= vocab_size:
             model = model_cfg.hf_path or f"{model_cfg.name}/{model_cfg.preset}"
             made_by = f" (tokenizer {meta['tokenizer']})" if meta.get("tokenizer") else ""
-            raise ConfigError(f"{where}: prepared with token ids up to {top}{made_by}, but the model {model} has a "
-                              f"vocabulary of {vocab_size} ids: the data was tokenized for another model; prepare it "
-                              f"again with this model's tokenizer (bumblebee data prepare IN OUT --source ... "
-                              f"--tokenizer MODEL_TOKENIZER_DIR) and point data.path at OUT, or train the model "
-                              f"whose tokenizer made it")
+            raise ConfigError(
+                f"{where}: prepared with token ids up to {top}{made_by}, but the model {model} has a "
+                f"vocabulary of {vocab_size} ids: the data was tokenized for another model; prepare it "
+                f"again with this model's tokenizer (bumblebee data prepare IN OUT --source ... "
+                f"--tokenizer MODEL_TOKENIZER_DIR) and point data.path at OUT, or train the model "
+                f"whose tokenizer made it"
+            )

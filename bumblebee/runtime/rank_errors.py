@@ -23,7 +23,9 @@ _LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distrib
 @contextmanager
 def quiet_elastic():
     """Only critical records from torch's elastic machinery during the block."""
-    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(_LOGGERS)]  # torch sets levels per module
+    names = [
+        n for n in list(logging.root.manager.loggerDict) if n.startswith(_LOGGERS)
+    ]  # torch sets levels per module
     loggers = [logging.getLogger(name) for name in sorted(set(names) | set(_LOGGERS))]
     levels = [lg.level for lg in loggers]
     for lg in loggers:

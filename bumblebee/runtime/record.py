@@ -33,8 +33,11 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def _steps(root: str) -> list[tuple[int, str]]:
-    return sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := _STEP_DIR.match(n))) \
-        if os.path.isdir(root) else []
+    return (
+        sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := _STEP_DIR.match(n)))
+        if os.path.isdir(root)
+        else []
+    )
 
 
 def _has_lines_after(path: str, step: int) -> bool:
@@ -48,7 +51,11 @@ def _has_lines_after(path: str, step: int) -> bool:
                 rec = json.loads(raw)
             except (UnicodeDecodeError, json.JSONDecodeError):
                 return True
-            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or rec["step"] > step:
+            if (
+                not isinstance(rec, dict)
+                or not isinstance(rec.get("step"), int)
+                or rec["step"] > step
+            ):
                 return True
     return False
 
@@ -61,7 +68,9 @@ def _same_text(path: str, text: str) -> bool:
         return False
 
 
-def set_aside(out_dir: str, *, continues_from: int | None, config_text: str) -> tuple[str, list[str]] | None:
+def set_aside(
+    out_dir: str, *, continues_from: int | None, config_text: str
+) -> tuple[str, list[str]] | None:
     """Apply the rule of the module doc before a run writes into ``out_dir``. ``continues_from``:
     the step of ``out_dir``'s own checkpoint the run resumed from (None: not a continuation);
     ``config_text``: the ``config.toml`` the run will write. Returns (the directory the old
@@ -77,11 +86,15 @@ def set_aside(out_dir: str, *, continues_from: int | None, config_text: str) -> 
             continue
         if continues_from is None:
             moves.append(name)
-        elif (name == "metrics.jsonl" and _has_lines_after(path, continues_from)) or \
-                (name == "config.toml" and not _same_text(path, config_text)):
+        elif (name == "metrics.jsonl" and _has_lines_after(path, continues_from)) or (
+            name == "config.toml" and not _same_text(path, config_text)
+        ):
             copies.append(name)
-    moves += [name for name in DIRS if os.path.isdir(os.path.join(out_dir, name))
-              and (continues_from is None or name == "hf")]
+    moves += [
+        name
+        for name in DIRS
+        if os.path.isdir(os.path.join(out_dir, name)) and (continues_from is None or name == "hf")
+    ]
     if not moves and not copies:
         return None
     base = os.path.join(out_dir, PREVIOUS, f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
@@ -93,7 +106,9 @@ def set_aside(out_dir: str, *, continues_from: int | None, config_text: str) -> 
     for rel in copies:
         shutil.copy2(os.path.join(out_dir, rel), os.path.join(aside, rel))
     for rel in moves:
-        os.rename(os.path.join(out_dir, rel), os.path.join(aside, rel))  # same filesystem: atomic, no copy
+        os.rename(
+            os.path.join(out_dir, rel), os.path.join(aside, rel)
+        )  # same filesystem: atomic, no copy
     if not os.listdir(os.path.join(aside, "checkpoints")):
         os.rmdir(os.path.join(aside, "checkpoints"))
     return aside, sorted(copies + moves)

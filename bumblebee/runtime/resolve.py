@@ -52,18 +52,24 @@ class Layout:
         return f"tp={self.tp} pp={self.pp} ep={self.ep} cp={self.cp} dp_shard={self.dp_shard}"
 
     def describe(self) -> str:
-        return (f"world={self.world}: pp={self.pp} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}; "
-                f"experts: ep={self.ep} edp={self.edp}")
+        return (
+            f"world={self.world}: pp={self.pp} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}; "
+            f"experts: ep={self.ep} edp={self.edp}"
+        )
 
 
 def resolve_layout(parallel_cfg, world: int, arch) -> Layout:
     """Resolve ``dp_shard="auto"`` and reject impossible layouts (no process group needed)."""
     p = parallel_cfg
     if p.tp > 1:
-        raise ConfigError("parallel.tp > 1 is not implemented; the recipe keeps TP = 1 (use ep and cp)")
+        raise ConfigError(
+            "parallel.tp > 1 is not implemented; the recipe keeps TP = 1 (use ep and cp)"
+        )
     if p.pp > arch.num_hidden_layers:
-        raise ConfigError(f"parallel.pp = {p.pp} stages need at least as many decoder layers, "
-                          f"the model has {arch.num_hidden_layers}")
+        raise ConfigError(
+            f"parallel.pp = {p.pp} stages need at least as many decoder layers, "
+            f"the model has {arch.num_hidden_layers}"
+        )
     inner = p.cp * p.tp * p.pp
     if p.dp_shard == "auto":
         if world % inner:
@@ -72,11 +78,15 @@ def resolve_layout(parallel_cfg, world: int, arch) -> Layout:
     else:
         dp_shard = p.dp_shard
     if dp_shard * inner != world:
-        raise ConfigError(f"pp*dp_shard*cp*tp = {p.pp}*{dp_shard}*{p.cp}*{p.tp} = {dp_shard * inner} "
-                          f"!= world size {world}")
+        raise ConfigError(
+            f"pp*dp_shard*cp*tp = {p.pp}*{dp_shard}*{p.cp}*{p.tp} = {dp_shard * inner} "
+            f"!= world size {world}"
+        )
     fold = dp_shard * p.cp * p.tp
     if fold % p.ep:
-        raise ConfigError(f"parallel.ep = {p.ep} must divide dp_shard*cp*tp = {fold} (ep folds over those ranks)")
+        raise ConfigError(
+            f"parallel.ep = {p.ep} must divide dp_shard*cp*tp = {fold} (ep folds over those ranks)"
+        )
     num_experts = getattr(arch, "num_experts", 0)
     if p.ep > 1 and num_experts % p.ep:
         raise ConfigError(f"num_experts = {num_experts} is not divisible by parallel.ep = {p.ep}")
@@ -88,9 +98,13 @@ def validate_run(cfg: Config):
     registry.validate_choices(cfg.primitives)
     arch = resolve_arch(cfg.model)  # validates family, preset, hf_path and the architecture
     if arch.vocab_size < 256 and cfg.data.source == "synthetic":
-        raise ConfigError(f"the synthetic task is byte-level and needs vocab_size >= 256, got {arch.vocab_size}")
+        raise ConfigError(
+            f"the synthetic task is byte-level and needs vocab_size >= 256, got {arch.vocab_size}"
+        )
     router = family_of(arch).router
-    if router and cfg.primitives.router == "softmax_topk":  # the default: the architecture's router instead
+    if (
+        router and cfg.primitives.router == "softmax_topk"
+    ):  # the default: the architecture's router instead
         cfg.primitives.router = router  # (the resolved config.toml of the run shows it)
     mtp_depth(cfg, arch)
     return arch
@@ -102,8 +116,10 @@ def mtp_depth(cfg: Config, arch) -> int:
     held = getattr(arch, key) if key else 0
     depth = held if cfg.mtp.depth == "auto" else cfg.mtp.depth
     if depth > held:
-        raise ConfigError(f"mtp.depth = {depth} but the model holds {held} MTP module(s)"
-                          + (f"; set model.arch.{key} to add modules" if key else " (its family has no MTP)"))
+        raise ConfigError(
+            f"mtp.depth = {depth} but the model holds {held} MTP module(s)"
+            + (f"; set model.arch.{key} to add modules" if key else " (its family has no MTP)")
+        )
     return depth
 
 
@@ -119,63 +135,89 @@ def check_run(cfg: Config, world: int):
     group exists (the launcher calls this in the parent process)."""
     layout = resolve_layout(cfg.parallel, world, resolve_arch(cfg.model))
     if world > 1 and cfg.primitives.sharding == "none":
-        raise ConfigError(f"primitives.sharding = 'none' needs a single process (world size is {world}); "
-                          "use 'fsdp2' or 'zero1'")
+        raise ConfigError(
+            f"primitives.sharding = 'none' needs a single process (world size is {world}); "
+            "use 'fsdp2' or 'zero1'"
+        )
     if layout.ep > 1 and cfg.primitives.moe_comm == "local":
-        raise ConfigError("primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use 'alltoall'")
+        raise ConfigError(
+            "primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use 'alltoall'"
+        )
     if layout.cp > 1 and cfg.train.seq_len % (2 * layout.cp):
-        raise ConfigError(f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
-                          f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks")
+        raise ConfigError(
+            f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
+            f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks"
+        )
     if layout.cp > 1 and cfg.model.name not in ("qwen3_moe", "qwen3_5_moe", "deepseek_v3"):
-        raise ConfigError(f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; "
-                          "valid: qwen3_moe, qwen3_5_moe, deepseek_v3")
+        raise ConfigError(
+            f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; "
+            "valid: qwen3_moe, qwen3_5_moe, deepseek_v3"
+        )
     rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
     if rem or rows % cfg.train.micro_batch:
         unit = layout.dp_shard * cfg.train.micro_batch
-        raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
-                          f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch}), e.g. "
-                          f"--set train.global_batch={unit * max(1, round(cfg.train.global_batch / unit))}")
+        raise ConfigError(
+            f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
+            f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch}), e.g. "
+            f"--set train.global_batch={unit * max(1, round(cfg.train.global_batch / unit))}"
+        )
     check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
     return layout
-
 
 
 def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:
     """Reject pipeline settings that cannot run (one-line ConfigErrors, before any process starts)."""
     p = cfg.primitives
     if p.pp_microbatches < 0 or p.pp_virtual_stages < 1:
-        raise ConfigError(f"primitives.pp_microbatches must be >= 0 and pp_virtual_stages >= 1, "
-                          f"got {p.pp_microbatches} and {p.pp_virtual_stages}")
+        raise ConfigError(
+            f"primitives.pp_microbatches must be >= 0 and pp_virtual_stages >= 1, "
+            f"got {p.pp_microbatches} and {p.pp_virtual_stages}"
+        )
     if layout.pp == 1:
         if p.pp_layout or p.pp_virtual_stages != 1:
             raise ConfigError("primitives.pp_layout and pp_virtual_stages need parallel.pp > 1")
         return
     m = p.pp_microbatches or rows_per_rank // cfg.train.micro_batch
     if rows_per_rank % m:
-        raise ConfigError(f"primitives.pp_microbatches = {m} must divide the {rows_per_rank} rows of each "
-                          f"pipeline (train.global_batch / dp_shard)")
+        raise ConfigError(
+            f"primitives.pp_microbatches = {m} must divide the {rows_per_rank} rows of each "
+            f"pipeline (train.global_batch / dp_shard)"
+        )
     problem = registry.get("pipeline", p.pipeline).factory.check(layout.pp, m, p.pp_virtual_stages)
     if problem:
         hint = ""
         if not p.pp_microbatches and cfg.train.micro_batch == 1:
-            hint = (f" (train.global_batch {cfg.train.global_batch} / dp_shard {layout.dp_shard} rows per "
-                    f"pipeline): raise train.global_batch to {layout.dp_shard * layout.pp} or more")
+            hint = (
+                f" (train.global_batch {cfg.train.global_batch} / dp_shard {layout.dp_shard} rows per "
+                f"pipeline): raise train.global_batch to {layout.dp_shard * layout.pp} or more"
+            )
         raise ConfigError(f"primitives.pipeline = {p.pipeline!r} {problem}{hint}")
     if balance_mode(cfg, layout.pp) != "micro_batch":
-        raise ConfigError(f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
-                          "before the first backward, which a pipeline schedule (parallel.pp > 1) does not "
-                          "give; set train.balance = 'micro_batch' (or 'auto') with pp > 1")
+        raise ConfigError(
+            f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
+            "before the first backward, which a pipeline schedule (parallel.pp > 1) does not "
+            "give; set train.balance = 'micro_batch' (or 'auto') with pp > 1"
+        )
     stages, n = layout.pp * p.pp_virtual_stages, arch.num_hidden_layers
     if stages > n:
-        raise ConfigError(f"pp x pp_virtual_stages = {stages} stages need at least as many decoder layers, "
-                          f"the model has {n}")
+        raise ConfigError(
+            f"pp x pp_virtual_stages = {stages} stages need at least as many decoder layers, "
+            f"the model has {n}"
+        )
     if arch.tie_word_embeddings:
-        raise ConfigError("tied embeddings cannot be split over pipeline stages (embedding on the first, "
-                          "LM head on the last); use parallel.pp = 1")
+        raise ConfigError(
+            "tied embeddings cannot be split over pipeline stages (embedding on the first, "
+            "LM head on the last); use parallel.pp = 1"
+        )
     if p.pp_layout:
-        ok = (isinstance(p.pp_layout, list) and len(p.pp_layout) == stages
-              and all(isinstance(s, list) and s for s in p.pp_layout)
-              and [i for s in p.pp_layout for i in s] == list(range(n)))
+        ok = (
+            isinstance(p.pp_layout, list)
+            and len(p.pp_layout) == stages
+            and all(isinstance(s, list) and s for s in p.pp_layout)
+            and [i for s in p.pp_layout for i in s] == list(range(n))
+        )
         if not ok:
-            raise ConfigError(f"primitives.pp_layout must list {stages} non-empty stages of consecutive decoder "
-                              f"layers covering 0..{n - 1} in order, e.g. [[0, 1], [2, 3]]; got {p.pp_layout}")
+            raise ConfigError(
+                f"primitives.pp_layout must list {stages} non-empty stages of consecutive decoder "
+                f"layers covering 0..{n - 1} in order, e.g. [[0, 1], [2, 3]]; got {p.pp_layout}"
+            )

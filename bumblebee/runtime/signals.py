@@ -28,7 +28,11 @@ class Preempted(Exception):
 
     def __init__(self, step: int, path: str, signum: int):
         self.step, self.path, self.signum = step, path, signum
-        saved = f"saved {path}; resume with --resume auto" if path else "nothing saved (train.out_dir not writable?)"
+        saved = (
+            f"saved {path}; resume with --resume auto"
+            if path
+            else "nothing saved (train.out_dir not writable?)"
+        )
         super().__init__(f"preempted at step {step} ({signal.Signals(signum).name}); {saved}")
 
     @property

@@ -43,13 +43,19 @@ from bumblebee.runtime.optim import lr_at, set_lr
 
 def autocast_for(device: torch.device, dtype: str):
     """The compute-dtype context of a run: bf16 autocast, or nothing for fp32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
+    return (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if dtype == "bfloat16"
+        else contextlib.nullcontext()
+    )
 
 
-def shard_rows(tensors: dict[str, torch.Tensor], rows: int, dp_rank: int, cp: int, cp_rank: int) -> dict:
+def shard_rows(
+    tensors: dict[str, torch.Tensor], rows: int, dp_rank: int, cp: int, cp_rank: int
+) -> dict:
     """This rank's part of [B, T] tensors: rows ``[dp_rank * rows, (dp_rank + 1) * rows)``,
     then with cp > 1 its zigzag share of every row (tokens, labels, positions alike)."""
-    out = {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in tensors.items()}
+    out = {k: v[dp_rank * rows : (dp_rank + 1) * rows] for k, v in tensors.items()}
     if cp > 1:
         out = {k: shard_sequence(v, cp, cp_rank) for k, v in out.items()}
     return out
@@ -58,8 +64,13 @@ def shard_rows(tensors: dict[str, torch.Tensor], rows: int, dp_rank: int, cp: in
 def local_batch(rows: Batch, cp: int, cp_rank: int, device) -> Batch:
     """This rank's training rows (the data source builds only those) cut to its zigzag CP share
     (``shard_rows``), moved to ``device``."""
-    part = shard_rows({"input_ids": rows.input_ids, "labels": rows.labels, "position_ids": rows.position_ids},
-                      rows.input_ids.shape[0], 0, cp, cp_rank)
+    part = shard_rows(
+        {"input_ids": rows.input_ids, "labels": rows.labels, "position_ids": rows.position_ids},
+        rows.input_ids.shape[0],
+        0,
+        cp,
+        cp_rank,
+    )
     return Batch(**part).to(device)
 
 
@@ -95,8 +106,16 @@ def _counts(terms) -> dict[str, torch.Tensor]:
     return {"router_counts": split_stats(stats)[0], "router_dropped": balance.dropped_pairs(stats)}
 
 
-def lm_forward(model, global_tokens: int, balance_coef: float, micro: int, dp: int, cp: int, autocast,
-               balance: str = "micro_batch"):
+def lm_forward(
+    model,
+    global_tokens: int,
+    balance_coef: float,
+    micro: int,
+    dp: int,
+    cp: int,
+    autocast,
+    balance: str = "micro_batch",
+):
     """The training forward of one micro-batch (a ``Batch``) for ``accumulate``: its token-loss
     share plus its balance-loss share (definition ``balance``: "micro_batch" | "hf"); stats
     ``loss_sum``, ``aux`` (balance loss / micro), ``router_counts`` (this micro-batch's
@@ -107,13 +126,18 @@ def lm_forward(model, global_tokens: int, balance_coef: float, micro: int, dp: i
         with autocast:
             terms = model.loss_terms(mb.input_ids, mb.labels, mb.position_ids, balance=balance)
         loss = terms.loss_sum / global_tokens + balance_coef * terms.aux_loss / denominator
-        return loss, {"loss_sum": terms.loss_sum, "aux": terms.aux_loss.detach() / micro, **_counts(terms)}
+        return loss, {
+            "loss_sum": terms.loss_sum,
+            "aux": terms.aux_loss.detach() / micro,
+            **_counts(terms),
+        }
 
     return forward
 
 
-def accumulate_global_balance(parts: list, sharding, model, global_tokens: int, balance_coef: float, autocast,
-                              group) -> dict[str, torch.Tensor]:
+def accumulate_global_balance(
+    parts: list, sharding, model, global_tokens: int, balance_coef: float, autocast, group
+) -> dict[str, torch.Tensor]:
     """``accumulate`` with the global-batch balance loss: forward every micro-batch of ``parts``,
     sum their router stats and all-reduce them over ``group`` (the dp x cp ranks: every token of
     the global batch), then backward each micro-batch's token-loss share plus its share of the
@@ -123,7 +147,11 @@ def accumulate_global_balance(parts: list, sharding, model, global_tokens: int, 
     kept = []
     for part in parts:
         with autocast:
-            kept.append(model.loss_terms(part.input_ids, part.labels, part.position_ids, balance="global_batch"))
+            kept.append(
+                model.loss_terms(
+                    part.input_ids, part.labels, part.position_ids, balance="global_batch"
+                )
+            )
     stats = [t.router_stats for t in kept if t.router_stats is not None]
     loss_sum = sum(t.loss_sum.detach().float() for t in kept)
     if not stats:  # no MoE layer: plain accumulation
@@ -137,15 +165,30 @@ def accumulate_global_balance(parts: list, sharding, model, global_tokens: int, 
         dist.all_reduce(global_LS, group=group)
     for i, t in enumerate(kept):
         sharding.set_grad_sync(i == len(kept) - 1)
-        loss = t.loss_sum / global_tokens + balance_coef * balance.global_batch_share(t.router_stats, global_LS)
+        loss = t.loss_sum / global_tokens + balance_coef * balance.global_batch_share(
+            t.router_stats, global_LS
+        )
         loss.backward()
     kept.clear()
-    return {"loss_sum": loss_sum, "aux": balance.global_batch_value(global_LS),
-            "router_counts": split_stats(local_LS)[0], "router_dropped": balance.dropped_pairs(local_LS)}
+    return {
+        "loss_sum": loss_sum,
+        "aux": balance.global_batch_value(global_LS),
+        "router_counts": split_stats(local_LS)[0],
+        "router_dropped": balance.dropped_pairs(local_LS),
+    }
 
 
-def optimizer_tail(sharding, optimizer, train_cfg, step: int, *, lr: float | None = None, loss=None,
-                   pp_group=None, params=None) -> tuple[torch.Tensor, float, bool]:
+def optimizer_tail(
+    sharding,
+    optimizer,
+    train_cfg,
+    step: int,
+    *,
+    lr: float | None = None,
+    loss=None,
+    pp_group=None,
+    params=None,
+) -> tuple[torch.Tensor, float, bool]:
     """Reduce gradients, clip on the global norm, check they are finite, set the scheduled LR,
     update, zero. With pipeline parallelism (``pp_group``) the norm covers every stage's
     gradients: each stage's squared norm is summed over the pipeline group before clipping
@@ -159,7 +202,9 @@ def optimizer_tail(sharding, optimizer, train_cfg, step: int, *, lr: float | Non
     else:
         grad_norm = _clip_over_stages(sharding, params, max_norm, pp_group)
     lr = lr_at(step, train_cfg) if lr is None else lr
-    applied = check_finite(step + 1, 0.0 if loss is None else loss, grad_norm, train_cfg.on_nonfinite)
+    applied = check_finite(
+        step + 1, 0.0 if loss is None else loss, grad_norm, train_cfg.on_nonfinite
+    )
     if applied:
         set_lr(optimizer, lr)
         sharding.step(optimizer)
@@ -171,7 +216,9 @@ def _clip_over_stages(sharding, params, max_norm: float, pp_group) -> torch.Tens
     """Norm of all gradients of all stages; scale them by min(1, max_norm / (norm + 1e-6))."""
     from bumblebee.primitives.sharding.common import local
 
-    stage_norm = sharding.clip_grad_norm(float("inf"))  # this stage's norm (multiplies gradients by 1)
+    stage_norm = sharding.clip_grad_norm(
+        float("inf")
+    )  # this stage's norm (multiplies gradients by 1)
     sq = stage_norm.detach().float().pow(2).reshape(1)
     dist.all_reduce(sq, group=pp_group)
     total = sq.sqrt()[0]
@@ -214,4 +261,3 @@ class ExpertLoad:
             dist.all_reduce(counts, group=group)
         if applied:
             self.model.update_router_bias(counts, rate)
-

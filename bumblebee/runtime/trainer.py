@@ -31,24 +31,35 @@ from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives import emulation
 from bumblebee.primitives.dispatch import describe as describe_kernels
 from bumblebee.primitives.dispatch import kernel_table
+from bumblebee.primitives.moe.balance import load_summary
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding import ShardingGroups
 from bumblebee.runtime.checkpoint import Checkpointer
-from bumblebee.runtime.export import export_checkpoint
 from bumblebee.runtime.eval import evaluate
+from bumblebee.runtime.export import export_checkpoint
 from bumblebee.runtime.mesh import ParallelContext, build_context, single_process
-from bumblebee.runtime.resolve import check_run, mtp_depth
 from bumblebee.runtime.metrics import MetricsWriter, wandb_init
 from bumblebee.runtime.optim import build_optimizer, lr_at, static_state_bytes
 from bumblebee.runtime.pipeline import Pipeline, check_trainer_pipeline
+from bumblebee.runtime.resolve import check_run, mtp_depth
 from bumblebee.runtime.signals import Preempted, Preemption
-from bumblebee.primitives.moe.balance import load_summary
-from bumblebee.runtime.step import (accumulate, accumulate_global_balance, autocast_for, lm_forward, local_batch,
-                                    micro_batches, optimizer_tail)
+from bumblebee.runtime.step import (
+    accumulate,
+    accumulate_global_balance,
+    autocast_for,
+    lm_forward,
+    local_batch,
+    micro_batches,
+    optimizer_tail,
+)
 
 
 def pick_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -58,7 +69,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-def build_initial_model(cfg: Config, device: torch.device, groups: ParallelGroups | None = None, split=None):
+def build_initial_model(
+    cfg: Config, device: torch.device, groups: ParallelGroups | None = None, split=None
+):
     """The model a config describes, holding this rank's share only: built on the meta device,
     cut by ``split(model) -> model`` while it has no memory (the pipeline keeps this rank's
     stages, the sharding primitive wraps it: FSDP2 shards, expert slices), then materialized on
@@ -66,7 +79,9 @@ def build_initial_model(cfg: Config, device: torch.device, groups: ParallelGroup
     layout), or each rank's slices of ``model.hf_path``."""
     arch = resolve_arch(cfg.model)
     model = build_model(arch, cfg.primitives, groups or ParallelGroups(), device="meta")
-    model.set_mtp(cfg.mtp.depth, cfg.mtp.loss_weight)  # before the split: the last pipeline stage runs MTP
+    model.set_mtp(
+        cfg.mtp.depth, cfg.mtp.loss_weight
+    )  # before the split: the last pipeline stage runs MTP
     if split is not None:
         model = split(model)
     return materialize(model, device, seed=cfg.train.seed, hf_path=cfg.model.hf_path)
@@ -81,19 +96,25 @@ def build_parallel_context(cfg: Config, device: torch.device) -> ParallelContext
 
 def build_sharding(cfg: Config, ctx: ParallelContext):
     """The configured sharding primitive over this layout's groups (``wrap(model)`` comes next)."""
-    groups = ShardingGroups(dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
-                            expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
-                            ep_group=ctx.ep_group)
+    groups = ShardingGroups(
+        dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
+        expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
+        ep_group=ctx.ep_group,
+    )
     return registry.get("sharding", cfg.primitives.sharding).factory(groups, cfg.train)
 
 
 class Trainer:
     def __init__(self, cfg: Config, *, stream=None, device: torch.device | None = None):
-        with emulation.maybe(cfg.train.emulate_cuda):  # wrapping picks the NCCL forms of FSDP2's collectives
+        with emulation.maybe(
+            cfg.train.emulate_cuda
+        ):  # wrapping picks the NCCL forms of FSDP2's collectives
             self._build(cfg, stream=stream, device=device)
 
     def _build(self, cfg: Config, *, stream, device: torch.device | None) -> None:
-        stream = stream or sys.stdout  # looked up now: sys.stdout may have been replaced since import
+        stream = (
+            stream or sys.stdout
+        )  # looked up now: sys.stdout may have been replaced since import
         self.cfg = cfg
         t = cfg.train
         self.device = device or (torch.device("cpu") if t.emulate_cuda else pick_device())
@@ -113,64 +134,101 @@ class Trainer:
         self.sharding = build_sharding(cfg, ctx)
 
         def split(model):  # on the meta device: nothing allocated yet
-            if ctx.layout.pp > 1:  # keep this rank's pipeline stages only; that part is what gets sharded
+            if (
+                ctx.layout.pp > 1
+            ):  # keep this rank's pipeline stages only; that part is what gets sharded
                 self.pipeline = Pipeline(cfg, ctx, model, self.device, self.autocast)
             return self.sharding.wrap(model)
 
-        self.model = build_initial_model(cfg, self.device, ParallelGroups(ep_group=ctx.ep_group,
-                                                                          cp_group=ctx.cp_group), split)
+        self.model = build_initial_model(
+            cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group), split
+        )
         self.model.set_capacity(cfg.moe.capacity_factor)  # 0: every token reaches its k experts
         self.sharding.after_load()  # e.g. zero1 takes its fp32 master slices of the weights
         self.optimizer = build_optimizer(t, self.sharding)
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)
-        self.checkpoint = Checkpointer(cfg, ctx, self.model, self.sharding, self.optimizer, stream=stream)
+        self.checkpoint = Checkpointer(
+            cfg, ctx, self.model, self.sharding, self.optimizer, stream=stream
+        )
         self.step = self.checkpoint.resume(t.resume)  # 0 unless train.resume names a checkpoint
-        if self.step > t.steps:  # the run would end at once, having trained nothing: say why instead
-            raise ConfigError(f"train.steps = {t.steps} but the checkpoint it resumes is at step {self.step}: "
-                              f"nothing to train; set train.steps above {self.step} to continue it")
+        if (
+            self.step > t.steps
+        ):  # the run would end at once, having trained nothing: say why instead
+            raise ConfigError(
+                f"train.steps = {t.steps} but the checkpoint it resumes is at step {self.step}: "
+                f"nothing to train; set train.steps above {self.step} to continue it"
+            )
         if self.step and self.step == t.steps:
-            self.checkpoint._say(f"the checkpoint is at train.steps = {t.steps} already: nothing to train")
+            self.checkpoint._say(
+                f"the checkpoint is at train.steps = {t.steps} already: nothing to train"
+            )
         if self.rank == 0:
             os.makedirs(t.out_dir, exist_ok=True)
             with open(os.path.join(t.out_dir, "config.toml"), "w") as f:
                 f.write(dump_toml(cfg))
             if ctx.distributed:
-                stream.write(f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n")
+                stream.write(
+                    f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n"
+                )
             kind = "cuda" if t.emulate_cuda else self.device.type
-            kernels = describe_kernels(kernel_table(cfg.primitives, kind, t.dtype, cp=ctx.layout.cp))
+            kernels = describe_kernels(
+                kernel_table(cfg.primitives, kind, t.dtype, cp=ctx.layout.cp)
+            )
             emulated = " (emulated CUDA: CPU tensors, reference kernels, checked communication)"
-            stream.write("bumblebee: kernels " + kernels + (emulated if t.emulate_cuda else "") + "\n")
+            stream.write(
+                "bumblebee: kernels " + kernels + (emulated if t.emulate_cuda else "") + "\n"
+            )
             if self.pipeline is not None:
                 stream.write(f"bumblebee: {self.pipeline.describe()}\n")
         self._describe_static_memory(stream)
-        spec = dataclasses.replace(self.model.arch.to_spec(), mtp_depth=mtp_depth(cfg, self.model.arch))
-        self.throughput = Throughput(spec.model_flops_per_token(t.seq_len), ctx.layout.world,
-                                     device_peak(self.device, t.dtype)[1])  # tflops_per_gpu, mfu of each step
-        self.metrics = MetricsWriter(t.out_dir if self.rank == 0 else None, total_steps=t.steps,
-                                     log_every=t.log_every, stream=stream, first_step=self.step,
-                                     tensorboard=t.tensorboard, wandb=wandb_init(cfg) if t.wandb else None,
-                                     expert_ceiling=spec.experts / spec.top_k if spec.experts else 0.0)
-        self.skipped = self.metrics.resumed.get("skipped_steps", 0)  # non-finite steps skipped so far
+        spec = dataclasses.replace(
+            self.model.arch.to_spec(), mtp_depth=mtp_depth(cfg, self.model.arch)
+        )
+        self.throughput = Throughput(
+            spec.model_flops_per_token(t.seq_len),
+            ctx.layout.world,
+            device_peak(self.device, t.dtype)[1],
+        )  # tflops_per_gpu, mfu of each step
+        self.metrics = MetricsWriter(
+            t.out_dir if self.rank == 0 else None,
+            total_steps=t.steps,
+            log_every=t.log_every,
+            stream=stream,
+            first_step=self.step,
+            tensorboard=t.tensorboard,
+            wandb=wandb_init(cfg) if t.wandb else None,
+            expert_ceiling=spec.experts / spec.top_k if spec.experts else 0.0,
+        )
+        self.skipped = self.metrics.resumed.get(
+            "skipped_steps", 0
+        )  # non-finite steps skipped so far
         self.stream = stream
         self._peak = None  # peak live bytes of the last measured step
         self._eval_peak = None  # ... and of the last measured evaluation
-        self.eval_every = eval_interval(cfg)  # held-out evaluation cadence (0: none), on every layout
+        self.eval_every = eval_interval(
+            cfg
+        )  # held-out evaluation cadence (0: none), on every layout
         if self.rank == 0 and self.source.describe():
             stream.write(f"bumblebee: {self.source.describe()}\n")
 
     def _describe_static_memory(self, stream) -> None:
         """One line: the largest per-rank static state (params / grads / optimizer), collective."""
         b = static_state_bytes(self.model, self.optimizer)
-        figures = torch.tensor([b["params"], b["grads"], b["optimizer"]], dtype=torch.float64, device=self.device)
+        figures = torch.tensor(
+            [b["params"], b["grads"], b["optimizer"]], dtype=torch.float64, device=self.device
+        )
         if self.ctx.distributed:
             dist.all_reduce(figures, op=dist.ReduceOp.MAX)
         if self.rank == 0:
+
             def size(x: float) -> str:
                 return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
 
             p, g, o = (size(x) for x in figures.tolist())
-            stream.write(f"bumblebee: static memory per rank (largest): params {p}, grads {g}, optimizer {o}; "
-                         f"total {size(float(figures.sum()))} ({self.cfg.train.dtype} compute)\n")
+            stream.write(
+                f"bumblebee: static memory per rank (largest): params {p}, grads {g}, optimizer {o}; "
+                f"total {size(float(figures.sum()))} ({self.cfg.train.dtype} compute)\n"
+            )
 
     def train_step(self) -> dict:
         """One optimizer step, with its peak live memory (perf.memory). On CUDA the allocator's
@@ -178,7 +236,9 @@ class Trainer:
         every op, which costs step time, so only the first step of a run is measured unless
         ``train.track_memory`` (later steps report that peak)."""
         with emulation.maybe(self.cfg.train.emulate_cuda):
-            measured = self.device.type == "cuda" or self.cfg.train.track_memory or self._peak is None
+            measured = (
+                self.device.type == "cuda" or self.cfg.train.track_memory or self._peak is None
+            )
             if not measured:
                 record = self._step()
             else:
@@ -193,7 +253,11 @@ class Trainer:
         """The held-out figures (runtime/eval.py) with the evaluation's own peak live memory,
         ``eval_peak_mem_bytes``, measured as ``train_step`` measures a step's (CPU: the first one
         unless ``train.track_memory``): evaluation is meant to fit wherever training does."""
-        if self.device.type != "cuda" and not self.cfg.train.track_memory and self._eval_peak is not None:
+        if (
+            self.device.type != "cuda"
+            and not self.cfg.train.track_memory
+            and self._eval_peak is not None
+        ):
             out = evaluate(self)
         else:
             with MemoryTracker(self.device, self.model, self.optimizer) as memory:
@@ -209,34 +273,64 @@ class Trainer:
         lo = self.dp_rank * self.rows_per_rank  # this rank's rows only are built (data/)
         global_valid = self.source.num_valid_at(self.step)
         global_tokens = max(global_valid, 1)
-        local = local_batch(self.source.rows_at(self.step, lo, lo + self.rows_per_rank), self.cp, self.cp_rank,
-                            self.device)
+        local = local_batch(
+            self.source.rows_at(self.step, lo, lo + self.rows_per_rank),
+            self.cp,
+            self.cp_rank,
+            self.device,
+        )
         counts = None  # this rank's expert counts [L, E] (global after the all-reduce below)
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
-            loss_sum, aux, counts, dropped = self.pipeline.run(local, global_tokens)  # counts: this rank's layers
+            loss_sum, aux, counts, dropped = self.pipeline.run(
+                local, global_tokens
+            )  # counts: this rank's layers
         else:
             coef, parts = self.model.arch.router_aux_loss_coef, micro_batches(local, t.micro_batch)
             if balance_mode(self.cfg, self.ctx.layout.pp) == "global_batch":
-                sums = accumulate_global_balance(parts, self.sharding, self.model, global_tokens, coef,
-                                                 self.autocast, self.ctx.dp_cp_group)
+                sums = accumulate_global_balance(
+                    parts,
+                    self.sharding,
+                    self.model,
+                    global_tokens,
+                    coef,
+                    self.autocast,
+                    self.ctx.dp_cp_group,
+                )
             else:
-                forward = lm_forward(self.model, global_tokens, coef, self.accum, self.dp_size, self.cp,
-                                     self.autocast, balance=balance_mode(self.cfg, self.ctx.layout.pp))
+                forward = lm_forward(
+                    self.model,
+                    global_tokens,
+                    coef,
+                    self.accum,
+                    self.dp_size,
+                    self.cp,
+                    self.autocast,
+                    balance=balance_mode(self.cfg, self.ctx.layout.pp),
+                )
                 sums = accumulate(parts, self.sharding, forward)
             loss_sum, aux = sums["loss_sum"], sums["aux"] / (self.dp_size * self.cp)
             counts, dropped = sums.get("router_counts"), sums.get("router_dropped")
-        if self.ctx.distributed:  # the logged loss covers the whole global batch (so every rank checks the same)
+        if (
+            self.ctx.distributed
+        ):  # the logged loss covers the whole global batch (so every rank checks the same)
             # (pipeline: over every rank, each layer's counts coming from the ranks of its stage)
             extra = [] if counts is None else [dropped.reshape(1), counts.flatten()]
             stats = torch.cat([torch.stack([loss_sum, aux])] + extra)
-            dist.all_reduce(stats, group=None if self.pipeline is not None else self.ctx.dp_cp_group)
+            dist.all_reduce(
+                stats, group=None if self.pipeline is not None else self.ctx.dp_cp_group
+            )
             loss_sum, aux = stats[0], stats[1]
             if counts is not None:
                 dropped, counts = stats[2], stats[3:].view_as(counts)
-        grad_norm, lr, applied = optimizer_tail(self.sharding, self.optimizer, t, self.step,
-                                                loss=loss_sum / global_tokens,
-                                                pp_group=self.ctx.pp_group if self.pipeline is not None else None,
-                                                params=self.model.parameters())
+        grad_norm, lr, applied = optimizer_tail(
+            self.sharding,
+            self.optimizer,
+            t,
+            self.step,
+            loss=loss_sum / global_tokens,
+            pp_group=self.ctx.pp_group if self.pipeline is not None else None,
+            params=self.model.parameters(),
+        )
         if applied and counts is not None:  # sigmoid_bias routers follow the step's global load
             self.model.update_router_bias(counts, self.cfg.moe.bias_update_rate)
         self.skipped += not applied
@@ -270,9 +364,18 @@ class Trainer:
         self.step += 1
         nan = float("nan")
         t = self.cfg.train
-        return {"step": self.step, "loss": nan, "aux_loss": nan, "grad_norm": nan, "lr": lr_at(self.step - 1, t),
-                "tokens": t.global_batch * t.seq_len, "valid_tokens": 0, "tokens_per_s": 0.0, "step_time_s": 0.0,
-                "skipped": True}
+        return {
+            "step": self.step,
+            "loss": nan,
+            "aux_loss": nan,
+            "grad_norm": nan,
+            "lr": lr_at(self.step - 1, t),
+            "tokens": t.global_batch * t.seq_len,
+            "valid_tokens": 0,
+            "tokens_per_s": 0.0,
+            "step_time_s": 0.0,
+            "skipped": True,
+        }
 
     def _max_over_ranks(self, peak: int) -> int:
         """Peak bytes of the most loaded rank."""
@@ -297,14 +400,21 @@ class Trainer:
                 self.metrics.log(record)
                 self.checkpoint.on_step(self.step)  # saves every train.save_every steps
                 if self.step < t.steps and (signum := preemption.requested(world, self.device)):
-                    path = self.checkpoint.save(self.step) if self.checkpoint.last_saved != self.step \
+                    path = (
+                        self.checkpoint.save(self.step)
+                        if self.checkpoint.last_saved != self.step
                         else self.checkpoint.last_path
+                    )
                     raise Preempted(self.step, path, signum)
         self.checkpoint.on_end(self.step)  # final save
         if t.export_hf and self.rank == 0:  # the other ranks are done
             out = os.path.join(t.out_dir, "hf")
-            export_checkpoint(self.checkpoint.last_path, out, overwrite=True)  # the run's own export directory
-            self.checkpoint._say(f"exported {self.checkpoint.last_path} as a Hugging Face model to {out}")
+            export_checkpoint(
+                self.checkpoint.last_path, out, overwrite=True
+            )  # the run's own export directory
+            self.checkpoint._say(
+                f"exported {self.checkpoint.last_path} as a Hugging Face model to {out}"
+            )
         summary = self.metrics.close()
         if self.source.stats:  # documents, rows, skipped / truncated / dropped records
             summary["data"] = self.source.stats

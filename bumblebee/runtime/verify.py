@@ -18,8 +18,14 @@ def verify_command(spec: str) -> int:
     if os.path.isfile(os.path.join(spec, MARKER)):
         dirs = [spec]
     else:
-        root = next((r for r in (spec, checkpoint_root(spec)) if os.path.isdir(r)
-                     and any(_STEP_DIR.match(n) for n in os.listdir(r))), None)
+        root = next(
+            (
+                r
+                for r in (spec, checkpoint_root(spec))
+                if os.path.isdir(r) and any(_STEP_DIR.match(n) for n in os.listdir(r))
+            ),
+            None,
+        )
         if root is None:
             read_marker(spec)  # raises the one-line reason (missing, not a checkpoint, ...)
         dirs = [os.path.join(root, n) for n in sorted(os.listdir(root)) if _STEP_DIR.match(n)]
@@ -36,9 +42,12 @@ def verify_command(spec: str) -> int:
         n, size = len(files), sum(files.values())
         unchecked = sorted(set(files) - set(sums))
         if unchecked:  # a size match says nothing of the contents: not "ok"
-            print(f"bumblebee: NOT VERIFIED {d}: {len(unchecked)} of {n} files have no checksum in its marker "
-                  f"(e.g. {unchecked[0]}; written before checksums existed, or edited): only their sizes "
-                  f"were checked, not their contents", file=sys.stderr)
+            print(
+                f"bumblebee: NOT VERIFIED {d}: {len(unchecked)} of {n} files have no checksum in its marker "
+                f"(e.g. {unchecked[0]}; written before checksums existed, or edited): only their sizes "
+                f"were checked, not their contents",
+                file=sys.stderr,
+            )
             bad += 1
             continue
         print(f"bumblebee: ok {d}: {n} files, {size / 2**20:.1f} MiB, {len(sums)} {HASH} checksums")

@@ -15,16 +15,36 @@ from bumblebee import load_config
 from bumblebee.runtime.trainer import Trainer
 
 STEPS = 2
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.num_experts=8", "model.arch.num_experts_per_tok=2",
-        "model.arch.router_aux_loss_coef=0.1", "primitives.loss=ce", "primitives.recompute=full",
-        "train.seq_len=64", "train.global_batch=4", "train.micro_batch=1", f"train.steps={STEPS}",
-        "train.eval_every=0", "data.min_records=2", "data.max_records=4", "train.lr=1e-2", "train.warmup_steps=1"]
-ROUTERS = {"softmax": [], "sigmoid_bias": ["primitives.router=sigmoid_bias", "moe.bias_update_rate=0.01"]}
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.num_experts=8",
+    "model.arch.num_experts_per_tok=2",
+    "model.arch.router_aux_loss_coef=0.1",
+    "primitives.loss=ce",
+    "primitives.recompute=full",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    f"train.steps={STEPS}",
+    "train.eval_every=0",
+    "data.min_records=2",
+    "data.max_records=4",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+]
+ROUTERS = {
+    "softmax": [],
+    "sigmoid_bias": ["primitives.router=sigmoid_bias", "moe.bias_update_rate=0.01"],
+}
 # per-micro-batch balancing: cp ranks hold identical copies of each micro-batch's balance loss, so
 # its coefficient is divided by cp as well (balance_denominator); a large coefficient makes the
 # balance gradient a large part of the grad norm, so a missing factor shows far above rounding
-MICRO = {"softmax micro_batch": ["train.balance=micro_batch", "model.arch.router_aux_loss_coef=1.0"]}
+MICRO = {
+    "softmax micro_batch": ["train.balance=micro_batch", "model.arch.router_aux_loss_coef=1.0"]
+}
 SINGLE = ["primitives.sharding=none", "primitives.moe_comm=local"]
 
 
@@ -32,7 +52,11 @@ def run(overrides, out_dir):
     cfg = load_config(None, BASE + overrides + [f"train.out_dir={out_dir}"])
     t = Trainer(cfg, stream=io.StringIO())
     trace = [t.train_step() for _ in range(STEPS)]
-    bias = torch.stack([r.e_score_correction_bias for r in t.model.routers()]) if "sigmoid" in str(overrides) else None
+    bias = (
+        torch.stack([r.e_score_correction_bias for r in t.model.routers()])
+        if "sigmoid" in str(overrides)
+        else None
+    )
     return [(r["loss"], r["aux_loss"], r["grad_norm"]) for r in trace], bias
 
 
@@ -52,7 +76,9 @@ def check(got, ref, what):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    refs = {r: run(SINGLE + extra + ["train.balance=global_batch"], out) for r, extra in ROUTERS.items()}
+    refs = {
+        r: run(SINGLE + extra + ["train.balance=global_batch"], out) for r, extra in ROUTERS.items()
+    }
     return refs | {r: run(SINGLE + extra, out) for r, extra in MICRO.items()}
 
 
@@ -67,17 +93,25 @@ def test_single_process_micro_batching(references, tmp_path):
 
 
 # (layout, router): each router on a 2-rank layout, the bias on 4 ranks
-TWO = {("fsdp2 dp=2", "softmax"): ["parallel.cp=1"], ("fsdp2 cp=2", "sigmoid_bias"): ["parallel.cp=2"],
-       ("fsdp2 cp=2", "softmax micro_batch"): ["parallel.cp=2"]}
+TWO = {
+    ("fsdp2 dp=2", "softmax"): ["parallel.cp=1"],
+    ("fsdp2 cp=2", "sigmoid_bias"): ["parallel.cp=2"],
+    ("fsdp2 cp=2", "softmax micro_batch"): ["parallel.cp=2"],
+}
 FOUR = {("fsdp2 dp=4 x ep=2", "sigmoid_bias"): ["parallel.ep=2"]}
 
 
 @pytest.mark.parametrize("world,layouts", [(2, TWO), (4, FOUR)])
 def test_ranks_match_single_process(references, tmp_path, world, layouts):
-    cases = [(name, router, (ROUTERS | MICRO)[router] + layout) for (name, router), layout in layouts.items()]
+    cases = [
+        (name, router, (ROUTERS | MICRO)[router] + layout)
+        for (name, router), layout in layouts.items()
+    ]
     results = run_distributed(_ranks, world, [c[2] for c in cases], str(tmp_path))
     for i, (name, router, _) in enumerate(cases):
         check(results[0][i], references[router], f"{router} {name}")
         for r in range(1, world):  # every rank ends with the same bias
             if results[r][i][1] is not None:
-                assert torch.equal(results[r][i][1], results[0][i][1]), f"{router} {name}: rank {r} bias"
+                assert torch.equal(results[r][i][1], results[0][i][1]), (
+                    f"{router} {name}: rank {r} bias"
+                )

@@ -10,7 +10,6 @@ without capacity."""
 
 import io
 
-import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
@@ -34,18 +33,30 @@ def test_drop_rule():
 
 
 def run_layer(rank, world, comm, f, reference=False):
-    arch = Qwen3MoeArch(vocab_size=97, hidden_size=H, intermediate_size=48, moe_intermediate_size=FFN,
-                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        num_experts=E, num_experts_per_tok=K)
+    arch = Qwen3MoeArch(
+        vocab_size=97,
+        hidden_size=H,
+        intermediate_size=48,
+        moe_intermediate_size=FFN,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=E,
+        num_experts_per_tok=K,
+    )
     group = None if comm == "local" else dist.group.WORLD
     dispatch = registry.get("moe_comm", comm).factory(num_experts=E, ep_group=group, num_chunks=2)
     moe = MoE(arch, PrimitivesConfig(experts="loop"), dispatch, ParallelGroups(ep_group=group))
     g = torch.Generator().manual_seed(7)
-    w1, w2 = torch.randn(E, 2 * FFN, H, generator=g) * 0.1, torch.randn(E, H, FFN, generator=g) * 0.1
+    w1, w2 = (
+        torch.randn(E, 2 * FFN, H, generator=g) * 0.1,
+        torch.randn(E, H, FFN, generator=g) * 0.1,
+    )
     lo, n = (0, E) if comm == "local" else (rank * (E // world), E // world)
     with torch.no_grad():
-        moe.experts.w_gate_up.copy_(w1[lo:lo + n])
-        moe.experts.w_down.copy_(w2[lo:lo + n])
+        moe.experts.w_gate_up.copy_(w1[lo : lo + n])
+        moe.experts.w_down.copy_(w2[lo : lo + n])
     g = torch.Generator().manual_seed(300 + rank)
     x = torch.randn(T, H, generator=g).requires_grad_()
     weight = torch.rand(T, K, generator=g).requires_grad_()
@@ -59,11 +70,14 @@ def run_layer(rank, world, comm, f, reference=False):
         y = moe.dispatch(x, kept, weight, moe._run_experts, drops=True)
     probe = torch.randn(T, H, generator=g)
     (y * probe).sum().backward()
-    gw = [torch.zeros_like(p) if p.grad is None else p.grad for p in (moe.experts.w_gate_up, moe.experts.w_down)]
+    gw = [
+        torch.zeros_like(p) if p.grad is None else p.grad
+        for p in (moe.experts.w_gate_up, moe.experts.w_down)
+    ]
     if comm == "local" and world > 1:  # every rank's tokens reach all experts: sum, then EP's slice
         for t in gw:
             dist.all_reduce(t)
-        gw = [t[rank * (E // world):(rank + 1) * (E // world)] for t in gw]
+        gw = [t[rank * (E // world) : (rank + 1) * (E // world)] for t in gw]
     return int(dropped), [y.detach(), x.grad, weight.grad] + gw
 
 
@@ -78,24 +92,44 @@ def test_dispatchers_with_drops_match_the_reference(tmp_path):
         for comm, (dropped, tensors) in got.items():
             assert dropped == ref[0]
             for name, a, b in zip(("y", "dx", "dweight", "dw_gate_up", "dw_down"), tensors, ref[1]):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {comm} {name}")
+                torch.testing.assert_close(
+                    a, b, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {comm} {name}"
+                )
 
 
-SMALL = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-         "model.arch.moe_intermediate_size=16", "model.arch.num_experts=8", "model.arch.num_experts_per_tok=2",
-         "primitives.loss=ce", "train.seq_len=64", "train.global_batch=2", "train.micro_batch=1",
-         "train.eval_every=0", "train.steps=2", "primitives.sharding=none", "primitives.moe_comm=local"]
+SMALL = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.num_experts=8",
+    "model.arch.num_experts_per_tok=2",
+    "primitives.loss=ce",
+    "train.seq_len=64",
+    "train.global_batch=2",
+    "train.micro_batch=1",
+    "train.eval_every=0",
+    "train.steps=2",
+    "primitives.sharding=none",
+    "primitives.moe_comm=local",
+]
 
 
 def trace(tmp_path, *extra):
-    t = Trainer(load_config(None, SMALL + [f"train.out_dir={tmp_path}", *extra]), stream=io.StringIO())
+    t = Trainer(
+        load_config(None, SMALL + [f"train.out_dir={tmp_path}", *extra]), stream=io.StringIO()
+    )
     return [t.train_step() for _ in range(2)]
 
 
 def test_model_runs_log_drops(tmp_path):
     plain = trace(tmp_path / "a")
     tight = trace(tmp_path / "b", "moe.capacity_factor=0.5")
-    loose = trace(tmp_path / "c", f"moe.capacity_factor={float(E)}")  # capacity = all pairs: nothing dropped
-    assert all(r["dropped_tokens"] == 0 for r in plain + loose) and all(r["dropped_tokens"] > 0 for r in tight)
+    loose = trace(
+        tmp_path / "c", f"moe.capacity_factor={float(E)}"
+    )  # capacity = all pairs: nothing dropped
+    assert all(r["dropped_tokens"] == 0 for r in plain + loose) and all(
+        r["dropped_tokens"] > 0 for r in tight
+    )
     assert [r["loss"] for r in loose] == [r["loss"] for r in plain]
     assert tight[1]["loss"] != plain[1]["loss"]

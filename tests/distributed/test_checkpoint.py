@@ -34,18 +34,39 @@ from bumblebee.runtime.launch import init_distributed, launch_local
 from bumblebee.runtime.trainer import Trainer
 
 STEPS, SAVE = 4, 2
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.intermediate_size=48", "model.arch.num_experts=4",
-        "model.arch.num_experts_per_tok=2", "model.arch.mlp_only_layers=[1]", "primitives.loss=ce",
-        "primitives.recompute=none", "train.seq_len=64",
-        "train.global_batch=4", "train.micro_batch=1", "data.min_records=2", "data.max_records=4", "train.lr=1e-2",
-        "train.warmup_steps=1", "train.deterministic=true", f"train.steps={STEPS}", f"train.save_every={SAVE}",
-        "train.balance=micro_batch"]  # the pp=2 resume needs per-micro-batch balance statistics
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.intermediate_size=48",
+    "model.arch.num_experts=4",
+    "model.arch.num_experts_per_tok=2",
+    "model.arch.mlp_only_layers=[1]",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    "data.min_records=2",
+    "data.max_records=4",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+    "train.deterministic=true",
+    f"train.steps={STEPS}",
+    f"train.save_every={SAVE}",
+    "train.balance=micro_batch",
+]  # the pp=2 resume needs per-micro-batch balance statistics
 FSDP2_EP2 = ["primitives.sharding=fsdp2", "parallel.ep=2"]
-SAME_LAYOUT = {"fsdp2 ep=2": FSDP2_EP2, "zero1 ep=2": ["primitives.sharding=zero1", "parallel.ep=2"]}
-RESHARD_2 = {"fsdp2 ep=1": ["primitives.sharding=fsdp2", "parallel.ep=1"],
-             "zero1 ep=1": ["primitives.sharding=zero1", "parallel.ep=1"],
-             "fsdp2 pp=2": ["primitives.sharding=fsdp2", "parallel.pp=2"]}
+SAME_LAYOUT = {
+    "fsdp2 ep=2": FSDP2_EP2,
+    "zero1 ep=2": ["primitives.sharding=zero1", "parallel.ep=2"],
+}
+RESHARD_2 = {
+    "fsdp2 ep=1": ["primitives.sharding=fsdp2", "parallel.ep=1"],
+    "zero1 ep=1": ["primitives.sharding=zero1", "parallel.ep=1"],
+    "fsdp2 pp=2": ["primitives.sharding=fsdp2", "parallel.pp=2"],
+}
 RESHARD_4 = {"fsdp2 ep=4": ["primitives.sharding=fsdp2", "parallel.ep=4"]}
 
 
@@ -61,7 +82,9 @@ def losses(cfg, keep_weights=False):
     trainer.run()
     out = start, [r["loss"] for r in trainer.metrics.history]
     if keep_weights:
-        named = [(n, t.clone()) for n, t in full_named_parameters(trainer.model, trainer.ctx.ep_group)]
+        named = [
+            (n, t.clone()) for n, t in full_named_parameters(trainer.model, trainer.ctx.ep_group)
+        ]
         out += ({n: t.clone() for n, t in hf_state_dict(_Named(trainer.model.arch, named))},)
     return out
 
@@ -85,18 +108,26 @@ def _save_and_resume(rank, world, root):
     its step-2 checkpoint; then the fsdp2 ep=2 checkpoint resumed on 2-rank ep=1 layouts."""
     out = {}
     for name, layout in SAME_LAYOUT.items():
-        *full, live = losses(config(f"{root}/{name}", *layout, "train.export_hf=true"), keep_weights=True)
-        resumed = losses(config(f"{root}/{name}-resumed", *layout, f"train.resume={step2(root, name)}"))
+        *full, live = losses(
+            config(f"{root}/{name}", *layout, "train.export_hf=true"), keep_weights=True
+        )
+        resumed = losses(
+            config(f"{root}/{name}-resumed", *layout, f"train.resume={step2(root, name)}")
+        )
         out[name] = (tuple(full), resumed)
         out[name + " live"] = live
     for name, layout in RESHARD_2.items():
-        out[name] = losses(config(f"{root}/{name}", *layout, f"train.resume={step2(root, 'fsdp2 ep=2')}"))
+        out[name] = losses(
+            config(f"{root}/{name}", *layout, f"train.resume={step2(root, 'fsdp2 ep=2')}")
+        )
     return out
 
 
 def _resume(rank, world, root, layouts):
-    return {name: losses(config(f"{root}/{name}", *layout, f"train.resume={step2(root, 'fsdp2 ep=2')}"))
-            for name, layout in layouts.items()}
+    return {
+        name: losses(config(f"{root}/{name}", *layout, f"train.resume={step2(root, 'fsdp2 ep=2')}"))
+        for name, layout in layouts.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +173,10 @@ def test_export_at_the_end_of_a_sharded_run_equals_the_live_model(runs):
         assert exported.keys() == live.keys() and len(live) > 20
         assert "model.layers.0.mlp.experts.3.down_proj.weight" in live  # rank 1's expert (ep=2)
         for k in live:
-            assert exported[k].shape == live[k].shape and torch.equal(exported[k], live[k]), (name, k)
+            assert exported[k].shape == live[k].shape and torch.equal(exported[k], live[k]), (
+                name,
+                k,
+            )
 
 
 def test_pipeline_stages_save_a_whole_checkpoint(runs, tmp_path):
@@ -150,7 +184,9 @@ def test_pipeline_stages_save_a_whole_checkpoint(runs, tmp_path):
     as the uninterrupted dp_shard=2 x ep=2 run's step 4 (up to float rounding)."""
     root, _ = runs
     for name in ("fsdp2 pp=2", "fsdp2 ep=2"):
-        export_checkpoint(os.path.join(root, name, "checkpoints", "step_00000004"), str(tmp_path / name))
+        export_checkpoint(
+            os.path.join(root, name, "checkpoints", "step_00000004"), str(tmp_path / name)
+        )
     pp, ref = hf_tensors(tmp_path / "fsdp2 pp=2"), hf_tensors(tmp_path / "fsdp2 ep=2")
     assert pp.keys() == ref.keys()
     for k in ref:
@@ -199,9 +235,14 @@ def test_rank_killed_mid_save_keeps_previous_checkpoint(runs, tmp_path, capfd):
     ckpts = tmp_path / "checkpoints"
     # the interrupted save is never published (rank 0 removes its .tmp- directory when it can)
     assert [n for n in sorted(os.listdir(ckpts)) if n != ".tmp-step_00000004"] == ["step_00000002"]
-    assert read_marker(str(ckpts / "step_00000002"))["step"] == 2  # complete, every file at its size
+    assert (
+        read_marker(str(ckpts / "step_00000002"))["step"] == 2
+    )  # complete, every file at its size
     assert find_checkpoint("auto", str(tmp_path)) == str(ckpts / "step_00000002")
     # the same run, resumed with "auto" (here in one process), finishes with the same losses
     result = losses(config(tmp_path, *FSDP2_EP2[:1], "train.resume=auto"))
     check_same(result, out["fsdp2 ep=2"][0][1], rel=1e-5)
-    assert sorted(os.listdir(ckpts)) == ["step_00000002", "step_00000004"]  # the stale temporary is gone
+    assert sorted(os.listdir(ckpts)) == [
+        "step_00000002",
+        "step_00000004",
+    ]  # the stale temporary is gone

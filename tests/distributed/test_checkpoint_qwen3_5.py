@@ -17,23 +17,39 @@ import io
 import os
 
 import torch
+import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
 from dist_utils import run_distributed
 from safetensors.torch import load_file
 
 import bumblebee
-from bumblebee.cli import main
 from bumblebee import load_config
+from bumblebee.cli import main
 from bumblebee.runtime.trainer import Trainer
 
-import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
-
 STEPS = 4
-BASE = ["model.name=qwen3_5_moe", "model.preset=tiny", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.linear_key_head_dim=8", "model.arch.linear_value_head_dim=8", "model.arch.moe_intermediate_size=16",
-        "model.arch.shared_expert_intermediate_size=16", "model.arch.num_experts=4", "model.arch.num_experts_per_tok=2",
-        "primitives.loss=ce", "primitives.recompute=none", "train.seq_len=64", "train.global_batch=2",
-        "data.min_records=2", "data.max_records=4", "train.lr=1e-2", "train.warmup_steps=1",
-        "train.deterministic=true", f"train.steps={STEPS}", "train.save_every=2"]
+BASE = [
+    "model.name=qwen3_5_moe",
+    "model.preset=tiny",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.linear_key_head_dim=8",
+    "model.arch.linear_value_head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.shared_expert_intermediate_size=16",
+    "model.arch.num_experts=4",
+    "model.arch.num_experts_per_tok=2",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "train.seq_len=64",
+    "train.global_batch=2",
+    "data.min_records=2",
+    "data.max_records=4",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+    "train.deterministic=true",
+    f"train.steps={STEPS}",
+    "train.save_every=2",
+]
 GDN_ONLY = ("A_log", "dt_bias", "conv1d.weight")
 
 
@@ -59,10 +75,24 @@ def files(directory):
 def test_hf_to_bumblebee_to_hf_files_are_identical(tmp_path):
     torch.manual_seed(0)
     conf = transformers.Qwen3_5MoeTextConfig(
-        vocab_size=97, hidden_size=48, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4, moe_intermediate_size=24,
-        shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+        vocab_size=97,
+        hidden_size=48,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_conv_kernel_dim=4,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
     hf = transformers.Qwen3_5MoeForCausalLM(conf)
     with torch.no_grad():
         for p in hf.parameters():  # off the init (A_log, dt_bias, norms are constants there)
@@ -78,7 +108,9 @@ def test_hf_to_bumblebee_to_hf_files_are_identical(tmp_path):
 
 
 def _resume_on_two_ranks(rank, world, out_dir, ckpt):
-    start, losses, _ = run(cfg(out_dir, "primitives.sharding=fsdp2", "parallel.ep=2", f"train.resume={ckpt}"))
+    start, losses, _ = run(
+        cfg(out_dir, "primitives.sharding=fsdp2", "parallel.ep=2", f"train.resume={ckpt}")
+    )
     return start, losses
 
 
@@ -86,8 +118,10 @@ def test_train_save_resume_convert_export_reshard(tmp_path, capsys):
     start, full, trainer = run(cfg(tmp_path / "full", "train.export_hf=true"))
     assert start == 0 and len(full) == STEPS
     final = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    init = {n: p.detach().clone() for n, p in Trainer(cfg(tmp_path / "init"), stream=io.StringIO()).model
-            .named_parameters()}
+    init = {
+        n: p.detach().clone()
+        for n, p in Trainer(cfg(tmp_path / "init"), stream=io.StringIO()).model.named_parameters()
+    }
     for suffix in GDN_ONLY:
         names = [n for n in final if n.endswith(suffix)]
         assert len(names) == 3, suffix  # one per GDN layer
@@ -100,12 +134,20 @@ def test_train_save_resume_convert_export_reshard(tmp_path, capsys):
         assert torch.equal(p, final[n]), n
 
     out = tmp_path / "hf"
-    assert main(["convert", "--to", "hf", str(tmp_path / "full"), str(out)]) == 0, capsys.readouterr().err
+    assert main(["convert", "--to", "hf", str(tmp_path / "full"), str(out)]) == 0, (
+        capsys.readouterr().err
+    )
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
+        info
+    )
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        err = (hf.float().eval()(input_ids=ids, use_cache=False).logits - trainer.model.eval()(ids)).abs().max()
+        err = (
+            (hf.float().eval()(input_ids=ids, use_cache=False).logits - trainer.model.eval()(ids))
+            .abs()
+            .max()
+        )
     assert err.item() <= 1e-5, err
     exported = files(tmp_path / "full" / "hf")
     for k, v in files(out).items():

@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
-from bumblebee import registry
+from bumblebee import load_config, registry
 from bumblebee.config import PrimitivesConfig
-from bumblebee import load_config
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.models.arch import Qwen3MoeArch
 from bumblebee.models.qwen3_moe import MoE
@@ -54,7 +53,7 @@ def routing(kind, rank, T, K):
     if kind == "skewed":
         allowed = torch.zeros(T, E, dtype=torch.bool)
         allowed[: T // 2, :3] = True
-        allowed[T // 2:, 4:7] = True
+        allowed[T // 2 :, 4:7] = True
         scores_TE = torch.where(allowed, scores_TE + 1, scores_TE - 2)
     return scores_TE.topk(K, dim=-1).indices
 
@@ -62,18 +61,32 @@ def routing(kind, rank, T, K):
 def layer(rank, world, comm, k, policy, kind, K, T):
     """One MoE block on this rank's T tokens; returns y and the gradients. ``local``: all E
     experts on this rank, its expert gradients summed over ranks and sliced as EP holds them."""
-    arch = Qwen3MoeArch(vocab_size=97, hidden_size=H, intermediate_size=96, moe_intermediate_size=FFN,
-                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        num_experts=E, num_experts_per_tok=K)
+    arch = Qwen3MoeArch(
+        vocab_size=97,
+        hidden_size=H,
+        intermediate_size=96,
+        moe_intermediate_size=FFN,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=E,
+        num_experts_per_tok=K,
+    )
     group = None if comm == "local" else dist.group.WORLD
     dispatch = registry.get("moe_comm", comm).factory(num_experts=E, ep_group=group, num_chunks=k)
     moe = MoE(arch, PrimitivesConfig(), dispatch, ParallelGroups(ep_group=group))
-    g = torch.Generator().manual_seed(7)  # full-size expert weights, identical on every rank, then sliced
-    w1, w2 = torch.randn(E, 2 * FFN, H, generator=g) * 0.1, torch.randn(E, H, FFN, generator=g) * 0.1
+    g = torch.Generator().manual_seed(
+        7
+    )  # full-size expert weights, identical on every rank, then sliced
+    w1, w2 = (
+        torch.randn(E, 2 * FFN, H, generator=g) * 0.1,
+        torch.randn(E, H, FFN, generator=g) * 0.1,
+    )
     lo, n = (0, E) if comm == "local" else (rank * (E // world), E // world)
     with torch.no_grad():
-        moe.experts.w_gate_up.copy_(w1[lo:lo + n])
-        moe.experts.w_down.copy_(w2[lo:lo + n])
+        moe.experts.w_gate_up.copy_(w1[lo : lo + n])
+        moe.experts.w_down.copy_(w2[lo : lo + n])
     g = torch.Generator().manual_seed(200 + rank)
     x_TH = torch.randn(T, H, generator=g).requires_grad_()
     weight_TK = torch.rand(T, K, generator=g).requires_grad_()
@@ -87,7 +100,7 @@ def layer(rank, world, comm, k, policy, kind, K, T):
         n = E // world
         for w in grads:
             dist.all_reduce(w)
-        grads = [w[rank * n:(rank + 1) * n] for w in grads]
+        grads = [w[rank * n : (rank + 1) * n] for w in grads]
     return [y_TH.detach(), x_TH.grad, weight_TK.grad, *grads]
 
 
@@ -113,24 +126,43 @@ def counting(fn):
 
 LAYER_NAMES = ["output", "input grad", "router-weight grad", "w_gate_up grad", "w_down grad"]
 STEPS = 5
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32",
-        "model.arch.num_experts=8", "model.arch.num_experts_per_tok=3", "model.arch.mlp_only_layers=[1]",
-        "model.arch.intermediate_size=96", "train.seq_len=96", "train.global_batch=4", "train.micro_batch=1",
-        f"train.steps={STEPS}", "data.min_records=2", "data.max_records=6", "train.lr=1e-2",
-        "train.warmup_steps=1", "primitives.sharding=fsdp2"]
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=64",
+    "model.arch.moe_intermediate_size=32",
+    "model.arch.num_experts=8",
+    "model.arch.num_experts_per_tok=3",
+    "model.arch.mlp_only_layers=[1]",
+    "model.arch.intermediate_size=96",
+    "train.seq_len=96",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    f"train.steps={STEPS}",
+    "data.min_records=2",
+    "data.max_records=6",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+    "primitives.sharding=fsdp2",
+]
 
 
 def layer_cases(K_random):
     """(k, recompute, routing, K, T): every k x policy x routing, plus fewer tokens than chunks."""
-    cases = [(k, policy, kind, K, T)
-             for k in (2, 3, 4) for policy in ("none", "full")
-             for kind, K, T in (("random", K_random, 37), ("skewed", 3, 23))]
+    cases = [
+        (k, policy, kind, K, T)
+        for k in (2, 3, 4)
+        for policy in ("none", "full")
+        for kind, K, T in (("random", K_random, 37), ("skewed", 3, 23))
+    ]
     return cases + [(4, "full", "skewed", 3, 3), (3, "none", "random", K_random, 2)]
 
 
 def trace_overrides(ep, rc, k):
-    comm = ["primitives.moe_comm=alltoall"] if k is None else ["primitives.moe_comm=chunked",
-                                                               f"primitives.moe_chunks={k}"]
+    comm = (
+        ["primitives.moe_comm=alltoall"]
+        if k is None
+        else ["primitives.moe_comm=chunked", f"primitives.moe_chunks={k}"]
+    )
     return [f"parallel.ep={ep}", f"primitives.recompute={rc}"] + comm
 
 
@@ -141,17 +173,25 @@ def _ranks(rank, world, cases, runs, out_dir):
         ref = layer(rank, world, "alltoall", k, policy, kind, K, T)
         got, calls = counting(lambda: layer(rank, world, "chunked", k, policy, kind, K, T))
         loc = layer(rank, world, "local", k, policy, kind, K, T)
-        layers.append(([rel(a, b) for a, b in zip(got, ref)], calls, [rel(a, b) for a, b in zip(got, loc)]))
+        layers.append(
+            ([rel(a, b) for a, b in zip(got, ref)], calls, [rel(a, b) for a, b in zip(got, loc)])
+        )
     traces = []
     for i, run in enumerate(runs):
-        cfg = load_config(None, BASE + trace_overrides(*run) + [f"train.out_dir={out_dir}/{i}/{rank}"])
+        cfg = load_config(
+            None, BASE + trace_overrides(*run) + [f"train.out_dir={out_dir}/{i}/{rank}"]
+        )
         trainer = Trainer(cfg, stream=io.StringIO())
         calls = [0]  # Experts.forward calls (FSDP2 gathers the expert weights once per call)
         for m in trainer.model.modules():
             if isinstance(m, Experts):
                 m.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        traces.append(([(r["loss"], r["grad_norm"]) for r in (trainer.train_step() for _ in range(STEPS))],
-                       calls[0]))
+        traces.append(
+            (
+                [(r["loss"], r["grad_norm"]) for r in (trainer.train_step() for _ in range(STEPS))],
+                calls[0],
+            )
+        )
     return layers, traces
 
 
@@ -161,7 +201,9 @@ def check_layers(cases, results):
             case = f"rank {rank} k={k} {policy} {kind} K={K} T={T}"
             for name, err, err_local in zip(LAYER_NAMES, errs, errs_local):
                 assert err < RTOL, f"{case}: {name} relative error {err:.2e}"
-                assert err_local < 1e-5, f"{case}: {name} relative error {err_local:.2e} against local"
+                assert err_local < 1e-5, (
+                    f"{case}: {name} relative error {err_local:.2e} against local"
+                )
             # forward: one count exchange for all k chunks + k dispatch + k combine; backward: 2k out +
             # 2k back; the recompute forward repeats the counts and dispatch only (combine skipped)
             assert calls["a2a"] == (7 * k + 2 if policy == "full" else 6 * k + 1), (case, calls)
@@ -181,7 +223,9 @@ def check_traces(runs, traces, world):
             losses = [loss for loss, _ in trace]
             assert losses[-1] < losses[0], (ep, rc, losses)  # it trains
             continue
-        for step, ((loss, gnorm), (ref_loss, ref_gnorm)) in enumerate(zip(trace, traces[(ep, rc, None)][0])):
+        for step, ((loss, gnorm), (ref_loss, ref_gnorm)) in enumerate(
+            zip(trace, traces[(ep, rc, None)][0])
+        ):
             assert loss == pytest.approx(ref_loss, rel=RTOL), (ep, rc, k, step)
             assert gnorm == pytest.approx(ref_gnorm, rel=RTOL), (ep, rc, k, step)
 
@@ -207,11 +251,16 @@ def test_four_ranks(tmp_path):
 
 # ------------------------------------------------------------------------------ single process
 def _grads(name, prims, dtype=None):
-    arch = resolve_arch(load_config(None, [f"model.name={name}", "model.arch.num_hidden_layers=1"]).model)
+    arch = resolve_arch(
+        load_config(None, [f"model.name={name}", "model.arch.num_hidden_layers=1"]).model
+    )
     torch.manual_seed(0)
     model = build_model(arch, prims)
     g = torch.Generator().manual_seed(1)
-    ids, labels = torch.randint(0, arch.vocab_size, (2, 24), generator=g), torch.randint(0, arch.vocab_size, (2, 24))
+    ids, labels = (
+        torch.randint(0, arch.vocab_size, (2, 24), generator=g),
+        torch.randint(0, arch.vocab_size, (2, 24)),
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
         loss = model(ids, labels=labels)
     loss.backward()
@@ -225,8 +274,12 @@ def test_qwen3_5_moe_recompute_single_process():
     ~1e-7 differences' source, through the linear-attention layer) within 1e-5."""
     ref = _grads("qwen3_5_moe", PrimitivesConfig(moe_comm="alltoall"))
     for policy, modules in (("full", []), ("selective", ["moe", "shared_expert"])):
-        got = _grads("qwen3_5_moe", PrimitivesConfig(moe_comm="chunked", moe_chunks=3, recompute=policy,
-                                                     recompute_modules=modules))
+        got = _grads(
+            "qwen3_5_moe",
+            PrimitivesConfig(
+                moe_comm="chunked", moe_chunks=3, recompute=policy, recompute_modules=modules
+            ),
+        )
         assert rel(got[0], ref[0]) < RTOL
         for n, g in ref[1].items():
             assert rel(got[1][n], g) < (RTOL if ".mlp." in n else 1e-5), (policy, n)
@@ -236,7 +289,9 @@ def test_bf16_error_budget():
     """bf16 autocast: the chunked gradients' error against fp32 stays within 1.5x alltoall's."""
     truth = _grads("qwen3_moe", PrimitivesConfig(moe_comm="alltoall"))[1]
     ref = _grads("qwen3_moe", PrimitivesConfig(moe_comm="alltoall"), torch.bfloat16)[1]
-    got = _grads("qwen3_moe", PrimitivesConfig(moe_comm="chunked", recompute="full"), torch.bfloat16)[1]
+    got = _grads(
+        "qwen3_moe", PrimitivesConfig(moe_comm="chunked", recompute="full"), torch.bfloat16
+    )[1]
     for n in truth:
         if ".mlp." in n:
             assert rel(got[n], truth[n]) <= 1.5 * rel(ref[n], truth[n]) + 1e-3, n
@@ -248,5 +303,9 @@ def test_bad_input():
         with pytest.raises(ValueError, match="moe_chunks must be 2, 3 or 4"):
             factory(num_experts=8, ep_group=None, num_chunks=bad)
     with pytest.raises(ValueError, match="accepting schedule="):
-        factory(num_experts=8, num_chunks=2)(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long),
-                                             torch.ones(2, 1), lambda x, counts: x)
+        factory(num_experts=8, num_chunks=2)(
+            torch.zeros(2, 4),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, 1),
+            lambda x, counts: x,
+        )

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 from dist_utils import run_distributed
+from torch.distributed.tensor import DTensor
 
 from bumblebee import load_config
 from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence, zigzag_index
@@ -17,9 +17,20 @@ from bumblebee.runtime.trainer import Trainer
 T = 256
 # documents per row: one shorter than a cp=4 chunk (32), one spanning all ranks, a few in between
 DOCS = [[5, 200, 17, 34], [250, 6], [64, 64, 64, 64], [1, 255]]
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32",
-        "model.arch.num_experts=4", "model.arch.vocab_size=256", f"train.seq_len={T}", "train.global_batch=4",
-        "train.micro_batch=2", "train.clip_grad=0", "train.lr=1e-2", "train.warmup_steps=1", "data.source='jsonl'"]
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=64",
+    "model.arch.moe_intermediate_size=32",
+    "model.arch.num_experts=4",
+    "model.arch.vocab_size=256",
+    f"train.seq_len={T}",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+    "train.clip_grad=0",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+    "data.source='jsonl'",
+]
 
 
 def write_data(path) -> str:
@@ -27,13 +38,19 @@ def write_data(path) -> str:
     with open(path, "w") as f:
         for row in DOCS:
             for n in row:
-                f.write(json.dumps({"input_ids": torch.randint(0, 256, (n,), generator=g).tolist()}) + "\n")
+                f.write(
+                    json.dumps({"input_ids": torch.randint(0, 256, (n,), generator=g).tolist()})
+                    + "\n"
+                )
     return str(path)
 
 
 def run(overrides, data, out_dir, steps):
-    cfg = load_config(None, BASE + [f"data.path={data}", f"train.out_dir={out_dir}", f"train.steps={steps}",
-                                    *overrides])
+    cfg = load_config(
+        None,
+        BASE
+        + [f"data.path={data}", f"train.out_dir={out_dir}", f"train.steps={steps}", *overrides],
+    )
     trainer = Trainer(cfg, stream=io.StringIO())
     grads = {}
     step = trainer.sharding.step
@@ -41,8 +58,13 @@ def run(overrides, data, out_dir, steps):
     def capture(optimizer):  # gradients of the first step, after reduction, before the update
         if not grads:
             # replicated (not FSDP-sharded) dense gradients; sharded runs are checked by grad norm
-            grads.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
-                          if p.grad is not None and "experts" not in n and not isinstance(p.grad, DTensor)})
+            grads.update(
+                {
+                    n: p.grad.detach().clone()
+                    for n, p in trainer.model.named_parameters()
+                    if p.grad is not None and "experts" not in n and not isinstance(p.grad, DTensor)
+                }
+            )
         step(optimizer)
 
     trainer.sharding.step = capture
@@ -85,13 +107,26 @@ def test_zigzag_roundtrip_and_balance():
         zigzag_index(20, 4, 0)
 
 
-TWO = [(["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
-       (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
-       (["parallel.cp=2", "parallel.ep=2", "primitives.sharding=fsdp2", "primitives.cp=ring"], 5)]
-FOUR = [(["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
-        (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
-        (["parallel.cp=2", "parallel.ep=4", "primitives.sharding=fsdp2", "primitives.cp=ring",
-          "primitives.loss=linear_ce", "primitives.recompute=full"], 3)]
+TWO = [
+    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
+    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
+    (["parallel.cp=2", "parallel.ep=2", "primitives.sharding=fsdp2", "primitives.cp=ring"], 5),
+]
+FOUR = [
+    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
+    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
+    (
+        [
+            "parallel.cp=2",
+            "parallel.ep=4",
+            "primitives.sharding=fsdp2",
+            "primitives.cp=ring",
+            "primitives.loss=linear_ce",
+            "primitives.recompute=full",
+        ],
+        3,
+    ),
+]
 
 
 def test_cp2_matches_cp1(reference, data, tmp_path):

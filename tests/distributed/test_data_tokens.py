@@ -14,13 +14,25 @@ from bumblebee.data.prepare import prepare
 from bumblebee.runtime.trainer import Trainer
 
 STEPS = 3
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32",
-        "train.seq_len=64", "train.global_batch=4", f"train.steps={STEPS}", "train.lr=1e-2",
-        "train.warmup_steps=1", "data.source=tokens", "data.eval_fraction=0.1", "train.eval_every=3"]
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=64",
+    "model.arch.moe_intermediate_size=32",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    f"train.steps={STEPS}",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+    "data.source=tokens",
+    "data.eval_fraction=0.1",
+    "train.eval_every=3",
+]
 
 
 def run(overrides, out_dir):
-    trainer = Trainer(load_config(None, BASE + overrides + [f"train.out_dir={out_dir}"]), stream=io.StringIO())
+    trainer = Trainer(
+        load_config(None, BASE + overrides + [f"train.out_dir={out_dir}"]), stream=io.StringIO()
+    )
     trainer.run()
     with open(f"{out_dir}/metrics.jsonl") as f:
         return [json.loads(x) for x in f] if trainer.rank == 0 else None
@@ -36,8 +48,14 @@ def test_tokens_source_two_ranks_match_one(tmp_path):
     lines = []
     for _ in range(300):
         n = rng.randint(5, 90)
-        lines.append(json.dumps({"input_ids": [rng.randrange(1, 272) for _ in range(n)],
-                                 "loss_mask": [int(rng.random() < 0.7) for _ in range(n)]}))
+        lines.append(
+            json.dumps(
+                {
+                    "input_ids": [rng.randrange(1, 272) for _ in range(n)],
+                    "loss_mask": [int(rng.random() < 0.7) for _ in range(n)],
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     prepare(str(path), str(tmp_path / "prepared"), Encoder("tokens"), progress=False)
     data = [f"data.path={tmp_path / 'prepared'}"]

@@ -14,9 +14,9 @@ import os
 
 import pytest
 import torch
+from dist_utils import run_distributed
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
-from dist_utils import run_distributed
 
 from bumblebee import from_hf, load_config
 from bumblebee.models.base import persistent_buffers
@@ -27,11 +27,26 @@ from bumblebee.runtime.trainer import Trainer
 T = 128
 STEPS = 2
 DOCS = [[5, 100, 23], [128], [64, 30, 34], [1, 127]]
-BASE = ["model.name=deepseek_v3", "model.arch.num_hidden_layers=2", "model.arch.hidden_size=64",
-        "model.arch.intermediate_size=96", "model.arch.moe_intermediate_size=32", "model.arch.vocab_size=256",
-        "model.arch.n_routed_experts=8", "model.arch.n_group=4", "model.arch.topk_group=2",
-        "model.arch.num_experts_per_tok=3", f"train.seq_len={T}", "train.global_batch=4", "train.micro_batch=1",
-        "train.clip_grad=0", "train.lr=3e-3", "train.warmup_steps=1", "data.source='jsonl'", "mtp.loss_weight=0.3"]
+BASE = [
+    "model.name=deepseek_v3",
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=64",
+    "model.arch.intermediate_size=96",
+    "model.arch.moe_intermediate_size=32",
+    "model.arch.vocab_size=256",
+    "model.arch.n_routed_experts=8",
+    "model.arch.n_group=4",
+    "model.arch.topk_group=2",
+    "model.arch.num_experts_per_tok=3",
+    f"train.seq_len={T}",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    "train.clip_grad=0",
+    "train.lr=3e-3",
+    "train.warmup_steps=1",
+    "data.source='jsonl'",
+    "mtp.loss_weight=0.3",
+]
 
 
 def write_data(path) -> str:
@@ -39,22 +54,33 @@ def write_data(path) -> str:
     with open(path, "w") as f:
         for row in DOCS:
             for n in row:
-                f.write(json.dumps({"input_ids": torch.randint(0, 256, (n,), generator=g).tolist()}) + "\n")
+                f.write(
+                    json.dumps({"input_ids": torch.randint(0, 256, (n,), generator=g).tolist()})
+                    + "\n"
+                )
     return str(path)
 
 
 def run(overrides, data, out_dir, steps, state=False):
     """(per-step (loss, grad norm), first-step replicated gradients[, this rank's full parameters and
     router biases after the steps])."""
-    cfg = load_config(None, BASE + [f"data.path={data}", f"train.out_dir={out_dir}", f"train.steps={steps}",
-                                    *overrides])
+    cfg = load_config(
+        None,
+        BASE
+        + [f"data.path={data}", f"train.out_dir={out_dir}", f"train.steps={steps}", *overrides],
+    )
     trainer = Trainer(cfg, stream=io.StringIO())
     grads, step = {}, trainer.sharding.step
 
     def capture(optimizer):  # first-step gradients after reduction (replicated dense tensors only)
         if not grads:
-            grads.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
-                          if p.grad is not None and "experts" not in n and not isinstance(p.grad, DTensor)})
+            grads.update(
+                {
+                    n: p.grad.detach().clone()
+                    for n, p in trainer.model.named_parameters()
+                    if p.grad is not None and "experts" not in n and not isinstance(p.grad, DTensor)
+                }
+            )
         step(optimizer)
 
     trainer.sharding.step = capture
@@ -69,8 +95,16 @@ def run(overrides, data, out_dir, steps, state=False):
 
 
 def _ranks(rank, world, cases, data, out_dir):
-    return [run(ov, data, f"{out_dir}/{i}" if "parallel.pp=2" in ov else f"{out_dir}/{rank}", steps,
-                "parallel.pp=2" in ov) for i, (ov, steps) in enumerate(cases)]
+    return [
+        run(
+            ov,
+            data,
+            f"{out_dir}/{i}" if "parallel.pp=2" in ov else f"{out_dir}/{rank}",
+            steps,
+            "parallel.pp=2" in ov,
+        )
+        for i, (ov, steps) in enumerate(cases)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +115,10 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(data, tmp_path_factory):
     local = ["primitives.sharding=none", "primitives.moe_comm=local"]
-    return {"mtp": run(local, data, tmp_path_factory.mktemp("ref"), STEPS),
-            "mb": run(local + MB, data, tmp_path_factory.mktemp("ref"), STEPS, state=True)}
+    return {
+        "mtp": run(local, data, tmp_path_factory.mktemp("ref"), STEPS),
+        "mb": run(local + MB, data, tmp_path_factory.mktemp("ref"), STEPS, state=True),
+    }
 
 
 def check(result, ref, what):
@@ -110,7 +146,9 @@ def check_state(results, ref, what, rtol=1e-5):
     for result in results:
         state.update(result[2])
         assert result[3] == ref[3], f"{what}: expert loads {result[3]} != {ref[3]}"
-        assert result[5] == pytest.approx(ref[5], rel=1e-5), f"{what}: balance loss"  # stages' shares, MTP's too
+        assert result[5] == pytest.approx(ref[5], rel=1e-5), (
+            f"{what}: balance loss"
+        )  # stages' shares, MTP's too
     assert state.keys() == ref[2].keys(), what
     biases = [n for n in state if n.endswith("e_score_correction_bias")]
     assert len(biases) == 2, biases  # the MoE decoder layer and the MTP module
@@ -120,8 +158,12 @@ def check_state(results, ref, what, rtol=1e-5):
     export_checkpoint(results[0][4], hf_dir)
     exported = from_hf(hf_dir)
     with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="pt") as f:
-        assert torch.equal(f.get_tensor("model.layers.2.embed_tokens.weight"), state["model.embed_tokens.weight"])
-        assert torch.equal(f.get_tensor("model.layers.2.shared_head.head.weight"), state["lm_head.weight"])
+        assert torch.equal(
+            f.get_tensor("model.layers.2.embed_tokens.weight"), state["model.embed_tokens.weight"]
+        )
+        assert torch.equal(
+            f.get_tensor("model.layers.2.shared_head.head.weight"), state["lm_head.weight"]
+        )
     for name, t in list(exported.named_parameters()) + persistent_buffers(exported):
         assert torch.equal(t, state[name]), f"{what}: exported {name}"
     for name, want in ref[2].items():
@@ -135,48 +177,114 @@ def check_state(results, ref, what, rtol=1e-5):
 # pipeline schedules need the per-micro-batch balance loss (the reference uses it too)
 MB = ["train.balance=micro_batch", "moe.load_histogram_every=1"]
 PP = ["parallel.pp=2", "primitives.pipeline=1f1b"] + MB
-TWO = [("mtp", ["primitives.sharding=fsdp2", "parallel.ep=2", "primitives.moe_comm=alltoall"]),
-       ("mtp", ["parallel.cp=2", "primitives.sharding=fsdp2", "primitives.cp=ring", "primitives.recompute=full"]),
-       ("mtp", ["parallel.cp=2", "parallel.ep=2", "primitives.sharding=fsdp2", "primitives.cp=allgather",
-                "primitives.moe_comm=chunked", "primitives.loss=linear_ce", "primitives.recompute=full"]),
-       ("mb", PP + ["primitives.sharding=fsdp2"])]
-FOUR = [("mtp", ["parallel.cp=2", "parallel.ep=4", "primitives.sharding=fsdp2", "primitives.cp=allgather",
-                 "primitives.moe_comm=chunked", "primitives.recompute=full"]),
-        ("mtp", ["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=ring"]),
-        ("mb", PP + ["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring", "primitives.loss=linear_ce"])]
+TWO = [
+    ("mtp", ["primitives.sharding=fsdp2", "parallel.ep=2", "primitives.moe_comm=alltoall"]),
+    (
+        "mtp",
+        [
+            "parallel.cp=2",
+            "primitives.sharding=fsdp2",
+            "primitives.cp=ring",
+            "primitives.recompute=full",
+        ],
+    ),
+    (
+        "mtp",
+        [
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "primitives.sharding=fsdp2",
+            "primitives.cp=allgather",
+            "primitives.moe_comm=chunked",
+            "primitives.loss=linear_ce",
+            "primitives.recompute=full",
+        ],
+    ),
+    ("mb", PP + ["primitives.sharding=fsdp2"]),
+]
+FOUR = [
+    (
+        "mtp",
+        [
+            "parallel.cp=2",
+            "parallel.ep=4",
+            "primitives.sharding=fsdp2",
+            "primitives.cp=allgather",
+            "primitives.moe_comm=chunked",
+            "primitives.recompute=full",
+        ],
+    ),
+    ("mtp", ["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=ring"]),
+    (
+        "mb",
+        PP
+        + [
+            "parallel.cp=2",
+            "primitives.sharding=zero1",
+            "primitives.cp=ring",
+            "primitives.loss=linear_ce",
+        ],
+    ),
+]
 
 
 def _check_all(per_rank, cases, references):
     for i, (ref, ov) in enumerate(cases):
         results = [rank_results[i] for rank_results in per_rank]
-        for result in results if "parallel.pp=2" in ov else results[:1]:  # pipeline: losses on every rank
+        for result in (
+            results if "parallel.pp=2" in ov else results[:1]
+        ):  # pipeline: losses on every rank
             check(result, references[ref], " ".join(ov))
         if "parallel.pp=2" in ov:
             # CP ring attention sums in another order, which two Adam steps amplify, by an amount that
             # depends on the CPU's kernels (pp 2 x cp 2: 1.1e-5 seen on one machine, 1.4e-4 in
             # kv_b_proj on an AMD EPYC); a wrong block or merge is off by 1e-2 and more. pp alone is
             # bit-identical to the single process
-            check_state(results, references[ref], " ".join(ov), 1e-3 if "parallel.cp=2" in ov else 1e-5)
+            check_state(
+                results, references[ref], " ".join(ov), 1e-3 if "parallel.cp=2" in ov else 1e-5
+            )
 
 
 def test_two_ranks_match_single_process(references, data, tmp_path):
-    _check_all(run_distributed(_ranks, 2, [(ov, STEPS) for _, ov in TWO], data, str(tmp_path)), TWO, references)
+    _check_all(
+        run_distributed(_ranks, 2, [(ov, STEPS) for _, ov in TWO], data, str(tmp_path)),
+        TWO,
+        references,
+    )
 
 
 def test_four_ranks_match_single_process(references, data, tmp_path):
-    _check_all(run_distributed(_ranks, 4, [(ov, STEPS) for _, ov in FOUR], data, str(tmp_path)), FOUR, references)
+    _check_all(
+        run_distributed(_ranks, 4, [(ov, STEPS) for _, ov in FOUR], data, str(tmp_path)),
+        FOUR,
+        references,
+    )
 
 
 def test_pipeline_needs_the_micro_batch_balance_loss():
     from bumblebee.config import ConfigError
     from bumblebee.runtime.pipeline import check_trainer_pipeline
 
-    cfg = load_config(None, BASE + ["parallel.pp=2", "data.source='synthetic'", "train.seq_len=256"])
+    cfg = load_config(
+        None, BASE + ["parallel.pp=2", "data.source='synthetic'", "train.seq_len=256"]
+    )
     assert cfg.primitives.router == "sigmoid_bias"  # the architecture's router replaces the default
     assert cfg.train.balance == "auto"  # the default computes micro_batch under a pipeline schedule
     check_trainer_pipeline(cfg)
-    explicit = load_config(None, BASE + ["parallel.pp=2", "data.source='synthetic'", "train.seq_len=256",
-                                         "train.balance='global_batch'"])
-    with pytest.raises(ConfigError, match="set train.balance = 'micro_batch' \\(or 'auto'\\) with pp > 1"):
+    explicit = load_config(
+        None,
+        BASE
+        + [
+            "parallel.pp=2",
+            "data.source='synthetic'",
+            "train.seq_len=256",
+            "train.balance='global_batch'",
+        ],
+    )
+    with pytest.raises(
+        ConfigError, match="set train.balance = 'micro_batch' \\(or 'auto'\\) with pp > 1"
+    ):
         check_trainer_pipeline(explicit)
-    check_trainer_pipeline(load_config(None, BASE + MB + ["parallel.pp=2", "data.source='synthetic'"]))  # sigmoid_bias + MTP: accepted
+    check_trainer_pipeline(
+        load_config(None, BASE + MB + ["parallel.pp=2", "data.source='synthetic'"])
+    )  # sigmoid_bias + MTP: accepted

@@ -26,43 +26,101 @@ from bumblebee.runtime.trainer import Trainer
 
 T = 64
 DOCS = [[5, 40, 19], [64], [30, 34], [1, 63]]
-TINY = ["model.arch.hidden_size=64", "model.arch.vocab_size=256", "model.arch.moe_intermediate_size=32"]
-QWEN3_5 = ["model.name=qwen3_5_moe", "model.preset=tiny", "model.arch.shared_expert_intermediate_size=32",
-           "model.arch.num_experts=4", "model.arch.linear_key_head_dim=16", "model.arch.linear_value_head_dim=16",
-           "model.arch.head_dim=16", *TINY]
+TINY = [
+    "model.arch.hidden_size=64",
+    "model.arch.vocab_size=256",
+    "model.arch.moe_intermediate_size=32",
+]
+QWEN3_5 = [
+    "model.name=qwen3_5_moe",
+    "model.preset=tiny",
+    "model.arch.shared_expert_intermediate_size=32",
+    "model.arch.num_experts=4",
+    "model.arch.linear_key_head_dim=16",
+    "model.arch.linear_value_head_dim=16",
+    "model.arch.head_dim=16",
+    *TINY,
+]
 QWEN3 = ["model.name=qwen3_moe", "model.preset=tiny", "model.arch.num_hidden_layers=2", *TINY]
-DSV3 = ["model.name=deepseek_v3", "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=96",
-        "model.arch.n_routed_experts=8", "model.arch.n_group=4", "model.arch.topk_group=2",
-        "model.arch.num_experts_per_tok=3", *TINY]
-COMMON = [f"train.seq_len={T}", "train.global_batch=4", "train.clip_grad=0", "train.lr=3e-3",
-          "train.warmup_steps=1", "train.eval_every=0", "data.source='jsonl'"]
+DSV3 = [
+    "model.name=deepseek_v3",
+    "model.arch.num_hidden_layers=2",
+    "model.arch.intermediate_size=96",
+    "model.arch.n_routed_experts=8",
+    "model.arch.n_group=4",
+    "model.arch.topk_group=2",
+    "model.arch.num_experts_per_tok=3",
+    *TINY,
+]
+COMMON = [
+    f"train.seq_len={T}",
+    "train.global_batch=4",
+    "train.clip_grad=0",
+    "train.lr=3e-3",
+    "train.warmup_steps=1",
+    "train.eval_every=0",
+    "data.source='jsonl'",
+]
 
 # (model, layout and primitives, dtype tolerance) on 2 ranks
 CASES = {
-    "qwen3_5 cp2 ring mb1": (QWEN3_5, ["parallel.cp=2", "primitives.cp='ring'", "train.micro_batch=1"]),
-    "qwen3_5 ep2 chunked mb2": (QWEN3_5, ["parallel.ep=2", "primitives.moe_comm='chunked'", "train.micro_batch=2"]),
-    "qwen3 cp2 ring ep2 mb1": (QWEN3, ["parallel.cp=2", "parallel.ep=2", "primitives.cp='ring'",
-                                       "primitives.moe_comm='chunked'", "train.micro_batch=1"]),
-    "deepseek cp2 ring mtp mb1": (DSV3, ["parallel.cp=2", "primitives.cp='ring'", "train.micro_batch=1"]),
-    "qwen3 pp2 mb1": (QWEN3, ["parallel.pp=2", "primitives.pipeline='1f1b'", "train.micro_batch=1",
-                             "train.balance='micro_batch'"]),
-    "qwen3_5 cp2 ring bf16": (QWEN3_5, ["parallel.cp=2", "primitives.cp='ring'", "train.micro_batch=1",
-                                        "train.dtype='bfloat16'"]),
+    "qwen3_5 cp2 ring mb1": (
+        QWEN3_5,
+        ["parallel.cp=2", "primitives.cp='ring'", "train.micro_batch=1"],
+    ),
+    "qwen3_5 ep2 chunked mb2": (
+        QWEN3_5,
+        ["parallel.ep=2", "primitives.moe_comm='chunked'", "train.micro_batch=2"],
+    ),
+    "qwen3 cp2 ring ep2 mb1": (
+        QWEN3,
+        [
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "primitives.cp='ring'",
+            "primitives.moe_comm='chunked'",
+            "train.micro_batch=1",
+        ],
+    ),
+    "deepseek cp2 ring mtp mb1": (
+        DSV3,
+        ["parallel.cp=2", "primitives.cp='ring'", "train.micro_batch=1"],
+    ),
+    "qwen3 pp2 mb1": (
+        QWEN3,
+        [
+            "parallel.pp=2",
+            "primitives.pipeline='1f1b'",
+            "train.micro_batch=1",
+            "train.balance='micro_batch'",
+        ],
+    ),
+    "qwen3_5 cp2 ring bf16": (
+        QWEN3_5,
+        ["parallel.cp=2", "primitives.cp='ring'", "train.micro_batch=1", "train.dtype='bfloat16'"],
+    ),
 }
 
 
 # the CUDA branches, counted where they run (module attributes the branches look up at call time)
-BRANCHES = {"varlen_attn": (flash, "reference_varlen_attn"), "ring flash ops": (ring_flash, "reference_block_kernel"),
-            "fla op": (fla, "_fla_kernel"), "side stream": (emulation, "side_stream"),
-            "record_stream": (emulation, "record_stream"), "checked p2p": (comm_check, "_check_p2p"),
-            "checked collective": (comm_check, "_agree")}
+BRANCHES = {
+    "varlen_attn": (flash, "reference_varlen_attn"),
+    "ring flash ops": (ring_flash, "reference_block_kernel"),
+    "fla op": (fla, "_fla_kernel"),
+    "side stream": (emulation, "side_stream"),
+    "record_stream": (emulation, "record_stream"),
+    "checked p2p": (comm_check, "_check_p2p"),
+    "checked collective": (comm_check, "_agree"),
+}
 
 
 def _counting(calls):
     for name, (module, attr) in BRANCHES.items():
+
         def wrap(*a, _fn=getattr(module, attr), _name=name, **kw):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*a, **kw)
+
         setattr(module, attr, wrap)
 
 
@@ -81,8 +139,10 @@ def _ranks(rank, world, names, data, out_dir):
     for name in names:
         model, layout = CASES[name]
         base = model + COMMON + layout + [f"data.path={data}"]
-        out[name] = (_trace(base, f"{out_dir}/{name}/cpu{rank}", calls),
-                     _trace(base + ["train.emulate_cuda=true"], f"{out_dir}/{name}/emu{rank}", calls))
+        out[name] = (
+            _trace(base, f"{out_dir}/{name}/cpu{rank}", calls),
+            _trace(base + ["train.emulate_cuda=true"], f"{out_dir}/{name}/emu{rank}", calls),
+        )
     return out
 
 
@@ -101,8 +161,12 @@ def test_emulated_cuda_matches_cpu(data, tmp_path):
             assert not cpu_calls, f"{name}: the CPU run took CUDA branches {cpu_calls}"
             ran.update({k: ran.get(k, 0) + v for k, v in emu_calls.items()})
             for step, ((l0, g0), (l1, g1)) in enumerate(zip(cpu, emu)):
-                assert abs(l1 - l0) <= tol * abs(l0), f"{name} rank {rank} step {step + 1}: loss {l1} vs {l0}"
-                assert abs(g1 - g0) <= 5 * tol * abs(g0), f"{name} rank {rank} step {step + 1}: gnorm {g1} vs {g0}"
+                assert abs(l1 - l0) <= tol * abs(l0), (
+                    f"{name} rank {rank} step {step + 1}: loss {l1} vs {l0}"
+                )
+                assert abs(g1 - g0) <= 5 * tol * abs(g0), (
+                    f"{name} rank {rank} step {step + 1}: gnorm {g1} vs {g0}"
+                )
     assert set(ran) == set(BRANCHES), f"CUDA branches never executed: {set(BRANCHES) - set(ran)}"
 
 
@@ -111,17 +175,23 @@ def _planted(rank, world, what):
         try:
             if what == "strided send":
                 x = torch.arange(16.0).view(4, 4)
-                ops = [dist.P2POp(dist.isend, x.t(), (rank + 1) % world), dist.P2POp(dist.irecv, torch.empty(4, 4),
-                                                                                  (rank - 1) % world)]
+                ops = [
+                    dist.P2POp(dist.isend, x.t(), (rank + 1) % world),
+                    dist.P2POp(dist.irecv, torch.empty(4, 4), (rank - 1) % world),
+                ]
                 [w.wait() for w in dist.batch_isend_irecv(ops)]
             elif what == "dtype":  # same bytes, other dtype: gloo itself passes it
-                ops = [dist.P2POp(dist.isend, torch.ones(4), (rank + 1) % world),
-                       dist.P2POp(dist.irecv, torch.empty(4, dtype=torch.int32), (rank - 1) % world)]
+                ops = [
+                    dist.P2POp(dist.isend, torch.ones(4), (rank + 1) % world),
+                    dist.P2POp(dist.irecv, torch.empty(4, dtype=torch.int32), (rank - 1) % world),
+                ]
                 [w.wait() for w in dist.batch_isend_irecv(ops)]
             elif what == "shape":
                 dist.all_reduce(torch.ones(3 + rank))
             elif what == "splits":
-                dist.all_to_all_single(torch.empty(4), torch.ones(4), [2, 2], [1, 3] if rank == 0 else [2, 2])
+                dist.all_to_all_single(
+                    torch.empty(4), torch.ones(4), [2, 2], [1, 3] if rank == 0 else [2, 2]
+                )
         except CommCheckError as e:
             return str(e)
     return None
@@ -131,4 +201,6 @@ def _planted(rank, world, what):
 def test_checked_comm_catches_what_nccl_would_not(what):
     errors = run_distributed(_planted, 2, what)
     assert any(errors), errors
-    assert all(e is None or ("not contiguous" in e or "disagree" in e or "sends" in e) for e in errors), errors
+    assert all(
+        e is None or ("not contiguous" in e or "disagree" in e or "sends" in e) for e in errors
+    ), errors

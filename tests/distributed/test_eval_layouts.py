@@ -14,11 +14,27 @@ from bumblebee import load_config
 from bumblebee.runtime.eval import evaluate
 from bumblebee.runtime.trainer import Trainer
 
-BASE = ["model.arch.num_hidden_layers=3", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32",
-        "model.arch.num_experts=4", "model.arch.num_experts_per_tok=2", "train.seq_len=128", "train.global_batch=4",
-        "train.micro_batch=1", "train.steps=1", "data.min_records=2", "data.max_records=6", "data.value_len=1",
-        "data.eval_min_distance=32", "data.eval_docs=8", "train.lr=1e-2", "train.warmup_steps=1",
-        "train.balance=micro_batch", "primitives.loss=linear_ce", "primitives.recompute=full"]
+BASE = [
+    "model.arch.num_hidden_layers=3",
+    "model.arch.hidden_size=64",
+    "model.arch.moe_intermediate_size=32",
+    "model.arch.num_experts=4",
+    "model.arch.num_experts_per_tok=2",
+    "train.seq_len=128",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    "train.steps=1",
+    "data.min_records=2",
+    "data.max_records=6",
+    "data.value_len=1",
+    "data.eval_min_distance=32",
+    "data.eval_docs=8",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+    "train.balance=micro_batch",
+    "primitives.loss=linear_ce",
+    "primitives.recompute=full",
+]
 REFERENCE = ["primitives.sharding=none", "primitives.moe_comm=local"]
 LAYOUTS = {
     "pp=2 gpipe": ["parallel.pp=2", "primitives.pipeline=gpipe"],
@@ -36,7 +52,9 @@ class _PlainHeldOut:
 
 
 def run(overrides, out_dir) -> dict:
-    trainer = Trainer(load_config(None, BASE + overrides + [f"train.out_dir={out_dir}"]), stream=io.StringIO())
+    trainer = Trainer(
+        load_config(None, BASE + overrides + [f"train.out_dir={out_dir}"]), stream=io.StringIO()
+    )
     trainer.train_step()
     answers = evaluate(trainer)
     source, trainer.source = trainer.source, _PlainHeldOut(trainer.source)
@@ -61,7 +79,10 @@ def test_eval_on_pp_cp_ep_equals_one_process(tmp_path):
     for rank, results in enumerate(per_rank):
         for name, got in zip(LAYOUTS, results):
             what = f"{name}, rank {rank}"
-            assert got["eval_tokens"] == ref["eval_tokens"] and got["plain_tokens"] == ref["plain_tokens"], what
+            assert (
+                got["eval_tokens"] == ref["eval_tokens"]
+                and got["plain_tokens"] == ref["plain_tokens"]
+            ), what
             assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5), what
             assert got["eval_accuracy"] == ref["eval_accuracy"], what
             assert got["plain_loss"] == pytest.approx(ref["plain_loss"], rel=1e-5), what

@@ -41,7 +41,9 @@ def _collectives(rank, world):
     default_ag = _growth(lambda: dist.all_gather_single(ref_ag, shard))
 
     out, x = torch.empty(SLOT), grads.clone()
-    ours_rs = _growth(lambda: UnitReduceScatter([], mesh, gloo=True)(out, x, group, dist.ReduceOp.SUM))
+    ours_rs = _growth(
+        lambda: UnitReduceScatter([], mesh, gloo=True)(out, x, group, dist.ReduceOp.SUM)
+    )
     assert torch.equal(out, ref_rs)
     gathered = torch.full((world * SLOT,), float("nan"))
     gathered.view(world, -1)[rank].copy_(shard)  # FSDP copies the shard into its slot first
@@ -52,8 +54,12 @@ def _collectives(rank, world):
 
 def test_in_place_collectives_match_gloo_without_full_size_copies(tmp_path):
     whole = 3 * SLOT * 4
-    for rank, (default_rs, ours_rs, default_ag, ours_ag) in enumerate(run_distributed(_collectives, 3)):
-        print(f"rank {rank}: reduce-scatter +{default_rs >> 20} MiB (gloo) vs +{ours_rs >> 20} MiB (in place); "
-              f"all-gather +{default_ag >> 20} vs +{ours_ag >> 20} MiB; whole tensor {whole >> 20} MiB")
+    for rank, (default_rs, ours_rs, default_ag, ours_ag) in enumerate(
+        run_distributed(_collectives, 3)
+    ):
+        print(
+            f"rank {rank}: reduce-scatter +{default_rs >> 20} MiB (gloo) vs +{ours_rs >> 20} MiB (in place); "
+            f"all-gather +{default_ag >> 20} vs +{ours_ag >> 20} MiB; whole tensor {whole >> 20} MiB"
+        )
         assert ours_ag < whole // 8, "the all-gather staged a copy"
         assert ours_rs < whole // 2, "the reduce-scatter staged a full-size copy"

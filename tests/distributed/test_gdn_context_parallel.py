@@ -22,7 +22,11 @@ from dist_utils import run_distributed
 
 from bumblebee import load_config
 from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence, unshard_sequence
-from bumblebee.primitives.cp.relayout import contiguous_to_zigzag, moved_fraction, zigzag_to_contiguous
+from bumblebee.primitives.cp.relayout import (
+    contiguous_to_zigzag,
+    moved_fraction,
+    zigzag_to_contiguous,
+)
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
 from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_chunked
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
@@ -43,7 +47,9 @@ def layer_and_inputs():
     # K = 16 != V = 8 and 2 key heads for 4 value heads: catches transposed or mixed-up dims
     layer = GatedDeltaNet(32, 2, 4, 16, 8, 4, 1e-6, gated_delta_rule_chunked, NoRecompute())
     with torch.no_grad():
-        layer.A_log.copy_(torch.tensor([0.0, -1.0, 0.5, -3.0]))  # mild decays: the state carries far
+        layer.A_log.copy_(
+            torch.tensor([0.0, -1.0, 0.5, -3.0])
+        )  # mild decays: the state carries far
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(len(LAYER_DOCS), T_LAYER, 32, generator=gen)
     w = torch.randn(len(LAYER_DOCS), T_LAYER, 32, generator=gen)
@@ -88,7 +94,8 @@ def check_layer(results, world, what):
     y = unshard_sequence([r[0] for r in results])
     gx = unshard_sequence([r[1] for r in results])
     for got, ref, name in [(y, y_ref, "output"), (gx, gx_ref, "input grad")] + [
-            (sum(r[2][n] for r in results), g, n) for n, g in grads_ref.items()]:
+        (sum(r[2][n] for r in results), g, n) for n, g in grads_ref.items()
+    ]:
         err = ((got - ref).norm() / ref.norm()).item()
         assert err < 1e-5, f"{what} cp={world}: {name} relative error {err:.1e}"
 
@@ -98,12 +105,27 @@ def check_layer(results, world, what):
 T = 256
 # per row: one shorter than a cp=4 chunk (32), one spanning all ranks, boundaries at shard edges
 DOCS = [[5, 200, 17, 34], [250, 6], [64, 64, 64, 64], [1, 127, 128]]
-BASE = ["model.name=qwen3_5_moe", "model.preset=tiny", "model.arch.hidden_size=64",
-        "model.arch.moe_intermediate_size=32", "model.arch.shared_expert_intermediate_size=32",
-        "model.arch.num_experts=4", "model.arch.vocab_size=256", "model.arch.linear_key_head_dim=16",
-        "model.arch.linear_value_head_dim=16", "model.arch.head_dim=16", f"train.seq_len={T}",
-        "train.global_batch=4", "train.micro_batch=2", "train.clip_grad=0", "train.lr=1e-3",
-        "train.warmup_steps=1", "primitives.loss=ce", "primitives.recompute=none", "data.source='jsonl'"]
+BASE = [
+    "model.name=qwen3_5_moe",
+    "model.preset=tiny",
+    "model.arch.hidden_size=64",
+    "model.arch.moe_intermediate_size=32",
+    "model.arch.shared_expert_intermediate_size=32",
+    "model.arch.num_experts=4",
+    "model.arch.vocab_size=256",
+    "model.arch.linear_key_head_dim=16",
+    "model.arch.linear_value_head_dim=16",
+    "model.arch.head_dim=16",
+    f"train.seq_len={T}",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+    "train.clip_grad=0",
+    "train.lr=1e-3",
+    "train.warmup_steps=1",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "data.source='jsonl'",
+]
 
 
 def write_data(path) -> str:
@@ -111,20 +133,33 @@ def write_data(path) -> str:
     with open(path, "w") as f:
         for row in DOCS:
             for n in row:
-                f.write(json.dumps({"input_ids": torch.randint(0, 256, (n,), generator=g).tolist()}) + "\n")
+                f.write(
+                    json.dumps({"input_ids": torch.randint(0, 256, (n,), generator=g).tolist()})
+                    + "\n"
+                )
     return str(path)
 
 
 def train(overrides, data, out_dir, steps):
-    cfg = load_config(None, BASE + [f"data.path={data}", f"train.out_dir={out_dir}", f"train.steps={steps}",
-                                    *overrides])
+    cfg = load_config(
+        None,
+        BASE
+        + [f"data.path={data}", f"train.out_dir={out_dir}", f"train.steps={steps}", *overrides],
+    )
     trainer = Trainer(cfg, stream=io.StringIO())
     grads, step = {}, trainer.sharding.step
 
-    def capture(optimizer):  # replicated dense gradients of the first step, after reduction, before the update
+    def capture(
+        optimizer,
+    ):  # replicated dense gradients of the first step, after reduction, before the update
         if not grads:
-            grads.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
-                          if p.grad is not None and "experts" not in n and type(p.grad) is torch.Tensor})
+            grads.update(
+                {
+                    n: p.grad.detach().clone()
+                    for n, p in trainer.model.named_parameters()
+                    if p.grad is not None and "experts" not in n and type(p.grad) is torch.Tensor
+                }
+            )
         step(optimizer)
 
     trainer.sharding.step = capture
@@ -170,14 +205,36 @@ def check_model(result, ref, steps, what):
     assert any("linear_attn" in n for n in grads) or steps > 1
 
 
-TWO = [(["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
-       # the probe-free relay (cp_relay.py) under full recompute: the recompute re-runs the relay chain
-       (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring", "primitives.linear_attention_cp=relay",
-         "primitives.recompute=full"], 2)]
-FOUR = [(["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
-        # the default recipe's linear CE and full recompute (the recompute re-runs the halo and scan)
-        (["parallel.cp=2", "parallel.ep=2", "primitives.sharding=fsdp2", "primitives.cp=ring",
-          "primitives.moe_comm=alltoall", "primitives.loss=linear_ce", "primitives.recompute=full"], 5)]
+TWO = [
+    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
+    # the probe-free relay (cp_relay.py) under full recompute: the recompute re-runs the relay chain
+    (
+        [
+            "parallel.cp=2",
+            "primitives.sharding=zero1",
+            "primitives.cp=ring",
+            "primitives.linear_attention_cp=relay",
+            "primitives.recompute=full",
+        ],
+        2,
+    ),
+]
+FOUR = [
+    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
+    # the default recipe's linear CE and full recompute (the recompute re-runs the halo and scan)
+    (
+        [
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "primitives.sharding=fsdp2",
+            "primitives.cp=ring",
+            "primitives.moe_comm=alltoall",
+            "primitives.loss=linear_ce",
+            "primitives.recompute=full",
+        ],
+        5,
+    ),
+]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["cp2", "cp4_and_cp2xep2"])
@@ -196,4 +253,6 @@ def test_moved_fraction_and_check_run(data):
     from bumblebee.runtime.resolve import check_run
 
     assert moved_fraction(2) == 0.5 and moved_fraction(4) == 0.75
-    check_run(load_config(None, BASE + [f"data.path={data}", "parallel.cp=2"]), 2)  # qwen3_5_moe accepts cp
+    check_run(
+        load_config(None, BASE + [f"data.path={data}", "parallel.cp=2"]), 2
+    )  # qwen3_5_moe accepts cp

@@ -18,12 +18,18 @@ from test_gdn_context_parallel import LAYER_DOCS, T_LAYER, layer_and_inputs, one
 
 from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence, unshard_sequence
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
-from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule, reference_chunk_gated_delta_rule
+from bumblebee.primitives.linear_attention.fla import (
+    fla_gated_delta_rule,
+    reference_chunk_gated_delta_rule,
+)
 from bumblebee.primitives.packed import doc_layout
 
 FLA_REF = functools.partial(fla_gated_delta_rule, kernel=reference_chunk_gated_delta_rule)
-CASES = [(core, carry, relayout) for core in ("chunked", "fla") for carry, relayout in
-         (("relay", False), ("relay", True), ("scan", False))]
+CASES = [
+    (core, carry, relayout)
+    for core in ("chunked", "fla")
+    for carry, relayout in (("relay", False), ("relay", True), ("scan", False))
+]
 
 
 def make(core: str):
@@ -72,7 +78,9 @@ def test_relay_equals_single_process_and_probe(world):
         what = f"cp={world} {core} {carry}{' relayout' if relayout else ''}"
         y, gx, grads = gathered(results, i)
         y_ref, gx_ref, grads_ref = run_single(core)
-        pairs = [(y, y_ref, "output"), (gx, gx_ref, "input grad")] + [(grads[n], g, n) for n, g in grads_ref.items()]
+        pairs = [(y, y_ref, "output"), (gx, gx_ref, "input grad")] + [
+            (grads[n], g, n) for n, g in grads_ref.items()
+        ]
         if carry == "relay":  # and the probe path of the same core
             y_p, gx_p, grads_p = gathered(results, CASES.index((core, "scan", False)))
             pairs += [(y, y_p, "output vs scan"), (gx, gx_p, "input grad vs scan")]

@@ -17,14 +17,30 @@ from torch.distributed.tensor import DTensor
 from bumblebee import load_config
 from bumblebee.runtime.trainer import Trainer
 
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32",
-        "model.arch.num_experts=4", "model.arch.intermediate_size=96", "train.seq_len=64", "train.global_batch=4",
-        "train.micro_batch=1", "primitives.sharding=fsdp2", "train.dtype=bfloat16"]
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=64",
+    "model.arch.moe_intermediate_size=32",
+    "model.arch.num_experts=4",
+    "model.arch.intermediate_size=96",
+    "train.seq_len=64",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    "primitives.sharding=fsdp2",
+    "train.dtype=bfloat16",
+]
 
 
 def _after_first_micro_batch(rank, world, out_dir, mode, reduce_dtype):
-    cfg = load_config(None, BASE + [f"train.grad_accum={mode}", f"train.reduce_dtype={reduce_dtype}",
-                                    f"train.out_dir={out_dir}/{rank}"])
+    cfg = load_config(
+        None,
+        BASE
+        + [
+            f"train.grad_accum={mode}",
+            f"train.reduce_dtype={reduce_dtype}",
+            f"train.out_dir={out_dir}/{rank}",
+        ],
+    )
     trainer = Trainer(cfg, stream=io.StringIO())
     assert trainer.accum == 2
     batch = trainer.source.global_batch_at(0).rows(rank * 2, rank * 2 + 1)
@@ -35,19 +51,34 @@ def _after_first_micro_batch(rank, world, out_dir, mode, reduce_dtype):
     grads = {}
     for name, p in trainer.model.named_parameters():
         g = p.grad
-        grads[name] = None if g is None else (isinstance(g, DTensor), g.to_local().shape == p.to_local().shape,
-                                              g.dtype)
+        grads[name] = (
+            None
+            if g is None
+            else (isinstance(g, DTensor), g.to_local().shape == p.to_local().shape, g.dtype)
+        )
     loss = float(trainer.train_step()["loss"])  # a whole step still runs (with the extra syncs)
     return grads, loss
 
 
 def test_gradients_are_sharded_after_each_micro_batch(tmp_path):
     for reduce_dtype in ("float32", "bfloat16"):
-        grads, loss = run_distributed(_after_first_micro_batch, 2, str(tmp_path), "sharded", reduce_dtype)[0]
-        assert grads and all(g == (True, True, torch.float32) for g in grads.values()), (reduce_dtype, grads)
-        assert math.isfinite(loss), (reduce_dtype, loss)  # a finite step (inf == inf would pass a self-compare)
-    grads, _ = run_distributed(_after_first_micro_batch, 2, str(tmp_path), "unsharded", "float32")[0]
-    assert all(g is None for g in grads.values()), "unsharded accumulation holds gradients inside FSDP"
+        grads, loss = run_distributed(
+            _after_first_micro_batch, 2, str(tmp_path), "sharded", reduce_dtype
+        )[0]
+        assert grads and all(g == (True, True, torch.float32) for g in grads.values()), (
+            reduce_dtype,
+            grads,
+        )
+        assert math.isfinite(loss), (
+            reduce_dtype,
+            loss,
+        )  # a finite step (inf == inf would pass a self-compare)
+    grads, _ = run_distributed(_after_first_micro_batch, 2, str(tmp_path), "unsharded", "float32")[
+        0
+    ]
+    assert all(g is None for g in grads.values()), (
+        "unsharded accumulation holds gradients inside FSDP"
+    )
 
 
 def _two_micro_batches(rank, world, out_dir, reduce_dtype, comm):
@@ -60,10 +91,18 @@ def _two_micro_batches(rank, world, out_dir, reduce_dtype, comm):
 
     if comm == "collective":
         fsdp_comm._gloo = lambda mesh: False
-    cfg = load_config(None, BASE + [f"train.reduce_dtype={reduce_dtype}", f"train.out_dir={out_dir}/{rank}"])
+    cfg = load_config(
+        None, BASE + [f"train.reduce_dtype={reduce_dtype}", f"train.out_dir={out_dir}/{rank}"]
+    )
     trainer = Trainer(cfg, stream=io.StringIO())
-    assert all(getattr(u._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm, "gloo", None)
-               == (comm == "gloo") for u in trainer.sharding.units) or comm == "default"
+    assert (
+        all(
+            getattr(u._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm, "gloo", None)
+            == (comm == "gloo")
+            for u in trainer.sharding.units
+        )
+        or comm == "default"
+    )
     if comm == "default":
         for unit in trainer.sharding.units:
             unit.set_custom_reduce_scatter(DefaultReduceScatter())
@@ -90,13 +129,19 @@ def test_in_place_accumulating_reduce_scatter_is_bit_identical(tmp_path):
     """Micro-batches 2..n reduce-scatter in place into the input buffer (no output buffer): the
     sharded gradients are bit-identical to FSDP2's own reduce-scatter, fp32 and bf16 reduce, both
     through the gloo form (in-place all-reduce) and the collective form NCCL runs."""
-    for reduce_dtype, comm in (("float32", "gloo"), ("bfloat16", "gloo"), ("float32", "collective")):
+    for reduce_dtype, comm in (
+        ("float32", "gloo"),
+        ("bfloat16", "gloo"),
+        ("float32", "collective"),
+    ):
         ours = run_distributed(_two_micro_batches, 2, str(tmp_path / "a"), reduce_dtype, comm)
         ref = run_distributed(_two_micro_batches, 2, str(tmp_path / "b"), reduce_dtype, "default")
         for rank in range(2):
             (grads, in_place), (expected, _) = ours[rank], ref[rank]
             n = len(in_place) // 2
-            assert n and not any(in_place[:n]) and all(in_place[n:]), in_place  # in place from micro-batch 2
+            assert n and not any(in_place[:n]) and all(in_place[n:]), (
+                in_place
+            )  # in place from micro-batch 2
             assert grads.keys() == expected.keys()
             for name, g in grads.items():
                 assert torch.equal(g, expected[name]), (reduce_dtype, comm, rank, name)
@@ -105,8 +150,17 @@ def test_in_place_accumulating_reduce_scatter_is_bit_identical(tmp_path):
 def _pipeline_reductions(rank, world, out_dir, mode):
     from bumblebee.primitives.sharding.fsdp_comm import UnitReduceScatter
 
-    cfg = load_config(None, BASE + ["parallel.pp=2", "train.balance=micro_batch", "train.global_batch=8",
-                                    f"train.grad_accum={mode}", f"train.out_dir={out_dir}/{mode}"])
+    cfg = load_config(
+        None,
+        BASE
+        + [
+            "parallel.pp=2",
+            "train.balance=micro_batch",
+            "train.global_batch=8",
+            f"train.grad_accum={mode}",
+            f"train.out_dir={out_dir}/{mode}",
+        ],
+    )
     trainer = Trainer(cfg, stream=io.StringIO())
     inputs = []  # one reduction = one input allocation (then its output)
     allocate = UnitReduceScatter.allocate

@@ -24,12 +24,28 @@ from bumblebee import load_config
 MiB = 2**20
 V, H = 16384, 256
 TABLE = V * H * 4  # bytes of one full fp32 [V, H] table
-ARGS = ["model.name=qwen3_moe", f"model.arch.vocab_size={V}", f"model.arch.hidden_size={H}",
-        "model.arch.num_hidden_layers=2", "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2",
-        "model.arch.head_dim=32", "model.arch.intermediate_size=64", "model.arch.moe_intermediate_size=32",
-        "model.arch.num_experts=4", "model.arch.num_experts_per_tok=2", "primitives.sharding=fsdp2",
-        "primitives.loss=linear_ce", "train.seq_len=64", "train.global_batch=2", "train.micro_batch=1",
-        "train.steps=2", "train.track_memory=true", "data.min_records=1", "data.max_records=2"]
+ARGS = [
+    "model.name=qwen3_moe",
+    f"model.arch.vocab_size={V}",
+    f"model.arch.hidden_size={H}",
+    "model.arch.num_hidden_layers=2",
+    "model.arch.num_attention_heads=4",
+    "model.arch.num_key_value_heads=2",
+    "model.arch.head_dim=32",
+    "model.arch.intermediate_size=64",
+    "model.arch.moe_intermediate_size=32",
+    "model.arch.num_experts=4",
+    "model.arch.num_experts_per_tok=2",
+    "primitives.sharding=fsdp2",
+    "primitives.loss=linear_ce",
+    "train.seq_len=64",
+    "train.global_batch=2",
+    "train.micro_batch=1",
+    "train.steps=2",
+    "train.track_memory=true",
+    "data.min_records=1",
+    "data.max_records=2",
+]
 
 
 def _ranks(rank, world, out_dir):
@@ -38,15 +54,23 @@ def _ranks(rank, world, out_dir):
     trainer = Trainer(load_config(None, ARGS + [f"train.out_dir={out_dir}"]), stream=io.StringIO())
     trainer.train_step()
     peak = trainer.train_step()["peak_mem_bytes"]  # largest over the ranks
-    state = trainer.sharding.state_bytes(trainer.optimizer)  # the step ended by dropping the gradients:
-    return peak, 2 * state["params"] + state["optimizer"]  # every fp32 parameter has a sharded fp32 gradient
+    state = trainer.sharding.state_bytes(
+        trainer.optimizer
+    )  # the step ended by dropping the gradients:
+    return peak, 2 * state["params"] + state[
+        "optimizer"
+    ]  # every fp32 parameter has a sharded fp32 gradient
 
 
 def test_vocabulary_tables_are_gathered_only_while_used(tmp_path):
     for rank, (peak, static) in enumerate(run_distributed(_ranks, 2, str(tmp_path))):
         over = peak - static
-        print(f"rank {rank}: static {static / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB, "
-              f"over {over / TABLE:.2f} tables")
-        assert over <= 2.25 * TABLE, (f"rank {rank}: the step's peak live memory is {over / MiB:.0f} MiB above the "
-                                     f"static state ({static / MiB:.0f} MiB): {over / TABLE:.1f} full [V, H] tables "
-                                     f"of {TABLE / MiB:.0f} MiB; at most 2 should be alive at once")
+        print(
+            f"rank {rank}: static {static / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB, "
+            f"over {over / TABLE:.2f} tables"
+        )
+        assert over <= 2.25 * TABLE, (
+            f"rank {rank}: the step's peak live memory is {over / MiB:.0f} MiB above the "
+            f"static state ({static / MiB:.0f} MiB): {over / TABLE:.1f} full [V, H] tables "
+            f"of {TABLE / MiB:.0f} MiB; at most 2 should be alive at once"
+        )

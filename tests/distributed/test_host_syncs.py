@@ -10,12 +10,22 @@ import io
 
 from dist_utils import run_distributed
 
-BASE = ["train.seq_len=256", "train.global_batch=4", "train.micro_batch=1", "train.dtype=bfloat16",
-        "train.eval_every=0", "train.emulate_cuda=true"]
+BASE = [
+    "train.seq_len=256",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    "train.dtype=bfloat16",
+    "train.eval_every=0",
+    "train.emulate_cuda=true",
+]
 CASES = {
     "qwen3_5 cp2 ring": ["model.name=qwen3_5_moe", "model.preset=tiny", "parallel.cp=2"],
-    "qwen3 ep2 chunked": ["model.name=qwen3_moe", "model.preset=tiny", "parallel.ep=2",
-                          "primitives.moe_comm=chunked"],
+    "qwen3 ep2 chunked": [
+        "model.name=qwen3_moe",
+        "model.preset=tiny",
+        "parallel.ep=2",
+        "primitives.moe_comm=chunked",
+    ],
 }
 
 
@@ -29,7 +39,9 @@ def _ranks(rank, world, out_dir):
         args[0].sum().item()  # a host read per layer forward (returns None: args unchanged)
 
     out = {}
-    for (name, sets), plant in [(c, False) for c in CASES.items()] + [(next(iter(CASES.items())), True)]:
+    for (name, sets), plant in [(c, False) for c in CASES.items()] + [
+        (next(iter(CASES.items())), True)
+    ]:
         cfg = load_config(None, BASE + sets + [f"train.out_dir={out_dir}/{name}{plant}/{rank}"])
         trainer = Trainer(cfg, stream=io.StringIO())
         if plant:
@@ -39,7 +51,12 @@ def _ranks(rank, world, out_dir):
         with emulate_cuda(check_comm=False), SyncCounter() as c:
             trainer.train_step()
         ep = trainer.ctx.layout.ep
-        out[name, plant] = (c.syncs, trainer.model.arch.num_hidden_layers if ep > 1 else 0, trainer.accum, c.top(5))
+        out[name, plant] = (
+            c.syncs,
+            trainer.model.arch.num_hidden_layers if ep > 1 else 0,
+            trainer.accum,
+            c.top(5),
+        )
     return out
 
 
@@ -47,5 +64,6 @@ def test_host_syncs_within_budget(tmp_path):
     for rank, out in enumerate(run_distributed(_ranks, 2, str(tmp_path))):
         for (name, plant), (syncs, moe_ep_layers, micro, top) in out.items():
             budget = 2 * moe_ep_layers * micro + micro + 14
-            assert (syncs <= budget) != plant, \
+            assert (syncs <= budget) != plant, (
                 f"{name} planted={plant} rank {rank}: {syncs} syncs (budget {budget}): {top}"
+            )

@@ -15,10 +15,20 @@ from bumblebee.config import ConfigError
 from bumblebee.runtime.checkpoint import find_checkpoint
 from bumblebee.runtime.launch import init_distributed, launch_local
 
-SMALL = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-         "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
-         "primitives.loss=ce", "primitives.recompute=none", "train.seq_len=32", "train.global_batch=2",
-         "data.min_records=1", "data.max_records=2"]
+SMALL = [
+    "model.arch.num_hidden_layers=1",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.num_experts=2",
+    "model.arch.num_experts_per_tok=1",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "train.seq_len=32",
+    "train.global_batch=2",
+    "data.min_records=1",
+    "data.max_records=2",
+]
 
 
 @record
@@ -40,10 +50,19 @@ def test_a_ranks_config_error_is_one_line_and_exit_2(capfd):
 
 def test_ctrl_c_with_nproc_exits_130_with_one_line(tmp_path):
     argv = [sys.executable, "-m", "bumblebee.cli", "train", "--nproc", "2"]
-    argv += [a for s in SMALL + ["train.steps=1000", "train.save_every=1", f"train.out_dir={tmp_path}"]
-             for a in ("--set", s)]
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    argv += [
+        a
+        for s in SMALL + ["train.steps=1000", "train.save_every=1", f"train.out_dir={tmp_path}"]
+        for a in ("--set", s)
+    ]
+    p = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         for line in p.stdout:  # wait until the ranks are training
             if "step 2/1000" in line:
@@ -57,4 +76,6 @@ def test_ctrl_c_with_nproc_exits_130_with_one_line(tmp_path):
     ckpts = os.listdir(tmp_path / "checkpoints")
     assert all(n.startswith("step_") for n in ckpts), ckpts  # no half-written save left
     assert not (tmp_path / "bumblebee.lock").exists()
-    assert find_checkpoint("auto", str(tmp_path)) is not None  # every published checkpoint is complete
+    assert (
+        find_checkpoint("auto", str(tmp_path)) is not None
+    )  # every published checkpoint is complete

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
 
 CASES = [  # (T, V, reduction, temperature, with_entropy, all_ignored)
@@ -43,19 +42,39 @@ def _case(rank, world, T, V, reduction, temperature, with_entropy, all_ignored):
     def step(fn, w_VH, **kw):
         h = hidden_TH.clone().requires_grad_()
         w = w_VH.clone().requires_grad_()
-        out = fn(h, w, labels_T, reduction=reduction, temperature=temperature, with_entropy=with_entropy, **kw)
+        out = fn(
+            h,
+            w,
+            labels_T,
+            reduction=reduction,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            **kw,
+        )
         loss, ent_T = out if with_entropy else (out, torch.zeros(T))
         total = (loss * coef_T).sum() if reduction == "none" else loss
-        (total + 0.1 * (ent_T * coef_T.flip(0)).sum()).backward() if with_entropy else total.backward()
+        (
+            total + 0.1 * (ent_T * coef_T.flip(0)).sum()
+        ).backward() if with_entropy else total.backward()
         return loss.detach(), ent_T.detach(), h.grad, w.grad
 
     ref = step(cross_entropy, weight_VH)
-    got = step(linear_cross_entropy, weight_VH[lo:hi], vocab_group=dist.group.WORLD, token_tile=8, vocab_tile=16)
+    got = step(
+        linear_cross_entropy,
+        weight_VH[lo:hi],
+        vocab_group=dist.group.WORLD,
+        token_tile=8,
+        vocab_tile=16,
+    )
     errs = {}
     for name, a, b in zip(("loss", "entropy", "grad_hidden", "grad_weight"), got, ref):
         b = b[lo:hi] if name == "grad_weight" else b
         denom = b.double().norm().item()
-        errs[name] = (a.double() - b.double()).norm().item() / denom if denom > 0 else a.double().norm().item()
+        errs[name] = (
+            (a.double() - b.double()).norm().item() / denom
+            if denom > 0
+            else a.double().norm().item()
+        )
     return errs
 
 

@@ -31,9 +31,21 @@ def positions():
 
 def mla(q_lora, attend, cp_latents=""):
     torch.manual_seed(0)
-    m = MultiHeadLatentAttention(H, N, q_lora_rank=q_lora, kv_lora_rank=C, qk_nope_head_dim=DN, qk_rope_head_dim=R,
-                                 v_head_dim=DV, eps=1e-6, scale=0.3, rope_interleave=True, attend=attend,
-                                 recompute=NoRecompute(), cp_latents=cp_latents)
+    m = MultiHeadLatentAttention(
+        H,
+        N,
+        q_lora_rank=q_lora,
+        kv_lora_rank=C,
+        qk_nope_head_dim=DN,
+        qk_rope_head_dim=R,
+        v_head_dim=DV,
+        eps=1e-6,
+        scale=0.3,
+        rope_interleave=True,
+        attend=attend,
+        recompute=NoRecompute(),
+        cp_latents=cp_latents,
+    )
     with torch.no_grad():  # norms away from 1, so their gradients are checked too
         for p in m.parameters():
             if p.dim() == 1:
@@ -71,20 +83,34 @@ def _ranks(rank, world):
     for q_lora in (0, 10):
         dist.P2POp = counting
         try:
-            o, dx, grads = run(mla(q_lora, ring_attention, "ring"), shard(x), shard(g), shard(pos), layout)
+            o, dx, grads = run(
+                mla(q_lora, ring_attention, "ring"), shard(x), shard(g), shard(pos), layout
+            )
         finally:
             dist.P2POp = real_p2p
-        for p in grads.values():  # the ranks' weight gradients sum, as the CP gradient reduction does
+        for (
+            p
+        ) in grads.values():  # the ranks' weight gradients sum, as the CP gradient reduction does
             dist.all_reduce(p)
         out[q_lora] = (o, dx, grads)
     # kernels and save-vs-recompute on the function itself
     gen = torch.Generator().manual_seed(2)
-    q, lat, do = torch.randn(2, N, T, DN + R, generator=gen), torch.randn(2, T, C + R, generator=gen), \
-        torch.randn(2, N, T, DV, generator=gen)
+    q, lat, do = (
+        torch.randn(2, N, T, DN + R, generator=gen),
+        torch.randn(2, T, C + R, generator=gen),
+        torch.randn(2, N, T, DV, generator=gen),
+    )
     w = torch.randn(N * (DN + DV), C, generator=gen) * 0.3
     variants = {}
-    for name, kw in (("tiles", {}), ("flash", {"kernel": reference_block_kernel()}), ("kept", {"save_expanded": True})):
-        xs = [t.clone().requires_grad_() for t in (shard(q.transpose(1, 2)).transpose(1, 2), shard(lat), w)]
+    for name, kw in (
+        ("tiles", {}),
+        ("flash", {"kernel": reference_block_kernel()}),
+        ("kept", {"save_expanded": True}),
+    ):
+        xs = [
+            t.clone().requires_grad_()
+            for t in (shard(q.transpose(1, 2)).transpose(1, 2), shard(lat), w)
+        ]
         o = latent_ring_attention(*xs, layout, 0.3, DV, **kw)
         o.backward(shard(do.transpose(1, 2)).transpose(1, 2))
         variants[name] = [o.detach()] + [t.grad for t in xs]
@@ -99,14 +125,20 @@ def check_ranks(world):
         ref_o, ref_dx, ref_grads = run(mla(q_lora, sdpa_masked), x, g, pos, doc_layout(pos))
         for rank, (out, _, _) in enumerate(results):
             o, dx, grads = out[q_lora]
-            for what, a, b in (("output", o, shard_sequence(ref_o, world, rank)),
-                               ("input grad", dx, shard_sequence(ref_dx, world, rank))):
+            for what, a, b in (
+                ("output", o, shard_sequence(ref_o, world, rank)),
+                ("input grad", dx, shard_sequence(ref_dx, world, rank)),
+            ):
                 err = ((a - b).norm() / b.norm()).item()
-                assert err < 1e-5, f"cp={world} q_lora={q_lora} rank {rank} {what}: relative error {err:.1e}"
+                assert err < 1e-5, (
+                    f"cp={world} q_lora={q_lora} rank {rank} {what}: relative error {err:.1e}"
+                )
             assert grads.keys() == ref_grads.keys()
             for name, ref in ref_grads.items():
                 err = ((grads[name] - ref).norm() / ref.norm()).item()
-                assert err < 1e-5, f"cp={world} q_lora={q_lora} rank {rank} {name}: relative error {err:.1e}"
+                assert err < 1e-5, (
+                    f"cp={world} q_lora={q_lora} rank {rank} {name}: relative error {err:.1e}"
+                )
     for rank, (_, sent, variants) in enumerate(results):
         # forward: (cp - 1) latent hops; backward: (cp - 1) hops of latent + fp32 accumulator, one home
         B, L = len(DOCS), T // world
@@ -115,7 +147,9 @@ def check_ranks(world):
         for name in ("flash", "kept"):
             for what, a, b in zip(("o", "dq", "dlat", "dw"), variants[name], variants["tiles"]):
                 err = ((a - b).norm() / b.norm()).item()
-                assert err < 1e-5, f"cp={world} rank {rank} {name} vs tiles {what}: relative error {err:.1e}"
+                assert err < 1e-5, (
+                    f"cp={world} rank {rank} {name} vs tiles {what}: relative error {err:.1e}"
+                )
 
 
 def test_latent_ring_matches_single_process_cp2():

@@ -25,18 +25,41 @@ from dist_utils import run_distributed
 from bumblebee import load_config
 from bumblebee.runtime.trainer import Trainer
 
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.intermediate_size=48", "model.arch.num_experts=4",
-        "model.arch.num_experts_per_tok=2", "model.arch.mlp_only_layers=[1]", "primitives.loss=ce",
-        "primitives.recompute=none", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=1",
-        "data.min_records=1", "data.max_records=2", "train.lr=1e-2", "train.warmup_steps=1",
-        "train.deterministic=true", "train.save_every=2", "train.keep_last=0", "train.eval_every=2",
-        "train.balance=micro_batch"]  # pp=2 resumes need per-micro-batch balance statistics
-LAYOUTS = {"fsdp2 dp2": ["primitives.sharding=fsdp2"],
-           "fsdp2 ep2": ["primitives.sharding=fsdp2", "parallel.ep=2"],
-           "fsdp2 cp2": ["primitives.sharding=fsdp2", "parallel.cp=2"],
-           "fsdp2 pp2": ["primitives.sharding=fsdp2", "parallel.pp=2", "train.eval_every=0"],  # no eval with pp yet,
-           "zero1 ep2": ["primitives.sharding=zero1", "parallel.ep=2"]}
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.intermediate_size=48",
+    "model.arch.num_experts=4",
+    "model.arch.num_experts_per_tok=2",
+    "model.arch.mlp_only_layers=[1]",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "train.seq_len=32",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    "data.min_records=1",
+    "data.max_records=2",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+    "train.deterministic=true",
+    "train.save_every=2",
+    "train.keep_last=0",
+    "train.eval_every=2",
+    "train.balance=micro_batch",
+]  # pp=2 resumes need per-micro-batch balance statistics
+LAYOUTS = {
+    "fsdp2 dp2": ["primitives.sharding=fsdp2"],
+    "fsdp2 ep2": ["primitives.sharding=fsdp2", "parallel.ep=2"],
+    "fsdp2 cp2": ["primitives.sharding=fsdp2", "parallel.cp=2"],
+    "fsdp2 pp2": [
+        "primitives.sharding=fsdp2",
+        "parallel.pp=2",
+        "train.eval_every=0",
+    ],  # no eval with pp yet,
+    "zero1 ep2": ["primitives.sharding=zero1", "parallel.ep=2"],
+}
 
 
 def config(out_dir, *extra):
@@ -88,8 +111,11 @@ def test_resume_from_mid_run_and_final_checkpoints(matrix, name, tmp_path):
     assert evaluated == ([] if "pp" in name else [2, 4])  # each save came right after an evaluation
     assert mid_start == 2 and mid == full[2:]  # bit-identical
     assert ext_start == 4 and len(extended) == 2  # continued from the final checkpoint
-    assert sorted(n for n in os.listdir(os.path.join(root, name, "checkpoints")) if n.startswith("step_")) == \
-        [f"step_{s:08d}" for s in (2, 4, 6)]
+    assert sorted(
+        n for n in os.listdir(os.path.join(root, name, "checkpoints")) if n.startswith("step_")
+    ) == [f"step_{s:08d}" for s in (2, 4, 6)]
     # the same final checkpoint in one process: the same continuation (complete optimizer state)
-    ref_start, ref, _ = losses(config(tmp_path, "train.steps=6", f"train.resume={ckpt(os.path.join(root, name), 4)}"))
+    ref_start, ref, _ = losses(
+        config(tmp_path, "train.steps=6", f"train.resume={ckpt(os.path.join(root, name), 4)}")
+    )
     assert ref_start == 4 and extended == pytest.approx(ref, rel=1e-5)

@@ -14,7 +14,11 @@ from dist_utils import run_distributed
 from bumblebee.primitives.cp.allgather import allgather_attention
 from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
 from bumblebee.primitives.cp.ring import RingAttention
-from bumblebee.primitives.cp.ring_flash import reference_block_kernel, ring_flash_attention, step_pairs
+from bumblebee.primitives.cp.ring_flash import (
+    reference_block_kernel,
+    ring_flash_attention,
+    step_pairs,
+)
 
 T, N, K, D = 48, 4, 2, 8
 DOCS = [[5, 20, 7, 16], [47, 1]]  # per row; pieces cross chunk borders at cp = 2 and 4
@@ -27,8 +31,12 @@ def positions():
 def _inputs():
     g = torch.Generator().manual_seed(0)
     B = len(DOCS)
-    return (torch.randn(B, N, T, D, generator=g), torch.randn(B, K, T, D, generator=g),
-            torch.randn(B, K, T, D, generator=g), torch.randn(B, N, T, D, generator=g))
+    return (
+        torch.randn(B, N, T, D, generator=g),
+        torch.randn(B, K, T, D, generator=g),
+        torch.randn(B, K, T, D, generator=g),
+        torch.randn(B, N, T, D, generator=g),
+    )
 
 
 def _ranks(rank, world):
@@ -36,8 +44,10 @@ def _ranks(rank, world):
     shard = lambda x: shard_sequence(x.transpose(1, 2), world, rank).transpose(1, 2).contiguous()  # noqa: E731
     layout = build_cp_layout(shard_sequence(positions(), world, rank), dist.group.WORLD)
     out = {}
-    for name, fn in (("allgather", allgather_attention),
-                     ("ring_flash", lambda *a: ring_flash_attention(*a, kernel=reference_block_kernel()))):
+    for name, fn in (
+        ("allgather", allgather_attention),
+        ("ring_flash", lambda *a: ring_flash_attention(*a, kernel=reference_block_kernel())),
+    ):
         xs = [shard(x).requires_grad_() for x in (q, k, v)]
         o = fn(*xs, layout, 0.35)
         o.backward(shard(do))
@@ -86,20 +96,24 @@ def _one_row_ranks(rank, world, checked):
     def heads(H):  # [1, L, H, D] -> cat(rotated half, pass half) -> [1, H, L, D], non-contiguous
         x = torch.randn(1, 48, H, D, generator=g)
         x = shard_sequence(x, world, rank)
-        return torch.cat([x[..., :D // 2].flip(-1), x[..., D // 2:]], -1).transpose(1, 2)
+        return torch.cat([x[..., : D // 2].flip(-1), x[..., D // 2 :]], -1).transpose(1, 2)
 
     q, k, v = heads(N), heads(K), heads(K)
     do = torch.randn(1, N, L, D, generator=g)
     assert not k.is_contiguous()
     out = {}
-    for name, fn in (("allgather", allgather_attention),
-                     ("ring_flash", lambda *a: ring_flash_attention(*a, kernel=reference_block_kernel()))):
+    for name, fn in (
+        ("allgather", allgather_attention),
+        ("ring_flash", lambda *a: ring_flash_attention(*a, kernel=reference_block_kernel())),
+    ):
         xs = [x.detach().requires_grad_() for x in (q, k, v)]
         with CheckedComm() if checked else contextlib.nullcontext():
             o = fn(*(x.clone() for x in xs), layout, 0.35)  # clone keeps the strides
         o.backward(do)
         out[name] = [o.detach()] + [x.grad for x in xs]
-    return max(((a - b).norm() / b.norm()).item() for a, b in zip(out["ring_flash"], out["allgather"]))
+    return max(
+        ((a - b).norm() / b.norm()).item() for a, b in zip(out["ring_flash"], out["allgather"])
+    )
 
 
 def test_ring_one_row_strided_kv():

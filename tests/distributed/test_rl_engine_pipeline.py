@@ -17,31 +17,53 @@ from bumblebee.rl.batch import pack_sequences
 from bumblebee.rl.engine import Engine
 from bumblebee.rl.losses import PolicyLoss
 
-BASE = ["model.arch.num_hidden_layers=3", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.num_experts=4", "model.arch.moe_intermediate_size=32", "primitives.attention=sdpa",
-        "train.global_batch=4", "train.micro_batch=1", "train.seq_len=32", "primitives.router=sigmoid_bias"]
+BASE = [
+    "model.arch.num_hidden_layers=3",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.num_experts=4",
+    "model.arch.moe_intermediate_size=32",
+    "primitives.attention=sdpa",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    "train.seq_len=32",
+    "primitives.router=sigmoid_bias",
+]
 LOSS = PolicyLoss(kl_coef=0.05, entropy_coef=0.01, agg="seq-mean-token-mean")
 
 
 def batch(seq_len: int):
     g = torch.Generator().manual_seed(9)
-    tokens = [torch.randint(0, 256, (int(torch.randint(3, 14, (1,), generator=g)),), generator=g).tolist()
-              for _ in range(9)]
-    b = pack_sequences(tokens, [[i >= 2 for i in range(len(t))] for t in tokens], seq_len,
-                       advantages=torch.randn(9, generator=g).tolist())
+    tokens = [
+        torch.randint(0, 256, (int(torch.randint(3, 14, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(9)
+    ]
+    b = pack_sequences(
+        tokens,
+        [[i >= 2 for i in range(len(t))] for t in tokens],
+        seq_len,
+        advantages=torch.randn(9, generator=g).tolist(),
+    )
     return b.replace(ref_logprobs=-torch.rand(b.input_ids.shape, generator=g) * 6)
 
 
 def trace(e: Engine):
     lp = e.compute_logprobs(batch(26), entropy=True)  # rows shorter than train.seq_len: padded
-    b = batch(32)  # the updates on full rows, an even count (no padding row or column: with the balance
+    b = batch(
+        32
+    )  # the updates on full rows, an even count (no padding row or column: with the balance
     assert b.rows % 2 == 0  # loss on, padding tokens would be routed and count in it)
     steps = []
     for _ in range(2):
         m = e.train_step(b.replace(old_logprobs=e.compute_logprobs(b).logprobs), LOSS, lr=1e-2)
-        steps.append({k: m[k] for k in ("loss", "grad_norm", "kl", "entropy", "clip_frac", "tokens")})
-    weights = [(n, t.clone()) for bucket in e.weight_buckets(bucket_bytes=8 << 10, dtype=torch.float32)
-               for n, t in bucket]
+        steps.append(
+            {k: m[k] for k in ("loss", "grad_norm", "kl", "entropy", "clip_frac", "tokens")}
+        )
+    weights = [
+        (n, t.clone())
+        for bucket in e.weight_buckets(bucket_bytes=8 << 10, dtype=torch.float32)
+        for n, t in bucket
+    ]
     return lp.logprobs, lp.entropy, steps, weights
 
 
@@ -59,7 +81,9 @@ def test_pipeline_engine_matches_one_process(tmp_path):
         assert sorted(n for n, _ in weights) == sorted(n for n, _ in ref[3])
         want = dict(ref[3])
         biases = [n for n in want if n.endswith("e_score_correction_bias")]
-        assert len(biases) == 3 and any(want[n].abs().sum() > 0 for n in biases)  # moved (+-rate per step)
+        assert len(biases) == 3 and any(
+            want[n].abs().sum() > 0 for n in biases
+        )  # moved (+-rate per step)
         for n, t in weights:
             if n in biases:
                 assert torch.equal(t, want[n]), n

@@ -31,9 +31,17 @@ from bumblebee.rl.engine import Engine
 from bumblebee.rl.losses import PolicyLoss
 from bumblebee.rl.weights import BroadcastTransport
 
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.num_experts=4", "model.arch.moe_intermediate_size=32", "primitives.attention=sdpa",
-        "train.global_batch=4", "train.micro_batch=2", "model.arch.router_aux_loss_coef=0.0"]
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.num_experts=4",
+    "model.arch.moe_intermediate_size=32",
+    "primitives.attention=sdpa",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+    "model.arch.router_aux_loss_coef=0.0",
+]
 EP = ["primitives.sharding=fsdp2", "parallel.ep=2"]
 CP = ["primitives.sharding=zero1", "parallel.cp=2"]
 LOSS = PolicyLoss(kl_coef=0.05, entropy_coef=0.01, agg="seq-mean-token-sum")
@@ -42,8 +50,10 @@ BUDGET = 20
 
 def batch():
     g = torch.Generator().manual_seed(5)
-    tokens = [torch.randint(0, 256, (int(torch.randint(3, 14, (1,), generator=g)),), generator=g).tolist()
-              for _ in range(12)]
+    tokens = [
+        torch.randint(0, 256, (int(torch.randint(3, 14, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(12)
+    ]
     masks = [[i >= 2 for i in range(len(t))] for t in tokens]
     b = pack_sequences(tokens, masks, 26, advantages=torch.randn(12, generator=g).tolist())
     b = b.replace(ref_logprobs=-torch.rand(b.input_ids.shape, generator=g) * 6)
@@ -55,7 +65,7 @@ def given_routing(b, arch):
     g = torch.Generator().manual_seed(11)
     L = arch.num_hidden_layers
     scores = torch.rand(*b.input_ids.shape, L, arch.num_experts, generator=g)
-    return scores.argsort(-1)[..., :arch.num_experts_per_tok]
+    return scores.argsort(-1)[..., : arch.num_experts_per_tok]
 
 
 def replay_trace(e):
@@ -83,8 +93,11 @@ def _ranks(rank, world, out_dir):
     lp = e.forward_backward(local, None, forward_only=True).logprobs
     out = e.forward_backward(local, LOSS)
     opt = e.optimizer_step(lr=1e-2)
-    res["local"] = ({"loss": out.loss, "grad_norm": opt["grad_norm"], "tokens": out.tokens, **out.metrics}, lp,
-                    e.compute_logprobs(b).logprobs)
+    res["local"] = (
+        {"loss": out.loss, "grad_norm": opt["grad_norm"], "tokens": out.tokens, **out.metrics},
+        lp,
+        e.compute_logprobs(b).logprobs,
+    )
     # weight buckets from rank 0 to rank 1 through the transport
     transport = BroadcastTransport(src=0)
     received = []
@@ -97,7 +110,11 @@ def _ranks(rank, world, out_dir):
     # stacked experts larger than a bucket stream in pieces: FSDP2 shards over 2 ranks (ep = 1)
     e = engine(out_dir, ["primitives.sharding=fsdp2"])
     whole = {n: t.clone() for n, t in e.named_weights(dtype=torch.float32)}
-    pieces = [(n, t.clone()) for b_ in e.weight_buckets(bucket_bytes=4096, dtype=torch.float32) for n, t in b_]
+    pieces = [
+        (n, t.clone())
+        for b_ in e.weight_buckets(bucket_bytes=4096, dtype=torch.float32)
+        for n, t in b_
+    ]
     res["pieces"] = len(pieces) == len(whole) and all(torch.equal(t, whole[n]) for n, t in pieces)
     res["replay"] = replay_trace(engine(out_dir, EP))
     # token budget: sequences balanced over the ranks, micro-batches under the budget
@@ -145,8 +162,13 @@ def test_rank_local_batches_token_budget_and_weight_transport(tmp_path):
     out = tmp_path / "received"
     os.makedirs(out)
     (out / "config.json").write_text(json.dumps(ref.arch.to_hf_dict()))
-    save_file({n: t.contiguous() for bucket in received for n, t in bucket}, str(out / "model.safetensors"))
+    save_file(
+        {n: t.contiguous() for bucket in received for n, t in bucket},
+        str(out / "model.safetensors"),
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 256, (2, 16))
-    with torch.no_grad():  # the 2-rank policy after its update = the single-process one after train_step
+    with (
+        torch.no_grad()
+    ):  # the 2-rank policy after its update = the single-process one after train_step
         assert (hf(ids).logits - ref.model(ids)).abs().max().item() < 1e-4

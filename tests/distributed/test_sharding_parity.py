@@ -12,11 +12,23 @@ from bumblebee.primitives.sharding.common import full_named_parameters
 from bumblebee.runtime.trainer import Trainer
 
 STEPS = 5
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32",
-        "model.arch.num_experts=8", "model.arch.num_experts_per_tok=3", "model.arch.mlp_only_layers=[1]",
-        "model.arch.intermediate_size=96",
-        "train.seq_len=128", "train.global_batch=4", "train.micro_batch=1", f"train.steps={STEPS}",
-        "data.min_records=2", "data.max_records=6", "train.lr=3e-3", "train.warmup_steps=1"]
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=64",
+    "model.arch.moe_intermediate_size=32",
+    "model.arch.num_experts=8",
+    "model.arch.num_experts_per_tok=3",
+    "model.arch.mlp_only_layers=[1]",
+    "model.arch.intermediate_size=96",
+    "train.seq_len=128",
+    "train.global_batch=4",
+    "train.micro_batch=1",
+    f"train.steps={STEPS}",
+    "data.min_records=2",
+    "data.max_records=6",
+    "train.lr=3e-3",
+    "train.warmup_steps=1",
+]
 
 
 def run(overrides, out_dir, steps=STEPS, experts_only=False):
@@ -26,7 +38,11 @@ def run(overrides, out_dir, steps=STEPS, experts_only=False):
         expert_norm_only(trainer)
     trace = [trainer.train_step() for _ in range(steps)]
     params = dict(full_named_parameters(trainer.model, trainer.ctx.ep_group))
-    return [(r["loss"], r["grad_norm"]) for r in trace], params, trainer.sharding.state_bytes(trainer.optimizer)
+    return (
+        [(r["loss"], r["grad_norm"]) for r in trace],
+        params,
+        trainer.sharding.state_bytes(trainer.optimizer),
+    )
 
 
 def expert_norm_only(trainer):
@@ -61,7 +77,9 @@ def _ranks(rank, world, layouts, out_dir):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    trace, params, _ = run(["primitives.sharding=none", "primitives.moe_comm=local"], tmp_path_factory.mktemp("ref"))
+    trace, params, _ = run(
+        ["primitives.sharding=none", "primitives.moe_comm=local"], tmp_path_factory.mktemp("ref")
+    )
     return trace, params
 
 
@@ -83,7 +101,11 @@ def check(result, reference, layout=""):
 
 TWO_RANKS = {
     "fsdp2 ep=1": ["primitives.sharding=fsdp2", "parallel.ep=1"],
-    "fsdp2 ep=1, unsharded accumulation": ["primitives.sharding=fsdp2", "parallel.ep=1", "train.grad_accum=unsharded"],
+    "fsdp2 ep=1, unsharded accumulation": [
+        "primitives.sharding=fsdp2",
+        "parallel.ep=1",
+        "train.grad_accum=unsharded",
+    ],
     "fsdp2 ep=2": ["primitives.sharding=fsdp2", "parallel.ep=2"],
     "zero1 ep=2": ["primitives.sharding=zero1", "parallel.ep=2"],
     "zero1 ep=1": ["primitives.sharding=zero1", "parallel.ep=1"],
@@ -109,10 +131,17 @@ def test_four_ranks_match_single_process(reference, tmp_path):
 
 def test_expert_grad_norm_sums_every_ep_rank(tmp_path):
     layouts = [TWO_RANKS["fsdp2 ep=2"], TWO_RANKS["zero1 ep=2"]]
-    ref = run(["primitives.sharding=none", "primitives.moe_comm=local"], tmp_path, steps=2, experts_only=True)[0]
+    ref = run(
+        ["primitives.sharding=none", "primitives.moe_comm=local"],
+        tmp_path,
+        steps=2,
+        experts_only=True,
+    )[0]
     assert all(gnorm > 0 for _, gnorm in ref)
     for r, results in enumerate(run_distributed(_expert_norms, 2, layouts, str(tmp_path))):
         for name, trace in zip(("fsdp2 ep=2", "zero1 ep=2"), results):
             for step, ((loss, gnorm), (ref_loss, ref_gnorm)) in enumerate(zip(trace, ref), 1):
                 assert loss == pytest.approx(ref_loss, rel=1e-5), (name, r, step)
-                assert gnorm == pytest.approx(ref_gnorm, rel=1e-5), f"{name} rank {r} step {step}: expert norm"
+                assert gnorm == pytest.approx(ref_gnorm, rel=1e-5), (
+                    f"{name} rank {r} step {step}: expert norm"
+                )

@@ -32,9 +32,18 @@ from bumblebee.runtime.export import BUCKET_BYTES
 
 MiB = 2**20
 # 2 layers x 32 experts x 3 x 512 x 256 fp32 = 100 MB of experts; the rest is small
-ARCH = dict(vocab_size=272, hidden_size=256, intermediate_size=512, moe_intermediate_size=512,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            num_experts=32, num_experts_per_tok=2)
+ARCH = dict(
+    vocab_size=272,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=32,
+    num_experts_per_tok=2,
+)
 
 
 def rss_now() -> int:
@@ -62,9 +71,18 @@ def make_checkpoint(path) -> int:
 def _start(rank, world, hf_path, out_dir):
     from bumblebee.runtime.trainer import Trainer
 
-    cfg = load_config(None, [f"model.name=qwen3_moe", f"model.hf_path={hf_path}", "parallel.ep=2",
-                             "train.seq_len=64", "train.global_batch=2", "train.steps=1",
-                             f"train.out_dir={out_dir}"])
+    cfg = load_config(
+        None,
+        [
+            "model.name=qwen3_moe",
+            f"model.hf_path={hf_path}",
+            "parallel.ep=2",
+            "train.seq_len=64",
+            "train.global_batch=2",
+            "train.steps=1",
+            f"train.out_dir={out_dir}",
+        ],
+    )
     reset_peak()
     before = rss_now()
     trainer = Trainer(cfg, stream=io.StringIO())
@@ -75,7 +93,7 @@ def _start(rank, world, hf_path, out_dir):
     model, g = trainer.model, trainer.model.groups
     for name, p in model.named_parameters():
         _, lo, part = row_extent(p, model.is_expert_param(name), g.ep_rank, g.ep_size)
-        assert torch.equal(part, whole[name][lo:lo + part.shape[0]]), name
+        assert torch.equal(part, whole[name][lo : lo + part.shape[0]]), name
     trainer.checkpoint.save(0)  # for the export test
     return grown, share
 
@@ -91,12 +109,19 @@ def _export(rank, world, ckpt, out):
 
 def test_each_rank_reads_only_its_share_and_export_streams(tmp_path):
     size = make_checkpoint(tmp_path / "hf")
-    for rank, (grown, share) in enumerate(run_distributed(_start, 2, str(tmp_path / "hf"), str(tmp_path / "run"))):
-        assert share < 0.6 * size, (share, size)  # experts split over ep = 2, dense tensors over fsdp2
+    for rank, (grown, share) in enumerate(
+        run_distributed(_start, 2, str(tmp_path / "hf"), str(tmp_path / "run"))
+    ):
+        assert share < 0.6 * size, (
+            share,
+            size,
+        )  # experts split over ep = 2, dense tensors over fsdp2
         bound = 2 * share + 32 * MiB
-        assert grown <= bound, (f"rank {rank}: peak RSS grew {grown / MiB:.0f} MiB while starting from a "
-                                f"{size / MiB:.0f} MiB checkpoint; its share is {share / MiB:.0f} MiB, "
-                                f"bound {bound / MiB:.0f} MiB")
+        assert grown <= bound, (
+            f"rank {rank}: peak RSS grew {grown / MiB:.0f} MiB while starting from a "
+            f"{size / MiB:.0f} MiB checkpoint; its share is {share / MiB:.0f} MiB, "
+            f"bound {bound / MiB:.0f} MiB"
+        )
 
     # export the training checkpoint: it reads a bucket of whole tensors at a time (at most BUCKET_BYTES) and
     # writes each as it is converted, so it holds a bucket + one converted tensor (the largest: one layer's
@@ -104,8 +129,10 @@ def test_each_rank_reads_only_its_share_and_export_streams(tmp_path):
     largest = 32 * 2 * 512 * 256 * 4
     [grown] = run_distributed(_export, 1, str(tmp_path / "run"), str(tmp_path / "export"))
     bound = min(BUCKET_BYTES, size) + largest + 32 * MiB
-    assert grown <= bound, (f"export: peak RSS grew {grown / MiB:.0f} MiB for a {size / MiB:.0f} MiB model; "
-                            f"bound {bound / MiB:.0f} MiB")
+    assert grown <= bound, (
+        f"export: peak RSS grew {grown / MiB:.0f} MiB for a {size / MiB:.0f} MiB model; "
+        f"bound {bound / MiB:.0f} MiB"
+    )
     exported, source = (load_file(tmp_path / d / "model.safetensors") for d in ("export", "hf"))
     assert exported.keys() == source.keys()
     assert all(torch.equal(exported[k], source[k]) for k in source)  # the round trip is exact

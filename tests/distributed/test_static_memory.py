@@ -17,13 +17,23 @@ from bumblebee.perf import MemoryTracker
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 from static_memory import measure  # noqa: E402
 
-ARGS = ["model.arch.hidden_size=64", "model.arch.num_hidden_layers=2", "model.arch.moe_intermediate_size=64",
-        "train.seq_len=128", "data.min_records=2", "data.max_records=6", "train.global_batch=2",
-        "train.out_dir=/tmp/bumblebee-test-static"]
+ARGS = [
+    "model.arch.hidden_size=64",
+    "model.arch.num_hidden_layers=2",
+    "model.arch.moe_intermediate_size=64",
+    "train.seq_len=128",
+    "data.min_records=2",
+    "data.max_records=6",
+    "train.global_batch=2",
+    "train.out_dir=/tmp/bumblebee-test-static",
+]
 
 
 def _ranks(rank, world):
-    out = {s: measure(load_config(None, ARGS + [f"primitives.sharding={s}"])) for s in ("fsdp2", "zero1")}
+    out = {
+        s: measure(load_config(None, ARGS + [f"primitives.sharding={s}"]))
+        for s in ("fsdp2", "zero1")
+    }
     out["gathers"] = _tracked_gathers(world)
     return out
 

@@ -19,14 +19,29 @@ from bumblebee.runtime.eval import answer_scores, evaluate, tiled_argmax
 from bumblebee.runtime.trainer import Trainer
 
 MiB = 2**20
-SMALL = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=32",
-         "model.arch.num_experts=4", "model.arch.num_experts_per_tok=2", "train.seq_len=256", "train.global_batch=2",
-         "train.micro_batch=1", "data.min_records=2", "data.max_records=6", "data.eval_min_distance=64",
-         "data.eval_docs=4", "data.value_len=1", "train.lr=1e-2", "train.warmup_steps=1"]
+SMALL = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=64",
+    "model.arch.moe_intermediate_size=32",
+    "model.arch.num_experts=4",
+    "model.arch.num_experts_per_tok=2",
+    "train.seq_len=256",
+    "train.global_batch=2",
+    "train.micro_batch=1",
+    "data.min_records=2",
+    "data.max_records=6",
+    "data.eval_min_distance=64",
+    "data.eval_docs=4",
+    "data.value_len=1",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+]
 
 
 def trainer_for(tmp_path, *overrides) -> Trainer:
-    return Trainer(load_config(None, SMALL + [f"train.out_dir={tmp_path}", *overrides]), stream=io.StringIO())
+    return Trainer(
+        load_config(None, SMALL + [f"train.out_dir={tmp_path}", *overrides]), stream=io.StringIO()
+    )
 
 
 @torch.no_grad()
@@ -39,21 +54,34 @@ def full_logits_reference(trainer) -> dict:
     for ev in held_out:
         b = ev.batch
         for i in range(b.input_ids.shape[0]):
-            logits_TV = model(b.input_ids[i:i + 1], position_ids=b.position_ids[i:i + 1])[0].float()
+            logits_TV = model(b.input_ids[i : i + 1], position_ids=b.position_ids[i : i + 1])[
+                0
+            ].float()
             keep = b.labels[i] != IGNORE
             lab_N = b.labels[i][keep]
             loss += float(F.cross_entropy(logits_TV[keep], lab_N, reduction="sum"))
             tokens += lab_N.numel()
-            wrong_Q.index_add_(0, ev.query_ids[i][keep] + offset, (logits_TV[keep].argmax(-1) != lab_N).double())
+            wrong_Q.index_add_(
+                0, ev.query_ids[i][keep] + offset, (logits_TV[keep].argmax(-1) != lab_N).double()
+            )
         offset += len(ev.distances)
     model.train()
-    return {"eval_loss": loss / tokens, "eval_tokens": tokens, "eval_accuracy": float((wrong_Q == 0).double().mean())}
+    return {
+        "eval_loss": loss / tokens,
+        "eval_tokens": tokens,
+        "eval_accuracy": float((wrong_Q == 0).double().mean()),
+    }
 
 
 def test_tiled_argmax_is_argmax_first_index_of_ties():
     g = torch.Generator().manual_seed(0)
-    h_NH, w_VH = torch.randn(37, 16, generator=g), torch.randn(10000, 16, generator=g)  # 3 vocab tiles on CPU
-    w_VH /= w_VH.norm(dim=1, keepdim=True)  # unit rows: h = c w[i] scores row i (and its copies) highest
+    h_NH, w_VH = (
+        torch.randn(37, 16, generator=g),
+        torch.randn(10000, 16, generator=g),
+    )  # 3 vocab tiles on CPU
+    w_VH /= w_VH.norm(
+        dim=1, keepdim=True
+    )  # unit rows: h = c w[i] scores row i (and its copies) highest
     w_VH[9000] = w_VH[5000] = w_VH[100]  # a tie across tiles: the first index wins, as in argmax
     h_NH[:5] = w_VH[100] * 10  # rows whose maximum is that tie
     want = (h_NH @ w_VH.T).argmax(-1)
@@ -68,7 +96,9 @@ def test_answer_scores_equal_full_logits_per_token():
     T, V, H = 300, 10000, 32
     h_TH, w_VH = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g)
     logits_TV = h_TH @ w_VH.T
-    labels_T = torch.where(torch.rand(T, generator=g) < 0.5, logits_TV.argmax(-1), torch.randint(V, (T,), generator=g))
+    labels_T = torch.where(
+        torch.rand(T, generator=g) < 0.5, logits_TV.argmax(-1), torch.randint(V, (T,), generator=g)
+    )
     labels_T[torch.rand(T, generator=g) < 0.7] = IGNORE
     keep = labels_T != IGNORE
     got_T2 = answer_scores(h_TH, w_VH, labels_T, linear_cross_entropy)
@@ -101,13 +131,28 @@ def test_eval_peak_has_no_tokens_by_vocab_block(tmp_path):
     (A training step at this size takes seconds on the head alone; the metrics line gives both
     peaks, ``peak_mem_bytes`` and ``eval_peak_mem_bytes``.)"""
     V, T = 102400, 4096
-    trainer = trainer_for(tmp_path, f"model.arch.vocab_size={V}", "model.arch.hidden_size=16", f"train.seq_len={T}",
-                          "train.global_batch=1", "data.eval_docs=1", "data.eval_min_distance=1024",
-                          "data.max_records=16", "primitives.loss=linear_ce", "train.steps=1")
-    static = sum(p.numel() * p.element_size() for p in trainer.model.parameters())  # no step: no gradient, no Adam
-    out = trainer.evaluate()  # the trainer's own measurement (MemoryTracker), logged as eval_peak_mem_bytes
+    trainer = trainer_for(
+        tmp_path,
+        f"model.arch.vocab_size={V}",
+        "model.arch.hidden_size=16",
+        f"train.seq_len={T}",
+        "train.global_batch=1",
+        "data.eval_docs=1",
+        "data.eval_min_distance=1024",
+        "data.max_records=16",
+        "primitives.loss=linear_ce",
+        "train.steps=1",
+    )
+    static = sum(
+        p.numel() * p.element_size() for p in trainer.model.parameters()
+    )  # no step: no gradient, no Adam
+    out = (
+        trainer.evaluate()
+    )  # the trainer's own measurement (MemoryTracker), logged as eval_peak_mem_bytes
     over = out["eval_peak_mem_bytes"] - static
     print(f"static {static / MiB:.1f} MiB, evaluation peak +{over / MiB:.1f} MiB, {out}")
     assert out["eval_tokens"] == 16
-    assert over <= 64 * MiB, (f"evaluation peak {over / MiB:.0f} MiB above the static state: a [{T}, {V}] "
-                              f"fp32 block is {T * V * 4 / MiB:.0f} MiB")
+    assert over <= 64 * MiB, (
+        f"evaluation peak {over / MiB:.0f} MiB above the static state: a [{T}, {V}] "
+        f"fp32 block is {T * V * 4 / MiB:.0f} MiB"
+    )

@@ -11,8 +11,15 @@ from bumblebee.config import ConfigError
 from bumblebee.models.presets import PRESETS
 from bumblebee.runtime import pair, pair_report
 
-TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=64",
-        "train.seq_len=64", "train.global_batch=2", "data.min_records=2", "data.max_records=6"]
+TINY = [
+    "model.arch.num_hidden_layers=1",
+    "model.arch.hidden_size=64",
+    "model.arch.moe_intermediate_size=64",
+    "train.seq_len=64",
+    "train.global_batch=2",
+    "data.min_records=2",
+    "data.max_records=6",
+]
 
 
 def pair_cli(tmp_path, *args):
@@ -23,11 +30,21 @@ def pair_cli(tmp_path, *args):
 
 
 def test_loss_pair_prints_the_table_and_passes(tmp_path, capsys):
-    code, result = pair_cli(tmp_path, "--slot", "loss", "--a", "ce", "--b", "linear_ce", "--steps", "2")
+    code, result = pair_cli(
+        tmp_path, "--slot", "loss", "--a", "ce", "--b", "linear_ce", "--steps", "2"
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert 'primitives.loss: "ce" -> "linear_ce"' in out and "max|a-b|" in out and "pass:" in out
-    for quantity in ("loss", "grad_norm", "logprobs", "model.layers.0", "model.norm", "peak_mem_MiB", "step_time_s"):
+    for quantity in (
+        "loss",
+        "grad_norm",
+        "logprobs",
+        "model.layers.0",
+        "model.norm",
+        "peak_mem_MiB",
+        "step_time_s",
+    ):
         assert f"   2  {quantity} " in out, quantity
     assert result["passed"] and result["config_diff"] == [["primitives.loss", "ce", "linear_ce"]]
     rows = {(r["step"], r["quantity"]): r for r in result["rows"]}
@@ -45,8 +62,19 @@ def test_bf16_differences_exceed_the_fp32_budget(tmp_path, capsys, monkeypatch):
     Holding the bf16 run to the fp32 budget fails with exit code 1."""
     fp32, bf16 = pair.TOLERANCES["loss"]
     monkeypatch.setitem(pair.TOLERANCES, "loss", (fp32, fp32))
-    code, result = pair_cli(tmp_path, "--slot", "loss", "--a", "ce", "--b", "linear_ce", "--steps", "2",
-                            "--set", "train.dtype=bfloat16")
+    code, result = pair_cli(
+        tmp_path,
+        "--slot",
+        "loss",
+        "--a",
+        "ce",
+        "--b",
+        "linear_ce",
+        "--steps",
+        "2",
+        "--set",
+        "train.dtype=bfloat16",
+    )
     out = capsys.readouterr().out
     assert code == 1 and "FAIL" in out and not result["passed"] and result["failures"]
     assert pair_report.check(result["rows"], bf16) == []
@@ -54,10 +82,12 @@ def test_bf16_differences_exceed_the_fp32_budget(tmp_path, capsys, monkeypatch):
 
 
 def test_check_marks_rows():
-    rows = [{"step": 1, "quantity": "loss", "checked": True, "rel": 1e-5},
-            {"step": 1, "quantity": "logprobs", "checked": True, "rel": float("nan")},
-            {"step": 1, "quantity": "model.norm", "checked": True, "rel": 2e-4},
-            {"step": 1, "quantity": "peak_mem_MiB", "checked": False, "rel": None}]
+    rows = [
+        {"step": 1, "quantity": "loss", "checked": True, "rel": 1e-5},
+        {"step": 1, "quantity": "logprobs", "checked": True, "rel": float("nan")},
+        {"step": 1, "quantity": "model.norm", "checked": True, "rel": 2e-4},
+        {"step": 1, "quantity": "peak_mem_MiB", "checked": False, "rel": None},
+    ]
     failures = pair_report.check(rows, 1e-4)
     assert [r.get("ok") for r in rows] == [True, False, False, None]
     assert len(failures) == 2 and "model.norm" in failures[1]
@@ -65,21 +95,40 @@ def test_check_marks_rows():
 
 
 def test_config_diff_beyond_the_slot_exits_2(capsys):
-    code = main(["pair", "--slot", "loss", "--a", "ce", "--b", "linear_ce", "--set-b", "train.lr=0.01"])
+    code = main(
+        ["pair", "--slot", "loss", "--a", "ce", "--b", "linear_ce", "--set-b", "train.lr=0.01"]
+    )
     captured = capsys.readouterr()
     assert code == 2
     assert "train.lr: 0.002 -> 0.01" in captured.out  # the diff is printed before the refusal
-    assert captured.err.strip() == ("bumblebee: error: the two runs differ in train.lr besides primitives.loss; "
-                                    "a pair may differ only in: primitives.loss")
+    assert captured.err.strip() == (
+        "bumblebee: error: the two runs differ in train.lr besides primitives.loss; "
+        "a pair may differ only in: primitives.loss"
+    )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--slot", "router", "--a", "softmax_topk", "--b", "softmax_topk"], "nothing to pair; slots that can be paired"),
-    (["--slot", "routers", "--a", "softmax_topk", "--b", "sigmoid_bias"], "unknown slot 'routers'"),
-    (["--slot", "loss", "--a", "ce", "--b", "fast_ce"], "unknown loss implementation 'fast_ce'"),
-    (["--slot", "cp", "--a", "allgather", "--b", "ring"], "pass --nproc N with N >= 2"),
-    (["--slot", "loss", "--a", "ce", "--b", "linear_ce", "--set-a", "primitives.loss=ce"], "choose the implementation"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--slot", "router", "--a", "softmax_topk", "--b", "softmax_topk"],
+            "nothing to pair; slots that can be paired",
+        ),
+        (
+            ["--slot", "routers", "--a", "softmax_topk", "--b", "sigmoid_bias"],
+            "unknown slot 'routers'",
+        ),
+        (
+            ["--slot", "loss", "--a", "ce", "--b", "fast_ce"],
+            "unknown loss implementation 'fast_ce'",
+        ),
+        (["--slot", "cp", "--a", "allgather", "--b", "ring"], "pass --nproc N with N >= 2"),
+        (
+            ["--slot", "loss", "--a", "ce", "--b", "linear_ce", "--set-a", "primitives.loss=ce"],
+            "choose the implementation",
+        ),
+    ],
+)
 def test_bad_pairs_exit_2(args, message, capsys, one_router):
     assert main(["pair", *args]) == 2
     err = capsys.readouterr().err
@@ -91,33 +140,71 @@ def one_router(monkeypatch):
     """Every built-in slot has two implementations; a slot with one (here the router without
     sigmoid_bias) has nothing to pair."""
     implementations = registry.implementations
-    monkeypatch.setattr(registry, "implementations", lambda slot: {
-        k: v for k, v in implementations(slot).items() if (slot, k) != ("router", "sigmoid_bias")})
+    monkeypatch.setattr(
+        registry,
+        "implementations",
+        lambda slot: {
+            k: v
+            for k, v in implementations(slot).items()
+            if (slot, k) != ("router", "sigmoid_bias")
+        },
+    )
 
 
 def test_pairable_slots_listed_in_the_error(capsys, one_router):
     main(["pair", "--slot", "router", "--a", "softmax_topk", "--b", "softmax_topk"])
     listed = capsys.readouterr().err.split("slots that can be paired: ")[1].strip().split(", ")
-    assert listed == [s for s in registry.SLOTS if len(registry.implementations(s)) > 1] and "router" not in listed
+    assert (
+        listed == [s for s in registry.SLOTS if len(registry.implementations(s)) > 1]
+        and "router" not in listed
+    )
 
 
 def test_linear_attention_switches_to_the_hybrid_model(tmp_path):
-    args = build_parser().parse_args(["pair", "--slot", "linear_attention", "--a", "recurrent", "--b", "chunked"])
+    args = build_parser().parse_args(
+        ["pair", "--slot", "linear_attention", "--a", "recurrent", "--b", "chunked"]
+    )
     cfg_a, cfg_b, notes = pair.build_pair(args)
     assert cfg_a.model.name == cfg_b.model.name == "qwen3_5_moe" and "qwen3_5_moe" in notes[0]
-    assert pair.config_diff(cfg_a, cfg_b) == [("primitives.linear_attention", "recurrent", "chunked")]
+    assert pair.config_diff(cfg_a, cfg_b) == [
+        ("primitives.linear_attention", "recurrent", "chunked")
+    ]
     hf = tmp_path / "hf"  # a qwen3_moe checkpoint cannot be switched: a clear error instead
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(PRESETS["qwen3_moe"]["tiny"]))
-    args = build_parser().parse_args(["pair", "--slot", "linear_attention", "--a", "recurrent", "--b", "chunked",
-                                      "--set", f"model.hf_path={hf}"])
+    args = build_parser().parse_args(
+        [
+            "pair",
+            "--slot",
+            "linear_attention",
+            "--a",
+            "recurrent",
+            "--b",
+            "chunked",
+            "--set",
+            f"model.hf_path={hf}",
+        ]
+    )
     with pytest.raises(ConfigError, match="only used by model.name = 'qwen3_5_moe'"):
         pair.build_pair(args)
 
 
 def test_companion_keys_may_differ():
-    args = build_parser().parse_args(["pair", "--slot", "moe_comm", "--a", "local", "--b", "alltoall", "--nproc", "2",
-                                      "--set-b", "parallel.ep=2"])
+    args = build_parser().parse_args(
+        [
+            "pair",
+            "--slot",
+            "moe_comm",
+            "--a",
+            "local",
+            "--b",
+            "alltoall",
+            "--nproc",
+            "2",
+            "--set-b",
+            "parallel.ep=2",
+        ]
+    )
     cfg_a, cfg_b, _ = pair.build_pair(args)
     diff = pair.config_diff(cfg_a, cfg_b)
     assert [k for k, _, _ in diff] == ["parallel.ep", "primitives.moe_comm"]
@@ -129,8 +216,21 @@ def test_companion_keys_may_differ():
 def test_pair_on_two_ranks(tmp_path, capsys):
     """``--nproc 2``: both runs launch on 2 local ranks with the experts split in two (so the
     dispatch really communicates) and agree within the slot's tolerance."""
-    code, result = pair_cli(tmp_path, "--slot", "moe_comm", "--a", "alltoall", "--b", "chunked", "--nproc", "2",
-                            "--steps", "2", "--set", "parallel.ep=2")
+    code, result = pair_cli(
+        tmp_path,
+        "--slot",
+        "moe_comm",
+        "--a",
+        "alltoall",
+        "--b",
+        "chunked",
+        "--nproc",
+        "2",
+        "--steps",
+        "2",
+        "--set",
+        "parallel.ep=2",
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "without communication" not in out and result["passed"]

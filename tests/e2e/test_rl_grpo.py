@@ -29,7 +29,9 @@ def _one_thread():
 
 
 def test_grpo_reward_improves(tmp_path):
-    cfg, rl = load_configs(None, [f"train.out_dir={tmp_path}", "rl.steps=30", "rl.eval_problems=64"])
+    cfg, rl = load_configs(
+        None, [f"train.out_dir={tmp_path}", "rl.steps=30", "rl.eval_problems=64"]
+    )
     summary = run(cfg, rl, stream=io.StringIO())
     rewards = summary["rewards"]
     k = 6
@@ -50,10 +52,17 @@ def test_grpo_reward_improves(tmp_path):
 
 def test_cli_short_run_with_config_file(tmp_path, capsys):
     f = tmp_path / "rl.toml"
-    f.write_text("[train]\nseed = 3\n[model.arch]\nhidden_size = 32\n[rl]\nsteps = 2\nwarmup_steps = 2\n"
-                 "eval_problems = 4\nprompts_per_step = 4\n")
+    f.write_text(
+        "[train]\nseed = 3\n[model.arch]\nhidden_size = 32\n[rl]\nsteps = 2\nwarmup_steps = 2\n"
+        "eval_problems = 4\nprompts_per_step = 4\n"
+    )
     out = tmp_path / "out"
-    assert main(["rl", "--config", str(f), "--set", f"train.out_dir={out}", "--set", "rl.group_size=3"]) == 0
+    assert (
+        main(
+            ["rl", "--config", str(f), "--set", f"train.out_dir={out}", "--set", "rl.group_size=3"]
+        )
+        == 0
+    )
     cfg, rl = load_configs(str(f), ["rl.group_size=3"])
     assert (cfg.train.seed, cfg.model.arch["hidden_size"], rl.steps, rl.group_size) == (3, 32, 2, 3)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -61,17 +70,22 @@ def test_cli_short_run_with_config_file(tmp_path, capsys):
     assert "done: mean reward" in capsys.readouterr().out and (out / "config.toml").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--set", "rl.nope=1"], "unknown key rl.nope"),
-    (["--set", "rl.steps=many"], "rl.steps expects int"),
-    (["--set", "rl.group_size=1"], "rl.group_size must be >= 2"),
-    (["--set", "train.lr=-1"], "train.lr must be > 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "rl.nope=1"], "unknown key rl.nope"),
+        (["--set", "rl.steps=many"], "rl.steps expects int"),
+        (["--set", "rl.group_size=1"], "rl.group_size must be >= 2"),
+        (["--set", "train.lr=-1"], "train.lr must be > 0"),
+    ],
+)
 def test_cli_errors_exit_2_with_one_line(args, message, capsys):
     assert main(["rl", *args]) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bumblebee: error: ") and message in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("bumblebee: error: ") and message in lines[0], (
+        err
+    )
 
 
 def test_plot(tmp_path, capsys):
@@ -83,7 +97,11 @@ def test_plot(tmp_path, capsys):
         return
     from bumblebee.rl.cli import plot_rewards
 
-    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps({"phase": "grpo", "step": i, "reward": i / 4,
-                                                             "accuracy": i / 5}) for i in range(1, 4)))
+    (tmp_path / "m.jsonl").write_text(
+        "\n".join(
+            json.dumps({"phase": "grpo", "step": i, "reward": i / 4, "accuracy": i / 5})
+            for i in range(1, 4)
+        )
+    )
     plot_rewards(str(tmp_path / "m.jsonl"), str(tmp_path / "r.png"))
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"

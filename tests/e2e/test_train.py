@@ -10,8 +10,14 @@ import pytest
 from bumblebee import load_config
 from bumblebee.runtime.trainer import Trainer
 
-SMALL = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=64", "model.arch.moe_intermediate_size=64",
-         "train.seq_len=256", "data.min_records=4", "data.max_records=12"]
+SMALL = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=64",
+    "model.arch.moe_intermediate_size=64",
+    "train.seq_len=256",
+    "data.min_records=4",
+    "data.max_records=12",
+]
 
 
 def train(tmp_path, *overrides):
@@ -26,11 +32,29 @@ def test_retrieval_is_learned_below_chance_and_metrics_written(tmp_path):
     final loss well below it means the model copies the value from the record it queried
     (random digits: nothing but attention back to the record gives them). One record per
     document and short documents keep the task learnable in 80 tiny steps."""
-    summary, lines = train(tmp_path, "train.steps=80", "train.global_batch=8", "train.lr=3e-3",
-                           "train.warmup_steps=10", "train.seq_len=128", "data.min_records=1", "data.max_records=1",
-                           "data.max_doc_len=24", "data.ramp_steps=0")  # short documents: no long filler
+    summary, lines = train(
+        tmp_path,
+        "train.steps=80",
+        "train.global_batch=8",
+        "train.lr=3e-3",
+        "train.warmup_steps=10",
+        "train.seq_len=128",
+        "data.min_records=1",
+        "data.max_records=1",
+        "data.max_doc_len=24",
+        "data.ramp_steps=0",
+    )  # short documents: no long filler
     assert len(lines) == 80
-    for key in ("step", "loss", "aux_loss", "grad_norm", "lr", "tokens", "tokens_per_s", "peak_mem_bytes"):
+    for key in (
+        "step",
+        "loss",
+        "aux_loss",
+        "grad_norm",
+        "lr",
+        "tokens",
+        "tokens_per_s",
+        "peak_mem_bytes",
+    ):
         assert key in lines[0] and all(math.isfinite(r[key]) for r in lines)
     assert lines[0]["loss"] > 5.0  # ~ln(272) at init
     last = sum(r["loss"] for r in lines[-5:]) / 5
@@ -71,4 +95,3 @@ def test_bf16_trains(tmp_path):
     assert a == pytest.approx(b, rel=2e-3), (a, b)
     assert a != b
     assert b[0] - b[-1] > 0.15, b
-

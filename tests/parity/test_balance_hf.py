@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import transformers
 
 import bumblebee
@@ -17,11 +16,23 @@ import bumblebee
 @pytest.mark.parametrize("layers,dense", [(3, []), (4, [2])])
 def test_hf_aux_loss_parity(tmp_path, layers, dense):
     torch.manual_seed(layers)
-    cfg = transformers.Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
-                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                      head_dim=8, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
-                                      mlp_only_layers=dense, max_position_embeddings=64, initializer_range=0.3,
-                                      router_aux_loss_coef=0.01)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=dense,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        router_aux_loss_coef=0.01,
+    )
     hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path)
     ours = bumblebee.from_hf(str(tmp_path))

@@ -18,30 +18,77 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 import transformers
 
 import bumblebee
 
 VOCAB, T = 97, 40
-BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3,
-            first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
-            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
-            n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, max_position_embeddings=256,
-            num_mtp_layers=0, tie_word_embeddings=False)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=64,
+    moe_intermediate_size=24,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=256,
+    num_mtp_layers=0,
+    tie_word_embeddings=False,
+)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 CONFIGS = {
     "qlora_dense1_groups4of2": {},
-    "no_qlora_yarn_plain_rope": dict(q_lora_rank=None, rope_parameters=YARN, rope_interleave=False,
-                                     num_hidden_layers=2, first_k_dense_replace=0, v_head_dim=24),
-    "dense2_groups1_top3_shared2_tied": dict(num_hidden_layers=4, first_k_dense_replace=2, n_group=1, topk_group=1,
-                                             num_experts_per_tok=3, n_shared_experts=2, norm_topk_prob=False,
-                                             tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=2,
-                                             routed_scaling_factor=1.0),
-    "groups8of3_yarn_mscale": dict(n_routed_experts=16, n_group=8, topk_group=3, num_experts_per_tok=4,
-                                   kv_lora_rank=24, qk_rope_head_dim=16, rope_parameters={**YARN, "mscale_all_dim": 0.7,
-                                                                                          "mscale": 0.9}),
+    "no_qlora_yarn_plain_rope": dict(
+        q_lora_rank=None,
+        rope_parameters=YARN,
+        rope_interleave=False,
+        num_hidden_layers=2,
+        first_k_dense_replace=0,
+        v_head_dim=24,
+    ),
+    "dense2_groups1_top3_shared2_tied": dict(
+        num_hidden_layers=4,
+        first_k_dense_replace=2,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        norm_topk_prob=False,
+        tie_word_embeddings=True,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        routed_scaling_factor=1.0,
+    ),
+    "groups8of3_yarn_mscale": dict(
+        n_routed_experts=16,
+        n_group=8,
+        topk_group=3,
+        num_experts_per_tok=4,
+        kv_lora_rank=24,
+        qk_rope_head_dim=16,
+        rope_parameters={**YARN, "mscale_all_dim": 0.7, "mscale": 0.9},
+    ),
 }
 
 
@@ -60,7 +107,8 @@ def hf_model(seed: int, **overrides):
 
 def to_bumblebee_name(hf_name: str) -> str:
     return hf_name.replace("mlp.experts.gate_up_proj", "mlp.experts.w_gate_up").replace(
-        "mlp.experts.down_proj", "mlp.experts.w_down")
+        "mlp.experts.down_proj", "mlp.experts.w_down"
+    )
 
 
 def loss_of(logits, labels):

@@ -35,11 +35,21 @@ def make_inputs(T=37, H=24, V=101, dtype=torch.float32, seed=0, ignore_every=5):
     return hidden_TH, weight_VH, labels_T
 
 
-def run(fn, hidden_TH, weight_VH, labels_T, reduction="none", temperature=1.0, with_entropy=True, **kw):
+def run(
+    fn, hidden_TH, weight_VH, labels_T, reduction="none", temperature=1.0, with_entropy=True, **kw
+):
     """Loss, entropy and grads for a backward through a weighted sum of loss and entropy."""
     h = hidden_TH.clone().requires_grad_()
     w = weight_VH.clone().requires_grad_()
-    out = fn(h, w, labels_T, reduction=reduction, temperature=temperature, with_entropy=with_entropy, **kw)
+    out = fn(
+        h,
+        w,
+        labels_T,
+        reduction=reduction,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        **kw,
+    )
     loss, entropy_T = out if with_entropy else (out, None)
     T = labels_T.shape[0]
     # token-dependent weights, as an RL advantage or an entropy bonus would give
@@ -71,11 +81,17 @@ def test_log_probs_and_loss_only_path():
     hidden_TH, weight_VH, labels_T = make_inputs(T=29, V=70)
     ref = run(cross_entropy, hidden_TH, weight_VH, labels_T, with_entropy=False)
     got = run(linear_cross_entropy, hidden_TH, weight_VH, labels_T, with_entropy=False, **TILES)
-    logp_T = torch.log_softmax(hidden_TH @ weight_VH.T, -1).gather(1, labels_T.clamp(min=0)[:, None]).squeeze(1)
+    logp_T = (
+        torch.log_softmax(hidden_TH @ weight_VH.T, -1)
+        .gather(1, labels_T.clamp(min=0)[:, None])
+        .squeeze(1)
+    )
     valid_T = labels_T != -100
     assert torch.equal(got[0][~valid_T], torch.zeros(int((~valid_T).sum())))
     assert rel_err(-got[0][valid_T], logp_T[valid_T]) <= 1e-5
-    for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got[:1] + got[2:], ref[:1] + ref[2:]):
+    for name, a, b in zip(
+        ("loss", "grad_hidden", "grad_weight"), got[:1] + got[2:], ref[:1] + ref[2:]
+    ):
         assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
 
@@ -88,16 +104,24 @@ def test_entropy_of_peaked_distribution():
     assert rel_err(got[1], ref[1]) <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["single_token", "all_ignored", "one_tile_exact", "vocab_smaller_than_tile"])
+@pytest.mark.parametrize(
+    "case", ["single_token", "all_ignored", "one_tile_exact", "vocab_smaller_than_tile"]
+)
 def test_odd_sizes(case):
-    T, V, tiles = {"single_token": (1, 101, TILES), "all_ignored": (19, 101, TILES),
-                   "one_tile_exact": (8, 32, TILES), "vocab_smaller_than_tile": (13, 7, TILES)}[case]
+    T, V, tiles = {
+        "single_token": (1, 101, TILES),
+        "all_ignored": (19, 101, TILES),
+        "one_tile_exact": (8, 32, TILES),
+        "vocab_smaller_than_tile": (13, 7, TILES),
+    }[case]
     hidden_TH, weight_VH, labels_T = make_inputs(T=T, V=V, ignore_every=0)
     if case == "all_ignored":
         labels_T[:] = -100
     for reduction in ("mean", "none"):
         ref = run(cross_entropy, hidden_TH, weight_VH, labels_T, reduction=reduction)
-        got = run(linear_cross_entropy, hidden_TH, weight_VH, labels_T, reduction=reduction, **tiles)
+        got = run(
+            linear_cross_entropy, hidden_TH, weight_VH, labels_T, reduction=reduction, **tiles
+        )
         for name, a, b in zip(("loss", "entropy", "grad_hidden", "grad_weight"), got, ref):
             assert torch.isfinite(a).all(), name
             if b.norm() == 0:
@@ -133,14 +157,24 @@ def test_default_tiles_and_custom_ignore_index():
 
 @pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("token_tile", [32, None])  # several token tiles / one (dW written directly)
+@pytest.mark.parametrize(
+    "token_tile", [32, None]
+)  # several token tiles / one (dW written directly)
 def test_bf16_error_budget(with_entropy, reduction, token_tile):
     """bf16 inputs: error vs the fp32 ground truth <= 1.2x the reference's bf16 error."""
     hidden_TH, weight_VH, labels_T = make_inputs(T=96, H=64, V=301, dtype=torch.bfloat16, seed=1)
     kw = dict(temperature=0.9, with_entropy=with_entropy, reduction=reduction)
     truth = run(cross_entropy, hidden_TH.float(), weight_VH.float(), labels_T, **kw)
     ref = run(cross_entropy, hidden_TH, weight_VH, labels_T, **kw)
-    got = run(linear_cross_entropy, hidden_TH, weight_VH, labels_T, token_tile=token_tile, vocab_tile=64, **kw)
+    got = run(
+        linear_cross_entropy,
+        hidden_TH,
+        weight_VH,
+        labels_T,
+        token_tile=token_tile,
+        vocab_tile=64,
+        **kw,
+    )
     for name, g, r, t in zip(("loss", "entropy", "grad_hidden", "grad_weight"), got, ref, truth):
         if r is None:
             assert g is None
@@ -156,7 +190,9 @@ def test_autocast_matches_ce():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = run(cross_entropy, hidden_TH, weight_VH, labels_T)
         got = run(linear_cross_entropy, hidden_TH, weight_VH, labels_T, **TILES)
-    assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32  # grads reach the fp32 leaves
+    assert (
+        got[2].dtype == torch.float32 and got[3].dtype == torch.float32
+    )  # grads reach the fp32 leaves
     for name, a, b in zip(("loss", "entropy", "grad_hidden", "grad_weight"), got, ref):
         assert rel_err(a, b) <= 2e-2, (name, rel_err(a, b))
 

@@ -24,23 +24,59 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from safetensors.torch import load_file, save_file
 from transformers.modeling_layers import MtpModel
-
-import transformers
 
 import bumblebee
 
 VOCAB, T = 97, 40
-DSV3 = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
-            first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
-            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
-            n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, max_position_embeddings=256)
-QWEN = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-            moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2,
-            num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False)
-QWEN_MTP_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc", "post_norm": "norm"}
+DSV3 = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=64,
+    moe_intermediate_size=24,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=256,
+)
+QWEN = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    tie_word_embeddings=False,
+)
+QWEN_MTP_NAMES = {
+    "enorm": "pre_fc_norm_embedding",
+    "hnorm": "pre_fc_norm_hidden",
+    "eh_proj": "fc",
+    "post_norm": "norm",
+}
 
 
 def perturb(*models):
@@ -63,7 +99,9 @@ def mtp_name(family: str, L: int, name: str) -> str | None:
         rest = rest.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
         return f"model.layers.{L + int(k)}.{rest}"
     first, _, tail = rest.partition(".")
-    return f"mtp.layers.{k}.{tail}" if first == "mtp_block" else f"mtp.{QWEN_MTP_NAMES[first]}.{tail}"
+    return (
+        f"mtp.layers.{k}.{tail}" if first == "mtp_block" else f"mtp.{QWEN_MTP_NAMES[first]}.{tail}"
+    )
 
 
 def build(family: str, depth: int, path, seed: int = 0):
@@ -89,20 +127,32 @@ def build(family: str, depth: int, path, seed: int = 0):
     for name, t in mtp.state_dict().items():
         if (ours := mtp_name(family, L, name)) is None:
             continue
-        if ours.endswith("experts.gate_up_proj"):  # released checkpoints store one tensor per expert
+        if ours.endswith(
+            "experts.gate_up_proj"
+        ):  # released checkpoints store one tensor per expert
             F_ = t.shape[1] // 2
             for e in range(t.shape[0]):
-                tensors[ours.replace("gate_up_proj", f"{e}.gate_proj.weight")] = t[e, :F_].contiguous().clone()
-                tensors[ours.replace("gate_up_proj", f"{e}.up_proj.weight")] = t[e, F_:].contiguous().clone()
+                tensors[ours.replace("gate_up_proj", f"{e}.gate_proj.weight")] = (
+                    t[e, :F_].contiguous().clone()
+                )
+                tensors[ours.replace("gate_up_proj", f"{e}.up_proj.weight")] = (
+                    t[e, F_:].contiguous().clone()
+                )
         elif ours.endswith("experts.down_proj"):
             for e in range(t.shape[0]):
-                tensors[ours.replace("down_proj", f"{e}.down_proj.weight")] = t[e].contiguous().clone()
+                tensors[ours.replace("down_proj", f"{e}.down_proj.weight")] = (
+                    t[e].contiguous().clone()
+                )
         else:
             tensors[ours] = t.contiguous().clone()
     if family == "deepseek_v3":
         for k in range(depth):
-            tensors[f"model.layers.{L + k}.embed_tokens.weight"] = main.model.embed_tokens.weight.detach().clone()
-            tensors[f"model.layers.{L + k}.shared_head.head.weight"] = main.lm_head.weight.detach().clone()
+            tensors[f"model.layers.{L + k}.embed_tokens.weight"] = (
+                main.model.embed_tokens.weight.detach().clone()
+            )
+            tensors[f"model.layers.{L + k}.shared_head.head.weight"] = (
+                main.lm_head.weight.detach().clone()
+            )
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     if family == "qwen3_5_moe":
         cfg_d = json.loads((path / "config.json").read_text())
@@ -114,13 +164,17 @@ def build(family: str, depth: int, path, seed: int = 0):
 def hf_loss(main, mtp, ids, depth):
     """Summed CE of the main head plus every MTP depth, HF modules run depth by depth."""
     h = main.model(ids).last_hidden_state
-    loss = F.cross_entropy(main.lm_head(h)[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1), reduction="sum")
+    loss = F.cross_entropy(
+        main.lm_head(h)[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1), reduction="sum"
+    )
     pos = torch.arange(T)[None].expand(ids.shape[0], T)
     for j in range(depth):
         n = T - (j + 1)
-        h = mtp.forward_layer(j, h[:, :n], pos[:, :n], None, input_ids=ids[:, j + 1:j + 1 + n])
-        logits = mtp.shared_head(h)[:, :n - 1]
-        loss = loss + F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, j + 2:].reshape(-1), reduction="sum")
+        h = mtp.forward_layer(j, h[:, :n], pos[:, :n], None, input_ids=ids[:, j + 1 : j + 1 + n])
+        logits = mtp.shared_head(h)[:, : n - 1]
+        loss = loss + F.cross_entropy(
+            logits.reshape(-1, VOCAB), ids[:, j + 2 :].reshape(-1), reduction="sum"
+        )
     return loss
 
 
@@ -130,16 +184,37 @@ def shifted_labels(ids):
     return labels
 
 
-@pytest.mark.parametrize("family,depth", [("deepseek_v3", 1), ("deepseek_v3", 2), ("qwen3_5_moe", 1)])
+@pytest.mark.parametrize(
+    "family,depth", [("deepseek_v3", 1), ("deepseek_v3", 2), ("qwen3_5_moe", 1)]
+)
 def test_mtp_loss_and_grads_match_hf(family, depth, tmp_path, monkeypatch):
-    if family == "qwen3_5_moe":  # HF's chunked GDN fallback is ~1e-3 off on dt_bias / A_log gradients
+    if (
+        family == "qwen3_5_moe"
+    ):  # HF's chunked GDN fallback is ~1e-3 off on dt_bias / A_log gradients
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_mod
 
-        def recurrent(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                      use_qk_l2norm_in_kernel=False, **_):
-            return hf_mod.torch_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
-                                                           output_final_state=output_final_state,
-                                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        def recurrent(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            chunk_size=64,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=False,
+            **_,
+        ):
+            return hf_mod.torch_recurrent_gated_delta_rule(
+                query,
+                key,
+                value,
+                g,
+                beta,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )
 
         monkeypatch.setattr(hf_mod, "torch_chunk_gated_delta_rule", recurrent)
     main, mtp = build(family, depth, tmp_path)
@@ -157,12 +232,21 @@ def test_mtp_loss_and_grads_match_hf(family, depth, tmp_path, monkeypatch):
     grads = {n: p.grad for n, p in bb.named_parameters()}
     L = main.config.num_hidden_layers
     hf_grads = {n: p.grad for n, p in main.named_parameters()}
-    hf_grads.update({mtp_name(family, L, n): p.grad for n, p in mtp.named_parameters() if mtp_name(family, L, n)})
+    hf_grads.update(
+        {
+            mtp_name(family, L, n): p.grad
+            for n, p in mtp.named_parameters()
+            if mtp_name(family, L, n)
+        }
+    )
     family_out = bumblebee.models.family_of(bb.arch).hf_name_out or (lambda a, n: n)
     checked = 0
     for name, g in grads.items():
-        hf_name = family_out(bb.arch, name).replace("mlp.experts.w_gate_up", "mlp.experts.gate_up_proj").replace(
-            "mlp.experts.w_down", "mlp.experts.down_proj")
+        hf_name = (
+            family_out(bb.arch, name)
+            .replace("mlp.experts.w_gate_up", "mlp.experts.gate_up_proj")
+            .replace("mlp.experts.w_down", "mlp.experts.down_proj")
+        )
         g_ref = hf_grads[hf_name]
         assert ((g - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-12)).item() < 1e-4, name
         checked += 1
@@ -174,8 +258,15 @@ def test_mtp_tensors_round_trip_bit_exact(family, tmp_path):
     build(family, 1, tmp_path / "src", seed=1)
     bb = bumblebee.from_hf(str(tmp_path / "src"))
     bumblebee.to_hf(bb, str(tmp_path / "out"))
-    src, out = load_file(tmp_path / "src" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
-    mtp_names = [n for n in src if n.startswith("mtp.") or n.startswith(f"model.layers.{DSV3['num_hidden_layers']}.")]
+    src, out = (
+        load_file(tmp_path / "src" / "model.safetensors"),
+        load_file(tmp_path / "out" / "model.safetensors"),
+    )
+    mtp_names = [
+        n
+        for n in src
+        if n.startswith("mtp.") or n.startswith(f"model.layers.{DSV3['num_hidden_layers']}.")
+    ]
     assert mtp_names and all(torch.equal(src[n], out[n]) for n in mtp_names)
     back = bumblebee.from_hf(str(tmp_path / "out"))
     assert back.mtp_modules() == 1
@@ -206,7 +297,9 @@ def test_tiny_deepseek_learns_with_mtp():
     from bumblebee.models.presets import preset
 
     torch.manual_seed(0)
-    arch = arch_from_hf_dict({**preset("deepseek_v3", "tiny"), "num_nextn_predict_layers": 2, "num_hidden_layers": 2})
+    arch = arch_from_hf_dict(
+        {**preset("deepseek_v3", "tiny"), "num_nextn_predict_layers": 2, "num_hidden_layers": 2}
+    )
     model = build_model(arch, PrimitivesConfig(moe_comm="local", recompute="none"))
     model.set_mtp("auto", 0.3)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -218,7 +311,8 @@ def test_tiny_deepseek_learns_with_mtp():
         (terms.loss_sum / terms.num_tokens).backward()
         opt.step()
         opt.zero_grad()
-        now = [terms.loss_sum.item() - 0.3 / 2 * sum(s.item() for s in terms.mtp_sums)] + \
-              [(s / n).item() for s, n in zip(terms.mtp_sums, terms.mtp_tokens)]
+        now = [terms.loss_sum.item() - 0.3 / 2 * sum(s.item() for s in terms.mtp_sums)] + [
+            (s / n).item() for s, n in zip(terms.mtp_sums, terms.mtp_tokens)
+        ]
         first = first or now
     assert all(b < 0.5 * a for a, b in zip(first, now)), (first, now)

@@ -25,28 +25,56 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_mod  # noqa: E402
 
 import bumblebee  # noqa: E402
-from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_mod  # noqa: E402
 
 VOCAB, T = 97, 80  # T > 64: the chunked GDN crosses a chunk boundary and pads the last chunk
 LIN, FULL = "linear_attention", "full_attention"
-BASE = dict(vocab_size=VOCAB, hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_conv_kernel_dim=4, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-            num_experts=4, num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_conv_kernel_dim=4,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    num_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+)
 CONFIGS = {
     "lll-f_gqa2_gva2": dict(num_hidden_layers=4, layer_types=[LIN, LIN, LIN, FULL]),
-    "f-l_mha_gva1_tied": dict(num_hidden_layers=2, layer_types=[FULL, LIN], num_key_value_heads=4, head_dim=32,
-                              linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
-                              tie_word_embeddings=True,
-                              rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
-    "l-f-l_gqa3_gva3_k3": dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN], num_attention_heads=6,
-                               head_dim=8, linear_num_key_heads=1, linear_num_value_heads=3,
-                               linear_conv_kernel_dim=3, num_experts=6, num_experts_per_tok=3),
+    "f-l_mha_gva1_tied": dict(
+        num_hidden_layers=2,
+        layer_types=[FULL, LIN],
+        num_key_value_heads=4,
+        head_dim=32,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
+    "l-f-l_gqa3_gva3_k3": dict(
+        num_hidden_layers=3,
+        layer_types=[LIN, FULL, LIN],
+        num_attention_heads=6,
+        head_dim=8,
+        linear_num_key_heads=1,
+        linear_num_value_heads=3,
+        linear_conv_kernel_dim=3,
+        num_experts=6,
+        num_experts_per_tok=3,
+    ),
 }
 
 
@@ -64,14 +92,33 @@ def perturbed(model):
 
 
 def to_bumblebee_name(hf_name: str) -> str:
-    return hf_name.replace("experts.gate_up_proj", "experts.w_gate_up").replace("experts.down_proj", "experts.w_down")
+    return hf_name.replace("experts.gate_up_proj", "experts.w_gate_up").replace(
+        "experts.down_proj", "experts.w_down"
+    )
 
 
-def hf_recurrent_gdn(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                     use_qk_l2norm_in_kernel=False, **_):
-    return hf_mod.torch_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
-                                                   output_final_state=output_final_state,
-                                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+def hf_recurrent_gdn(
+    query,
+    key,
+    value,
+    g,
+    beta,
+    chunk_size=64,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    **_,
+):
+    return hf_mod.torch_recurrent_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
 
 
 def loss_of(logits, labels):
@@ -116,7 +163,9 @@ def test_to_hf_round_trip(tmp_path):
     ids = torch.randint(0, VOCAB, (2, T))
     with torch.no_grad():
         assert (back(ids).logits - bb(ids)).abs().max().item() < 1e-4
-    reloaded = bumblebee.from_hf(str(tmp_path / "out"))  # and bumblebee reads its own output bit for bit
+    reloaded = bumblebee.from_hf(
+        str(tmp_path / "out")
+    )  # and bumblebee reads its own output bit for bit
     for (n, a), (_, b) in zip(bb.named_parameters(), reloaded.named_parameters()):
         assert torch.equal(a, b), n
 
@@ -124,8 +173,15 @@ def test_to_hf_round_trip(tmp_path):
 def test_multimodal_checkpoint_loads_language_model(tmp_path, capfd):
     torch.manual_seed(2)
     text = hf_config(**{**CONFIGS["f-l_mha_gva1_tied"], "tie_word_embeddings": False})
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=48,
-                  num_position_embeddings=16, patch_size=4)
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=48,
+        num_position_embeddings=16,
+        patch_size=4,
+    )
     cfg = transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision)
     hf = perturbed(transformers.Qwen3_5MoeForConditionalGeneration(cfg))
     hf.save_pretrained(tmp_path)
@@ -163,14 +219,21 @@ def test_labels_path_and_recompute_policies():
     ids, labels = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
     labels[0, :5] = -100
     grads = {}
-    for policy, modules in [("none", []), ("full", []),
-                            ("selective", ["norm", "attn_core", "linear_attn_core", "moe", "shared_expert"])]:
+    for policy, modules in [
+        ("none", []),
+        ("full", []),
+        ("selective", ["norm", "attn_core", "linear_attn_core", "moe", "shared_expert"]),
+    ]:
         torch.manual_seed(4)
-        model = build_model(arch, PrimitivesConfig(recompute=policy, recompute_modules=modules, moe_comm="local"))
+        model = build_model(
+            arch, PrimitivesConfig(recompute=policy, recompute_modules=modules, moe_comm="local")
+        )
         loss = model(ids, position_ids=pos, labels=labels)
         if policy == "none":
             with torch.no_grad():
-                ref = F.cross_entropy(model(ids, position_ids=pos).reshape(-1, VOCAB), labels.reshape(-1))
+                ref = F.cross_entropy(
+                    model(ids, position_ids=pos).reshape(-1, VOCAB), labels.reshape(-1)
+                )
             assert abs(loss.item() - ref.item()) < 1e-5
         loss.backward()
         grads[policy] = {n: p.grad for n, p in model.named_parameters()}

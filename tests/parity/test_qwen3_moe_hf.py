@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
 
 import bumblebee  # noqa: E402
@@ -36,27 +35,60 @@ GRAD_RTOL = 1e-4
 
 # name -> Qwen3MoeConfig overrides on top of BASE. Hidden sizes differ from heads * head_dim on
 # purpose (Qwen3 allows it) so that a wrong reshape cannot pass.
-BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=64,
-            rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.1)
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=40,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=False,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+)
 CONFIGS = {
     "gqa2-e4k2": {},
-    "mqa-e6k3-norm": dict(num_key_value_heads=1, head_dim=16, num_experts=6, num_experts_per_tok=3,
-                          norm_topk_prob=True),
-    "mha-e3k1-tied": dict(num_attention_heads=2, num_key_value_heads=2, head_dim=12, num_experts=3,
-                          num_experts_per_tok=1, tie_word_embeddings=True),
+    "mqa-e6k3-norm": dict(
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=6,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+    ),
+    "mha-e3k1-tied": dict(
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=12,
+        num_experts=3,
+        num_experts_per_tok=1,
+        tie_word_embeddings=True,
+    ),
     "dense-mlp-only-layer": dict(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True),
-    "dense-sparse-step": dict(num_attention_heads=8, num_key_value_heads=4, head_dim=4,
-                              decoder_sparse_step=2, num_experts=5, num_experts_per_tok=2),
-    "topk-all-experts": dict(num_experts=3, num_experts_per_tok=3, norm_topk_prob=True, rope_theta=1e6),
+    "dense-sparse-step": dict(
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=4,
+        decoder_sparse_step=2,
+        num_experts=5,
+        num_experts_per_tok=2,
+    ),
+    "topk-all-experts": dict(
+        num_experts=3, num_experts_per_tok=3, norm_topk_prob=True, rope_theta=1e6
+    ),
 }
 IMPLS = [(attn, experts) for attn in ("sdpa", "varlen") for experts in ("loop", "grouped")]
 
 
 def hf_name_to_bumblebee(name: str) -> str:
-    return (name.replace("mlp.experts.gate_up_proj", "mlp.experts.w_gate_up")
-                .replace("mlp.experts.down_proj", "mlp.experts.w_down"))
+    return name.replace("mlp.experts.gate_up_proj", "mlp.experts.w_gate_up").replace(
+        "mlp.experts.down_proj", "mlp.experts.w_down"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +116,9 @@ def checkpoints(tmp_path_factory):
 
 
 def load(path, attention="sdpa", experts="loop", dtype=torch.float32):
-    model = bumblebee.from_hf(path, dtype=dtype, prims=PrimitivesConfig(attention=attention, experts=experts))
+    model = bumblebee.from_hf(
+        path, dtype=dtype, prims=PrimitivesConfig(attention=attention, experts=experts)
+    )
     return model.eval()
 
 
@@ -108,12 +142,16 @@ def assert_grads_match(hf_model, bb_model, rtol=GRAD_RTOL):
         assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
         err = (got.float() - ref.float()).abs().max().item()
         scale = ref.float().abs().max().item()
-        assert err <= rtol * scale, f"{name}: max grad error {err:.3e} > {rtol} x max |grad| {scale:.3e}"
+        assert err <= rtol * scale, (
+            f"{name}: max grad error {err:.3e} > {rtol} x max |grad| {scale:.3e}"
+        )
 
 
 def random_batch(B, T, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(0, VOCAB, (B, T), generator=g)
+    return torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(
+        0, VOCAB, (B, T), generator=g
+    )
 
 
 @pytest.mark.parametrize("attention,experts", IMPLS, ids=[f"{a}-{e}" for a, e in IMPLS])
@@ -140,7 +178,9 @@ def packed_rows(doc_lengths_per_row, seed):
     assert all(sum(row) == T for row in doc_lengths_per_row)
     input_ids = torch.randint(0, VOCAB, (len(doc_lengths_per_row), T), generator=g)
     targets = torch.randint(0, VOCAB, (len(doc_lengths_per_row), T), generator=g)
-    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in doc_lengths_per_row])
+    position_ids = torch.stack(
+        [torch.cat([torch.arange(n) for n in row]) for row in doc_lengths_per_row]
+    )
     return input_ids, targets, position_ids
 
 
@@ -161,12 +201,17 @@ def test_packed_documents_equal_separate_runs(checkpoints, attention):
     for b, row in enumerate(rows):
         start = 0
         for n in row:
-            doc, doc_targets = input_ids[b:b + 1, start:start + n], targets[b:b + 1, start:start + n]
+            doc, doc_targets = (
+                input_ids[b : b + 1, start : start + n],
+                targets[b : b + 1, start : start + n],
+            )
             bb_doc = separate(doc)
             hf_doc = hf_logits(hf_model, doc)
             for name, ref in (("bumblebee", bb_doc), ("transformers", hf_doc)):
-                err = (packed_logits[b:b + 1, start:start + n] - ref).abs().max().item()
-                assert err <= LOGITS_ATOL, f"row {b} doc at {start}: packed vs {name} separate, error {err:.3e}"
+                err = (packed_logits[b : b + 1, start : start + n] - ref).abs().max().item()
+                assert err <= LOGITS_ATOL, (
+                    f"row {b} doc at {start}: packed vs {name} separate, error {err:.3e}"
+                )
             loss = loss + target_logprob_sum(bb_doc, doc_targets)
             target_logprob_sum(hf_doc, doc_targets).backward()
             start += n
@@ -174,7 +219,9 @@ def test_packed_documents_equal_separate_runs(checkpoints, attention):
     assert_grads_match(hf_model, packed)  # packed bumblebee vs separate HF documents
     for (name, p), q in zip(packed.named_parameters(), separate.parameters()):
         err = (p.grad - q.grad).abs().max().item()
-        assert err <= GRAD_RTOL * q.grad.abs().max().item(), f"{name}: packed vs separate grads differ by {err:.3e}"
+        assert err <= GRAD_RTOL * q.grad.abs().max().item(), (
+            f"{name}: packed vs separate grads differ by {err:.3e}"
+        )
 
     # HF reads packing from position_ids too: same packed logits.
     err = (packed_logits - hf_logits(hf_model, input_ids, position_ids)).abs().max().item()
@@ -208,7 +255,9 @@ def test_bf16_smoke(checkpoints):
     input_ids, targets = random_batch(2, 19, seed=11)
     with torch.no_grad():
         truth = hf_logits(hf_model, input_ids)
-        hf_bf16 = transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        hf_bf16 = transformers.Qwen3MoeForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16
+        ).eval()
         hf_err = (hf_logits(hf_bf16, input_ids).float() - truth).abs().max().item()
 
     for attention, experts in IMPLS:
@@ -218,8 +267,12 @@ def test_bf16_smoke(checkpoints):
         assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
         target_logprob_sum(logits, targets).backward()
         for name, p in model.named_parameters():
-            assert p.grad is not None and torch.isfinite(p.grad).all(), f"{name}: non-finite bf16 gradient"
+            assert p.grad is not None and torch.isfinite(p.grad).all(), (
+                f"{name}: non-finite bf16 gradient"
+            )
         err = (logits.float() - truth).abs().max().item()
-        assert err <= 2 * hf_err + 1e-2, f"{attention}/{experts}: bf16 error {err:.3e} vs HF bf16 {hf_err:.3e}"
+        assert err <= 2 * hf_err + 1e-2, (
+            f"{attention}/{experts}: bf16 error {err:.3e} vs HF bf16 {hf_err:.3e}"
+        )
         loss = model(input_ids, labels=targets)
         assert loss.dtype in (torch.float32, torch.bfloat16) and torch.isfinite(loss)

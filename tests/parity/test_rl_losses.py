@@ -22,8 +22,14 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from bumblebee.primitives.cp.layout import zigzag_index
-from bumblebee.rl.losses import (AGGREGATIONS, PolicyLoss, aggregation_weights, fused_policy_loss, grpo_advantages,
-                                 kl_penalty)
+from bumblebee.rl.losses import (
+    AGGREGATIONS,
+    PolicyLoss,
+    aggregation_weights,
+    fused_policy_loss,
+    grpo_advantages,
+    kl_penalty,
+)
 
 T, H, V = 53, 16, 67
 TILES = {"token_tile": 16, "vocab_tile": 24}
@@ -43,8 +49,12 @@ def _inputs(seed: int = 0):
     targets[torch.rand(T, generator=g) < 0.25] = -100  # prompt / padding positions
     seq_ids = torch.sort(torch.randint(0, 7, (T,), generator=g)).values  # 7 packed sequences
     adv = torch.randn(7, generator=g)[seq_ids]  # one advantage per sequence
-    logp = torch.log_softmax(hidden @ weight.T, -1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
-    old = logp + torch.randn(T, generator=g)  # ratios spread around 1: both clips and the dual clip fire
+    logp = (
+        torch.log_softmax(hidden @ weight.T, -1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    )
+    old = logp + torch.randn(
+        T, generator=g
+    )  # ratios spread around 1: both clips and the dual clip fire
     ref = logp + torch.randn(T, generator=g) * 0.5
     return hidden, weight, targets, seq_ids, adv, old, ref
 
@@ -61,7 +71,7 @@ def _reference(hidden, weight, targets, seq_ids, adv, old, ref, case):
     if dual is not None:
         pg = torch.where(adv < 0, torch.min(pg, -dual * adv), pg)
     d = logp - ref
-    kl = {"k1": d, "k2": d ** 2 / 2, "k3": torch.exp(-d) - 1 + d}[est]
+    kl = {"k1": d, "k2": d**2 / 2, "k3": torch.exp(-d) - 1 + d}[est]
     per = pg + kl_coef * kl - ent_coef * entropy
     sums, counts = [], []
     for s in seq_ids.unique():
@@ -80,12 +90,29 @@ def _reference(hidden, weight, targets, seq_ids, adv, old, ref, case):
 
 def _fused(hidden, weight, targets, seq_ids, adv, old, ref, case, vocab_group=None):
     agg, dual, est, kl_coef, ent_coef, temp = case
-    loss_fn = PolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=dual, kl_coef=kl_coef, kl_estimator=est,
-                         entropy_coef=ent_coef, agg=agg)
+    loss_fn = PolicyLoss(
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=dual,
+        kl_coef=kl_coef,
+        kl_estimator=est,
+        entropy_coef=ent_coef,
+        agg=agg,
+    )
     weights = aggregation_weights(targets != -100, seq_ids, agg)
-    loss, stats, logp, entropy = fused_policy_loss(hidden, weight, targets, loss_fn, weights_T=weights,
-                                                   advantages_T=adv, old_logprobs_T=old, ref_logprobs_T=ref,
-                                                   temperature=temp, vocab_group=vocab_group, **TILES)
+    loss, stats, logp, entropy = fused_policy_loss(
+        hidden,
+        weight,
+        targets,
+        loss_fn,
+        weights_T=weights,
+        advantages_T=adv,
+        old_logprobs_T=old,
+        ref_logprobs_T=ref,
+        temperature=temp,
+        vocab_group=vocab_group,
+        **TILES,
+    )
     return loss, logp, entropy, stats
 
 
@@ -95,13 +122,18 @@ def _errors(case, rows=slice(None), vocab_group=None):
     out = {}
     for name, fn, w in (("ref", _reference, weight), ("fused", _fused, weight[rows])):
         h, w = hidden.clone().requires_grad_(), w.clone().requires_grad_()
-        res = fn(h, w, targets, *rest, case, **({"vocab_group": vocab_group} if name == "fused" else {}))
+        res = fn(
+            h, w, targets, *rest, case, **({"vocab_group": vocab_group} if name == "fused" else {})
+        )
         res[0].backward()
         out[name] = (res[0], res[1], res[2], h.grad, w.grad)
     ref_gw = out["ref"][4][rows]
     errs = {}
-    for key, a, b in zip(("loss", "logp", "entropy", "grad_hidden", "grad_weight"), out["fused"],
-                         out["ref"][:4] + (ref_gw,)):
+    for key, a, b in zip(
+        ("loss", "logp", "entropy", "grad_hidden", "grad_weight"),
+        out["fused"],
+        out["ref"][:4] + (ref_gw,),
+    ):
         a, b = a.detach().double(), b.detach().double()
         errs[key] = ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
     return errs
@@ -131,20 +163,43 @@ def _token_sharded_errors(case, rank, world):
     loss_ref, logp_ref, ent_ref = _reference(h_ref, w_ref, targets, seq_ids, adv, old, ref, case)
     loss_ref.backward()
     agg, dual, est, kl_coef, ent_coef, temp = case
-    loss_fn = PolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=dual, kl_coef=kl_coef, kl_estimator=est,
-                         entropy_coef=ent_coef, agg=agg)
-    weights = aggregation_weights(targets != -100, seq_ids, agg)[idx]  # global weights, local tokens
+    loss_fn = PolicyLoss(
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=dual,
+        kl_coef=kl_coef,
+        kl_estimator=est,
+        entropy_coef=ent_coef,
+        agg=agg,
+    )
+    weights = aggregation_weights(targets != -100, seq_ids, agg)[
+        idx
+    ]  # global weights, local tokens
     h, w = hidden[idx].clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, _, logp, ent = fused_policy_loss(h, w, targets[idx], loss_fn, weights_T=weights, advantages_T=adv[idx],
-                                           old_logprobs_T=old[idx], ref_logprobs_T=ref[idx], temperature=temp,
-                                           **TILES)
+    loss, _, logp, ent = fused_policy_loss(
+        h,
+        w,
+        targets[idx],
+        loss_fn,
+        weights_T=weights,
+        advantages_T=adv[idx],
+        old_logprobs_T=old[idx],
+        ref_logprobs_T=ref[idx],
+        temperature=temp,
+        **TILES,
+    )
     loss.backward()
     total, grad_w = loss.detach().clone(), w.grad.clone()
     dist.all_reduce(total)
     dist.all_reduce(grad_w)
     errs = {}
-    for key, a, b in (("loss", total, loss_ref), ("logp", logp, logp_ref[idx]), ("entropy", ent, ent_ref[idx]),
-                      ("grad_hidden", h.grad, h_ref.grad[idx]), ("grad_weight", grad_w, w_ref.grad)):
+    for key, a, b in (
+        ("loss", total, loss_ref),
+        ("logp", logp, logp_ref[idx]),
+        ("entropy", ent, ent_ref[idx]),
+        ("grad_hidden", h.grad, h_ref.grad[idx]),
+        ("grad_weight", grad_w, w_ref.grad),
+    ):
         a, b = a.detach().double(), b.detach().double()
         errs[key] = ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
     return errs
@@ -153,8 +208,10 @@ def _token_sharded_errors(case, rank, world):
 def _sharded(rank, world):
     bounds = [0, 40, V]  # uneven vocabulary slices
     rows = slice(bounds[rank], bounds[rank + 1])
-    return {"vocab": [_errors(case, rows, dist.group.WORLD) for case in CASES],
-            "tokens": [_token_sharded_errors(case, rank, world) for case in CASES]}
+    return {
+        "vocab": [_errors(case, rows, dist.group.WORLD) for case in CASES],
+        "tokens": [_token_sharded_errors(case, rank, world) for case in CASES],
+    }
 
 
 def test_vocab_and_token_sharded_match_materialized():
@@ -174,7 +231,7 @@ def test_aggregation_weights_split_exactly():
     for mode in AGGREGATIONS:
         w = aggregation_weights(mask, seq, mode)
         full = (w * loss).sum()
-        parts = sum((w[i:i + 1] * loss[i:i + 1]).sum() for i in range(4))
+        parts = sum((w[i : i + 1] * loss[i : i + 1]).sum() for i in range(4))
         assert torch.allclose(full, parts) and (w[~mask] == 0).all()
     w = aggregation_weights(mask, seq, "seq-mean-token-mean")
     n_seq = len({int(s) for s, m in zip(seq.flatten(), mask.flatten()) if m})
@@ -187,7 +244,9 @@ def test_grpo_advantages_and_kl_estimators():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
     adv = grpo_advantages(r, 4)
     first = (r[:4] - r[:4].mean()) / (r[:4].std() + 1e-6)
-    assert torch.allclose(adv[:4], first) and torch.equal(adv[4:], torch.zeros(4))  # equal rewards: no signal
+    assert torch.allclose(adv[:4], first) and torch.equal(
+        adv[4:], torch.zeros(4)
+    )  # equal rewards: no signal
     assert torch.allclose(grpo_advantages(r, 4, scale_by_std=False)[:4], r[:4] - 0.5)
     with pytest.raises(ValueError, match="groups of 3"):
         grpo_advantages(r, 3)
@@ -195,6 +254,8 @@ def test_grpo_advantages_and_kl_estimators():
     d = torch.linspace(-2, 2, 41)
     assert (kl_penalty(d, torch.zeros(41), "k3") >= 0).all()
     small = torch.tensor([1e-3])
-    assert torch.allclose(kl_penalty(small, 0 * small, "k3"), kl_penalty(small, 0 * small, "k2"), rtol=1e-2)
+    assert torch.allclose(
+        kl_penalty(small, 0 * small, "k3"), kl_penalty(small, 0 * small, "k2"), rtol=1e-2
+    )
     for est in ("k1", "k2", "k3"):
         assert torch.equal(kl_penalty(d, d, est), torch.zeros(41))

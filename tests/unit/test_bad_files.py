@@ -13,12 +13,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from bumblebee.cli import main
 from cli_helpers import one_line_error as _one_line_error
 from cli_helpers import sets
+from safetensors.torch import load_file, save_file
+
 from bumblebee import load_config
+from bumblebee.cli import main
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.models.hf import from_hf, to_hf
 from bumblebee.runtime.metrics import json_line
@@ -26,15 +26,26 @@ from bumblebee.runtime.metrics import strict as strict_json
 
 
 def one_line_error(capsys, argv, fragment) -> str:
-    return _one_line_error(capsys, argv, fragment, notices_before=True)  # preflight may print notices first
+    return _one_line_error(
+        capsys, argv, fragment, notices_before=True
+    )  # preflight may print notices first
 
 
-TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
-        "primitives.loss=ce", "primitives.recompute=none", "train.seq_len=32", "train.global_batch=1",
-        "data.min_records=1", "data.max_records=2", "train.steps=1"]
-
-
+TINY = [
+    "model.arch.num_hidden_layers=1",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.num_experts=2",
+    "model.arch.num_experts_per_tok=1",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "train.seq_len=32",
+    "train.global_batch=1",
+    "data.min_records=1",
+    "data.max_records=2",
+    "train.steps=1",
+]
 
 
 def train_argv(tmp_path, *items):
@@ -65,9 +76,12 @@ def test_jsonl_files_that_are_not_jsonl(capsys, tmp_path, data, fragment):
 def test_bad_jsonl_line_with_nproc_is_found_before_launch(capsys, tmp_path, nproc):
     f = tmp_path / "d.jsonl"
     f.write_text('{"input_ids": [1, 2, 3]}\nnot json\n')
-    one_line_error(capsys, ["train", "--nproc", nproc] + train_argv(tmp_path, "data.source=jsonl", f"data.path={f}",
-                                                                    "train.global_batch=2")[1:],
-                   f"{f}:2: not valid JSON")
+    one_line_error(
+        capsys,
+        ["train", "--nproc", nproc]
+        + train_argv(tmp_path, "data.source=jsonl", f"data.path={f}", "train.global_batch=2")[1:],
+        f"{f}:2: not valid JSON",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +100,9 @@ def edited_copy(hf_dir, tmp_path, edit):
 
 
 def set_config(value):
-    return lambda d: (d / "config.json").write_text(value if isinstance(value, str) else json.dumps(value))
+    return lambda d: (d / "config.json").write_text(
+        value if isinstance(value, str) else json.dumps(value)
+    )
 
 
 def drop_key(key):
@@ -94,6 +110,7 @@ def drop_key(key):
         cfg = json.loads((d / "config.json").read_text())
         del cfg[key]
         (d / "config.json").write_text(json.dumps(cfg))
+
     return edit
 
 
@@ -102,6 +119,7 @@ def retype(key, value):
         cfg = json.loads((d / "config.json").read_text())
         cfg[key] = value
         (d / "config.json").write_text(json.dumps(cfg))
+
     return edit
 
 
@@ -129,6 +147,7 @@ def test_config_json_that_is_not_a_model_config(capsys, hf_dir, tmp_path, edit, 
 def shard_with_index(index):
     def edit(d):
         (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
     return edit
 
 
@@ -170,16 +189,28 @@ def test_weights_that_are_not_what_they_claim(capsys, hf_dir, tmp_path, edit, fr
 @pytest.fixture(scope="module")
 def checkpoint_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
-    assert main(["train"] + sets(TINY + ["train.steps=2", "train.save_every=2", f"train.out_dir={out}"])) == 0
+    assert (
+        main(
+            ["train"] + sets(TINY + ["train.steps=2", "train.save_every=2", f"train.out_dir={out}"])
+        )
+        == 0
+    )
     return out
 
 
-@pytest.mark.parametrize("key, value, fragment", [
-    ("step", -1, "'step' must be an integer >= 0"), ("step", "2", "'step' must be an integer >= 0"),
-    ("step", True, "'step' must be an integer >= 0"), ("step", 2.0, "'step' must be an integer >= 0"),
-    ("files", ["a"], "'files' must map file names to sizes"), ("files", {"a": "1"}, "'files' must map"),
-    ("arch", None, "'arch' and 'shapes' must be objects"), ("shapes", [], "'arch' and 'shapes' must be objects"),
-])
+@pytest.mark.parametrize(
+    "key, value, fragment",
+    [
+        ("step", -1, "'step' must be an integer >= 0"),
+        ("step", "2", "'step' must be an integer >= 0"),
+        ("step", True, "'step' must be an integer >= 0"),
+        ("step", 2.0, "'step' must be an integer >= 0"),
+        ("files", ["a"], "'files' must map file names to sizes"),
+        ("files", {"a": "1"}, "'files' must map"),
+        ("arch", None, "'arch' and 'shapes' must be objects"),
+        ("shapes", [], "'arch' and 'shapes' must be objects"),
+    ],
+)
 def test_checkpoint_marker_with_wrong_types(capsys, checkpoint_run, tmp_path, key, value, fragment):
     run = tmp_path / "run"
     shutil.copytree(checkpoint_run, run)
@@ -193,40 +224,88 @@ def test_checkpoint_marker_with_wrong_types(capsys, checkpoint_run, tmp_path, ke
 
 
 def test_resume_errors_found_before_launch(capsys, checkpoint_run, tmp_path):
-    one_line_error(capsys, ["train", "--nproc", "2"] + train_argv(tmp_path, f"train.resume={tmp_path}",
-                                                                  "train.global_batch=2")[1:],
-                   "not a bumblebee checkpoint")
-    one_line_error(capsys, ["train", "--nproc", "2"] + train_argv(
-        tmp_path, f"train.resume={checkpoint_run}", "model.arch.moe_intermediate_size=8", "train.global_batch=2")[1:],
-                   "was saved for another architecture (moe_intermediate_size 16 -> 8)")
+    one_line_error(
+        capsys,
+        ["train", "--nproc", "2"]
+        + train_argv(tmp_path, f"train.resume={tmp_path}", "train.global_batch=2")[1:],
+        "not a bumblebee checkpoint",
+    )
+    one_line_error(
+        capsys,
+        ["train", "--nproc", "2"]
+        + train_argv(
+            tmp_path,
+            f"train.resume={checkpoint_run}",
+            "model.arch.moe_intermediate_size=8",
+            "train.global_batch=2",
+        )[1:],
+        "was saved for another architecture (moe_intermediate_size 16 -> 8)",
+    )
 
 
-def test_metrics_are_strict_json_and_a_torn_last_line_does_not_block_resume(capsys, checkpoint_run, tmp_path):
+def test_metrics_are_strict_json_and_a_torn_last_line_does_not_block_resume(
+    capsys, checkpoint_run, tmp_path
+):
     assert json.loads(json_line({"loss": math.nan, "g": math.inf, "n": -math.inf, "ok": 1.5})) == {
-        "loss": None, "g": None, "n": None, "ok": 1.5}
+        "loss": None,
+        "g": None,
+        "n": None,
+        "ok": 1.5,
+    }
     # `pair --json` writes nested rows through the same cleaner: a diverged side is null there too.
-    assert json.loads(json.dumps(strict_json({"rows": [{"a": math.nan, "b": (1.0, math.inf)}], "passed": False}),
-                                 allow_nan=False)) == {"rows": [{"a": None, "b": [1.0, None]}], "passed": False}
+    assert json.loads(
+        json.dumps(
+            strict_json({"rows": [{"a": math.nan, "b": (1.0, math.inf)}], "passed": False}),
+            allow_nan=False,
+        )
+    ) == {"rows": [{"a": None, "b": [1.0, None]}], "passed": False}
     run = tmp_path / "run"
     shutil.copytree(checkpoint_run, run)
     metrics = run / "metrics.jsonl"
     with open(metrics, "a") as f:
         f.write('{"step": 3, "loss": 1.2')  # a crash mid-write
-    assert main(["train"] + sets(TINY + ["train.steps=3", f"train.out_dir={run}"]) + ["--resume", "auto"]) == 0
+    assert (
+        main(
+            ["train"]
+            + sets(TINY + ["train.steps=3", f"train.out_dir={run}"])
+            + ["--resume", "auto"]
+        )
+        == 0
+    )
     assert "dropped 1 unreadable line(s)" in capsys.readouterr().out
     lines = metrics.read_text().splitlines()
 
     def strict(token):
         raise ValueError(f"non-JSON token {token}")
+
     assert [json.loads(x, parse_constant=strict)["step"] for x in lines] == [1, 2, 3]
 
 
 def test_a_diverging_run_writes_null_not_nan(tmp_path):
     out = tmp_path / "run"
-    assert main(["train"] + sets(TINY + ["train.steps=3", "train.lr=1e30", "train.min_lr=1e30", "train.clip_grad=0", "train.on_nonfinite=skip",
-                                         f"train.out_dir={out}"])) == 0
+    assert (
+        main(
+            ["train"]
+            + sets(
+                TINY
+                + [
+                    "train.steps=3",
+                    "train.lr=1e30",
+                    "train.min_lr=1e30",
+                    "train.clip_grad=0",
+                    "train.on_nonfinite=skip",
+                    f"train.out_dir={out}",
+                ]
+            )
+        )
+        == 0
+    )
 
     def strict(token):
         raise ValueError(f"non-JSON token {token}")
-    records = [json.loads(x, parse_constant=strict) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    records = [
+        json.loads(x, parse_constant=strict)
+        for x in (out / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(records) == 3 and any(r["loss"] is None or r["grad_norm"] is None for r in records)

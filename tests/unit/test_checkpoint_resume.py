@@ -13,25 +13,42 @@ import shutil
 import pytest
 import torch
 
+from bumblebee import load_config
 from bumblebee.cli import main
 from bumblebee.config import ConfigError
-from bumblebee import load_config
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.checkpoint import MARKER, find_checkpoint, read_marker
 from bumblebee.runtime.integrity import file_checksum
 from bumblebee.runtime.trainer import Trainer
 
 STEPS = 4
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.intermediate_size=48", "model.arch.num_experts=4",
-        "model.arch.num_experts_per_tok=2", "model.arch.mlp_only_layers=[1]", "primitives.loss=ce",
-        "primitives.recompute=none", "train.seq_len=64",
-        "train.global_batch=2", "data.min_records=2", "data.max_records=4", "train.lr=1e-2",
-        "train.warmup_steps=1", "train.deterministic=true", f"train.steps={STEPS}", "train.save_every=2"]
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.intermediate_size=48",
+    "model.arch.num_experts=4",
+    "model.arch.num_experts_per_tok=2",
+    "model.arch.mlp_only_layers=[1]",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "train.seq_len=64",
+    "train.global_batch=2",
+    "data.min_records=2",
+    "data.max_records=4",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+    "train.deterministic=true",
+    f"train.steps={STEPS}",
+    "train.save_every=2",
+]
 
 
 def trainer(out_dir, *extra) -> Trainer:
-    return Trainer(load_config(None, BASE + [*extra, f"train.out_dir={out_dir}"]), stream=io.StringIO())
+    return Trainer(
+        load_config(None, BASE + [*extra, f"train.out_dir={out_dir}"]), stream=io.StringIO()
+    )
 
 
 def run(t: Trainer) -> list[float]:
@@ -61,6 +78,7 @@ def test_resume_is_bit_identical(full_run, tmp_path):
 def noisy(t: Trainer) -> Trainer:
     """Make the step depend on the global generators: noise from torch's RNG, scaled by a
     draw from Python's, on the embedding output (training itself draws no random numbers)."""
+
     def hook(module, args, out):
         return out + torch.randn_like(out) * (0.05 + 0.05 * random.random())
 
@@ -70,8 +88,12 @@ def noisy(t: Trainer) -> Trainer:
 
 def test_resume_restores_the_random_generators(tmp_path):
     full = run(noisy(trainer(tmp_path / "a")))
-    assert full != run(trainer(tmp_path / "b", "train.save_every=0"))  # the noise does change the losses
-    resumed = noisy(trainer(tmp_path / "c", f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002'}"))
+    assert full != run(
+        trainer(tmp_path / "b", "train.save_every=0")
+    )  # the noise does change the losses
+    resumed = noisy(
+        trainer(tmp_path / "c", f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002'}")
+    )
     assert resumed.step == 2 and run(resumed) == full[2:]
 
 
@@ -86,7 +108,9 @@ def test_auto_takes_the_newest_complete_checkpoint(full_run, tmp_path):
     notes = []
     assert find_checkpoint("auto", str(tmp_path), notes.append) == str(ckpts / "step_00000004")
     assert len(notes) == 1 and "step_00000006: truncated checkpoint" in notes[0]
-    assert find_checkpoint(str(tmp_path), "unused") == str(ckpts / "step_00000004")  # a run directory
+    assert find_checkpoint(str(tmp_path), "unused") == str(
+        ckpts / "step_00000004"
+    )  # a run directory
     os.remove(ckpts / "step_00000004" / MARKER)
     t = trainer(tmp_path, "train.resume=auto")  # continues from step 2 and finishes the run
     assert t.step == 2 and run(t) == losses[2:]
@@ -164,7 +188,9 @@ def test_metadata_is_not_unpickled_beyond_plain_data(ckpt, monkeypatch):
     (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload()))
     info = json.loads((ckpt / MARKER).read_text())
     info["files"][".metadata"] = os.path.getsize(ckpt / ".metadata")
-    info["checksums"][".metadata"] = file_checksum(ckpt / ".metadata")  # a checksum is no defence against tampering
+    info["checksums"][".metadata"] = file_checksum(
+        ckpt / ".metadata"
+    )  # a checksum is no defence against tampering
     (ckpt / MARKER).write_text(json.dumps(info))
     assert "refusing to load posix.system" in resume_error(ckpt)
     assert not (ckpt / "PWNED").exists()
@@ -174,7 +200,11 @@ def test_cli_errors_are_one_line(ckpt, tmp_path, capsys):
     os.remove(ckpt / MARKER)
     assert main(["train", "--resume", str(ckpt), "--set", f"train.out_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("bumblebee: error:") and "incomplete checkpoint" in err and err.count("\n") == 1
+    assert (
+        err.startswith("bumblebee: error:")
+        and "incomplete checkpoint" in err
+        and err.count("\n") == 1
+    )
     assert main(["convert", "--to", "hf", str(ckpt), str(tmp_path / "hf")]) == 2
     assert "incomplete checkpoint" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="train.resume: no such directory"):

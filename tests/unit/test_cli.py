@@ -12,16 +12,20 @@ from bumblebee.cli import main
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "bumblebee.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "bumblebee.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("args", [
-    ["train", "--set", "train.steps=-2"],
-    ["train", "--set", "primitives.experts=fast"],
-    ["train", "--config", "/does/not/exist.toml"],
-    ["train", "--set", "model.arch.num_attention_heads=3"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--set", "train.steps=-2"],
+        ["train", "--set", "primitives.experts=fast"],
+        ["train", "--config", "/does/not/exist.toml"],
+        ["train", "--set", "model.arch.num_attention_heads=3"],
+    ],
+)
 def test_bad_input_exits_2_with_one_line(args):
     r = run_cli(*args)
     assert r.returncode == 2
@@ -56,4 +60,6 @@ def test_cuda_allocator_default_is_expandable_segments_unless_set(monkeypatch, c
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert main(["primitives"]) == 0
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"  # the user's choice stays
+    assert (
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    )  # the user's choice stays

@@ -2,8 +2,8 @@
 
 import pytest
 
-from bumblebee.config import ConfigError, dump_toml, parse_override
 from bumblebee import load_config
+from bumblebee.config import ConfigError, dump_toml, parse_override
 
 
 def test_defaults_validate():
@@ -14,34 +14,44 @@ def test_defaults_validate():
 def test_toml_and_overrides(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[train]\nsteps = 7\nlr = 1e-3\n[primitives]\nexperts = "loop"\n')
-    cfg = load_config(str(f), ["train.steps=9", "model.arch.num_hidden_layers=2", "train.out_dir=x/y"])
+    cfg = load_config(
+        str(f), ["train.steps=9", "model.arch.num_hidden_layers=2", "train.out_dir=x/y"]
+    )
     assert cfg.train.steps == 9 and cfg.train.lr == 1e-3 and cfg.primitives.experts == "loop"
     assert cfg.model.arch == {"num_hidden_layers": 2} and cfg.train.out_dir == "x/y"
 
 
 def test_dump_roundtrip(tmp_path):
-    cfg = load_config(None, ["model.arch.num_hidden_layers=2", "primitives.recompute_modules=['norm']"])
+    cfg = load_config(
+        None, ["model.arch.num_hidden_layers=2", "primitives.recompute_modules=['norm']"]
+    )
     f = tmp_path / "c.toml"
     f.write_text(dump_toml(cfg))
     assert load_config(str(f)) == cfg
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["train.stepz=3"], "unknown key train.stepz"),
-    (["trian.steps=3"], "unknown section [trian]"),
-    (["train.steps=-1"], "train.steps must be a positive integer"),
-    (["train.steps=abc"], "expected an integer"),
-    (["primitives.loss=nope"], "unknown loss implementation 'nope'"),
-    (["primitives.linear_attention_cp=probe"], "primitives.linear_attention_cp must be 'scan' or 'relay'"),
-    (["model.arch.num_key_value_heads=3"], "must be divisible by num_key_value_heads"),
-    (["model.preset=huge"], "unknown qwen3_moe preset 'huge'"),
-    (["model.name=gpt2"], "unknown model.name"),
-    (["data.source=jsonl"], "needs data.path"),
-    (["data.source=jsonl", "data.path=/nonexistent.jsonl"], "data.path not found"),
-    (["train.dtype=fp8"], "train.dtype must be"),
-    (["model.hf_path=/nonexistent"], "no config.json"),
-    (["train.steps"], "expected section.key=value"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.stepz=3"], "unknown key train.stepz"),
+        (["trian.steps=3"], "unknown section [trian]"),
+        (["train.steps=-1"], "train.steps must be a positive integer"),
+        (["train.steps=abc"], "expected an integer"),
+        (["primitives.loss=nope"], "unknown loss implementation 'nope'"),
+        (
+            ["primitives.linear_attention_cp=probe"],
+            "primitives.linear_attention_cp must be 'scan' or 'relay'",
+        ),
+        (["model.arch.num_key_value_heads=3"], "must be divisible by num_key_value_heads"),
+        (["model.preset=huge"], "unknown qwen3_moe preset 'huge'"),
+        (["model.name=gpt2"], "unknown model.name"),
+        (["data.source=jsonl"], "needs data.path"),
+        (["data.source=jsonl", "data.path=/nonexistent.jsonl"], "data.path not found"),
+        (["train.dtype=fp8"], "train.dtype must be"),
+        (["model.hf_path=/nonexistent"], "no config.json"),
+        (["train.steps"], "expected section.key=value"),
+    ],
+)
 def test_invalid_overrides(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
@@ -75,7 +85,11 @@ def test_example_default_toml_is_the_embedded_default():
         out = {}
         for f in dataclasses.fields(c):
             v = getattr(c, f.name)
-            out.update(flat(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {prefix + f.name: v})
+            out.update(
+                flat(v, f"{prefix}{f.name}.")
+                if dataclasses.is_dataclass(v)
+                else {prefix + f.name: v}
+            )
         return out
 
     assert flat(load_config(str(example), [])) == flat(load_config(None, []))

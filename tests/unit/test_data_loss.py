@@ -23,21 +23,37 @@ from bumblebee.models.hf import from_hf
 from bumblebee.runtime.checkpoint import find_checkpoint, read_marker
 from bumblebee.runtime.outdir import LOCK_NAME, OutDirLock, _start_time
 
-TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
-        "primitives.loss=ce", "primitives.recompute=none", "primitives.attention=sdpa", "train.seq_len=32",
-        "train.global_batch=1", "data.min_records=1", "data.max_records=2", "train.warmup_steps=0"]
+TINY = [
+    "model.arch.num_hidden_layers=1",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.num_experts=2",
+    "model.arch.num_experts_per_tok=1",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "primitives.attention=sdpa",
+    "train.seq_len=32",
+    "train.global_batch=1",
+    "data.min_records=1",
+    "data.max_records=2",
+    "train.warmup_steps=0",
+]
 
 
 def train(out, *extra, resume=None) -> int:
-    argv = ["train"] + [a for s in TINY + list(extra) + [f"train.out_dir={out}"] for a in ("--set", s)]
+    argv = ["train"] + [
+        a for s in TINY + list(extra) + [f"train.out_dir={out}"] for a in ("--set", s)
+    ]
     return main(argv + (["--resume", str(resume)] if resume else []))
 
 
 @pytest.fixture(scope="module")
 def four_checkpoints(tmp_path_factory):
     out = tmp_path_factory.mktemp("run4")
-    assert train(out, "train.steps=4", "train.save_every=1", "train.keep_last=0", "train.lr=1e-3") == 0
+    assert (
+        train(out, "train.steps=4", "train.save_every=1", "train.keep_last=0", "train.lr=1e-3") == 0
+    )
     assert sorted(os.listdir(out / "checkpoints")) == [f"step_0000000{i}" for i in (1, 2, 3, 4)]
     return out
 
@@ -46,15 +62,30 @@ def test_resume_from_an_older_checkpoint_never_prunes_what_it_wrote(four_checkpo
     out = tmp_path / "run"
     shutil.copytree(four_checkpoints, out)
     ckpts = out / "checkpoints"
-    code = train(out, "train.steps=2", "train.save_every=1", "train.keep_last=1", "train.lr=5e-3",
-                 resume=ckpts / "step_00000001")
+    code = train(
+        out,
+        "train.steps=2",
+        "train.save_every=1",
+        "train.keep_last=1",
+        "train.lr=5e-3",
+        resume=ckpts / "step_00000001",
+    )
     assert code == 0
     assert sorted(n for n in os.listdir(ckpts) if n.startswith("step_")) == ["step_00000002"]
-    assert "lr = 0.005" in (ckpts / "step_00000002" / "config.toml").read_text()  # the new run's, not the stale one
-    (aside,) = os.listdir(out / "previous")  # the abandoned future, set aside with the record it belongs to
-    assert sorted(os.listdir(out / "previous" / aside / "checkpoints")) == ["step_00000002", "step_00000003",
-                                                                            "step_00000004"]
-    assert find_checkpoint("auto", str(out)) == str(ckpts / "step_00000002")  # what --resume auto / convert take
+    assert (
+        "lr = 0.005" in (ckpts / "step_00000002" / "config.toml").read_text()
+    )  # the new run's, not the stale one
+    (aside,) = os.listdir(
+        out / "previous"
+    )  # the abandoned future, set aside with the record it belongs to
+    assert sorted(os.listdir(out / "previous" / aside / "checkpoints")) == [
+        "step_00000002",
+        "step_00000003",
+        "step_00000004",
+    ]
+    assert find_checkpoint("auto", str(out)) == str(
+        ckpts / "step_00000002"
+    )  # what --resume auto / convert take
     assert read_marker(str(ckpts / "step_00000002"))["step"] == 2
 
 
@@ -62,10 +93,14 @@ def test_a_fresh_run_in_a_used_out_dir_sets_the_old_checkpoints_aside(four_check
     out = tmp_path / "run"
     shutil.copytree(four_checkpoints, out)
     assert train(out, "train.steps=1", "train.save_every=1", "train.keep_last=1") == 0
-    assert sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step_")) == ["step_00000001"]
+    assert sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step_")) == [
+        "step_00000001"
+    ]
 
 
-def test_convert_refuses_a_used_directory_and_overwrite_replaces_the_old_export(four_checkpoints, tmp_path, capsys):
+def test_convert_refuses_a_used_directory_and_overwrite_replaces_the_old_export(
+    four_checkpoints, tmp_path, capsys
+):
     run, d = four_checkpoints, tmp_path / "hf"
     assert main(["convert", "--to", "hf", str(run), str(d), "--max-shard-bytes", "10000"]) == 0
     assert (d / "model.safetensors.index.json").exists()
@@ -83,28 +118,44 @@ def test_convert_refuses_a_used_directory_and_overwrite_replaces_the_old_export(
         assert torch.equal(p, q), n
 
 
-@pytest.mark.parametrize("target, fragment", [
-    ("run", "a training run directory"), ("run/checkpoints/step_00000001", "a training checkpoint directory"),
-    ("run/checkpoints", "a training checkpoint directory"), ("run/config.toml", "not a directory"),
-    ("other", "holds none"),
-])
-def test_convert_never_writes_into_a_run_checkpoint_or_foreign_directory(four_checkpoints, tmp_path, capsys,
-                                                                         target, fragment):
+@pytest.mark.parametrize(
+    "target, fragment",
+    [
+        ("run", "a training run directory"),
+        ("run/checkpoints/step_00000001", "a training checkpoint directory"),
+        ("run/checkpoints", "a training checkpoint directory"),
+        ("run/config.toml", "not a directory"),
+        ("other", "holds none"),
+    ],
+)
+def test_convert_never_writes_into_a_run_checkpoint_or_foreign_directory(
+    four_checkpoints, tmp_path, capsys, target, fragment
+):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     os.symlink(four_checkpoints, tmp_path / "run")
-    before = {p: os.path.getsize(os.path.join(r, p)) for r, _, fs in os.walk(four_checkpoints) for p in fs}
-    assert main(["convert", "--to", "hf", str(four_checkpoints), str(tmp_path / target), "--overwrite"]) == 2
+    before = {
+        p: os.path.getsize(os.path.join(r, p)) for r, _, fs in os.walk(four_checkpoints) for p in fs
+    }
+    assert (
+        main(
+            ["convert", "--to", "hf", str(four_checkpoints), str(tmp_path / target), "--overwrite"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err, err
-    after = {p: os.path.getsize(os.path.join(r, p)) for r, _, fs in os.walk(four_checkpoints) for p in fs}
+    after = {
+        p: os.path.getsize(os.path.join(r, p)) for r, _, fs in os.walk(four_checkpoints) for p in fs
+    }
     assert after == before and (tmp_path / "other" / "notes.txt").read_text() == "mine"
 
 
 def _write_lock(out, pid, started):
     os.makedirs(out, exist_ok=True)
-    (out / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "started": started,
-                                             "since": "then"}))
+    (out / LOCK_NAME).write_text(
+        json.dumps({"host": socket.gethostname(), "pid": pid, "started": started, "since": "then"})
+    )
 
 
 def test_a_second_run_on_a_locked_out_dir_is_refused(tmp_path, capsys):
@@ -128,7 +179,9 @@ def test_a_lock_whose_pid_was_reused_is_stale(tmp_path):
     try:
         _write_lock(tmp_path, other.pid, "1")  # a live pid, but not the process that wrote the lock
         with OutDirLock(str(tmp_path), stream=open(os.devnull, "w")) as lock:
-            assert lock.owned and json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+            assert (
+                lock.owned and json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+            )
         assert not (tmp_path / LOCK_NAME).exists()
     finally:
         other.kill()

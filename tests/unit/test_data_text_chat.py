@@ -7,7 +7,6 @@ import random
 
 import numpy as np
 import pytest
-
 from data_helpers import conversation, make_tokenizer
 
 from bumblebee.data.encode import Encoder
@@ -45,10 +44,19 @@ def test_chat_mask_token_by_token(tok_dir):
         assert ids == want_ids
         assert mask == want_mask
     # the targets decode to exactly the assistant turns
-    rec = {"messages": [{"role": "user", "content": "the fox"}, {"role": "assistant", "content": "seven bees"},
-                        {"role": "user", "content": "a dog"}, {"role": "assistant", "content": "red flowers"}]}
+    rec = {
+        "messages": [
+            {"role": "user", "content": "the fox"},
+            {"role": "assistant", "content": "seven bees"},
+            {"role": "user", "content": "a dog"},
+            {"role": "assistant", "content": "red flowers"},
+        ]
+    }
     ids, mask = enc.encode(rec)
-    assert enc.tok.decode([i for i, m in zip(ids, mask) if m]) == "seven bees<|im_end|>\nred flowers<|im_end|>\n"
+    assert (
+        enc.tok.decode([i for i, m in zip(ids, mask) if m])
+        == "seven bees<|im_end|>\nred flowers<|im_end|>\n"
+    )
     ids_all, mask_all = Encoder("chat", tok_dir, chat_loss="all").encode(rec)
     assert ids_all == ids and all(mask_all)
 
@@ -78,14 +86,16 @@ def test_packed_labels_are_assistant_tokens(tok_dir, tmp_path):
     for r in range(rows.num_rows):
         ids, labels, pos = b.input_ids[r].tolist(), b.labels[r].tolist(), b.position_ids[r].tolist()
         starts = [t for t in range(len(ids)) if pos[t] == 0]
-        for s in starts[:int(rows.row_ptr[r + 1] - rows.row_ptr[r])]:
+        for s in starts[: int(rows.row_ptr[r + 1] - rows.row_ptr[r])]:
             want_ids, want_mask = expected[d]
             n = len(want_ids)
-            assert ids[s:s + n] == want_ids
-            want_labels = [want_ids[t + 1] if want_mask[t + 1] else IGNORE for t in range(n - 1)] + [IGNORE]
-            assert labels[s:s + n] == want_labels
+            assert ids[s : s + n] == want_ids
+            want_labels = [
+                want_ids[t + 1] if want_mask[t + 1] else IGNORE for t in range(n - 1)
+            ] + [IGNORE]
+            assert labels[s : s + n] == want_labels
             d += 1
-        assert all(x == IGNORE for x in labels[s + n:])  # padding after the last document
+        assert all(x == IGNORE for x in labels[s + n :])  # padding after the last document
     assert d == len(recs)
 
 
@@ -99,7 +109,9 @@ def test_parquet_and_datasets_dir_match_jsonl(tok_dir, tmp_path):
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     pq.write_table(pa.Table.from_pylist(recs), tmp_path / "c.parquet", row_group_size=7)
     datasets.Dataset.from_list(recs).save_to_disk(str(tmp_path / "ds"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(recs)}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(recs)}).save_to_disk(
+        str(tmp_path / "dd")
+    )
     enc = Encoder("chat", tok_dir)
     ref = encode_in_memory(str(tmp_path / "c.jsonl"), enc)
     for p in ("c.parquet", "ds", "dd"):
@@ -118,7 +130,12 @@ def test_prepare_is_independent_of_workers_and_memory_maps(tok_dir, tmp_path):
     s1, s2 = open_store(str(tmp_path / "w1")), open_store(str(tmp_path / "w2"))
     assert isinstance(s1.tokens, np.memmap)
     assert m1["documents"] == 600 and m1["tokens"] == m2["tokens"] == len(s1.tokens)
-    for a, b in ((s1.tokens, s2.tokens), (s1.mask, s2.mask), (s1.offsets, s2.offsets), (s1.doc_loss, s2.doc_loss)):
+    for a, b in (
+        (s1.tokens, s2.tokens),
+        (s1.mask, s2.mask),
+        (s1.offsets, s2.offsets),
+        (s1.doc_loss, s2.doc_loss),
+    ):
         assert np.array_equal(a, b)
     mem = encode_in_memory(str(path), enc)
     assert np.array_equal(mem.tokens, s1.tokens) and np.array_equal(mem.doc_loss, s1.doc_loss)
@@ -143,11 +160,21 @@ class Recorder:
 def test_tokens_source_reads_only_the_rows_asked_for(tmp_path):
     path = tmp_path / "t.jsonl"
     rng = random.Random(0)
-    path.write_text("".join(json.dumps({"input_ids": [rng.randrange(1, 50) for _ in range(rng.randint(3, 40))]})
-                            + "\n" for _ in range(200)))
+    path.write_text(
+        "".join(
+            json.dumps({"input_ids": [rng.randrange(1, 50) for _ in range(rng.randint(3, 40))]})
+            + "\n"
+            for _ in range(200)
+        )
+    )
     prepare(str(path), str(tmp_path / "out"), Encoder("tokens"), progress=False)
-    mk = lambda: TokenSource(open_store(str(tmp_path / "out")), seq_len=64, global_batch=8, seed=5,  # noqa: E731
-                             vocab_size=64)
+    mk = lambda: TokenSource(
+        open_store(str(tmp_path / "out")),
+        seq_len=64,
+        global_batch=8,
+        seed=5,  # noqa: E731
+        vocab_size=64,
+    )
     src = mk()
     for step in (0, 3, 40):  # 40: several epochs in
         full = src.global_batch_at(step)
@@ -163,7 +190,9 @@ def test_tokens_source_reads_only_the_rows_asked_for(tmp_path):
     rows = src._global_rows(7)[2:4]
     src.rows_at(7, 2, 4)
     pieces = [k for r in rows for k in range(src.rows.row_ptr[r], src.rows.row_ptr[r + 1])]
-    assert rec.reads == [(int(src.rows.start[k]), int(src.rows.start[k] + src.rows.piece_len[k])) for k in pieces]
+    assert rec.reads == [
+        (int(src.rows.start[k]), int(src.rows.start[k] + src.rows.piece_len[k])) for k in pieces
+    ]
 
 
 def test_over_long_documents_truncate_or_drop(tmp_path):
@@ -175,21 +204,31 @@ def test_over_long_documents_truncate_or_drop(tmp_path):
     assert cut.stats["truncated"] == 1 and cut.stats["dropped"] == 0
     b = cut.build(np.arange(cut.num_rows))
     assert b.input_ids[1].tolist() == list(range(1, 17))  # the first 16 tokens of the long document
-    assert cut.row_labels.tolist() == [int((b.labels[r] != IGNORE).sum()) for r in range(cut.num_rows)]
+    assert cut.row_labels.tolist() == [
+        int((b.labels[r] != IGNORE).sum()) for r in range(cut.num_rows)
+    ]
     drop = PackedRows(store, seq_len=16, too_long="drop")
     assert drop.stats["dropped"] == 1 and drop.stats["documents"] == 2 and drop.num_rows == 1
     assert drop.build(np.arange(1)).input_ids[0, :8].tolist() == [1, 2, 3, 4, 5, 7, 8, 9]
 
 
 BAD = [
-    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\nnot json\n',
-     ":2: not valid JSON"),
+    (
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\nnot json\n',
+        ":2: not valid JSON",
+    ),
     ('{"text": "hello"}\n', ":1: missing field 'messages'"),
     ('{"messages": []}\n', ":1: empty conversation"),
-    ('{"messages": [{"role": "user", "content": "only a question"}]}\n', ":1: no assistant message"),
-    ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "b"}]}\n', ":1: message 0:"),
+    (
+        '{"messages": [{"role": "user", "content": "only a question"}]}\n',
+        ":1: no assistant message",
+    ),
+    (
+        '{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "b"}]}\n',
+        ":1: message 0:",
+    ),
     (b'{"messages": "\xff\xfe"}\n', ":1: not UTF-8 text"),
-    ('[1, 2]\n', ":1: expected a JSON object"),
+    ("[1, 2]\n", ":1: expected a JSON object"),
 ]
 
 
@@ -205,12 +244,20 @@ def test_bad_chat_records_say_file_line_reason(tok_dir, tmp_path, text, msg):
 def test_skip_counts_bad_records(tok_dir, tmp_path):
     path = tmp_path / "mixed.jsonl"
     good = json.dumps(conversation(random.Random(0)))
-    path.write_bytes(("\n".join([good, "not json", '{"messages": []}', good, '{"messages": []}', ""]).encode()
-                      + b'{"messages": "\xff"}\n'))
+    path.write_bytes(
+
+            "\n".join([good, "not json", '{"messages": []}', good, '{"messages": []}', ""]).encode()
+            + b'{"messages": "\xff"}\n'
+
+    )
     enc = Encoder("chat", tok_dir)
     store = encode_in_memory(str(path), enc, on_error="skip")
     assert store.num_docs == 2
-    assert store.meta["skipped"] == {"not valid JSON": 1, "empty conversation": 2, "not UTF-8 text": 1}
+    assert store.meta["skipped"] == {
+        "not valid JSON": 1,
+        "empty conversation": 2,
+        "not UTF-8 text": 1,
+    }
     assert store.meta["skipped_total"] == 4
 
 
@@ -218,7 +265,9 @@ def test_bad_parquet_row_and_tokens_records(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist([{"input_ids": [1, 2]}, {"input_ids": []}]), tmp_path / "t.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"input_ids": [1, 2]}, {"input_ids": []}]), tmp_path / "t.parquet"
+    )
     with pytest.raises(DataError, match=r"t.parquet:row 2: 'input_ids' must be a non-empty list"):
         encode_in_memory(str(tmp_path / "t.parquet"), Encoder("tokens"))
     with pytest.raises(BadRecord, match="'loss_mask' must be"):

@@ -19,8 +19,17 @@ from bumblebee.cli import main
 from bumblebee.plan.cli import main as plan_main
 from bumblebee.runtime.resolve import check_run
 
-REQUIRED = ["model.hf_path", "train.steps", "train.lr", "train.warmup_steps", "train.min_lr", "train.save_every",
-            "train.out_dir", "data.source", "data.path"]
+REQUIRED = [
+    "model.hf_path",
+    "train.steps",
+    "train.lr",
+    "train.warmup_steps",
+    "train.min_lr",
+    "train.save_every",
+    "train.out_dir",
+    "data.source",
+    "data.path",
+]
 
 
 def emit(*args) -> str:
@@ -33,9 +42,17 @@ def emit(*args) -> str:
 def filled(tmp_path) -> dict[str, str]:
     data = tmp_path / "train.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
-    return {"model.hf_path": '""', "train.steps": "1000", "train.lr": "3e-4", "train.warmup_steps": "100",
-            "train.min_lr": "3e-5", "train.save_every": "200", "train.out_dir": f'"{tmp_path / "run"}"',
-            "data.source": '"jsonl"', "data.path": f'"{data}"'}
+    return {
+        "model.hf_path": '""',
+        "train.steps": "1000",
+        "train.lr": "3e-4",
+        "train.warmup_steps": "100",
+        "train.min_lr": "3e-5",
+        "train.save_every": "200",
+        "train.out_dir": f'"{tmp_path / "run"}"',
+        "data.source": '"jsonl"',
+        "data.path": f'"{data}"',
+    }
 
 
 def fill(text: str, values: dict[str, str]) -> str:
@@ -81,7 +98,16 @@ def test_real_size_config_refused_until_filled(tmp_path, capsys):
 
 
 def test_deepseek_config_names_no_router(tmp_path):
-    text = emit("--model", "deepseek-v3-671b", "--gpus", "256", "--seq", "32768", "--layout", "tp=1 pp=16 ep=8 cp=2")
+    text = emit(
+        "--model",
+        "deepseek-v3-671b",
+        "--gpus",
+        "256",
+        "--seq",
+        "32768",
+        "--layout",
+        "tp=1 pp=16 ep=8 cp=2",
+    )
     assert not re.search(r"^router\s*=", text, re.M)
     path = tmp_path / "run.toml"
     path.write_text(fill(text, filled(tmp_path)))

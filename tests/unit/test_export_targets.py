@@ -19,10 +19,22 @@ from bumblebee import load_config
 from bumblebee.cli import main
 from bumblebee.errors import CheckpointError
 
-SMALL = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-         "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
-         "primitives.loss=ce", "primitives.recompute=none", "primitives.attention=sdpa", "train.seq_len=32",
-         "train.global_batch=1", "data.min_records=1", "data.max_records=2", "train.warmup_steps=0"]
+SMALL = [
+    "model.arch.num_hidden_layers=1",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.num_experts=2",
+    "model.arch.num_experts_per_tok=1",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "primitives.attention=sdpa",
+    "train.seq_len=32",
+    "train.global_batch=1",
+    "data.min_records=1",
+    "data.max_records=2",
+    "train.warmup_steps=0",
+]
 
 
 def model(seed):
@@ -35,7 +47,9 @@ def model(seed):
 
 
 def same(a, b) -> bool:
-    return all(torch.equal(p, q) for (_, p), (_, q) in zip(a.named_parameters(), b.named_parameters()))
+    return all(
+        torch.equal(p, q) for (_, p), (_, q) in zip(a.named_parameters(), b.named_parameters())
+    )
 
 
 def files(d) -> dict[str, bytes]:
@@ -64,7 +78,9 @@ def test_engine_export_into_its_hf_path_is_refused(tmp_path):
     src = tmp_path / "src"
     bumblebee.to_hf(model(0), str(src))
     before = files(src)
-    engine = bumblebee.Engine(load_config(None, SMALL + [f"train.out_dir={tmp_path / 'out'}"]), hf_path=str(src))
+    engine = bumblebee.Engine(
+        load_config(None, SMALL + [f"train.out_dir={tmp_path / 'out'}"]), hf_path=str(src)
+    )
     with pytest.raises(CheckpointError, match="the model was loaded from"):
         engine.export_hf(str(src))
     assert files(src) == before
@@ -75,15 +91,26 @@ def run(tmp_path_factory):
     """A 1-step run started from a HF directory, with a checkpoint."""
     root = tmp_path_factory.mktemp("conv")
     bumblebee.to_hf(model(0), str(root / "src"))
-    argv = ["train"] + [a for s in SMALL + ["train.steps=1", "train.save_every=1", f"model.hf_path={root / 'src'}",
-                                            f"train.out_dir={root / 'run'}"] for a in ("--set", s)]
+    argv = ["train"] + [
+        a
+        for s in SMALL
+        + [
+            "train.steps=1",
+            "train.save_every=1",
+            f"model.hf_path={root / 'src'}",
+            f"train.out_dir={root / 'run'}",
+        ]
+        for a in ("--set", s)
+    ]
     assert main(argv) == 0
     return root
 
 
 def test_convert_overwrite_keeps_files_it_did_not_write(run, tmp_path):
     d = tmp_path / "hf"
-    assert main(["convert", "--to", "hf", str(run / "run"), str(d), "--max-shard-bytes", "20000"]) == 0
+    assert (
+        main(["convert", "--to", "hf", str(run / "run"), str(d), "--max-shard-bytes", "20000"]) == 0
+    )
     (d / "adapter_model.safetensors").write_bytes(b"an adapter")
     (d / "adapter_config.json").write_text("{}")
     assert main(["convert", "--to", "hf", str(run / "run"), str(d), "--overwrite"]) == 0

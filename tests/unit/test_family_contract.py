@@ -59,8 +59,15 @@ TINY = {**PRESETS["qwen3_moe"]["tiny"], "model_type": "parallel_moe", "num_hidde
 
 @pytest.fixture
 def family():
-    fam = register_family(Family(name="parallel_moe", arch=ParallelArch, model=ParallelMoe, presets={"tiny": TINY},
-                                 hf_model_types=("parallel_moe",)))
+    fam = register_family(
+        Family(
+            name="parallel_moe",
+            arch=ParallelArch,
+            model=ParallelMoe,
+            presets={"tiny": TINY},
+            hf_model_types=("parallel_moe",),
+        )
+    )
     yield fam
     del FAMILIES["parallel_moe"]
 
@@ -68,8 +75,18 @@ def family():
 def test_stand_in_family_trains_through_the_runtime(family, tmp_path):
     from bumblebee.runtime.trainer import Trainer
 
-    cfg = load_config(None, ["model.name=parallel_moe", "train.steps=6", "train.seq_len=512", "train.lr=1e-2",
-                             f"train.out_dir={tmp_path}", "train.warmup_steps=0", "data.max_records=16"])
+    cfg = load_config(
+        None,
+        [
+            "model.name=parallel_moe",
+            "train.steps=6",
+            "train.seq_len=512",
+            "train.lr=1e-2",
+            f"train.out_dir={tmp_path}",
+            "train.warmup_steps=0",
+            "data.max_records=16",
+        ],
+    )
     trainer = Trainer(cfg, stream=io.StringIO())
     assert isinstance(trainer.model, ParallelMoe)
     losses = [trainer.train_step()["loss"] for _ in range(6)]
@@ -82,9 +99,13 @@ def test_stand_in_family_is_planned_and_exported(family, tmp_path):
 
     spec, _ = load_spec("parallel_moe/tiny")
     model = build_model(resolve_arch(load_config(None, ["model.name=parallel_moe"]).model))
-    assert spec.family == "parallel_moe"  # the planner read the family's own spec (one norm per layer
+    assert (
+        spec.family == "parallel_moe"
+    )  # the planner read the family's own spec (one norm per layer
     # fewer than the Qwen3 arithmetic it inherits: within 0.1%)
-    assert spec.num_params()["total"] == pytest.approx(sum(p.numel() for p in model.parameters()), rel=1e-3)
+    assert spec.num_params()["total"] == pytest.approx(
+        sum(p.numel() for p in model.parameters()), rel=1e-3
+    )
     to_hf(model, str(tmp_path / "hf"))
     back = from_hf(str(tmp_path / "hf"))
     ids = torch.randint(0, 256, (1, 32))

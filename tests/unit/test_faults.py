@@ -15,8 +15,8 @@ import zlib
 import pytest
 import torch
 
-from bumblebee.cli import main
 from bumblebee import load_config
+from bumblebee.cli import main
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime import integrity
 from bumblebee.runtime.failures import classify, diagnose, first_failure
@@ -24,32 +24,62 @@ from bumblebee.runtime.nonfinite import NonFiniteError
 from bumblebee.runtime.signals import Preempted
 from bumblebee.runtime.trainer import Trainer
 
-BASE = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.intermediate_size=48", "model.arch.num_experts=4",
-        "model.arch.num_experts_per_tok=2", "model.arch.mlp_only_layers=[1]", "primitives.loss=ce",
-        "primitives.recompute=none", "train.seq_len=64", "train.global_batch=2", "data.min_records=2",
-        "data.max_records=4", "train.lr=1e-2", "train.warmup_steps=1", "train.deterministic=true", "train.steps=4"]
+BASE = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.intermediate_size=48",
+    "model.arch.num_experts=4",
+    "model.arch.num_experts_per_tok=2",
+    "model.arch.mlp_only_layers=[1]",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "train.seq_len=64",
+    "train.global_batch=2",
+    "data.min_records=2",
+    "data.max_records=4",
+    "train.lr=1e-2",
+    "train.warmup_steps=1",
+    "train.deterministic=true",
+    "train.steps=4",
+]
 
 
 def trainer(out_dir, *extra) -> Trainer:
-    return Trainer(load_config(None, BASE + [*extra, f"train.out_dir={out_dir}"]), stream=io.StringIO())
+    return Trainer(
+        load_config(None, BASE + [*extra, f"train.out_dir={out_dir}"]), stream=io.StringIO()
+    )
 
 
 # ------------------------------------------------------------------------------ root cause
 def _report(rank, t, exc):
-    return {"rank": rank, "time_ns": t, "kind": classify(exc), "error": f"{type(exc).__name__}: {exc}"}
+    return {
+        "rank": rank,
+        "time_ns": t,
+        "kind": classify(exc),
+        "error": f"{type(exc).__name__}: {exc}",
+    }
 
 
 def test_root_cause_wins_whatever_the_arrival_order():
     cause = ValueError("bad sample in shard 1")
-    echoes = [RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234"),
-              RuntimeError("Gloo connectFullMesh failed ... Connection reset by peer"),
-              RuntimeError("[../gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]: Broken pipe")]
-    for times in itertools.permutations(range(4)):  # the echoes may even be stamped before the cause
-        reports = {1: _report(1, times[0], cause), **{r: _report(r, times[i], e)
-                                                      for i, (r, e) in enumerate(zip((0, 2, 3), echoes), 1)}}
-        assert diagnose(reports, 4) == ("rank 1 failed first (exit 1): ValueError: bad sample in shard 1; "
-                                        "3 other ranks stopped after it")
+    echoes = [
+        RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234"),
+        RuntimeError("Gloo connectFullMesh failed ... Connection reset by peer"),
+        RuntimeError("[../gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]: Broken pipe"),
+    ]
+    for times in itertools.permutations(
+        range(4)
+    ):  # the echoes may even be stamped before the cause
+        reports = {
+            1: _report(1, times[0], cause),
+            **{r: _report(r, times[i], e) for i, (r, e) in enumerate(zip((0, 2, 3), echoes), 1)},
+        }
+        assert diagnose(reports, 4) == (
+            "rank 1 failed first (exit 1): ValueError: bad sample in shard 1; "
+            "3 other ranks stopped after it"
+        )
     two = {0: _report(0, 5, ValueError("late")), 3: _report(3, 2, KeyError("early"))}
     assert diagnose(two, 4).startswith("rank 3 failed first (exit 1): KeyError")
 
@@ -67,11 +97,19 @@ def test_first_failure_prefers_a_rank_that_stopped_by_itself():
 
 def test_silent_rank_is_blamed_for_the_echoes():
     peer = {0: _report(0, 1, RuntimeError("Connection closed by peer"))}
-    assert diagnose(peer, 2, (1, -9)).startswith("rank 1 failed first (killed by SIGKILL); rank 0 then saw")
+    assert diagnose(peer, 2, (1, -9)).startswith(
+        "rank 1 failed first (killed by SIGKILL); rank 0 then saw"
+    )
     # the agent stopped rank 0 before it saw the loss: no report from either rank
     assert diagnose({}, 2, (1, 17)) == "rank 1 failed first (exit 17)"
-    hung = {0: _report(0, 1, RuntimeError("[gloo] Timed out waiting 3000ms for recv operation to complete"))}
-    assert diagnose(hung, 2).startswith("rank 1 did not arrive at a collective within train.collective_timeout_s")
+    hung = {
+        0: _report(
+            0, 1, RuntimeError("[gloo] Timed out waiting 3000ms for recv operation to complete")
+        )
+    }
+    assert diagnose(hung, 2).startswith(
+        "rank 1 did not arrive at a collective within train.collective_timeout_s"
+    )
 
 
 # ------------------------------------------------------------------------------ integrity
@@ -95,19 +133,31 @@ def test_flipped_byte_is_refused_by_verify_and_by_load(saved, tmp_path, capsys):
     assert marker["hash"] == "crc32" and set(marker["checksums"]) == set(marker["files"])
     assert main(["checkpoint", "verify", str(saved)]) == 0
     assert capsys.readouterr().out.count("bumblebee: ok ") == 2
-    victim = max((p for p in ckpt.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    victim = max(
+        (p for p in ckpt.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size
+    )
     _flip_byte(victim)
     assert main(["checkpoint", "verify", str(ckpt)]) == 1
     err = capsys.readouterr().err
     assert f"corrupt checkpoint: {victim.name} has crc32" in err and err.count("\n") == 1
     with pytest.raises(CheckpointError, match=f"corrupt checkpoint: {victim.name}"):
         trainer(tmp_path, f"train.resume={ckpt}")
-    assert main(["train", *sum((["--set", x] for x in BASE), []), "--set", f"train.out_dir={tmp_path}",
-                 "--resume", str(ckpt)]) == 2
+    assert (
+        main(
+            [
+                "train",
+                *sum((["--set", x] for x in BASE), []),
+                "--set",
+                f"train.out_dir={tmp_path}",
+                "--resume",
+                str(ckpt),
+            ]
+        )
+        == 2
+    )
     assert "corrupt checkpoint" in capsys.readouterr().err
     _flip_byte(victim)  # flipped back: intact again
     assert main(["checkpoint", "verify", str(ckpt)]) == 0
-
 
 
 def test_every_checkpoint_file_is_verified(saved, tmp_path, capsys):
@@ -142,13 +192,14 @@ def test_corruption_before_the_last_hash_block_is_found(saved, tmp_path, monkeyp
     monkeypatch.setattr(integrity, "_CHUNK", 4096)
     ckpt = tmp_path / "step_00000004"
     shutil.copytree(saved / "checkpoints" / "step_00000004", ckpt)
-    assert main(["checkpoint", "verify", str(ckpt)]) == 0  # the sum does not depend on the block size
+    assert (
+        main(["checkpoint", "verify", str(ckpt)]) == 0
+    )  # the sum does not depend on the block size
     victim = max(ckpt.iterdir(), key=lambda p: p.stat().st_size)
     assert victim.stat().st_size > 4 * 4096
     _flip_byte(victim, at=10)
     assert main(["checkpoint", "verify", str(ckpt)]) == 1
     assert f"corrupt checkpoint: {victim.name}" in capsys.readouterr().err
-
 
 
 def test_a_marker_without_checksums_is_not_verified(saved, tmp_path, capsys):
@@ -163,22 +214,37 @@ def test_a_marker_without_checksums_is_not_verified(saved, tmp_path, capsys):
         assert main(["checkpoint", "verify", str(ckpt)]) == 1
         out, err = capsys.readouterr()
         assert "ok" not in out and err.count("\n") == 1, (out, err)
-        assert f"NOT VERIFIED {ckpt}: {len(info['files']) - len(sums)} of {len(info['files'])} files have no " \
-               f"checksum" in err and "only their sizes were checked" in err, err
-
+        assert (
+            f"NOT VERIFIED {ckpt}: {len(info['files']) - len(sums)} of {len(info['files'])} files have no "
+            f"checksum"
+            in err
+            and "only their sizes were checked" in err
+        ), err
 
 
 def test_resume_past_train_steps_says_there_is_nothing_to_train(saved, tmp_path, capsys):
     """A checkpoint at step 4 with train.steps = 3 used to end at once with exit 0; = 4 says so."""
     ckpt = saved / "checkpoints" / "step_00000004"
-    argv = ["train", *sum((["--set", x] for x in BASE), []), "--set", f"train.out_dir={tmp_path}", "--resume", str(ckpt)]
+    argv = [
+        "train",
+        *sum((["--set", x] for x in BASE), []),
+        "--set",
+        f"train.out_dir={tmp_path}",
+        "--resume",
+        str(ckpt),
+    ]
     assert main(argv + ["--set", "train.steps=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("bumblebee: error: train.steps = 3 but the checkpoint it resumes is at step 4: nothing to "
-                       "train; set train.steps above 4 to continue it"), err
+    assert err[-1] == (
+        "bumblebee: error: train.steps = 3 but the checkpoint it resumes is at step 4: nothing to "
+        "train; set train.steps above 4 to continue it"
+    ), err
     assert not (tmp_path / "metrics.jsonl").exists()
     stream = io.StringIO()
-    Trainer(load_config(None, BASE + [f"train.out_dir={tmp_path / 'same'}", f"train.resume={ckpt}"]), stream=stream)
+    Trainer(
+        load_config(None, BASE + [f"train.out_dir={tmp_path / 'same'}", f"train.resume={ckpt}"]),
+        stream=stream,
+    )
     assert "the checkpoint is at train.steps = 4 already: nothing to train" in stream.getvalue()
 
 
@@ -239,19 +305,25 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path):
     path = str(tmp_path / "run" / "checkpoints" / "step_00000003")
     assert (e.value.step, e.value.path, e.value.exit_code) == (3, path, 128 + signal.SIGTERM)
     assert str(e.value) == f"preempted at step 3 (SIGTERM); saved {path}; resume with --resume auto"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored (pytest's default)
+    assert (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    )  # handlers restored (pytest's default)
     resumed = trainer(tmp_path / "run", "train.steps=5", "train.resume=auto")
     assert resumed.step == 3
     resumed.run()
-    assert [r["loss"] for r in resumed.metrics.history] == [r["loss"] for r in full.metrics.history][3:]
+    assert [r["loss"] for r in resumed.metrics.history] == [
+        r["loss"] for r in full.metrics.history
+    ][3:]
 
 
 def test_second_signal_stops_at_once(tmp_path):
-    code = ("import os, signal, sys, time\n"
-            "from bumblebee.runtime.signals import Preemption\n"
-            "with Preemption() as p:\n"
-            "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1); assert p.signum == signal.SIGUSR1\n"
-            "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(5); sys.exit(0)\n")
+    code = (
+        "import os, signal, sys, time\n"
+        "from bumblebee.runtime.signals import Preemption\n"
+        "with Preemption() as p:\n"
+        "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1); assert p.signum == signal.SIGUSR1\n"
+        "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(5); sys.exit(0)\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert r.returncode == -signal.SIGUSR1, r.stderr
 

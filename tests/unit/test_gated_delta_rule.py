@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from bumblebee import registry
 from bumblebee.primitives.linear_attention.conv import causal_conv1d
 from bumblebee.primitives.linear_attention.gated_delta_rule import (
-    gated_delta_rule_chunked, gated_delta_rule_recurrent)
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+)
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
 from bumblebee.primitives.packed import DocLayout, doc_layout
 from bumblebee.primitives.recompute import NoRecompute
@@ -57,11 +59,16 @@ def run(fn, tensors, layout, with_state):
     q, k, v, g, beta, S0 = (t.clone().requires_grad_() for t in tensors)
     o, S = fn(q, k, v, g, beta, layout, S0 if with_state else None)
     gen = torch.Generator().manual_seed(1)
-    ((o * torch.randn(o.shape, generator=gen)).sum() + (S * torch.randn(S.shape, generator=gen)).sum()).backward()
+    (
+        (o * torch.randn(o.shape, generator=gen)).sum()
+        + (S * torch.randn(S.shape, generator=gen)).sum()
+    ).backward()
     return o, S, [t.grad for t in (q, k, v, g, beta, S0) if t.grad is not None]
 
 
-@pytest.mark.parametrize("T,G,H,decay", [(1, 1, 1, 1.0), (63, 2, 2, 1.0), (130, 2, 4, 1.0), (100, 1, 3, 12.0)])
+@pytest.mark.parametrize(
+    "T,G,H,decay", [(1, 1, 1, 1.0), (63, 2, 2, 1.0), (130, 2, 4, 1.0), (100, 1, 3, 12.0)]
+)
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunked_equals_recurrent(T, G, H, decay, with_state):
     tensors = inputs(2, T, G, H, decay=decay)
@@ -94,8 +101,15 @@ def test_packed_row_equals_documents(fn):
     start = 0
     for i, n in enumerate(lengths):
         sl = slice(start, start + n)
-        o_doc, S_doc = fn(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], single(1, n),
-                          S0 if i == 0 else None)  # the initial state belongs to the first document only
+        o_doc, S_doc = fn(
+            q[:, sl],
+            k[:, sl],
+            v[:, sl],
+            g[:, sl],
+            beta[:, sl],
+            single(1, n),
+            S0 if i == 0 else None,
+        )  # the initial state belongs to the first document only
         close(o[:, sl], o_doc, f"document {i}")
         start += n
     close(S, S_doc, "final state = last document's state")
@@ -123,11 +137,15 @@ def test_conv_matches_conv1d_and_carries_window():
     y, _ = causal_conv1d(x, w, single(2, 30))
     ref = F.conv1d(x.transpose(1, 2), w[:, None], padding=3, groups=6)[..., :30].transpose(1, 2)
     close(y, ref, "conv")
-    pos = torch.stack([torch.arange(30), torch.cat([torch.arange(11), torch.arange(2), torch.arange(17)])])
+    pos = torch.stack(
+        [torch.arange(30), torch.cat([torch.arange(11), torch.arange(2), torch.arange(17)])]
+    )
     y_full, win_full = causal_conv1d(x, w, doc_layout(pos))
     for split in (1, 2, 12, 13, 29):
         y1, win = causal_conv1d(x[:, :split], w, doc_layout(pos[:, :split]))
-        win = win * (pos[:, split] != 0)[:, None, None]  # a row whose second part starts a document: no carry
+        win = (
+            win * (pos[:, split] != 0)[:, None, None]
+        )  # a row whose second part starts a document: no carry
         y2, win2 = causal_conv1d(x[:, split:], w, doc_layout(pos[:, split:]), win)
         close(torch.cat([y1, y2], dim=1), y_full, f"conv split {split}")
         close(win2, win_full, f"conv window split {split}")
@@ -138,8 +156,17 @@ def test_conv_matches_conv1d_and_carries_window():
 
 def make_layer(core, seed=0):
     torch.manual_seed(seed)
-    layer = GatedDeltaNet(hidden=24, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6,
-                          conv_kernel=4, eps=1e-6, core=core, recompute=NoRecompute())
+    layer = GatedDeltaNet(
+        hidden=24,
+        num_k_heads=2,
+        num_v_heads=4,
+        head_k_dim=8,
+        head_v_dim=6,
+        conv_kernel=4,
+        eps=1e-6,
+        core=core,
+        recompute=NoRecompute(),
+    )
     with torch.no_grad():
         for p in layer.parameters():
             if p.dim() > 1:
@@ -149,7 +176,9 @@ def make_layer(core, seed=0):
 
 def test_layer_packed_split_and_implementations():
     x = torch.randn(2, 90, 24, generator=torch.Generator().manual_seed(0))
-    pos = torch.stack([torch.arange(90), torch.cat([torch.arange(3), torch.arange(60), torch.arange(27)])])
+    pos = torch.stack(
+        [torch.arange(90), torch.cat([torch.arange(3), torch.arange(60), torch.arange(27)])]
+    )
     ref_layer, layer = make_layer(gated_delta_rule_recurrent), make_layer(gated_delta_rule_chunked)
     y_ref, _ = ref_layer(x, doc_layout(pos))
     y, state = layer(x, doc_layout(pos))

@@ -16,7 +16,11 @@ def run(module, *xs, fn=None):
     y = y[0] if isinstance(y, tuple) else y
     g = torch.Generator().manual_seed(3)
     (y * torch.randn(y.shape, generator=g)).sum().backward()
-    out = y.detach(), [x.grad for x in xs], {n: p.grad.clone() for n, p in module.named_parameters()}
+    out = (
+        y.detach(),
+        [x.grad for x in xs],
+        {n: p.grad.clone() for n, p in module.named_parameters()},
+    )
     module.zero_grad()
     return out
 
@@ -28,9 +32,13 @@ def test_gated_norm_blocks_equal_one_call(monkeypatch):
         norm.weight.uniform_(0.5, 1.5)
     x, z = torch.randn(2, 13, 3, 8), torch.randn(2, 13, 3, 8)
     whole = run(norm, x, z)
-    monkeypatch.setattr(gdn, "NORM_BLOCK", 5)  # 26 tokens > 2 x 5: blocks across the row boundary, a short last one
+    monkeypatch.setattr(
+        gdn, "NORM_BLOCK", 5
+    )  # 26 tokens > 2 x 5: blocks across the row boundary, a short last one
     blocked = run(norm, x, z)
-    for a, b in zip([whole[0], *whole[1], whole[2]["weight"]], [blocked[0], *blocked[1], blocked[2]["weight"]]):
+    for a, b in zip(
+        [whole[0], *whole[1], whole[2]["weight"]], [blocked[0], *blocked[1], blocked[2]["weight"]]
+    ):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
@@ -42,5 +50,7 @@ def test_conv_channel_blocks_equal_one_call():
     lay = doc_layout(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5], list(range(9))]))
     whole = run(conv, x, init, fn=lambda a, b: conv(a, lay, b, torch.nn.functional.silu, block=12))
     blocked = run(conv, x, init, fn=lambda a, b: conv(a, lay, b, torch.nn.functional.silu, block=5))
-    for a, b in zip([whole[0], *whole[1], whole[2]["weight"]], [blocked[0], *blocked[1], blocked[2]["weight"]]):
+    for a, b in zip(
+        [whole[0], *whole[1], whole[2]["weight"]], [blocked[0], *blocked[1], blocked[2]["weight"]]
+    ):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

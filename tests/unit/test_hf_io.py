@@ -15,10 +15,9 @@ import os
 
 import pytest
 import torch
+import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
-import transformers  # noqa: E402  (the [test] extra; conftest.py stops the run without it)
 
 import bumblebee  # noqa: E402
 from bumblebee.models import build_model  # noqa: E402
@@ -26,10 +25,21 @@ from bumblebee.models.arch import Qwen3MoeArch  # noqa: E402
 from bumblebee.models.hf import CheckpointError  # noqa: E402
 
 VOCAB = 97
-ARCH = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-            max_position_embeddings=64)
+ARCH = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[1],
+    max_position_embeddings=64,
+)
 
 
 def bumblebee_model(seed=0, **overrides):
@@ -73,8 +83,13 @@ def read_tensors(directory) -> dict[str, torch.Tensor]:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+        )
+    )
 
 
 def input_ids(B=2, T=13, seed=1):
@@ -110,10 +125,26 @@ def test_load_save_round_trip_is_bit_identical(tmp_path, dtype, tied):
         assert same_bits(t, after[name]), f"{name} changed in the round trip"
     # The configs may spell keys differently (HF writes num_local_experts); read both through HF.
     cfg_src, cfg_dst = (transformers.AutoConfig.from_pretrained(p) for p in (src, dst))
-    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step",
-                "mlp_only_layers", "tie_word_embeddings", "rms_norm_eps", "rope_parameters", "dtype"):
+    for key in (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_experts",
+        "num_experts_per_tok",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "rope_parameters",
+        "dtype",
+    ):
         assert getattr(cfg_dst, key) == getattr(cfg_src, key), key
 
 
@@ -143,7 +174,9 @@ def test_sharded_save_writes_index_and_loads_in_both(tmp_path):
     assert sorted(shards) == sorted(n for n in os.listdir(tmp_path) if n.endswith(".safetensors"))
     stored = read_tensors(tmp_path)
     assert sorted(stored) == sorted(index["weight_map"])
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values())
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in stored.values()
+    )
 
     reloaded = bumblebee.from_hf(str(tmp_path))
     for (name, p), q in zip(model.named_parameters(), reloaded.parameters()):
@@ -212,9 +245,14 @@ def test_error_shape_mismatch_names_tensor(checkpoint):
     assert name in message and "shape" in message
 
 
-@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_norm.weight",
-                                  "model.layers.2.mlp.experts.3.up_proj.weight",
-                                  "lm_head.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.2.mlp.experts.3.up_proj.weight",
+        "lm_head.weight",
+    ],
+)
 def test_error_missing_tensor_names_it(checkpoint, name):
     rewrite_weights(checkpoint, lambda t: t.pop(name))
     assert name in load_error(checkpoint)

@@ -12,19 +12,28 @@ import pytest
 import torch
 
 import bumblebee
-from bumblebee.models import build_model, materialize, resolve_arch
 from bumblebee.config import ModelConfig
+from bumblebee.models import build_model, materialize, resolve_arch
 from bumblebee.primitives import init
 
 
-@pytest.mark.parametrize("shape", [(37,), (300, 7), (5, 1024, 1024), (9000, 600)])  # the last two: 2 blocks
+@pytest.mark.parametrize(
+    "shape", [(37,), (300, 7), (5, 1024, 1024), (9000, 600)]
+)  # the last two: 2 blocks
 def test_any_row_range_equals_the_rows_of_the_full_tensor(shape):
     fill = init.normal(0.02)
     full = torch.empty(shape)
     init.fill_rows(full, shape, 0, fill, seed=3, name="w")
     if math.prod(shape) > init.BLOCK_ELEMENTS:
-        assert init.rows_per_block(shape) < shape[0]  # several blocks: ranges cross a block boundary
-    for lo, hi in [(0, 1), (1, shape[0]), (shape[0] // 3, 2 * shape[0] // 3 + 1), (shape[0] - 1, shape[0])]:
+        assert (
+            init.rows_per_block(shape) < shape[0]
+        )  # several blocks: ranges cross a block boundary
+    for lo, hi in [
+        (0, 1),
+        (1, shape[0]),
+        (shape[0] // 3, 2 * shape[0] // 3 + 1),
+        (shape[0] - 1, shape[0]),
+    ]:
         part = torch.empty((hi - lo, *shape[1:]))
         init.fill_rows(part, shape, lo, fill, seed=3, name="w")
         assert torch.equal(part, full[lo:hi]), (lo, hi)
@@ -49,7 +58,9 @@ def test_meta_build_then_materialize_equals_direct_build(family):
     if family == "qwen3_5_moe":  # (1 + w) norms start at 0, GDN A_log = log U(0.01, 16), dt_bias 1
         assert torch.all(vectors["model.norm.weight"] == 0)
         a_log = vectors["model.layers.0.linear_attn.A_log"]
-        assert torch.all((a_log >= torch.log(torch.tensor(0.01))) & (a_log <= torch.log(torch.tensor(16.0))))
+        assert torch.all(
+            (a_log >= torch.log(torch.tensor(0.01))) & (a_log <= torch.log(torch.tensor(16.0)))
+        )
         assert torch.all(vectors["model.layers.0.linear_attn.dt_bias"] == 1)
     else:
         assert torch.all(vectors["model.norm.weight"] == 1)

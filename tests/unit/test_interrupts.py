@@ -8,29 +8,44 @@ import signal
 
 import pytest
 import torch
+from cli_helpers import sets
 from torch.distributed.checkpoint import FileSystemWriter
 
-from bumblebee.cli import main
-from cli_helpers import sets
 from bumblebee import load_config
+from bumblebee.cli import main
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.runtime.interrupts import interrupt_once
 from bumblebee.runtime.trainer import Trainer
 
-TINY = ["train.warmup_steps=1", "model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
-        "primitives.loss=ce", "primitives.recompute=none", "train.seq_len=32", "train.global_batch=1",
-        "data.min_records=1", "data.max_records=2"]
+TINY = [
+    "train.warmup_steps=1",
+    "model.arch.num_hidden_layers=1",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.num_experts=2",
+    "model.arch.num_experts_per_tok=1",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "train.seq_len=32",
+    "train.global_batch=1",
+    "data.min_records=1",
+    "data.max_records=2",
+]
 
 
-
-def test_ctrl_c_during_a_save_exits_130_with_one_line_and_no_partial_checkpoint(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_during_a_save_exits_130_with_one_line_and_no_partial_checkpoint(
+    tmp_path, capsys, monkeypatch
+):
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
     handler = signal.getsignal(signal.SIGINT)
-    code = main(["train"] + sets(TINY + ["train.steps=2", "train.save_every=1", f"train.out_dir={tmp_path}"]))
+    code = main(
+        ["train"]
+        + sets(TINY + ["train.steps=2", "train.save_every=1", f"train.out_dir={tmp_path}"])
+    )
     err = capsys.readouterr().err
     assert code == 130 and err == "bumblebee: interrupted\n", err
     assert list((tmp_path / "checkpoints").iterdir()) == []  # neither step_N nor a .tmp- directory
@@ -76,8 +91,17 @@ def test_a_batch_without_loss_tokens_is_skipped_counted_and_not_trained_on(tmp_p
     with open(data, "w") as f:  # two rows of 32 tokens: one with no loss token, one with
         f.write(json.dumps({"input_ids": list(range(1, 33)), "loss_mask": [0] * 32}) + "\n")
         f.write(json.dumps({"input_ids": list(range(1, 33))}) + "\n")
-    cfg = load_config(None, TINY + ["data.source=jsonl", f"data.path={data}", "train.steps=2",
-                                    f"train.out_dir={tmp_path / 'run'}", "train.warmup_steps=0"])
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            "data.source=jsonl",
+            f"data.path={data}",
+            "train.steps=2",
+            f"train.out_dir={tmp_path / 'run'}",
+            "train.warmup_steps=0",
+        ],
+    )
     t = Trainer(cfg)
     records = []
     for _ in range(2):

@@ -14,7 +14,10 @@ from bumblebee.config import PrimitivesConfig
 from bumblebee.primitives import dispatch
 from bumblebee.primitives.attention.flash import flash_varlen, reference_varlen_attn
 from bumblebee.primitives.attention.sdpa import sdpa_masked
-from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule, reference_chunk_gated_delta_rule
+from bumblebee.primitives.linear_attention.fla import (
+    fla_gated_delta_rule,
+    reference_chunk_gated_delta_rule,
+)
 from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_recurrent
 from bumblebee.primitives.packed import doc_layout
 
@@ -43,16 +46,23 @@ def test_flash_varlen_glue_matches_masked_sdpa():
 
 def gdn_inputs(G=2, H=4, K=8, V=6, T=24, B=2):
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(B, T, G, K, generator=g), torch.randn(B, T, G, K, generator=g),
-            torch.randn(B, T, H, V, generator=g), -torch.rand(B, T, H, generator=g),
-            torch.rand(B, T, H, generator=g), torch.randn(B, H, K, V, generator=g)]
+    return [
+        torch.randn(B, T, G, K, generator=g),
+        torch.randn(B, T, G, K, generator=g),
+        torch.randn(B, T, H, V, generator=g),
+        -torch.rand(B, T, H, generator=g),
+        torch.rand(B, T, H, generator=g),
+        torch.randn(B, H, K, V, generator=g),
+    ]
 
 
 def test_fla_glue_matches_recurrent_reference():
     xs = [x.requires_grad_() for x in gdn_inputs()]
     results = []
-    for fn in (lambda *a: fla_gated_delta_rule(*a, kernel=reference_chunk_gated_delta_rule),
-               gated_delta_rule_recurrent):
+    for fn in (
+        lambda *a: fla_gated_delta_rule(*a, kernel=reference_chunk_gated_delta_rule),
+        gated_delta_rule_recurrent,
+    ):
         o, S = fn(*xs[:5], layout(), xs[5])
         grads = torch.autograd.grad(o.square().sum() + S.square().sum(), xs)
         results.append((o, S, *grads))
@@ -66,8 +76,16 @@ def test_affine_scan_identity_through_fla_glue():
     q, k, v, g, beta, S_in = gdn_inputs(B=1)
     lay = doc_layout(torch.arange(24)[None])
     K, V = q.shape[-1], v.shape[-1]
-    run = lambda vv, h0: fla_gated_delta_rule(q, k, vv, g, beta, lay, h0,  # noqa: E731
-                                               kernel=reference_chunk_gated_delta_rule)
+    run = lambda vv, h0: fla_gated_delta_rule(
+        q,
+        k,
+        vv,
+        g,
+        beta,
+        lay,
+        h0,  # noqa: E731
+        kernel=reference_chunk_gated_delta_rule,
+    )
     v_ext = torch.cat([v, v.new_zeros(v.shape[:-1] + (K,))], -1)
     h0 = torch.cat([S_in.new_zeros(S_in.shape), torch.eye(K).expand(1, 4, K, K)], -1)
     o_ext, S_ext = run(v_ext, h0)
@@ -81,7 +99,9 @@ def test_affine_scan_identity_through_fla_glue():
 def test_fla_custom_op_has_fake_shapes_and_autograd():
     lay = layout()  # built outside: the layout reads real position ids
     with FakeTensorMode():
-        q, k, v, g, beta, h0 = (torch.empty(x.shape, device="meta", requires_grad=True) for x in gdn_inputs())
+        q, k, v, g, beta, h0 = (
+            torch.empty(x.shape, device="meta", requires_grad=True) for x in gdn_inputs()
+        )
         o, S = fla_gated_delta_rule(q, k, v, g, beta, lay, h0)
         (o.float().sum() + S.sum()).backward()
         assert o.shape == v.shape and S.shape == h0.shape and q.grad.shape == q.shape
@@ -99,12 +119,19 @@ def test_dispatch_table():
     absent = sel("linear_attention", "chunked", "cuda", "bfloat16", fla=False)
     assert absent.name == "torch_chunked" and "fla not installed" in absent.note
     table = dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=4, fla=True)
-    assert dispatch.describe(table) == ("attention: varlen_attn (flash); cp: ring of varlen_attn steps (flash); "
-                                        "linear_attention: fla chunk_gated_delta_rule")
-    assert set(dispatch.kernel_table(PrimitivesConfig(), "cpu", "float32")) == {"attention", "linear_attention"}
+    assert dispatch.describe(table) == (
+        "attention: varlen_attn (flash); cp: ring of varlen_attn steps (flash); "
+        "linear_attention: fla chunk_gated_delta_rule"
+    )
+    assert set(dispatch.kernel_table(PrimitivesConfig(), "cpu", "float32")) == {
+        "attention",
+        "linear_attention",
+    }
 
 
-@pytest.mark.parametrize("slot,impl", [("attention", "varlen"), ("cp", "ring"), ("linear_attention", "chunked")])
+@pytest.mark.parametrize(
+    "slot,impl", [("attention", "varlen"), ("cp", "ring"), ("linear_attention", "chunked")]
+)
 def test_dispatch_rows_cover_devices(slot, impl):
     rows = dispatch.rows(slot, impl)
     assert {r[0] for r in rows} == {"cuda", "cpu"} and all(r[2] for r in rows)
@@ -124,10 +151,20 @@ def test_fla_glue_states_only_for_edge_documents():
     seen = []
 
     def recording(*a, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):
-        seen.append((0 if initial_state is None else initial_state.shape[0], output_final_state,
-                     cu_seqlens.numel() - 1))
-        return reference_chunk_gated_delta_rule(*a, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                                output_final_state=output_final_state, **kw)
+        seen.append(
+            (
+                0 if initial_state is None else initial_state.shape[0],
+                output_final_state,
+                cu_seqlens.numel() - 1,
+            )
+        )
+        return reference_chunk_gated_delta_rule(
+            *a,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            output_final_state=output_final_state,
+            **kw,
+        )
 
     xs = [x.requires_grad_() for x in gdn_inputs(B=3)]
     results = []
@@ -163,5 +200,8 @@ def test_fla_custom_op_under_emulation():
     args = (*flat, xs[5][:2].detach().requires_grad_(), cu, 0.35, True)
     with emulate_cuda(check_comm=False):
         # not the aot_dispatch utils: the backward op runs autograd inside (bumblebee never compiles)
-        torch.library.opcheck(torch.ops.bumblebee.fla_gdn, args,
-                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        torch.library.opcheck(
+            torch.ops.bumblebee.fla_gdn,
+            args,
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+        )

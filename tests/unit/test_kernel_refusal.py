@@ -15,7 +15,9 @@ def cfg(*sets):
     return load_config(None, ["model.name=qwen3_5_moe", "model.preset=tiny", *sets])
 
 
-@pytest.mark.skipif(dispatch.package_present("fla"), reason="fla is installed: the fused kernel runs")
+@pytest.mark.skipif(
+    dispatch.package_present("fla"), reason="fla is installed: the fused kernel runs"
+)
 def test_cuda_without_fla_refuses_gated_deltanet():
     c = cfg("train.dtype='bfloat16'")
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[gpu\]'") as e:

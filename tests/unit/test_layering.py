@@ -25,23 +25,51 @@ PACKAGE = Path(__file__).parents[2] / "bumblebee"
 
 # first component under bumblebee/ -> layer
 LAYER_OF = {
-    "config": "core", "config_checks": "core", "console": "core", "registry": "core", "errors": "core", "report": "core", "report_inputs": "core", "__init__": "api",
-    "primitives": "primitives", "models": "models", "data": "data", "perf": "perf",
-    "runtime": "runtime", "rl": "rl", "plan": "plan", "cli": "cli", "__main__": "cli",
+    "config": "core",
+    "config_checks": "core",
+    "console": "core",
+    "registry": "core",
+    "errors": "core",
+    "report": "core",
+    "report_inputs": "core",
+    "__init__": "api",
+    "primitives": "primitives",
+    "models": "models",
+    "data": "data",
+    "perf": "perf",
+    "runtime": "runtime",
+    "rl": "rl",
+    "plan": "plan",
+    "cli": "cli",
+    "__main__": "cli",
     "integrations": "integrations",
 }
 BELOW_RUNTIME = {"core", "primitives", "models", "data", "perf"}
 ALLOWED = {
     "core": {"core"},  # a leaf: what needs models or the registry is checked in runtime/resolve.py
-    "api": {"api", "core", "models", "runtime", "rl"},  # the public facade (from_hf, Engine...), never plan
+    "api": {
+        "api",
+        "core",
+        "models",
+        "runtime",
+        "rl",
+    },  # the public facade (from_hf, Engine...), never plan
     "primitives": {"core", "primitives"},
     "models": {"core", "primitives", "models"},
     "data": {"core", "data"},
     "perf": {"core", "perf"},
     "runtime": BELOW_RUNTIME | {"api", "runtime"},
     "rl": BELOW_RUNTIME | {"api", "runtime", "rl"},
-    "integrations": BELOW_RUNTIME | {"api", "runtime", "rl", "integrations"},  # adapters to other frameworks
-    "plan": {"core", "primitives", "models", "perf", "runtime", "plan"},  # runtime: its resolver, for runnable configs
+    "integrations": BELOW_RUNTIME
+    | {"api", "runtime", "rl", "integrations"},  # adapters to other frameworks
+    "plan": {
+        "core",
+        "primitives",
+        "models",
+        "perf",
+        "runtime",
+        "plan",
+    },  # runtime: its resolver, for runnable configs
     "cli": set(LAYER_OF.values()),
 }
 
@@ -53,7 +81,9 @@ def module_name(path: Path) -> str:
 
 def is_module(dotted: str) -> bool:
     rel = Path(*dotted.split("."))
-    return (PACKAGE.parent / rel).with_suffix(".py").is_file() or (PACKAGE.parent / rel / "__init__.py").is_file()
+    return (PACKAGE.parent / rel).with_suffix(".py").is_file() or (
+        PACKAGE.parent / rel / "__init__.py"
+    ).is_file()
 
 
 def imported_modules(source: str, module: str, is_package: bool):
@@ -67,12 +97,15 @@ def imported_modules(source: str, module: str, is_package: bool):
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative import
-                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parent + ([base] if base else []))
             if base.split(".")[0] != "bumblebee":
                 continue
             for alias in node.names:  # `from bumblebee.x import y`: y may be a submodule
-                yield node.lineno, f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base
+                yield (
+                    node.lineno,
+                    f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base,
+                )
 
 
 def layer(dotted: str) -> str | None:
@@ -87,7 +120,9 @@ def violations(path: Path, source: str) -> list[str]:
     for line, target in imported_modules(source, module, path.name == "__init__.py"):
         other = layer(target)
         if other is None or other not in ALLOWED[own]:
-            found.append(f"bumblebee/{path.relative_to(PACKAGE)}:{line}: {own} imports {target} ({other})")
+            found.append(
+                f"bumblebee/{path.relative_to(PACKAGE)}:{line}: {own} imports {target} ({other})"
+            )
     return found
 
 
@@ -96,9 +131,14 @@ def sources():
 
 
 def test_every_module_belongs_to_a_layer():
-    unknown = sorted({p.relative_to(PACKAGE).parts[0] for p in sources()} -
-                     {f"{name}.py" for name in LAYER_OF} - set(LAYER_OF))
-    assert not unknown, f"bumblebee/{unknown[0]} is in no layer (README, Architecture): add it to LAYER_OF / ALLOWED"
+    unknown = sorted(
+        {p.relative_to(PACKAGE).parts[0] for p in sources()}
+        - {f"{name}.py" for name in LAYER_OF}
+        - set(LAYER_OF)
+    )
+    assert not unknown, (
+        f"bumblebee/{unknown[0]} is in no layer (README, Architecture): add it to LAYER_OF / ALLOWED"
+    )
 
 
 def test_imports_follow_the_layering():
@@ -106,17 +146,20 @@ def test_imports_follow_the_layering():
     assert not found, "imports across the layering (README, Architecture):\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("path,source", [
-    ("primitives/loss/fake.py", "from bumblebee.runtime.trainer import Trainer"),
-    ("primitives/fake.py", "def f():\n    from bumblebee.models import build_model"),
-    ("models/fake.py", "import bumblebee.rl.losses"),
-    ("runtime/fake.py", "from bumblebee.plan import recipe"),
-    ("rl/fake.py", "from bumblebee.plan.memory import stage_memory"),
-    ("config.py", "def f():\n    from bumblebee.models import resolve_arch"),
-    ("registry.py", "import bumblebee.primitives"),
-    ("primitives/fake.py", "from bumblebee import build_model"),
-    ("primitives/cp/fake.py", "from ...models import arch"),
-])
+@pytest.mark.parametrize(
+    "path,source",
+    [
+        ("primitives/loss/fake.py", "from bumblebee.runtime.trainer import Trainer"),
+        ("primitives/fake.py", "def f():\n    from bumblebee.models import build_model"),
+        ("models/fake.py", "import bumblebee.rl.losses"),
+        ("runtime/fake.py", "from bumblebee.plan import recipe"),
+        ("rl/fake.py", "from bumblebee.plan.memory import stage_memory"),
+        ("config.py", "def f():\n    from bumblebee.models import resolve_arch"),
+        ("registry.py", "import bumblebee.primitives"),
+        ("primitives/fake.py", "from bumblebee import build_model"),
+        ("primitives/cp/fake.py", "from ...models import arch"),
+    ],
+)
 def test_checker_catches_violations(path, source):
     assert len(violations(PACKAGE / path, source)) == 1
 
@@ -183,5 +226,8 @@ def test_no_import_cycle():
 
 
 def test_cycle_checker_catches_a_planted_cycle():
-    planted = {"data/packing.py": (PACKAGE / "data/packing.py").read_text() + "\nimport bumblebee.data.jsonl\n"}
+    planted = {
+        "data/packing.py": (PACKAGE / "data/packing.py").read_text()
+        + "\nimport bumblebee.data.jsonl\n"
+    }
     assert any("bumblebee.data.packing" in c for c in cycles(import_graph(planted)))

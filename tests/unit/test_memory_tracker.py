@@ -14,7 +14,7 @@ import torch
 
 from bumblebee.perf import CATEGORIES, MemoryTracker
 
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def nbytes(tensors):
@@ -57,7 +57,15 @@ def test_views_and_inplace_count_once():
 def test_views_of_preexisting_tensors_are_not_allocations():
     w = torch.zeros(1024, 256)  # 1 MiB, allocated before the context
     with MemoryTracker("cpu") as mem:
-        parts = [w[:512], w.T, w.view(-1), w.add_(1.0), torch.split(w, 100)[0], w.unbind(0)[3], w.detach()]
+        parts = [
+            w[:512],
+            w.T,
+            w.view(-1),
+            w.add_(1.0),
+            torch.split(w, 100)[0],
+            w.unbind(0)[3],
+            w.detach(),
+        ]
         assert mem.current_bytes == 0
         y = w[:512] * 2  # a real allocation: 0.5 MiB
         assert mem.current_bytes == MiB // 2
@@ -102,14 +110,21 @@ def test_autograd_saved_activation_and_backward_temporaries():
 
 def test_breakdown_for_a_training_step():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(512, 128)
     params = nbytes(model.parameters())
     with MemoryTracker("cpu", model=model, optimizer=opt) as mem:
         start = mem.breakdown()
-        assert start == {"parameters": params, "gradients": 0, "optimizer_state": 0, "activations": 0,
-                         "total": params}
+        assert start == {
+            "parameters": params,
+            "gradients": 0,
+            "optimizer_state": 0,
+            "activations": 0,
+            "total": params,
+        }
         h = model(x)
         after_fwd = mem.breakdown()
         # live: relu output [512, 256] (saved by relu and by the second linear) + h [512, 64];
@@ -135,8 +150,10 @@ def test_full_recompute_lowers_tracked_activation_peak():
     from torch.utils.checkpoint import checkpoint
 
     # each block saves a [512, 1024] intermediate; checkpointed, only its [512, 256] input
-    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(),
-                                                     torch.nn.Linear(1024, 256)) for _ in range(6))
+    layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256))
+        for _ in range(6)
+    )
     x = torch.randn(512, 256, requires_grad=True)
 
     def run(ckpt):

@@ -24,13 +24,34 @@ transformers = pytest.importorskip("transformers")
 import bumblebee  # noqa: E402
 from bumblebee.cli import main  # noqa: E402
 
-TEXT = dict(vocab_size=272, hidden_size=48, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
-            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
-            moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2,
-            tie_word_embeddings=False)
-VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=48,
-              num_position_embeddings=16, patch_size=4)
+TEXT = dict(
+    vocab_size=272,
+    hidden_size=48,
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_conv_kernel_dim=4,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    num_experts=4,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+)
+VISION = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    out_hidden_size=48,
+    num_position_embeddings=16,
+    patch_size=4,
+)
 MTP = {"mtp.fc.weight": (48, 96), "mtp.norm.weight": (48,)}
 
 
@@ -39,7 +60,9 @@ def mtp_tensors(tmp_path_factory) -> dict:
     from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
 
     path = tmp_path_factory.mktemp("mtp")
-    bumblebee.to_hf(bumblebee.build_model(Qwen3_5MoeArch(**TEXT, mtp_num_hidden_layers=1), seed=1), str(path))
+    bumblebee.to_hf(
+        bumblebee.build_model(Qwen3_5MoeArch(**TEXT, mtp_num_hidden_layers=1), seed=1), str(path)
+    )
     return {k: v for k, v in read_dir(path).items() if k.startswith("mtp.")}
 
 
@@ -48,13 +71,17 @@ def multimodal(tmp_path_factory, request):
     path = tmp_path_factory.mktemp("mm")
     torch.manual_seed(0)
     released = request.param == "mtp trained"
-    text = transformers.Qwen3_5MoeTextConfig(**TEXT, **({"mtp_num_hidden_layers": 1} if released else {}))
+    text = transformers.Qwen3_5MoeTextConfig(
+        **TEXT, **({"mtp_num_hidden_layers": 1} if released else {})
+    )
     cfg = transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=VISION)
     transformers.Qwen3_5MoeForConditionalGeneration(cfg).save_pretrained(path)
     tensors = load_file(path / "model.safetensors")
     assert any(k.startswith("model.visual.") for k in tensors)
     # as released checkpoints carry them
-    tensors.update(mtp_tensors(tmp_path_factory) if released else {k: torch.randn(s) for k, s in MTP.items()})
+    tensors.update(
+        mtp_tensors(tmp_path_factory) if released else {k: torch.randn(s) for k, s in MTP.items()}
+    )
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "tokenizer_config.json").write_text("{}")  # a non-weight file the export keeps
     return path
@@ -67,7 +94,9 @@ def read_dir(path):
 def check_export(out, src):
     exported, source = read_dir(out), read_dir(src)
     assert exported.keys() == source.keys()
-    trained = any(k.startswith("mtp.layers.") for k in source)  # the MTP part is the model's: written back
+    trained = any(
+        k.startswith("mtp.layers.") for k in source
+    )  # the MTP part is the model's: written back
     carried = ("model.visual.",) if trained else ("model.visual.", "mtp.")
     for k, v in source.items():
         if k.startswith(carried):
@@ -77,16 +106,38 @@ def check_export(out, src):
     assert (out / "tokenizer_config.json").exists()
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_5_moe" and "vision_config" in cfg
-    model, info = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    model, info = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
+        out, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["mismatched_keys"], info
-    assert all(k.startswith("mtp.") for k in info["unexpected_keys"]), info  # transformers has no MTP module
+    assert all(k.startswith("mtp.") for k in info["unexpected_keys"]), (
+        info
+    )  # transformers has no MTP module
 
 
 def test_train_starts_from_multimodal_and_exports_it_complete(multimodal, tmp_path, capfd):
     run = tmp_path / "run"
-    argv = ["train", "--set", "model.name=qwen3_5_moe", "--set", f"model.hf_path={multimodal}",
-            "--set", "train.steps=1", "--set", "train.lr=1e-30", "--set", "train.min_lr=0", "--set", "train.seq_len=64",
-            "--set", "train.global_batch=1", "--set", "train.export_hf=true", "--set", f"train.out_dir={run}"]
+    argv = [
+        "train",
+        "--set",
+        "model.name=qwen3_5_moe",
+        "--set",
+        f"model.hf_path={multimodal}",
+        "--set",
+        "train.steps=1",
+        "--set",
+        "train.lr=1e-30",
+        "--set",
+        "train.min_lr=0",
+        "--set",
+        "train.seq_len=64",
+        "--set",
+        "train.global_batch=1",
+        "--set",
+        "train.export_hf=true",
+        "--set",
+        f"train.out_dir={run}",
+    ]
     assert main(argv) == 0
     assert "ignored" in capfd.readouterr().err
     check_export(run / "hf", multimodal)

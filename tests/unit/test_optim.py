@@ -19,9 +19,26 @@ from bumblebee.runtime.optim import split_by_mesh
 
 def losses(tmp_path, impl: str) -> list[float]:
     out = tmp_path / impl
-    assert main(["train", "--set", "train.steps=6", "--set", "train.seq_len=256", "--set", "train.eval_every=0",
-                 "--set", "data.max_doc_len=256", "--set", f"train.adamw={impl}",
-                 "--set", f"train.out_dir={out}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--set",
+                "train.steps=6",
+                "--set",
+                "train.seq_len=256",
+                "--set",
+                "train.eval_every=0",
+                "--set",
+                "data.max_doc_len=256",
+                "--set",
+                f"train.adamw={impl}",
+                "--set",
+                f"train.out_dir={out}",
+            ]
+        )
+        == 0
+    )
     return [json.loads(line)["loss"] for line in open(out / "metrics.jsonl") if '"loss"' in line]
 
 
@@ -41,16 +58,25 @@ def test_unknown_adamw_kernel_is_a_config_error():
 
 def test_groups_split_by_mesh_so_fused_kernels_take_two_meshes(tmp_path):
     # a file store: no TCP port to race other processes for
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         dense = init_device_mesh("cpu", (1,), mesh_dim_names=("dense",))
         expert = init_device_mesh("cpu", (1,), mesh_dim_names=("expert",))
         torch.manual_seed(0)
         full = [torch.randn(4, 3) for _ in range(3)]
         meshes = [dense, expert, dense]
-        params = [torch.nn.Parameter(distribute_tensor(t, m, [Shard(0)])) for t, m in zip(full, meshes)]
-        groups = split_by_mesh([{"params": params, "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}])
-        assert [[id(p) for p in g["params"]] for g in groups] == [[id(params[0]), id(params[2])], [id(params[1])]]
+        params = [
+            torch.nn.Parameter(distribute_tensor(t, m, [Shard(0)])) for t, m in zip(full, meshes)
+        ]
+        groups = split_by_mesh(
+            [{"params": params, "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}]
+        )
+        assert [[id(p) for p in g["params"]] for g in groups] == [
+            [id(params[0]), id(params[2])],
+            [id(params[1])],
+        ]
         assert all(g["weight_decay"] == 0.1 for g in groups)
         ref = [torch.nn.Parameter(t.clone()) for t in full]
         for p, r in zip(params, ref):
@@ -71,10 +97,19 @@ def test_lr_schedule_values_are_pinned():
     last warmup step, then a cosine from lr down to min_lr at the last step."""
     from bumblebee.runtime.optim import lr_at
 
-    t = load_config(None, ["train.steps=10", "train.warmup_steps=4", "train.lr=1.0", "train.min_lr=0.1"]).train
+    t = load_config(
+        None, ["train.steps=10", "train.warmup_steps=4", "train.lr=1.0", "train.min_lr=0.1"]
+    ).train
     cos = [0.1 + 0.45 * (1 + math.cos(math.pi * k / 5)) for k in range(6)]  # 5 = steps - 1 - warmup
-    assert [lr_at(s, t) for s in range(10)] == pytest.approx([0.25, 0.5, 0.75, 1.0] + cos, rel=1e-12, abs=0)
-    assert lr_at(9, t) == pytest.approx(0.1, rel=1e-12) and lr_at(20, t) == pytest.approx(0.1, rel=1e-12)
-    none = load_config(None, ["train.steps=5", "train.warmup_steps=0", "train.lr=2.0", "train.min_lr=0.0"]).train
-    assert [lr_at(s, none) for s in range(5)] == pytest.approx([2.0, 1 + 0.5 ** 0.5, 1.0, 1 - 0.5 ** 0.5, 0.0],
-                                                               rel=1e-12, abs=1e-15)
+    assert [lr_at(s, t) for s in range(10)] == pytest.approx(
+        [0.25, 0.5, 0.75, 1.0] + cos, rel=1e-12, abs=0
+    )
+    assert lr_at(9, t) == pytest.approx(0.1, rel=1e-12) and lr_at(20, t) == pytest.approx(
+        0.1, rel=1e-12
+    )
+    none = load_config(
+        None, ["train.steps=5", "train.warmup_steps=0", "train.lr=2.0", "train.min_lr=0.0"]
+    ).train
+    assert [lr_at(s, none) for s in range(5)] == pytest.approx(
+        [2.0, 1 + 0.5**0.5, 1.0, 1 - 0.5**0.5, 0.0], rel=1e-12, abs=1e-15
+    )

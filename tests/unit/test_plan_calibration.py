@@ -25,13 +25,12 @@ from typing import NamedTuple
 
 import pytest
 
-from bumblebee.plan.hardware import GB, GPUS
+from bumblebee.plan.hardware import GB, GPUS, MEMORY_MARGIN
 from bumblebee.plan.layout import Layout, Primitives, Workload
-from bumblebee.plan.hardware import MEMORY_MARGIN
-from bumblebee.plan.timeline import stage_memory
 from bumblebee.plan.perf import estimate
 from bumblebee.plan.recipe import evaluate
 from bumblebee.plan.spec import load_spec, spec_from_hf_dict
+from bumblebee.plan.timeline import stage_memory
 
 H100 = GPUS["h100"]
 WORK = Workload(seq=131072, global_batch=32)  # one 128K sequence per GPU
@@ -45,8 +44,12 @@ class Published(NamedTuple):
 
 
 # published, Qwen3.5-35B-A3B / 32 x H100 / 128K / full recompute / distributed optimizer
-PUBLISHED_TP2_PP4_EP8_CP2_CE = Published(Layout(tp=2, pp=4, ep=8, cp=2, dp_shard=2), "ce", 127.53, 42.91)
-PUBLISHED_TP1_PP2_EP8_CP4_LINEAR_CE = Published(Layout(tp=1, pp=2, ep=8, cp=4, dp_shard=4), "linear_ce", 162.07, 55.91)
+PUBLISHED_TP2_PP4_EP8_CP2_CE = Published(
+    Layout(tp=2, pp=4, ep=8, cp=2, dp_shard=2), "ce", 127.53, 42.91
+)
+PUBLISHED_TP1_PP2_EP8_CP4_LINEAR_CE = Published(
+    Layout(tp=1, pp=2, ep=8, cp=4, dp_shard=4), "linear_ce", 162.07, 55.91
+)
 FIT_POINTS = [PUBLISHED_TP2_PP4_EP8_CP2_CE, PUBLISHED_TP1_PP2_EP8_CP4_LINEAR_CE]
 # residual of the fit (model / published - 1), measured when the constants were set:
 # memory +3.0 % / -2.3 % (stage 0), throughput +9.0 % / +3.4 %
@@ -73,23 +76,31 @@ def _prims(loss):
 @pytest.mark.parametrize("point", FIT_POINTS, ids=["tp2_pp4_ce", "tp1_pp2_linear_ce"])
 def test_fit_residual_on_the_fitted_points(qwen35, point):
     stages = stage_memory(qwen35, point.layout, _prims(point.loss), WORK)
-    assert stages[0].total / GB == pytest.approx(point.peak_gb, rel=FIT_RESIDUAL_MEMORY), stages[0].as_gb()
+    assert stages[0].total / GB == pytest.approx(point.peak_gb, rel=FIT_RESIDUAL_MEMORY), stages[
+        0
+    ].as_gb()
     perf = estimate(qwen35, point.layout, _prims(point.loss), WORK, H100)
-    assert perf.tflops_per_gpu == pytest.approx(point.tflops_per_gpu, rel=FIT_RESIDUAL_TFLOPS), perf.parts_s
+    assert perf.tflops_per_gpu == pytest.approx(point.tflops_per_gpu, rel=FIT_RESIDUAL_TFLOPS), (
+        perf.parts_s
+    )
 
 
 def test_fitted_points_keep_their_order(qwen35):
     """The linear-CE TP=1 layout is the faster one by 27% published; the model must keep
     the order with a margin (not merely by rounding)."""
-    t1, t2 = (estimate(qwen35, p.layout, _prims(p.loss), WORK, H100).tflops_per_gpu for p in FIT_POINTS)
+    t1, t2 = (
+        estimate(qwen35, p.layout, _prims(p.loss), WORK, H100).tflops_per_gpu for p in FIT_POINTS
+    )
     assert t2 / t1 > 1.15
 
 
 # -------------------------------------------------------------------- checked (out of sample)
 def test_full_recompute_costs_about_30_percent(qwen35):
     lay = Layout(ep=8, cp=8, dp_shard=4)
-    t = {r: estimate(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK, H100).step_s
-         for r in ("full", "none")}
+    t = {
+        r: estimate(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK, H100).step_s
+        for r in ("full", "none")
+    }
     assert t["full"] / t["none"] - 1 == pytest.approx(PUBLISHED_RECOMPUTE_EXTRA_COMPUTE, abs=0.1)
 
 
@@ -109,8 +120,11 @@ def test_chunked_ep_gain_at_64k_is_about_a_quarter(qwen35):
     assert g64 == pytest.approx(PUBLISHED_CHUNKED_GAIN_64K, abs=0.07)
 
 
-@pytest.mark.xfail(strict=True, reason="known disagreement: the model hides ~25% of the MoE layer at 4K "
-                                       "(published: single-digit percent); it under-counts small-chunk costs")
+@pytest.mark.xfail(
+    strict=True,
+    reason="known disagreement: the model hides ~25% of the MoE layer at 4K "
+    "(published: single-digit percent); it under-counts small-chunk costs",
+)
 def test_chunked_ep_gain_at_4k_is_single_digit(qwen35):
     assert _moe_layer_gain(qwen35, 4096) < PUBLISHED_CHUNKED_GAIN_4K_MAX
 
@@ -160,8 +174,11 @@ def test_qwen35_config_forms_agree():
     from bumblebee.models.presets import PRESETS
 
     text = dict(PRESETS["qwen3_5_moe"]["qwen3.5-35b-a3b"])
-    wrapped = {"model_type": "qwen3_5_moe", "text_config": {**text, "model_type": "qwen3_5_moe_text"},
-               "vision_config": {"depth": 2}}
+    wrapped = {
+        "model_type": "qwen3_5_moe",
+        "text_config": {**text, "model_type": "qwen3_5_moe_text"},
+        "vision_config": {"depth": 2},
+    }
     no_types = {k: v for k, v in text.items() if k != "layer_types"}
     a, b, c = (spec_from_hf_dict(d) for d in (text, wrapped, no_types))
     assert a.num_params() == b.num_params() == c.num_params()
@@ -172,7 +189,9 @@ def test_qwen35_config_forms_agree():
 
 
 def _mem(spec, layout, prims, seq=131072, batch=32):
-    return max(s.total for s in stage_memory(spec, layout, prims, Workload(seq=seq, global_batch=batch)))
+    return max(
+        s.total for s in stage_memory(spec, layout, prims, Workload(seq=seq, global_batch=batch))
+    )
 
 
 def test_memory_falls_with_more_gpus_and_cp(qwen35):
@@ -181,7 +200,11 @@ def test_memory_falls_with_more_gpus_and_cp(qwen35):
     m32 = _mem(qwen35, Layout(ep=8, cp=4, dp_shard=8), p)
     m64 = _mem(qwen35, Layout(ep=8, cp=4, dp_shard=16), p)
     assert m16 > m32 > m64  # fsdp2 shards static state over every GPU
-    assert _mem(qwen35, Layout(ep=8, cp=2, dp_shard=16), p) > m32 > _mem(qwen35, Layout(ep=8, cp=8, dp_shard=4), p)
+    assert (
+        _mem(qwen35, Layout(ep=8, cp=2, dp_shard=16), p)
+        > m32
+        > _mem(qwen35, Layout(ep=8, cp=8, dp_shard=4), p)
+    )
 
 
 def test_linear_ce_logits_below_ce(qwen35):
@@ -197,20 +220,32 @@ def test_fsdp2_static_below_zero1(qwen35):
     z = stage_memory(qwen35, lay, Primitives(sharding="zero1"), WORK)[0]
     static = lambda m: m.parameters + m.gradients + m.optimizer  # noqa: E731
     assert static(f) < static(z)
-    assert static(f) / GB == pytest.approx(qwen35.num_params()["total"] * 16 / 32 / GB, rel=0.02)  # fp32 4+4+8
+    assert static(f) / GB == pytest.approx(
+        qwen35.num_params()["total"] * 16 / 32 / GB, rel=0.02
+    )  # fp32 4+4+8
     assert f.allgather > 0 and z.allgather == 0
 
 
 def test_recompute_ordering(qwen35):
     lay = Layout(ep=8, cp=8, dp_shard=4)
-    full, sel, none = (stage_memory(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK)[0].saved_inputs
-                       for r in ("full", "selective", "none"))
+    full, sel, none = (
+        stage_memory(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK)[
+            0
+        ].saved_inputs
+        for r in ("full", "selective", "none")
+    )
     assert full < sel < none
 
 
 def test_short_local_sequences_pay_launch_overhead(qwen35):
     def launch_share(seq):
-        p = estimate(qwen35, Layout(ep=8, dp_shard=32), Primitives(), Workload(seq=seq, global_batch=32), H100).parts_s
+        p = estimate(
+            qwen35,
+            Layout(ep=8, dp_shard=32),
+            Primitives(),
+            Workload(seq=seq, global_batch=32),
+            H100,
+        ).parts_s
         return p["launch"] / sum(p.values())
 
     assert launch_share(1024) > 3 * launch_share(32768)

@@ -20,9 +20,16 @@ from bumblebee.plan.layout import Layout, Primitives, Workload
 from bumblebee.plan.recipe import evaluate
 from bumblebee.plan.spec import spec_from_hf_dict
 
-HF = dict(PRESETS["qwen3_5_moe"]["qwen3.5-35b-a3b"], num_hidden_layers=4, vocab_size=16384, num_experts=32,
-          layer_types=["linear_attention"] * 3 + ["full_attention"])
-QWEN3 = dict(PRESETS["qwen3_moe"]["qwen3-30b-a3b"], num_hidden_layers=4, vocab_size=16384, num_experts=32)
+HF = dict(
+    PRESETS["qwen3_5_moe"]["qwen3.5-35b-a3b"],
+    num_hidden_layers=4,
+    vocab_size=16384,
+    num_experts=32,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
+QWEN3 = dict(
+    PRESETS["qwen3_moe"]["qwen3-30b-a3b"], num_hidden_layers=4, vocab_size=16384, num_experts=32
+)
 LAYOUT = Layout(ep=4, cp=2, dp_shard=4)
 WORK = Workload(seq=8192, global_batch=8)
 
@@ -61,7 +68,10 @@ def test_plain_all_to_all_holds_more_than_chunked(chunked):
     a = _run(moe_comm="alltoall")
     assert a.worst() < 0.10, a.summary()
     for side in (0, 1):  # measured, analytic
-        assert a.terms["backward:moe"]["moe_buffers"][side] > 1.2 * chunked.terms["backward:moe"]["moe_buffers"][side]
+        assert (
+            a.terms["backward:moe"]["moe_buffers"][side]
+            > 1.2 * chunked.terms["backward:moe"]["moe_buffers"][side]
+        )
 
 
 def test_skewed_routing_and_materialized_ce(chunked):
@@ -69,7 +79,10 @@ def test_skewed_routing_and_materialized_ce(chunked):
     the materialized CE keeps ~6 B per logit."""
     s = _run(loss="ce", skew=2.0)
     assert s.worst() < 0.10, s.summary()
-    assert s.terms["backward:moe"]["moe_buffers"][0] > 1.3 * chunked.terms["backward:moe"]["moe_buffers"][0]
+    assert (
+        s.terms["backward:moe"]["moe_buffers"][0]
+        > 1.3 * chunked.terms["backward:moe"]["moe_buffers"][0]
+    )
 
 
 @pytest.mark.parametrize("moe_comm,loss", [("chunked", "linear_ce"), ("alltoall", "ce")])
@@ -79,9 +92,13 @@ def test_qwen3_moe_per_term_peaks_agree(moe_comm, loss):
     r = _run(moe_comm=moe_comm, loss=loss, hf=QWEN3)
     c = r.collectives
     assert c.get("send.default", 0) > 0 and c.get("alltoall_base_.default", 0) >= 4 * 4
-    assert {"forward:mixer", "forward:moe", "backward:moe", "backward:mixer", "loss"} <= set(r.terms)
+    assert {"forward:mixer", "forward:moe", "backward:moe", "backward:mixer", "loss"} <= set(
+        r.terms
+    )
     for moment in ("forward:mixer", "backward:mixer", "backward:moe"):
-        assert r.terms[moment]["live_layer"][0] > 0.2, r.summary()  # GB: the layer's own tensors were seen
+        assert r.terms[moment]["live_layer"][0] > 0.2, (
+            r.summary()
+        )  # GB: the layer's own tensors were seen
     assert r.worst() < 0.10, r.summary()
 
 
@@ -109,7 +126,9 @@ def test_gdn_mixer_above_the_norm_blocking_threshold():
     over-predicted them by 20-27% at the running case's 32K local tokens)."""
     spec = spec_from_hf_dict(HF)
     work = Workload(seq=16384, global_batch=8)
-    r = dry_run(spec, HF, evaluate(spec, LAYOUT, Primitives(moe_comm="chunked"), work, GPUS["h100"]), work)
+    r = dry_run(
+        spec, HF, evaluate(spec, LAYOUT, Primitives(moe_comm="chunked"), work, GPUS["h100"]), work
+    )
     for moment in ("forward:mixer", "backward:mixer"):
         measured, analytic = r.terms[moment]["live_layer"]
         assert analytic == pytest.approx(measured, rel=0.10), (moment, r.summary())

@@ -11,7 +11,11 @@ from bumblebee.plan.memory import CE_BYTES_PER_LOGIT, LCE_TILE_BYTES
 from bumblebee.plan.spec import load_spec
 from bumblebee.plan.timeline import stage_timeline
 
-LAYOUTS = [Layout(ep=8, cp=1, dp_shard=8), Layout(ep=8, cp=4, dp_shard=8), Layout(pp=2, ep=8, cp=2, dp_shard=4)]
+LAYOUTS = [
+    Layout(ep=8, cp=1, dp_shard=8),
+    Layout(ep=8, cp=4, dp_shard=8),
+    Layout(pp=2, ep=8, cp=2, dp_shard=4),
+]
 
 
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen3.5-35b-a3b"])
@@ -26,11 +30,16 @@ def test_eval_moment_is_counted_and_below_training(model, loss):
             train = max(m.total for name, m in st.moments.items() if name != "eval")
             static = ev.parameters + ev.gradients + ev.optimizer
             fwd = st.moments["forward"]
-            print(f"{model} {loss} {lay} stage {st.stage}: eval {ev.total / GB:.2f} GB, training peak "
-                  f"{train / GB:.2f} GB")
+            print(
+                f"{model} {loss} {lay} stage {st.stage}: eval {ev.total / GB:.2f} GB, training peak "
+                f"{train / GB:.2f} GB"
+            )
             assert static < ev.total <= train, (lay, st.stage)
             # at least the largest layer forward ...
-            assert ev.total >= static + fwd.live_layer + fwd.moe_buffers + fwd.workspace + fwd.allgather
+            assert (
+                ev.total
+                >= static + fwd.live_layer + fwd.moe_buffers + fwd.workspace + fwd.allgather
+            )
         # ... and on the last stage the loss forward
         t = work.seq * work.micro_batch // lay.cp
         head = t * spec.vocab * CE_BYTES_PER_LOGIT if loss == "ce" else LCE_TILE_BYTES

@@ -16,7 +16,12 @@ from bumblebee.plan.cli import main as plan_main
 
 
 def test_hms():
-    assert [hms(0), hms(59.6), hms(3725), hms(90000)] == ["0:00:00", "0:01:00", "1:02:05", "25:00:00"]
+    assert [hms(0), hms(59.6), hms(3725), hms(90000)] == [
+        "0:00:00",
+        "0:01:00",
+        "1:02:05",
+        "25:00:00",
+    ]
 
 
 def test_short_operations_stay_silent_long_ones_report():
@@ -48,9 +53,15 @@ def slow_clock(monkeypatch):
 def test_plan_reports_progress_on_stderr(slow_clock):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        assert plan_main(["--model", "qwen3-30b-a3b", "--gpus", "16", "--seq", "65536", "--top", "2"]) == 0
+        assert (
+            plan_main(["--model", "qwen3-30b-a3b", "--gpus", "16", "--seq", "65536", "--top", "2"])
+            == 0
+        )
     lines = err.getvalue().splitlines()
-    assert any(line.startswith("bumblebee: plan qwen3-30b-a3b on 16 GPUs: layouts evaluated ") for line in lines)
+    assert any(
+        line.startswith("bumblebee: plan qwen3-30b-a3b on 16 GPUs: layouts evaluated ")
+        for line in lines
+    )
     assert any("candidates checked against the runtime: done" in line for line in lines)
     assert "layouts evaluated" not in out.getvalue()  # stdout stays the result
 
@@ -58,10 +69,15 @@ def test_plan_reports_progress_on_stderr(slow_clock):
 def test_dry_run_progress_and_table(slow_clock):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        assert plan_main(["--model", "qwen3_moe/tiny", "--gpus", "2", "--seq", "512", "--dry-run"]) == 0
+        assert (
+            plan_main(["--model", "qwen3_moe/tiny", "--gpus", "2", "--seq", "512", "--dry-run"])
+            == 0
+        )
     assert "layer passes" in err.getvalue() and "done" in err.getvalue()
     text = out.getvalue()
-    table = text[text.index("dry run: stage"):].splitlines()
+    table = text[text.index("dry run: stage") :].splitlines()
     assert table[1].split()[:3] == ["GB", "measured/analytic", "saved_inputs"]
-    assert any(line.split()[0] == "forward" for line in table) and any(line.split()[0] == "optimizer" for line in table)
+    assert any(line.split()[0] == "forward" for line in table) and any(
+        line.split()[0] == "optimizer" for line in table
+    )
     assert max(len(line) for line in table) < 200  # a table, not one long line

@@ -18,7 +18,7 @@ README = Path(__file__).parents[2] / "README.md"
 
 def train_commands():
     text = README.read_text()
-    block = text[text.index("### `bumblebee train`"):]
+    block = text[text.index("### `bumblebee train`") :]
     block = re.search(r"```bash\n(.*?)```", block, flags=re.S).group(1)
     return [c.split("  #")[0] for c in block.splitlines() if c.startswith("bumblebee train")]
 

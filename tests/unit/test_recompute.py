@@ -26,9 +26,19 @@ from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
 from bumblebee.perf import MemoryTracker
 from bumblebee.primitives.recompute import MODULE_NAMES
 
-ARCH = dict(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-            mlp_only_layers=[1])
+ARCH = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    mlp_only_layers=[1],
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +55,12 @@ def batch(B=2, T=48):
     labels_BT = torch.randint(0, ARCH["vocab_size"], (B, T), generator=g)
     labels_BT[:, ::7] = -100
     # packed documents: row 0 = 20 + 28 tokens, row 1 = 5 + 30 + 13
-    position_ids_BT = torch.cat([
-        torch.cat([torch.arange(20), torch.arange(28)])[None],
-        torch.cat([torch.arange(5), torch.arange(30), torch.arange(13)])[None]])
+    position_ids_BT = torch.cat(
+        [
+            torch.cat([torch.arange(20), torch.arange(28)])[None],
+            torch.cat([torch.arange(5), torch.arange(30), torch.arange(13)])[None],
+        ]
+    )
     return input_ids_BT, labels_BT, position_ids_BT
 
 
@@ -77,12 +90,15 @@ def assert_bitwise(a, b):
         assert torch.equal(grads_a[name], grads_b[name]), name
 
 
-@pytest.mark.parametrize("policy", [
-    ("full", ()),
-    ("selective", ("norm", "attn_core", "moe", "mlp")),
-    ("selective", ("attn_core",)),
-    ("selective", ("moe", "norm")),
-])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        ("full", ()),
+        ("selective", ("norm", "attn_core", "moe", "mlp")),
+        ("selective", ("attn_core",)),
+        ("selective", ("moe", "norm")),
+    ],
+)
 def test_gradients_bitwise_equal_to_none(reference, policy):
     assert_bitwise(reference, grads(*policy))
 
@@ -90,8 +106,12 @@ def test_gradients_bitwise_equal_to_none(reference, policy):
 def test_bitwise_with_linear_ce_under_bf16_autocast(deterministic):
     ref = grads("none", loss="linear_ce", dtype=torch.bfloat16)
     assert_bitwise(ref, grads("full", loss="linear_ce", dtype=torch.bfloat16))
-    assert_bitwise(ref, grads("selective", ("norm", "moe", "mlp", "attn_core"), loss="linear_ce",
-                              dtype=torch.bfloat16))
+    assert_bitwise(
+        ref,
+        grads(
+            "selective", ("norm", "moe", "mlp", "attn_core"), loss="linear_ce", dtype=torch.bfloat16
+        ),
+    )
 
 
 def test_selective_recomputes_only_named_modules():
@@ -102,10 +122,13 @@ def test_selective_recomputes_only_named_modules():
         def fn(x):
             calls[name] += 1
             return (x * x).sin()
+
         return fn
 
     x = torch.randn(5, requires_grad=True)
-    y = policy.module("attn_core", counted("attn_core"), x) + policy.module("norm", counted("norm"), x)
+    y = policy.module("attn_core", counted("attn_core"), x) + policy.module(
+        "norm", counted("norm"), x
+    )
     y.sum().backward()
     assert calls == {"attn_core": 2, "norm": 1}  # checkpointed one ran again in backward
     assert torch.allclose(x.grad, 2 * (2 * x * (x * x).cos()).detach())
@@ -138,15 +161,30 @@ def test_selective_needs_modules():
         registry.get("recompute", "selective").factory("norm")
 
 
-SMALL_35 = dict(vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                linear_num_value_heads=4, moe_intermediate_size=48, shared_expert_intermediate_size=48,
-                num_experts=4, num_experts_per_tok=2)
+SMALL_35 = dict(
+    vocab_size=97,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    moe_intermediate_size=48,
+    shared_expert_intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
 
 
 def activation_peak(arch, recompute, modules=()):
     torch.manual_seed(0)
-    model = build_model(arch, PrimitivesConfig(recompute=recompute, recompute_modules=list(modules), loss="linear_ce"))
+    model = build_model(
+        arch,
+        PrimitivesConfig(recompute=recompute, recompute_modules=list(modules), loss="linear_ce"),
+    )
     g = torch.Generator().manual_seed(0)
     ids, labels = (torch.randint(0, 97, (1, 1024), generator=g) for _ in range(2))
     with MemoryTracker("cpu", model=model) as mem:
@@ -154,11 +192,18 @@ def activation_peak(arch, recompute, modules=()):
     return mem.breakdown("peak")["activations"]
 
 
-@pytest.mark.parametrize("arch", [Qwen3MoeArch(**{**ARCH, "num_hidden_layers": 4, "mlp_only_layers": []}),
-                                  Qwen3_5MoeArch(**SMALL_35, layer_types=["linear_attention"] * 3 + ["full_attention"])],
-                         ids=["qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        Qwen3MoeArch(**{**ARCH, "num_hidden_layers": 4, "mlp_only_layers": []}),
+        Qwen3_5MoeArch(**SMALL_35, layer_types=["linear_attention"] * 3 + ["full_attention"]),
+    ],
+    ids=["qwen3_moe", "qwen3_5_moe"],
+)
 def test_recompute_lowers_the_activation_peak_of_the_real_model(arch):
-    none, moe, full = (activation_peak(arch, *p) for p in (("none",), ("selective", ("moe",)), ("full",)))
+    none, moe, full = (
+        activation_peak(arch, *p) for p in (("none",), ("selective", ("moe",)), ("full",))
+    )
     # Qwen3.5: the GDN conv, gated norm and chunked core keep only their inputs even without
     # recompute (recompute.lean), which halves `none` (65 -> 34 MB here) and leaves full at 0.40 x
     assert none > moe > full and full < 0.45 * none, (none, moe, full)

@@ -2,7 +2,6 @@
 meta tensors through the kernels CUDA would run, with saved and peak bytes. At tiny shapes
 here (the running case's figures come from benchmarks/fake_cuda_rehearsal.py)."""
 
-import torch
 
 from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
 from bumblebee.models.presets import preset
@@ -30,4 +29,7 @@ def test_chunked_core_saves_no_per_chunk_tensors():
     a = arch()
     fla = rehearse(a, "gdn", rows=1, tokens=512, kernel="fla_chunk")
     torch_chunked = rehearse(a, "gdn", rows=1, tokens=512, kernel="torch_chunked")
-    assert torch_chunked.saved_bytes <= 1.1 * fla.saved_bytes, (torch_chunked.saved_bytes, fla.saved_bytes)
+    assert torch_chunked.saved_bytes <= 1.1 * fla.saved_bytes, (
+        torch_chunked.saved_bytes,
+        fla.saved_bytes,
+    )

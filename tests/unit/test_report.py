@@ -18,18 +18,49 @@ def _write(path, recs):
 
 
 def _train(path, losses, measured_once=True):
-    return _write(path, [{"step": s, "loss": x, "aux_loss": 0.1, "grad_norm": 1.0, "lr": 1e-3, "tokens": 256,
-                          "tokens_per_s": 100.0, "peak_mem_bytes": 2 ** 20,
-                          "peak_mem_measured": s == 1 or not measured_once,
-                          "expert_load_max_over_mean": 1.5, "expert_load_cv": 0.2, "expert_load_worst_layer": 0,
-                          "expert_ceiling": 4.0} for s, x in enumerate(losses, 1)])
+    return _write(
+        path,
+        [
+            {
+                "step": s,
+                "loss": x,
+                "aux_loss": 0.1,
+                "grad_norm": 1.0,
+                "lr": 1e-3,
+                "tokens": 256,
+                "tokens_per_s": 100.0,
+                "peak_mem_bytes": 2**20,
+                "peak_mem_measured": s == 1 or not measured_once,
+                "expert_load_max_over_mean": 1.5,
+                "expert_load_cv": 0.2,
+                "expert_load_worst_layer": 0,
+                "expert_ceiling": 4.0,
+            }
+            for s, x in enumerate(losses, 1)
+        ],
+    )
 
 
 def _rl(path, warmup=3, steps=4):
-    recs = [{"phase": "warmup", "step": s, "loss": 2.0 - 0.1 * s, "grad_norm": 1.0} for s in range(1, warmup + 1)]
+    recs = [
+        {"phase": "warmup", "step": s, "loss": 2.0 - 0.1 * s, "grad_norm": 1.0}
+        for s in range(1, warmup + 1)
+    ]
     recs.append({"phase": "eval", "step": 0, "reward": 0.2, "greedy_accuracy": 0.1})
-    recs += [{"phase": "grpo", "step": s, "reward": 0.1 * s, "kl": 0.01 * s, "entropy": 1.0 - 0.1 * s,
-              "clip_frac": 0.05, "loss": -0.01, "grad_norm": 0.5, "lr": 3e-4} for s in range(1, steps + 1)]
+    recs += [
+        {
+            "phase": "grpo",
+            "step": s,
+            "reward": 0.1 * s,
+            "kl": 0.01 * s,
+            "entropy": 1.0 - 0.1 * s,
+            "clip_frac": 0.05,
+            "loss": -0.01,
+            "grad_norm": 0.5,
+            "lr": 3e-4,
+        }
+        for s in range(1, steps + 1)
+    ]
     recs.append({"phase": "eval", "step": steps, "reward": 0.6, "greedy_accuracy": 0.5})
     return _write(path, recs)
 
@@ -111,7 +142,9 @@ def test_rl_runs_compare_reward_and_do_not_mix_with_training(tmp_path, tmp_path_
     a, b = _rl(tmp_path / "a"), _rl(tmp_path / "b")
     diff = _ax(figure([a, b]), "difference to a")
     assert diff.get_title().startswith("reward")
-    assert list(_lines(diff, "b (max |diff| 0)")[0].get_ydata()) == [0.0] * 6  # 4 GRPO steps, 2 evaluations
+    assert (
+        list(_lines(diff, "b (max |diff| 0)")[0].get_ydata()) == [0.0] * 6
+    )  # 4 GRPO steps, 2 evaluations
     with pytest.raises(ConfigError, match="cannot overlay RL runs"):
         figure([a, _train(tmp_path / "t", [1.0])])
 
@@ -120,7 +153,9 @@ def test_cli_x_option_writes_png(tmp_path):
     from bumblebee.cli import main
 
     out = tmp_path / "r.png"
-    assert main(["report", _train(tmp_path / "a", [3.0, 2.0]), "--x", "tokens", "-o", str(out)]) == 0
+    assert (
+        main(["report", _train(tmp_path / "a", [3.0, 2.0]), "--x", "tokens", "-o", str(out)]) == 0
+    )
     assert out.stat().st_size > 0
     plot_runs([_rl(tmp_path / "rl")], str(tmp_path / "rl.png"))
     assert (tmp_path / "rl.png").stat().st_size > 0

@@ -6,19 +6,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_checks import check_offload_moves_everything
 
 import bumblebee
-from engine_checks import check_offload_moves_everything
 from bumblebee import load_config
 from bumblebee.config import ConfigError
-from bumblebee.rl.engine import Engine
 from bumblebee.rl.batch import RLBatch, has_prefix, pack_sequences
+from bumblebee.rl.engine import Engine
 from bumblebee.rl.losses import PolicyLoss, TokenNLL
 from bumblebee.rl.sampler import Sampler
 
-SMALL = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-         "model.arch.num_experts=4", "model.arch.moe_intermediate_size=32", "primitives.attention=sdpa",
-         "train.global_batch=4", "train.micro_batch=2"]
+SMALL = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.num_experts=4",
+    "model.arch.moe_intermediate_size=32",
+    "primitives.attention=sdpa",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +42,13 @@ def engine(tmp_path, *overrides, **kw):
 
 def rollouts(seed=0, n=9, seq_len=24):
     g = torch.Generator().manual_seed(seed)
-    tokens = [torch.randint(0, 256, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-              for _ in range(n)]
-    masks = [[i >= 2 for i in range(len(t))] for t in tokens]  # 2 prompt tokens, the rest "response"
+    tokens = [
+        torch.randint(0, 256, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+    masks = [
+        [i >= 2 for i in range(len(t))] for t in tokens
+    ]  # 2 prompt tokens, the rest "response"
     adv = torch.randn(n, generator=g).tolist()
     return pack_sequences(tokens, masks, seq_len, advantages=adv)
 
@@ -46,7 +57,9 @@ def test_logprobs_are_token_aligned(tmp_path):
     e = engine(tmp_path)
     b = rollouts()
     lp = e.compute_logprobs(b, entropy=True)
-    lsm = torch.log_softmax(e.model(b.input_ids, b.position_ids).float(), dim=-1)  # [B, T, V] reference
+    lsm = torch.log_softmax(
+        e.model(b.input_ids, b.position_ids).float(), dim=-1
+    )  # [B, T, V] reference
     prefix = has_prefix(b.position_ids)
     want = torch.zeros_like(lp.logprobs)
     want[:, 1:] = lsm[:, :-1].gather(2, b.input_ids[:, 1:, None]).squeeze(2)
@@ -70,7 +83,9 @@ def test_export_hf_reload_and_save_load_round_trip(tmp_path):
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in names  # HF names, experts split
     reloaded = bumblebee.Engine(e.cfg, hf_path=str(tmp_path / "hf"))
     assert torch.equal(reloaded.compute_logprobs(b).logprobs, before)
-    assert torch.equal(bumblebee.from_hf(str(tmp_path / "hf")).lm_head.weight, names["lm_head.weight"])
+    assert torch.equal(
+        bumblebee.from_hf(str(tmp_path / "hf")).lm_head.weight, names["lm_head.weight"]
+    )
     # save / load (the runtime's checkpoints): the resumed engine takes the same next step,
     # also with another sharding implementation (parameters + optimizer state)
     path = e.save(str(tmp_path / "ckpt"))
@@ -80,7 +95,9 @@ def test_export_hf_reload_and_save_load_round_trip(tmp_path):
     assert resumed.step == e.step == 1
     m1, m2 = e.train_step(b, PolicyLoss(), lr=1e-3), resumed.train_step(b, PolicyLoss(), lr=1e-3)
     assert m1["loss"] == m2["loss"] and m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-6)
-    assert torch.allclose(e.compute_logprobs(b).logprobs, resumed.compute_logprobs(b).logprobs, atol=1e-6)
+    assert torch.allclose(
+        e.compute_logprobs(b).logprobs, resumed.compute_logprobs(b).logprobs, atol=1e-6
+    )
     with pytest.raises(ConfigError, match="no such checkpoint"):
         resumed.load(str(tmp_path / "nothing"))
 
@@ -90,10 +107,18 @@ def test_micro_batching_and_row_padding_do_not_change_the_step(tmp_path):
     assert b.rows == 5  # not a multiple of the micro-batch: the last micro-batch is short
     results = []
     for mb in ("1", "2", "8"):  # (the balance loss is per micro-batch by definition: off here)
-        e = engine(tmp_path / mb, f"train.micro_batch={mb}", "train.global_batch=8",
-                   "model.arch.router_aux_loss_coef=0.0")
-        bb = b.replace(old_logprobs=e.compute_logprobs(b).logprobs, ref_logprobs=torch.zeros_like(b.advantages))
-        m = e.train_step(bb, PolicyLoss(kl_coef=0.1, entropy_coef=0.01, agg="seq-mean-token-mean"), lr=1e-3)
+        e = engine(
+            tmp_path / mb,
+            f"train.micro_batch={mb}",
+            "train.global_batch=8",
+            "model.arch.router_aux_loss_coef=0.0",
+        )
+        bb = b.replace(
+            old_logprobs=e.compute_logprobs(b).logprobs, ref_logprobs=torch.zeros_like(b.advantages)
+        )
+        m = e.train_step(
+            bb, PolicyLoss(kl_coef=0.1, entropy_coef=0.01, agg="seq-mean-token-mean"), lr=1e-3
+        )
         results.append((m, e.compute_logprobs(b).logprobs))
     for m, lp in results[1:]:
         for k in ("loss", "grad_norm", "kl", "entropy", "clip_frac"):
@@ -118,7 +143,10 @@ def test_offload_onload_keeps_training_identical(tmp_path):
         b_.compute_logprobs(batch)
     assert all(p.device.type == "cpu" for p in b_.model.parameters())
     b_.onload()
-    assert a.train_step(batch, TokenNLL(), lr=1e-3)["loss"] == b_.train_step(batch, TokenNLL(), lr=1e-3)["loss"]
+    assert (
+        a.train_step(batch, TokenNLL(), lr=1e-3)["loss"]
+        == b_.train_step(batch, TokenNLL(), lr=1e-3)["loss"]
+    )
 
 
 def test_sampler_kv_cache_matches_full_forward(tmp_path):
@@ -127,9 +155,17 @@ def test_sampler_kv_cache_matches_full_forward(tmp_path):
     sampler = Sampler(model)
     sampler.load_weights(e.named_weights(hf_names=False))
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [11]]  # different lengths: left padding in the cache
-    r = sampler.generate(prompts, group_size=2, max_new_tokens=5, temperature=1.0, eos_id=999,
-                         generator=torch.Generator().manual_seed(0))
-    assert r.prompts == [p for p in prompts for _ in range(2)] and all(len(c) == 5 for c in r.completions)
+    r = sampler.generate(
+        prompts,
+        group_size=2,
+        max_new_tokens=5,
+        temperature=1.0,
+        eos_id=999,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert r.prompts == [p for p in prompts for _ in range(2)] and all(
+        len(c) == 5 for c in r.completions
+    )
     for p, c, lp in zip(r.prompts, r.completions, r.logprobs):
         lsm = torch.log_softmax(model(torch.tensor([p + c])).float()[0], -1)
         want = [lsm[len(p) - 1 + i, tok].item() for i, tok in enumerate(c)]
@@ -139,12 +175,17 @@ def test_sampler_kv_cache_matches_full_forward(tmp_path):
     for p, c in zip(greedy.prompts, greedy.completions):
         assert len(c) == 4
         logits = model(torch.tensor([p + c])).float()[0]
-        assert c == logits[len(p) - 1:-1].argmax(-1).tolist(), (p, c)
+        assert c == logits[len(p) - 1 : -1].argmax(-1).tolist(), (p, c)
 
 
 def test_packing_and_errors(tmp_path):
-    b = pack_sequences([[1, 2, 3], [4, 5], [6, 7, 8, 9]], [[0, 1, 1], [0, 1], [0, 0, 1, 1]], 6,
-                       advantages=[1.0, -1.0, 0.5], old_logprobs=[[0, -1, -2], [0, -3], [0, -1, -1, -1]])
+    b = pack_sequences(
+        [[1, 2, 3], [4, 5], [6, 7, 8, 9]],
+        [[0, 1, 1], [0, 1], [0, 0, 1, 1]],
+        6,
+        advantages=[1.0, -1.0, 0.5],
+        old_logprobs=[[0, -1, -2], [0, -3], [0, -1, -1, -1]],
+    )
     assert b.input_ids.tolist() == [[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 0, 0]]
     assert b.position_ids.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]
     assert [t.tolist() for t in b.unpack(b.advantages)] == [[1.0] * 3, [-1.0] * 2, [0.5] * 4]

@@ -28,9 +28,16 @@ from bumblebee.rl.losses import PolicyLoss
 from bumblebee.runtime.trainer import Trainer
 
 L = 2  # decoder layers: one dense, one MoE; the MTP module is stored as layer L
-DS = ["model.name=deepseek_v3", f"model.arch.num_hidden_layers={L}", "model.arch.hidden_size=64",
-      "model.arch.intermediate_size=96", "model.arch.moe_intermediate_size=32", "train.global_batch=4",
-      "train.micro_batch=2", "moe.bias_update_rate=0.01"]
+DS = [
+    "model.name=deepseek_v3",
+    f"model.arch.num_hidden_layers={L}",
+    "model.arch.hidden_size=64",
+    "model.arch.intermediate_size=96",
+    "model.arch.moe_intermediate_size=32",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+    "moe.bias_update_rate=0.01",
+]
 COPIES = [f"model.layers.{L}.embed_tokens.weight", f"model.layers.{L}.shared_head.head.weight"]
 
 
@@ -44,8 +51,10 @@ def _one_thread():
 
 def rollouts(seed=0, n=9, seq_len=24):
     g = torch.Generator().manual_seed(seed)
-    tokens = [torch.randint(0, 256, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-              for _ in range(n)]
+    tokens = [
+        torch.randint(0, 256, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
     masks = [[i >= 2 for i in range(len(t))] for t in tokens]
     return pack_sequences(tokens, masks, seq_len, advantages=torch.randn(n, generator=g).tolist())
 
@@ -68,8 +77,10 @@ def check_hf_dir(path, model, ids):
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
     assert torch.equal(tensors[COPIES[0]], embed) and torch.equal(tensors[COPIES[1]], head)
     assert torch.equal(tensors[f"model.layers.{L}.eh_proj.weight"], model.mtp[0].eh_proj.weight)
-    assert torch.equal(tensors["model.layers.1.mlp.gate.e_score_correction_bias"],
-                       model.model.layers[1].mlp.gate.e_score_correction_bias)
+    assert torch.equal(
+        tensors["model.layers.1.mlp.gate.e_score_correction_bias"],
+        model.model.layers[1].mlp.gate.e_score_correction_bias,
+    )
     hf, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"]
     with torch.no_grad():
@@ -85,7 +96,9 @@ def check_hf_dir(path, model, ids):
 def test_engine_on_deepseek_v3(tmp_path):
     e = Engine(load_config(None, DS + [f"train.out_dir={tmp_path}/run"]))
     model = e.model
-    assert model.mtp_modules() == 1 and model.mtp_depth == 0  # carried, not trained by the policy update
+    assert (
+        model.mtp_modules() == 1 and model.mtp_depth == 0
+    )  # carried, not trained by the policy update
     b = rollouts()
     lp = e.compute_logprobs(b)
     with torch.no_grad():
@@ -98,10 +111,15 @@ def test_engine_on_deepseek_v3(tmp_path):
     # rate x sign(mean load - load), after the update, once
     routed = model.record_routing(b.input_ids, b.position_ids)  # [B, T, MoE layers, K]
     E = e.arch.num_experts
-    load = [torch.bincount(routed[:, :, j].flatten(), minlength=E).float() for j in range(routed.shape[2])]
+    load = [
+        torch.bincount(routed[:, :, j].flatten(), minlength=E).float()
+        for j in range(routed.shape[2])
+    ]
     gates = model.routers()
     assert len(gates) == len(load) == 1
-    want_bias = [g.e_score_correction_bias + 0.01 * torch.sign(x.mean() - x) for g, x in zip(gates, load)]
+    want_bias = [
+        g.e_score_correction_bias + 0.01 * torch.sign(x.mean() - x) for g, x in zip(gates, load)
+    ]
     mtp_before = {n: p.detach().clone() for n, p in model.mtp.named_parameters()}
     mtp_bias = model.mtp[0].mlp.gate.e_score_correction_bias.clone()
     e.train_step(b.replace(old_logprobs=lp.logprobs), PolicyLoss(), lr=1e-3)
@@ -117,7 +135,9 @@ def test_engine_on_deepseek_v3(tmp_path):
     e.export_hf(str(out))
     ids = b.input_ids[:2]
     tensors = check_hf_dir(out, model, ids)
-    streamed = dict(kv for bucket in e.weight_buckets(dtype=None) for kv in bucket)  # the rollout engine's names
+    streamed = dict(
+        kv for bucket in e.weight_buckets(dtype=None) for kv in bucket
+    )  # the rollout engine's names
     assert streamed.keys() == tensors.keys()
     assert all(torch.equal(streamed[k], tensors[k]) for k in COPIES)
     reloaded = Engine(e.cfg, hf_path=str(out))
@@ -126,11 +146,22 @@ def test_engine_on_deepseek_v3(tmp_path):
 
 def test_convert_writes_the_mtp_copies(tmp_path):
     """``bumblebee convert --to hf`` (here: the run's own export) of a checkpoint trained with MTP."""
-    cfg = load_config(None, DS + [f"train.out_dir={tmp_path}/run", "train.steps=1", "train.seq_len=64",
-                                  "train.export_hf=true", "primitives.sharding=none"])
+    cfg = load_config(
+        None,
+        DS
+        + [
+            f"train.out_dir={tmp_path}/run",
+            "train.steps=1",
+            "train.seq_len=64",
+            "train.export_hf=true",
+            "primitives.sharding=none",
+        ],
+    )
     trainer = Trainer(cfg, stream=io.StringIO())
     trainer.run()
     model = trainer.model
-    assert model.mtp_depth == 1 and model.mtp[0].mlp.gate.e_score_correction_bias.abs().sum() > 0  # trained
+    assert (
+        model.mtp_depth == 1 and model.mtp[0].mlp.gate.e_score_correction_bias.abs().sum() > 0
+    )  # trained
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     check_hf_dir(tmp_path / "run" / "hf", model, ids)

@@ -11,9 +11,9 @@ import os
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
-import transformers
 from bumblebee import load_config
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.rl import microbatch as mbs
@@ -21,9 +21,17 @@ from bumblebee.rl.batch import pack_sequences
 from bumblebee.rl.engine import Engine
 from bumblebee.rl.losses import PolicyLoss, TokenNLL
 
-SMALL = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-         "model.arch.num_experts=4", "model.arch.moe_intermediate_size=32", "primitives.attention=sdpa",
-         "train.global_batch=4", "train.micro_batch=2", "model.arch.router_aux_loss_coef=0.0"]
+SMALL = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.num_experts=4",
+    "model.arch.moe_intermediate_size=32",
+    "primitives.attention=sdpa",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+    "model.arch.router_aux_loss_coef=0.0",
+]
 LOSS = PolicyLoss(kl_coef=0.05, entropy_coef=0.01, agg="seq-mean-token-mean")
 
 
@@ -41,8 +49,10 @@ def engine(tmp_path, *overrides, **kw):
 
 def rollouts(seed=0, n=11, seq_len=24):
     g = torch.Generator().manual_seed(seed)
-    tokens = [torch.randint(0, 256, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-              for _ in range(n)]
+    tokens = [
+        torch.randint(0, 256, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
     masks = [[i >= 2 for i in range(len(t))] for t in tokens]
     b = pack_sequences(tokens, masks, seq_len, advantages=torch.randn(n, generator=g).tolist())
     return b.replace(ref_logprobs=-torch.rand(b.input_ids.shape, generator=g) * 6)
@@ -91,8 +101,14 @@ def test_forward_backward_and_optimizer_step_equal_train_step(tmp_path):
         c.zero_grad()
         out = c.forward_backward(b, LOSS)
         opt = c.optimizer_step(lr=1e-2)
-    assert out.loss == want["loss"] and opt["grad_norm"] == want["grad_norm"] and out.tokens == want["tokens"]
-    assert out.metrics == {k: want[k] for k in out.metrics} and c.weight_version == 1 and c.step == 1
+    assert (
+        out.loss == want["loss"]
+        and opt["grad_norm"] == want["grad_norm"]
+        and out.tokens == want["tokens"]
+    )
+    assert (
+        out.metrics == {k: want[k] for k in out.metrics} and c.weight_version == 1 and c.step == 1
+    )
     # forward only, with the loss: the same figures as the next update's, and every log-prob
     with c.eval_mode():
         scored = c.forward_backward(b, LOSS, forward_only=True, entropy=True)
@@ -109,12 +125,16 @@ def test_routing_replay_records_and_replays(tmp_path):
     lp = e.compute_logprobs(b, return_routing=True)
     L, K = e.arch.num_hidden_layers, e.arch.num_experts_per_tok
     assert lp.routing.shape == (*b.input_ids.shape, L, K)
-    same = e.compute_logprobs(b.replace(routing=lp.routing), return_routing=True)  # replaying what it chose
+    same = e.compute_logprobs(
+        b.replace(routing=lp.routing), return_routing=True
+    )  # replaying what it chose
     assert torch.equal(same.logprobs, lp.logprobs) and torch.equal(same.routing, lp.routing)
     given = (lp.routing + 1) % e.arch.num_experts  # other experts: the log-probs follow them
     other = e.compute_logprobs(b.replace(routing=given), return_routing=True)
     assert torch.equal(other.routing, given) and (other.logprobs - lp.logprobs).abs().max() > 1e-3
-    budget = engine(tmp_path / "b", max_tokens_per_micro_batch=16)  # repacked sequences keep their experts
+    budget = engine(
+        tmp_path / "b", max_tokens_per_micro_batch=16
+    )  # repacked sequences keep their experts
     real = b.seq_index >= 0
     got = budget.compute_logprobs(b.replace(routing=given), return_routing=True)
     assert torch.equal(got.routing[real], given[real])
@@ -143,11 +163,15 @@ def test_offload_by_part_moves_only_that_part(tmp_path):
         e.optimizer_step()
     e.compute_logprobs(b)  # scoring needs only the parameters
     assert e.onload()["moved_bytes"] == {"grads": 0}  # back on "cpu" (equal to where they sit now)
-    assert all(torch.equal(p.grad, grads[n]) and p.grad.data_ptr() != grads[n].data_ptr()
-               for n, p in e.model.named_parameters())
+    assert all(
+        torch.equal(p.grad, grads[n]) and p.grad.data_ptr() != grads[n].data_ptr()
+        for n, p in e.model.named_parameters()
+    )
     # optimizer only; train_mode brings it back for the update and sends it away again
     report = e.offload(params=False, grads=False, optimizer=True, device=host)
-    state = [v for s in e.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    state = [
+        v for s in e.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+    ]
     assert report["moved_bytes"] == {"optimizer": sum(t.numel() * t.element_size() for t in state)}
     with pytest.raises(RuntimeError, match="optimizer are offloaded"):
         e.optimizer_step()
@@ -162,7 +186,10 @@ def test_save_load_step_and_keep(tmp_path):
     for step in (3, 5, 7):
         e.train_step(b, TokenNLL(), lr=1e-3)
         e.save(str(tmp_path / "ckpt"), step=step, keep=2)
-    assert sorted(os.listdir(tmp_path / "ckpt" / "checkpoints")) == ["step_00000005", "step_00000007"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "checkpoints")) == [
+        "step_00000005",
+        "step_00000007",
+    ]
     r = engine(tmp_path / "run2")
     assert r.load(str(tmp_path / "ckpt"), step=5) == 5 and r.weight_version == 1
     assert r.load(str(tmp_path / "ckpt")) == 7
@@ -174,7 +201,10 @@ def _hf_dir(buckets, config: dict, out: str) -> str:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f)
-    save_file({n: t.contiguous() for bucket in buckets for n, t in bucket}, os.path.join(out, "model.safetensors"))
+    save_file(
+        {n: t.contiguous() for bucket in buckets for n, t in bucket},
+        os.path.join(out, "model.safetensors"),
+    )
     return out
 
 
@@ -183,7 +213,9 @@ def test_weight_buckets_bound_names_and_transformers_logits(tmp_path):
     e.train_step(rollouts(), TokenNLL(), lr=1e-2)
     bucket_bytes = 24 << 10
     sizes, buckets, peak = [], [], 0
-    with MemoryTracker("cpu") as mem:  # counts what the iteration allocates (the model is not counted)
+    with MemoryTracker(
+        "cpu"
+    ) as mem:  # counts what the iteration allocates (the model is not counted)
         for bucket in e.weight_buckets(bucket_bytes=bucket_bytes):
             sizes.append([t.numel() * t.element_size() for _, t in bucket])
             assert all(t.dtype == torch.bfloat16 for _, t in bucket)
@@ -195,13 +227,22 @@ def test_weight_buckets_bound_names_and_transformers_logits(tmp_path):
     names = [n for bucket in buckets for n, _ in bucket]
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in names and len(names) == len(set(names))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        _hf_dir(buckets, e.arch.to_hf_dict(), str(tmp_path / "hf"))).eval()
+        _hf_dir(buckets, e.arch.to_hf_dict(), str(tmp_path / "hf"))
+    ).eval()
     ids = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         assert (hf(ids).logits - e.model(ids)).abs().max().item() < 1e-4
-    whole = {n: t for n, t in e.named_weights(dtype=torch.float32)}  # stacked experts gathered whole
-    pieces = [(n, t) for bucket in e.weight_buckets(bucket_bytes=4096, dtype=torch.float32) for n, t in bucket]
-    assert len(pieces) == len(whole) and all(torch.equal(t, whole[n]) for n, t in pieces)  # in pieces of experts
+    whole = {
+        n: t for n, t in e.named_weights(dtype=torch.float32)
+    }  # stacked experts gathered whole
+    pieces = [
+        (n, t)
+        for bucket in e.weight_buckets(bucket_bytes=4096, dtype=torch.float32)
+        for n, t in bucket
+    ]
+    assert len(pieces) == len(whole) and all(
+        torch.equal(t, whole[n]) for n, t in pieces
+    )  # in pieces of experts
     with pytest.raises(ValueError, match="names must be"):
         next(e.weight_buckets(names="vllm"))
 
@@ -214,7 +255,9 @@ def test_weight_stream_carries_router_bias_buffers(tmp_path):
 
     e = engine(tmp_path, "primitives.router=sigmoid_bias")
     for m in e.model.routers():
-        m.e_score_correction_bias.uniform_(-0.5, 0.5)  # not its zero init: a missing copy would show
+        m.e_score_correction_bias.uniform_(
+            -0.5, 0.5
+        )  # not its zero init: a missing copy would show
     names = {n for bucket in e.weight_buckets() for n, _ in bucket}
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
     e.export_hf(str(tmp_path / "hf"))
@@ -222,23 +265,52 @@ def test_weight_stream_carries_router_bias_buffers(tmp_path):
     back = Engine(e.cfg, hf_path=str(tmp_path / "hf"))
     assert torch.equal(back.compute_logprobs(b).logprobs, e.compute_logprobs(b).logprobs)
     sampler = Sampler(bumblebee.build_model(e.arch, e.cfg.primitives))
-    sampler.load_weights(t for bucket in e.weight_buckets(dtype=None, names="bumblebee") for t in bucket)
-    assert all(torch.equal(a, b) for a, b in zip(sampler.model.routers()[0].e_score_correction_bias,
-                                                  e.model.routers()[0].e_score_correction_bias))
+    sampler.load_weights(
+        t for bucket in e.weight_buckets(dtype=None, names="bumblebee") for t in bucket
+    )
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            sampler.model.routers()[0].e_score_correction_bias,
+            e.model.routers()[0].e_score_correction_bias,
+        )
+    )
 
 
 def _multimodal_checkpoint(out: str) -> str:
     """A tiny ``Qwen3_5MoeForConditionalGeneration`` (language model under ``model.language_model.``)."""
     torch.manual_seed(2)
     lin, full = "linear_attention", "full_attention"
-    text = dict(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
-                linear_conv_kernel_dim=4, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
-                num_hidden_layers=2, layer_types=[lin, full],
-                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                  num_position_embeddings=16, patch_size=4)
+    text = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_conv_kernel_dim=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        num_hidden_layers=2,
+        layer_types=[lin, full],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        num_position_embeddings=16,
+        patch_size=4,
+    )
     cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
     transformers.Qwen3_5MoeForConditionalGeneration(cfg).save_pretrained(out)
     return out
@@ -248,15 +320,24 @@ def test_weight_buckets_keep_a_multimodal_checkpoints_names(tmp_path):
     from bumblebee.rl.weights import checkpoint_names
 
     src = _multimodal_checkpoint(str(tmp_path / "src"))
-    e = Engine(load_config(None, ["model.name=qwen3_5_moe", f"train.out_dir={tmp_path}"]), hf_path=src)
+    e = Engine(
+        load_config(None, ["model.name=qwen3_5_moe", f"train.out_dir={tmp_path}"]), hf_path=src
+    )
     buckets = list(e.weight_buckets(bucket_bytes=16 << 10, dtype=torch.float32))
     names = [n for bucket in buckets for n, _ in bucket]
     assert any(n.startswith("model.language_model.layers.") for n in names)
-    assert set(names) == {n for n in checkpoint_names(src) if not n.startswith(("model.visual.", "mtp."))}
+    assert set(names) == {
+        n for n in checkpoint_names(src) if not n.startswith(("model.visual.", "mtp."))
+    }
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    hf = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
-        _hf_dir(buckets, config, str(tmp_path / "hf"))).float().eval()
+    hf = (
+        transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
+            _hf_dir(buckets, config, str(tmp_path / "hf"))
+        )
+        .float()
+        .eval()
+    )
     ids = torch.randint(0, 64, (1, 12))
     with torch.no_grad():
         assert (hf(input_ids=ids).logits - e.model(ids)).abs().max().item() < 1e-4

@@ -6,27 +6,41 @@ get gradients, and the unreplayed forward routes differently. Both routers, both
 import pytest
 import torch
 
-from bumblebee.config import PrimitivesConfig
+from bumblebee.config import ModelConfig, PrimitivesConfig
 from bumblebee.models import build_model, resolve_arch
-from bumblebee.config import ModelConfig
 from bumblebee.primitives.moe.replay import RoutingScope
 
-ARCH = {"num_hidden_layers": 3, "hidden_size": 32, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 8,
-        "num_experts_per_tok": 2, "vocab_size": 64}
+ARCH = {
+    "num_hidden_layers": 3,
+    "hidden_size": 32,
+    "head_dim": 8,
+    "moe_intermediate_size": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 64,
+}
 
 
 def model_for(family, router, recompute, seed=0):
-    arch = dict(ARCH, mlp_only_layers=[1]) if family == "qwen3_moe" else dict(ARCH, shared_expert_intermediate_size=16)
+    arch = (
+        dict(ARCH, mlp_only_layers=[1])
+        if family == "qwen3_moe"
+        else dict(ARCH, shared_expert_intermediate_size=16)
+    )
     torch.manual_seed(seed)
-    return build_model(resolve_arch(ModelConfig(name=family, arch=arch)),
-                       PrimitivesConfig(router=router, recompute=recompute, loss="ce", moe_comm="local"))
+    return build_model(
+        resolve_arch(ModelConfig(name=family, arch=arch)),
+        PrimitivesConfig(router=router, recompute=recompute, loss="ce", moe_comm="local"),
+    )
 
 
 def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family,router", [("qwen3_moe", "softmax_topk"), ("qwen3_5_moe", "sigmoid_bias")])
+@pytest.mark.parametrize(
+    "family,router", [("qwen3_moe", "softmax_topk"), ("qwen3_5_moe", "sigmoid_bias")]
+)
 def test_replay_after_a_step(family, router):
     torch.manual_seed(1)
     ids, labels = torch.randint(0, 64, (2, 40)), torch.randint(0, 64, (2, 40))
@@ -64,4 +78,6 @@ def test_replay_ids_must_match_the_batch():
     model = model_for("qwen3_moe", "softmax_topk", "none")
     ids = torch.randint(0, 64, (2, 8))
     with pytest.raises(ValueError, match=r"routing replay ids must be \[B, T, L, K\]"):
-        model.hidden_states(ids, routing=RoutingScope(replay_BTLK=torch.zeros(2, 7, 2, 2, dtype=torch.long)))
+        model.hidden_states(
+            ids, routing=RoutingScope(replay_BTLK=torch.zeros(2, 7, 2, 2, dtype=torch.long))
+        )

@@ -24,11 +24,23 @@ from bumblebee.runtime.metrics import MetricsWriter
 from bumblebee.runtime.resolve import load_config
 from bumblebee.runtime.trainer import Trainer
 
-TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.num_experts=4", "model.arch.num_experts_per_tok=2",
-        "primitives.loss=ce", "primitives.recompute=none", "primitives.attention=sdpa", "train.seq_len=32",
-        "train.global_batch=1", "data.min_records=1", "data.max_records=2", "train.warmup_steps=0",
-        "train.eval_every=0"]
+TINY = [
+    "model.arch.num_hidden_layers=1",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.num_experts=4",
+    "model.arch.num_experts_per_tok=2",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "primitives.attention=sdpa",
+    "train.seq_len=32",
+    "train.global_batch=1",
+    "data.min_records=1",
+    "data.max_records=2",
+    "train.warmup_steps=0",
+    "train.eval_every=0",
+]
 
 
 def test_peak_table():
@@ -60,7 +72,9 @@ def test_model_tflops_and_mfu_per_step(fake_peak_run):
     spec = trainer.model.arch.to_spec()
     per_token = spec.model_flops_per_token(32)
     for r in rows:
-        assert r["tflops_per_gpu"] == pytest.approx(per_token * r["tokens"] / r["step_time_s"] / 1e12, rel=1e-9)
+        assert r["tflops_per_gpu"] == pytest.approx(
+            per_token * r["tokens"] / r["step_time_s"] / 1e12, rel=1e-9
+        )
         assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 1e-3, rel=1e-9)
     progress = [line for line in text.splitlines() if line.startswith("[")]
     assert len(progress) == 3 and all("TFLOP/s/GPU" in line and "MFU " in line for line in progress)
@@ -70,8 +84,10 @@ def test_model_tflops_and_mfu_per_step(fake_peak_run):
 def test_a_line_for_every_checkpoint_saved(fake_peak_run):
     _, _, text, _, out = fake_peak_run
     saved = [line for line in text.splitlines() if line.startswith("bumblebee: saved checkpoint")]
-    assert saved == [f"bumblebee: saved checkpoint {out / 'checkpoints' / 'step_00000002'} (step 2)",
-                     f"bumblebee: saved checkpoint {out / 'checkpoints' / 'step_00000003'} (step 3)"]
+    assert saved == [
+        f"bumblebee: saved checkpoint {out / 'checkpoints' / 'step_00000002'} (step 2)",
+        f"bumblebee: saved checkpoint {out / 'checkpoints' / 'step_00000003'} (step 3)",
+    ]
 
 
 def test_cpu_reports_tflops_without_mfu(tmp_path):
@@ -84,12 +100,24 @@ def test_cpu_reports_tflops_without_mfu(tmp_path):
 
 
 def record(step: int, **extra) -> dict:
-    return {"step": step, "loss": 1.0, "aux_loss": 0.0, "grad_norm": 1.0, "lr": 1e-3, "tokens": 32,
-            "tokens_per_s": 1.0, "step_time_s": 1.0, "peak_mem_bytes": 0, **extra}
+    return {
+        "step": step,
+        "loss": 1.0,
+        "aux_loss": 0.0,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens": 32,
+        "tokens_per_s": 1.0,
+        "step_time_s": 1.0,
+        "peak_mem_bytes": 0,
+        **extra,
+    }
 
 
 def test_eta_leaves_start_up_out_and_reads_h_mm_ss(tmp_path, monkeypatch):
-    clock = iter([0.0, 100.0, 102.0, 104.0])  # writer built at 0; step 1 ends after 100 s of start-up
+    clock = iter(
+        [0.0, 100.0, 102.0, 104.0]
+    )  # writer built at 0; step 1 ends after 100 s of start-up
     monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: next(clock))
     stream = io.StringIO()
     w = MetricsWriter(str(tmp_path), total_steps=1803, stream=stream)
@@ -103,16 +131,22 @@ def test_eta_leaves_start_up_out_and_reads_h_mm_ss(tmp_path, monkeypatch):
 
 def test_saturated_routing_warns_once(tmp_path):
     stream = io.StringIO()
-    w = MetricsWriter(str(tmp_path), total_steps=100, stream=stream, expert_ceiling=4.0, log_every=1000)
+    w = MetricsWriter(
+        str(tmp_path), total_steps=100, stream=stream, expert_ceiling=4.0, log_every=1000
+    )
     for step in range(1, 19):
-        w.log(record(step, expert_load_max_over_mean=3.0, expert_load_worst_layer=0))  # skewed, not saturated
+        w.log(
+            record(step, expert_load_max_over_mean=3.0, expert_load_worst_layer=0)
+        )  # skewed, not saturated
     for step in range(19, 60):
         w.log(record(step, expert_load_max_over_mean=4.0, expert_load_worst_layer=1))
     warnings = [line for line in stream.getvalue().splitlines() if "warning" in line]
     assert len(warnings) == 1 and "routing has saturated: layer 1" in warnings[0]
     assert "router_aux_loss_coef" in warnings[0] and "sigmoid_bias" in warnings[0]
     quiet = io.StringIO()
-    w = MetricsWriter(str(tmp_path / "b"), total_steps=100, stream=quiet, expert_ceiling=4.0, log_every=1000)
+    w = MetricsWriter(
+        str(tmp_path / "b"), total_steps=100, stream=quiet, expert_ceiling=4.0, log_every=1000
+    )
     for step in range(1, 60):
         w.log(record(step, expert_load_max_over_mean=3.5, expert_load_worst_layer=0))
     assert "warning" not in quiet.getvalue()
@@ -141,19 +175,27 @@ def test_wandb_logs_every_step(tmp_path, monkeypatch):
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     out = tmp_path / "my-run"
-    cfg = load_config(None, TINY + ["train.steps=2", "train.wandb=true", "train.wandb_project=proj",
-                                    f"train.out_dir={out}"])
+    cfg = load_config(
+        None,
+        TINY
+        + ["train.steps=2", "train.wandb=true", "train.wandb_project=proj", f"train.out_dir={out}"],
+    )
     Trainer(cfg, stream=io.StringIO()).run()
     init, *logs, finish = fake.calls
     assert init[0] == "init" and init[1]["project"] == "proj" and init[1]["name"] == "my-run"
     assert init[1]["config"]["train"]["steps"] == 2
-    assert [c[1] for c in logs] == [1, 2] and all("loss" in c[2] and "tflops_per_gpu" in c[2] for c in logs)
+    assert [c[1] for c in logs] == [1, 2] and all(
+        "loss" in c[2] and "tflops_per_gpu" in c[2] for c in logs
+    )
     assert finish == ("finish",)
 
 
 def test_wandb_missing_is_one_line_before_launch(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-    assert main(["train", "--set", "train.wandb=true", "--set", f"train.out_dir={tmp_path / 'r'}"]) == 2
+    assert (
+        main(["train", "--set", "train.wandb=true", "--set", f"train.out_dir={tmp_path / 'r'}"])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("bumblebee: error: train.wandb = true") and "pip install wandb" in err
     assert "\n" not in err and not (tmp_path / "r" / "metrics.jsonl").exists()

@@ -26,15 +26,29 @@ from bumblebee.runtime.checkpoint import find_checkpoint
 from bumblebee.runtime.signals import Preempted
 from bumblebee.runtime.trainer import Trainer
 
-TINY = ["model.arch.num_hidden_layers=1", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-        "model.arch.moe_intermediate_size=16", "model.arch.num_experts=2", "model.arch.num_experts_per_tok=1",
-        "primitives.loss=ce", "primitives.recompute=none", "primitives.attention=sdpa", "train.seq_len=32",
-        "train.global_batch=1", "data.min_records=1", "data.max_records=2", "train.warmup_steps=0",
-        "train.keep_last=0"]
+TINY = [
+    "model.arch.num_hidden_layers=1",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.num_experts=2",
+    "model.arch.num_experts_per_tok=1",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "primitives.attention=sdpa",
+    "train.seq_len=32",
+    "train.global_batch=1",
+    "data.min_records=1",
+    "data.max_records=2",
+    "train.warmup_steps=0",
+    "train.keep_last=0",
+]
 
 
 def train(out, *extra, resume=None) -> int:
-    argv = ["train"] + [a for s in TINY + list(extra) + [f"train.out_dir={out}"] for a in ("--set", s)]
+    argv = ["train"] + [
+        a for s in TINY + list(extra) + [f"train.out_dir={out}"] for a in ("--set", s)
+    ]
     return main(argv + (["--resume", str(resume)] if resume else []))
 
 
@@ -65,8 +79,13 @@ def first(tmp_path_factory):
     out = tmp_path_factory.mktemp("first")
     assert train(out, "train.steps=4", "train.save_every=2", "train.export_hf=true") == 0
     record = snapshot(out)
-    assert {"config.toml", "metrics.jsonl", "hf/config.json", "checkpoints/step_00000002/complete.json",
-            "checkpoints/step_00000004/complete.json"} <= set(record)
+    assert {
+        "config.toml",
+        "metrics.jsonl",
+        "hf/config.json",
+        "checkpoints/step_00000002/complete.json",
+        "checkpoints/step_00000004/complete.json",
+    } <= set(record)
     return out, record
 
 
@@ -77,14 +96,23 @@ def used(first, tmp_path):
     return out, first[1]
 
 
-@pytest.mark.parametrize("second", [
-    ["train.steps=2"],  # same config otherwise, no checkpoints
-    ["train.steps=3", "train.lr=5e-3", "train.save_every=1"],  # a different config that saves
-    ["train.steps=1", "train.resume=auto", "train.save_every=0"],  # --resume auto is only a fresh start here...
-])
+@pytest.mark.parametrize(
+    "second",
+    [
+        ["train.steps=2"],  # same config otherwise, no checkpoints
+        ["train.steps=3", "train.lr=5e-3", "train.save_every=1"],  # a different config that saves
+        [
+            "train.steps=1",
+            "train.resume=auto",
+            "train.save_every=0",
+        ],  # --resume auto is only a fresh start here...
+    ],
+)
 def test_a_fresh_run_moves_the_whole_earlier_record_aside(used, second, capsys):
     out, record = used
-    if "train.resume=auto" in second:  # ...when out_dir has no checkpoint: an earlier run that never saved
+    if (
+        "train.resume=auto" in second
+    ):  # ...when out_dir has no checkpoint: an earlier run that never saved
         shutil.rmtree(out / "checkpoints")
         record = {k: v for k, v in record.items() if not k.startswith("checkpoints/")}
     assert train(out, *second) == 0
@@ -98,39 +126,60 @@ def test_a_run_resumed_from_elsewhere_is_a_new_run(used, first, tmp_path):
     other = first[0] / "checkpoints" / "step_00000002"
     assert train(out, "train.steps=3", resume=other) == 0
     assert snapshot(the_previous(out)) == record
-    assert steps_of(out / "metrics.jsonl") == [3]  # its own steps only: none of the first run's lines
+    assert steps_of(out / "metrics.jsonl") == [
+        3
+    ]  # its own steps only: none of the first run's lines
 
 
 def test_extending_a_finished_run_continues_its_record(used):
     out, record = used
     assert train(out, "train.steps=6", "train.save_every=2", resume="auto") == 0
     assert steps_of(out / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
-    assert (out / "metrics.jsonl").read_bytes().startswith(record["metrics.jsonl"])  # the lines kept as written
+    assert (
+        (out / "metrics.jsonl").read_bytes().startswith(record["metrics.jsonl"])
+    )  # the lines kept as written
     now = snapshot(out)
     assert all(now[k] == v for k, v in record.items() if k.startswith("checkpoints/"))
-    aside = snapshot(the_previous(out))  # replaced: the config (steps changed) and the step-4 export
+    aside = snapshot(
+        the_previous(out)
+    )  # replaced: the config (steps changed) and the step-4 export
     assert aside == {k: v for k, v in record.items() if k == "config.toml" or k.startswith("hf/")}
     assert "steps = 6" in (out / "config.toml").read_text()
 
 
 def test_resuming_mid_run_sets_the_abandoned_future_aside(used):
     out, record = used
-    assert train(out, "train.steps=4", "train.save_every=2", "train.lr=5e-3",
-                 resume=out / "checkpoints" / "step_00000002") == 0
+    assert (
+        train(
+            out,
+            "train.steps=4",
+            "train.save_every=2",
+            "train.lr=5e-3",
+            resume=out / "checkpoints" / "step_00000002",
+        )
+        == 0
+    )
     assert steps_of(out / "metrics.jsonl") == [1, 2, 3, 4]
     assert "lr = 0.005" in (out / "config.toml").read_text()
     aside = snapshot(the_previous(out))
-    assert aside == {k: v for k, v in record.items() if k in ("config.toml", "metrics.jsonl")
-                     or k.startswith(("hf/", "checkpoints/step_00000004/"))}
+    assert aside == {
+        k: v
+        for k, v in record.items()
+        if k in ("config.toml", "metrics.jsonl")
+        or k.startswith(("hf/", "checkpoints/step_00000004/"))
+    }
     assert find_checkpoint("auto", str(out)) == str(out / "checkpoints" / "step_00000004")
-    assert (out / "checkpoints" / "step_00000004" / "config.toml").read_text() != \
-        record["checkpoints/step_00000004/config.toml"].decode()  # the new run's save, not the old one
+    assert (out / "checkpoints" / "step_00000004" / "config.toml").read_text() != record[
+        "checkpoints/step_00000004/config.toml"
+    ].decode()  # the new run's save, not the old one
 
 
 def test_a_preemption_save_keeps_an_earlier_runs_checkpoints(used):
     """save_every = 0: the only save is the SIGTERM one, at step 1 of the second run."""
     out, record = used
-    t = Trainer(load_config(None, TINY + ["train.steps=4", "train.save_every=0", f"train.out_dir={out}"]))
+    t = Trainer(
+        load_config(None, TINY + ["train.steps=4", "train.save_every=0", f"train.out_dir={out}"])
+    )
     inner = t.train_step
 
     def train_step():
@@ -144,5 +193,7 @@ def test_a_preemption_save_keeps_an_earlier_runs_checkpoints(used):
     assert snapshot(the_previous(out)) == record  # the earlier run's step_2 / step_4 intact
     assert sorted(os.listdir(out / "checkpoints")) == ["step_00000001"]
     assert find_checkpoint("auto", str(out)) == str(out / "checkpoints" / "step_00000001")
-    assert train(out, "train.steps=2", resume="auto") == 0  # continues the interrupted run, no mixing
+    assert (
+        train(out, "train.steps=2", resume="auto") == 0
+    )  # continues the interrupted run, no mixing
     assert steps_of(out / "metrics.jsonl") == [1, 2]

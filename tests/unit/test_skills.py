@@ -18,8 +18,14 @@ from bumblebee.cli import build_parser
 
 ROOT = Path(__file__).parents[2]
 SKILLS = ROOT / "skills"
-HEADINGS = ["## What it does", "## When to choose it", "## How to compose it", "## How to validate it",
-            "## Trade-offs", "## Limits"]
+HEADINGS = [
+    "## What it does",
+    "## When to choose it",
+    "## How to compose it",
+    "## How to validate it",
+    "## Trade-offs",
+    "## Limits",
+]
 REGISTERED = [(slot, name) for slot in registry.SLOTS for name in registry.implementations(slot)]
 
 
@@ -52,7 +58,11 @@ def bash_commands(text: str) -> list[str]:
 
 
 def all_commands():
-    return [(p.relative_to(ROOT).as_posix(), c) for p in sorted(SKILLS.rglob("*.md")) for c in bash_commands(p.read_text())]
+    return [
+        (p.relative_to(ROOT).as_posix(), c)
+        for p in sorted(SKILLS.rglob("*.md"))
+        for c in bash_commands(p.read_text())
+    ]
 
 
 @pytest.mark.parametrize("slot,impl", REGISTERED, ids=[f"{s}/{i}" for s, i in REGISTERED])
@@ -61,9 +71,17 @@ def test_every_implementation_has_its_skill(slot, impl):
     assert path.is_file(), f"missing skill document {path.relative_to(ROOT)}"
     text = path.read_text()
     headings = [line.rstrip() for line in prose_lines(text) if line.startswith("## ")]
-    assert headings == HEADINGS, f"{path.relative_to(ROOT)}: headings {headings}, expected {HEADINGS}"
-    rows = [line.split("|")[1].strip() for line in section(text, "## Trade-offs") if line.startswith("|")]
-    missing = [k for k in ("memory", "communication", "compute") if not any(r.startswith(k) for r in rows)]
+    assert headings == HEADINGS, (
+        f"{path.relative_to(ROOT)}: headings {headings}, expected {HEADINGS}"
+    )
+    rows = [
+        line.split("|")[1].strip()
+        for line in section(text, "## Trade-offs")
+        if line.startswith("|")
+    ]
+    missing = [
+        k for k in ("memory", "communication", "compute") if not any(r.startswith(k) for r in rows)
+    ]
     assert not missing, f"{path.relative_to(ROOT)}: Trade-offs table lacks rows {missing}"
 
 
@@ -85,7 +103,9 @@ def test_index_lists_every_implementation():
     stale = [f"{s}/{i}" for s, i in rows if (s, i) not in REGISTERED]
     assert not stale, f"skills/README.md lists unregistered implementations {stale}"
     for (slot, impl), link in rows.items():
-        assert link == f"{slot}/{impl}.md" and (SKILLS / link).is_file(), f"bad link {link} for {slot}/{impl}"
+        assert link == f"{slot}/{impl}.md" and (SKILLS / link).is_file(), (
+            f"bad link {link} for {slot}/{impl}"
+        )
 
 
 def test_skills_show_commands():
@@ -110,6 +130,8 @@ def test_commands_parse_and_tests_exist(doc, command):
             cfg_a, cfg_b, _ = build_pair(args)
             check_diff(config_diff(cfg_a, cfg_b), args.slot)
     if "pytest" in argv:
-        for arg in argv[argv.index("pytest") + 1:]:
+        for arg in argv[argv.index("pytest") + 1 :]:
             if not arg.startswith("-"):
-                assert (ROOT / arg.split("::")[0]).exists(), f"{doc}: `{command}` names a missing test {arg}"
+                assert (ROOT / arg.split("::")[0]).exists(), (
+                    f"{doc}: `{command}` names a missing test {arg}"
+                )

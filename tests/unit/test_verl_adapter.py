@@ -16,8 +16,11 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-verl = pytest.importorskip("verl", reason='verl is not installed: pip install "bumblebee[verl]" (verl==0.9.*; '
-                                          "in its own environment, with torch pinned: see pyproject.toml)")
+verl = pytest.importorskip(
+    "verl",
+    reason='verl is not installed: pip install "bumblebee[verl]" (verl==0.9.*; '
+    "in its own environment, with torch pinned: see pyproject.toml)",
+)
 
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine import EngineRegistry  # noqa: E402
@@ -29,25 +32,46 @@ from bumblebee.rl.batch import pack_sequences  # noqa: E402
 from bumblebee.rl.engine import Engine  # noqa: E402
 from bumblebee.rl.losses import TokenNLL  # noqa: E402
 
-SMALL = ["model.arch.num_hidden_layers=2", "model.arch.hidden_size=32", "model.arch.head_dim=8",
-         "model.arch.num_experts=4", "model.arch.moe_intermediate_size=32", "primitives.attention=sdpa",
-         "model.arch.router_aux_loss_coef=0.0", "train.micro_batch=64"]
+SMALL = [
+    "model.arch.num_hidden_layers=2",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.num_experts=4",
+    "model.arch.moe_intermediate_size=32",
+    "primitives.attention=sdpa",
+    "model.arch.router_aux_loss_coef=0.0",
+    "train.micro_batch=64",
+]
 
 
 def samples(n=6):
     g = torch.Generator().manual_seed(3)
-    tokens = [torch.randint(0, 256, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g) for _ in range(n)]
-    masks = [(torch.arange(len(t)) >= 2).long() for t in tokens]  # 2 prompt tokens, the rest trained
+    tokens = [
+        torch.randint(0, 256, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g)
+        for _ in range(n)
+    ]
+    masks = [
+        (torch.arange(len(t)) >= 2).long() for t in tokens
+    ]  # 2 prompt tokens, the rest trained
     return tokens, masks
 
 
 def verl_data(tokens, masks, max_tokens=None):
     """verl's no-padding batch: fixed micro-batches of 2 samples, or ``max_tokens`` per micro-batch."""
     nested = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
-    mode = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2} if max_tokens is None else \
-        {"use_dynamic_bsz": True, "max_token_len_per_gpu": max_tokens}
-    return tu.get_tensordict({"input_ids": nested(tokens), "position_ids": nested([torch.arange(len(t)) for t in tokens]),
-                              "loss_mask": nested(masks)}, non_tensor_dict={**mode, "temperature": 1.0})
+    mode = (
+        {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2}
+        if max_tokens is None
+        else {"use_dynamic_bsz": True, "max_token_len_per_gpu": max_tokens}
+    )
+    return tu.get_tensordict(
+        {
+            "input_ids": nested(tokens),
+            "position_ids": nested([torch.arange(len(t)) for t in tokens]),
+            "loss_mask": nested(masks),
+        },
+        non_tensor_dict={**mode, "temperature": 1.0},
+    )
 
 
 def test_verl_engine_api_runs_bumblebee(tmp_path):
@@ -68,7 +92,9 @@ def test_verl_engine_api_runs_bumblebee(tmp_path):
 
     with engine.eval_mode():
         lp = engine.infer_batch(verl_data(tokens, masks))["model_output"]["log_probs"]
-    want_lp = batch.unpack(ref.compute_logprobs(batch).logprobs)  # token-aligned: lp[t] = log p(token t)
+    want_lp = batch.unpack(
+        ref.compute_logprobs(batch).logprobs
+    )  # token-aligned: lp[t] = log p(token t)
     for got, w in zip(lp.unbind(), want_lp):  # verl's alignment: lp[t] = log p(token t + 1)
         assert torch.allclose(got[:-1], w[1:], atol=1e-5)
     names = [n for n, _ in engine.get_per_tensor_param()[0]]
@@ -95,18 +121,26 @@ def _ranks(rank, world, out_dir):
     engine = EngineRegistry.new("language_model", "bumblebee", config=cfg)
     engine.initialize()
     tokens, masks = samples(8)
-    mine = slice(0, 3) if rank == 0 else slice(3, 8)  # uneven: verl's dynamic batching evens the micro-batch count
+    mine = (
+        slice(0, 3) if rank == 0 else slice(3, 8)
+    )  # uneven: verl's dynamic batching evens the micro-batch count
     with engine.train_mode():
-        out = engine.train_batch(verl_data(tokens[mine], masks[mine], max_tokens=24), functools.partial(sft_loss, None))
+        out = engine.train_batch(
+            verl_data(tokens[mine], masks[mine], max_tokens=24), functools.partial(sft_loss, None)
+        )
     return sum(out["loss"]), out["metrics"]["grad_norm"]
 
 
 def test_verl_engine_api_on_two_ranks(tmp_path):
     tokens, masks = samples(8)
     ref = Engine(load_config(None, SMALL + [f"train.out_dir={tmp_path}"]))
-    want = ref.train_step(pack_sequences([t.tolist() for t in tokens], [m.bool().tolist() for m in masks], 16),
-                          TokenNLL())
+    want = ref.train_step(
+        pack_sequences([t.tolist() for t in tokens], [m.bool().tolist() for m in masks], 16),
+        TokenNLL(),
+    )
     per_rank = run_distributed(_ranks, 2, str(tmp_path), timeout=300)
-    assert sum(loss for loss, _ in per_rank) / 2 == pytest.approx(want["loss"], rel=1e-5)  # verl's x dp_size
+    assert sum(loss for loss, _ in per_rank) / 2 == pytest.approx(
+        want["loss"], rel=1e-5
+    )  # verl's x dp_size
     for _, norm in per_rank:
         assert norm == pytest.approx(want["grad_norm"], rel=1e-5)

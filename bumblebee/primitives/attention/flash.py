@@ -51,14 +51,38 @@ def flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float, kernel
     B, N, T, D = q_BNTD.shape
     K = k_BKTD.shape[1]
     cu, longest = cu_seqlens(layout, q_BNTD.device)
-    q_SND, k_SKD, v_SKD = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (q_BNTD, k_BKTD, v_BKTD))
-    o_SND = kernel(q_SND, k_SKD, v_SKD, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
-                   enable_gqa=N != K)
+    q_SND, k_SKD, v_SKD = (
+        x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (q_BNTD, k_BKTD, v_BKTD)
+    )
+    o_SND = kernel(
+        q_SND,
+        k_SKD,
+        v_SKD,
+        cu,
+        cu,
+        longest,
+        longest,
+        scale=scale,
+        window_size=(-1, 0),
+        enable_gqa=N != K,
+    )
     return o_SND.view(B, T, N, D).transpose(1, 2)
 
 
-def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                          window_size=(-1, -1), enable_gqa=False):
+def reference_varlen_attn(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+):
     """``varlen_attn``'s contract in plain PyTorch (fp32 scores), for CPU tests of the glue:
     per sequence i, queries ``cu_seq_q[i]:cu_seq_q[i+1]`` attend keys ``cu_seq_k[i]:cu_seq_k[i+1]``;
     ``window_size=(-1, 0)`` is causal aligned to the bottom right (query j of Lq sees keys
@@ -66,7 +90,7 @@ def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
     of the kernel and of its fake implementation). Empty sequences are allowed."""
     Sq, N, D = query.shape
     G = N // key.shape[1]
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     out = query.new_zeros(query.shape)
     lse = torch.full((N, Sq), float("-inf"), dtype=torch.float32, device=query.device)
     cq, ck = cu_seq_q.tolist(), cu_seq_k.tolist()

@@ -47,11 +47,30 @@ from bumblebee.primitives.rope import apply_rope
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int, *, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int, eps: float, scale: float, rope_interleave: bool,
-                 attend, recompute, cp_latents: str = ""):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        *,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        eps: float,
+        scale: float,
+        rope_interleave: bool,
+        attend,
+        recompute,
+        cp_latents: str = "",
+    ):
         super().__init__()
-        self.n_heads, self.nope, self.rope, self.v_dim = heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.n_heads, self.nope, self.rope, self.v_dim = (
+            heads,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+        )
         self.head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         if q_lora_rank:
@@ -62,7 +81,9 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_lora_rank + qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), bias=False
+        )
         self.o_proj = nn.Linear(heads * v_head_dim, hidden, bias=False)
         self.scale, self.rope_interleave = scale, rope_interleave
         if cp_latents not in ("", "allgather", "ring"):
@@ -82,17 +103,39 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x_BTH, cos, sin, layout):
         B, T, _ = x_BTH.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTH))) if self.q_lora_rank else self.q_proj(x_BTH)
-        q_nope, q_rope = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2).split([self.nope, self.rope], -1)
+        q = (
+            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTH)))
+            if self.q_lora_rank
+            else self.q_proj(x_BTH)
+        )
+        q_nope, q_rope = (
+            q.view(B, T, self.n_heads, self.head_dim)
+            .transpose(1, 2)
+            .split([self.nope, self.rope], -1)
+        )
         c_kv, k_rope = self.latents(x_BTH)
         k_rope, attend = self._rope(k_rope, cos, sin), self.attend
         q = torch.cat((q_nope, self._rope(q_rope, cos, sin)), dim=-1)
-        if self.cp_latents == "ring" and isinstance(layout, CPLayout):  # latent blocks around the ring
-            lat = torch.cat((c_kv, k_rope[:, 0]), dim=-1).to(q.dtype)  # the dtype kv_b_proj computes in
-            o_BNTV = self.recompute.module("attn_core", latent_ring_attention, q, lat, self.kv_b_proj.weight,
-                                           layout, self.scale, self.v_dim)
+        if self.cp_latents == "ring" and isinstance(
+            layout, CPLayout
+        ):  # latent blocks around the ring
+            lat = torch.cat((c_kv, k_rope[:, 0]), dim=-1).to(
+                q.dtype
+            )  # the dtype kv_b_proj computes in
+            o_BNTV = self.recompute.module(
+                "attn_core",
+                latent_ring_attention,
+                q,
+                lat,
+                self.kv_b_proj.weight,
+                layout,
+                self.scale,
+                self.v_dim,
+            )
             return self.o_proj(o_BNTV.transpose(1, 2).reshape(B, T, -1))
-        if self.cp_latents == "allgather" and isinstance(layout, CPLayout):  # the row's latents, global order
+        if self.cp_latents == "allgather" and isinstance(
+            layout, CPLayout
+        ):  # the row's latents, global order
             latent = GatherSequence.apply(torch.cat((c_kv[:, None], k_rope), dim=-1), layout)
             c_kv, k_rope = latent[:, 0].split([self.kv_lora_rank, self.rope], dim=-1)
             k_rope, attend, T = k_rope[:, None], attend_gathered, latent.shape[2]
@@ -103,4 +146,4 @@ class MultiHeadLatentAttention(nn.Module):
             v = F.pad(v, (0, self.head_dim - self.v_dim))
         o_BNTD = self.recompute.module("attn_core", attend, q, k, v, layout, self.scale)
         T = x_BTH.shape[1]
-        return self.o_proj(o_BNTD[..., :self.v_dim].transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(o_BNTD[..., : self.v_dim].transpose(1, 2).reshape(B, T, -1))

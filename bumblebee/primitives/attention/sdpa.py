@@ -36,23 +36,42 @@ def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
     same_doc = doc_BT[:, :, None] == doc_BT[:, None, :]
     causal = torch.ones(T, T, dtype=torch.bool, device=q_BNTD.device).tril()
     mask = (same_doc & causal)[:, None]
-    return F.scaled_dot_product_attention(q_BNTD, k_BKTD, v_BKTD, attn_mask=mask, scale=scale,
-                                          enable_gqa=q_BNTD.shape[1] != k_BKTD.shape[1])
+    return F.scaled_dot_product_attention(
+        q_BNTD,
+        k_BKTD,
+        v_BKTD,
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q_BNTD.shape[1] != k_BKTD.shape[1],
+    )
 
 
-@register("attention", "varlen", summary="packed documents, no mask: varlen_attn (CUDA, half) or SDPA per document")
+@register(
+    "attention",
+    "varlen",
+    summary="packed documents, no mask: varlen_attn (CUDA, half) or SDPA per document",
+)
 def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
     if select("attention", "varlen", emulation.kind(q_BNTD), q_BNTD.dtype).name == "varlen_attn":
         return flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout, scale)
     gqa = q_BNTD.shape[1] != k_BKTD.shape[1]
     if layout.single_doc:
-        return F.scaled_dot_product_attention(q_BNTD, k_BKTD, v_BKTD, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q_BNTD, k_BKTD, v_BKTD, is_causal=True, scale=scale, enable_gqa=gqa
+        )
     rows = []
     for b, bounds in enumerate(layout.bounds):
         docs = []
         for s, e in zip(bounds[:-1], bounds[1:]):
-            docs.append(F.scaled_dot_product_attention(
-                q_BNTD[b:b + 1, :, s:e], k_BKTD[b:b + 1, :, s:e], v_BKTD[b:b + 1, :, s:e],
-                is_causal=True, scale=scale, enable_gqa=gqa))
+            docs.append(
+                F.scaled_dot_product_attention(
+                    q_BNTD[b : b + 1, :, s:e],
+                    k_BKTD[b : b + 1, :, s:e],
+                    v_BKTD[b : b + 1, :, s:e],
+                    is_causal=True,
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
+            )
         rows.append(torch.cat(docs, dim=2))
     return torch.cat(rows, dim=0)

@@ -46,7 +46,9 @@ class GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_BKTD):
         L = ctx.layout
-        per_rank = torch.stack([grad_BKTD[:, :, L.rank_index(r)] for r in range(L.size)]).contiguous()
+        per_rank = torch.stack(
+            [grad_BKTD[:, :, L.rank_index(r)] for r in range(L.size)]
+        ).contiguous()
         if _supports_reduce_scatter(L.group):
             mine = torch.empty_like(per_rank[0])
             dist.reduce_scatter_single(mine, per_rank, group=L.group)
@@ -58,8 +60,13 @@ class GatherSequence(torch.autograd.Function):
 
 @register("cp", "allgather", reference=True, summary="all-gather K/V over the CP group, full mask")
 def allgather_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
-    return attend_gathered(q_BNLD, GatherSequence.apply(k_BKLD, layout), GatherSequence.apply(v_BKLD, layout),
-                           layout, scale)
+    return attend_gathered(
+        q_BNLD,
+        GatherSequence.apply(k_BKLD, layout),
+        GatherSequence.apply(v_BKLD, layout),
+        layout,
+        scale,
+    )
 
 
 def attend_gathered(q_BNLD, k_BKTD, v_BKTD, layout: CPLayout, scale: float):
@@ -68,13 +75,20 @@ def attend_gathered(q_BNLD, k_BKTD, v_BKTD, layout: CPLayout, scale: float):
     gqa = q_BNLD.shape[1] != k_BKTD.shape[1]
     outs = []
     for part in range(2):  # the early chunk, then the late chunk
-        idx_n = layout.index_L[part * n:(part + 1) * n]
+        idx_n = layout.index_L[part * n : (part + 1) * n]
         end = int(idx_n[-1]) + 1
         doc_q = layout.doc_BT[:, idx_n]  # [B, n]
         doc_k = layout.doc_BT[:, :end]  # [B, end]
         causal = torch.arange(end, device=idx_n.device)[None, :] <= idx_n[:, None]
         mask = (doc_q[:, :, None] == doc_k[:, None, :]) & causal
-        outs.append(F.scaled_dot_product_attention(q_BNLD[:, :, part * n:(part + 1) * n], k_BKTD[:, :, :end],
-                                                   v_BKTD[:, :, :end], attn_mask=mask[:, None], scale=scale,
-                                                   enable_gqa=gqa))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q_BNLD[:, :, part * n : (part + 1) * n],
+                k_BKTD[:, :, :end],
+                v_BKTD[:, :, :end],
+                attn_mask=mask[:, None],
+                scale=scale,
+                enable_gqa=gqa,
+            )
+        )
     return torch.cat(outs, dim=2)

@@ -55,8 +55,12 @@ class CPLayout:
     seq_len: int  # global T
     doc_BT: torch.Tensor  # global document id of every token [B, T]
     index_L: torch.Tensor  # global positions of the local tokens [Tl]
-    docs: DocLayout | None = None  # the same documents as host ints (kernel plans without device syncs)
-    _cache: DeviceCache = field(default_factory=DeviceCache, compare=False, repr=False)  # derived once
+    docs: DocLayout | None = (
+        None  # the same documents as host ints (kernel plans without device syncs)
+    )
+    _cache: DeviceCache = field(
+        default_factory=DeviceCache, compare=False, repr=False
+    )  # derived once
 
     def cached(self, key, device, build):
         """``build()`` once per (key, device): every layer and pass of the micro-batch shares it."""

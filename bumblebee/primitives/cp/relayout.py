@@ -34,8 +34,12 @@ def exchange(group, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tenso
     the caller keeps messages to itself local."""
     me = dist.get_rank(group)
     assert me not in sends and me not in recvs, "exchange: local moves are the caller's"
-    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for p, t in sends.items()]
-    ops += [dist.P2POp(dist.irecv, b, dist.get_global_rank(group, p), group) for p, b in recvs.items()]
+    ops = [
+        dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for p, t in sends.items()
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, b, dist.get_global_rank(group, p), group) for p, b in recvs.items()
+    ]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -61,7 +65,9 @@ def _move(x_BL, layout: CPLayout, src, dst) -> torch.Tensor:
     """Re-shard dim 1 of ``x_BL`` from placement ``src`` to placement ``dst`` (chunk -> (rank, slot))."""
     C, me, n = layout.size, layout.rank, layout.chunk
     if x_BL.shape[1] != 2 * n:
-        raise ValueError(f"relayout: dim 1 must hold this rank's 2 chunks of {n} tokens, got {x_BL.shape[1]}")
+        raise ValueError(
+            f"relayout: dim 1 must hold this rank's 2 chunks of {n} tokens, got {x_BL.shape[1]}"
+        )
     held = x_BL.split(n, dim=1)
     out: list[torch.Tensor | None] = [None, None]
     outgoing: dict[int, list[int]] = {}  # peer -> chunk ids (ascending) it receives from me
@@ -74,7 +80,10 @@ def _move(x_BL, layout: CPLayout, src, dst) -> torch.Tensor:
             outgoing.setdefault(d_rank, []).append(j)
         elif d_rank == me:
             incoming.setdefault(s_rank, []).append(j)
-    sends = {p: torch.cat([held[src(j, C)[1]] for j in js], dim=1).contiguous() for p, js in outgoing.items()}
+    sends = {
+        p: torch.cat([held[src(j, C)[1]] for j in js], dim=1).contiguous()
+        for p, js in outgoing.items()
+    }
     shape = lambda k: (x_BL.shape[0], k * n) + tuple(x_BL.shape[2:])  # noqa: E731
     recvs = {p: x_BL.new_empty(shape(len(js))) for p, js in incoming.items()}
     exchange(layout.group, sends, recvs)

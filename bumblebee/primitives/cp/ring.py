@@ -76,12 +76,16 @@ def forward_block(q, o, lse, k, v, layout: CPLayout, src: int, scale: float) -> 
         old = lse[:, :, :, q_sl]
         new = torch.logaddexp(old, lse_p)
         new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-        o[:, :, :, q_sl] = (o[:, :, :, q_sl] * torch.exp(old - new_safe)[..., None]
-                            + o_p * torch.exp(lse_p - new_safe)[..., None])
+        o[:, :, :, q_sl] = (
+            o[:, :, :, q_sl] * torch.exp(old - new_safe)[..., None]
+            + o_p * torch.exp(lse_p - new_safe)[..., None]
+        )
         lse[:, :, :, q_sl] = new
 
 
-def backward_block(q, do, delta, lse, dq, k, v, dk, dv, layout: CPLayout, src: int, scale: float) -> None:
+def backward_block(
+    q, do, delta, lse, dq, k, v, dk, dv, layout: CPLayout, src: int, scale: float
+) -> None:
     """Add local queries x rank ``src``'s block to dq and to the block's dk / dv (all fp32, in place).
     Shapes as ``forward_block``; do / dq like q, delta = rowsum(dO * O) like lse, dk / dv like k / v."""
     for q_sl, k_sl, mask in _pairs(layout, src):
@@ -142,7 +146,13 @@ class RingAttention(torch.autograd.Function):
             src = (layout.rank - step) % layout.size
             backward_block(q, do, delta, lse, dq, k, v, dk, dv, layout, src, scale)
             (k, v), (dk, dv) = backward_hop(step, layout, [k, v], [dk, dv])
-        return (dq.view(B, N, L, D).to(q_BNLD.dtype), dk.to(k_BKLD.dtype), dv.to(v_BKLD.dtype), None, None)
+        return (
+            dq.view(B, N, L, D).to(q_BNLD.dtype),
+            dk.to(k_BKLD.dtype),
+            dv.to(v_BKLD.dtype),
+            None,
+            None,
+        )
 
 
 @register("cp", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")

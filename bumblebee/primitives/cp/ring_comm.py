@@ -24,11 +24,13 @@ def ring_pass(tensors: list[torch.Tensor], layout: CPLayout):
     return bufs, lambda: [w.wait() for w in works]
 
 
-def backward_hop(step: int, layout: CPLayout, blocks: list[torch.Tensor], grads: list[torch.Tensor]):
+def backward_hop(
+    step: int, layout: CPLayout, blocks: list[torch.Tensor], grads: list[torch.Tensor]
+):
     """The backward ring's hop after ``step``: pass the blocks (K/V, or MLA latents) on with the
     gradient accumulators every rank adds to. After the last hop only the accumulators travel,
     and each block's gradients are back with the block's owner. Returns (blocks, grads)."""
     last = step + 1 == layout.size
     received, wait = ring_pass(grads if last else blocks + grads, layout)
     wait()
-    return (blocks, received) if last else (received[:len(blocks)], received[len(blocks):])
+    return (blocks, received) if last else (received[: len(blocks)], received[len(blocks) :])

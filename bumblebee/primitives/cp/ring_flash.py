@@ -34,17 +34,17 @@ Legend: B batch, N query heads, K kv heads, L local tokens (2n), D head dim, S p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import reference_varlen_attn
 from bumblebee.primitives.cp.layout import CPLayout
-from bumblebee.primitives.packed import to_device
 from bumblebee.primitives.cp.ring_comm import backward_hop
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
+from bumblebee.primitives.packed import to_device
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,39 @@ def cuda_block_kernel() -> BlockKernel:
         return reference_block_kernel()
 
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-        o, lse, _ = torch.ops.torch_attn._varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale,
-                                                      [-1, 0] if causal else [-1, -1], k.shape[1] != q.shape[1])
+        o, lse, _ = torch.ops.torch_attn._varlen_attn(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            causal,
+            scale,
+            [-1, 0] if causal else [-1, -1],
+            k.shape[1] != q.shape[1],
+        )
         return o, lse
 
     def bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale):
         rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        return torch.ops.torch_attn._varlen_attn_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal,
-                                                          rng, scale, [-1, 0] if causal else [-1, -1])
+        return torch.ops.torch_attn._varlen_attn_backward(
+            do,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            causal,
+            rng,
+            scale,
+            [-1, 0] if causal else [-1, -1],
+        )
 
     return BlockKernel(fwd, bwd)
 
@@ -77,9 +102,19 @@ def reference_block_kernel() -> BlockKernel:
     from torch.nn.attention.varlen import AuxRequest
 
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-        return reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True),
-                                     scale=scale, window_size=(-1, 0) if causal else (-1, -1),
-                                     enable_gqa=k.shape[1] != q.shape[1])
+        return reference_varlen_attn(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            return_aux=AuxRequest(lse=True),
+            scale=scale,
+            window_size=(-1, 0) if causal else (-1, -1),
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
 
     def bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -92,7 +127,9 @@ def reference_block_kernel() -> BlockKernel:
             s = qs @ ks.transpose(-1, -2) * scale
             if causal:
                 Lq, Lk = q1 - q0, k1 - k0
-                i_q, i_k = (torch.arange(n, device=s.device) for n in (Lq, Lk))  # on the scores' device
+                i_q, i_k = (
+                    torch.arange(n, device=s.device) for n in (Lq, Lk)
+                )  # on the scores' device
                 allowed = i_k[None, :] <= i_q[:, None] + (Lk - Lq)
                 s = s.masked_fill(~allowed, float("-inf"))
             p = torch.exp(s - lse[:, q0:q1, None])
@@ -134,7 +171,9 @@ def _pack(pieces, device) -> tuple[torch.Tensor, torch.Tensor, int]:
 def step_pairs(layout: CPLayout, src: int) -> list[Pair]:
     """The kernel calls of the ring step holding rank ``src``'s K/V, decided on the host once per
     layout (every layer's forward, recompute and backward reuse the index tensors)."""
-    return layout.cached(("ring_pairs", src), layout.index_L.device, lambda: _step_pairs(layout, src))
+    return layout.cached(
+        ("ring_pairs", src), layout.index_L.device, lambda: _step_pairs(layout, src)
+    )
 
 
 def _step_pairs(layout: CPLayout, src: int) -> list[Pair]:
@@ -182,12 +221,23 @@ def _flat(x_BHLD: torch.Tensor) -> torch.Tensor:
     return x_BHLD.transpose(1, 2).reshape(B * L, H, D).contiguous()
 
 
-def forward_step(q, o, lse, k, v, layout: CPLayout, src: int, scale: float, kernel: BlockKernel) -> None:
+def forward_step(
+    q, o, lse, k, v, layout: CPLayout, src: int, scale: float, kernel: BlockKernel
+) -> None:
     """Merge local queries x rank ``src``'s K/V block into the running (o, lse), in place.
     q [B*L, N, D], o fp32 like q, lse fp32 [N, B*L], k / v [B*L, K, D]."""
     for p in step_pairs(layout, src):
-        o_p, lse_p = kernel.forward(q[p.q_index], k[p.k_index], v[p.k_index], p.cu_q, p.cu_k,
-                                    p.max_q, p.max_k, p.causal, scale)
+        o_p, lse_p = kernel.forward(
+            q[p.q_index],
+            k[p.k_index],
+            v[p.k_index],
+            p.cu_q,
+            p.cu_k,
+            p.max_q,
+            p.max_k,
+            p.causal,
+            scale,
+        )
         old = lse[:, p.q_index]
         new = torch.logaddexp(old, lse_p.float())
         keep, add = torch.exp(old - new).T[..., None], torch.exp(lse_p - new).T[..., None]
@@ -195,14 +245,26 @@ def forward_step(q, o, lse, k, v, layout: CPLayout, src: int, scale: float, kern
         lse[:, p.q_index] = new
 
 
-def backward_step(do, q, out, lse, dq, k, v, dk, dv, layout: CPLayout, src: int, scale: float,
-                  kernel: BlockKernel) -> None:
+def backward_step(
+    do, q, out, lse, dq, k, v, dk, dv, layout: CPLayout, src: int, scale: float, kernel: BlockKernel
+) -> None:
     """Add local queries x rank ``src``'s block to dq and the block's dk / dv (fp32, in place);
     ``out`` / ``lse`` are the forward's final output and log-sum-exp."""
     for p in step_pairs(layout, src):
-        dq_p, dk_p, dv_p = kernel.backward(do[p.q_index], q[p.q_index], k[p.k_index], v[p.k_index],
-                                           out[p.q_index], lse[:, p.q_index], p.cu_q, p.cu_k,
-                                           p.max_q, p.max_k, p.causal, scale)
+        dq_p, dk_p, dv_p = kernel.backward(
+            do[p.q_index],
+            q[p.q_index],
+            k[p.k_index],
+            v[p.k_index],
+            out[p.q_index],
+            lse[:, p.q_index],
+            p.cu_q,
+            p.cu_k,
+            p.max_q,
+            p.max_k,
+            p.causal,
+            scale,
+        )
         dq.index_add_(0, p.q_index, dq_p.float())
         dk.index_add_(0, p.k_index, dk_p.float())
         dv.index_add_(0, p.k_index, dv_p.float())
@@ -244,8 +306,19 @@ class RingFlashAttention(torch.autograd.Function):
             (k, v), (dk, dv) = backward_hop(step, layout, [k, v], [dk, dv])
         K = k.shape[1]
         unflat = lambda x, H, dt: x.view(B, L, H, D).transpose(1, 2).to(dt)  # noqa: E731
-        return unflat(dq, N, q.dtype), unflat(dk, K, k.dtype), unflat(dv, K, v.dtype), None, None, None
+        return (
+            unflat(dq, N, q.dtype),
+            unflat(dk, K, k.dtype),
+            unflat(dv, K, v.dtype),
+            None,
+            None,
+            None,
+        )
 
 
-def ring_flash_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, kernel: BlockKernel | None = None):
-    return RingFlashAttention.apply(q_BNLD, k_BKLD, v_BKLD, layout, scale, kernel or cuda_block_kernel())
+def ring_flash_attention(
+    q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, kernel: BlockKernel | None = None
+):
+    return RingFlashAttention.apply(
+        q_BNLD, k_BKLD, v_BKLD, layout, scale, kernel or cuda_block_kernel()
+    )

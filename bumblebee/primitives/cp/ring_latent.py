@@ -38,7 +38,12 @@ from bumblebee.primitives import emulation
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring import backward_block, forward_block
 from bumblebee.primitives.cp.ring_comm import backward_hop, ring_pass
-from bumblebee.primitives.cp.ring_flash import BlockKernel, backward_step, cuda_block_kernel, forward_step
+from bumblebee.primitives.cp.ring_flash import (
+    BlockKernel,
+    backward_step,
+    cuda_block_kernel,
+    forward_step,
+)
 from bumblebee.primitives.dispatch import select
 
 
@@ -54,8 +59,17 @@ def _expand(lat_BLX, w, n_heads: int, v_dim: int):
 
 class LatentRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BNLD, lat_BLX, w, layout: CPLayout, scale: float, v_dim: int,
-                kernel: BlockKernel | None, save_expanded: bool):
+    def forward(
+        ctx,
+        q_BNLD,
+        lat_BLX,
+        w,
+        layout: CPLayout,
+        scale: float,
+        v_dim: int,
+        kernel: BlockKernel | None,
+        save_expanded: bool,
+    ):
         with torch.autocast(q_BNLD.device.type, enabled=False):  # fp32 scores, as in backward
             B, N, L, D = q_BNLD.shape
             w_dt = w.to(lat_BLX.dtype)
@@ -76,14 +90,22 @@ class LatentRingAttention(torch.autograd.Function):
                 if save_expanded:
                     kept.append((lat, k, v))
                 if kernel is None:
-                    forward_block(q, o, lse, k.transpose(1, 2), v.transpose(1, 2), layout, src, scale)
+                    forward_block(
+                        q, o, lse, k.transpose(1, 2), v.transpose(1, 2), layout, src, scale
+                    )
                 else:
                     v = F.pad(v, (0, D - v_dim)).reshape(B * L, N, D)
                     forward_step(q, o, lse, k.reshape(B * L, N, D), v, layout, src, scale, kernel)
                 if step + 1 < layout.size:
                     wait()
                     lat = lat_next
-            ctx.layout, ctx.scale, ctx.v_dim, ctx.kernel, ctx.kept = layout, scale, v_dim, kernel, kept
+            ctx.layout, ctx.scale, ctx.v_dim, ctx.kernel, ctx.kept = (
+                layout,
+                scale,
+                v_dim,
+                kernel,
+                kept,
+            )
             if kernel is None:  # the fp32 o is kept (Delta = rowsum(dO * O) in fp32, as ring.py)
                 ctx.save_for_backward(q_BNLD, lat_BLX, w, o, lse)
                 return o.squeeze(2).to(q_BNLD.dtype)
@@ -125,14 +147,40 @@ class LatentRingAttention(torch.autograd.Function):
             dk = torch.zeros(B, L, N, D, dtype=torch.float32, device=q.device)
             if kernel is None:
                 dv = torch.zeros(B, L, N, Dv, dtype=torch.float32, device=q.device)
-                backward_block(q, do, delta, lse, dq, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-                               dk.transpose(1, 2), dv.transpose(1, 2), layout, src, scale)
+                backward_block(
+                    q,
+                    do,
+                    delta,
+                    lse,
+                    dq,
+                    k.transpose(1, 2).float(),
+                    v.transpose(1, 2).float(),
+                    dk.transpose(1, 2),
+                    dv.transpose(1, 2),
+                    layout,
+                    src,
+                    scale,
+                )
             else:
                 dv = torch.zeros_like(dk)
-                backward_step(do, q, out, lse, dq, k.reshape(B * L, N, D),
-                              F.pad(v, (0, D - Dv)).reshape(B * L, N, D), dk.view(B * L, N, D),
-                              dv.view(B * L, N, D), layout, src, scale, kernel)
-            dkv = torch.cat((dk[..., :Dn], dv[..., :Dv]), dim=-1).reshape(B * L, -1).to(dt)  # [B*L, N (Dn+Dv)]
+                backward_step(
+                    do,
+                    q,
+                    out,
+                    lse,
+                    dq,
+                    k.reshape(B * L, N, D),
+                    F.pad(v, (0, D - Dv)).reshape(B * L, N, D),
+                    dk.view(B * L, N, D),
+                    dv.view(B * L, N, D),
+                    layout,
+                    src,
+                    scale,
+                    kernel,
+                )
+            dkv = (
+                torch.cat((dk[..., :Dn], dv[..., :Dv]), dim=-1).reshape(B * L, -1).to(dt)
+            )  # [B*L, N (Dn+Dv)]
             d_lat += torch.cat(((dkv @ w_dt).float().view(B, L, C), dk[..., Dn:].sum(2)), dim=-1)
             dw += (dkv.T @ lat[..., :C].reshape(B * L, C)).float()
             # with the blocks kept, only the accumulator travels
@@ -145,12 +193,26 @@ class LatentRingAttention(torch.autograd.Function):
         return dq_BNLD.to(q_BNLD.dtype), d_lat.to(dt), dw.to(w.dtype), None, None, None, None, None
 
 
-def latent_ring_attention(q_BNLD, lat_BLX, w, layout: CPLayout, scale: float, v_dim: int, *,
-                          kernel: BlockKernel | None = None, save_expanded: bool = False):
+def latent_ring_attention(
+    q_BNLD,
+    lat_BLX,
+    w,
+    layout: CPLayout,
+    scale: float,
+    v_dim: int,
+    *,
+    kernel: BlockKernel | None = None,
+    save_expanded: bool = False,
+):
     """MLA's CP ring: queries [B, N, L, Dn + R] (roped), latents [B, L, C + R] (normalized c, roped
     shared rope key), ``w`` = ``kv_b_proj.weight`` [N (Dn + Dv), C] -> output [B, N, L, Dv]. The
     block kernel follows ``primitives/dispatch.py`` (CUDA bf16/fp16: varlen flash steps) unless
     given; ``save_expanded`` keeps every hop's expansion for backward (measurement only)."""
-    if kernel is None and select("cp", "ring", emulation.kind(q_BNLD), q_BNLD.dtype).name == "ring_varlen_attn":
+    if (
+        kernel is None
+        and select("cp", "ring", emulation.kind(q_BNLD), q_BNLD.dtype).name == "ring_varlen_attn"
+    ):
         kernel = cuda_block_kernel()
-    return LatentRingAttention.apply(q_BNLD, lat_BLX, w, layout, scale, v_dim, kernel, save_expanded)
+    return LatentRingAttention.apply(
+        q_BNLD, lat_BLX, w, layout, scale, v_dim, kernel, save_expanded
+    )

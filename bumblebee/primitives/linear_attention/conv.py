@@ -48,20 +48,30 @@ def _doc_offsets(layout: DocLayout, device) -> tuple[torch.Tensor, torch.Tensor]
 
 def _check(x_BTC: torch.Tensor, weight_CW: torch.Tensor, layout: DocLayout, initial_BPC):
     if x_BTC.dim() != 3 or weight_CW.dim() != 2 or x_BTC.shape[-1] != weight_CW.shape[0]:
-        raise ValueError(f"causal_conv1d: need x [B, T, C] and weight [C, W], got {tuple(x_BTC.shape)} "
-                         f"and {tuple(weight_CW.shape)}")
+        raise ValueError(
+            f"causal_conv1d: need x [B, T, C] and weight [C, W], got {tuple(x_BTC.shape)} "
+            f"and {tuple(weight_CW.shape)}"
+        )
     B, T, C = x_BTC.shape
     if layout.seq_len != T or len(layout.bounds) != B:
-        raise ValueError(f"causal_conv1d: layout is for {len(layout.bounds)} rows x {layout.seq_len} tokens, "
-                         f"input has {B} x {T}")
+        raise ValueError(
+            f"causal_conv1d: layout is for {len(layout.bounds)} rows x {layout.seq_len} tokens, "
+            f"input has {B} x {T}"
+        )
     P = weight_CW.shape[1] - 1
     if initial_BPC is not None and tuple(initial_BPC.shape) != (B, P, C):
-        raise ValueError(f"causal_conv1d: initial window must be [B, W-1, C] = {(B, P, C)}, "
-                         f"got {tuple(initial_BPC.shape)}")
+        raise ValueError(
+            f"causal_conv1d: initial window must be [B, W-1, C] = {(B, P, C)}, "
+            f"got {tuple(initial_BPC.shape)}"
+        )
 
 
-def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, layout: DocLayout,
-                  initial_BPC: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(
+    x_BTC: torch.Tensor,
+    weight_CW: torch.Tensor,
+    layout: DocLayout,
+    initial_BPC: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv (no bias, no activation) -> (y [B, T, C], final window [B, W-1, C])."""
     _check(x_BTC, weight_CW, layout, initial_BPC)
     B, T, C = x_BTC.shape
@@ -77,16 +87,18 @@ def causal_conv1d(x_BTC: torch.Tensor, weight_CW: torch.Tensor, layout: DocLayou
     y = x * w_CW[:, P]  # lag 0: the token itself
     for i in range(P):
         lag = P - i  # tap i reads x[t - lag]
-        tap = x_ext[:, i:i + T] * w_CW[:, i]
+        tap = x_ext[:, i : i + T] * w_CW[:, i]
         if not layout.single_doc:
             tap = tap * ((offset_BT >= lag) | first_BT)[..., None].to(tap.dtype)
         y = y + tap
     # Window after the last token: x_ext[:, T:T+P] holds x[T-P .. T-1] (negative = initial window);
     # keep only entries of the row's last document (all of them when that is the first document).
     idx_P = torch.arange(T - P, T, device=x.device)
-    last_start_B = layout.cached("last_start", x.device, lambda: to_device([b[-2] for b in layout.bounds], x.device))
+    last_start_B = layout.cached(
+        "last_start", x.device, lambda: to_device([b[-2] for b in layout.bounds], x.device)
+    )
     keep_BP = (idx_P[None] >= last_start_B[:, None]) | (last_start_B[:, None] == 0)
-    final_BPC = x_ext[:, T:T + P] * keep_BP[..., None].to(x.dtype)
+    final_BPC = x_ext[:, T : T + P] * keep_BP[..., None].to(x.dtype)
     return y.to(x_BTC.dtype), final_BPC.to(x_BTC.dtype)
 
 
@@ -96,7 +108,9 @@ class CausalConv1d(nn.Module):
     def __init__(self, channels: int, kernel_size: int):
         super().__init__()
         if channels <= 0 or kernel_size <= 0:
-            raise ValueError(f"CausalConv1d needs positive channels and kernel_size, got {channels}, {kernel_size}")
+            raise ValueError(
+                f"CausalConv1d needs positive channels and kernel_size, got {channels}, {kernel_size}"
+            )
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
 
     @property
@@ -104,7 +118,9 @@ class CausalConv1d(nn.Module):
         """Tokens carried between calls (kernel_size - 1)."""
         return self.weight.shape[-1] - 1
 
-    def forward(self, x_BTC, layout: DocLayout, initial_BPC=None, activation=None, block: int = 1024):
+    def forward(
+        self, x_BTC, layout: DocLayout, initial_BPC=None, activation=None, block: int = 1024
+    ):
         """Channels in blocks of ``block`` (the conv is depthwise: same values), each block under
         ``lean``: autograd keeps the input only, and backward recomputes the fp32 taps one block at
         a time (Qwen3.5, 8192 channels, bf16: 64 KiB per token less to keep, and the transient
@@ -121,6 +137,13 @@ class CausalConv1d(nn.Module):
             return lean(fn, x_BTC, self.weight, initial_BPC)
         # split (not slicing): backward cats the blocks' gradients once, where each slice's backward
         # would build a full-size zero tensor and add it (2-3 x the input's gradient live at once)
-        inits = [None] * len(range(0, C, block)) if initial_BPC is None else initial_BPC.split(block, -1)
-        parts = [lean(fn, xs, ws, init) for xs, ws, init in zip(x_BTC.split(block, -1), self.weight.split(block), inits)]
+        inits = (
+            [None] * len(range(0, C, block))
+            if initial_BPC is None
+            else initial_BPC.split(block, -1)
+        )
+        parts = [
+            lean(fn, xs, ws, init)
+            for xs, ws, init in zip(x_BTC.split(block, -1), self.weight.split(block), inits)
+        ]
         return torch.cat([y for y, _ in parts], dim=-1), torch.cat([f for _, f in parts], dim=-1)

@@ -72,7 +72,12 @@ import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.cp.layout import CPLayout
-from bumblebee.primitives.cp.relayout import contiguous_to_zigzag, exchange, zigzag_place, zigzag_to_contiguous
+from bumblebee.primitives.cp.relayout import (
+    contiguous_to_zigzag,
+    exchange,
+    zigzag_place,
+    zigzag_to_contiguous,
+)
 from bumblebee.primitives.linear_attention.cp_relay import relay_core
 from bumblebee.primitives.packed import DocLayout
 
@@ -104,11 +109,16 @@ def segment_rows(layout: CPLayout, starts: list[int], m: int) -> DocLayout:
     """DocLayout of the ``m``-token segments starting at global offsets ``starts`` of every row (row
     b * len(starts) + i), from the host document bounds (no device read), once per layout."""
     if layout.docs is None:  # a layout built without host bounds: read them off the device ids
-        return rows_layout(torch.stack([layout.doc_BT[:, s:s + m] for s in starts], 1).reshape(-1, m))
+        return rows_layout(
+            torch.stack([layout.doc_BT[:, s : s + m] for s in starts], 1).reshape(-1, m)
+        )
 
     def build():
-        rows = [(0, *(x - lo for x in bounds if lo < x < lo + m), m) for bounds in layout.docs.bounds
-                for lo in starts]
+        rows = [
+            (0, *(x - lo for x in bounds if lo < x < lo + m), m)
+            for bounds in layout.docs.bounds
+            for lo in starts
+        ]
         return DocLayout(tuple(rows), m)
 
     return layout.cached(("gdn_rows", tuple(starts), m), "host", build)
@@ -119,7 +129,9 @@ def rows_layout(doc_RM: torch.Tensor) -> DocLayout:
     starts = torch.ones_like(doc_RM, dtype=torch.bool)
     starts[:, 1:] = doc_RM[:, 1:] != doc_RM[:, :-1]
     m = doc_RM.shape[1]
-    return DocLayout(tuple(tuple(torch.nonzero(row).flatten().tolist()) + (m,) for row in starts.cpu()), m)
+    return DocLayout(
+        tuple(tuple(torch.nonzero(row).flatten().tolist()) + (m,) for row in starts.cpu()), m
+    )
 
 
 def _shift(x_L, segs: Segments, layout: CPLayout, step: int) -> torch.Tensor:
@@ -202,13 +214,16 @@ def incoming_states(trans_CLBHKW, segs: Segments, cont_BS, cp: int, V: int) -> t
     return torch.stack([found.get(s, zero) for s in segs.local])
 
 
-def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: bool = False,
-                       carry: str = "scan") -> torch.Tensor:
+def gated_delta_net_cp(
+    layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: bool = False, carry: str = "scan"
+) -> torch.Tensor:
     """A ``gdn.GatedDeltaNet`` layer on this rank's zigzag shard [B, Tl, D] -> y [B, Tl, D] (zigzag).
     ``carry``: "scan" (the affine scan with the state probe, below) or "relay" (the state passed
     rank to rank through the core's initial state, ``cp_relay.py``)."""
     if carry not in CARRIES:
-        raise ValueError(f"Gated DeltaNet CP: carry must be one of {', '.join(CARRIES)}, got {carry!r}")
+        raise ValueError(
+            f"Gated DeltaNet CP: carry must be one of {', '.join(CARRIES)}, got {carry!r}"
+        )
     if relayout:
         x_BLD = zigzag_to_contiguous(x_BLD, layout)
     segs = segments(layout, contiguous=relayout)
@@ -216,18 +231,22 @@ def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: b
     L, m, P, S = len(segs.local), segs.length, layer.conv1d.window, segs.count
     H, K, V = layer.H, layer.K, layer.V
     if Tl != L * m or layout.doc_BT.shape[0] != B:
-        raise ValueError(f"Gated DeltaNet CP: input {tuple(x_BLD.shape)} does not match the CP layout "
-                         f"({layout.doc_BT.shape[0]} rows, {L} segments of {m} tokens)")
+        raise ValueError(
+            f"Gated DeltaNet CP: input {tuple(x_BLD.shape)} does not match the CP layout "
+            f"({layout.doc_BT.shape[0]} rows, {L} segments of {m} tokens)"
+        )
     if m < P:
-        raise ValueError(f"Gated DeltaNet CP: segments of {m} tokens are shorter than the conv window ({P}); "
-                         f"use a longer sequence or fewer CP ranks")
+        raise ValueError(
+            f"Gated DeltaNet CP: segments of {m} tokens are shorter than the conv window ({P}); "
+            f"use a longer sequence or fewer CP ranks"
+        )
 
     # Documents (global ids): rows of local segments, whether segment s continues the document
     # open before it, and which halo tokens share the document of their segment's first token.
     doc_BT = layout.doc_BT
     rows = segment_rows(layout, [s * m for s in segs.local], m)
     cont_BS = torch.zeros(B, S, dtype=torch.bool, device=doc_BT.device)
-    cont_BS[:, 1:] = doc_BT[:, m::m] == doc_BT[:, m - 1:-1:m]
+    cont_BS[:, 1:] = doc_BT[:, m::m] == doc_BT[:, m - 1 : -1 : m]
 
     def as_rows(t):  # [B, L*m, ...] -> [B*L, m, ...], row b*L + i = segment i of row b
         return t.reshape((B * L, m) + tuple(t.shape[2:]))
@@ -236,10 +255,17 @@ def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: b
     Ch = qkv_pre_BLC.shape[-1]
     init_RPC = None
     if P > 0:
-        tails_LBPC = qkv_pre_BLC.reshape(B, L, m, Ch)[:, :, m - P:].transpose(0, 1)
+        tails_LBPC = qkv_pre_BLC.reshape(B, L, m, Ch)[:, :, m - P :].transpose(0, 1)
         heads_BLPC = ShiftHalo.apply(tails_LBPC, segs, layout).transpose(0, 1)
-        keep_BLP = torch.stack([doc_BT[:, s * m - P:s * m] == doc_BT[:, s * m:s * m + 1] if s > 0 else
-                                torch.zeros(B, P, dtype=torch.bool, device=doc_BT.device) for s in segs.local], 1)
+        keep_BLP = torch.stack(
+            [
+                doc_BT[:, s * m - P : s * m] == doc_BT[:, s * m : s * m + 1]
+                if s > 0
+                else torch.zeros(B, P, dtype=torch.bool, device=doc_BT.device)
+                for s in segs.local
+            ],
+            1,
+        )
         init_RPC = (heads_BLPC * keep_BLP[..., None].to(heads_BLPC.dtype)).reshape(B * L, P, Ch)
     qkv_RMC, _ = layer.conv1d(as_rows(qkv_pre_BLC), rows, init_RPC, F.silu)
     q_RMGK, k_RMGK, v_RMHV = layer.split_heads(qkv_RMC, activated=True)
@@ -247,8 +273,19 @@ def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: b
     R = B * L
     if carry == "relay":
         seg_layouts = [segment_rows(layout, [s * m], m) for s in segs.local]
-        o_RMHV = relay_core(layer, q_RMGK, k_RMGK, v_RMHV, as_rows(g_BLH), as_rows(beta_BLH), seg_layouts, segs,
-                            layout, cont_BS, B)
+        o_RMHV = relay_core(
+            layer,
+            q_RMGK,
+            k_RMGK,
+            v_RMHV,
+            as_rows(g_BLH),
+            as_rows(beta_BLH),
+            seg_layouts,
+            segs,
+            layout,
+            cont_BS,
+            B,
+        )
         y_BLD = layer.finish(o_RMHV.reshape(B, L * m, H, V), z_BLHV)
         return contiguous_to_zigzag(y_BLD, layout) if relayout else y_BLD
 
@@ -258,11 +295,22 @@ def gated_delta_net_cp(layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: b
     eye_KK = torch.eye(K, dtype=dt, device=v_ext.device)
     init_RHKW = torch.cat([v_ext.new_zeros(R, H, K, V), eye_KK.expand(R, H, K, K)], dim=-1)
     o_ext, final_RHKW = layer.recompute.module(
-        "linear_attn_core", layer.core, q_RMGK, k_RMGK, v_ext, as_rows(g_BLH), as_rows(beta_BLH), rows, init_RHKW)
+        "linear_attn_core",
+        layer.core,
+        q_RMGK,
+        k_RMGK,
+        v_ext,
+        as_rows(g_BLH),
+        as_rows(beta_BLH),
+        rows,
+        init_RHKW,
+    )
     o0_RMHV, e_RMHK = o_ext.to(dt).split([V, K], dim=-1)
 
     with torch.autocast(x_BLD.device.type, enabled=False):  # the carried state stays in fp32
-        trans_CLBHKW = GatherTransitions.apply(final_RHKW.reshape(B, L, H, K, V + K).transpose(0, 1), layout)
+        trans_CLBHKW = GatherTransitions.apply(
+            final_RHKW.reshape(B, L, H, K, V + K).transpose(0, 1), layout
+        )
         S_in_LBHKV = incoming_states(trans_CLBHKW, segs, cont_BS, layout.size, V)
         S_in_RHKV = S_in_LBHKV.transpose(0, 1).reshape(R, H, K, V)
         o_RMHV = o0_RMHV + torch.einsum("rmhk,rhkv->rmhv", e_RMHK, S_in_RHKV)

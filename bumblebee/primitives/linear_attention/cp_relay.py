@@ -54,8 +54,11 @@ from bumblebee.primitives.recompute import eager
 def _pass(state, to_rank: int | None, from_rank: int | None, layout: CPLayout, like: torch.Tensor):
     """Send ``state`` to ``to_rank`` and/or receive one from ``from_rank`` (group ranks; None: none)."""
     recv = torch.empty_like(like) if from_rank is not None else None
-    exchange(layout.group, {} if to_rank is None else {to_rank: state.contiguous()},
-             {} if recv is None else {from_rank: recv})
+    exchange(
+        layout.group,
+        {} if to_rank is None else {to_rank: state.contiguous()},
+        {} if recv is None else {from_rank: recv},
+    )
     return recv
 
 
@@ -66,12 +69,20 @@ class RelayCore(torch.autograd.Function):
     saved tensor); backward reruns each segment's core under autograd."""
 
     @staticmethod
-    def forward(ctx, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, run, segs, layout: CPLayout, cont_BS, B: int):
+    def forward(
+        ctx, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, run, segs, layout: CPLayout, cont_BS, B: int
+    ):
         L, me, C = len(segs.local), layout.rank, layout.size
         H, K, V = v_RMHV.shape[2], q_RMGK.shape[-1], v_RMHV.shape[-1]
-        dt = torch.float64 if v_RMHV.dtype == torch.float64 else torch.float32  # the core's state dtype
+        dt = (
+            torch.float64 if v_RMHV.dtype == torch.float64 else torch.float32
+        )  # the core's state dtype
         like = torch.zeros(B, H, K, V, dtype=dt, device=v_RMHV.device)
-        outs, s_ins, carried = {}, {}, None  # carried: my last S_out, when my next segment follows it
+        outs, s_ins, carried = (
+            {},
+            {},
+            None,
+        )  # carried: my last S_out, when my next segment follows it
         for i in sorted(range(L), key=lambda i: segs.local[i]):
             s = segs.local[i]
             if s == 0:
@@ -81,11 +92,15 @@ class RelayCore(torch.autograd.Function):
             else:
                 s_in = _pass(None, None, segs.place(s - 1, C)[0], layout, like)
             s_ins[i] = s_in * cont_BS[:, s, None, None, None].to(dt)
-            outs[i], s_out = run(i, *(_seg(x, i, B, L) for x in (q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH)), s_ins[i])
+            outs[i], s_out = run(
+                i, *(_seg(x, i, B, L) for x in (q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH)), s_ins[i]
+            )
             carried = s_out.to(dt)
             if s + 1 < segs.count and segs.place(s + 1, C)[0] != me:
                 _pass(carried, segs.place(s + 1, C)[0], None, layout, like)
-        ctx.save_for_backward(q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, torch.stack([s_ins[i] for i in range(L)]))
+        ctx.save_for_backward(
+            q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, torch.stack([s_ins[i] for i in range(L)])
+        )
         ctx.run, ctx.segs, ctx.layout, ctx.cont_BS, ctx.B = run, segs, layout, cont_BS, B
         return torch.stack([outs[i] for i in range(L)], 1).flatten(0, 1)
 
@@ -95,7 +110,10 @@ class RelayCore(torch.autograd.Function):
         segs, layout, B = ctx.segs, ctx.layout, ctx.B
         L, me, C = len(segs.local), layout.rank, layout.size
         like = torch.zeros_like(s_in_LBHKV[0])
-        grads, carried = {}, None  # carried: dS_in of my later segment, when it directly follows this one
+        grads, carried = (
+            {},
+            None,
+        )  # carried: dS_in of my later segment, when it directly follows this one
         for i in sorted(range(L), key=lambda i: -segs.local[i]):
             s = segs.local[i]
             if s + 1 == segs.count:
@@ -104,9 +122,14 @@ class RelayCore(torch.autograd.Function):
                 d_out = carried
             else:
                 d_out = _pass(None, None, segs.place(s + 1, C)[0], layout, like)
-            with torch.enable_grad(), eager():  # differentiated at once: no checkpoint inside the core
-                leaves = [_seg(x, i, B, L).detach().requires_grad_(need)
-                          for x, need in zip(inputs, ctx.needs_input_grad[:5])]
+            with (
+                torch.enable_grad(),
+                eager(),
+            ):  # differentiated at once: no checkpoint inside the core
+                leaves = [
+                    _seg(x, i, B, L).detach().requires_grad_(need)
+                    for x, need in zip(inputs, ctx.needs_input_grad[:5])
+                ]
                 h0 = s_in_LBHKV[i].detach().requires_grad_(s > 0)
                 o, s_out = ctx.run(i, *leaves, h0, recompute=False)
             wanted = [x for x in leaves + [h0] if x.requires_grad]
@@ -116,14 +139,21 @@ class RelayCore(torch.autograd.Function):
                 seeds.append(d_out.to(s_out.dtype))
             got = iter(torch.autograd.grad(outputs, wanted, seeds, allow_unused=True))
             g = [next(got) if x.requires_grad else None for x in leaves + [h0]]
-            grads[i] = [torch.zeros_like(x) if d is None and x.requires_grad else d for x, d in zip(leaves, g[:5])]
+            grads[i] = [
+                torch.zeros_like(x) if d is None and x.requires_grad else d
+                for x, d in zip(leaves, g[:5])
+            ]
             if s > 0:
                 d_in = g[5] if g[5] is not None else like
                 carried = d_in.to(like.dtype) * ctx.cont_BS[:, s, None, None, None].to(like.dtype)
                 if segs.place(s - 1, C)[0] != me:
                     _pass(carried, segs.place(s - 1, C)[0], None, layout, like)
-        out = [None if grads[0][j] is None else torch.stack([grads[i][j] for i in range(L)], 1).flatten(0, 1)
-               for j in range(5)]
+        out = [
+            None
+            if grads[0][j] is None
+            else torch.stack([grads[i][j] for i in range(L)], 1).flatten(0, 1)
+            for j in range(5)
+        ]
         return (*out, None, None, None, None, None)
 
 
@@ -132,14 +162,27 @@ def _seg(x, i: int, B: int, L: int) -> torch.Tensor:
     return x.reshape((B, L) + tuple(x.shape[1:]))[:, i]
 
 
-def relay_core(layer, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, seg_layouts, segs, layout: CPLayout, cont_BS,
-               B: int) -> torch.Tensor:
+def relay_core(
+    layer,
+    q_RMGK,
+    k_RMGK,
+    v_RMHV,
+    g_RMH,
+    beta_RMH,
+    seg_layouts,
+    segs,
+    layout: CPLayout,
+    cont_BS,
+    B: int,
+) -> torch.Tensor:
     """The ``linear_attention`` core of ``layer`` over this rank's segments with the state relayed
     (``seg_layouts[i]``: the DocLayout of local segment i's B rows) -> o [R, m, H, V]."""
 
     def run(i, q, k, v, g, beta, h0, recompute=True):
         if not recompute:
             return layer.core(q, k, v, g, beta, seg_layouts[i], h0)
-        return layer.recompute.module("linear_attn_core", layer.core, q, k, v, g, beta, seg_layouts[i], h0)
+        return layer.recompute.module(
+            "linear_attn_core", layer.core, q, k, v, g, beta, seg_layouts[i], h0
+        )
 
     return RelayCore.apply(q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, run, segs, layout, cont_BS, B)

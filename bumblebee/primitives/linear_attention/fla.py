@@ -25,8 +25,6 @@ N documents.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -52,14 +50,32 @@ def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state)
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                  output_final_state=final_state, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    return chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=final_state,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens,
+    )
 
 
 @torch.library.custom_op("bumblebee::fla_gdn", mutates_args=())
-def fla_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            initial_state: Optional[torch.Tensor], cu_seqlens: torch.Tensor, scale: float,
-            final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fla_gdn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         o, ht = _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state)
     return o, (ht if final_state else v.new_empty(0, dtype=torch.float32))
@@ -87,11 +103,23 @@ def _recompute_grads(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale
 
 
 @torch.library.custom_op("bumblebee::fla_gdn_backward", mutates_args=())
-def fla_gdn_backward(do: torch.Tensor, dht: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     g: torch.Tensor, beta: torch.Tensor, initial_state: Optional[torch.Tensor],
-                     cu_seqlens: torch.Tensor, scale: float, final_state: bool) -> list[torch.Tensor]:
+def fla_gdn_backward(
+    do: torch.Tensor,
+    dht: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    final_state: bool,
+) -> list[torch.Tensor]:
     """The backward as an op of its own: fake-tensor rehearsals (plan/rehearsal.py) get its shapes."""
-    return _recompute_grads(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state)
+    return _recompute_grads(
+        do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state
+    )
 
 
 @fla_gdn_backward.register_fake
@@ -111,7 +139,9 @@ def _backward(ctx, do, dht):
     q, k, v, g, beta, cu, *h0 = ctx.saved_tensors
     h0 = h0[0] if ctx.has_h0 else None
     args = (do.contiguous(), dht.contiguous(), q, k, v, g, beta, h0, cu, ctx.scale, ctx.final_state)
-    fake = is_fake(q) or q.device.type == "meta"  # a rehearsal: the op's fake kernel gives the shapes
+    fake = (
+        is_fake(q) or q.device.type == "meta"
+    )  # a rehearsal: the op's fake kernel gives the shapes
     grads = torch.ops.bumblebee.fla_gdn_backward(*args) if fake else _recompute_grads(*args)
     return (*grads[:5], grads[5] if ctx.has_h0 else None, None, None, None)
 
@@ -139,8 +169,9 @@ def _groups(layout: DocLayout):
     return pack(edge), pack(middle), [slot[d] for d in first], [slot[d] for d in last]
 
 
-def fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout, initial_state=None,
-                         kernel=None):
+def fla_gated_delta_rule(
+    q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout, initial_state=None, kernel=None
+):
     """The ``linear_attention`` contract through FLA's chunk kernel (``kernel``: a callable with
     ``chunk_gated_delta_rule``'s signature; None: the ``bumblebee::fla_gdn`` op over FLA). Rows
     holding more than two documents take two kernel calls: the edge documents with states, the
@@ -151,14 +182,25 @@ def fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLay
     plan = layout.cached("fla_plan", dev, lambda: _DevicePlan(layout, dev))
     flat = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731
     # one dtype for q, k, v (the CP probe hands fp32 values [v | 0]; the zeros are exact in bf16)
-    xs = [flat(q_BTGK), flat(k_BTGK), flat(v_BTHV.to(q_BTGK.dtype)), flat(g_BTH.float()),
-          flat(beta_BTH.to(q_BTGK.dtype))]
+    xs = [
+        flat(q_BTGK),
+        flat(k_BTGK),
+        flat(v_BTHV.to(q_BTGK.dtype)),
+        flat(g_BTH.float()),
+        flat(beta_BTH.to(q_BTGK.dtype)),
+    ]
 
     def run(xs, h0, cu_t, final):
         if kernel is None:
-            return torch.ops.bumblebee.fla_gdn(*xs, h0, cu_t, K ** -0.5, final)
-        return kernel(*xs, scale=K ** -0.5, initial_state=h0, output_final_state=final,
-                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+            return torch.ops.bumblebee.fla_gdn(*xs, h0, cu_t, K**-0.5, final)
+        return kernel(
+            *xs,
+            scale=K**-0.5,
+            initial_state=h0,
+            output_final_state=final,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_t,
+        )
 
     h0 = None
     if initial_state is not None:
@@ -183,18 +225,33 @@ class _DevicePlan:
         self.edge_cu, self.first, self.last = (to_device(x, dev) for x in (edge_cu, first, last))
         self.edge = self.mid = self.mid_cu = self.order = None
         if mid_idx:
-            self.edge, self.mid, self.mid_cu = (to_device(x, dev) for x in (edge_idx, mid_idx, mid_cu))
+            self.edge, self.mid, self.mid_cu = (
+                to_device(x, dev) for x in (edge_idx, mid_idx, mid_cu)
+            )
             self.order = torch.empty(len(edge_idx) + len(mid_idx), dtype=torch.long, device=dev)
-            self.order[torch.cat([self.edge, self.mid])] = torch.arange(self.order.numel(), device=dev)
+            self.order[torch.cat([self.edge, self.mid])] = torch.arange(
+                self.order.numel(), device=dev
+            )
 
 
-def reference_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, **unused):
+def reference_chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    **unused,
+):
     """``chunk_gated_delta_rule``'s contract, token by token in fp32 (tests of the glue only)."""
     B, S, G, K = q.shape
     H, V = v.shape[2:]
     assert cu_seqlens is None or B == 1, "FLA wants batch 1 with cu_seqlens"
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     out_dtype = v.dtype
     q, k = q.float(), k.float()
     if use_qk_l2norm_in_kernel:  # x / sqrt(sum x^2 + 1e-6), as FLA's l2norm
@@ -207,12 +264,17 @@ def reference_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     o = torch.zeros_like(v)
     finals = []
     for i in range(len(cu) - 1):
-        state = (initial_state[i].float() if initial_state is not None
-                 else torch.zeros(H, K, V, device=v.device))
+        state = (
+            initial_state[i].float()
+            if initial_state is not None
+            else torch.zeros(H, K, V, device=v.device)
+        )
         for t in range(cu[i], cu[i + 1]):
             state = state * g[0, t].exp()[:, None, None]
             pred = torch.einsum("hk,hkv->hv", k[0, t], state)
-            state = state + k[0, t][:, :, None] * ((v[0, t] - pred) * beta[0, t][:, None])[:, None, :]
+            state = (
+                state + k[0, t][:, :, None] * ((v[0, t] - pred) * beta[0, t][:, None])[:, None, :]
+            )
             o[0, t] = torch.einsum("hk,hkv->hv", q[0, t], state)
         finals.append(state)
     o = o.reshape(B, S, H, V) if cu_seqlens is None else o

@@ -62,45 +62,68 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout, initial_BHKV):
     """Validate shapes; return fp32 tensors in [B, H, T, *] layout with q/k normalized and expanded to H."""
     if q_BTGK.dim() != 4 or q_BTGK.shape != k_BTGK.shape or v_BTHV.dim() != 4:
-        raise ValueError(f"gated delta rule: need q, k [B, T, G, K] (equal) and v [B, T, H, V], got "
-                         f"{tuple(q_BTGK.shape)}, {tuple(k_BTGK.shape)}, {tuple(v_BTHV.shape)}")
+        raise ValueError(
+            f"gated delta rule: need q, k [B, T, G, K] (equal) and v [B, T, H, V], got "
+            f"{tuple(q_BTGK.shape)}, {tuple(k_BTGK.shape)}, {tuple(v_BTHV.shape)}"
+        )
     B, T, G, K = q_BTGK.shape
     H, V = v_BTHV.shape[2:]
     if v_BTHV.shape[:2] != (B, T) or H % G:
-        raise ValueError(f"gated delta rule: v {tuple(v_BTHV.shape)} must share [B, T] with q "
-                         f"{tuple(q_BTGK.shape)} and have a multiple of {G} heads")
+        raise ValueError(
+            f"gated delta rule: v {tuple(v_BTHV.shape)} must share [B, T] with q "
+            f"{tuple(q_BTGK.shape)} and have a multiple of {G} heads"
+        )
     for name, t in (("g", g_BTH), ("beta", beta_BTH)):
         if tuple(t.shape) != (B, T, H):
-            raise ValueError(f"gated delta rule: {name} must be [B, T, H] = {(B, T, H)}, got {tuple(t.shape)}")
+            raise ValueError(
+                f"gated delta rule: {name} must be [B, T, H] = {(B, T, H)}, got {tuple(t.shape)}"
+            )
     if T == 0 or layout.seq_len != T or len(layout.bounds) != B:
-        raise ValueError(f"gated delta rule: layout is for {len(layout.bounds)} rows x {layout.seq_len} tokens, "
-                         f"input has {B} x {T} (need T >= 1)")
+        raise ValueError(
+            f"gated delta rule: layout is for {len(layout.bounds)} rows x {layout.seq_len} tokens, "
+            f"input has {B} x {T} (need T >= 1)"
+        )
     if initial_BHKV is not None and tuple(initial_BHKV.shape) != (B, H, K, V):
-        raise ValueError(f"gated delta rule: initial_state must be [B, H, K, V] = {(B, H, K, V)}, "
-                         f"got {tuple(initial_BHKV.shape)}")
-    dt = torch.float64 if v_BTHV.dtype == torch.float64 else torch.float32  # fp64 for ground-truth runs
-    q = l2norm(q_BTGK.to(dt)) * K ** -0.5
+        raise ValueError(
+            f"gated delta rule: initial_state must be [B, H, K, V] = {(B, H, K, V)}, "
+            f"got {tuple(initial_BHKV.shape)}"
+        )
+    dt = (
+        torch.float64 if v_BTHV.dtype == torch.float64 else torch.float32
+    )  # fp64 for ground-truth runs
+    q = l2norm(q_BTGK.to(dt)) * K**-0.5
     k = l2norm(k_BTGK.to(dt))
     if H != G:
         q, k = q.repeat_interleave(H // G, dim=2), k.repeat_interleave(H // G, dim=2)
     q_BHTK, k_BHTK, v_BHTV, g_BHT, beta_BHT = (
-        t.to(dt).transpose(1, 2) for t in (q, k, v_BTHV, g_BTH, beta_BTH))
-    S0 = (q.new_zeros(B, H, K, V) if initial_BHKV is None else initial_BHKV.to(dt))
+        t.to(dt).transpose(1, 2) for t in (q, k, v_BTHV, g_BTH, beta_BTH)
+    )
+    S0 = q.new_zeros(B, H, K, V) if initial_BHKV is None else initial_BHKV.to(dt)
     return q_BHTK, k_BHTK, v_BHTV, g_BHT, beta_BHT, S0
 
 
-@register("linear_attention", "recurrent", reference=True, summary="gated delta rule token by token")
-def gated_delta_rule_recurrent(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout,
-                               initial_state=None):
-    q, k, v, g, beta, S_BHKV = _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
+@register(
+    "linear_attention", "recurrent", reference=True, summary="gated delta rule token by token"
+)
+def gated_delta_rule_recurrent(
+    q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout, initial_state=None
+):
+    q, k, v, g, beta, S_BHKV = _prepare(
+        q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state
+    )
     doc_BT = layout.doc_ids(q.device)
     keep_BT = torch.ones(doc_BT.shape, dtype=q.dtype, device=q.device)
     keep_BT[:, 1:] = (doc_BT[:, 1:] == doc_BT[:, :-1]).to(q.dtype)  # 0 at a document start: reset
     decay_BHT = g.exp() * keep_BT[:, None]
     # unbind (not x[:, :, t]): its backward stacks the T slice gradients once, where per-step
     # indexing would scatter each into a fresh [B, H, T, *] zero tensor (O(T^2) backward)
-    steps = zip(q.unbind(2), k.unbind(2), v.unbind(2), decay_BHT[..., None, None].unbind(2),
-                beta[..., None].unbind(2))
+    steps = zip(
+        q.unbind(2),
+        k.unbind(2),
+        v.unbind(2),
+        decay_BHT[..., None, None].unbind(2),
+        beta[..., None].unbind(2),
+    )
     outs = []
     for q_BHK, k_BHK, v_BHV, decay_BH11, beta_BH1 in steps:
         S_BHKV = S_BHKV * decay_BH11
@@ -112,21 +135,45 @@ def gated_delta_rule_recurrent(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: 
     return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S_BHKV
 
 
-@register("linear_attention", "chunked", summary="WY/UT-transform chunks of 64, one loop step per chunk")
-def gated_delta_rule_chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout,
-                             initial_state=None, chunk_size: int = CHUNK_SIZE):
+@register(
+    "linear_attention", "chunked", summary="WY/UT-transform chunks of 64, one loop step per chunk"
+)
+def gated_delta_rule_chunked(
+    q_BTGK,
+    k_BTGK,
+    v_BTHV,
+    g_BTH,
+    beta_BTH,
+    layout: DocLayout,
+    initial_state=None,
+    chunk_size: int = CHUNK_SIZE,
+):
     if chunk_size <= 0:
         raise ValueError(f"gated delta rule: chunk_size must be positive, got {chunk_size}")
-    if select("linear_attention", "chunked", emulation.kind(q_BTGK), q_BTGK.dtype).name == "fla_chunk":
+    if (
+        select("linear_attention", "chunked", emulation.kind(q_BTGK), q_BTGK.dtype).name
+        == "fla_chunk"
+    ):
         return fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
     # autograd keeps the inputs only; the per-chunk fp32 tensors (~400 KiB per token at Qwen3.5's
     # 32 x 128 x 128 heads) are rebuilt in backward, one extra core forward
-    return lean(lambda *xs: _chunked(*xs, layout, chunk_size), q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH,
-                initial_state)
+    return lean(
+        lambda *xs: _chunked(*xs, layout, chunk_size),
+        q_BTGK,
+        k_BTGK,
+        v_BTHV,
+        g_BTH,
+        beta_BTH,
+        initial_state,
+    )
 
 
-def _chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, initial_state, layout: DocLayout, chunk_size: int):
-    q, k, v, g, beta, S_BHKV = _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
+def _chunked(
+    q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, initial_state, layout: DocLayout, chunk_size: int
+):
+    q, k, v, g, beta, S_BHKV = _prepare(
+        q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state
+    )
     B, H, T, K = q.shape
     V, C = v.shape[-1], chunk_size
     pad = (-T) % C
@@ -159,20 +206,37 @@ def _chunked(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, initial_state, layout: Doc
     A_BHNCC = ((kb_BHNCK @ k.transpose(-1, -2)) * decay_BHNCC).tril(-1)
     gamma0_BHNC = cum_BHNC.exp() * cont_B1NC  # Gamma_i where S_0 reaches token i, else 0
     rhs = torch.cat([v * beta[..., None], kb_BHNCK * gamma0_BHNC[..., None]], dim=-1)
-    UW = torch.linalg.solve_triangular(A_BHNCC, rhs, upper=False, unitriangular=True)  # (I + A)^-1 rhs
+    UW = torch.linalg.solve_triangular(
+        A_BHNCC, rhs, upper=False, unitriangular=True
+    )  # (I + A)^-1 rhs
     U_BHNCV, W_BHNCK = UW.split([V, K], dim=-1)
     attn_BHNCC = (q @ k.transpose(-1, -2)) * decay_BHNCC
     q0_BHNCK = q * gamma0_BHNC[..., None]
-    to_end_BHNC = (cum64_BHNC[..., -1:] - cum64_BHNC).to(q.dtype).exp() * same_B1NCC[..., -1, :]  # Gamma_C/Gamma_j
+    to_end_BHNC = (cum64_BHNC[..., -1:] - cum64_BHNC).to(q.dtype).exp() * same_B1NCC[
+        ..., -1, :
+    ]  # Gamma_C/Gamma_j
     kend_BHNCK = k * to_end_BHNC[..., None]
     chunk_decay_BHN = gamma0_BHNC[..., -1]
 
     # unbind (not indexing) per chunk: its backward stacks the N slice gradients once instead of
     # scattering each into a fresh full-size zero tensor (O(N^2) memory traffic)
-    per_chunk = zip(U_BHNCV.unbind(2), W_BHNCK.unbind(2), q0_BHNCK.unbind(2), attn_BHNCC.unbind(2),
-                    kend_BHNCK.transpose(-1, -2).unbind(2), chunk_decay_BHN[..., None, None].unbind(2))
+    per_chunk = zip(
+        U_BHNCV.unbind(2),
+        W_BHNCK.unbind(2),
+        q0_BHNCK.unbind(2),
+        attn_BHNCC.unbind(2),
+        kend_BHNCK.transpose(-1, -2).unbind(2),
+        chunk_decay_BHN[..., None, None].unbind(2),
+    )
     outs = []
-    for U_BHCV, W_BHCK, q0_BHCK, attn_BHCC, kendT_BHKC, decay_BH11 in per_chunk:  # the sequential part
+    for (
+        U_BHCV,
+        W_BHCK,
+        q0_BHCK,
+        attn_BHCC,
+        kendT_BHKC,
+        decay_BH11,
+    ) in per_chunk:  # the sequential part
         D_BHCV = U_BHCV - W_BHCK @ S_BHKV
         outs.append(q0_BHCK @ S_BHKV + attn_BHCC @ D_BHCV)
         S_BHKV = S_BHKV * decay_BH11 + kendT_BHKC @ D_BHCV

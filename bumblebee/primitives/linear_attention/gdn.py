@@ -21,8 +21,8 @@ V value dim, C conv channels (2*G*K + H*V), P conv window (kernel - 1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +43,14 @@ class GDNState:
     conv_BPC: torch.Tensor  # last kernel-1 pre-conv inputs of the qkv projection
     recurrent_BHKV: torch.Tensor  # delta-rule state, fp32
 
-    def continued(self, continues_B: torch.Tensor) -> "GDNState":
+    def continued(self, continues_B: torch.Tensor) -> GDNState:
         """The state to pass on: zero for rows whose next segment starts a new document
         (e.g. ``continues_B = position_ids_next[:, 0] != 0``), kept for rows that continue one."""
         keep = continues_B.to(self.recurrent_BHKV.dtype)
-        return GDNState(self.conv_BPC * keep[:, None, None].to(self.conv_BPC.dtype),
-                        self.recurrent_BHKV * keep[:, None, None, None])
+        return GDNState(
+            self.conv_BPC * keep[:, None, None].to(self.conv_BPC.dtype),
+            self.recurrent_BHKV * keep[:, None, None, None],
+        )
 
 
 NORM_BLOCK = 2048  # tokens per recompute block of the gated norm (fp32 temporaries: ~8 x block x H x V bytes)
@@ -73,8 +75,12 @@ class GatedRMSNorm(nn.Module):
         if tokens <= 2 * NORM_BLOCK:
             return lean(self._forward, x, z)
         x_NHV, z_NHV = x.reshape((tokens,) + x.shape[-2:]), z.reshape((tokens,) + z.shape[-2:])
-        return torch.cat([lean(self._forward, xs, zs)
-                          for xs, zs in zip(x_NHV.split(NORM_BLOCK), z_NHV.split(NORM_BLOCK))]).view(x.shape)
+        return torch.cat(
+            [
+                lean(self._forward, xs, zs)
+                for xs, zs in zip(x_NHV.split(NORM_BLOCK), z_NHV.split(NORM_BLOCK))
+            ]
+        ).view(x.shape)
 
     def _forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -86,14 +92,27 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer; ``core`` is a ``linear_attention`` implementation."""
 
-    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel: int, eps: float, core: Callable, recompute, cp_carry: str = "scan"):
+    def __init__(
+        self,
+        hidden: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+        core: Callable,
+        recompute,
+        cp_carry: str = "scan",
+    ):
         super().__init__()
         if min(hidden, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel) <= 0:
             raise ValueError("GatedDeltaNet: all sizes must be positive")
         if num_v_heads % num_k_heads:
-            raise ValueError(f"GatedDeltaNet: value heads ({num_v_heads}) must be a multiple of key heads "
-                             f"({num_k_heads})")
+            raise ValueError(
+                f"GatedDeltaNet: value heads ({num_v_heads}) must be a multiple of key heads "
+                f"({num_k_heads})"
+            )
         self.G, self.H, self.K, self.V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.in_proj_qkv = nn.Linear(hidden, 2 * key_dim + value_dim, bias=False)
@@ -106,13 +125,22 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(value_dim, hidden, bias=False)
         self.core, self.recompute = core, recompute
-        self.cp_carry = cp_carry  # how context parallelism carries the state: "scan" | "relay" (cp.py)
+        self.cp_carry = (
+            cp_carry  # how context parallelism carries the state: "scan" | "relay" (cp.py)
+        )
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
         """HF init: matrices and conv normal(0, std), dt_bias 1, A = exp(A_log) ~ U(0.01, 16), norm 1."""
-        for lin in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a, self.out_proj, self.conv1d):
+        for lin in (
+            self.in_proj_qkv,
+            self.in_proj_z,
+            self.in_proj_b,
+            self.in_proj_a,
+            self.out_proj,
+            self.conv1d,
+        ):
             lin.weight.normal_(0.0, std)
         self.dt_bias.fill_(1.0)
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
@@ -120,9 +148,16 @@ class GatedDeltaNet(nn.Module):
 
     def init_rules(self, std: float = 0.02) -> dict:
         """The same init as fill rules (primitives/init.py), for layout-independent model init."""
-        rules = {f"{n}.weight": init.normal(std) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                                                          "out_proj", "conv1d")}
-        return {**rules, "dt_bias": init.const(1.0), "A_log": init.log_uniform(0.01, 16), "norm.weight": init.const(1.0)}
+        rules = {
+            f"{n}.weight": init.normal(std)
+            for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "conv1d")
+        }
+        return {
+            **rules,
+            "dt_bias": init.const(1.0),
+            "A_log": init.log_uniform(0.01, 16),
+            "norm.weight": init.const(1.0),
+        }
 
     def project(self, x_BTD: torch.Tensor):
         """The per-token input projections: (pre-conv qkv [B, T, C], z [B, T, H, V], beta [B, T, H],
@@ -147,7 +182,9 @@ class GatedDeltaNet(nn.Module):
         B, T = o_BTHV.shape[:2]
         return self.out_proj(self.norm(o_BTHV, z_BTHV).reshape(B, T, self.H * self.V))
 
-    def forward(self, x_BTD: torch.Tensor, layout: DocLayout | CPLayout, state: GDNState | None = None):
+    def forward(
+        self, x_BTD: torch.Tensor, layout: DocLayout | CPLayout, state: GDNState | None = None
+    ):
         """-> (y [B, T, D], GDNState at the end of every row). ``state`` continues each row's
         first document (see ``gated_delta_rule``); None starts from zeros. The layout cannot tell
         whether row b's first token opens a new document, so a caller carrying a state across a
@@ -158,13 +195,25 @@ class GatedDeltaNet(nn.Module):
         internally, no ``state`` may be passed, and the returned state is None."""
         if isinstance(layout, CPLayout):
             if state is not None:
-                raise ValueError("GatedDeltaNet: a carried state cannot be combined with context parallelism "
-                                 "(the CP layout already carries the state across ranks); pass state=None")
+                raise ValueError(
+                    "GatedDeltaNet: a carried state cannot be combined with context parallelism "
+                    "(the CP layout already carries the state across ranks); pass state=None"
+                )
             return gated_delta_net_cp(self, x_BTD, layout, carry=self.cp_carry), None
         qkv_pre_BTC, z_BTHV, beta_BTH, g_BTH = self.project(x_BTD)
-        qkv_BTC, conv_BPC = self.conv1d(qkv_pre_BTC, layout, None if state is None else state.conv_BPC, F.silu)
+        qkv_BTC, conv_BPC = self.conv1d(
+            qkv_pre_BTC, layout, None if state is None else state.conv_BPC, F.silu
+        )
         q_BTGK, k_BTGK, v_BTHV = self.split_heads(qkv_BTC, activated=True)
         o_BTHV, S_BHKV = self.recompute.module(
-            "linear_attn_core", self.core, q_BTGK, k_BTGK, v_BTHV,
-            g_BTH, beta_BTH, layout, None if state is None else state.recurrent_BHKV)
+            "linear_attn_core",
+            self.core,
+            q_BTGK,
+            k_BTGK,
+            v_BTHV,
+            g_BTH,
+            beta_BTH,
+            layout,
+            None if state is None else state.recurrent_BHKV,
+        )
         return self.finish(o_BTHV, z_BTHV), GDNState(conv_BPC, S_BHKV)

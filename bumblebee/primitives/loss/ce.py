@@ -31,10 +31,14 @@ def check_loss_args(hidden_TH, weight_VH, labels_T, reduction, temperature):
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if hidden_TH.dim() != 2 or weight_VH.dim() != 2 or hidden_TH.shape[1] != weight_VH.shape[1]:
-        raise ValueError(f"expected hidden [T, H] and weight [V, H], got {tuple(hidden_TH.shape)} "
-                         f"and {tuple(weight_VH.shape)}")
+        raise ValueError(
+            f"expected hidden [T, H] and weight [V, H], got {tuple(hidden_TH.shape)} "
+            f"and {tuple(weight_VH.shape)}"
+        )
     if labels_T.shape != hidden_TH.shape[:1]:
-        raise ValueError(f"labels must be [T] = [{hidden_TH.shape[0]}], got {tuple(labels_T.shape)}")
+        raise ValueError(
+            f"labels must be [T] = [{hidden_TH.shape[0]}], got {tuple(labels_T.shape)}"
+        )
 
 
 def reduce_loss(loss_T: torch.Tensor, valid_T: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -47,13 +51,24 @@ def reduce_loss(loss_T: torch.Tensor, valid_T: torch.Tensor, reduction: str) -> 
 
 
 @register("loss", "ce", reference=True, summary="materialized fp32 logits + cross-entropy")
-def cross_entropy(hidden_TH, weight_VH, labels_T, *, ignore_index: int = -100, reduction: str = "mean",
-                  with_entropy: bool = False, temperature: float = 1.0, vocab_group=None):
+def cross_entropy(
+    hidden_TH,
+    weight_VH,
+    labels_T,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    vocab_group=None,
+):
     """Returns the reduced loss, or (loss, entropy_T) with ``with_entropy``. Per-token
     loss (``reduction="none"``) is -log p(label) at valid positions and 0 elsewhere."""
     check_loss_args(hidden_TH, weight_VH, labels_T, reduction, temperature)
     if vocab_group is not None:
-        raise NotImplementedError("the ce reference does not shard the vocabulary; use loss = 'linear_ce'")
+        raise NotImplementedError(
+            "the ce reference does not shard the vocabulary; use loss = 'linear_ce'"
+        )
     valid_T = labels_T != ignore_index
     target_T = torch.where(valid_T, labels_T, 0)
     if not with_entropy:
@@ -93,10 +108,14 @@ class _SoftmaxCE(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_T):
         if ctx.used:  # the saved softmax became the gradient in place
-            raise RuntimeError("ce: backward ran twice through the same graph (retain_graph); the loss keeps "
-                               "one fp32 [T, V] buffer and reuses it for the gradient")
+            raise RuntimeError(
+                "ce: backward ran twice through the same graph (retain_graph); the loss keeps "
+                "one fp32 [T, V] buffer and reuses it for the gradient"
+            )
         ctx.used = True
         p_TV, target_T, valid_T = ctx.saved_tensors
-        p_TV.scatter_add_(1, target_T[:, None], torch.full_like(target_T[:, None], -1.0, dtype=p_TV.dtype))
+        p_TV.scatter_add_(
+            1, target_T[:, None], torch.full_like(target_T[:, None], -1.0, dtype=p_TV.dtype)
+        )
         p_TV.mul_((grad_T.to(p_TV.dtype) * valid_T / ctx.temperature)[:, None])  # d loss / d logits
         return p_TV.to(ctx.dtype), None, None, None

@@ -58,10 +58,12 @@ def default_tiles(device: torch.device) -> tuple[int, int]:
 
 def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:
     """(first global row of this rank's slice, global vocabulary size)."""
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    sizes = [
+        torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))
+    ]
     dist.all_gather(sizes, torch.tensor([v_local], dtype=torch.int64, device=device), group=group)
     sizes = [int(x) for x in sizes]
-    return sum(sizes[:dist.get_rank(group)]), sum(sizes)
+    return sum(sizes[: dist.get_rank(group)]), sum(sizes)
 
 
 def _logits(h_tH, w_vH, temperature):
@@ -93,19 +95,34 @@ def _merge_tiles(m_NT, logs_NT, negh_NT):
 
 class _LinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, labels_T, valid_T, offset, temperature, with_entropy, group,
-                token_tile, vocab_tile):
+    def forward(
+        ctx,
+        hidden_TH,
+        weight_VH,
+        labels_T,
+        valid_T,
+        offset,
+        temperature,
+        with_entropy,
+        group,
+        token_tile,
+        vocab_tile,
+    ):
         T, V = hidden_TH.shape[0], weight_VH.shape[0]
         N = -(-V // vocab_tile)  # vocab tiles
-        local_T = torch.where(valid_T, labels_T - offset, -1)  # label's row in this slice, or out of range
+        local_T = torch.where(
+            valid_T, labels_T - offset, -1
+        )  # label's row in this slice, or out of range
         on_slice_T = (local_T >= 0) & (local_T < V)
         tile_T = torch.where(on_slice_T, local_T // vocab_tile, 0)  # vocab tile holding the label
         col_T = torch.where(on_slice_T, local_T % vocab_tile, 0)  # its column in that tile
         # per (vocab tile, token) statistics; merged once after the loop (a few bytes per token and tile)
-        m_NT, logs_NT, pick_NT = (torch.empty(N, T, dtype=torch.float32, device=hidden_TH.device) for _ in "123")
+        m_NT, logs_NT, pick_NT = (
+            torch.empty(N, T, dtype=torch.float32, device=hidden_TH.device) for _ in "123"
+        )
         negh_NT = torch.empty_like(m_NT) if with_entropy else None
         for j, v0 in enumerate(range(0, V, vocab_tile)):
-            w_vH = weight_VH[v0:v0 + vocab_tile]
+            w_vH = weight_VH[v0 : v0 + vocab_tile]
             col_t = col_T.clamp(max=w_vH.shape[0] - 1)[:, None]
             for t0 in range(0, T, token_tile):
                 t = slice(t0, t0 + token_tile)
@@ -120,7 +137,9 @@ class _LinearCE(torch.autograd.Function):
                     negh_NT[j, t] = torch.einsum("tv,tv->t", torch.exp(lsm_tv), lsm_tv)
         m_T, s_T, u_T = _merge_tiles(m_NT, logs_NT.neg_(), negh_NT)
         # target logit from the label's tile; 0 where the label is on another rank's slice
-        target_T = pick_NT.gather(0, tile_T[None]).squeeze(0) * on_slice_T if N else torch.zeros_like(m_T)
+        target_T = (
+            pick_NT.gather(0, tile_T[None]).squeeze(0) * on_slice_T if N else torch.zeros_like(m_T)
+        )
         if group is not None and dist.get_world_size(group) > 1:
             global_m_T = m_T.clone()
             dist.all_reduce(global_m_T, op=dist.ReduceOp.MAX, group=group)
@@ -132,7 +151,9 @@ class _LinearCE(torch.autograd.Function):
         lse_T = m_T + torch.log(s_T)
         loss_T = torch.where(valid_T, lse_T - target_T, 0.0)
         entropy_T = torch.log(s_T) - u_T / s_T if with_entropy else None
-        ctx.save_for_backward(hidden_TH, weight_VH, local_T, valid_T, lse_T, entropy_T if with_entropy else lse_T)
+        ctx.save_for_backward(
+            hidden_TH, weight_VH, local_T, valid_T, lse_T, entropy_T if with_entropy else lse_T
+        )
         ctx.cfg = (temperature, with_entropy, group, token_tile, vocab_tile)
         ctx.set_materialize_grads(False)
         return (loss_T, entropy_T) if with_entropy else loss_T
@@ -148,7 +169,9 @@ class _LinearCE(torch.autograd.Function):
         T, V = hidden_TH.shape[0], weight_VH.shape[0]
         dtype, lowp = hidden_TH.dtype, hidden_TH.dtype != torch.float32
         # dL/dz = gl (p - onehot) - ge p (log p + entropy); 1/temperature (dz/dlogits) folded in
-        gl_T = (grad_loss_T.float() * valid_T if grad_loss_T is not None else torch.zeros_like(lse_T)) / temperature
+        gl_T = (
+            grad_loss_T.float() * valid_T if grad_loss_T is not None else torch.zeros_like(lse_T)
+        ) / temperature
         ge_T = grad_entropy_T.float() / temperature if grad_entropy_T is not None else None
         if ge_T is None:  # dz = gl (p - onehot): keep gl out of the tile, scale [t, H] rows instead
             hs_TH = (hidden_TH * gl_T[:, None]).to(dtype) if need_w else None
@@ -157,23 +180,29 @@ class _LinearCE(torch.autograd.Function):
             row_T, hs_TH, onehot_T, c_T = None, hidden_TH, gl_T, gl_T - ge_T * entropy_T
         # dhidden accumulates over vocab tiles in fp32; dW over token tiles -- straight into the
         # output in fp32, through an fp32 buffer for bf16 partials only when there are several
-        gh_TH = torch.zeros(T, hidden_TH.shape[1], dtype=torch.float32, device=hidden_TH.device) if need_h else None
+        gh_TH = (
+            torch.zeros(T, hidden_TH.shape[1], dtype=torch.float32, device=hidden_TH.device)
+            if need_h
+            else None
+        )
         gw_VH = torch.empty_like(weight_VH) if need_w else None
         one_token_tile = T <= token_tile
         for v0 in range(0, V, vocab_tile):
-            w_vH = weight_VH[v0:v0 + vocab_tile]
+            w_vH = weight_VH[v0 : v0 + vocab_tile]
             nv = w_vH.shape[0]
             idx_T = local_T - v0
             here_T = (idx_T >= 0) & (idx_T < nv)
             idx_T1, sub_T1 = idx_T.clamp(0, nv - 1)[:, None], (-onehot_T * here_T)[:, None]
-            gw_vH = gw_VH[v0:v0 + nv] if need_w else None
+            gw_vH = gw_VH[v0 : v0 + nv] if need_w else None
             acc_vH = None  # fp32 sum of bf16 dW partials
             for t0 in range(0, T, token_tile):
                 t = slice(t0, t0 + token_tile)
                 if lowp:
                     logp_tv = _logits(hidden_TH[t], w_vH, temperature).sub_(lse_T[t, None])
                 else:  # fp32: subtract lse inside the GEMM
-                    logp_tv = torch.addmm(lse_T[t, None], hidden_TH[t], w_vH.T, beta=-1, alpha=1 / temperature)
+                    logp_tv = torch.addmm(
+                        lse_T[t, None], hidden_TH[t], w_vH.T, beta=-1, alpha=1 / temperature
+                    )
                 if ge_T is None:
                     dz_tv = logp_tv.exp_()  # p; gl is applied to the [t, H] operands
                 else:
@@ -206,10 +235,22 @@ class _LinearCE(torch.autograd.Function):
         return (gh_TH, gw_VH) + (None,) * 8
 
 
-@register("loss", "linear_ce", summary="tiled LM head + CE: online log-sum-exp, no [tokens, vocab] logits")
-def linear_cross_entropy(hidden_TH, weight_VH, labels_T, *, ignore_index: int = -100, reduction: str = "mean",
-                         with_entropy: bool = False, temperature: float = 1.0, vocab_group=None,
-                         token_tile: int | None = None, vocab_tile: int | None = None):
+@register(
+    "loss", "linear_ce", summary="tiled LM head + CE: online log-sum-exp, no [tokens, vocab] logits"
+)
+def linear_cross_entropy(
+    hidden_TH,
+    weight_VH,
+    labels_T,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    vocab_group=None,
+    token_tile: int | None = None,
+    vocab_tile: int | None = None,
+):
     """Same contract as ``ce.cross_entropy``: the reduced loss, or (loss, entropy_T) with
     ``with_entropy``; ``reduction="none"`` gives -log p(label) per token (0 where ignored).
     ``vocab_group``: process group over which ``weight_VH`` rows are sharded in rank order."""
@@ -219,26 +260,47 @@ def linear_cross_entropy(hidden_TH, weight_VH, labels_T, *, ignore_index: int = 
         dtype = torch.get_autocast_dtype(dev.type)
         hidden_TH, weight_VH = hidden_TH.to(dtype), weight_VH.to(dtype)
     if hidden_TH.dtype != weight_VH.dtype:
-        raise ValueError(f"hidden ({hidden_TH.dtype}) and weight ({weight_VH.dtype}) must have the same dtype "
-                         "(or run under autocast)")
+        raise ValueError(
+            f"hidden ({hidden_TH.dtype}) and weight ({weight_VH.dtype}) must have the same dtype "
+            "(or run under autocast)"
+        )
     tiles = default_tiles(dev)
     token_tile = tiles[0] if token_tile is None else token_tile
     vocab_tile = tiles[1] if vocab_tile is None else vocab_tile
     if token_tile <= 0 or vocab_tile <= 0:
-        raise ValueError(f"token_tile and vocab_tile must be positive, got {token_tile} and {vocab_tile}")
+        raise ValueError(
+            f"token_tile and vocab_tile must be positive, got {token_tile} and {vocab_tile}"
+        )
     labels_T = labels_T.long()
     valid_T = labels_T != ignore_index
-    offset, v_total = (0, weight_VH.shape[0]) if vocab_group is None else \
-        _vocab_offset(weight_VH.shape[0], vocab_group, dev)
+    offset, v_total = (
+        (0, weight_VH.shape[0])
+        if vocab_group is None
+        else _vocab_offset(weight_VH.shape[0], vocab_group, dev)
+    )
     bad = valid_T & ((labels_T < 0) | (labels_T >= v_total))
     if emulation.kind(labels_T) == "cuda":  # checked on the device: no host read in the step
-        torch._assert_async(~bad.any(), f"labels must be in [0, {v_total}) or ignore_index={ignore_index}")
+        torch._assert_async(
+            ~bad.any(), f"labels must be in [0, {v_total}) or ignore_index={ignore_index}"
+        )
     elif bool(bad.any()):
-        raise ValueError(f"labels must be in [0, {v_total}) or ignore_index={ignore_index}; "
-                         f"got {labels_T[bad][:4].tolist()}")
+        raise ValueError(
+            f"labels must be in [0, {v_total}) or ignore_index={ignore_index}; "
+            f"got {labels_T[bad][:4].tolist()}"
+        )
     with torch.autocast(dev.type, enabled=False):
-        out = _LinearCE.apply(hidden_TH, weight_VH, labels_T, valid_T, offset, float(temperature), with_entropy,
-                              vocab_group, token_tile, vocab_tile)
+        out = _LinearCE.apply(
+            hidden_TH,
+            weight_VH,
+            labels_T,
+            valid_T,
+            offset,
+            float(temperature),
+            with_entropy,
+            vocab_group,
+            token_tile,
+            vocab_tile,
+        )
     loss_T, entropy_T = out if with_entropy else (out, None)
     loss = reduce_loss(loss_T, valid_T, reduction)
     return (loss, entropy_T) if with_entropy else loss

@@ -44,7 +44,9 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad_out):
         send_splits, recv_splits = ctx.splits
         grad_in = grad_out.new_empty((sum(send_splits),) + tuple(grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), send_splits, recv_splits, group=ctx.group)
+        dist.all_to_all_single(
+            grad_in, grad_out.contiguous(), send_splits, recv_splits, group=ctx.group
+        )
         return grad_in, None, None, None
 
 
@@ -63,22 +65,33 @@ def regroup_by_expert(recv_RL: torch.Tensor) -> torch.Tensor:
     starts_LR = starts.view(R, L).t().flatten()
     counts_LR = recv_RL.t().flatten()
     block_of_row = torch.repeat_interleave(torch.arange(R * L, device=recv_RL.device), counts_LR)
-    offset_in_block = torch.arange(int(counts_LR.sum()), device=recv_RL.device) - torch.repeat_interleave(
-        torch.cumsum(counts_LR, 0) - counts_LR, counts_LR)
+    offset_in_block = torch.arange(
+        int(counts_LR.sum()), device=recv_RL.device
+    ) - torch.repeat_interleave(torch.cumsum(counts_LR, 0) - counts_LR, counts_LR)
     return starts_LR[block_of_row] + offset_in_block
 
 
-@register("moe_comm", "alltoall", summary="uneven all_to_all_single dispatch/combine over the ep group")
+@register(
+    "moe_comm", "alltoall", summary="uneven all_to_all_single dispatch/combine over the ep group"
+)
 class AllToAllDispatch:
     def __init__(self, num_experts: int, ep_group=None, **_unused):
         self.num_experts = num_experts
         self.group = ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         if num_experts % self.ep:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})")
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})"
+            )
 
-    def __call__(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
-                 expert_fn: ExpertFn, drops: bool = False) -> torch.Tensor:
+    def __call__(
+        self,
+        x_TH: torch.Tensor,
+        idx_TK: torch.Tensor,
+        weight_TK: torch.Tensor,
+        expert_fn: ExpertFn,
+        drops: bool = False,
+    ) -> torch.Tensor:
         K = idx_TK.shape[1]
         order_N, counts_E = permute(idx_TK, self.num_experts, drops)  # drops: capacity cut rows
         x_NH = x_TH[order_N // K]

@@ -40,15 +40,19 @@ def router_stats(probs_TE: torch.Tensor, idx_TK: torch.Tensor, dropped=0) -> tor
     T, E = probs_TE.shape
     counts_E = torch.zeros(E, device=probs_TE.device, dtype=torch.float32)
     counts_E.scatter_add_(0, idx_TK.flatten(), torch.ones(idx_TK.numel(), device=probs_TE.device))
-    tail = torch.stack([counts_E.new_tensor(float(T)), torch.as_tensor(dropped, dtype=torch.float32,
-                                                                       device=counts_E.device)])
+    tail = torch.stack(
+        [
+            counts_E.new_tensor(float(T)),
+            torch.as_tensor(dropped, dtype=torch.float32, device=counts_E.device),
+        ]
+    )
     return torch.cat([counts_E, probs_TE.float().sum(dim=0), tail])
 
 
 def split_stats(stats_LS: torch.Tensor):
     """(counts_LE, prob_sum_LE, tokens_L) views of stacked stats."""
     E = (stats_LS.shape[-1] - 2) // 2
-    return stats_LS[..., :E], stats_LS[..., E:2 * E], stats_LS[..., 2 * E]
+    return stats_LS[..., :E], stats_LS[..., E : 2 * E], stats_LS[..., 2 * E]
 
 
 def dropped_pairs(stats_LS: torch.Tensor) -> torch.Tensor:
@@ -114,5 +118,8 @@ def load_summary(counts_LE: torch.Tensor) -> dict[str, float]:
     max_over_mean_L = counts_LE.max(dim=1).values / mean_L
     cv_L = counts_LE.std(dim=1, unbiased=False) / mean_L
     worst = int(max_over_mean_L.argmax())
-    return {"expert_load_max_over_mean": float(max_over_mean_L[worst]), "expert_load_cv": float(cv_L.max()),
-            "expert_load_worst_layer": worst}
+    return {
+        "expert_load_max_over_mean": float(max_over_mean_L[worst]),
+        "expert_load_cv": float(cv_L.max()),
+        "expert_load_worst_layer": worst,
+    }

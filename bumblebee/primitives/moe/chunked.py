@@ -100,7 +100,9 @@ class _Comm:
         if self.ep == 1:
             return _Pending(x)
         x = x.contiguous()
-        out = torch.empty_like(x) if recv is None else x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        out = (
+            torch.empty_like(x) if recv is None else x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        )
         if self.stream is None:
             work = dist.all_to_all_single(out, x, recv, send, group=self.group, async_op=True)
             return _Pending(out, work=work, keep=x)
@@ -124,7 +126,7 @@ class _Gemm:
         parts, start = [], 0
         for e, n in enumerate(self.counts):
             if n:
-                parts.append(fn(e, x[start:start + n]))
+                parts.append(fn(e, x[start : start + n]))
                 start += n
         return torch.cat(parts) if parts else x.new_zeros(0, width)
 
@@ -143,7 +145,7 @@ class _Gemm:
             return torch._grouped_mm(g_MO.t(), x_MI, offs=self.offs)
         out, start = g_MO.new_zeros(len(self.counts), g_MO.shape[1], x_MI.shape[1]), 0
         for e, n in enumerate(self.counts):
-            out[e] = g_MO[start:start + n].t() @ x_MI[start:start + n]
+            out[e] = g_MO[start : start + n].t() @ x_MI[start : start + n]
             start += n
         return out
 
@@ -180,7 +182,7 @@ class _ChunkedExperts(torch.autograd.Function):
         sent_CRL = torch.stack([c[3] for c in chunks]).view(n, ep, L)
         recv_RCL = s.comm.a2a(sent_CRL.transpose(0, 1).reshape(ep * n, L)).wait()
         host = torch.cat([sent_CRL.flatten(), recv_RCL.flatten()]).cpu()
-        sent_CRL, recv_RCL = host[:n * ep * L].view(n, ep, L), host[n * ep * L:].view(ep, n, L)
+        sent_CRL, recv_RCL = host[: n * ep * L].view(n, ep, L), host[n * ep * L :].view(ep, n, L)
         pending_x = []
         for i, c in enumerate(chunks):  # host-side splits of chunk i, then issue its dispatch
             with record_function(f"chunked.fwd.dispatch_issue{i}"):
@@ -222,17 +224,22 @@ class _ChunkedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_TH):
         s, K = ctx.setup, ctx.K
-        weight_TK, w1_EGH, w2_EHF, *saved = ctx.saved_tensors  # under checkpoint: recomputes the layer
-        per_chunk = [saved[4 * i:4 * i + 4] for i in range(len(ctx.meta))]
+        weight_TK, w1_EGH, w2_EHF, *saved = (
+            ctx.saved_tensors
+        )  # under checkpoint: recomputes the layer
+        per_chunk = [saved[4 * i : 4 * i + 4] for i in range(len(ctx.meta))]
         need_x, need_w, need_w1, need_w2 = ctx.needs_input_grad[:4]
         g_TH, (T, H) = g_TH.contiguous(), g_TH.shape
         sent = []  # 1. combine-backward: unweighted output gradients (+ router weights) to the experts
         for (lo, hi, send, recv, _), (order_N, *_) in zip(ctx.meta, per_chunk):
             w_N = weight_TK[lo:hi].reshape(-1)[order_N].to(g_TH.dtype)
-            sent.append((s.comm.a2a(g_TH[lo:hi][order_N // K], send, recv), s.comm.a2a(w_N, send, recv)))
+            sent.append(
+                (s.comm.a2a(g_TH[lo:hi][order_N // K], send, recv), s.comm.a2a(w_N, send, recv))
+            )
         later, back = [], []
         for i, ((lo, hi, send, recv, local), (_, by_expert, x_MH, h_MG), (pg, pw)) in enumerate(
-                zip(ctx.meta, per_chunk, sent)):
+            zip(ctx.meta, per_chunk, sent)
+        ):
             with record_function(f"chunked.bwd.combine_wait{i}"):
                 g_MH, w_M = pg.wait()[by_expert], pw.wait()[by_expert, None]
             with record_function(f"chunked.bwd.dgrad{i}"):  # 2. expert dgrad of chunk i
@@ -268,44 +275,71 @@ class _ChunkedExperts(torch.autograd.Function):
         return (dx_TH if need_x else None, dweight_TK if need_w else None, dw1, dw2, None, None)
 
 
-@register("moe_comm", "chunked", summary="k token chunks; async dispatch/combine under the expert GEMMs")
+@register(
+    "moe_comm", "chunked", summary="k token chunks; async dispatch/combine under the expert GEMMs"
+)
 class ChunkedDispatch:
     def __init__(self, num_experts: int, ep_group=None, num_chunks: int = 2, **_unused):
         if isinstance(num_chunks, bool) or num_chunks not in CHUNKS:
             from bumblebee.config import ConfigError  # lazily, as registry.get does
 
-            raise ConfigError(f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', got "
-                              f"{num_chunks!r}")
+            raise ConfigError(
+                f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', got "
+                f"{num_chunks!r}"
+            )
         self.num_experts, self.num_chunks, self.group = num_experts, num_chunks, ep_group
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         if num_experts % self.ep:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})")
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})"
+            )
         self._streams = {}  # device -> CUDA communication stream
 
-    def __call__(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
-                 expert_fn, drops: bool = False) -> torch.Tensor:
+    def __call__(
+        self,
+        x_TH: torch.Tensor,
+        idx_TK: torch.Tensor,
+        weight_TK: torch.Tensor,
+        expert_fn,
+        drops: bool = False,
+    ) -> torch.Tensor:
         if "schedule" not in inspect.signature(expert_fn).parameters:
-            raise ValueError("moe_comm = 'chunked' schedules the expert GEMMs itself and needs an expert_fn "
-                             "accepting schedule= (the MoE block's _run_experts)")
-        schedule = functools.partial(self._schedule, idx_TK=idx_TK, weight_TK=weight_TK, drops=drops)
+            raise ValueError(
+                "moe_comm = 'chunked' schedules the expert GEMMs itself and needs an expert_fn "
+                "accepting schedule= (the MoE block's _run_experts)"
+            )
+        schedule = functools.partial(
+            self._schedule, idx_TK=idx_TK, weight_TK=weight_TK, drops=drops
+        )
         return expert_fn(x_TH, None, schedule=schedule)
 
-    def _schedule(self, x_TH, _counts, w_gate_up_EGH, w_down_EHF, *, idx_TK, weight_TK, expert_fn, drops=False):
+    def _schedule(
+        self, x_TH, _counts, w_gate_up_EGH, w_down_EHF, *, idx_TK, weight_TK, expert_fn, drops=False
+    ):
         """Runs inside ``Experts.forward`` with the (gathered) weights of this rank's experts."""
         if expert_fn is experts_loop:
             grouped = False
         elif expert_fn is experts_grouped:
             grouped = grouped_mm_supported(x_TH)
         else:
-            raise ValueError("moe_comm = 'chunked' runs the SwiGLU expert GEMMs itself (split dgrad / wgrad); "
-                             "it supports experts = 'loop' or 'grouped'")
+            raise ValueError(
+                "moe_comm = 'chunked' runs the SwiGLU expert GEMMs itself (split dgrad / wgrad); "
+                "it supports experts = 'loop' or 'grouped'"
+            )
         stream = None
         if emulation.kind(x_TH) == "cuda" and self.ep > 1:
             if x_TH.device not in self._streams:
                 self._streams[x_TH.device] = emulation.side_stream(x_TH.device)
             stream = self._streams[x_TH.device]
-        setup = _Setup(self.num_experts, self.num_chunks, _Comm(self.group, self.ep, stream), grouped,
-                       recompute=in_recompute(), drops=drops)
+        setup = _Setup(
+            self.num_experts,
+            self.num_chunks,
+            _Comm(self.group, self.ep, stream),
+            grouped,
+            recompute=in_recompute(),
+            drops=drops,
+        )
         dtype = x_TH.dtype  # the experts' compute dtype (Experts.forward applied autocast)
-        return _ChunkedExperts.apply(x_TH, weight_TK, w_gate_up_EGH.to(dtype), w_down_EHF.to(dtype),
-                                     idx_TK, setup)
+        return _ChunkedExperts.apply(
+            x_TH, weight_TK, w_gate_up_EGH.to(dtype), w_down_EHF.to(dtype), idx_TK, setup
+        )

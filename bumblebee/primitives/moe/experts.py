@@ -46,12 +46,14 @@ class Experts(nn.Module):
 
 
 @register("experts", "loop", reference=True, summary="per-expert matmul loop")
-def experts_loop(x_NH: torch.Tensor, counts_E: torch.Tensor, w_gate_up_EGH, w_down_EHF) -> torch.Tensor:
+def experts_loop(
+    x_NH: torch.Tensor, counts_E: torch.Tensor, w_gate_up_EGH, w_down_EHF
+) -> torch.Tensor:
     outs, start = [], 0
     for e, n in enumerate(counts_E.tolist()):
         if n == 0:
             continue
-        x = x_NH[start:start + n]
+        x = x_NH[start : start + n]
         gate, up = F.linear(x, w_gate_up_EGH[e].to(x.dtype)).chunk(2, dim=-1)
         outs.append(F.linear(F.silu(gate) * up, w_down_EHF[e].to(x.dtype)))
         start += n
@@ -72,10 +74,14 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 @register("experts", "grouped", summary="torch._grouped_mm over ragged expert groups")
-def experts_grouped(x_NH: torch.Tensor, counts_E: torch.Tensor, w_gate_up_EGH, w_down_EHF) -> torch.Tensor:
+def experts_grouped(
+    x_NH: torch.Tensor, counts_E: torch.Tensor, w_gate_up_EGH, w_down_EHF
+) -> torch.Tensor:
     if not grouped_mm_supported(x_NH):
         return experts_loop(x_NH, counts_E, w_gate_up_EGH, w_down_EHF)
     offs = torch.cumsum(counts_E, 0).to(torch.int32)
     h_NG = torch._grouped_mm(x_NH, w_gate_up_EGH.to(x_NH.dtype).transpose(-2, -1), offs=offs)
     gate, up = h_NG.chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, w_down_EHF.to(x_NH.dtype).transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(
+        F.silu(gate) * up, w_down_EHF.to(x_NH.dtype).transpose(-2, -1), offs=offs
+    )

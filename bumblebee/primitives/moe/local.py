@@ -11,7 +11,7 @@ Legend: T tokens, H hidden, K experts per token, E experts, N = T*K routed rows.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed
@@ -29,8 +29,10 @@ def permute(idx_TK: torch.Tensor, num_experts: int, drops: bool = False):
     order_N = torch.argsort(flat_N, stable=True)
     if not drops:
         return order_N, torch.bincount(flat_N, minlength=num_experts)
-    counts_E = torch.bincount(flat_N, minlength=num_experts + 1)[:num_experts].clone()  # own storage: sent as is
-    return order_N[:int(counts_E.sum())], counts_E
+    counts_E = torch.bincount(flat_N, minlength=num_experts + 1)[
+        :num_experts
+    ].clone()  # own storage: sent as is
+    return order_N[: int(counts_E.sum())], counts_E
 
 
 def unsort_rows(y_NH: torch.Tensor, order_N: torch.Tensor, rows: int) -> torch.Tensor:
@@ -47,15 +49,25 @@ def unpermute(y_NH: torch.Tensor, order_N: torch.Tensor, weight_TK: torch.Tensor
     return (y_unsorted.view(T, K, -1) * weight_TK[..., None].to(y_NH.dtype)).sum(dim=1)
 
 
-@register("moe_comm", "local", reference=True, summary="all experts on this rank: permute, FFN, unpermute")
+@register(
+    "moe_comm", "local", reference=True, summary="all experts on this rank: permute, FFN, unpermute"
+)
 class LocalDispatch:
     def __init__(self, num_experts: int, ep_group=None, **_unused):
         if ep_group is not None and torch.distributed.get_world_size(ep_group) > 1:
-            raise ValueError("moe_comm = 'local' keeps every expert on one rank; with ep > 1 use 'alltoall'")
+            raise ValueError(
+                "moe_comm = 'local' keeps every expert on one rank; with ep > 1 use 'alltoall'"
+            )
         self.num_experts = num_experts
 
-    def __call__(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor,
-                 expert_fn: ExpertFn, drops: bool = False) -> torch.Tensor:
+    def __call__(
+        self,
+        x_TH: torch.Tensor,
+        idx_TK: torch.Tensor,
+        weight_TK: torch.Tensor,
+        expert_fn: ExpertFn,
+        drops: bool = False,
+    ) -> torch.Tensor:
         K = idx_TK.shape[1]
         order_N, counts_E = permute(idx_TK, self.num_experts, drops)
         y_NH = expert_fn(x_TH[order_N // K], counts_E)

@@ -48,8 +48,10 @@ class RoutingScope:
             return None
         r = self.replay_BTLK
         if r.dim() != 4 or tuple(r.shape[:2]) != (B, T) or moe_index >= r.shape[2]:
-            raise ValueError(f"routing replay ids must be [B, T, L, K] = [{B}, {T}, >{moe_index}, K] like the "
-                             f"input ids, got {list(r.shape)}")
+            raise ValueError(
+                f"routing replay ids must be [B, T, L, K] = [{B}, {T}, >{moe_index}, K] like the "
+                f"input ids, got {list(r.shape)}"
+            )
         return r[:, :, moe_index].reshape(B * T, -1).long()
 
     def note(self, moe_index: int, idx_TK: torch.Tensor, B: int, T: int) -> None:

@@ -33,7 +33,9 @@ class Routing:
     weight_TK: torch.Tensor  # combine weights, activation dtype
 
 
-@register("router", "softmax_topk", reference=True, summary="softmax over experts, top-k, optional renorm")
+@register(
+    "router", "softmax_topk", reference=True, summary="softmax over experts, top-k, optional renorm"
+)
 class SoftmaxTopKRouter(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
@@ -54,7 +56,11 @@ class SoftmaxTopKRouter(nn.Module):
         return Routing(probs_TE, top_i, top_w.to(logits_TE.dtype))
 
 
-ROUTER_OPTIONS = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}  # name -> "off" value
+ROUTER_OPTIONS = {
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+}  # name -> "off" value
 
 
 def build_router(name: str, arch) -> nn.Module:
@@ -67,10 +73,14 @@ def build_router(name: str, arch) -> nn.Module:
     if factory is SoftmaxTopKRouter:
         used = {k: v for k, v in options.items() if v != ROUTER_OPTIONS[k]}
         if used:
-            raise ConfigError(f"router 'softmax_topk' has no group-limited routing or scaling "
-                              f"({', '.join(f'{k}={v}' for k, v in used.items())}); use router = 'sigmoid_bias'")
+            raise ConfigError(
+                f"router 'softmax_topk' has no group-limited routing or scaling "
+                f"({', '.join(f'{k}={v}' for k, v in used.items())}); use router = 'sigmoid_bias'"
+            )
         options = {}
-    return factory(arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob, **options)
+    return factory(
+        arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob, **options
+    )
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, idx_TK: torch.Tensor, group=None) -> torch.Tensor:

@@ -41,19 +41,27 @@ from bumblebee.registry import register
 def check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
     """One-line errors for a group-limited top-k that cannot be built."""
     if n_group < 1 or num_experts % n_group:
-        raise ConfigError(f"n_group must be >= 1 and divide num_experts ({num_experts}), got {n_group}")
+        raise ConfigError(
+            f"n_group must be >= 1 and divide num_experts ({num_experts}), got {n_group}"
+        )
     if not 1 <= topk_group <= n_group:
         raise ConfigError(f"topk_group must be in 1..n_group ({n_group}), got {topk_group}")
     per_group = num_experts // n_group
     if n_group > 1 and per_group < 2:
-        raise ConfigError(f"group-limited routing scores a group by its two best experts; "
-                          f"num_experts / n_group = {per_group} < 2")
+        raise ConfigError(
+            f"group-limited routing scores a group by its two best experts; "
+            f"num_experts / n_group = {per_group} < 2"
+        )
     if top_k > topk_group * per_group:
-        raise ConfigError(f"num_experts_per_tok ({top_k}) exceeds the experts of the kept groups "
-                          f"(topk_group {topk_group} x {per_group})")
+        raise ConfigError(
+            f"num_experts_per_tok ({top_k}) exceeds the experts of the kept groups "
+            f"(topk_group {topk_group} x {per_group})"
+        )
 
 
-def select_experts(choice_TE: torch.Tensor, top_k: int, n_group: int, topk_group: int) -> torch.Tensor:
+def select_experts(
+    choice_TE: torch.Tensor, top_k: int, n_group: int, topk_group: int
+) -> torch.Tensor:
     """Top-k expert ids of ``choice_TE`` (biased scores), limited to the ``topk_group`` best of
     ``n_group`` groups (group score: sum of its two best experts). Ties go to the lower id."""
     if n_group > 1:
@@ -66,20 +74,38 @@ def select_experts(choice_TE: torch.Tensor, top_k: int, n_group: int, topk_group
     return choice_TE.topk(top_k, dim=-1).indices
 
 
-@register("router", "sigmoid_bias", summary="sigmoid scores, load-driven selection bias (aux-loss-free), "
-                                            "group-limited top-k")
+@register(
+    "router",
+    "sigmoid_bias",
+    summary="sigmoid scores, load-driven selection bias (aux-loss-free), group-limited top-k",
+)
 class SigmoidBiasRouter(nn.Module):
     """``SigmoidBiasRouter(hidden, num_experts, top_k, norm_topk_prob, *, n_group=1, topk_group=1,
     routed_scaling_factor=1.0)``; parameter ``weight`` [E, H], buffer ``e_score_correction_bias`` [E]."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, *, n_group: int = 1,
-                 topk_group: int = 1, routed_scaling_factor: float = 1.0):
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        *,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+    ):
         super().__init__()
         check_groups(num_experts, top_k, n_group, topk_group)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer(
+            "e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32)
+        )
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, float(routed_scaling_factor)
+        self.n_group, self.topk_group, self.routed_scaling_factor = (
+            n_group,
+            topk_group,
+            float(routed_scaling_factor),
+        )
 
     def scores(self, x_TH: torch.Tensor) -> torch.Tensor:
         """sigmoid(x W^T) in fp32 (autocast off: the bias steps need the fp32 resolution)."""

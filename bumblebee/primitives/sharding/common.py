@@ -43,8 +43,15 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def clip_grad_norm(named_params, groups: ShardingGroups, max_norm: float, is_expert_param, *,
-                   dense_sharded: bool, expert_sharded: bool) -> torch.Tensor:
+def clip_grad_norm(
+    named_params,
+    groups: ShardingGroups,
+    max_norm: float,
+    is_expert_param,
+    *,
+    dense_sharded: bool,
+    expert_sharded: bool,
+) -> torch.Tensor:
     """Global L2 norm of all gradients, then scale them by min(1, max_norm / (norm + 1e-6))
     (the same rule as ``torch.nn.utils.clip_grad_norm_``). ``*_sharded`` says whether each rank
     holds a disjoint shard of those gradients (sum the squares over the group) or a replica;
@@ -79,8 +86,11 @@ def clip_grad_norm(named_params, groups: ShardingGroups, max_norm: float, is_exp
 def state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     """Bytes this rank holds for parameters, gradients and optimizer state."""
     params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
-    grads = sum(local(p.grad).numel() * local(p.grad).element_size() for p in model.parameters()
-                if p.grad is not None)
+    grads = sum(
+        local(p.grad).numel() * local(p.grad).element_size()
+        for p in model.parameters()
+        if p.grad is not None
+    )
     opt = 0
     for state in optimizer.state.values():
         for v in state.values():

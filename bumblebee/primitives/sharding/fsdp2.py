@@ -51,8 +51,13 @@ nGPU, plus the all-gather buffers of the unit being computed.
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
-                                    register_fsdp_forward_method)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from bumblebee.primitives.sharding.common import clip_grad_norm
 from bumblebee.primitives.sharding.fsdp_comm import set_unit_comms
@@ -68,8 +73,9 @@ class FSDP2(NoSharding):
             return super().wrap(model)
         bf16 = t.dtype == "bfloat16"
         reduce = torch.bfloat16 if t.reduce_dtype == "bfloat16" else torch.float32
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
-                                  reduce_dtype=reduce if bf16 else None)
+        mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce if bf16 else None
+        )
         offload = CPUOffloadPolicy() if getattr(t, "offload_optimizer", False) else OffloadPolicy()
         units, meshes = [], []
         for m, kind in list(model.fsdp_units()):
@@ -79,7 +85,11 @@ class FSDP2(NoSharding):
                 units[-1].set_unshard_in_backward(False)
         units.append(fully_shard(model, mesh=g.dense_mesh, mp_policy=mp, offload_policy=offload))
         meshes.append(g.dense_mesh)
-        for method in ("loss_terms", "hidden_states", "scores"):  # entry points other than forward()
+        for method in (
+            "loss_terms",
+            "hidden_states",
+            "scores",
+        ):  # entry points other than forward()
             register_fsdp_forward_method(model, method)
         for unit, mesh in zip(units, meshes):
             unit.set_gradient_divide_factor(1.0)
@@ -113,5 +123,11 @@ class FSDP2(NoSharding):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.groups.dense_mesh is None:
             return super().clip_grad_norm(max_norm)
-        return clip_grad_norm(self.named, self.groups, max_norm, self.model.is_expert_param, dense_sharded=True,
-                              expert_sharded=True)
+        return clip_grad_norm(
+            self.named,
+            self.groups,
+            max_norm,
+            self.model.is_expert_param,
+            dense_sharded=True,
+            expert_sharded=True,
+        )

@@ -48,7 +48,12 @@ class UnitReduceScatter(ReduceScatter):
     ``to_empty``); ``mesh``: the unit's 1-D mesh; ``gloo``: use the in-place all-reduce."""
 
     def __init__(self, slots: list, mesh, gloo: bool):
-        self.slots, self.world, self.rank, self.gloo = slots, mesh.size(), mesh.get_local_rank(), gloo
+        self.slots, self.world, self.rank, self.gloo = (
+            slots,
+            mesh.size(),
+            mesh.get_local_rank(),
+            gloo,
+        )
         self._input = None  # the input buffer between the two allocate calls of one reduction
         self._in_place = False  # the last output allocated is a chunk of its input
 
@@ -64,12 +69,17 @@ class UnitReduceScatter(ReduceScatter):
             self._input = torch.empty(*size, dtype=dtype, device=device)
             return self._input
         numel = math.prod(size)
-        if (self.world > 1 and inp.dtype == dtype and inp.numel() == numel * self.world
-                and inp.device == torch.device(device) and self._accumulating()):
+        if (
+            self.world > 1
+            and inp.dtype == dtype
+            and inp.numel() == numel * self.world
+            and inp.device == torch.device(device)
+            and self._accumulating()
+        ):
             # this rank's chunk of the input, as a tensor of its own storage (offset 0: FSDP views
             # the output with absolute storage offsets); it keeps the input's memory alive
             nbytes = numel * inp.element_size()
-            chunk = inp.untyped_storage()[self.rank * nbytes:(self.rank + 1) * nbytes]
+            chunk = inp.untyped_storage()[self.rank * nbytes : (self.rank + 1) * nbytes]
             self._in_place = True
             return torch.empty(0, dtype=dtype, device=device).set_(chunk, 0, tuple(size))
         return torch.empty(*size, dtype=dtype, device=device)
@@ -84,8 +94,9 @@ class UnitReduceScatter(ReduceScatter):
             # FSDP adds the output into .grad on this (reduce-scatter) stream after recording the
             # event it frees the input on: keep the input's memory from reuse until that add ran
             emulation.record_stream(input_tensor)
-        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=async_op)
+        return dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+        )
 
 
 class InPlaceAllGather(AllGather):
@@ -97,7 +108,9 @@ class InPlaceAllGather(AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         world, rank = group.size(), group.rank()
         slots = output_tensor.view(world, -1)
-        if input_tensor.data_ptr() != slots[rank].data_ptr():  # FSDP copies in place; be safe otherwise
+        if (
+            input_tensor.data_ptr() != slots[rank].data_ptr()
+        ):  # FSDP copies in place; be safe otherwise
             slots[rank].copy_(input_tensor.view(-1))
         for src in range(world):
             dist.broadcast(slots[src], src=dist.get_global_rank(group, src), group=group)
@@ -107,7 +120,12 @@ class InPlaceAllGather(AllGather):
 def own_slots(unit, units) -> list:
     """(module, name) of the parameters that FSDP unit ``unit`` manages: its subtree minus
     the subtrees of the units nested in it."""
-    nested = {id(m) for u in units if u is not unit and any(u is m for m in unit.modules()) for m in u.modules()}
+    nested = {
+        id(m)
+        for u in units
+        if u is not unit and any(u is m for m in unit.modules())
+        for m in u.modules()
+    }
     return [(m, name) for m in unit.modules() if id(m) not in nested for name in m._parameters]
 
 

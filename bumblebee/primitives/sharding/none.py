@@ -20,7 +20,10 @@ def decay_groups(named_params, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for _, p in named_params:
         (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 @register("sharding", "none", reference=True, summary="single process: nothing sharded")

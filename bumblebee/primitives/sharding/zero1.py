@@ -37,7 +37,7 @@ class _Slice:
         r = 0 if group is None else dist.get_rank(group)
         self.s = math.ceil(p.numel() / self.w)
         self.lo, self.hi = min(p.numel(), r * self.s), min(p.numel(), (r + 1) * self.s)
-        self.master = torch.nn.Parameter(p.detach().flatten()[self.lo:self.hi].clone())
+        self.master = torch.nn.Parameter(p.detach().flatten()[self.lo : self.hi].clone())
 
 
 def _flat_all_reduce(tensors: list[torch.Tensor], group) -> None:
@@ -47,26 +47,35 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
 
 
-@register("sharding", "zero1", summary="replicated params/grads, grads all-reduced, optimizer state sharded")
+@register(
+    "sharding",
+    "zero1",
+    summary="replicated params/grads, grads all-reduced, optimizer state sharded",
+)
 class Zero1(NoSharding):
     def wrap(self, model):
         self.model = model
         self.named = list(model.named_parameters())
         g = self.groups
         self.is_expert = model.is_expert_param
-        self.slices = {name: _Slice(p, g.expert_group if self.is_expert(name) else g.dense_group)
-                       for name, p in self.named}
+        self.slices = {
+            name: _Slice(p, g.expert_group if self.is_expert(name) else g.dense_group)
+            for name, p in self.named
+        }
         return model
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """The fp32 master slices this rank owns (decay on matrices and stacked experts)."""
         decay = [s.master for n, s in self.slices.items() if s.p.dim() >= 2]
         no_decay = [s.master for n, s in self.slices.items() if s.p.dim() < 2]
-        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
 
     def optimizer_param(self, name: str, optimizer):
         s = self.slices[name]
@@ -81,7 +90,7 @@ class Zero1(NoSharding):
             self.wrap(self.model)
             return
         for s in self.slices.values():
-            s.master.copy_(s.p.detach().view(-1)[s.lo:s.hi])
+            s.master.copy_(s.p.detach().view(-1)[s.lo : s.hi])
 
     def reduce_grads(self) -> None:
         for name, p in self.named:
@@ -93,13 +102,19 @@ class Zero1(NoSharding):
         _flat_all_reduce(experts, self.groups.expert_group)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm(self.named, self.groups, max_norm, self.is_expert, dense_sharded=False,
-                              expert_sharded=False)
+        return clip_grad_norm(
+            self.named,
+            self.groups,
+            max_norm,
+            self.is_expert,
+            dense_sharded=False,
+            expert_sharded=False,
+        )
 
     @torch.no_grad()
     def step(self, optimizer) -> None:
         for s in self.slices.values():
-            s.master.grad = s.p.grad.flatten()[s.lo:s.hi]
+            s.master.grad = s.p.grad.flatten()[s.lo : s.hi]
         optimizer.step()
         for group in (self.groups.dense_group, self.groups.expert_group):
             self._all_gather([s for s in self.slices.values() if s.group is group])
@@ -114,13 +129,15 @@ class Zero1(NoSharding):
             for s in slices:
                 s.p.view(-1).copy_(s.master)
             return
-        mine = torch.cat([torch.nn.functional.pad(s.master.detach(), (0, s.s - (s.hi - s.lo))) for s in slices])
+        mine = torch.cat(
+            [torch.nn.functional.pad(s.master.detach(), (0, s.s - (s.hi - s.lo))) for s in slices]
+        )
         gathered = mine.new_empty(w * mine.numel())
         dist.all_gather_single(gathered, mine, group=slices[0].group)
         gathered = gathered.view(w, -1)
         offset = 0
         for s in slices:
-            full = gathered[:, offset:offset + s.s].reshape(-1)[:s.p.numel()]
+            full = gathered[:, offset : offset + s.s].reshape(-1)[: s.p.numel()]
             s.p.copy_(full.view_as(s.p))
             offset += s.s
 
