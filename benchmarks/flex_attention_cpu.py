@@ -95,7 +95,8 @@ def main() -> None:
     scale = DIM**-0.5
     compiled = None if args.no_compile else torch.compile(flex_attention, dynamic=False)
     print(
-        f"attention forward (no grad) on CPU, {args.threads} thread(s), {args.dtype}, {HEADS}/{KV_HEADS} heads of dim {DIM}, "
+        f"attention forward (no grad) on CPU, {args.threads} thread(s), {args.dtype}, "
+        f"{HEADS}/{KV_HEADS} heads of dim {DIM}, "
         f"documents of {args.doc} tokens; best of {args.repeats}"
     )
     print(f"{'tokens':>7} {'impl':<16} {'time s':>8} {'x varlen':>9} {'max|diff|':>10}")

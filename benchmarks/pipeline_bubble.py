@@ -11,7 +11,8 @@ the same durations instead (real compute; on a machine with fewer cores than P i
 core contention too).
 
 Measured bubble of a rank = 1 - (time in stage forward/backward) / (step time: wall time until
-the last rank is done, as the optimizer step waits for every stage), averaged over ranks and ``--steps`` steps after one warm-up step. Ideal (``bubble`` of each schedule):
+the last rank is done, as the optimizer step waits for every stage), averaged over ranks and
+``--steps`` steps after one warm-up step. Ideal (``bubble`` of each schedule):
 (P-1)/(m+P-1) for gpipe and 1f1b, (P-1)/(v m+P-1) for interleaved_1f1b.
 
     python benchmarks/pipeline_bubble.py              # P = 4, m = 4 and 8

@@ -194,9 +194,7 @@ class MoeConfig:
 class MTPConfig:
     """Multi-token prediction (models/mtp.py) on models that hold MTP modules."""
 
-    depth: int | str = (
-        "auto"  # MTP depths trained: "auto" = every module the model holds, 0 = none
-    )
+    depth: int | str = "auto"  # MTP depths trained: "auto" = every module the model holds, 0 = none
     loss_weight: float = (
         0.1  # the MTP loss weight (lambda / depth per depth; DeepSeek-V3: 0.3, then 0.1)
     )

@@ -194,9 +194,9 @@ def figure(run_dirs: list[str], labels: list[str] | None = None, x: str = "step"
     if any(rl) and not all(rl):
         raise ConfigError(
             "cannot overlay RL runs ("
-            + ", ".join(l for l, k in zip(labels, rl) if k)
+            + ", ".join(lab for lab, k in zip(labels, rl) if k)
             + ") with training runs ("
-            + ", ".join(l for l, k in zip(labels, rl) if not k)
+            + ", ".join(lab for lab, k in zip(labels, rl) if not k)
             + ")"
         )
     if all(rl) and x == "tokens":

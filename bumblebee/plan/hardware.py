@@ -23,7 +23,8 @@ class GPU:
     hbm_gb: float  # capacity, GB
     hbm_gbps: float  # HBM bandwidth, GB/s
     nvlink_gbps: float  # NVLink, GB/s per direction per GPU
-    ib_gbps: float = 50.0  # inter-node per GPU per direction: 8 x 400 Gb/s IB per 8-GPU node (typical H100 cluster networking)
+    # inter-node per GPU per direction: 8 x 400 Gb/s IB per 8-GPU node (typical H100 cluster networking)
+    ib_gbps: float = 50.0
     gpus_per_node: int = 8
 
 

@@ -90,7 +90,10 @@ def explain(c: Candidate) -> str:
 
 def _header() -> str:
     parts = " ".join(f"{short:>5}" for _, short in BREAKDOWN)
-    return f"{'#':>3} {'layout':<32} {'sharding loss recompute moe_comm':<33} {'GB':>6} {parts} {'TFLOPs':>6} {'tok/s':>8}"
+    return (
+        f"{'#':>3} {'layout':<32} {'sharding loss recompute moe_comm':<33} {'GB':>6} {parts} "
+        f"{'TFLOPs':>6} {'tok/s':>8}"
+    )
 
 
 def text(

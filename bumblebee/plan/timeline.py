@@ -332,7 +332,7 @@ def stage_timeline(
                 + mem.workspace
             )
             mem.overhead = FIXED_OVERHEAD_GB * GB + FRAGMENTATION * transient
-            mem.why.update({k: static_why for k in STATIC})
+            mem.why.update(dict.fromkeys(STATIC, static_why))
             if mem.saved_inputs:
                 mem.why["saved_inputs"] = (
                     f"{inflight} micro-batch(es) in flight x {t} tokens x {saved_mb:.0f} "

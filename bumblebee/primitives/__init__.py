@@ -1,7 +1,7 @@
 """Replaceable capabilities behind registry slots. Importing this package registers
 every implementation; nothing here imports models, runtime, rl or plan."""
 
-from bumblebee.primitives import (
+from bumblebee.primitives import (  # noqa: F401  (imported to register)
     attention,
     cp,
     linear_attention,
@@ -10,4 +10,4 @@ from bumblebee.primitives import (
     pipeline,
     recompute,
     sharding,
-)  # noqa: F401
+)

@@ -91,7 +91,7 @@ def _describe(m: torch.Tensor) -> str:
 def _check_p2p(ops: list, send, recv, batch) -> None:
     """``ops``: [(is_send, tensor, peer, group)]: contiguity, then sender metadata vs receiver buffer."""
     meta = []
-    for i, (is_send, t, peer, group) in enumerate(ops):
+    for is_send, t, peer, _ in ops:
         _contiguous(f"{'isend' if is_send else 'irecv'} to/from rank {peer}", tensor=t)
         meta.append(_meta(t) if is_send else torch.empty(_META, dtype=torch.int64, device=t.device))
     works = batch(

@@ -10,7 +10,7 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 | --- | --- | --- | --- |
 | attention / varlen | ``varlen_attn`` (flash) | SDPA per document | SDPA per document |
 | cp / ring | ring of ``varlen_attn`` steps | fp32 tiles | fp32 tiles |
-| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` if ``fla`` imports, else chunked PyTorch | same | chunked PyTorch |
+| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` (``fla`` imports), else chunked | same | chunked |
 
 References (``sdpa``, ``allgather``, ``recurrent``) and every other implementation run their
 own PyTorch code everywhere. Under the emulated-CUDA mode (``emulation.py``, ``train.emulate_cuda``)

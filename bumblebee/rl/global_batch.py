@@ -100,9 +100,12 @@ class GlobalBatchCalls:
             part, None, forward_only=True, entropy=entropy, return_routing=return_routing
         )
         B, T = batch.input_ids.shape
-        gather = lambda t: (
-            None if t is None else self._gather_rows(t, B, T, index).to(batch.input_ids.device)
-        )  # noqa: E731
+
+        def gather(t):
+            return (
+                None if t is None else self._gather_rows(t, B, T, index).to(batch.input_ids.device)
+            )
+
         return LogProbs(
             gather(out.logprobs), gather(out.entropy) if entropy else None, gather(out.routing)
         )

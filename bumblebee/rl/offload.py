@@ -51,7 +51,7 @@ class Offloader:
         own = {id(p) for p in self._params()}
         opt = self.engine.optimizer
         for group in opt.param_groups:
-            for i, p in enumerate(group["params"]):
+            for p in group["params"]:
                 if id(p) not in own:
                     yield p, None
         for entry in opt.state.values():

@@ -130,7 +130,7 @@ def state_pieces(
         pieces[f"model/{name}"] = Piece(b.detach().view(-1), 0, tuple(b.shape))
     ensure_optimizer_state(optimizer)
     owned = {id(q) for g in optimizer.param_groups for q in g["params"]}
-    for name, p in named:
+    for name, _ in named:
         holder, start = sharding.optimizer_param(name, optimizer)
         # a parameter the optimizer does not hold has no state to save: the checkpoint would
         # silently lack it (an unsharded fsdp2 parameter once did; sharding.reshard() first)

@@ -1,7 +1,8 @@
 """``bumblebee convert --to hf``: a training checkpoint as a Hugging Face directory.
 
 Streaming: the checkpoint is read in buckets of whole tensors (at most ``BUCKET_BYTES``, or
-one tensor if larger; one ``torch.distributed.checkpoint`` load per bucket) and each tensor is written as soon as it is read (models/hf_write.py),
+one tensor if larger; one ``torch.distributed.checkpoint`` load per bucket) and each tensor is
+written as soon as it is read (models/hf_write.py),
 so the export holds a bucket and one converted tensor, never the model. When the run started
 from a Hugging Face directory (``model.hf_path`` in the checkpoint's config) that still exists,
 the tensors it holds outside the language model (vision tower, MTP head) and its non-weight

@@ -141,7 +141,7 @@ class OutDirLock:
                         f"(pid {holder.get('pid')} on {holder.get('host')} since "
                         f"{holder.get('since')}); use another directory, or delete {self.path} if "
                         "that run is gone"
-                    )
+                    ) from None
                 self.stream.write(
                     f"bumblebee: note: taking over a stale lock {self.path} (pid {holder.get('pid')} "
                     "is not running)\n"

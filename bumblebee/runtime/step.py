@@ -86,7 +86,8 @@ def balance_denominator(micro: int, dp: int, cp: int) -> int:
 
 def accumulate(parts: list, sharding, forward) -> dict[str, torch.Tensor]:
     """Forward and backward over micro-batches ``parts``; ``set_grad_sync`` says which is the
-    last (FSDP2 reduce-scatters every one unless ``train.grad_accum = "unsharded"``). ``forward(part) -> (loss to differentiate, {name: detached stat})``;
+    last (FSDP2 reduce-scatters every one unless ``train.grad_accum = "unsharded"``).
+    ``forward(part) -> (loss to differentiate, {name: detached stat})``;
     returns each stat summed over the micro-batches (fp32)."""
     sums: dict[str, torch.Tensor] = {}
     for i, part in enumerate(parts):

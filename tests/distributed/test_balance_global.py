@@ -1,6 +1,7 @@
 """``train.balance = "global_batch"`` does not depend on layout or micro-batching: one process
 with accumulation 4 (and with one micro-batch of 4 sequences), 2 ranks (dp = 2; dp = 1 x
-cp = 2, accumulation 4) and 4 ranks (dp = 4 x ep = 2, accumulation 1) give the same loss, balance loss and grad norm per step,
+cp = 2, accumulation 4) and 4 ranks (dp = 4 x ep = 2, accumulation 1) give the same loss, balance
+loss and grad norm per step,
 for the softmax router with a large balance coefficient and for ``sigmoid_bias`` (whose bias,
 updated from the global load, must also end identical). ``micro_batch`` balancing changes
 with the micro-batch size (what global-batch balancing removes)."""

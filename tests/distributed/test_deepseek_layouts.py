@@ -2,7 +2,9 @@
 depth) on 2 and 4 gloo ranks equals the single process on the same global batch: per-step loss
 and grad norm, and the first step's replicated gradients. Packed documents of uneven lengths
 (one spans every CP shard) exercise MLA under the CP ring (latent blocks around the ring, re-expanded
-on every rank) and allgather (latents gathered, every rank expands the row) and MTP's global target shift across zigzag shards; layouts combine fsdp2 / zero1, EP all-to-all / chunked, CP ring / allgather,
+on every rank) and allgather (latents gathered, every rank expands the row) and MTP's global target
+shift across zigzag shards; layouts combine fsdp2 / zero1, EP all-to-all / chunked, CP ring /
+allgather,
 linear CE and full recompute. Pipeline parallelism (pp = 2, MTP on the last stage fed by the
 embeddings stage 0 sends, the ``micro_batch`` balance loss pipelines need) also equals the
 single process in every parameter after the steps and in every router bias, which each stage

@@ -116,8 +116,9 @@ BRANCHES = {
 
 def _counting(calls):
     for name, (module, attr) in BRANCHES.items():
+        original = getattr(module, attr)
 
-        def wrap(*a, _fn=getattr(module, attr), _name=name, **kw):
+        def wrap(*a, _fn=original, _name=name, **kw):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*a, **kw)
 

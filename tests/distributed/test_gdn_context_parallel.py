@@ -245,7 +245,7 @@ def test_gdn_cp_matches_single_process(world, cases, reference, data, tmp_path):
     for (ov, steps), result in zip(cases, results[0][1]):
         check_model(result, reference, steps, " ".join(ov))
     for rank_result in results[1:]:  # every rank logs the same global figures
-        for (_, steps), mine, first in zip(cases, rank_result[1], results[0][1]):
+        for _, mine, first in zip(cases, rank_result[1], results[0][1]):
             assert mine[0] == first[0]
 
 

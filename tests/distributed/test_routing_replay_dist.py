@@ -92,8 +92,8 @@ def test_replay_is_exact_under_ep_and_cp(tmp_path):
     )
     assert moved > 0 and off == 0
     results = run_distributed(_ranks, 2, list(CASES.values()), str(tmp_path), recorded)[0]
-    for name, ((l, m, o), g) in zip(CASES, results):
+    for name, ((got, m, o), g) in zip(CASES, results):
         assert o == 0, f"{name}: the replayed forward did not route as given"
         assert m > 0, f"{name}: the unreplayed forward should route differently after the step"
-        assert l == pytest.approx(loss, rel=1e-5), name
+        assert got == pytest.approx(loss, rel=1e-5), name
         assert g == pytest.approx(gnorm, rel=1e-4), name

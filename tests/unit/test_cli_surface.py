@@ -59,7 +59,7 @@ def test_public_api_still_reachable():
     from bumblebee import ConfigError, build_model, to_hf  # noqa: F401  (from-imports resolve lazily too)
 
     with pytest.raises(AttributeError):
-        bumblebee.no_such_name
+        _ = bumblebee.no_such_name
 
 
 @pytest.mark.parametrize("command", ["train", "plan", "rl"])

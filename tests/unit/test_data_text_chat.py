@@ -168,13 +168,11 @@ def test_tokens_source_reads_only_the_rows_asked_for(tmp_path):
         )
     )
     prepare(str(path), str(tmp_path / "out"), Encoder("tokens"), progress=False)
-    mk = lambda: TokenSource(
-        open_store(str(tmp_path / "out")),
-        seq_len=64,
-        global_batch=8,
-        seed=5,  # noqa: E731
-        vocab_size=64,
-    )
+
+    def mk():
+        store = open_store(str(tmp_path / "out"))
+        return TokenSource(store, seq_len=64, global_batch=8, seed=5, vocab_size=64)
+
     src = mk()
     for step in (0, 3, 40):  # 40: several epochs in
         full = src.global_batch_at(step)
@@ -245,10 +243,8 @@ def test_skip_counts_bad_records(tok_dir, tmp_path):
     path = tmp_path / "mixed.jsonl"
     good = json.dumps(conversation(random.Random(0)))
     path.write_bytes(
-
-            "\n".join([good, "not json", '{"messages": []}', good, '{"messages": []}', ""]).encode()
-            + b'{"messages": "\xff"}\n'
-
+        "\n".join([good, "not json", '{"messages": []}', good, '{"messages": []}', ""]).encode()
+        + b'{"messages": "\xff"}\n'
     )
     enc = Encoder("chat", tok_dir)
     store = encode_in_memory(str(path), enc, on_error="skip")

@@ -76,16 +76,12 @@ def test_affine_scan_identity_through_fla_glue():
     q, k, v, g, beta, S_in = gdn_inputs(B=1)
     lay = doc_layout(torch.arange(24)[None])
     K, V = q.shape[-1], v.shape[-1]
-    run = lambda vv, h0: fla_gated_delta_rule(
-        q,
-        k,
-        vv,
-        g,
-        beta,
-        lay,
-        h0,  # noqa: E731
-        kernel=reference_chunk_gated_delta_rule,
-    )
+
+    def run(vv, h0):
+        return fla_gated_delta_rule(
+            q, k, vv, g, beta, lay, h0, kernel=reference_chunk_gated_delta_rule
+        )
+
     v_ext = torch.cat([v, v.new_zeros(v.shape[:-1] + (K,))], -1)
     h0 = torch.cat([S_in.new_zeros(S_in.shape), torch.eye(K).expand(1, 4, K, K)], -1)
     o_ext, S_ext = run(v_ext, h0)

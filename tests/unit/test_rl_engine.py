@@ -198,6 +198,7 @@ def test_packing_and_errors(tmp_path):
         e.train_step(b.replace(old_logprobs=torch.zeros(2, 6)), PolicyLoss(kl_coef=0.1))
     with pytest.raises(ValueError, match="needs advantages and old_logprobs"):
         e.train_step(b.replace(old_logprobs=None), PolicyLoss())
-    # a token budget changes micro-batch shapes, which pipeline stages fix: refused with pipeline parallelism, before any layout check
+    # a token budget changes micro-batch shapes, which pipeline stages fix: refused with pipeline
+    # parallelism, before any layout check
     with pytest.raises(ConfigError, match="^max_tokens_per_micro_batch needs parallel.pp = 1"):
         engine(tmp_path, "parallel.pp=2", max_tokens_per_micro_batch=64)

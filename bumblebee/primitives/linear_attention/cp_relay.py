@@ -34,7 +34,8 @@ states (so full recompute frees them like any saved tensor) and its backward rer
 segment's core under autograd in reverse chain order, keeping its intermediates for the
 immediate backward (``recompute.eager``: the chunked core's own checkpoint is skipped there),
 so the chunked core runs forward twice per step, as in the scan (at 1x instead of the probe's
-width). FLA's op re-runs its forward inside its backward: three kernel forwards there. Every message sits at a fixed point of every rank's forward and
+width). FLA's op re-runs its forward inside its backward: three kernel forwards there. Every message
+sits at a fixed point of every rank's forward and
 backward (no engine-order dependence) and a rank only waits for a segment earlier
 (forward) or later (backward) in the chain, which never waits on it: no deadlock.
 

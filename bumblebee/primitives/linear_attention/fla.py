@@ -16,7 +16,8 @@ get states (the others run in a second call without any), so packing many short 
 costs no per-document [H, K, V] fp32 tensors. On CUDA the kernel runs
 inside the custom op ``bumblebee::fla_gdn`` (``register_fake`` gives fake-tensor runs its
 shapes; its backward re-runs FLA's forward under autograd, so the op saves only its inputs;
-that inner autograd is why the op is not ``torch.compile``-able, which bumblebee never asks). Tests pass ``kernel=reference_chunk_gated_delta_rule``: FLA's
+that inner autograd is why the op is not ``torch.compile``-able, which bumblebee never asks). Tests
+pass ``kernel=reference_chunk_gated_delta_rule``: FLA's
 signature and semantics in plain PyTorch.
 
 Legend: B batch, T tokens, G key heads, H value heads, K key dim, V value dim, S = B*T,

@@ -13,7 +13,8 @@ With fewer key heads G than value heads H, key head j serves value heads
 
 - ``recurrent`` (reference): the recurrence above, token by token.
 - ``chunked``: on CUDA with flash-linear-attention installed, FLA's chunk kernel
-  (``fla.py``; ``primitives/dispatch.py`` decides); elsewhere chunks of C = 64 tokens. Inside a chunk (Gamma_i = prod_{s<=i} a_s,
+  (``fla.py``; ``primitives/dispatch.py`` decides); elsewhere chunks of C = 64 tokens. Inside a
+  chunk (Gamma_i = prod_{s<=i} a_s,
   all products restricted to one document) the updates collapse into the WY / UT
   form (Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
   Sequence Length", NeurIPS 2024, §3.2; gated in Gated DeltaNet §3.3):

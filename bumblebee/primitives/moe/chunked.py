@@ -237,7 +237,7 @@ class _ChunkedExperts(torch.autograd.Function):
                 (s.comm.a2a(g_TH[lo:hi][order_N // K], send, recv), s.comm.a2a(w_N, send, recv))
             )
         later, back = [], []
-        for i, ((lo, hi, send, recv, local), (_, by_expert, x_MH, h_MG), (pg, pw)) in enumerate(
+        for i, ((_lo, _hi, send, recv, local), (_, by_expert, x_MH, h_MG), (pg, pw)) in enumerate(
             zip(ctx.meta, per_chunk, sent)
         ):
             with record_function(f"chunked.bwd.combine_wait{i}"):

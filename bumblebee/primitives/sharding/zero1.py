@@ -93,7 +93,7 @@ class Zero1(NoSharding):
             s.master.copy_(s.p.detach().view(-1)[s.lo : s.hi])
 
     def reduce_grads(self) -> None:
-        for name, p in self.named:
+        for _, p in self.named:
             if p.grad is None:  # e.g. an expert that saw no token: its gradient is zero
                 p.grad = torch.zeros_like(p)
         dense = [p.grad for n, p in self.named if not self.is_expert(n)]
