@@ -44,8 +44,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from bumblebee import registry
 from bumblebee.config import PrimitivesConfig
-from bumblebee.models.arch import Qwen3MoeArch
-from bumblebee.models.qwen3_moe import MoE
+from bumblebee.models.blocks import MoE
+from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives.moe import chunked
 from bumblebee.primitives.parallel import ParallelGroups

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
 from bumblebee.models.presets import preset
+from bumblebee.models.qwen3_5_moe.arch import Qwen3_5MoeArch
 from bumblebee.plan.rehearsal import rehearse
 
 

@@ -52,7 +52,7 @@ ARCH = dict(
 
 MAKE = """
 import json, sys, torch, bumblebee
-from bumblebee.models.arch import Qwen3MoeArch
+from bumblebee.models.qwen3_moe import Qwen3MoeArch
 arch = Qwen3MoeArch(**json.loads(sys.argv[2]))
 bumblebee.to_hf(bumblebee.build_model(arch, seed=0), sys.argv[1], max_shard_bytes=1 << 30)
 """

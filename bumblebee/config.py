@@ -17,6 +17,7 @@ import difflib
 import json
 import os
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -231,7 +232,7 @@ def _suggest(word: str, valid: list[str]) -> str:
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Check/convert one value against a field's type hint."""
     origin = get_origin(hint)
-    if origin is Union:
+    if origin is Union or origin is types.UnionType:  # Union[a, b] and a | b
         errors = []
         for arm in get_args(hint):
             try:

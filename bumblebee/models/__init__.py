@@ -13,49 +13,18 @@ import os
 import torch
 
 from bumblebee.errors import ConfigError
-from bumblebee.models import deepseek_v3, qwen3_5_moe, qwen3_moe
-from bumblebee.models.arch import ArchError
-from bumblebee.models.family import FAMILIES, Family, family_of_model_type, register_family
-from bumblebee.models.mtp_names import without_absent_mtp
-from bumblebee.models.presets import PRESETS
 
-register_family(
-    Family(
-        name="qwen3_moe",
-        arch=qwen3_moe.Qwen3MoeArch,
-        model=qwen3_moe.Qwen3MoeForCausalLM,
-        presets=PRESETS["qwen3_moe"],
-        hf_model_types=("qwen3_moe",),
-    )
-)
-# qwen3_5_moe is also the released multimodal wrapper: its text_config is the language model,
-# stored under model.language_model.*, its MTP head under mtp.*; the vision tower is not part of it
-register_family(
-    Family(
-        name="qwen3_5_moe",
-        arch=qwen3_5_moe.Qwen3_5MoeArch,
-        model=qwen3_5_moe.Qwen3_5MoeForCausalLM,
-        presets=PRESETS["qwen3_5_moe"],
-        hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
-        hf_prefixes={"model.language_model.": "model."},
-        skip_prefixes=("model.visual.",),
-        mtp_arch_key="mtp_num_hidden_layers",
-    )
-)
-register_family(
-    Family(
-        name="deepseek_v3",
-        arch=deepseek_v3.DeepseekV3Arch,
-        model=deepseek_v3.DeepseekV3ForCausalLM,
-        presets=PRESETS["deepseek_v3"],
-        hf_model_types=("deepseek_v3", "kimi_k2"),
-        hf_name_in=deepseek_v3.hf_name_in,
-        hf_name_out=deepseek_v3.hf_name_out,
-        hf_copies=deepseek_v3.hf_copies,
-        mtp_arch_key="num_nextn_predict_layers",
-        router=deepseek_v3.ROUTER,
-    )
-)
+# one line per family: importing its folder registers it (models/family.py); the order is the
+# order errors and listings name them in
+# isort: off
+from bumblebee.models import qwen3_moe  # noqa: F401
+from bumblebee.models import qwen3_5_moe  # noqa: F401
+from bumblebee.models import deepseek_v3  # noqa: F401
+
+# isort: on
+from bumblebee.models.arch import ArchError
+from bumblebee.models.family import FAMILIES, Family, family_of_model_type
+from bumblebee.models.mtp_names import without_absent_mtp
 
 
 def family_of(arch) -> Family:

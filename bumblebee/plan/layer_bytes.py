@@ -40,7 +40,7 @@ def router_bytes(spec: ModelSpec, tp: int) -> float:
 def stream_tensors(spec: ModelSpec) -> int:
     """bf16 [t, H] tensors a decoder layer's forward holds as Python locals while its MLP block runs:
     the residual h and the block's normed input; Qwen3.5's layer also keeps the mixer's normed input
-    and output (``h_in``, ``mixed`` in ``models/qwen3_5_moe.py``)."""
+    and output (``h_in``, ``mixed`` in ``models/qwen3_5_moe/model.py``)."""
     return 4 if spec.family == "qwen3_5_moe" else 2
 
 

@@ -16,8 +16,8 @@ from dist_utils import run_distributed
 
 from bumblebee import load_config, registry
 from bumblebee.config import PrimitivesConfig
-from bumblebee.models.arch import Qwen3MoeArch
-from bumblebee.models.qwen3_moe import MoE
+from bumblebee.models.blocks import MoE
+from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.primitives.moe.capacity import capacity, drop_over_capacity
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.runtime.trainer import Trainer

@@ -30,8 +30,8 @@ from dist_utils import run_distributed
 from bumblebee import load_config, registry
 from bumblebee.config import PrimitivesConfig
 from bumblebee.models import build_model, resolve_arch
-from bumblebee.models.arch import Qwen3MoeArch
-from bumblebee.models.qwen3_moe import MoE
+from bumblebee.models.blocks import MoE
+from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.primitives.moe import chunked
 from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.parallel import ParallelGroups

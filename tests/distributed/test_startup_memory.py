@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 import bumblebee
 from bumblebee import load_config
-from bumblebee.models.arch import Qwen3MoeArch
+from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.primitives.sharding.common import local, row_extent
 from bumblebee.runtime.export import BUCKET_BYTES
 

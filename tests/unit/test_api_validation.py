@@ -165,7 +165,7 @@ def test_every_family_refuses_norm_and_rope_values_no_model_trains_with():
     """Refused up front (the CLI cases are in test_bad_input.py), for the families whose rope
     base is a field and for DeepSeek-V3's, which sits in rope_parameters."""
     from bumblebee.models.arch import ArchError
-    from bumblebee.models.arch_deepseek_v3 import DeepseekV3Arch
+    from bumblebee.models.deepseek_v3.arch import DeepseekV3Arch
 
     with pytest.raises(ArchError, match=r"^rope_theta must be > 1 .*got 1.0"):
         DeepseekV3Arch(rope_parameters={"rope_type": "default", "rope_theta": 1.0}).validate()

@@ -14,11 +14,11 @@ from torch import nn
 
 from bumblebee import load_config
 from bumblebee.models import FAMILIES, build_model, resolve_arch
-from bumblebee.models.arch import Qwen3MoeArch
 from bumblebee.models.base import CausalLM
+from bumblebee.models.blocks import Attention, MoE
 from bumblebee.models.family import Family, register_family
 from bumblebee.models.presets import PRESETS
-from bumblebee.models.qwen3_moe import Attention, MoE
+from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.primitives.norms import RMSNorm
 
 

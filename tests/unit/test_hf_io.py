@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 import bumblebee  # noqa: E402
 from bumblebee.models import build_model  # noqa: E402
-from bumblebee.models.arch import Qwen3MoeArch  # noqa: E402
 from bumblebee.models.hf import CheckpointError  # noqa: E402
+from bumblebee.models.qwen3_moe import Qwen3MoeArch  # noqa: E402
 
 VOCAB = 97
 ARCH = dict(

@@ -57,7 +57,7 @@ MTP = {"mtp.fc.weight": (48, 96), "mtp.norm.weight": (48,)}
 
 def mtp_tensors(tmp_path_factory) -> dict:
     """The released names and shapes of one MTP layer for TEXT (a text model with it, exported)."""
-    from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
+    from bumblebee.models.qwen3_5_moe.arch import Qwen3_5MoeArch
 
     path = tmp_path_factory.mktemp("mtp")
     bumblebee.to_hf(

@@ -159,8 +159,8 @@ def test_ce_logits_are_six_bytes_per_element(qwen35):
 
 
 def test_param_counts_match_hf_and_arch():
-    from bumblebee.models.arch import Qwen3MoeArch
     from bumblebee.models.presets import PRESETS
+    from bumblebee.models.qwen3_moe import Qwen3MoeArch
 
     for name in ("qwen3-30b-a3b", "qwen3-235b-a22b"):
         arch = Qwen3MoeArch.from_hf_dict(PRESETS["qwen3_moe"][name])

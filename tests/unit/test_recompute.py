@@ -21,8 +21,8 @@ import torch
 from bumblebee import registry
 from bumblebee.config import PrimitivesConfig
 from bumblebee.models import build_model
-from bumblebee.models.arch import Qwen3MoeArch
-from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
+from bumblebee.models.qwen3_5_moe.arch import Qwen3_5MoeArch
+from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.perf import MemoryTracker
 from bumblebee.primitives.recompute import MODULE_NAMES
 

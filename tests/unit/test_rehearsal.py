@@ -2,8 +2,8 @@
 meta tensors through the kernels CUDA would run, with saved and peak bytes. At tiny shapes
 here (the running case's figures come from benchmarks/fake_cuda_rehearsal.py)."""
 
-from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
 from bumblebee.models.presets import preset
+from bumblebee.models.qwen3_5_moe.arch import Qwen3_5MoeArch
 from bumblebee.plan.rehearsal import rehearse
 
 

@@ -36,10 +36,10 @@ import torch
 from torch import nn
 
 from bumblebee import registry
-from bumblebee.models.arch_qwen3_5 import Qwen3_5MoeArch
 from bumblebee.models.base import CausalLM, LayerParts
+from bumblebee.models.blocks import MLP, MoE
 from bumblebee.models.mtp import combine
-from bumblebee.models.qwen3_moe import MLP, MoE
+from bumblebee.models.qwen3_5_moe.arch import Qwen3_5MoeArch
 from bumblebee.primitives import init
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
 from bumblebee.primitives.norms import ZeroCenteredRMSNorm

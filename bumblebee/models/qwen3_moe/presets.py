@@ -1,0 +1,57 @@
+"""Qwen3-MoE presets: Hugging Face ``config.json`` dictionaries (``tiny`` for tests and the CPU demo;
+the others carry the public dimensions of the released configs)."""
+
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    "tiny": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 272,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": False,
+    },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 262144,
+    },
+    "qwen3-235b-a22b": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 262144,
+    },
+}
