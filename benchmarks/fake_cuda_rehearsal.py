@@ -1,6 +1,6 @@
 """Saved and peak bytes of one token-mixer layer (forward + backward) at a running case's
 per-rank shapes, rehearsed on fake tensors through the kernels CUDA would run (no GPU needed;
-``bumblebee/plan/rehearsal.py``).
+``benchmarks/rehearsal.py``).
 
     python benchmarks/fake_cuda_rehearsal.py                      # Qwen3.5-35B-A3B, 2 x 16K tokens, bf16
     python benchmarks/fake_cuda_rehearsal.py --tokens 8192 --no-torch-chunked
@@ -16,10 +16,10 @@ import argparse
 import time
 
 import torch
+from rehearsal import rehearse  # benchmarks/rehearsal.py
 
 from bumblebee.models.presets import preset
 from bumblebee.models.qwen3_5_moe.arch import Qwen3_5MoeArch
-from bumblebee.plan.rehearsal import rehearse
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from bumblebee.errors import ConfigError  # noqa: F401  (re-exported: ``from bum
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = "qwen3_moe"  # model family: qwen3_moe | qwen3_5_moe
+    name: str = "qwen3_moe"  # a registered model family (models/<family>/; the default run's)
     preset: str = "tiny"  # a name from bumblebee.models.presets, ignored when hf_path is set
     hf_path: str = ""  # a Hugging Face directory (config.json + safetensors) to start from
     # Architecture overrides on top of the preset, HF key names: {num_hidden_layers = 2, ...}

@@ -13,6 +13,26 @@ import math
 from typing import Any
 
 
+class BaseArch:
+    """What every family's arch dataclass shares (its fields are HF ``config.json`` keys). The
+    runtime and the planner ask an arch these questions instead of branching on its family."""
+
+    def with_overrides(self, overrides: dict[str, Any]):
+        return replace_fields(self, overrides)
+
+    def num_params(self) -> dict[str, int]:
+        """Parameter counts: total, dense and routed-expert parts."""
+        return self.to_spec().num_params()
+
+    def optional_slots(self) -> tuple[str, ...]:
+        """Registry slots beyond the common ones this arch's layers use (e.g. linear_attention)."""
+        return ()
+
+    def context_parallel_error(self, cp: int, seq_len: int) -> str | None:
+        """Why ``seq_len`` tokens cannot be split over ``cp`` zigzag ranks (None: they can)."""
+        return None
+
+
 class ArchError(ValueError):
     """An architecture that cannot be built (one line: what and what would be valid)."""
 

@@ -114,7 +114,7 @@ class CausalLM(RoutingProtocol, nn.Module):
     """The public model object: ``model(input_ids, position_ids=None, labels=None)``.
 
     Subclasses set ``family`` and ``norm_cls`` and implement ``make_layer`` (and may
-    override ``rotary_dim``, ``rope_tables``, ``init_vectors`` and ``layer_flops``)."""
+    override ``rotary_dim``, ``rope_tables`` and ``init_vectors``)."""
 
     family = ""
     norm_cls: type = nn.Module
@@ -200,8 +200,9 @@ class CausalLM(RoutingProtocol, nn.Module):
         return rope_cos_sin(position_ids_BT, self.rotary_dim(), self.arch.rope_theta, dtype)
 
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
-        """Forward FLOPs of one ``seq_len``-token sequence per decoder layer, and of the LM head."""
-        raise NotImplementedError
+        """Forward FLOPs of one ``seq_len``-token sequence per decoder layer, and of the LM head:
+        the family's ``ModelSpec``, the one source of FLOPs (the planner reads the same)."""
+        return self.arch.to_spec().layer_flops(seq_len)
 
     # ------------------------------------------------------------------ weights
     def init_rules(self, std: float) -> dict:

@@ -33,6 +33,8 @@ class Family:
     hf_copies: object = None
     mtp_arch_key: str = ""  # the arch field counting MTP modules (0 when a checkpoint has none)
     router: str = ""  # the router the architecture routes with (replaces the default softmax_topk)
+    # its mixers run on zigzag CP shards (every shared block does); False: parallel.cp > 1 refused
+    context_parallel: bool = True
 
 
 FAMILIES: dict[str, Family] = {}

@@ -34,7 +34,7 @@ MOE, DENSE = "moe", "dense"  # MLP kinds
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     name: str
-    family: str  # qwen3_moe | qwen3_5_moe | deepseek_v3
+    family: str  # the family's registry name (for labels; nothing branches on it)
     vocab: int
     hidden: int
     mixers: tuple[str, ...]  # per layer: ATTN | GDN
@@ -61,6 +61,12 @@ class ModelSpec:
     mla_rope_dim: int = 0
     mla_v_dim: int = 0
     mtp_depth: int = 0  # multi-token-prediction modules
+    # the norm keeps an fp32 normalized value for backward (a zero-centered (1 + w) norm in fp32)
+    # instead of a bf16 cast: 10H instead of 8H bytes per token (plan/layer_bytes.py)
+    fp32_norm: bool = False
+    # bf16 [t, H] tensors a decoder layer holds as locals while its MLP block runs (the residual
+    # and the block's normed input; a layer that also keeps its mixer's input and output: 4)
+    stream_tensors: int = 2
 
     @property
     def mla(self) -> bool:
@@ -192,6 +198,21 @@ class ModelSpec:
             2.0 * 3 * h * self.shared_ffn + 2.0 * h * self.shared_gate if self.shared_ffn else 0.0
         )
         return dense, 2.0 * 3 * h * self.expert_ffn * self.top_k
+
+    def layer_flops(self, seq: int) -> tuple[list[float], float]:
+        """Forward FLOPs of one ``seq``-token sequence through each decoder layer (mixer
+        projections and core, then the MLP block), and through the LM head (the embedding is a
+        lookup). Pipeline stages balance on these."""
+        layers = [
+            seq
+            * (
+                self.mixer_gemm_flops(mixer)
+                + (self.attn_core_flops(seq) if mixer == ATTN else self.gdn_core_flops())
+                + sum(self.moe_gemm_flops(mlp))
+            )
+            for mixer, mlp in zip(self.mixers, self.mlps)
+        ]
+        return layers, 2.0 * seq * self.hidden * self.vocab
 
     def model_flops_per_token(self, seq: int) -> float:
         """Forward+backward model FLOPs per token (3x forward, no recompute, causal

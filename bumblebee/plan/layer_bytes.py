@@ -28,8 +28,7 @@ def norm_bytes(spec: ModelSpec, tp: int) -> float:
     saves it): Qwen3's / DeepSeek's ``RMSNorm`` its fp32 input, the bf16 normalized cast the weight
     multiplies and the bf16 output (8H); Qwen3.5's ``ZeroCenteredRMSNorm`` its fp32 input, the fp32
     normalized value and the bf16 output (10H) (``primitives/norms.py``)."""
-    zero_centered = spec.family == "qwen3_5_moe"
-    return (FP32 + (FP32 if zero_centered else BF16) + BF16) * spec.hidden / tp
+    return (FP32 + (FP32 if spec.fp32_norm else BF16) + BF16) * spec.hidden / tp
 
 
 def router_bytes(spec: ModelSpec, tp: int) -> float:
@@ -39,9 +38,9 @@ def router_bytes(spec: ModelSpec, tp: int) -> float:
 
 def stream_tensors(spec: ModelSpec) -> int:
     """bf16 [t, H] tensors a decoder layer's forward holds as Python locals while its MLP block runs:
-    the residual h and the block's normed input; Qwen3.5's layer also keeps the mixer's normed input
-    and output (``h_in``, ``mixed`` in ``models/qwen3_5_moe/model.py``)."""
-    return 4 if spec.family == "qwen3_5_moe" else 2
+    the residual h and the block's normed input; a hybrid layer (Qwen3.5) also keeps the mixer's normed
+    input and output: ``ModelSpec.stream_tensors``, set by the family."""
+    return spec.stream_tensors
 
 
 def attn_core_bytes(spec: ModelSpec, lay: Layout) -> tuple[float, float, str]:

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from bumblebee.registry import register
 
 # Sub-computations a model exposes to ``module``; selective recompute may name these.
-# qwen3_moe calls norm / attn_core / moe / mlp; qwen3_5_moe adds linear_attn_core and
+# Every family calls norm / attn_core / moe / mlp; a hybrid adds linear_attn_core, a shared expert
 # shared_expert; moe_act is for an experts primitive that recomputes its activation.
 MODULE_NAMES = ("norm", "attn_core", "moe", "moe_act", "mlp", "shared_expert", "linear_attn_core")
 

@@ -18,8 +18,8 @@ step's peak live memory (the trainer's ``MemoryTracker``, most loaded rank) and
 step time, with the ratio b/a. After the last step, the weights.
 
 Slot-specific setup is generic over the registry with three small tables:
-``COMPANION_KEYS`` (keys that may differ with the slot), ``SLOT_FAMILY`` (a
-slot only one model family uses: a preset run switches to it), ``SLOT_AXIS`` (a
+``COMPANION_KEYS`` (keys that may differ with the slot), ``slot_families`` (a
+slot only some model families use: a preset run switches to one), ``SLOT_AXIS`` (a
 slot only used when a parallel axis is > 1: it is set to ``--nproc``).
 
 Difference measures: ``max|a-b|`` (the a / b columns of a tensor show
@@ -87,8 +87,18 @@ COMPANION_KEYS: dict[str, tuple[str, ...]] = {
 # Slots used only when a parallel axis is > 1: pairing them sets the axis to --nproc if it is 1.
 SLOT_AXIS: dict[str, str] = {"cp": "cp", "pipeline": "pp"}
 
-# Slots only some model families use: pairing them switches a preset-based run to that family.
-SLOT_FAMILY: dict[str, str] = {"linear_attention": "qwen3_5_moe"}
+
+def slot_families(slot: str) -> list[str]:
+    """Families whose tiny preset uses ``slot`` when only some do (``BaseArch.optional_slots``):
+    pairing such a slot switches a preset-based run to the first of them."""
+    from bumblebee.models import FAMILIES, arch_from_hf_dict
+
+    return [
+        f.name
+        for f in FAMILIES.values()
+        if "tiny" in f.presets
+        and slot in arch_from_hf_dict(dict(f.presets["tiny"])).optional_slots()
+    ]
 
 
 def tolerance(slot: str, dtype: str) -> float:
@@ -196,8 +206,9 @@ def _side_overrides(items: list[str], slot: str, flag: str) -> list[str]:
 
 def _prepare_slot(cfg: Config, slot: str, nproc: int, notes: list[str]) -> None:
     """What the slot needs to be exercised at all (applied to both sides alike)."""
-    family = SLOT_FAMILY.get(slot)
-    if family and cfg.model.name != family:
+    users = slot_families(slot)
+    family = users[0] if users else None
+    if family and cfg.model.name not in users:
         if cfg.model.hf_path:
             raise ConfigError(
                 f"slot {slot} is only used by model.name = {family!r}, but model.hf_path is a "

@@ -49,14 +49,9 @@ def preflight(cfg: Config, world: int):
 
         import_wandb()
     registry.get("recompute", cfg.primitives.recompute).factory(cfg.primitives.recompute_modules)
-    if layout.cp > 1 and "linear_attention" in getattr(arch, "layer_types", ()):
-        chunk, window = t.seq_len // (2 * layout.cp), arch.linear_conv_kernel_dim - 1
-        if chunk < window:
-            raise ConfigError(
-                f"Gated DeltaNet with parallel.cp = {layout.cp}: each zigzag chunk has "
-                f"{t.seq_len} / {2 * layout.cp} = {chunk} tokens, fewer than the conv window "
-                f"({window}); use train.seq_len >= {2 * layout.cp * window} or a smaller cp"
-            )
+    why = arch.context_parallel_error(layout.cp, t.seq_len) if layout.cp > 1 else None
+    if why:
+        raise ConfigError(why)
     if d.source == "jsonl":
         from bumblebee.data.jsonl import scan_samples
 
@@ -85,11 +80,7 @@ def check_kernels(cfg: Config, arch, cuda: bool) -> None:
     """On CUDA, a model with Gated DeltaNet layers and no FLA would run the pure-PyTorch chunk loop
     (thousands of small kernels per layer, ~10x the fused kernel's activation memory): refuse it
     unless ``primitives.allow_fallback`` says the user wants exactly that."""
-    if (
-        not cuda
-        or cfg.primitives.allow_fallback
-        or "linear_attention" not in getattr(arch, "layer_types", ())
-    ):
+    if not cuda or cfg.primitives.allow_fallback or "linear_attention" not in arch.optional_slots():
         return
     kernel = select("linear_attention", cfg.primitives.linear_attention, "cuda", cfg.train.dtype)
     if cfg.primitives.linear_attention == "chunked" and not kernel.fused:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import bumblebee.primitives  # noqa: F401  (registers every implementation)
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError, balance_mode, parse_config
-from bumblebee.models import family_of, resolve_arch
+from bumblebee.models import FAMILIES, family_of, resolve_arch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,10 +148,10 @@ def check_run(cfg: Config, world: int):
             f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
             f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks"
         )
-    if layout.cp > 1 and cfg.model.name not in ("qwen3_moe", "qwen3_5_moe", "deepseek_v3"):
+    if layout.cp > 1 and not FAMILIES[cfg.model.name].context_parallel:
+        able = ", ".join(f.name for f in FAMILIES.values() if f.context_parallel)
         raise ConfigError(
-            f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; "
-            "valid: qwen3_moe, qwen3_5_moe, deepseek_v3"
+            f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; valid: {able}"
         )
     rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
     if rem or rows % cfg.train.micro_batch:

@@ -129,3 +129,66 @@ def test_kv_cache_decoding_uses_the_models_own_layers(family):
     hybrid = build_model(resolve_arch(load_config(None, ["model.name=qwen3_5_moe"]).model))
     with pytest.raises(ValueError, match="linear attention"):
         Sampler(hybrid)
+
+
+def _register_stand_in():
+    if "parallel_moe" not in FAMILIES:
+        register_family(
+            Family(
+                name="parallel_moe",
+                arch=ParallelArch,
+                model=ParallelMoe,
+                presets={"tiny": TINY},
+                hf_model_types=("parallel_moe",),
+            )
+        )
+
+
+LAYOUT_RUN = [
+    "model.name=parallel_moe",
+    "train.steps=3",
+    "train.seq_len=128",
+    "train.global_batch=4",
+]
+
+
+def _losses(overrides, out_dir):
+    from bumblebee.runtime.trainer import Trainer
+
+    cfg = load_config(None, LAYOUT_RUN + overrides + [f"train.out_dir={out_dir}"])
+    trainer = Trainer(cfg, stream=io.StringIO())
+    return [trainer.train_step()["loss"] for _ in range(3)]
+
+
+def _layout_ranks(rank, world, out_dir):
+    _register_stand_in()
+    return [_losses([f"parallel.{axis}=2"], f"{out_dir}/{axis}/{rank}") for axis in ("cp", "pp")]
+
+
+def test_stand_in_family_trains_with_cp_and_pp(family, tmp_path):
+    """No line outside the family's own code: context and pipeline parallelism take it as it is
+    (CP from the family table's default, pipeline balance from its ModelSpec FLOPs)."""
+    from dist_utils import run_distributed
+
+    reference = _losses([], tmp_path / "one")
+    cp, pp = run_distributed(_layout_ranks, 2, str(tmp_path))[0]
+    assert cp == pytest.approx(reference, rel=1e-5), (cp, reference)
+    assert pp == pytest.approx(reference, rel=1e-5), (pp, reference)
+
+
+def test_no_family_name_outside_models():
+    """Runtime, plan, RL and primitives never name a family (config.py's default run is the one
+    place a family is chosen)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "bumblebee"
+    names = re.compile("|".join(sorted(FAMILIES)))
+    found = [
+        f"{path.relative_to(root)}:{i}"
+        for path in root.rglob("*.py")
+        if "models" not in path.relative_to(root).parts[:1]
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if names.search(line) and not (path.name == "config.py" and "name: str =" in line)
+    ]
+    assert not found, found

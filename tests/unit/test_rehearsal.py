@@ -1,10 +1,15 @@
-"""Fake-tensor rehearsal (plan/rehearsal.py): one token mixer's forward + backward on fake
+"""Fake-tensor rehearsal (benchmarks/rehearsal.py): one token mixer's forward + backward on fake
 meta tensors through the kernels CUDA would run, with saved and peak bytes. At tiny shapes
 here (the running case's figures come from benchmarks/fake_cuda_rehearsal.py)."""
 
+import sys
+from pathlib import Path
+
 from bumblebee.models.presets import preset
 from bumblebee.models.qwen3_5_moe.arch import Qwen3_5MoeArch
-from bumblebee.plan.rehearsal import rehearse
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from rehearsal import rehearse  # noqa: E402  (a benchmark module, not part of the package)
 
 
 def arch():

@@ -15,13 +15,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError, check_field_types, check_norm_and_rope, replace_fields
+from bumblebee.models.arch import (
+    ArchError,
+    BaseArch,
+    check_field_types,
+    check_norm_and_rope,
+)
 
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 
 @dataclass(kw_only=True)
-class DeepseekV3Arch:
+class DeepseekV3Arch(BaseArch):
     model_type: str = "deepseek_v3"
     vocab_size: int = 129280
     hidden_size: int = 7168
@@ -189,9 +194,6 @@ class DeepseekV3Arch:
         d["architectures"] = ["DeepseekV3ForCausalLM"]
         return d
 
-    def with_overrides(self, overrides: dict[str, Any]) -> DeepseekV3Arch:
-        return replace_fields(self, overrides)
-
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
@@ -222,7 +224,3 @@ class DeepseekV3Arch:
             mla_v_dim=self.v_head_dim,
             mtp_depth=self.num_nextn_predict_layers,
         )
-
-    def num_params(self) -> dict[str, int]:
-        """Parameter counts: total, dense and routed-expert parts."""
-        return self.to_spec().num_params()

@@ -190,18 +190,3 @@ class DeepseekV3ForCausalLM(CausalLM):
             w.dtype,
             w.device,
         )
-
-    def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
-        """Forward FLOPs of one ``seq_len``-token sequence per decoder layer (MLA projections and
-        causal core, then router + top-k + shared experts, or the dense MLP) and the LM head."""
-        spec, T = self.arch.to_spec(), seq_len
-        layers = [
-            T
-            * (
-                spec.mixer_gemm_flops(mixer)
-                + spec.attn_core_flops(T)
-                + sum(spec.moe_gemm_flops(mlp))
-            )
-            for mixer, mlp in zip(spec.mixers, spec.mlps)
-        ]
-        return layers, 2.0 * T * spec.hidden * spec.vocab

@@ -16,7 +16,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError, check_field_types, check_norm_and_rope, replace_fields
+from bumblebee.models.arch import (
+    ArchError,
+    BaseArch,
+    check_field_types,
+    check_norm_and_rope,
+    replace_fields,
+)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -30,7 +36,7 @@ def default_layer_types(num_layers: int, full_attention_interval: int = 4) -> li
 
 
 @dataclass(kw_only=True)
-class Qwen3_5MoeArch:
+class Qwen3_5MoeArch(BaseArch):
     model_type: str = "qwen3_5_moe_text"
     vocab_size: int = 248320
     hidden_size: int = 2048
@@ -71,6 +77,20 @@ class Qwen3_5MoeArch:
 
     def is_moe_layer(self, i: int) -> bool:
         return True  # every Qwen3.5 layer has a sparse MoE block
+
+    def optional_slots(self) -> tuple[str, ...]:
+        return ("linear_attention",) if "linear_attention" in self.layer_types else ()
+
+    def context_parallel_error(self, cp: int, seq_len: int) -> str | None:
+        # the causal conv reads its window from the previous zigzag chunk only
+        chunk, window = seq_len // (2 * cp), self.linear_conv_kernel_dim - 1
+        if "linear_attention" in self.layer_types and chunk < window:
+            return (
+                f"Gated DeltaNet with parallel.cp = {cp}: each zigzag chunk has {seq_len} / "
+                f"{2 * cp} = {chunk} tokens, fewer than the conv window ({window}); use "
+                f"train.seq_len >= {2 * cp * window} or a smaller cp"
+            )
+        return None
 
     def validate(self) -> None:
         check_field_types(self)
@@ -213,8 +233,6 @@ class Qwen3_5MoeArch:
             dense_ffn=0,
             tied=self.tie_word_embeddings,
             mtp_depth=self.mtp_num_hidden_layers,
+            fp32_norm=True,  # ZeroCenteredRMSNorm
+            stream_tensors=4,  # the decoder layer keeps h_in and mixed (model.py)
         )
-
-    def num_params(self) -> dict[str, int]:
-        """Parameter counts: total, dense and routed-expert parts."""
-        return self.to_spec().num_params()

@@ -210,31 +210,3 @@ class Qwen3_5MoeForCausalLM(CausalLM):
             elif isinstance(m, GatedDeltaNet):
                 rules.update({f"{mn}.{pn}": fill for pn, fill in m.init_rules(std).items()})
         return rules
-
-    def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
-        """Estimated forward FLOPs of one ``seq_len``-token sequence through each decoder layer and
-        through the LM head (as ``Qwen3MoeForCausalLM.layer_flops``). Gated DeltaNet: projections
-        plus the chunked delta rule (64-token chunks: state update and intra-chunk products)."""
-        a, T, H = self.arch, seq_len, self.arch.hidden_size
-        nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
-        dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
-        full = (
-            2 * T * H * a.head_dim * (3 * a.num_attention_heads + 2 * a.num_key_value_heads)
-        )  # q doubled: gate
-        full += 2 * T * T * a.num_attention_heads * a.head_dim
-        linear = 2 * T * H * (2 * nk * dk + 3 * nv * dv + 2 * nv) + 2 * T * nv * (
-            2 * dk * dv + 64 * (dk + dv)
-        )
-        moe = (
-            2
-            * T
-            * H
-            * (
-                a.num_experts
-                + 3 * a.num_experts_per_tok * a.moe_intermediate_size
-                + 3 * a.shared_expert_intermediate_size
-                + 1
-            )
-        )
-        layers = [(full if kind == "full_attention" else linear) + moe for kind in a.layer_types]
-        return layers, 2 * T * H * a.vocab_size

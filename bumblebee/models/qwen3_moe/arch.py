@@ -6,11 +6,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError, check_field_types, check_norm_and_rope, replace_fields
+from bumblebee.models.arch import (
+    ArchError,
+    BaseArch,
+    check_field_types,
+    check_norm_and_rope,
+)
 
 
 @dataclass(kw_only=True)
-class Qwen3MoeArch:
+class Qwen3MoeArch(BaseArch):
     model_type: str = "qwen3_moe"
     vocab_size: int = 272
     hidden_size: int = 128
@@ -120,9 +125,6 @@ class Qwen3MoeArch:
         d["output_router_logits"] = False
         return d
 
-    def with_overrides(self, overrides: dict[str, Any]) -> Qwen3MoeArch:
-        return replace_fields(self, overrides)
-
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
@@ -147,7 +149,3 @@ class Qwen3MoeArch:
             dense_ffn=self.intermediate_size,
             tied=self.tie_word_embeddings,
         )
-
-    def num_params(self) -> dict[str, int]:
-        """Parameter counts: total, dense and routed-expert parts."""
-        return self.to_spec().num_params()

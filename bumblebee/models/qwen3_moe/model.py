@@ -56,17 +56,3 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
         return DecoderLayer(self.arch, index, parts)
-
-    def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
-        """Estimated forward FLOPs of one ``seq_len``-token sequence through each decoder layer
-        (attention projections + causal core, then the router + top-k experts, or the dense
-        MLP), and through the LM head (the embedding is a lookup). Pipeline stages balance on these."""
-        a, T, H = self.arch, seq_len, self.arch.hidden_size
-        attn = 2 * T * H * a.head_dim * (2 * a.num_attention_heads + 2 * a.num_key_value_heads)
-        attn += (
-            2 * T * T * a.num_attention_heads * a.head_dim
-        )  # QK^T and PV, half of them causal-masked
-        moe = 2 * T * H * (a.num_experts + 3 * a.num_experts_per_tok * a.moe_intermediate_size)
-        mlp = 6 * T * H * a.intermediate_size
-        layers = [attn + (moe if a.is_moe_layer(i) else mlp) for i in range(a.num_hidden_layers)]
-        return layers, 2 * T * H * a.vocab_size

@@ -117,7 +117,7 @@ def fla_gdn_backward(
     scale: float,
     final_state: bool,
 ) -> list[torch.Tensor]:
-    """The backward as an op of its own: fake-tensor rehearsals (plan/rehearsal.py) get its shapes."""
+    """The backward as an op of its own: fake-tensor rehearsals (benchmarks/rehearsal.py) get its shapes."""
     return _recompute_grads(
         do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state
     )

@@ -7,7 +7,7 @@ value head. With decay a_t = exp(g_t) (g_t <= 0) and write strength b_t:
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,      o_t = S_t^T q_t
 
 q and k are L2-normalized (eps 1e-6 inside the rsqrt) and q is scaled by K^-1/2,
-all in fp32, as HF ``qwen3_5_moe`` does (FLA's ``use_qk_l2norm_in_kernel``).
+all in fp32, as HF's Qwen3.5-MoE does (FLA's ``use_qk_l2norm_in_kernel``).
 With fewer key heads G than value heads H, key head j serves value heads
 [j*H/G, (j+1)*H/G).
 

@@ -1,7 +1,7 @@
 """The Gated DeltaNet token mixer (HF ``Qwen3_5MoeGatedDeltaNet``, ``linear_attn.*``).
 
 Yang et al., "Gated Delta Networks: Improving Mamba2 with Delta Rule" (ICLR
-2025), as parameterized by Qwen3.5 / HF ``qwen3_5_moe``:
+2025), as parameterized by Qwen3.5 (HF's Qwen3.5-MoE):
 
     qkv = conv1d(in_proj_qkv(x)) -> SiLU -> split [q (G*K) | k (G*K) | v (H*V)]
     z = in_proj_z(x)                             # output gate, [H, V]
