@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-SECTIONS = ("env", "numerics", "speed", "slice", "multirank")
+SECTIONS = ("env", "numerics", "speed", "multirank", "slice")
 
 
 def test_gpu_check_smoke(tmp_path):
