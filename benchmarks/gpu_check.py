@@ -817,16 +817,22 @@ def slice_prediction(ck: Check, preset: str, layers: int, seq: int) -> dict:
     }
 
 
-def slice_depths(ck: Check, preset: str, seq: int) -> list[int]:
-    """Two depths that the planner predicts to fit (90% of the device), deepest first chosen."""
+def slice_depths(ck: Check, preset: str, family: str, seq: int) -> tuple[list[int], str]:
+    """(two depths, why): the deepest the planner predicts to fit in 90% of the device, and a
+    shallower one. Qwen3.5 deeper than 4: the pair 4 layers apart, so the difference holds one
+    period of its 3:1 pattern. If the planner predicts nothing fits, 1 layer is tried anyway:
+    the measurement then checks that prediction."""
     if ck.smoke:
-        return [2, 4]
+        return [2, 4], ""
     free = torch.cuda.get_device_properties(0).total_memory * 0.9 / 2**30
     fit = [n for n in range(1, 9) if slice_prediction(ck, preset, n, seq)["memory_gib"] <= free]
     if not fit:
-        return []
+        return [1], "the planner predicts no depth fits in 90% of the device; 1 layer tried"
     top = max(fit)
-    return [top] if top == 1 else [max(1, top // 2), top]
+    if top == 1:
+        return [1], ""
+    low = top - 4 if family == "qwen3_5_moe" and top > 4 else max(1, top // 2)
+    return [low, top], ""
 
 
 def run_slice(ck: Check, preset: str, family: str, layers: int, seq: int, steps: int) -> dict:
@@ -899,18 +905,20 @@ def run_slice(ck: Check, preset: str, family: str, layers: int, seq: int, steps:
 
 def case_slice(ck: Check, preset: str, family: str, seq: int):
     steps = 1 if ck.smoke else 2
-    depths = slice_depths(ck, preset, seq)
-    if not depths:
-        return {"status": "skipped: the planner predicts no depth fits this GPU"}
+    depths, why = slice_depths(ck, preset, family, seq)
     runs = []
     for n in depths:
         pred = slice_prediction(ck, f"{family}/tiny" if ck.smoke else preset, n, seq)
-        # the build + steps must fit the budget: the slowest build seen, the planner's step time
-        # with a 3x margin, and a counted step
-        if ck.left() < ck.slice_build_s + 3 * (steps + 2) * (pred["step_s"] or 1.0):
-            runs.append({"layers": n, "status": SKIP_BUDGET})
+        # the build and the steps (first, timed, counted) must fit the budget: the slowest build
+        # seen and the planner's step time with a 1.5x margin
+        if ck.left() < ck.slice_build_s + 1.5 * (steps + 2) * (pred["step_s"] or 1.0):
+            runs.append({"layers": n, "status": SKIP_BUDGET, "predicted": pred})
             continue
-        r = run_slice(ck, preset, family, n, seq, steps)
+        try:
+            r = run_slice(ck, preset, family, n, seq, steps)
+        except Exception as e:  # an OOM at one depth keeps the other's figures
+            runs.append({"layers": n, "status": "error", "error": one_line(e), "predicted": pred})
+            continue
         r["predicted"] = pred
         r["step_ratio_measured_over_predicted"] = (
             r["step_s"] / pred["step_s"] if pred["step_s"] else None
@@ -918,7 +926,13 @@ def case_slice(ck: Check, preset: str, family: str, seq: int):
         if "peak_reserved_gib" in r and pred["memory_gib"]:
             r["memory_ratio_measured_over_predicted"] = r["peak_reserved_gib"] / pred["memory_gib"]
         runs.append(r)
-    res = {"seq": seq, "runs": runs, "status": "ok"}
+    errors = [r for r in runs if r.get("status") == "error"]
+    status = "error" if errors and len(errors) == len(runs) else "ok"
+    res = {"seq": seq, "runs": runs, "status": status}
+    if status == "error":
+        res["error"] = errors[0]["error"]
+    if why:
+        res["note"] = why
     done = [r for r in runs if "step_s" in r]
     if len(done) == 2:
         a, b = done
@@ -933,7 +947,7 @@ def case_slice(ck: Check, preset: str, family: str, seq: int):
         fl_a, fl_b = (r["model_tflops"] * r["step_s"] for r in (a, b))
         res["per_layer_model_tflops"] = (fl_b - fl_a) / dl / per_layer if per_layer > 0 else None
     elif len(depths) < 2:
-        res["note"] = "one depth fits: no per-layer difference"
+        res["note"] = (res.get("note", "") + "; one depth: no per-layer difference").lstrip("; ")
     if family == "qwen3_5_moe" and max(depths) < 4 and not ck.smoke:
         res["note"] = (
             res.get("note", "") + "; fewer than 4 layers fit: no attention layer in the slice"
@@ -1086,7 +1100,7 @@ def _detail(c: dict) -> str:
         )
     for r in c.get("runs", []):
         if "step_s" not in r:
-            parts.append(f"{r['layers']} layers: {r.get('status')}")
+            parts.append(f"{r['layers']} layers: {r.get('error', r.get('status'))}")
             continue
         p = r["predicted"]
         mem = ""
