@@ -71,11 +71,11 @@ def _train_run(args) -> int:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
 
     def checks(world: int):  # warnings only for a run that starts: an error stays the only line
-        layout = preflight(cfg, world)
+        plan = preflight(cfg, world)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy of each warning
             for warning in config_warnings(cfg):
                 print(f"bumblebee: warning: {warning}", file=sys.stderr)
-        return layout
+        return plan
 
     try:
         if launch.started_by_torchrun():
@@ -85,12 +85,12 @@ def _train_run(args) -> int:
             with distributed_lock(cfg.train.out_dir, lambda: checks(dist.get_world_size())):
                 launch.train_worker(cfg)
             return 0
-        checks(args.nproc)  # reject bad input before any process starts
+        plan = checks(args.nproc)  # reject bad input before any process starts
         with OutDirLock(cfg.train.out_dir):  # one run per out_dir, for the run's lifetime
             if args.nproc > 1:
                 return launch.launch_local(cfg, args.nproc, max_restarts=cfg.train.max_restarts)
             with interrupt_once():
-                Trainer(cfg).run()
+                Trainer(cfg, plan=plan).run()
     except Preempted as p:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops; one line
             print(f"bumblebee: {p}", file=sys.stderr)

@@ -80,6 +80,7 @@ from bumblebee.runtime.trainer import (
     build_initial_model,
     build_parallel_context,
     build_sharding,
+    check_world,
     pick_device,
     seed_everything,
 )
@@ -171,7 +172,8 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
             max_tokens_per_micro_batch,
         )
         self.device = device or pick_device()
-        self.ctx = build_parallel_context(cfg, self.device)
+        self.plan = plan = check_world(cfg)
+        self.ctx = build_parallel_context(plan, self.device)
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         ctx = self.ctx
         self.pipeline = None
@@ -183,6 +185,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
 
                 self.pipeline = EnginePipeline(
                     cfg,
+                    plan,
                     ctx,
                     model,
                     self.device,
@@ -192,7 +195,11 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
             return self.sharding.wrap(model)
 
         self.model = build_initial_model(
-            cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group), split
+            cfg,
+            self.device,
+            ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group),
+            split,
+            arch=plan.arch,
         )  # split and sharded on the meta device, then filled
         self.sharding.after_load()
         self.optimizer = build_optimizer(cfg.train, self.sharding)

@@ -34,10 +34,11 @@ from bumblebee.runtime.pipeline import Pipeline
 
 
 class EnginePipeline:
-    def __init__(self, cfg, ctx, model, device, autocast, temperature: float):
-        self.cfg, self.ctx, self.device, self.temperature = cfg, ctx, device, temperature
+    def __init__(self, cfg, plan, ctx, model, device, autocast, temperature: float):
+        self.cfg, self.plan, self.ctx = cfg, plan, ctx
+        self.device, self.temperature = device, temperature
         self.pipe = Pipeline(
-            cfg, ctx, model, device, autocast
+            cfg, plan, ctx, model, device, autocast
         )  # keeps this rank's stages of ``model``
         for m in self.pipe.modules:
             m.head = self._head
@@ -107,7 +108,7 @@ class EnginePipeline:
         holds (logp, entropy, index) per run as ``Engine._token_aligned`` reads them (forward only).
         ``load`` (runtime.step.ExpertLoad) receives each training run's expert counts of this rank's
         stages (padding rows included: they are routed like any token)."""
-        t, L = self.cfg.train, self.ctx.layout
+        t = self.cfg.train
         B, T = P["input_ids"].shape
         if T > t.seq_len:
             raise ValueError(
@@ -118,7 +119,7 @@ class EnginePipeline:
         for (
             m
         ) in self.pipe.modules:  # the balance loss is a mean over every micro-batch of the batch
-            m.aux_scale = aux_coef / (runs * self.pipe.microbatches * L.dp_shard * L.cp)
+            m.aux_scale = aux_coef / (runs * self.plan.balance_denominator)
         self.with_entropy, self.loss_fn, self.log = with_entropy, loss_fn, []
         self.names = tuple(k for k in OPTIONAL if k in P)
         index = torch.arange(B * T).view(B, T)

@@ -44,7 +44,7 @@ from bumblebee.models import build_model, resolve_arch
 from bumblebee.primitives.sharding.common import full_named_parameters
 from bumblebee.runtime.launch import init_distributed, launch_local
 from bumblebee.runtime.pair_report import check, format_rows, summarize
-from bumblebee.runtime.step import local_batch, micro_batches
+from bumblebee.runtime.step import micro_batches
 from bumblebee.runtime.trainer import Trainer
 
 MiB = 2**20
@@ -93,16 +93,8 @@ def digest(t: torch.Tensor) -> str:
 
 # ------------------------------------------------------------------------------ probe and step
 def first_micro_batch(trainer: Trainer) -> Batch:
-    """The first micro-batch this rank trains on in the trainer's next step (the same slicing
-    as ``Trainer.train_step``: this dp rank's rows, then its cp shard)."""
-    lo = trainer.dp_rank * trainer.rows_per_rank
-    local = local_batch(
-        trainer.source.rows_at(trainer.step, lo, lo + trainer.rows_per_rank),
-        trainer.cp,
-        trainer.cp_rank,
-        trainer.device,
-    )
-    return micro_batches(local, trainer.cfg.train.micro_batch)[0]
+    """The first micro-batch this rank trains on in the trainer's next step."""
+    return micro_batches(trainer.rank_batch(), trainer.cfg.train.micro_batch)[0]
 
 
 @torch.no_grad()

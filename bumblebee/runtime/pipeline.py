@@ -48,9 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from bumblebee import registry
-from bumblebee.config import balance_mode
 from bumblebee.data import Batch
-from bumblebee.errors import ConfigError
 from bumblebee.primitives.moe.balance import dropped_pairs, split_stats
 
 
@@ -188,34 +186,21 @@ class _Stage(PipelineStage):
 
 
 # ------------------------------------------------------------------------------ the schedule
-def check_trainer_pipeline(cfg) -> None:
-    """What the Trainer's step cannot do with a pipeline schedule (one-line ConfigErrors)."""
-    if (
-        balance_mode(cfg, cfg.parallel.pp) != "micro_batch"
-    ):  # a stage backs a micro-batch up before the others ran
-        raise ConfigError(
-            f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
-            f"before the first backward, which a pipeline schedule (parallel.pp > 1) does not "
-            f"give; set train.balance = 'micro_batch' (or 'auto') with pp > 1"
-        )
-
-
 class Pipeline:
     """This rank's stages and the schedule that runs them: ``run`` is the micro-batch branch of
     the step (runtime/step.py) when pp > 1. Construction keeps only this rank's stages of
     ``model`` (``keep_stages``); the sharding primitive wraps the model after that."""
 
-    def __init__(self, cfg, ctx, model: nn.Module, device: torch.device, autocast):
+    def __init__(self, cfg, plan, ctx, model: nn.Module, device: torch.device, autocast):
         p, L = cfg.primitives, ctx.layout
         self.cfg, self.ctx = cfg, ctx
         num_stages = L.pp * p.pp_virtual_stages
         self.layout = stage_layout(cfg, model, num_stages)
         mine = [ctx.pp_rank + j * L.pp for j in range(p.pp_virtual_stages)]
         model.keep_stages({s: self.layout[s] for s in mine}, num_stages)
-        rows = cfg.train.global_batch // L.dp_shard
-        self.microbatches = p.pp_microbatches or rows // cfg.train.micro_batch
+        self.microbatches = plan.pp_microbatches
         # d loss / d (mean balance loss of one micro-batch), as at pp = 1
-        aux_scale = model.arch.router_aux_loss_coef / (self.microbatches * L.dp_shard * L.cp)
+        aux_scale = model.arch.router_aux_loss_coef / plan.balance_denominator
         self.modules = [StageModule(model, s, aux_scale, autocast) for s in mine]
         self.stages = [
             _Stage(m, s, num_stages, device, group=ctx.pp_group) for m, s in zip(self.modules, mine)

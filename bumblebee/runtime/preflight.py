@@ -16,7 +16,6 @@ import torch
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError
 from bumblebee.data.synthetic import KEYS, min_doc_len
-from bumblebee.models import resolve_arch
 from bumblebee.primitives.dispatch import select
 from bumblebee.runtime.outdir import check_out_dir
 from bumblebee.runtime.resolve import check_run
@@ -26,7 +25,7 @@ SYNTHETIC_KEYS = len(KEYS)  # distinct key letters a document can hold
 
 def preflight(cfg: Config, world: int):
     """Everything about the run on ``world`` ranks that can be rejected before launch;
-    returns the layout. Raises ``ConfigError`` (one line)."""
+    returns the ``RunPlan``. Raises ``ConfigError`` (one line)."""
     t, d = cfg.train, cfg.data
     if d.source == "synthetic":
         need = min_doc_len(d.min_records, d.value_len)
@@ -40,8 +39,8 @@ def preflight(cfg: Config, world: int):
                 f"data.max_records = {d.max_records} exceeds the synthetic task's {SYNTHETIC_KEYS} "
                 "distinct key letters (records of one document have unique keys)"
             )
-    layout = check_run(cfg, world)
-    arch = resolve_arch(cfg.model)
+    plan = check_run(cfg, world)
+    layout, arch = plan.layout, plan.arch
     if (
         t.wandb
     ):  # an optional extra: missing, one line now rather than from rank 0 after the model is built
@@ -73,7 +72,7 @@ def preflight(cfg: Config, world: int):
         check_resume(cfg, arch)
     check_kernels(cfg, arch, cuda=torch.cuda.is_available() and not t.emulate_cuda)
     check_out_dir(t.out_dir, checkpoints=bool(t.save_every or t.export_hf))
-    return layout
+    return plan
 
 
 def check_kernels(cfg: Config, arch, cuda: bool) -> None:

@@ -8,7 +8,7 @@ RL Engine and the planner, so they cannot disagree about what runs:
 - ``resolve_layout(parallel, world, arch)``: ``dp_shard = "auto"`` resolved and the
   layout checked against a world size (EP folding, divisibility);
 - ``check_run(cfg, world)``: both, plus what the step needs (rows per rank, zigzag
-  chunks, pipeline stages); returns the ``Layout``;
+  chunks, pipeline stages); returns the ``RunPlan`` every builder reads;
 - ``load_config(path, overrides)``: parse + ``validate_run`` (``bumblebee.load_config``).
 
 "Layout" means one thing in bumblebee: the sizes of the parallel dimensions.
@@ -17,6 +17,7 @@ RL Engine and the planner, so they cannot disagree about what runs:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import bumblebee.primitives  # noqa: F401  (registers every implementation)
 from bumblebee import registry
@@ -56,6 +57,23 @@ class Layout:
             f"world={self.world}: pp={self.pp} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}; "
             f"experts: ep={self.ep} edp={self.edp}"
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """A run resolved once (``check_run``): the Trainer, the pipeline, the RL Engine, pair and
+    preflight read these instead of recomputing them from the config."""
+
+    arch: Any  # the model family's arch dataclass
+    layout: Layout
+    rows_per_rank: int  # train.global_batch / dp_shard
+    micro_batches: int  # per step and rank: rows_per_rank / train.micro_batch
+    pp_microbatches: int  # micro-batches of one pipeline schedule run (1 without pp)
+    balance: str  # the balance-loss definition computed (config.balance_mode)
+    # copies of the balance loss the global batch's mean runs over (micro-batches x dp x cp)
+    balance_denominator: int
+    tokens_per_step: int  # train.global_batch x train.seq_len
+    mtp_depth: int  # MTP depths trained
 
 
 def resolve_layout(parallel_cfg, world: int, arch) -> Layout:
@@ -130,10 +148,11 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     return cfg
 
 
-def check_run(cfg: Config, world: int):
+def check_run(cfg: Config, world: int) -> RunPlan:
     """Everything about a run on ``world`` ranks that can be rejected before any process
-    group exists (the launcher calls this in the parent process)."""
-    layout = resolve_layout(cfg.parallel, world, resolve_arch(cfg.model))
+    group exists (the launcher calls this in the parent process); the ``RunPlan`` of what runs."""
+    arch = resolve_arch(cfg.model)
+    layout = resolve_layout(cfg.parallel, world, arch)
     if world > 1 and cfg.primitives.sharding == "none":
         raise ConfigError(
             f"primitives.sharding = 'none' needs a single process (world size is {world}); "
@@ -161,8 +180,20 @@ def check_run(cfg: Config, world: int):
             f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch}), e.g. "
             f"--set train.global_batch={unit * max(1, round(cfg.train.global_batch / unit))}"
         )
-    check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
-    return layout
+    check_pipeline(cfg, layout, arch, rows)
+    micro = rows // cfg.train.micro_batch
+    pp_micro = (cfg.primitives.pp_microbatches or micro) if layout.pp > 1 else 1
+    return RunPlan(
+        arch=arch,
+        layout=layout,
+        rows_per_rank=rows,
+        micro_batches=micro,
+        pp_microbatches=pp_micro,
+        balance=balance_mode(cfg, layout.pp),
+        balance_denominator=(pp_micro if layout.pp > 1 else micro) * layout.dp_shard * layout.cp,
+        tokens_per_step=cfg.train.global_batch * cfg.train.seq_len,
+        mtp_depth=mtp_depth(cfg, arch),
+    )
 
 
 def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from bumblebee import registry
-from bumblebee.config import Config, ConfigError, balance_mode, dump_toml, eval_interval
+from bumblebee.config import Config, ConfigError, dump_toml, eval_interval
 from bumblebee.data import build_source
+from bumblebee.data.packing import Batch
 from bumblebee.models import build_model, materialize, resolve_arch
 from bumblebee.perf.flops import Throughput, device_peak
 from bumblebee.perf.memory import MemoryTracker
@@ -40,8 +41,8 @@ from bumblebee.runtime.export import export_checkpoint
 from bumblebee.runtime.mesh import ParallelContext, build_context, single_process
 from bumblebee.runtime.metrics import MetricsWriter, wandb_init
 from bumblebee.runtime.optim import build_optimizer, lr_at, static_state_bytes
-from bumblebee.runtime.pipeline import Pipeline, check_trainer_pipeline
-from bumblebee.runtime.resolve import check_run, mtp_depth
+from bumblebee.runtime.pipeline import Pipeline
+from bumblebee.runtime.resolve import RunPlan, check_run
 from bumblebee.runtime.signals import Preempted, Preemption
 from bumblebee.runtime.step import (
     accumulate,
@@ -70,14 +71,14 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def build_initial_model(
-    cfg: Config, device: torch.device, groups: ParallelGroups | None = None, split=None
+    cfg: Config, device: torch.device, groups: ParallelGroups | None = None, split=None, arch=None
 ):
     """The model a config describes, holding this rank's share only: built on the meta device,
     cut by ``split(model) -> model`` while it has no memory (the pipeline keeps this rank's
     stages, the sharding primitive wraps it: FSDP2 shards, expert slices), then materialized on
     ``device`` and filled in place: the random init of ``train.seed`` (identical for every
     layout), or each rank's slices of ``model.hf_path``."""
-    arch = resolve_arch(cfg.model)
+    arch = arch or resolve_arch(cfg.model)
     model = build_model(arch, cfg.primitives, groups or ParallelGroups(), device="meta")
     model.set_mtp(
         cfg.mtp.depth, cfg.mtp.loss_weight
@@ -87,11 +88,14 @@ def build_initial_model(
     return materialize(model, device, seed=cfg.train.seed, hf_path=cfg.model.hf_path)
 
 
-def build_parallel_context(cfg: Config, device: torch.device) -> ParallelContext:
+def check_world(cfg: Config) -> RunPlan:
+    """The run resolved for the current process group (one process without one)."""
+    return check_run(cfg, dist.get_world_size() if dist.is_initialized() else 1)
+
+
+def build_parallel_context(plan: RunPlan, device: torch.device) -> ParallelContext:
     """Single process, or the meshes of the current process group."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    layout = check_run(cfg, world)
-    return single_process(device) if world == 1 else build_context(layout, device)
+    return single_process(device) if plan.layout.world == 1 else build_context(plan.layout, device)
 
 
 def build_sharding(cfg: Config, ctx: ParallelContext):
@@ -105,43 +109,52 @@ def build_sharding(cfg: Config, ctx: ParallelContext):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, stream=None, device: torch.device | None = None):
-        with emulation.maybe(
-            cfg.train.emulate_cuda
-        ):  # wrapping picks the NCCL forms of FSDP2's collectives
-            self._build(cfg, stream=stream, device=device)
+    """``plan``: the run as ``check_run`` resolved it for this world (resolved here if not given)."""
 
-    def _build(self, cfg: Config, *, stream, device: torch.device | None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        stream=None,
+        device: torch.device | None = None,
+        plan: RunPlan | None = None,
+    ):
+        # emulation: wrapping picks the NCCL forms of FSDP2's collectives
+        with emulation.maybe(cfg.train.emulate_cuda):
+            self._build(cfg, stream=stream, device=device, plan=plan)
+
+    def _build(self, cfg: Config, *, stream, device: torch.device | None, plan) -> None:
         stream = (
             stream or sys.stdout
         )  # looked up now: sys.stdout may have been replaced since import
         self.cfg = cfg
         t = cfg.train
         self.device = device or (torch.device("cpu") if t.emulate_cuda else pick_device())
-        self.ctx = build_parallel_context(cfg, self.device)
+        self.plan = plan = plan or check_world(cfg)
+        self.ctx = build_parallel_context(plan, self.device)
         self.rank = self.ctx.rank
-        self.dp_rank, self.dp_size = self.ctx.dp_rank, self.ctx.layout.dp_shard
-        rows_per_rank = t.global_batch // self.dp_size
-        self.rows_per_rank = rows_per_rank
-        self.accum = rows_per_rank // t.micro_batch
+        self.dp_rank, self.dp_size = self.ctx.dp_rank, plan.layout.dp_shard
+        self.rows_per_rank, self.accum = plan.rows_per_rank, plan.micro_batches
         seed_everything(t.seed, t.deterministic)
         ctx = self.ctx
         self.cp, self.cp_rank = ctx.layout.cp, ctx.cp_rank
         self.autocast = autocast_for(self.device, t.dtype)
         self.pipeline = None
-        if ctx.layout.pp > 1:
-            check_trainer_pipeline(cfg)
         self.sharding = build_sharding(cfg, ctx)
 
         def split(model):  # on the meta device: nothing allocated yet
             if (
                 ctx.layout.pp > 1
             ):  # keep this rank's pipeline stages only; that part is what gets sharded
-                self.pipeline = Pipeline(cfg, ctx, model, self.device, self.autocast)
+                self.pipeline = Pipeline(cfg, plan, ctx, model, self.device, self.autocast)
             return self.sharding.wrap(model)
 
         self.model = build_initial_model(
-            cfg, self.device, ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group), split
+            cfg,
+            self.device,
+            ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group),
+            split,
+            arch=plan.arch,
         )
         self.model.set_capacity(cfg.moe.capacity_factor)  # 0: every token reaches its k experts
         self.sharding.after_load()  # e.g. zero1 takes its fp32 master slices of the weights
@@ -181,9 +194,7 @@ class Trainer:
             if self.pipeline is not None:
                 stream.write(f"bumblebee: {self.pipeline.describe()}\n")
         self._describe_static_memory(stream)
-        spec = dataclasses.replace(
-            self.model.arch.to_spec(), mtp_depth=mtp_depth(cfg, self.model.arch)
-        )
+        spec = dataclasses.replace(self.model.arch.to_spec(), mtp_depth=plan.mtp_depth)
         self.throughput = Throughput(
             spec.model_flops_per_token(t.seq_len),
             ctx.layout.world,
@@ -230,6 +241,13 @@ class Trainer:
                 f"total {size(float(figures.sum()))} ({self.cfg.train.dtype} compute)\n"
             )
 
+    def rank_batch(self) -> Batch:
+        """This rank's share of the current step's global batch: its dp rows (only those are
+        built, data/), then its cp shard, on the device."""
+        lo = self.dp_rank * self.rows_per_rank
+        rows = self.source.rows_at(self.step, lo, lo + self.rows_per_rank)
+        return local_batch(rows, self.cp, self.cp_rank, self.device)
+
     def train_step(self) -> dict:
         """One optimizer step, with its peak live memory (perf.memory). On CUDA the allocator's
         counters are read every step; on CPU live tensors are counted by a dispatch mode around
@@ -270,15 +288,9 @@ class Trainer:
         if self.source.num_valid_at(self.step) == 0:
             return self._skip_step()
         start = time.perf_counter()
-        lo = self.dp_rank * self.rows_per_rank  # this rank's rows only are built (data/)
         global_valid = self.source.num_valid_at(self.step)
         global_tokens = max(global_valid, 1)
-        local = local_batch(
-            self.source.rows_at(self.step, lo, lo + self.rows_per_rank),
-            self.cp,
-            self.cp_rank,
-            self.device,
-        )
+        local = self.rank_batch()
         counts = None  # this rank's expert counts [L, E] (global after the all-reduce below)
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             loss_sum, aux, counts, dropped = self.pipeline.run(
@@ -286,7 +298,7 @@ class Trainer:
             )  # counts: this rank's layers
         else:
             coef, parts = self.model.arch.router_aux_loss_coef, micro_batches(local, t.micro_batch)
-            if balance_mode(self.cfg, self.ctx.layout.pp) == "global_batch":
+            if self.plan.balance == "global_batch":
                 sums = accumulate_global_balance(
                     parts,
                     self.sharding,
@@ -305,7 +317,7 @@ class Trainer:
                     self.dp_size,
                     self.cp,
                     self.autocast,
-                    balance=balance_mode(self.cfg, self.ctx.layout.pp),
+                    balance=self.plan.balance,
                 )
                 sums = accumulate(parts, self.sharding, forward)
             loss_sum, aux = sums["loss_sum"], sums["aux"] / (self.dp_size * self.cp)
@@ -336,7 +348,7 @@ class Trainer:
         self.skipped += not applied
         self.step += 1
         elapsed = time.perf_counter() - start
-        tokens = t.global_batch * t.seq_len
+        tokens = self.plan.tokens_per_step
         record = {
             "step": self.step,
             "loss": float(loss_sum) / global_tokens,
@@ -370,7 +382,7 @@ class Trainer:
             "aux_loss": nan,
             "grad_norm": nan,
             "lr": lr_at(self.step - 1, t),
-            "tokens": t.global_batch * t.seq_len,
+            "tokens": self.plan.tokens_per_step,
             "valid_tokens": 0,
             "tokens_per_s": 0.0,
             "step_time_s": 0.0,

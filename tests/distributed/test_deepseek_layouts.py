@@ -265,7 +265,10 @@ def test_four_ranks_match_single_process(references, data, tmp_path):
 
 def test_pipeline_needs_the_micro_batch_balance_loss():
     from bumblebee.config import ConfigError
-    from bumblebee.runtime.pipeline import check_trainer_pipeline
+    from bumblebee.runtime.resolve import check_run
+
+    def check_trainer_pipeline(cfg):  # what the Trainer resolves before building a pipeline
+        check_run(cfg, 2)
 
     cfg = load_config(
         None, BASE + ["parallel.pp=2", "data.source='synthetic'", "train.seq_len=256"]

@@ -91,7 +91,7 @@ def test_real_size_config_refused_until_filled(tmp_path, capsys):
 
     path.write_text(fill(text, values))  # filled in the file: the launch checks pass at 16 GPUs
     cfg = load_config(str(path))
-    layout = check_run(cfg, 16)
+    layout = check_run(cfg, 16).layout
     assert (cfg.train.seq_len, cfg.train.global_batch, cfg.train.dtype) == (65536, 16, "bfloat16")
     assert (cfg.train.lr, cfg.train.save_every, cfg.data.source) == (3e-4, 200, "jsonl")
     assert layout.world == 16 and cfg.parallel.dp_shard == "auto"

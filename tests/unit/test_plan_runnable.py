@@ -60,7 +60,7 @@ def test_every_ranked_candidate_runs_on_the_runtime(model, gpus, seq, tmp_path):
         path = tmp_path / "run.toml"
         path.write_text(entry["config"])
         cfg = load_config(str(path), fill_in(tmp_path))
-        layout = check_run(cfg, gpus)
+        layout = check_run(cfg, gpus).layout
         assert (layout.dp_shard, layout.cp, layout.ep, layout.pp) == tuple(
             entry["layout"][k] for k in ("dp_shard", "cp", "ep", "pp")
         )

@@ -239,7 +239,10 @@ def test_either_family_builds_it():
 
 
 def test_trainer_pipeline_refuses_what_it_cannot_do():
-    from bumblebee.runtime.pipeline import check_trainer_pipeline
+    from bumblebee.runtime.resolve import check_run
+
+    def check_trainer_pipeline(cfg):  # what the Trainer resolves before building a pipeline
+        check_run(cfg, 2)
 
     with pytest.raises(ConfigError, match="train.balance = 'global_batch' needs every micro-batch"):
         check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=global_batch"]))
