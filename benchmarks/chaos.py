@@ -162,7 +162,7 @@ def main() -> None:
         f"(recomputed), {wall:.0f} s"
     )
 
-    from bumblebee.runtime.checkpoint import load_model
+    from bumblebee.runtime.checkpoint.checkpointer import load_model
 
     same_trace = losses(ref) == losses(run)
     final = f"step_{args.steps:08d}"

@@ -36,7 +36,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from bumblebee import load_config
 from bumblebee.perf.memory import MemoryTracker
-from bumblebee.runtime.launch import init_distributed
+from bumblebee.runtime.launch.launcher import init_distributed
 from bumblebee.runtime.trainer import Trainer
 
 

@@ -56,12 +56,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 def _train_run(args) -> int:
     from bumblebee.config import ConfigError
     from bumblebee.config_checks import config_warnings
-    from bumblebee.runtime import launch
-    from bumblebee.runtime.interrupts import interrupt_once
-    from bumblebee.runtime.outdir import OutDirLock, distributed_lock
-    from bumblebee.runtime.preflight import preflight
+    from bumblebee.runtime.launch import launcher as launch
+    from bumblebee.runtime.launch.interrupts import interrupt_once
+    from bumblebee.runtime.launch.outdir import OutDirLock, distributed_lock
+    from bumblebee.runtime.launch.preflight import preflight
+    from bumblebee.runtime.launch.signals import Preempted
     from bumblebee.runtime.resolve import load_config
-    from bumblebee.runtime.signals import Preempted
     from bumblebee.runtime.trainer import Trainer
 
     resume = [f"train.resume={json.dumps(args.resume)}"] if args.resume else []
@@ -132,14 +132,14 @@ def _primitives_run(args) -> int:
 
 # ------------------------------------------------------------------------------ pair
 def _pair_args(p: argparse.ArgumentParser) -> None:
-    from bumblebee.runtime.pair import add_arguments
+    from bumblebee.runtime.pair.command import add_arguments
 
     _add_config_args(p)
     add_arguments(p)
 
 
 def _pair_run(args) -> int:
-    from bumblebee.runtime.pair import run
+    from bumblebee.runtime.pair.command import run
 
     return run(args)
 
@@ -190,7 +190,7 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
 
 
 def _convert_run(args) -> int:
-    from bumblebee.runtime.export import export_checkpoint
+    from bumblebee.runtime.checkpoint.export import export_checkpoint
 
     path = export_checkpoint(
         args.ckpt_dir, args.out_dir, args.max_shard_bytes, args.overwrite, dtype=args.dtype
@@ -211,7 +211,7 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 
 def _checkpoint_run(args) -> int:
-    from bumblebee.runtime.verify import verify_command
+    from bumblebee.runtime.checkpoint.verify import verify_command
 
     return verify_command(args.path)
 
@@ -245,7 +245,7 @@ def _data_run(args) -> int:
     # OUT used to both succeed and leave a corpus equal to neither
     from bumblebee.config import ConfigError
     from bumblebee.errors import disk_full, out_of_room
-    from bumblebee.runtime.outdir import OutDirLock
+    from bumblebee.runtime.launch.outdir import OutDirLock
 
     created = not os.path.isdir(args.out)
     try:

@@ -1,5 +1,5 @@
 """The Engine's resumable state: ``save(dir, step, keep)`` / ``load(dir, step)`` over the runtime's
-checkpoints (runtime/checkpoint.py: crash-safe ``<dir>/checkpoints/step_<N>``, one file set per
+checkpoints (runtime/checkpoint/checkpointer.py: crash-safe ``<dir>/checkpoints/step_<N>``, one file set per
 rank, loadable on any layout, also by ``bumblebee train`` and ``bumblebee convert``).
 
 A mixin of ``rl.engine.Engine``: it uses the engine's config, context, model, sharding,
@@ -13,7 +13,11 @@ import io
 import os
 
 from bumblebee.config import ConfigError
-from bumblebee.runtime.checkpoint import Checkpointer, checkpoint_root, named_checkpoint
+from bumblebee.runtime.checkpoint.checkpointer import (
+    Checkpointer,
+    checkpoint_root,
+    named_checkpoint,
+)
 
 
 class EngineCheckpoints:

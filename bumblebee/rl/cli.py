@@ -117,8 +117,8 @@ def load_configs(path: str | None, overrides: list[str]):
 
 @record
 def _worker(job) -> None:
-    from bumblebee.runtime import launch
-    from bumblebee.runtime.interrupts import interrupt_once
+    from bumblebee.runtime.launch import launcher as launch
+    from bumblebee.runtime.launch.interrupts import interrupt_once
 
     cfg, rl, out_png = job
     launch.init_distributed()
@@ -141,9 +141,9 @@ def _run_and_plot(cfg, rl, out_png) -> None:
 
 
 def run(args) -> int:
-    from bumblebee.runtime import launch
-    from bumblebee.runtime.interrupts import interrupt_once
-    from bumblebee.runtime.outdir import OutDirLock, check_out_dir
+    from bumblebee.runtime.launch import launcher as launch
+    from bumblebee.runtime.launch.interrupts import interrupt_once
+    from bumblebee.runtime.launch.outdir import OutDirLock, check_out_dir
     from bumblebee.runtime.resolve import check_run
 
     cfg, rl = load_configs(args.config, args.overrides)

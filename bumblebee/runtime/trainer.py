@@ -35,15 +35,15 @@ from bumblebee.primitives.dispatch import kernel_table
 from bumblebee.primitives.moe.balance import load_summary
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.primitives.sharding import ShardingGroups
-from bumblebee.runtime.checkpoint import Checkpointer
+from bumblebee.runtime.checkpoint.checkpointer import Checkpointer
+from bumblebee.runtime.checkpoint.export import export_checkpoint
 from bumblebee.runtime.eval import evaluate
-from bumblebee.runtime.export import export_checkpoint
+from bumblebee.runtime.launch.signals import Preempted, Preemption
 from bumblebee.runtime.mesh import ParallelContext, build_context, single_process
 from bumblebee.runtime.metrics import MetricsWriter, wandb_init
 from bumblebee.runtime.optim import build_optimizer, lr_at, static_state_bytes
 from bumblebee.runtime.pipeline import Pipeline
 from bumblebee.runtime.resolve import RunPlan, check_run
-from bumblebee.runtime.signals import Preempted, Preemption
 from bumblebee.runtime.step import (
     accumulate,
     accumulate_global_balance,

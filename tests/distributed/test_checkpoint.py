@@ -28,9 +28,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from bumblebee import load_config
 from bumblebee.models.hf import hf_state_dict
 from bumblebee.primitives.sharding.common import full_named_parameters
-from bumblebee.runtime.checkpoint import find_checkpoint, read_marker
-from bumblebee.runtime.export import export_checkpoint
-from bumblebee.runtime.launch import init_distributed, launch_local
+from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint, read_marker
+from bumblebee.runtime.checkpoint.export import export_checkpoint
+from bumblebee.runtime.launch.launcher import init_distributed, launch_local
 from bumblebee.runtime.trainer import Trainer
 
 STEPS, SAVE = 4, 2

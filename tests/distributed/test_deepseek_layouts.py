@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from bumblebee import from_hf, load_config
 from bumblebee.models.base import persistent_buffers
 from bumblebee.primitives.sharding.common import full_named_parameters
-from bumblebee.runtime.export import export_checkpoint
+from bumblebee.runtime.checkpoint.export import export_checkpoint
 from bumblebee.runtime.trainer import Trainer
 
 T = 128

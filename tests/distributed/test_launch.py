@@ -17,8 +17,13 @@ import torch.distributed as dist
 
 from bumblebee import load_config
 from bumblebee.models import resolve_arch
-from bumblebee.runtime.checkpoint import load_model
-from bumblebee.runtime.launch import init_distributed, launch_local, restart_count, train_worker
+from bumblebee.runtime.checkpoint.checkpointer import load_model
+from bumblebee.runtime.launch.launcher import (
+    init_distributed,
+    launch_local,
+    restart_count,
+    train_worker,
+)
 from bumblebee.runtime.mesh import build_context
 from bumblebee.runtime.resolve import resolve_layout
 

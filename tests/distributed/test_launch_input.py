@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from bumblebee.config import ConfigError
-from bumblebee.runtime.checkpoint import find_checkpoint
-from bumblebee.runtime.launch import init_distributed, launch_local
+from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint
+from bumblebee.runtime.launch.launcher import init_distributed, launch_local
 
 SMALL = [
     "model.arch.num_hidden_layers=1",

@@ -28,7 +28,7 @@ import bumblebee
 from bumblebee import load_config
 from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.primitives.sharding.common import local, row_extent
-from bumblebee.runtime.export import BUCKET_BYTES
+from bumblebee.runtime.checkpoint.export import BUCKET_BYTES
 
 MiB = 2**20
 # 2 layers x 32 experts x 3 x 512 x 256 fp32 = 100 MB of experts; the rest is small
@@ -99,7 +99,7 @@ def _start(rank, world, hf_path, out_dir):
 
 
 def _export(rank, world, ckpt, out):
-    from bumblebee.runtime.export import export_checkpoint
+    from bumblebee.runtime.checkpoint.export import export_checkpoint
 
     reset_peak()
     before = rss_now()

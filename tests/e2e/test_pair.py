@@ -9,7 +9,8 @@ from bumblebee import registry
 from bumblebee.cli import build_parser, main
 from bumblebee.config import ConfigError
 from bumblebee.models.presets import PRESETS
-from bumblebee.runtime import pair, pair_report
+from bumblebee.runtime.pair import command as pair
+from bumblebee.runtime.pair import verdict as pair_report
 
 TINY = [
     "model.arch.num_hidden_layers=1",

@@ -20,8 +20,8 @@ import torch
 
 from bumblebee.cli import main
 from bumblebee.models.hf import from_hf
-from bumblebee.runtime.checkpoint import find_checkpoint, read_marker
-from bumblebee.runtime.outdir import LOCK_NAME, OutDirLock, _start_time
+from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint, read_marker
+from bumblebee.runtime.launch.outdir import LOCK_NAME, OutDirLock, _start_time
 
 TINY = [
     "model.arch.num_hidden_layers=1",

@@ -18,10 +18,10 @@ import torch
 from bumblebee import load_config
 from bumblebee.cli import main
 from bumblebee.models.hf import CheckpointError
-from bumblebee.runtime import integrity
-from bumblebee.runtime.failures import classify, diagnose, first_failure
+from bumblebee.runtime.checkpoint import integrity
+from bumblebee.runtime.launch.failures import classify, diagnose, first_failure
+from bumblebee.runtime.launch.signals import Preempted
 from bumblebee.runtime.nonfinite import NonFiniteError
-from bumblebee.runtime.signals import Preempted
 from bumblebee.runtime.trainer import Trainer
 
 BASE = [
@@ -319,7 +319,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path):
 def test_second_signal_stops_at_once(tmp_path):
     code = (
         "import os, signal, sys, time\n"
-        "from bumblebee.runtime.signals import Preemption\n"
+        "from bumblebee.runtime.launch.signals import Preemption\n"
         "with Preemption() as p:\n"
         "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1); assert p.signum == signal.SIGUSR1\n"
         "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(5); sys.exit(0)\n"
@@ -335,7 +335,7 @@ def test_out_dir_lock_of_another_host_same_torchrun_job(tmp_path, monkeypatch):
     import json
 
     from bumblebee.config import ConfigError
-    from bumblebee.runtime.outdir import OutDirLock
+    from bumblebee.runtime.launch.outdir import OutDirLock
 
     lock = tmp_path / "bumblebee.lock"
     lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "job": "job-a"}))

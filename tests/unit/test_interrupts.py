@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from bumblebee import load_config
 from bumblebee.cli import main
 from bumblebee.perf.memory import MemoryTracker
-from bumblebee.runtime.interrupts import interrupt_once
+from bumblebee.runtime.launch.interrupts import interrupt_once
 from bumblebee.runtime.trainer import Trainer
 
 TINY = [

@@ -8,7 +8,7 @@ from bumblebee import load_config
 from bumblebee.config import ConfigError
 from bumblebee.models import resolve_arch
 from bumblebee.primitives import dispatch
-from bumblebee.runtime.preflight import check_kernels
+from bumblebee.runtime.launch.preflight import check_kernels
 
 
 def cfg(*sets):

@@ -10,7 +10,7 @@ from pathlib import Path
 from bumblebee import load_config
 from bumblebee.cli import build_parser
 from bumblebee.models import resolve_arch
-from bumblebee.runtime.preflight import check_kernels
+from bumblebee.runtime.launch.preflight import check_kernels
 from bumblebee.runtime.resolve import check_run
 
 README = Path(__file__).parents[2] / "README.md"

@@ -217,7 +217,7 @@ def test_training_moves_bias_saves_resumes_and_exports(tmp_path):
     # export: Hugging Face's name, the live values
     from safetensors.torch import load_file
 
-    from bumblebee.runtime.export import export_checkpoint
+    from bumblebee.runtime.checkpoint.export import export_checkpoint
 
     export_checkpoint(str(tmp_path / "a"), str(tmp_path / "hf"))
     tensors = load_file(os.path.join(tmp_path / "hf", "model.safetensors"))

@@ -205,7 +205,7 @@ def test_convert_reports_tensors_written(fake_peak_run, tmp_path, monkeypatch, c
     import itertools
 
     from bumblebee import console
-    from bumblebee.runtime.export import export_checkpoint
+    from bumblebee.runtime.checkpoint.export import export_checkpoint
 
     clock = itertools.count(0.0, 1.0)  # a slow clock: the progress line shows from the first tensor
     monkeypatch.setattr(console.time, "monotonic", lambda: next(clock))

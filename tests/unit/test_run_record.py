@@ -1,4 +1,4 @@
-"""A run never destroys another run's record (runtime/record.py): every file a run writes
+"""A run never destroys another run's record (runtime/checkpoint/record.py): every file a run writes
 (``config.toml``, ``metrics.jsonl``, ``checkpoints/step_*``, ``hf/``) against every way a
 second run meets it in the same ``out_dir``:
 
@@ -22,8 +22,8 @@ import pytest
 
 from bumblebee import load_config
 from bumblebee.cli import main
-from bumblebee.runtime.checkpoint import find_checkpoint
-from bumblebee.runtime.signals import Preempted
+from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint
+from bumblebee.runtime.launch.signals import Preempted
 from bumblebee.runtime.trainer import Trainer
 
 TINY = [

@@ -125,7 +125,7 @@ def test_commands_parse_and_tests_exist(doc, command):
 
             load_config(args.config, args.overrides)
         elif args.command == "pair":
-            from bumblebee.runtime.pair import build_pair, check_diff, config_diff
+            from bumblebee.runtime.pair.command import build_pair, check_diff, config_diff
 
             cfg_a, cfg_b, _ = build_pair(args)
             check_diff(config_diff(cfg_a, cfg_b), args.slot)

@@ -18,8 +18,8 @@ import sys
 import pytest
 from data_helpers import make_tokenizer
 
-from bumblebee.runtime.checkpoint import find_checkpoint, read_marker
-from bumblebee.runtime.outdir import LOCK_NAME
+from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint, read_marker
+from bumblebee.runtime.launch.outdir import LOCK_NAME
 
 TINY = [
     "model.arch.num_hidden_layers=1",
@@ -146,7 +146,7 @@ def test_two_data_prepares_into_one_out(corpus, tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom bumblebee.runtime.outdir import "
+            "import sys, time\nfrom bumblebee.runtime.launch.outdir import "
             f"OutDirLock\nwith OutDirLock({str(out)!r}):\n print('held', flush=True)\n"
             " time.sleep(60)",
         ],

@@ -40,7 +40,14 @@ from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
-from bumblebee.runtime.checkpoint_state import (
+from bumblebee.runtime.checkpoint.integrity import (
+    HASH,
+    checksum_files,
+    file_checksum,
+    verify_checksums,
+)
+from bumblebee.runtime.checkpoint.record import set_aside
+from bumblebee.runtime.checkpoint.state import (
     Piece,
     load_pieces,
     read_dcp_metadata,
@@ -49,13 +56,6 @@ from bumblebee.runtime.checkpoint_state import (
     set_rng_states,
     state_pieces,
 )
-from bumblebee.runtime.integrity import (
-    HASH,
-    checksum_files,
-    file_checksum,
-    verify_checksums,
-)
-from bumblebee.runtime.record import set_aside
 
 FORMAT, VERSION = "bumblebee-checkpoint", 1
 MARKER = "complete.json"
@@ -263,7 +263,7 @@ class Checkpointer:
     def _set_aside(self, continues_from: int | None) -> None:
         """Before this run writes anything: an earlier run's record in out_dir (metrics, config,
         checkpoints, export) is moved to ``out_dir/previous/`` unless this run continues it, and
-        then what the continuation replaces is (runtime/record.py). Rank 0; collective."""
+        then what the continuation replaces is (runtime/checkpoint/record.py). Rank 0; collective."""
         if self.ctx.rank == 0:
             moved = set_aside(
                 self.cfg.train.out_dir,
@@ -416,7 +416,7 @@ class Checkpointer:
 
     def on_end(self, step: int) -> None:
         """End of training: a final save (when saving is on, or for ``train.export_hf``, which
-        the trainer then runs on ``last_path`` through runtime/export.py)."""
+        the trainer then runs on ``last_path`` through runtime/checkpoint/export.py)."""
         if (self.cfg.train.save_every or self.cfg.train.export_hf) and self.last_saved != step:
             self.save(step)
 

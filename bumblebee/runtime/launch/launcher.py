@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from bumblebee.runtime.failures import diagnose, first_failure, read_reports, write_report
-from bumblebee.runtime.outdir import remove_partial_saves
-from bumblebee.runtime.signals import PREEMPT_SIGNALS, Preempted
+from bumblebee.runtime.launch.failures import diagnose, first_failure, read_reports, write_report
+from bumblebee.runtime.launch.outdir import remove_partial_saves
+from bumblebee.runtime.launch.signals import PREEMPT_SIGNALS, Preempted
 
 PREEMPTED = "preempted.json"
 
@@ -101,7 +101,7 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
 def resume_spec(cfg) -> str:
     """What a worker resumes from: after a restart, the newest complete checkpoint of
     this run when there is one, else what the config says."""
-    from bumblebee.runtime.checkpoint import checkpoint_root, newest_complete
+    from bumblebee.runtime.checkpoint.checkpointer import checkpoint_root, newest_complete
 
     if restart_count() > 0 and newest_complete(checkpoint_root(cfg.train.out_dir)) is not None:
         return "auto"
@@ -110,7 +110,7 @@ def resume_spec(cfg) -> str:
 
 def train_worker(cfg) -> None:
     """The default worker: join the group and train (resuming after a restart)."""
-    from bumblebee.runtime.interrupts import interrupt_once
+    from bumblebee.runtime.launch.interrupts import interrupt_once
     from bumblebee.runtime.trainer import Trainer
 
     init_distributed(cfg.train.collective_timeout_s)
@@ -224,7 +224,7 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from bumblebee.config import ConfigError
-    from bumblebee.runtime import rank_errors
+    from bumblebee.runtime.launch import rank_errors
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # signals_to_handle: torch elastic's own SIGTERM handler would kill the workers; _ForwardPreemption owns it

@@ -1,5 +1,5 @@
 """``bumblebee checkpoint verify DIR``: check every checkpoint under a directory without loading it
-(markers, sizes and the per-file checksums of runtime/integrity.py)."""
+(markers, sizes and the per-file checksums of runtime/checkpoint/integrity.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,13 @@ import os
 import sys
 
 from bumblebee.errors import CheckpointError
-from bumblebee.runtime.checkpoint import _STEP_DIR, MARKER, checkpoint_root, read_marker
-from bumblebee.runtime.integrity import HASH, verify_checksums
+from bumblebee.runtime.checkpoint.checkpointer import (
+    _STEP_DIR,
+    MARKER,
+    checkpoint_root,
+    read_marker,
+)
+from bumblebee.runtime.checkpoint.integrity import HASH, verify_checksums
 
 
 def verify_command(spec: str) -> int:

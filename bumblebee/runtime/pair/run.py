@@ -42,8 +42,8 @@ from bumblebee.config import Config, ConfigError
 from bumblebee.data import Batch
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.primitives.sharding.common import full_named_parameters
-from bumblebee.runtime.launch import init_distributed, launch_local
-from bumblebee.runtime.pair_report import check, format_rows, summarize
+from bumblebee.runtime.launch.launcher import init_distributed, launch_local
+from bumblebee.runtime.pair.verdict import check, format_rows, summarize
 from bumblebee.runtime.step import micro_batches
 from bumblebee.runtime.trainer import Trainer
 

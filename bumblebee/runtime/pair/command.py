@@ -297,7 +297,8 @@ def set_out_dirs(cfg_a: Config, cfg_b: Config, slot: str) -> None:
 # ------------------------------------------------------------------------------ the command
 def run(args, stream: IO | None = None) -> int:
     """``bumblebee pair``: returns the exit code (0 pass, 1 above tolerance or a rank failed)."""
-    from bumblebee.runtime import launch, pair_run
+    from bumblebee.runtime.launch import launcher as launch
+    from bumblebee.runtime.pair import run as pair_run
     from bumblebee.runtime.resolve import check_run
 
     torchrun = launch.started_by_torchrun()

@@ -1,5 +1,5 @@
 """The table and verdict of ``bumblebee pair``: rows checked against a tolerance, printed
-fixed-width (``pair.py`` builds the two configs, ``pair_run.py`` runs them and makes rows)."""
+fixed-width (``command.py`` builds the two configs, ``run.py`` runs them and makes rows)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 from bumblebee.models.hf_write import check_export_target, write_hf
-from bumblebee.runtime.checkpoint import (
+from bumblebee.runtime.checkpoint.checkpointer import (
     _STEP_DIR,
     HF_SHARD_BYTES,
     MARKER,
@@ -43,8 +43,8 @@ from bumblebee.runtime.checkpoint import (
     named_checkpoint,
     read_marker,
 )
-from bumblebee.runtime.checkpoint_state import Piece, load_pieces, read_dcp_metadata
-from bumblebee.runtime.integrity import verify_checksums
+from bumblebee.runtime.checkpoint.integrity import verify_checksums
+from bumblebee.runtime.checkpoint.state import Piece, load_pieces, read_dcp_metadata
 
 BUCKET_BYTES = 64 * 2**20
 

@@ -1,0 +1,1 @@
+"""``bumblebee pair``: the A/B tool (configs, the paired run, the verdict table)."""
