@@ -36,28 +36,21 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from bumblebee.primitives.moe import replay as routing_replay
+from bumblebee.primitives.recompute_scope import _RECOMPUTING
 from bumblebee.registry import register
 
 # Sub-computations a model exposes to ``module``; selective recompute may name these.
 # Every family calls norm / attn_core / moe / mlp; a hybrid adds linear_attn_core, a shared expert
-# shared_expert; moe_act is for an experts primitive that recomputes its activation.
+# adds shared_expert; moe_act is for an experts primitive that recomputes its activation.
 MODULE_NAMES = ("norm", "attn_core", "moe", "moe_act", "mlp", "shared_expert", "linear_attn_core")
 
-# Dynamic scope, not configuration: True only on the thread re-running a checkpointed function.
-_RECOMPUTING = contextvars.ContextVar("bumblebee_recomputing", default=False)
 # Dynamic scope too: True inside ``eager()`` (``lean`` runs its function without a checkpoint).
 _EAGER = contextvars.ContextVar("bumblebee_eager", default=False)
 
 
-def in_recompute() -> bool:
-    """True inside the recompute forward of a checkpoint taken by a policy below."""
-    return _RECOMPUTING.get()
-
-
 @contextlib.contextmanager
 def _recomputing(routing_scope):
-    from bumblebee.primitives.moe import replay as routing_replay  # here: moe imports this module
-
     token = _RECOMPUTING.set(True)
     try:
         with routing_replay.entered(routing_scope):
@@ -81,8 +74,6 @@ def eager():
 def _checkpoint(fn: Callable, *args):
     """Non-reentrant ``checkpoint`` whose recompute forward sees ``in_recompute() == True`` and the
     routing scope the original forward ran under (primitives/moe/replay.py: it routes alike)."""
-    from bumblebee.primitives.moe import replay as routing_replay  # here: moe imports this module
-
     scope = routing_replay.current()
     return checkpoint(
         fn,

@@ -172,12 +172,23 @@ def test_checker_accepts_downward_imports():
 
 # ------------------------------------------------------------------------------ cycles
 def import_graph(overrides: dict[str, str] | None = None) -> dict[str, set[str]]:
-    """module -> the bumblebee modules it imports; ``overrides`` replaces sources by path."""
+    """module -> the bumblebee modules it imports; ``overrides`` replaces sources by path.
+
+    Importing ``a.b.c`` first runs ``a/__init__`` and ``a/b/__init__``: those package edges count
+    too (a cycle through a package ``__init__`` is as real as a direct one), except a module's own
+    ancestors, which are already importing it."""
     graph = {}
     for p in sources():
         source = (overrides or {}).get(str(p.relative_to(PACKAGE)), None) or p.read_text()
         m = module_name(p)
-        graph[m] = {t for _, t in imported_modules(source, m, p.name == "__init__.py") if t != m}
+        targets = {t for _, t in imported_modules(source, m, p.name == "__init__.py") if t != m}
+        for t in list(targets):
+            parts = t.split(".")
+            for k in range(2, len(parts)):
+                package = ".".join(parts[:k])
+                if package != m and not m.startswith(package + "."):
+                    targets.add(package)
+        graph[m] = targets
     return graph
 
 
@@ -231,3 +242,16 @@ def test_cycle_checker_catches_a_planted_cycle():
         + "\nimport bumblebee.data.jsonl\n"
     }
     assert any("bumblebee.data.packing" in c for c in cycles(import_graph(planted)))
+
+
+def test_cycle_checker_sees_package_init_edges():
+    """chunked -> recompute -> (primitives.moe.replay, so) primitives/moe/__init__ -> chunked: no
+    direct edge closes it, the package's __init__ does."""
+    planted = {
+        "primitives/moe/chunked.py": (PACKAGE / "primitives/moe/chunked.py").read_text()
+        + "\nfrom bumblebee.primitives.recompute import lean\n"
+    }
+    found = cycles(import_graph(planted))
+    assert any(
+        "bumblebee.primitives.moe" in c and "bumblebee.primitives.recompute" in c for c in found
+    )

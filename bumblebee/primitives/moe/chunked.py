@@ -33,7 +33,7 @@ reads the expert output or the combined rows.
 
 Full recompute. Under ``recompute = full`` (or ``selective`` with ``moe``) the
 layer is re-run in backward only to re-create what autograd saved; the return
-value of that run is discarded (``recompute.in_recompute()``). What backward
+value of that run is discarded (``recompute_scope.in_recompute()``). What backward
 reads is saved: router weights, W_gate_up, W_down and per chunk the row order,
 the expert grouping, the fc1 input and fc1 output h. The recompute forward
 therefore runs routing, count exchanges, dispatch and fc1, and skips (a) the
@@ -64,7 +64,7 @@ from bumblebee.primitives.moe.alltoall import regroup_by_expert
 from bumblebee.primitives.moe.experts import experts_grouped, experts_loop, grouped_mm_supported
 from bumblebee.primitives.moe.local import permute, unsort_rows
 from bumblebee.primitives.packed import to_device
-from bumblebee.primitives.recompute import in_recompute
+from bumblebee.primitives.recompute_scope import in_recompute
 from bumblebee.registry import register
 
 CHUNKS = (2, 3, 4)
