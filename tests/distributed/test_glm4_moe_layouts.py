@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import bumblebee
 from bumblebee.models.base import persistent_buffers
-from bumblebee.runtime.export import export_checkpoint
+from bumblebee.runtime.checkpoint.export import export_checkpoint
 
 BASE = [
     "model.name=glm4_moe",
