@@ -6,7 +6,9 @@ site, counted in the emulated-CUDA mode (``bumblebee/perf/syncs.py``) on 2 gloo 
 
 The models are the tiny presets with the layer patterns of the real families (the counts per
 layer do not depend on width); the shapes of the running case would take hours on a CPU.
-Printed only: syncs per step, per layer per micro-batch, and the top call sites.
+Printed only: syncs per step, per layer per micro-batch, and the top call sites; launches
+with the kernels' stand-ins counted as the kernels they stand for (``primitives/kernel_region.py``)
+and, for comparison, op by op. Per-mixer counts at the real widths: ``benchmarks/launches.py``.
 """
 
 from __future__ import annotations
@@ -48,10 +50,13 @@ def _rank(rank, world, sets, out_dir):
     )
     trainer = Trainer(cfg, stream=io.StringIO())
     trainer.train_step()  # the first step builds what a run builds once
+    # before: the kernels' stand-ins counted op by op (and their own host reads)
+    with emulate_cuda(check_comm=False), SyncCounter(kernel_regions=False) as raw:
+        trainer.train_step()
     with emulate_cuda(check_comm=False), SyncCounter(launch_sites=True) as c:
         trainer.train_step()
     return (
-        c.launches,
+        (raw.launches, raw.syncs, c.launches),
         c.by_launch_site.most_common(8),
         c.syncs,
         sum(c.async_by_site.values()),
@@ -80,9 +85,16 @@ def main() -> None:
         f"model.arch.num_hidden_layers={args.layers}",
     ]
     for name, sets in CASES.items():
-        launches, top_launch, syncs, staged, layers, micro, top, top_async = run_distributed(
-            _rank, 2, base + sets, f"{args.out}/{name}"
-        )[0]
+        (
+            (raw_launches, raw_syncs, launches),
+            top_launch,
+            syncs,
+            staged,
+            layers,
+            micro,
+            top,
+            top_async,
+        ) = run_distributed(_rank, 2, base + sets, f"{args.out}/{name}")[0]
         print(
             f"{name}: {syncs} host syncs per step ({syncs / (layers * micro):.2f} per layer per micro-batch; "
             f"{layers} layers, {micro} micro-batches), {staged} staged async copies"
@@ -91,10 +103,12 @@ def main() -> None:
             print(f"    {n:5d}  {site}")
         for site, n in top_async:
             print(f"    {n:5d}  {site} (staged, async)")
+        per = layers * micro
         print(
-            f"  kernel launches (eager CUDA, emulated): {launches} per step "
-            f"({launches / (layers * micro):.0f} per layer per micro-batch, head and optimizer "
-            "included); top sites:"
+            f"  kernel launches (eager CUDA, emulated; kernel stand-ins counted as the kernels): "
+            f"{launches} per step ({launches / per:.0f} per layer per micro-batch, head and "
+            f"optimizer included); stand-ins counted op by op: {raw_launches} "
+            f"({raw_launches / per:.0f}), {raw_syncs} syncs; top sites:"
         )
         for site, n in top_launch:
             print(f"    {n:6d}  {site}")

@@ -22,6 +22,7 @@ Legend: R rows (sequences or CP segments), T tokens per row, D hidden.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -105,9 +106,12 @@ def rehearse(
     dtype=torch.bfloat16,
     fla: bool = True,
     kernel: str | None = None,
+    counter=None,
 ) -> Rehearsal:
     """Forward + backward of one ``mixer`` layer of ``arch`` (a Qwen3.5 arch) on fake tensors.
-    ``kernel``: force a kernel name; default: what the dispatch picks on CUDA for ``dtype``."""
+    ``kernel``: force a kernel name; default: what the dispatch picks on CUDA for ``dtype``.
+    ``counter``: a ``perf.syncs.SyncCounter`` entered around forward + backward (inside the fake
+    mode, which answers ops without passing them on)."""
     slot, impl = ("linear_attention", "chunked") if mixer == "gdn" else ("attention", "varlen")
     chosen = select(slot, impl, "cuda", dtype, fla=fla)
     name = kernel or chosen.name
@@ -131,7 +135,7 @@ def rehearse(
                 saved[st._cdata] = st.nbytes()
             return t
 
-        with MemoryTracker("meta") as mem:
+        with MemoryTracker("meta") as mem, counter or contextlib.nullcontext():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 y = layer(x, layout)[0] if mixer == "gdn" else layer(x, cos, sin, layout)
             y.backward(torch.empty_like(y))

@@ -19,7 +19,12 @@ Kernel launches are counted beside them: every aten op on a tensor that is not o
 except views and what only allocates or relabels (``NO_KERNEL``): what an eager CUDA run
 launches, one kernel per op (a composite op that CUDA runs as several counts once: a floor).
 
-Each event is attributed to the innermost stack frame inside ``bumblebee/`` ("file:line").
+Code that stands in for a fused kernel (the emulated FLA, flash and ring kernels) runs inside a
+kernel region (``primitives/kernel_region.py``): the region counts once, as the launches and
+syncs of the kernel it stands for, and the ops and host reads inside it count nowhere.
+
+Each event is attributed to the innermost stack frame inside ``bumblebee/`` ("file:line"); a
+region's, to "kernel <name>".
 Counting starts at ``__enter__`` and stops at ``__exit__``; nothing changes outside.
 """
 
@@ -32,6 +37,9 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# the one module of primitives perf reads (a leaf: it imports nothing from bumblebee)
+from bumblebee.primitives import kernel_region
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -78,11 +86,14 @@ class _ScalarReads(TorchDispatchMode):
             if isinstance(x, torch.Tensor)
         ]
         host = bool(inputs) and all(c._is_host(x) for x in inputs)
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if c._in_region():
+            if not host:
+                c._enter_regions()
+        elif func is torch.ops.aten._local_scalar_dense.default:
             if not host:
                 c._add("device-to-host")
             return func(*args, **(kwargs or {}))
-        if not host and not func.is_view and func not in NO_KERNEL:
+        elif not host and not func.is_view and func not in NO_KERNEL:
             c.launches += 1
             if c.launch_sites:
                 c.by_launch_site[_site()] += 1
@@ -101,7 +112,9 @@ class SyncCounter:
 
     MAKERS = ("tensor", "as_tensor", "from_numpy")
 
-    def __init__(self, launch_sites: bool = False):
+    def __init__(self, launch_sites: bool = False, kernel_regions: bool = True):
+        # kernel_regions=False: count the stand-ins' own ops and reads (what the count was before)
+        self.kernel_regions = kernel_regions
         self.launches = 0  # kernels an eager CUDA run launches (see the module docstring)
         self.launch_sites = launch_sites  # attribute launches to call sites (slower)
         self.by_launch_site: collections.Counter = collections.Counter()
@@ -109,6 +122,8 @@ class SyncCounter:
         self.by_kind: collections.Counter = collections.Counter()
         self.async_by_site: collections.Counter = collections.Counter()  # staged copies (not syncs)
         self._host: dict[int, weakref.ref] = {}  # tensors built on the host from Python data, by id
+        self._counted = weakref.WeakSet()  # kernel regions counted already
+        self.by_kernel: collections.Counter = collections.Counter()  # region name -> calls
 
     @property
     def total(self) -> int:
@@ -126,9 +141,25 @@ class SyncCounter:
         ref = self._host.get(id(t))
         return ref is not None and ref() is t
 
-    def _add(self, kind: str) -> None:
+    def _add(self, kind: str, site: str | None = None) -> None:
         self.by_kind[kind] += 1
-        (self.async_by_site if "async" in kind else self.by_site)[_site()] += 1
+        (self.async_by_site if "async" in kind else self.by_site)[site or _site()] += 1
+
+    def _in_region(self) -> bool:
+        return self.kernel_regions and bool(kernel_region.current())
+
+    def _enter_regions(self) -> None:
+        """A device op inside kernel regions: count each region not counted yet, once."""
+        for r in kernel_region.current():
+            if r in self._counted:
+                continue
+            self._counted.add(r)
+            self.by_kernel[r.name] += 1
+            self.launches += r.launches
+            if self.launch_sites:
+                self.by_launch_site[f"kernel {r.name}"] += r.launches
+            for _ in range(r.syncs):
+                self._add("device-to-host", f"kernel {r.name}")
 
     def __enter__(self):
         self._saved = {("torch", n): getattr(torch, n) for n in self.MAKERS}
@@ -151,7 +182,7 @@ class SyncCounter:
 
         def reader(name):
             def read(t, *a, **k):
-                if not counter._is_host(t):
+                if not counter._is_host(t) and not counter._in_region():
                     counter._add("device-to-host")
                 out = saved[("Tensor", name)](t, *a, **k)
                 if isinstance(out, torch.Tensor):  # cpu(): what it returns lives on the host
@@ -166,7 +197,7 @@ class SyncCounter:
         def to(t, *a, **k):
             out = saved[("Tensor", "to")](t, *a, **k)
             target = k.get("device", a[0] if a and isinstance(a[0], (torch.device, str)) else None)
-            if counter._is_host(t) and target is not None:
+            if counter._is_host(t) and target is not None and not counter._in_region():
                 # packed.to_device stages in pinned memory on CUDA: an asynchronous copy, no sync
                 counter._add(
                     "host-to-device (pinned, async)"

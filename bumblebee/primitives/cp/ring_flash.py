@@ -40,10 +40,11 @@ from dataclasses import dataclass
 import torch
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.attention.flash import reference_varlen_attn
+from bumblebee.primitives.attention.flash import FLASH_BWD, FLASH_FWD, reference_varlen_attn
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring_comm import backward_hop
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
+from bumblebee.primitives.kernel_region import kernel
 from bumblebee.primitives.packed import to_device
 
 
@@ -58,7 +59,7 @@ class BlockKernel:
 def cuda_block_kernel() -> BlockKernel:
     """PyTorch's flash ops; ``reference_block_kernel()`` under the emulated-CUDA mode."""
     if emulation.active():
-        return reference_block_kernel()
+        return reference_block_kernel(as_kernel=True)
 
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         o, lse, _ = torch.ops.torch_attn._varlen_attn(
@@ -98,8 +99,23 @@ def cuda_block_kernel() -> BlockKernel:
     return BlockKernel(fwd, bwd)
 
 
-def reference_block_kernel() -> BlockKernel:
+def reference_block_kernel(as_kernel: bool = False) -> BlockKernel:
+    """The flash ops' contract in plain PyTorch; ``as_kernel``: counted as the flash kernels
+    (``kernel_region``), as the emulated-CUDA mode runs it."""
     from torch.nn.attention.varlen import AuxRequest
+
+    if as_kernel:
+        ref = reference_block_kernel()
+
+        def fwd(*a):
+            with kernel(*FLASH_FWD):
+                return ref.forward(*a)
+
+        def bwd(*a):
+            with kernel(*FLASH_BWD):
+                return ref.backward(*a)
+
+        return BlockKernel(fwd, bwd)
 
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         return reference_varlen_attn(

@@ -29,7 +29,17 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from bumblebee.primitives.kernel_region import kernel as region
 from bumblebee.primitives.packed import DocLayout, to_device
+
+# What one call of FLA's chunk_gated_delta_rule (fla-core, use_qk_l2norm_in_kernel, cu_seqlens,
+# no chunk indices) launches, for the launch counter (primitives/kernel_region.py). Forward:
+# l2norm q, l2norm k, gate cumsum, kkt + solve, w/u, state pass, output = 7 Triton kernels, and
+# prepare_chunk_indices' ~6 small torch ops with one host read (repeat_interleave on device
+# counts). Backward: w/u, state pass, local dv, dh pass, dq/dk/dw/dg, WY backward, reverse
+# cumsum, 2 l2norm backwards = 9.
+FLA_FWD = ("fla chunk_gated_delta_rule fwd", 13, 1)
+FLA_BWD = ("fla chunk_gated_delta_rule bwd", 9, 0)
 
 
 def doc_plan(layout: DocLayout) -> tuple[list[int], list[int], list[int]]:
@@ -51,18 +61,19 @@ def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state)
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    return chunk_gated_delta_rule(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=final_state,
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens,
-    )
+    with region(*FLA_FWD):  # counted as FLA's kernels, whatever stands in for them
+        return chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=final_state,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens,
+        )
 
 
 @torch.library.custom_op("bumblebee::fla_gdn", mutates_args=())
@@ -96,7 +107,8 @@ def _recompute_grads(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale
     xs = [q, k, v, g, beta] + ([initial_state] if initial_state is not None else [])
     inputs = [x.detach().requires_grad_() for x in xs]
     h0 = inputs[5] if initial_state is not None else None
-    with torch.enable_grad():
+    # FLA's backward kernels; the forward re-run inside counts as a forward of its own
+    with region(*FLA_BWD), torch.enable_grad():
         o, ht = _fla_kernel(*inputs[:5], h0, cu_seqlens, scale, final_state)
         outs, grads_out = ((o, ht), (do, dht)) if final_state else ((o,), (do,))
         grads = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
@@ -143,7 +155,11 @@ def _backward(ctx, do, dht):
     fake = (
         is_fake(q) or q.device.type == "meta"
     )  # a rehearsal: the op's fake kernel gives the shapes
-    grads = torch.ops.bumblebee.fla_gdn_backward(*args) if fake else _recompute_grads(*args)
+    if fake:  # the op stands for FLA's forward re-run and its backward kernels
+        with region(*FLA_BWD), region(*FLA_FWD):
+            grads = torch.ops.bumblebee.fla_gdn_backward(*args)
+    else:
+        grads = _recompute_grads(*args)
     return (*grads[:5], grads[5] if ctx.has_h0 else None, None, None, None)
 
 
@@ -192,8 +208,9 @@ def fla_gated_delta_rule(
     ]
 
     def run(xs, h0, cu_t, final):
-        if kernel is None:
-            return torch.ops.bumblebee.fla_gdn(*xs, h0, cu_t, K**-0.5, final)
+        if kernel is None:  # the region around the op: a launch counter does not see inside it
+            with region(*FLA_FWD):
+                return torch.ops.bumblebee.fla_gdn(*xs, h0, cu_t, K**-0.5, final)
         return kernel(
             *xs,
             scale=K**-0.5,

@@ -1,0 +1,112 @@
+"""Kernel launches and host syncs per layer per micro-batch, before and after the kernel regions
+(``primitives/kernel_region.py``: the emulated kernels counted as the kernels they stand for).
+
+    python benchmarks/launches.py                  # both parts
+    python benchmarks/launches.py --part mixers    # only the real-width mixers (seconds)
+
+Two parts:
+
+- ``layers``: one emulated-CUDA training step (``train.emulate_cuda``, 2 gloo ranks, tiny
+  presets with the families' layer patterns: Qwen3.5-35B-A3B cp2, Qwen3-30B-A3B ep2 chunked,
+  DeepSeek-V3 cp2 ep2 chunked) at two depths; the difference divided by the added layers and
+  the micro-batches is one layer's cost per micro-batch (forward, recompute, backward and its
+  optimizer share), head and step overhead cancelled. Counts per layer do not depend on the
+  width but through the causal conv's 1024-channel blocks (the second part has them at the
+  real width) and on the documents per row only through the references (now in regions).
+- ``mixers``: Qwen3.5-35B-A3B's two token mixers (Gated DeltaNet through FLA's op, gated
+  attention through ``varlen_attn``) at the real widths, forward + backward, on fake meta
+  tensors (``benchmarks/rehearsal.py``), no recompute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+
+
+def layers(seq: int, depths: tuple[int, int]) -> None:
+    from dist_utils import run_distributed
+    from host_syncs import CASES, _rank
+
+    base = [
+        f"train.seq_len={seq}",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+        "train.dtype=bfloat16",
+    ]
+    lo, hi = depths
+    print(
+        f"per layer per micro-batch: emulated-CUDA step, tiny presets, {seq} tokens per row, "
+        f"layers {lo} -> {hi} (difference / {hi - lo} layers / micro-batches)"
+    )
+    for name, sets in CASES.items():
+        got = {}
+        for n in depths:
+            r = run_distributed(
+                _rank,
+                2,
+                base + sets + [f"model.arch.num_hidden_layers={n}"],
+                f"/tmp/bb_launches/{name}/{n}",
+            )[0]
+            (raw_launches, raw_syncs, launches), _, syncs, _, _, micro, _, _ = r
+            got[n] = (raw_launches, raw_syncs, launches, syncs, micro)
+        micro = got[hi][4]
+        d = [(got[hi][i] - got[lo][i]) / ((hi - lo) * micro) for i in range(4)]
+        print(
+            f"  {name}: launches {d[0]:.0f} -> {d[2]:.0f}, syncs {d[1]:.2f} -> {d[3]:.2f} "
+            f"(before: stand-ins op by op; after: as the kernels)"
+        )
+
+
+def mixers(tokens: int, rows: int) -> None:
+    import torch
+    from rehearsal import rehearse
+
+    from bumblebee.models.presets import preset
+    from bumblebee.models.qwen3_5_moe.arch import Qwen3_5MoeArch
+    from bumblebee.perf.syncs import SyncCounter
+
+    print(
+        f"Qwen3.5-35B-A3B mixers at the real width, {rows} x {tokens} tokens, fwd + bwd (fake meta):"
+    )
+    for name in ("tiny", "qwen3.5-35b-a3b"):
+        try:
+            arch = Qwen3_5MoeArch.from_hf_dict(preset("qwen3_5_moe", name))
+        except Exception as e:  # noqa: BLE001  (a preset missing here: say so, go on)
+            print(f"  preset {name}: {e}")
+            continue
+        for mixer in ("gdn", "attention"):
+            for regions in (False, True):
+                c = SyncCounter(kernel_regions=regions, launch_sites=True)
+                rehearse(arch, mixer, rows=rows, tokens=tokens, dtype=torch.bfloat16, counter=c)
+                print(
+                    f"  {name:15} {mixer:9} {'as kernels' if regions else 'op by op  '}: "
+                    f"{c.launches:5d} launches, {c.syncs} syncs; top: "
+                    + ", ".join(f"{s} {n}" for s, n in c.by_launch_site.most_common(3))
+                )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--part", choices=("layers", "mixers", "both"), default="both")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--depths", default="4,8", help="two layer counts (Qwen3.5: multiples of 4)")
+    p.add_argument("--tokens", type=int, default=16384, help="mixers: tokens per row")
+    p.add_argument("--rows", type=int, default=2, help="mixers: rows per rank")
+    a = p.parse_args()
+    if a.part in ("mixers", "both"):
+        mixers(a.tokens, a.rows)
+    if a.part in ("layers", "both"):
+        lo, hi = (int(x) for x in a.depths.split(","))
+        layers(a.seq, (lo, hi))
+
+
+if __name__ == "__main__":
+    main()
