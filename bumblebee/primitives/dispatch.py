@@ -88,6 +88,15 @@ def select(slot: str, impl: str, device: str, dtype, *, fla: bool | None = None)
             False,
             "fla not installed (pip install -e '.[gpu]')" if cuda else "",
         )
+    if (slot, impl) == ("conv", "causal"):  # Gated DeltaNet's short conv (linear_attention/conv.py)
+        if cuda and fla:
+            return Kernel("fla_causal_conv1d", "fla causal_conv1d (fused, varlen)", True)
+        return Kernel(
+            "conv_blocks",
+            "fp32 channel blocks x taps (PyTorch)",
+            False,
+            "fla not installed (pip install -e '.[gpu]')" if cuda else "",
+        )
     return Kernel(impl, f"{impl} (PyTorch)", False)
 
 

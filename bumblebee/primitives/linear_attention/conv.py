@@ -18,16 +18,31 @@ The conv is W shifted multiply-adds (W = 4 in Qwen3.5), which makes the
 per-token document mask a cheap elementwise product; the weight uses nn.Conv1d's
 depthwise layout [C, 1, W] so HF's ``linear_attn.conv1d.weight`` maps one to one.
 
-Legend: B batch, T tokens, C channels, W kernel width, P = W - 1 carried tokens.
+On CUDA with fla-core present (``dispatch.select("conv", "causal", ...)``) the layer runs FLA's
+fused ``causal_conv1d`` instead (``fla_causal_conv1d``: one Triton kernel over all channels and
+documents, SiLU fused, varlen through ``cu_seqlens``, the carried window as per-document initial
+states) in place of the channel blocks x taps loop.
+
+Legend: B batch, T tokens, C channels, W kernel width, P = W - 1 carried tokens, N documents.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from bumblebee.primitives import emulation
+from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_region import standin
 from bumblebee.primitives.packed import DocLayout, to_device
 from bumblebee.primitives.recompute import lean
+
+# FLA's causal_conv1d per call, for the launch counter (primitives/kernel_region.py): forward
+# conv + final-state kernels; backward conv backward + initial-state gradient kernels (chunk
+# indices from cu_seqlens_cpu: no host read).
+FLA_CONV_FWD = ("fla causal_conv1d fwd", 2)
+FLA_CONV_BWD = ("fla causal_conv1d bwd", 2)
 
 
 def doc_offsets(layout: DocLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +117,89 @@ def causal_conv1d(
     return y.to(x_BTC.dtype), final_BPC.to(x_BTC.dtype)
 
 
+def _conv_plan(layout: DocLayout, device):
+    """(cu_seqlens on ``device``, the same on the host, each row's first document, its last, N),
+    built once per layout and device."""
+
+    def build():
+        T, cu, first, last = layout.seq_len, [], [], []
+        for b, bounds in enumerate(layout.bounds):
+            first.append(len(cu))
+            cu.extend(b * T + s for s in bounds[:-1])
+            last.append(len(cu) - 1)
+        cu.append(len(layout.bounds) * T)
+        dev = [to_device(x, device) for x in (cu, first, last)]
+        return dev[0], torch.tensor(cu, dtype=torch.long), dev[1], dev[2], len(cu) - 1
+
+    return layout.cached("fla_conv_plan", device, build)
+
+
+def fla_causal_conv1d(x_BTC, weight_CW, layout: DocLayout, initial_BPC, activation, kernel=None):
+    """``causal_conv1d`` (+ ``activation``: None or "silu", applied in fp32 before the cast) through
+    FLA's kernel (``kernel``: a callable with ``fla.modules.causal_conv1d``'s signature; None:
+    FLA's, or its reference under the emulated-CUDA mode) -> (y [B, T, C], final [B, P, C]).
+    Rows back to back as documents; FLA's state per document is its last W inputs [N, C, W]
+    (column W - 1 the newest; column 0 unread): the row's window goes to its first document,
+    the final window is read off its last."""
+    _check(x_BTC, weight_CW, layout, initial_BPC)
+    B, T, C = x_BTC.shape
+    cu, cu_cpu, first, last, N = _conv_plan(layout, x_BTC.device)
+    h0 = None
+    if initial_BPC is not None:
+        h0 = x_BTC.new_zeros(N, C, weight_CW.shape[1])
+        h0 = h0.index_copy(0, first, F.pad(initial_BPC.transpose(1, 2), (1, 0)).to(h0.dtype))
+    args = dict(bias=None, initial_state=h0, output_final_state=True, activation=activation)
+    args.update(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    x = x_BTC.reshape(1, B * T, C)
+    if kernel is not None:
+        y, hT = kernel(x, weight_CW, **args)
+    elif emulation.active():  # the CUDA branch on CPU: the contract, counted as FLA's kernels
+        y, hT = standin(
+            lambda x, w, h0: reference_fla_causal_conv1d(x, w, **{**args, "initial_state": h0}),
+            FLA_CONV_FWD,
+            FLA_CONV_BWD,
+            x,
+            weight_CW,
+            h0,
+        )
+    else:
+        from fla.modules import causal_conv1d as fla_conv
+
+        y, hT = fla_conv(x, weight_CW, **args)
+    return y.view(B, T, C), hT.index_select(0, last)[:, :, 1:].transpose(1, 2)
+
+
+def reference_fla_causal_conv1d(
+    x,
+    weight,
+    bias=None,
+    initial_state=None,
+    output_final_state=False,
+    activation=None,
+    cu_seqlens=None,
+    **unused,
+):
+    """``fla.modules.causal_conv1d``'s contract (x [1, S, C], weight [C, W], per-document states
+    [N, C, W]) in plain fp32 PyTorch, for the glue's tests and the emulated-CUDA mode."""
+    S, C = x.shape[1:]
+    W = weight.shape[1]
+    cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, S]
+    w = weight.float()
+    ys, finals = [], []
+    for n in range(len(cu) - 1):
+        xs = x[0, cu[n] : cu[n + 1]].float()  # [L, C]
+        h = initial_state[n].float().t() if initial_state is not None else xs.new_zeros(W, C)
+        ext = torch.cat([h[1:], xs])  # [W - 1 + L, C]
+        L = xs.shape[0]
+        y = sum(ext[i : i + L] * w[:, i] for i in range(W))
+        if bias is not None:
+            y = y + bias.float()
+        ys.append(F.silu(y) if activation in ("silu", "swish") else y)
+        finals.append(torch.cat([h, xs])[-W:].t())
+    y = torch.cat(ys)[None].to(x.dtype)
+    return y, (torch.stack(finals).to(x.dtype) if output_final_state else None)
+
+
 class CausalConv1d(nn.Module):
     """Holds the depthwise weight [C, 1, W] (nn.Conv1d / HF layout) and applies ``causal_conv1d``."""
 
@@ -112,6 +210,10 @@ class CausalConv1d(nn.Module):
                 f"CausalConv1d needs positive channels and kernel_size, got {channels}, {kernel_size}"
             )
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+
+    @staticmethod
+    def _fused(x) -> bool:
+        return select("conv", "causal", emulation.kind(x), x.dtype).name == "fla_causal_conv1d"
 
     @property
     def window(self) -> int:
@@ -126,6 +228,9 @@ class CausalConv1d(nn.Module):
         a time (Qwen3.5, 8192 channels, bf16: 64 KiB per token less to keep, and the transient
         fp32 copies are 1/8 of the channels). ``activation`` (elementwise, e.g. SiLU) is applied
         to y inside the same block, so the conv's output need not be kept either."""
+        if activation in (None, F.silu) and self._fused(x_BTC):
+            act_name = None if activation is None else "silu"
+            return fla_causal_conv1d(x_BTC, self.weight[:, 0], layout, initial_BPC, act_name)
         act = activation or (lambda y: y)
 
         def fn(x, w, init):
