@@ -461,6 +461,42 @@ def case_gdn(ck: Check):
     return {"shape": f"B={B} T={T} G={G} H={H} K={K} V={V}", "tensors": tensors}
 
 
+def case_conv(ck: Check):
+    """The GDN short conv through FLA's fused ``causal_conv1d`` (``fla_causal_conv1d``: documents
+    from cu_seqlens, the carried window as the first document's state, SiLU fused) in bf16
+    against the channel-blocks path (``causal_conv1d`` + SiLU) in fp32: y, final window, and the
+    x / weight / window gradients."""
+    from bumblebee.primitives import dispatch
+    from bumblebee.primitives.linear_attention.conv import causal_conv1d, fla_causal_conv1d
+    from bumblebee.primitives.packed import doc_layout
+
+    if ck.cuda and not dispatch.package_present("fla"):
+        return {"status": "skipped: fla not installed (see benchmarks/README.md, the wheel line)"}
+    rows = doc_rows(ck)
+    B, T = len(rows), sum(rows[0])
+    G, H, K, V = gdn_shape(ck)
+    C, W = 2 * G * K + H * V, 4
+    lay = doc_layout(packed_positions(rows, ck.device))
+    g = torch.Generator(device=ck.device).manual_seed(5)
+    x, w = (torch.randn(*s, device=ck.device, generator=g) for s in ((B, T, C), (C, W)))
+    init = torch.randn(B, W - 1, C, device=ck.device, generator=g)
+    dy = torch.randn(B, T, C, device=ck.device, generator=g)
+    df = torch.randn(B, W - 1, C, device=ck.device, generator=g)
+    fast = leaves_like((x, w, init), torch.bfloat16)
+    with ck.emulated():
+        y, f = fla_causal_conv1d(fast[0], fast[1], lay, fast[2], "silu")
+        ((y.float() * dy).sum() + (f.float() * df).sum()).backward()
+    ref = leaves_like((x, w, init), torch.float32)
+    y_r, f_r = causal_conv1d(ref[0], ref[1], lay, ref[2])
+    y_r = F.silu(y_r)
+    ((y_r * dy).sum() + (f_r * df).sum()).backward()
+    tensors = [compare("y", y, y_r, TOL["gdn"]), compare("final_window", f, f_r, TOL["gdn"])]
+    tensors += [
+        compare(n, a.grad, b.grad, TOL["gdn"]) for n, a, b in zip(("dx", "dw", "dinit"), fast, ref)
+    ]
+    return {"shape": f"B={B} T={T} C={C} W={W}", "tensors": tensors}
+
+
 def ce_shape(ck: Check):
     """(tokens, hidden, vocabulary): Qwen3's 152K vocabulary (the fp32 reference holds [T, V])."""
     return (96, 32, 300) if ck.smoke else (4096, 2048, 151936)
@@ -608,6 +644,7 @@ def section_numerics(ck: Check, out: dict):
         ring = lambda c=cp: case_ring(ck, N, K, D, c)  # noqa: E731
         ck.case(out, f"cp ring blocks + lse merge {name} cp{cp}", ring)
     ck.case(out, "fla chunk_gated_delta_rule qwen3.5", lambda: case_gdn(ck))
+    ck.case(out, "fla causal_conv1d qwen3.5", lambda: case_conv(ck))
     ck.case(out, "linear CE vs materialized CE", lambda: case_linear_ce(ck))
     ck.case(out, "grouped-GEMM experts vs loop", lambda: case_experts(ck))
     ck.case(out, "MLA (varlen core) vs MLA (sdpa reference)", lambda: case_mla(ck))
