@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import functools
 
-import torch.nn.functional as F
 from torch import nn
 
 from bumblebee import registry
+from bumblebee.primitives.fused import swiglu
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.moe.balance import router_stats
 from bumblebee.primitives.moe.capacity import drop_over_capacity
@@ -62,7 +62,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class MoE(nn.Module):

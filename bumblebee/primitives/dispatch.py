@@ -97,6 +97,10 @@ def select(slot: str, impl: str, device: str, dtype, *, fla: bool | None = None)
             False,
             "fla not installed (pip install -e '.[gpu]')" if cuda else "",
         )
+    if (slot, impl) == ("glue", "fused"):  # norms, gated norm, SwiGLU product, RoPE (fused.py)
+        if cuda:
+            return Kernel("compiled", "torch.compile per function (inductor)", True)
+        return Kernel("eager", "eager PyTorch ops", False)
     return Kernel(impl, f"{impl} (PyTorch)", False)
 
 

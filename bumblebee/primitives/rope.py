@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from bumblebee.primitives.fused import fused
+
 
 def rope_cos_sin(
     position_ids_BT: torch.Tensor,
@@ -90,7 +92,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x_BNTD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor) -> torch.Tensor:
-    """Rotate the first R dims of every head; the rest pass through (partial rotary)."""
+    """Rotate the first R dims of every head; the rest pass through (partial rotary). One fused
+    kernel on CUDA (``fused.py``)."""
+    return fused("rope", rope_reference, x_BNTD, cos_BTR, sin_BTR)
+
+
+def rope_reference(x_BNTD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor):
+    """``apply_rope``'s maths in eager ops."""
     r = cos_BTR.shape[-1]
     cos, sin = cos_BTR[:, None], sin_BTR[:, None]
     if r == x_BNTD.shape[-1]:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bumblebee.primitives.fused import swiglu_halves
 from bumblebee.registry import register
 
 
@@ -81,7 +82,6 @@ def experts_grouped(
         return experts_loop(x_NH, counts_E, w_gate_up_EGH, w_down_EHF)
     offs = torch.cumsum(counts_E, 0).to(torch.int32)
     h_NG = torch._grouped_mm(x_NH, w_gate_up_EGH.to(x_NH.dtype).transpose(-2, -1), offs=offs)
-    gate, up = h_NG.chunk(2, dim=-1)
     return torch._grouped_mm(
-        F.silu(gate) * up, w_down_EHF.to(x_NH.dtype).transpose(-2, -1), offs=offs
+        swiglu_halves(h_NG), w_down_EHF.to(x_NH.dtype).transpose(-2, -1), offs=offs
     )

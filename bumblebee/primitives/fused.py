@@ -1,0 +1,63 @@
+"""Elementwise glue as one kernel on CUDA: ``torch.compile`` (inductor) per function, regional.
+
+RMSNorm, the gated RMSNorm, SwiGLU's product and RoPE are chains of small eager ops (an fp32
+RMSNorm is cast, square, mean, add, rsqrt, multiply, cast, multiply: 8 launches forward and more
+backward), each a full read and write of the activation. On CUDA (``dispatch.select("glue",
+"fused", ...)``) each function here is compiled on its own, as torchtitan compiles per block: a
+fused forward kernel and a fused backward, nothing else of the model traced. Elsewhere the same
+function runs eagerly -- it is the reference, and the CPU path. Under the emulated-CUDA mode it
+runs eagerly inside a kernel region (``kernel_region.standin``): counted as the compiled kernels,
+its backward recomputed from the inputs as a fused backward would.
+
+A function is a module-level one (compiled once, cached on it) taking tensors and constants as
+positional arguments (weights included, so their gradients flow through the stand-in).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from bumblebee.primitives import emulation
+from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_region import standin
+
+# launches of one compiled function (inductor): one fused forward kernel; backward one kernel for
+# the input gradients and one reduction for a weight's, when there is a weight
+FWD, BWD, BWD_WEIGHT = 1, 1, 2
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, fullgraph=True, dynamic=None)
+
+
+def fused(name: str, fn, *args, weight: bool = False):
+    """``fn(*args)``: compiled on CUDA, eager elsewhere (counted as compiled when emulated)."""
+    x = args[0]
+    if select("glue", "fused", emulation.kind(x), x.dtype).name != "compiled":
+        return fn(*args)
+    if x.is_cuda:
+        return _compiled(fn)(*args)
+    bwd = BWD_WEIGHT if weight else BWD
+    return standin(fn, (f"{name} fwd (compiled)", FWD), (f"{name} bwd (compiled)", bwd), *args)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def _swiglu_halves(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (one fused kernel on CUDA)."""
+    return fused("swiglu", _swiglu, gate, up)
+
+
+def swiglu_halves(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``h = [gate | up]`` on the last dim (one fused kernel on CUDA)."""
+    return fused("swiglu", _swiglu_halves, h)
