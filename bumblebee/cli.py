@@ -127,6 +127,11 @@ def _primitives_run(args) -> int:
             print(f"    {name:<14}{tag:<22} {impl.summary}")
             for device, dtype, label in dispatch.rows(slot, name):  # the kernel it runs where
                 print(f"        {device + ', ' + dtype:<36} -> {label}")
+    print("kernels beside the slots:")
+    for (slot, name), desc in dispatch.EXTRA_KERNELS.items():
+        print(f"    {slot}/{name}: {desc}")
+        for device, dtype, label in dispatch.rows(slot, name):
+            print(f"        {device + ', ' + dtype:<36} -> {label}")
     return 0
 
 

@@ -25,6 +25,7 @@ def kernels_note(cp: int, has_gdn: bool) -> str:
     table = assumed_kernels(cp)
     if not has_gdn:
         table.pop("linear_attention")
+        table.pop("conv")
     line = "kernels assumed (CUDA, bf16): " + dispatch.describe(table)
     if has_gdn and not dispatch.package_present("fla"):
         line += (
@@ -44,8 +45,9 @@ def assumptions(cp: int, has_gdn: bool) -> dict:
         PrimitivesConfig(), "cuda", "bfloat16", cp=cp
     )  # packages present here
     if not has_gdn:
-        table.pop("linear_attention")
-        here.pop("linear_attention")
+        for slot in ("linear_attention", "conv"):
+            table.pop(slot)
+            here.pop(slot)
     pure = sorted(slot for slot, k in here.items() if not k.fused)
     return {
         "device": "cuda",

@@ -8,9 +8,16 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 
 | slot / impl | CUDA, bf16/fp16 | CUDA, fp32 | CPU |
 | --- | --- | --- | --- |
-| attention / varlen | ``varlen_attn`` (flash) | SDPA per document | SDPA per document |
-| cp / ring | ring of ``varlen_attn`` steps | fp32 tiles | fp32 tiles |
+| attention / varlen | ``varlen_attn`` (flash: FA3 when present, else FA2) | SDPA per document | SDPA per document |
+| cp / ring | ring of ``varlen_attn`` steps (same flash) | fp32 tiles | fp32 tiles |
 | linear_attention / chunked | FLA ``chunk_gated_delta_rule`` (``fla`` imports), else chunked | same | chunked |
+| conv / causal (GDN conv) | FLA ``causal_conv1d`` (``fla`` imports), else channel blocks | same | blocks |
+| glue / fused (norms, SwiGLU, RoPE) | ``torch.compile`` per function | same | eager ops |
+
+FA3: torch's flash ops (``varlen_attn``, the ring's ``_varlen_attn``) run FlashAttention 3 once
+``torch.nn.attention.activate_flash_attention_impl("FA3")`` is called, which needs PyTorch's
+flash-impl registry (2.13), the flash-attn 3 package (``flash_attn_interface``) and a Hopper GPU
+(compute capability 9.0); ``use_flash_impl`` does it once, at the first flash call.
 
 References (``sdpa``, ``allgather``, ``recurrent``) and every other implementation run their
 own PyTorch code everywhere. Under the emulated-CUDA mode (``emulation.py``, ``train.emulate_cuda``)
@@ -50,20 +57,51 @@ def package_present(name: str) -> bool:
     return True
 
 
+@functools.cache
+def fa3_present() -> bool:
+    """FA3 can serve torch's flash ops here: the registry lists it, its package imports, the GPU
+    is Hopper (FA3's kernels are sm90 only)."""
+    try:
+        from torch.nn.attention import list_flash_attention_impls
+    except ImportError:
+        return False
+    if "FA3" not in list_flash_attention_impls() or not package_present("flash_attn_interface"):
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def flash_impl(fa3: bool | None = None) -> str:
+    """ "FA3" or "FA2": what torch's flash ops run (``fa3`` overrides the check, as ``fla`` does)."""
+    return "FA3" if (fa3_present() if fa3 is None else fa3) else "FA2"
+
+
+@functools.cache
+def use_flash_impl() -> str:
+    """Activate FA3 in torch's dispatcher when present (once per process); the impl in use."""
+    impl = flash_impl()
+    if impl == "FA3":
+        from torch.nn.attention import activate_flash_attention_impl
+
+        activate_flash_attention_impl("FA3")
+    return impl
+
+
 def _dtype(dtype) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def select(slot: str, impl: str, device: str, dtype, *, fla: bool | None = None) -> Kernel:
+def select(
+    slot: str, impl: str, device: str, dtype, *, fla: bool | None = None, fa3: bool | None = None
+) -> Kernel:
     """The kernel ``slot``/``impl`` runs on ``device`` ("cuda", "cpu", ...) for ``dtype``.
-    ``fla`` overrides the package check (the planner asks "what if it were installed")."""
+    ``fla`` / ``fa3`` override the package checks (the planner asks "what if it were installed")."""
     dtype, cuda = _dtype(dtype), device == "cuda"
     fla = package_present("fla") if fla is None else fla
     if cuda and emulation.active():  # every CUDA branch, its kernels replaced by their references
         dtype, fla = torch.bfloat16, True
     if (slot, impl) == ("attention", "varlen"):
         if cuda and dtype in HALF:
-            return Kernel("varlen_attn", "varlen_attn (flash)", True)
+            return Kernel("varlen_attn", f"varlen_attn (flash, {flash_impl(fa3)})", True)
         return Kernel(
             "sdpa_per_doc",
             "SDPA per document",
@@ -72,7 +110,9 @@ def select(slot: str, impl: str, device: str, dtype, *, fla: bool | None = None)
         )
     if (slot, impl) == ("cp", "ring"):
         if cuda and dtype in HALF:
-            return Kernel("ring_varlen_attn", "ring of varlen_attn steps (flash)", True)
+            return Kernel(
+                "ring_varlen_attn", f"ring of varlen_attn steps (flash, {flash_impl(fa3)})", True
+            )
         return Kernel(
             "ring_tiles",
             "ring, fp32 score tiles",
@@ -108,16 +148,18 @@ KERNEL_SLOTS = ("attention", "cp", "linear_attention")
 
 
 def kernel_table(
-    prims, device: str, dtype, *, cp: int = 1, fla: bool | None = None
+    prims, device: str, dtype, *, cp: int = 1, fla: bool | None = None, fa3: bool | None = None
 ) -> dict[str, Kernel]:
     """slot -> Kernel for the configured implementations (``prims``: a PrimitivesConfig).
     ``cp`` omitted or 1: no CP slot (full attention runs the ``attention`` slot)."""
-    out = {"attention": select("attention", prims.attention, device, dtype, fla=fla)}
+    out = {"attention": select("attention", prims.attention, device, dtype, fla=fla, fa3=fa3)}
     if cp > 1:
-        out["cp"] = select("cp", prims.cp, device, dtype, fla=fla)
+        out["cp"] = select("cp", prims.cp, device, dtype, fla=fla, fa3=fa3)
     out["linear_attention"] = select(
         "linear_attention", prims.linear_attention, device, dtype, fla=fla
     )
+    out["conv"] = select("conv", "causal", device, dtype, fla=fla)  # GDN layers only
+    out["glue"] = select("glue", "fused", device, dtype)
     return out
 
 
@@ -136,15 +178,28 @@ def rows(slot: str, impl: str) -> list[tuple[str, str, str]]:
         ("attention", "varlen"),
         ("cp", "ring"),
         ("linear_attention", "chunked"),
+        ("conv", "causal"),
+        ("glue", "fused"),
     ):
         return []
     out = []
     for device, dtype in (("cuda", "bfloat16"), ("cuda", "float32"), ("cpu", "any")):
         dt = torch.float32 if dtype == "any" else dtype
-        if slot == "linear_attention" and device == "cuda":
+        if slot in ("linear_attention", "conv") and device == "cuda":
             for present in (True, False):
                 k = select(slot, impl, device, dt, fla=present)
                 out.append((device, f"{dtype}, fla {'present' if present else 'absent'}", k.label))
+        elif slot in ("attention", "cp") and (device, dtype) == ("cuda", "bfloat16"):
+            for present in (True, False):
+                k = select(slot, impl, device, dt, fa3=present)
+                out.append((device, f"{dtype}, FA3 {'present' if present else 'absent'}", k.label))
         else:
             out.append((device, dtype, select(slot, impl, device, dt).label))
     return out
+
+
+# kernels chosen beside the registry's slots, listed by ``bumblebee primitives``
+EXTRA_KERNELS = {
+    ("conv", "causal"): "Gated DeltaNet's short causal conv (linear_attention/conv.py)",
+    ("glue", "fused"): "RMSNorm, gated RMSNorm, SwiGLU product, RoPE (fused.py)",
+}

@@ -15,6 +15,7 @@ from bumblebee.primitives import dispatch
 from bumblebee.primitives.attention.flash import flash_varlen, reference_varlen_attn
 from bumblebee.primitives.attention.sdpa import sdpa_masked
 from bumblebee.primitives.linear_attention.fla import (
+    fla_chunk_indices,
     fla_gated_delta_rule,
     reference_chunk_gated_delta_rule,
 )
@@ -114,19 +115,36 @@ def test_dispatch_table():
     assert sel("linear_attention", "chunked", "cuda", "bfloat16", fla=True).name == "fla_chunk"
     absent = sel("linear_attention", "chunked", "cuda", "bfloat16", fla=False)
     assert absent.name == "torch_chunked" and "fla not installed" in absent.note
-    table = dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=4, fla=True)
+    assert sel("conv", "causal", "cuda", "bfloat16", fla=True).name == "fla_causal_conv1d"
+    assert sel("conv", "causal", "cuda", "bfloat16", fla=False).name == "conv_blocks"
+    assert sel("conv", "causal", "cpu", "bfloat16", fla=True).name == "conv_blocks"
+    assert sel("glue", "fused", "cuda", "float32").name == "compiled"
+    assert sel("glue", "fused", "cpu", "bfloat16").name == "eager"
+    fa3 = sel("attention", "varlen", "cuda", "bfloat16", fa3=True)
+    assert fa3.name == "varlen_attn" and "FA3" in fa3.label
+    table = dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=4, fla=True, fa3=False)
     assert dispatch.describe(table) == (
-        "attention: varlen_attn (flash); cp: ring of varlen_attn steps (flash); "
-        "linear_attention: fla chunk_gated_delta_rule"
+        "attention: varlen_attn (flash, FA2); cp: ring of varlen_attn steps (flash, FA2); "
+        "linear_attention: fla chunk_gated_delta_rule; conv: fla causal_conv1d (fused, varlen); "
+        "glue: torch.compile per function (inductor)"
     )
     assert set(dispatch.kernel_table(PrimitivesConfig(), "cpu", "float32")) == {
         "attention",
         "linear_attention",
+        "conv",
+        "glue",
     }
 
 
 @pytest.mark.parametrize(
-    "slot,impl", [("attention", "varlen"), ("cp", "ring"), ("linear_attention", "chunked")]
+    "slot,impl",
+    [
+        ("attention", "varlen"),
+        ("cp", "ring"),
+        ("linear_attention", "chunked"),
+        ("conv", "causal"),
+        ("glue", "fused"),
+    ],
 )
 def test_dispatch_rows_cover_devices(slot, impl):
     rows = dispatch.rows(slot, impl)
@@ -193,7 +211,8 @@ def test_fla_custom_op_under_emulation():
         assert rel(a, b) < 1e-5
     flat = [x.detach().reshape((1, -1) + tuple(x.shape[2:])).requires_grad_() for x in xs[:5]]
     cu = torch.tensor([0, 30, 72], dtype=torch.long)
-    args = (*flat, xs[5][:2].detach().requires_grad_(), cu, 0.35, True)
+    idx = torch.tensor(fla_chunk_indices([0, 30, 72]), dtype=torch.long)
+    args = (*flat, xs[5][:2].detach().requires_grad_(), cu, idx, 0.35, True)
     with emulate_cuda(check_comm=False):
         # not the aot_dispatch utils: the backward op runs autograd inside (bumblebee never compiles)
         torch.library.opcheck(
@@ -248,3 +267,9 @@ def test_conv_layer_takes_fla_under_emulation():
     assert c.by_kernel == {FLA_CONV_FWD[0]: 1}
     for a, b in zip(emu, cpu):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_fla_chunk_indices_are_flas():
+    """FLA's prepare_chunk_indices (64-token chunks; fla/ops/utils/index.py), from host ints."""
+    assert fla_chunk_indices([0, 1, 65, 65 + 128]) == [[0, 0], [1, 0], [2, 0], [2, 1]]
+    assert fla_chunk_indices([0, 64, 129]) == [[0, 0], [1, 0], [1, 1]]

@@ -20,7 +20,9 @@ def test_rehearsal_runs_cuda_kernels_on_fake_tensors():
     a = arch()
     attn = rehearse(a, "attention", rows=2, tokens=256)
     gdn = rehearse(a, "gdn", rows=2, tokens=256, fla=True)
-    assert attn.kernel == "varlen_attn (flash)" and gdn.kernel == "fla chunk_gated_delta_rule"
+    assert (
+        attn.kernel.startswith("varlen_attn (flash") and gdn.kernel == "fla chunk_gated_delta_rule"
+    )
     for r in (attn, gdn):
         assert 0 < r.saved_bytes < r.peak_bytes
     # the saved activations are at least the bf16 input of the layer's first projection

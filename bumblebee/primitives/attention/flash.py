@@ -49,6 +49,10 @@ def cuda_varlen_attn():
         return emulated_varlen_attn
     from torch.nn.attention.varlen import varlen_attn
 
+    from bumblebee.primitives.dispatch import use_flash_impl
+
+    use_flash_impl()  # FA3 in torch's dispatcher when present (once)
+
     return varlen_attn
 
 

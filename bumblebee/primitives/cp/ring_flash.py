@@ -60,6 +60,9 @@ def cuda_block_kernel() -> BlockKernel:
     """PyTorch's flash ops; ``reference_block_kernel()`` under the emulated-CUDA mode."""
     if emulation.active():
         return reference_block_kernel(as_kernel=True)
+    from bumblebee.primitives.dispatch import use_flash_impl
+
+    use_flash_impl()  # FA3 in torch's dispatcher when present (once)
 
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         o, lse, _ = torch.ops.torch_attn._varlen_attn(

@@ -35,12 +35,13 @@ from torch import nn
 from bumblebee.primitives import emulation
 from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.kernel_region import standin
+from bumblebee.primitives.linear_attention.fla import doc_plan, fla_chunk_indices
 from bumblebee.primitives.packed import DocLayout, to_device
 from bumblebee.primitives.recompute import lean
 
 # FLA's causal_conv1d per call, for the launch counter (primitives/kernel_region.py): forward
 # conv + final-state kernels; backward conv backward + initial-state gradient kernels (chunk
-# indices from cu_seqlens_cpu: no host read).
+# indices passed in: no host read).
 FLA_CONV_FWD = ("fla causal_conv1d fwd", 2)
 FLA_CONV_BWD = ("fla causal_conv1d bwd", 2)
 
@@ -118,18 +119,13 @@ def causal_conv1d(
 
 
 def _conv_plan(layout: DocLayout, device):
-    """(cu_seqlens on ``device``, the same on the host, each row's first document, its last, N),
-    built once per layout and device."""
+    """(cu_seqlens on ``device``, the same on the host, FLA's chunk indices on ``device``, each
+    row's first document, its last, N), built once per layout and device."""
 
     def build():
-        T, cu, first, last = layout.seq_len, [], [], []
-        for b, bounds in enumerate(layout.bounds):
-            first.append(len(cu))
-            cu.extend(b * T + s for s in bounds[:-1])
-            last.append(len(cu) - 1)
-        cu.append(len(layout.bounds) * T)
-        dev = [to_device(x, device) for x in (cu, first, last)]
-        return dev[0], torch.tensor(cu, dtype=torch.long), dev[1], dev[2], len(cu) - 1
+        cu, first, last = doc_plan(layout)
+        dev = [to_device(x, device) for x in (cu, fla_chunk_indices(cu), first, last)]
+        return dev[0], torch.tensor(cu, dtype=torch.long), *dev[1:], len(cu) - 1
 
     return layout.cached("fla_conv_plan", device, build)
 
@@ -143,13 +139,13 @@ def fla_causal_conv1d(x_BTC, weight_CW, layout: DocLayout, initial_BPC, activati
     the final window is read off its last."""
     _check(x_BTC, weight_CW, layout, initial_BPC)
     B, T, C = x_BTC.shape
-    cu, cu_cpu, first, last, N = _conv_plan(layout, x_BTC.device)
+    cu, cu_cpu, idx, first, last, N = _conv_plan(layout, x_BTC.device)
     h0 = None
     if initial_BPC is not None:
         h0 = x_BTC.new_zeros(N, C, weight_CW.shape[1])
         h0 = h0.index_copy(0, first, F.pad(initial_BPC.transpose(1, 2), (1, 0)).to(h0.dtype))
     args = dict(bias=None, initial_state=h0, output_final_state=True, activation=activation)
-    args.update(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    args.update(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=idx)
     x = x_BTC.reshape(1, B * T, C)
     if kernel is not None:
         y, hT = kernel(x, weight_CW, **args)
@@ -177,13 +173,17 @@ def reference_fla_causal_conv1d(
     output_final_state=False,
     activation=None,
     cu_seqlens=None,
+    chunk_indices=None,
     **unused,
 ):
     """``fla.modules.causal_conv1d``'s contract (x [1, S, C], weight [C, W], per-document states
-    [N, C, W]) in plain fp32 PyTorch, for the glue's tests and the emulated-CUDA mode."""
+    [N, C, W]) in plain fp32 PyTorch, for the glue's tests and the emulated-CUDA mode;
+    ``chunk_indices``, when given, must be what FLA derives from ``cu_seqlens`` (checked)."""
     S, C = x.shape[1:]
     W = weight.shape[1]
     cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, S]
+    if chunk_indices is not None:
+        assert chunk_indices.tolist() == fla_chunk_indices(cu), "wrong chunk_indices"
     w = weight.float()
     ys, finals = [], []
     for n in range(len(cu) - 1):

@@ -32,14 +32,20 @@ from torch._subclasses.fake_tensor import is_fake
 from bumblebee.primitives.kernel_region import kernel as region
 from bumblebee.primitives.packed import DocLayout, to_device
 
-# What one call of FLA's chunk_gated_delta_rule (fla-core, use_qk_l2norm_in_kernel, cu_seqlens,
-# no chunk indices) launches, for the launch counter (primitives/kernel_region.py). Forward:
-# l2norm q, l2norm k, gate cumsum, kkt + solve, w/u, state pass, output = 7 Triton kernels, and
-# prepare_chunk_indices' ~6 small torch ops with one host read (repeat_interleave on device
-# counts). Backward: w/u, state pass, local dv, dh pass, dq/dk/dw/dg, WY backward, reverse
-# cumsum, 2 l2norm backwards = 9.
-FLA_FWD = ("fla chunk_gated_delta_rule fwd", 13, 1)
+# What one call of FLA's chunk_gated_delta_rule (fla-core, use_qk_l2norm_in_kernel, cu_seqlens and
+# chunk_indices given) launches, for the launch counter (primitives/kernel_region.py). Forward:
+# l2norm q, l2norm k, gate cumsum, kkt + solve, w/u, state pass, output = 7 Triton kernels.
+# Backward: w/u, state pass, local dv, dh pass, dq/dk/dw/dg, WY backward, reverse cumsum, 2
+# l2norm backwards = 9. Without chunk_indices FLA would build them per call from cu_seqlens
+# (~6 small ops and a host read: repeat_interleave on device counts).
+FLA_FWD = ("fla chunk_gated_delta_rule fwd", 7, 0)
 FLA_BWD = ("fla chunk_gated_delta_rule bwd", 9, 0)
+CHUNK = 64  # FLA's chunk size for the gated delta rule and the causal conv (their default)
+
+
+def fla_chunk_indices(cu: list[int], chunk: int = CHUNK) -> list[list[int]]:
+    """FLA's ``prepare_chunk_indices`` from host ints: (sequence, chunk within it) per chunk."""
+    return [[n, i] for n in range(len(cu) - 1) for i in range(-(-(cu[n + 1] - cu[n]) // chunk))]
 
 
 def doc_plan(layout: DocLayout) -> tuple[list[int], list[int], list[int]]:
@@ -53,7 +59,7 @@ def doc_plan(layout: DocLayout) -> tuple[list[int], list[int], list[int]]:
     return cu, first, last
 
 
-def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state):
+def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, chunk_idx, scale, final_state):
     from bumblebee.primitives import emulation
 
     if emulation.active():  # the CUDA branch on CPU: the kernel's contract in plain PyTorch
@@ -73,6 +79,7 @@ def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state)
             output_final_state=final_state,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_idx,
         )
 
 
@@ -85,22 +92,27 @@ def fla_gdn(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
+    chunk_idx: torch.Tensor,
     scale: float,
     final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
-        o, ht = _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state)
+        o, ht = _fla_kernel(
+            q, k, v, g, beta, initial_state, cu_seqlens, chunk_idx, scale, final_state
+        )
     return o, (ht if final_state else v.new_empty(0, dtype=torch.float32))
 
 
 @fla_gdn.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, chunk_idx, scale, final_state):
     H, V = v.shape[-2:]
     states = (cu_seqlens.shape[0] - 1) if final_state else 0
     return torch.empty_like(v), v.new_empty(states, H, q.shape[-1], V, dtype=torch.float32)
 
 
-def _recompute_grads(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state):
+def _recompute_grads(
+    do, dht, q, k, v, g, beta, initial_state, cu_seqlens, chunk_idx, scale, final_state
+):
     """Input gradients by re-running the kernel under autograd (FLA's kernel is an autograd.Function;
     its emulated stand-in, plain PyTorch ops). Runs at the autograd level, not inside a custom
     op: below the op's dispatch, plain PyTorch ops record no graph."""
@@ -109,7 +121,7 @@ def _recompute_grads(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale
     h0 = inputs[5] if initial_state is not None else None
     # FLA's backward kernels; the forward re-run inside counts as a forward of its own
     with region(*FLA_BWD), torch.enable_grad():
-        o, ht = _fla_kernel(*inputs[:5], h0, cu_seqlens, scale, final_state)
+        o, ht = _fla_kernel(*inputs[:5], h0, cu_seqlens, chunk_idx, scale, final_state)
         outs, grads_out = ((o, ht), (do, dht)) if final_state else ((o,), (do,))
         grads = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
     return [torch.zeros_like(x) if d is None else d for x, d in zip(inputs, grads)]
@@ -126,32 +138,34 @@ def fla_gdn_backward(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
+    chunk_idx: torch.Tensor,
     scale: float,
     final_state: bool,
 ) -> list[torch.Tensor]:
     """The backward as an op of its own: fake-tensor rehearsals (benchmarks/rehearsal.py) get its shapes."""
     return _recompute_grads(
-        do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state
+        do, dht, q, k, v, g, beta, initial_state, cu_seqlens, chunk_idx, scale, final_state
     )
 
 
 @fla_gdn_backward.register_fake
-def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, scale, final_state):
+def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, chunk_idx, scale, final_state):
     xs = [q, k, v, g, beta] + ([initial_state] if initial_state is not None else [])
     return [torch.empty_like(x) for x in xs]
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, g, beta, h0, cu, scale, final_state = inputs
+    q, k, v, g, beta, h0, cu, chunk_idx, scale, final_state = inputs
     ctx.has_h0 = h0 is not None
-    ctx.save_for_backward(q, k, v, g, beta, cu, *([h0] if ctx.has_h0 else []))
+    ctx.save_for_backward(q, k, v, g, beta, cu, chunk_idx, *([h0] if ctx.has_h0 else []))
     ctx.scale, ctx.final_state = scale, final_state
 
 
 def _backward(ctx, do, dht):
-    q, k, v, g, beta, cu, *h0 = ctx.saved_tensors
+    q, k, v, g, beta, cu, chunk_idx, *h0 = ctx.saved_tensors
     h0 = h0[0] if ctx.has_h0 else None
-    args = (do.contiguous(), dht.contiguous(), q, k, v, g, beta, h0, cu, ctx.scale, ctx.final_state)
+    args = (do.contiguous(), dht.contiguous(), q, k, v, g, beta, h0, cu, chunk_idx)
+    args += (ctx.scale, ctx.final_state)
     fake = (
         is_fake(q) or q.device.type == "meta"
     )  # a rehearsal: the op's fake kernel gives the shapes
@@ -160,7 +174,7 @@ def _backward(ctx, do, dht):
             grads = torch.ops.bumblebee.fla_gdn_backward(*args)
     else:
         grads = _recompute_grads(*args)
-    return (*grads[:5], grads[5] if ctx.has_h0 else None, None, None, None)
+    return (*grads[:5], grads[5] if ctx.has_h0 else None, None, None, None, None)
 
 
 fla_gdn.register_autograd(_backward, setup_context=_setup)
@@ -207,10 +221,10 @@ def fla_gated_delta_rule(
         flat(beta_BTH.to(q_BTGK.dtype)),
     ]
 
-    def run(xs, h0, cu_t, final):
+    def run(xs, h0, cu_t, idx_t, final):
         if kernel is None:  # the region around the op: a launch counter does not see inside it
             with region(*FLA_FWD):
-                return torch.ops.bumblebee.fla_gdn(*xs, h0, cu_t, K**-0.5, final)
+                return torch.ops.bumblebee.fla_gdn(*xs, h0, cu_t, idx_t, K**-0.5, final)
         return kernel(
             *xs,
             scale=K**-0.5,
@@ -218,6 +232,7 @@ def fla_gated_delta_rule(
             output_final_state=final,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu_t,
+            chunk_indices=idx_t,
         )
 
     h0 = None
@@ -225,10 +240,12 @@ def fla_gated_delta_rule(
         h0 = torch.zeros(plan.edge_docs, H, K, V, dtype=torch.float32, device=dev)
         h0 = h0.index_copy(0, plan.first, initial_state.float())
     if plan.mid is None:  # every document is an edge document: one call in token order
-        o, ht = run(xs, h0, plan.edge_cu, True)
+        o, ht = run(xs, h0, plan.edge_cu, plan.edge_idx, True)
     else:
-        o_edge, ht = run([x.index_select(1, plan.edge) for x in xs], h0, plan.edge_cu, True)
-        o_mid, _ = run([x.index_select(1, plan.mid) for x in xs], None, plan.mid_cu, False)
+        edge = [x.index_select(1, plan.edge) for x in xs]
+        o_edge, ht = run(edge, h0, plan.edge_cu, plan.edge_idx, True)
+        mid = [x.index_select(1, plan.mid) for x in xs]
+        o_mid, _ = run(mid, None, plan.mid_cu, plan.mid_idx, False)
         o = torch.cat([o_edge, o_mid], 1).index_select(1, plan.order)
     return o.reshape(B, T, H, V).to(v_BTHV.dtype), ht[plan.last].float()
 
@@ -241,11 +258,14 @@ class _DevicePlan:
         (edge_idx, edge_cu), (mid_idx, mid_cu), first, last = _groups(layout)
         self.edge_docs = len(edge_cu) - 1
         self.edge_cu, self.first, self.last = (to_device(x, dev) for x in (edge_cu, first, last))
-        self.edge = self.mid = self.mid_cu = self.order = None
+        # FLA's chunk indices, once per layout (FLA would derive them per call, with a host read)
+        self.edge_idx = to_device(fla_chunk_indices(edge_cu), dev)
+        self.edge = self.mid = self.mid_cu = self.mid_idx = self.order = None
         if mid_idx:
             self.edge, self.mid, self.mid_cu = (
                 to_device(x, dev) for x in (edge_idx, mid_idx, mid_cu)
             )
+            self.mid_idx = to_device(fla_chunk_indices(mid_cu), dev)
             self.order = torch.empty(len(edge_idx) + len(mid_idx), dtype=torch.long, device=dev)
             self.order[torch.cat([self.edge, self.mid])] = torch.arange(
                 self.order.numel(), device=dev
@@ -263,9 +283,11 @@ def reference_chunk_gated_delta_rule(
     output_final_state=False,
     use_qk_l2norm_in_kernel=False,
     cu_seqlens=None,
+    chunk_indices=None,
     **unused,
 ):
-    """``chunk_gated_delta_rule``'s contract, token by token in fp32 (tests of the glue only)."""
+    """``chunk_gated_delta_rule``'s contract, token by token in fp32 (tests of the glue only);
+    ``chunk_indices``, when given, must be what FLA derives from ``cu_seqlens`` (checked)."""
     B, S, G, K = q.shape
     H, V = v.shape[2:]
     assert cu_seqlens is None or B == 1, "FLA wants batch 1 with cu_seqlens"
@@ -277,6 +299,8 @@ def reference_chunk_gated_delta_rule(
     q, k = q.repeat_interleave(H // G, 2) * scale, k.repeat_interleave(H // G, 2)
     v, g, beta = v.float(), g.float(), beta.float()
     cu = cu_seqlens.tolist() if cu_seqlens is not None else [i * S for i in range(B + 1)]
+    if chunk_indices is not None:
+        assert chunk_indices.tolist() == fla_chunk_indices(cu), "wrong chunk_indices"
     if cu_seqlens is None:
         q, k, v, g, beta = (x.reshape((1, B * S) + tuple(x.shape[2:])) for x in (q, k, v, g, beta))
     o = torch.zeros_like(v)
