@@ -15,12 +15,16 @@ Two parts:
   real width) and on the documents per row only through the references (now in regions).
 - ``mixers``: Qwen3.5-35B-A3B's two token mixers (Gated DeltaNet through FLA's op, gated
   attention through ``varlen_attn``) at the real widths, forward + backward, on fake meta
-  tensors (``benchmarks/rehearsal.py``), no recompute.
+  tensors (``benchmarks/rehearsal.py``), no recompute. Before: the glue as the CPU dispatch runs
+  it (eager norms, RoPE, the conv's channel blocks x taps, the gated norm's token blocks), i.e.
+  CUDA before this change; after: the CUDA dispatch under the emulated-CUDA mode (compiled glue,
+  FLA's conv), every kernel counted as the kernels it stands for.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -70,6 +74,7 @@ def mixers(tokens: int, rows: int) -> None:
     from bumblebee.models.presets import preset
     from bumblebee.models.qwen3_5_moe.arch import Qwen3_5MoeArch
     from bumblebee.perf.syncs import SyncCounter
+    from bumblebee.primitives.emulation import emulate_cuda
 
     print(
         f"Qwen3.5-35B-A3B mixers at the real width, {rows} x {tokens} tokens, fwd + bwd (fake meta):"
@@ -81,11 +86,12 @@ def mixers(tokens: int, rows: int) -> None:
             print(f"  preset {name}: {e}")
             continue
         for mixer in ("gdn", "attention"):
-            for regions in (False, True):
-                c = SyncCounter(kernel_regions=regions, launch_sites=True)
-                rehearse(arch, mixer, rows=rows, tokens=tokens, dtype=torch.bfloat16, counter=c)
+            for after in (False, True):
+                c = SyncCounter(launch_sites=True)
+                with emulate_cuda(check_comm=False) if after else contextlib.nullcontext():
+                    rehearse(arch, mixer, rows=rows, tokens=tokens, dtype=torch.bfloat16, counter=c)
                 print(
-                    f"  {name:15} {mixer:9} {'as kernels' if regions else 'op by op  '}: "
+                    f"  {name:15} {mixer:9} {'after ' if after else 'before'}: "
                     f"{c.launches:5d} launches, {c.syncs} syncs; top: "
                     + ", ".join(f"{s} {n}" for s, n in c.by_launch_site.most_common(3))
                 )

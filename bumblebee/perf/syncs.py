@@ -57,7 +57,8 @@ def _site() -> str:
 
 
 _aten = torch.ops.aten
-# ops that launch no kernel: allocation without a fill, metadata, aliasing
+# ops that launch no kernel: allocation without a fill, metadata, aliasing (and every prim::
+# op: metadata queries such as prim::device)
 NO_KERNEL = {
     _aten.empty.memory_format,
     _aten.empty_strided.default,
@@ -93,7 +94,7 @@ class _ScalarReads(TorchDispatchMode):
             if not host:
                 c._add("device-to-host")
             return func(*args, **(kwargs or {}))
-        elif not host and not func.is_view and func not in NO_KERNEL:
+        elif not host and not func.is_view and func not in NO_KERNEL and func.namespace != "prim":
             c.launches += 1
             if c.launch_sites:
                 c.by_launch_site[_site()] += 1

@@ -17,6 +17,7 @@ Legend: B batch, N query heads, K kv heads, T tokens, D head dim, S total packed
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee.primitives.kernel_region import standin
 from bumblebee.primitives.packed import DocLayout, to_device
@@ -81,7 +82,12 @@ def flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float, kernel
 
 
 def emulated_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
-    """``reference_varlen_attn`` counted as the flash kernels it stands for, forward and backward."""
+    """``reference_varlen_attn`` counted as the flash kernels it stands for, forward and backward
+    (fake tensors: torch's op, whose fake kernels give the shapes)."""
+    if is_fake(q) or q.device.type == "meta":
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
     def run(q, k, v, cu_q, cu_k):
         return reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
