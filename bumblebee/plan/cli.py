@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         "assumed, decided by the runtime at start: bf16 compute, fp32 master weights; on CPU the "
         "pure-PyTorch paths run"
     )
-    notes.append(kernels_note(rec.candidate.layout.cp, GDN in spec.mixers))
+    notes.append(kernels_note(rec.candidate.layout.cp, GDN in spec.mixers, spec.family))
     pure = assumptions(rec.candidate.layout.cp, GDN in spec.mixers)["pure_pytorch_here"]
     if pure and rec.candidate.perf:
         notes.append(

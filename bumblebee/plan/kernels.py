@@ -1,7 +1,8 @@
 """Which kernels the plan assumes, from the runtime's kernel dispatch (``primitives/dispatch.py``).
 
 The planner's efficiencies (``hardware.Efficiency``: ``attn_fwd``/``attn_bwd`` for flash
-attention, ``gdn`` for FLA's chunk kernel) and its activation memory model fused CUDA kernels.
+attention, fitted to FA3 / TE runs; ``gdn`` for FLA's chunk kernel) and its activation memory
+model fused CUDA kernels: FA3, FLA's chunk kernel and causal conv, the glue compiled.
 This module asks the dispatch what a CUDA bf16 run of the recipe's primitives would run, and
 says so in the plan; when flash-linear-attention is not importable where the plan is made, the
 note says that a run with these packages would fall back to the pure-PyTorch chunked core
@@ -14,23 +15,49 @@ from __future__ import annotations
 from bumblebee.config import PrimitivesConfig
 from bumblebee.primitives import dispatch
 
+# Kernel launches and blocking host syncs per layer per micro-batch of one training step
+# (forward, full recompute, backward, the layer's optimizer share), counted in the emulated-CUDA
+# mode with the kernels counted as kernels: ``python benchmarks/launches.py --part layers`` (tiny
+# presets with the families' layer patterns; figures, layouts and machine in
+# skills/runtime/emulated_cuda.md). The time model does not charge them (it assumes the host
+# runs ahead of the GPU, which these counts make plausible); the plan prints them.
+MEASURED_PER_LAYER = {
+    # family: (launches, syncs, layout it was counted on)
+    "qwen3_5_moe": (None, None, "cp 2 ring"),
+    "qwen3_moe": (None, None, "ep 2 chunked"),
+    "deepseek_v3": (None, None, "cp 2 ring, ep 2 chunked"),
+}
 
-def assumed_kernels(cp: int, *, fla: bool = True) -> dict[str, dispatch.Kernel]:
-    """slot -> Kernel of a CUDA bf16 run with the default primitives at context parallelism ``cp``."""
-    return dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=cp, fla=fla)
+
+def assumed_kernels(cp: int, *, fla: bool = True, fa3: bool = True) -> dict[str, dispatch.Kernel]:
+    """slot -> Kernel of a CUDA bf16 run with the default primitives at context parallelism ``cp``
+    (FA3 and FLA present: the attention efficiencies were fitted to FA3 / TE runs)."""
+    return dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=cp, fla=fla, fa3=fa3)
 
 
-def kernels_note(cp: int, has_gdn: bool) -> str:
-    """One line for the plan: the kernels its figures assume, and a warning when FLA is absent here."""
+def kernels_note(cp: int, has_gdn: bool, family: str | None = None) -> str:
+    """One line for the plan: the kernels its figures assume, the launch / sync counts measured
+    for the family, and warnings when FLA or FA3 is absent here."""
     table = assumed_kernels(cp)
     if not has_gdn:
         table.pop("linear_attention")
         table.pop("conv")
     line = "kernels assumed (CUDA, bf16): " + dispatch.describe(table)
+    launches, syncs, layout = MEASURED_PER_LAYER.get(family, (None, None, ""))
+    if launches is not None:
+        line += (
+            f"; measured per layer per micro-batch with these kernels (emulated CUDA, {layout}, "
+            f"benchmarks/launches.py): {launches} kernel launches, {syncs:g} host syncs"
+        )
     if has_gdn and not dispatch.package_present("fla"):
         line += (
             "; flash-linear-attention is not installed here: a run with these packages would use the "
             "pure-PyTorch chunked GDN core, which this plan does not model (pip install -e '.[gpu]')"
+        )
+    if dispatch.flash_impl() != "FA3":
+        line += (
+            "; FA3 is not available here (flash_attn_interface on a Hopper GPU): torch's flash ops "
+            "would run FA2, slower than the FA3-class attention efficiencies assumed (not modelled)"
         )
     return line
 
