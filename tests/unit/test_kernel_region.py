@@ -68,3 +68,28 @@ def test_standin_passes_constants_and_unneeded_grads():
     out = standin(lambda a, s, b: a * s + b, ("f", 1), ("b", 1), a, 2.0, b)
     (ga,) = torch.autograd.grad(out.sum(), (a,))
     assert torch.equal(ga, torch.full((3,), 2.0))
+
+
+def test_emulated_fla_counts_as_flas_kernels():
+    """The emulated FLA op (edge and middle documents: two calls) counts as FLA's forward per call,
+    and per backward call its backward plus the forward it re-runs; no host syncs (the chunk
+    indices come from the layout)."""
+    from bumblebee.primitives.emulation import emulate_cuda
+    from bumblebee.primitives.linear_attention.fla import FLA_BWD, FLA_FWD
+    from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_chunked
+    from bumblebee.primitives.packed import doc_layout
+
+    rows = [[3, 5, 8], [16]]
+    lay = doc_layout(torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows]))
+    g = torch.Generator().manual_seed(0)
+    B, T, G, H, K, V = 2, 16, 1, 2, 4, 4
+    q, k = (torch.randn(B, T, G, K, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g, requires_grad=True)
+    gate = (-torch.rand(B, T, H, generator=g)).requires_grad_()
+    beta = torch.rand(B, T, H, generator=g).requires_grad_()
+    lay.doc_ids(torch.device("cpu"))  # the layout's host read: once per micro-batch, not FLA's
+    with emulate_cuda(check_comm=False), SyncCounter() as c:
+        o, S = gated_delta_rule_chunked(q, k, v, gate, beta, lay, None)
+        (o.square().sum() + S.square().sum()).backward()
+    assert c.by_kernel == {FLA_FWD[0]: 4, FLA_BWD[0]: 2}, c.by_kernel
+    assert c.syncs == 0, c.by_site
