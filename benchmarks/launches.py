@@ -6,7 +6,9 @@
 
 Two parts:
 
-- ``layers``: one emulated-CUDA training step (``train.emulate_cuda``, 2 gloo ranks, tiny
+- ``layers``: before (``dispatch.unfused()``: eager glue, the conv's channel blocks, as CUDA ran
+  them before) and after (the fused paths); kernels counted as kernels in both. One
+  emulated-CUDA training step (``train.emulate_cuda``, 2 gloo ranks, tiny
   presets with the families' layer patterns: Qwen3.5-35B-A3B cp2, Qwen3-30B-A3B ep2 chunked,
   DeepSeek-V3 cp2 ep2 chunked) at two depths; the difference divided by the added layers and
   the micro-batches is one layer's cost per micro-batch (forward, recompute, backward and its
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import sys
 
@@ -33,9 +36,29 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 
+def _rank(rank, world, sets, out_dir, before):
+    """One counted step (after a first, uncounted one) -> (launches, syncs, micro-batches)."""
+    from bumblebee import load_config
+    from bumblebee.perf.syncs import SyncCounter
+    from bumblebee.primitives.dispatch import unfused
+    from bumblebee.primitives.emulation import emulate_cuda
+    from bumblebee.runtime.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        sets + [f"train.out_dir={out_dir}/{rank}", "train.eval_every=0", "train.emulate_cuda=true"],
+    )
+    trainer = Trainer(cfg, stream=io.StringIO())
+    with unfused() if before else contextlib.nullcontext():
+        trainer.train_step()
+        with emulate_cuda(check_comm=False), SyncCounter() as c:
+            trainer.train_step()
+    return c.launches, c.syncs, trainer.accum
+
+
 def layers(seq: int, depths: tuple[int, int]) -> None:
     from dist_utils import run_distributed
-    from host_syncs import CASES, _rank
+    from host_syncs import CASES
 
     base = [
         f"train.seq_len={seq}",
@@ -49,21 +72,22 @@ def layers(seq: int, depths: tuple[int, int]) -> None:
         f"layers {lo} -> {hi} (difference / {hi - lo} layers / micro-batches)"
     )
     for name, sets in CASES.items():
-        got = {}
-        for n in depths:
-            r = run_distributed(
-                _rank,
-                2,
-                base + sets + [f"model.arch.num_hidden_layers={n}"],
-                f"/tmp/bb_launches/{name}/{n}",
-            )[0]
-            (raw_launches, raw_syncs, launches), _, syncs, _, _, micro, _, _ = r
-            got[n] = (raw_launches, raw_syncs, launches, syncs, micro)
-        micro = got[hi][4]
-        d = [(got[hi][i] - got[lo][i]) / ((hi - lo) * micro) for i in range(4)]
+        per = {}
+        for before in (True, False):
+            got = {}
+            for n in depths:
+                got[n] = run_distributed(
+                    _rank,
+                    2,
+                    base + sets + [f"model.arch.num_hidden_layers={n}"],
+                    f"/tmp/bb_launches/{name}/{n}{before}",
+                    before,
+                )[0]
+            micro = got[hi][2]
+            per[before] = [(got[hi][i] - got[lo][i]) / ((hi - lo) * micro) for i in range(2)]
         print(
-            f"  {name}: launches {d[0]:.0f} -> {d[2]:.0f}, syncs {d[1]:.2f} -> {d[3]:.2f} "
-            f"(before: stand-ins op by op; after: as the kernels)"
+            f"  {name}: launches {per[True][0]:.0f} -> {per[False][0]:.0f}, "
+            f"host syncs {per[True][1]:.2f} -> {per[False][1]:.2f}"
         )
 
 

@@ -28,6 +28,8 @@ constraint); FLA's Triton kernels need a GPU (``pip install -e ".[gpu]"`` adds `
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 from dataclasses import dataclass
@@ -86,6 +88,21 @@ def use_flash_impl() -> str:
     return impl
 
 
+_UNFUSED = contextvars.ContextVar("bumblebee_unfused", default=False)
+
+
+@contextlib.contextmanager
+def unfused():
+    """Inside: the glue runs eagerly and the GDN conv in channel blocks on CUDA too (the paths
+    before they were fused): for before/after counts (``benchmarks/launches.py``) and for ruling
+    the fused paths out when a GPU run misbehaves."""
+    token = _UNFUSED.set(True)
+    try:
+        yield
+    finally:
+        _UNFUSED.reset(token)
+
+
 def _dtype(dtype) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
@@ -129,7 +146,7 @@ def select(
             "fla not installed (pip install -e '.[gpu]')" if cuda else "",
         )
     if (slot, impl) == ("conv", "causal"):  # Gated DeltaNet's short conv (linear_attention/conv.py)
-        if cuda and fla:
+        if cuda and fla and not _UNFUSED.get():
             return Kernel("fla_causal_conv1d", "fla causal_conv1d (fused, varlen)", True)
         return Kernel(
             "conv_blocks",
@@ -138,7 +155,7 @@ def select(
             "fla not installed (pip install -e '.[gpu]')" if cuda else "",
         )
     if (slot, impl) == ("glue", "fused"):  # norms, gated norm, SwiGLU product, RoPE (fused.py)
-        if cuda:
+        if cuda and not _UNFUSED.get():
             return Kernel("compiled", "torch.compile per function (inductor)", True)
         return Kernel("eager", "eager PyTorch ops", False)
     return Kernel(impl, f"{impl} (PyTorch)", False)
