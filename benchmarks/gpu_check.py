@@ -497,6 +497,40 @@ def case_conv(ck: Check):
     return {"shape": f"B={B} T={T} C={C} W={W}", "tensors": tensors}
 
 
+def case_glue(ck: Check):
+    """The glue ``primitives/fused.py`` compiles on CUDA (RMSNorm, zero-centered RMSNorm, gated
+    RMSNorm, RoPE, SwiGLU) in bf16, through ``fused`` (compiled on CUDA; emulated: eager), against
+    the same functions eagerly in fp32: outputs and input gradients."""
+    from bumblebee.primitives import fused as fz
+    from bumblebee.primitives.linear_attention.gdn import gated_rms_norm
+    from bumblebee.primitives.norms import rms_norm, zero_centered_rms_norm
+    from bumblebee.primitives.rope import rope_reference
+
+    T, H, V = (64, 4, 16) if ck.smoke else (4096, 32, 128)
+    g = torch.Generator(device=ck.device).manual_seed(7)
+    r = lambda *s: torch.randn(*s, device=ck.device, generator=g)  # noqa: E731
+    cases = {
+        "rms_norm": (rms_norm, [r(T, H * V), r(H * V)], 1e-6),
+        "zero_centered_rms_norm": (zero_centered_rms_norm, [r(T, H * V), r(H * V) * 0.1], 1e-6),
+        "gated_rms_norm": (gated_rms_norm, [r(T, H, V), r(T, H, V), r(V)], 1e-6),
+        "rope": (rope_reference, [r(1, H, T, V), r(1, T, V // 2), r(1, T, V // 2)], None),
+        "swiglu": (fz._swiglu_halves, [r(T, 2 * H * V)], None),
+    }
+    tensors = []
+    for name, (fn, xs, eps) in cases.items():
+        extra = () if eps is None else (eps,)
+        fast, ref = leaves_like(xs, torch.bfloat16), leaves_like(xs, torch.float32)
+        with ck.emulated():
+            y = fz.fused(name, fn, *fast, *extra)
+        y_r = fn(*ref, *extra)
+        dy = torch.randn(y_r.shape, device=ck.device, generator=g)
+        (y.float() * dy).sum().backward()
+        (y_r * dy).sum().backward()
+        tensors.append(compare(f"{name} y", y, y_r, TOL["fwd"]))
+        tensors.append(compare(f"{name} dx", fast[0].grad, ref[0].grad, TOL["bwd"]))
+    return {"shape": f"T={T} H={H} V={V}", "tensors": tensors}
+
+
 def ce_shape(ck: Check):
     """(tokens, hidden, vocabulary): Qwen3's 152K vocabulary (the fp32 reference holds [T, V])."""
     return (96, 32, 300) if ck.smoke else (4096, 2048, 151936)
@@ -645,6 +679,7 @@ def section_numerics(ck: Check, out: dict):
         ck.case(out, f"cp ring blocks + lse merge {name} cp{cp}", ring)
     ck.case(out, "fla chunk_gated_delta_rule qwen3.5", lambda: case_gdn(ck))
     ck.case(out, "fla causal_conv1d qwen3.5", lambda: case_conv(ck))
+    ck.case(out, "compiled glue (norms, RoPE, SwiGLU) vs eager fp32", lambda: case_glue(ck))
     ck.case(out, "linear CE vs materialized CE", lambda: case_linear_ce(ck))
     ck.case(out, "grouped-GEMM experts vs loop", lambda: case_experts(ck))
     ck.case(out, "MLA (varlen core) vs MLA (sdpa reference)", lambda: case_mla(ck))

@@ -120,6 +120,9 @@ def test_dispatch_table():
     assert sel("conv", "causal", "cpu", "bfloat16", fla=True).name == "conv_blocks"
     assert sel("glue", "fused", "cuda", "float32").name == "compiled"
     assert sel("glue", "fused", "cpu", "bfloat16").name == "eager"
+    with dispatch.unfused():  # the pre-fusion CUDA paths
+        assert sel("conv", "causal", "cuda", "bfloat16", fla=True).name == "conv_blocks"
+        assert sel("glue", "fused", "cuda", "bfloat16").name == "eager"
     fa3 = sel("attention", "varlen", "cuda", "bfloat16", fa3=True)
     assert fa3.name == "varlen_attn" and "FA3" in fa3.label
     table = dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=4, fla=True, fa3=False)
