@@ -123,6 +123,14 @@ def load_configs(path: str | None, overrides: list[str]):
     return cfg, rl
 
 
+def configs_from_args(args):
+    """(run Config, RLConfig) of parsed ``bumblebee rl`` arguments."""
+    overrides = list(args.overrides or [])
+    if args.tis is not None:  # last, so it wins over the file and --set
+        overrides.append(f"rl.tis={args.tis!r}")
+    return load_configs(args.config, overrides)
+
+
 @record
 def _worker(job) -> None:
     from bumblebee.runtime.launch import launcher as launch
@@ -154,10 +162,7 @@ def run(args) -> int:
     from bumblebee.runtime.launch.outdir import OutDirLock, check_out_dir
     from bumblebee.runtime.resolve import check_run
 
-    overrides = list(args.overrides or [])
-    if args.tis is not None:  # last, so it wins over the file and --set
-        overrides.append(f"rl.tis={args.tis!r}")
-    cfg, rl = load_configs(args.config, overrides)
+    cfg, rl = configs_from_args(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     if args.plot:
