@@ -13,9 +13,10 @@
 
 Every step writes one line of ``metrics.jsonl`` (phase, reward, accuracy, kl,
 entropy, clip fraction, the rollout ratio ``pi_train / pi_rollout`` of the sampler's
-tokens: ``is_ratio_*``, ...); ``rl.tis`` / ``rl.mis`` correct for it. Greedy accuracy on a fixed held-out set is measured
-after the warm-up and at the end. RL settings live in ``RLConfig`` (``--set rl.key=value``
-or an ``[rl]`` table in the config file); the rest is the ordinary run config.
+tokens: ``is_ratio_*``, ...); ``rl.tis`` / ``rl.mis`` correct for it. Greedy accuracy
+on a fixed held-out set is measured after the warm-up and at the end. RL settings live
+in ``RLConfig`` (``--set rl.key=value`` or an ``[rl]`` table in the config file); the
+rest is the ordinary run config.
 """
 
 from __future__ import annotations
