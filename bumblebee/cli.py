@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 from bumblebee.console import SetOverride
@@ -248,6 +249,7 @@ def _data_run(args) -> int:
     from bumblebee.runtime.outdir import OutDirLock
 
     created = not os.path.isdir(args.out)
+    done = False
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
@@ -256,14 +258,19 @@ def _data_run(args) -> int:
         ) from None
     try:
         with OutDirLock(args.out, what="data prepare OUT"):
-            return run(args)
+            code = run(args)
+        done = True
+        return code
     except (OSError, RuntimeError) as e:  # the writer has removed its files
         if out_of_room(e):
             raise disk_full(args.out, "write the prepared data", e) from None
         raise
-    finally:  # a failed prepare leaves no directory it created behind
-        if created and os.path.isdir(args.out) and not os.listdir(args.out):
-            os.rmdir(args.out)
+    finally:  # a failed or interrupted prepare leaves no directory it created behind
+        if created and not done:
+            from bumblebee.data.prepare import no_interrupts
+
+            with no_interrupts():  # everything in it is this run's (it held the lock)
+                shutil.rmtree(args.out, ignore_errors=True)
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
@@ -352,6 +359,32 @@ def _command(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; ``argv`` None: the program itself (``bumblebee ...``), whose exit code
+    is final once decided, so a late Ctrl-C is ignored rather than turned into a traceback from
+    the interpreter's shutdown or a death by SIGINT after the work is done."""
+    import signal
+
+    program = argv is None
+    try:
+        if program:
+            from bumblebee.runtime.interrupts import defer_during_imports
+
+            defer_during_imports()
+        code = _main(argv)
+    except KeyboardInterrupt:  # anywhere, imports included (torch takes seconds to import)
+        if program:
+            from bumblebee.runtime.interrupts import reported
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            reported()
+        print("bumblebee: interrupted", file=sys.stderr)
+        return 130
+    if program:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     # CUDA's caching allocator grows segments in place instead of keeping one per size class: less
     # fragmentation at long context. Read when CUDA first allocates, so set before any command runs
     # (and inherited by the ranks --nproc starts); a user's own setting wins.
@@ -378,9 +411,6 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as e:  # a run stopped on a NaN/Inf step: its checkpoints are intact
         print(f"bumblebee: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("bumblebee: interrupted", file=sys.stderr)
-        return 130
 
 
 def _silence_stdout() -> None:
