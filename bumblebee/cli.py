@@ -244,10 +244,12 @@ def _data_run(args) -> int:
         return run(args)
     # one writer per output directory, as a training run holds its out_dir: two prepares into one
     # OUT used to both succeed and leave a corpus equal to neither
+    import bumblebee.outputs as outputs
     from bumblebee.config import ConfigError
     from bumblebee.errors import disk_full, out_of_room
     from bumblebee.runtime.outdir import OutDirLock
 
+    outputs.check_target(args.out, "data prepare OUT", kind="dir", inputs=[args.input])
     created = not os.path.isdir(args.out)
     done = False
     try:

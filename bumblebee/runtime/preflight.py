@@ -77,7 +77,11 @@ def preflight(cfg: Config, world: int):
     if t.resume:
         check_resume(cfg, arch)
     check_kernels(cfg, arch, cuda=torch.cuda.is_available() and not t.emulate_cuda)
-    check_out_dir(t.out_dir, checkpoints=bool(t.save_every or t.export_hf))
+    check_out_dir(
+        t.out_dir,
+        checkpoints=bool(t.save_every or t.export_hf),
+        inputs=[cfg.data.path if cfg.data.source != "synthetic" else "", cfg.model.hf_path],
+    )
     return layout
 
 
