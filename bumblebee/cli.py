@@ -67,11 +67,14 @@ def _train_run(args) -> int:
 
     resume = [f"train.resume={json.dumps(args.resume)}"] if args.resume else []
     restarts = [f"train.max_restarts={args.max_restarts}"] if args.max_restarts is not None else []
-    cfg = load_config(args.config, args.overrides + resume + restarts)
+    errors: list[str] = []  # reported with the checks below, all at once
+    cfg = load_config(args.config, args.overrides + resume + restarts, errors=errors)
     if args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+        errors.append(f"--nproc must be >= 1, got {args.nproc}")
 
     def checks(world: int):  # warnings only for a run that starts: an error stays the only line
+        if errors:  # the launch checks assume valid values; they gather their own problems
+            raise ConfigError("\n".join(errors))
         layout = preflight(cfg, world)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy of each warning
             for warning in config_warnings(cfg):
@@ -407,8 +410,9 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:  # `bumblebee data inspect X | head`: the reader has gone; stop quietly
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a command its pipe ended
-    except ConfigError as e:
-        print(f"bumblebee: error: {e}", file=sys.stderr)
+    except ConfigError as e:  # several lines: every config error of the invocation
+        for line in str(e).splitlines() or [""]:
+            print(f"bumblebee: error: {line}", file=sys.stderr)
         return 2
     except NonFiniteError as e:  # a run stopped on a NaN/Inf step: its checkpoints are intact
         print(f"bumblebee: error: {e}", file=sys.stderr)

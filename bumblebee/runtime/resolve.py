@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import bumblebee.primitives  # noqa: F401  (registers every implementation)
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError, balance_mode, parse_config
+from bumblebee.config_checks import validate
+from bumblebee.errors import gather
 from bumblebee.models import family_of, resolve_arch
 
 
@@ -123,45 +125,76 @@ def mtp_depth(cfg: Config, arch) -> int:
     return depth
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- TOML file <- ``--set`` overrides; every value and the model checked."""
-    cfg = parse_config(path, overrides)
-    validate_run(cfg)
+def load_config(
+    path: str | None = None, overrides: list[str] | None = None, errors: list | None = None
+) -> Config:
+    """Defaults <- TOML file <- ``--set`` overrides; every value and the model checked, all
+    problems in one ConfigError (a line each): first every section's values and the model's
+    architecture, together; the cross-checks (primitives, MTP) only on valid values, or one
+    mistake would be reported twice. With ``errors``, a caller with checks of its own gets
+    those lines appended there instead, and the config back."""
+    cfg = parse_config(path, overrides, check=False)
+    try:
+        gather(lambda: validate(cfg), lambda: resolve_arch(cfg.model))
+        validate_run(cfg)
+    except ConfigError as e:
+        if errors is None:
+            raise
+        errors += str(e).splitlines()
     return cfg
 
 
 def check_run(cfg: Config, world: int):
     """Everything about a run on ``world`` ranks that can be rejected before any process
-    group exists (the launcher calls this in the parent process)."""
+    group exists (the launcher calls this in the parent process); every problem found, a line
+    each."""
     layout = resolve_layout(cfg.parallel, world, resolve_arch(cfg.model))
-    if world > 1 and cfg.primitives.sharding == "none":
-        raise ConfigError(
-            f"primitives.sharding = 'none' needs a single process (world size is {world}); "
-            "use 'fsdp2' or 'zero1'"
-        )
-    if layout.ep > 1 and cfg.primitives.moe_comm == "local":
-        raise ConfigError(
-            "primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use 'alltoall'"
-        )
-    if layout.cp > 1 and cfg.train.seq_len % (2 * layout.cp):
-        raise ConfigError(
-            f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
-            f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks"
-        )
-    if layout.cp > 1 and cfg.model.name not in ("qwen3_moe", "qwen3_5_moe", "deepseek_v3"):
-        raise ConfigError(
-            f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; "
-            "valid: qwen3_moe, qwen3_5_moe, deepseek_v3"
-        )
-    rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
-    if rem or rows % cfg.train.micro_batch:
-        unit = layout.dp_shard * cfg.train.micro_batch
-        raise ConfigError(
-            f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
-            f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch}), e.g. "
-            f"--set train.global_batch={unit * max(1, round(cfg.train.global_batch / unit))}"
-        )
-    check_pipeline(cfg, layout, resolve_arch(cfg.model), rows)
+    p, t = cfg.primitives, cfg.train
+
+    def sharding():
+        if world > 1 and p.sharding == "none":
+            raise ConfigError(
+                f"primitives.sharding = 'none' needs a single process (world size is {world}); "
+                "use 'fsdp2' or 'zero1'"
+            )
+
+    def moe_comm():
+        if layout.ep > 1 and p.moe_comm == "local":
+            raise ConfigError(
+                "primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use "
+                "'alltoall'"
+            )
+
+    def cp():
+        if layout.cp > 1 and t.seq_len % (2 * layout.cp):
+            raise ConfigError(
+                f"train.seq_len ({t.seq_len}) must be divisible by 2 x parallel.cp "
+                f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks"
+            )
+        if layout.cp > 1 and cfg.model.name not in ("qwen3_moe", "qwen3_5_moe", "deepseek_v3"):
+            raise ConfigError(
+                f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; "
+                "valid: qwen3_moe, qwen3_5_moe, deepseek_v3"
+            )
+
+    rows, rem = divmod(t.global_batch, layout.dp_shard)
+
+    def batch():
+        if rem or rows % t.micro_batch:
+            unit = layout.dp_shard * t.micro_batch
+            raise ConfigError(
+                f"train.global_batch ({t.global_batch}) must be a multiple of dp_shard "
+                f"({layout.dp_shard}) x train.micro_batch ({t.micro_batch}), e.g. "
+                f"--set train.global_batch={unit * max(1, round(t.global_batch / unit))}"
+            )
+
+    gather(
+        sharding,
+        moe_comm,
+        cp,
+        batch,
+        lambda: check_pipeline(cfg, layout, resolve_arch(cfg.model), rows),
+    )
     return layout
 
 
@@ -177,6 +210,14 @@ def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:
         if p.pp_layout or p.pp_virtual_stages != 1:
             raise ConfigError("primitives.pp_layout and pp_virtual_stages need parallel.pp > 1")
         return
+    gather(
+        lambda: _check_schedule(cfg, layout, rows_per_rank),
+        lambda: _check_stages(cfg, layout, arch),
+    )
+
+
+def _check_schedule(cfg, layout, rows_per_rank: int) -> None:
+    p = cfg.primitives
     m = p.pp_microbatches or rows_per_rank // cfg.train.micro_batch
     if rows_per_rank % m:
         raise ConfigError(
@@ -192,6 +233,10 @@ def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:
                 f"pipeline): raise train.global_batch to {layout.dp_shard * layout.pp} or more"
             )
         raise ConfigError(f"primitives.pipeline = {p.pipeline!r} {problem}{hint}")
+
+
+def _check_stages(cfg, layout, arch) -> None:
+    p = cfg.primitives
     if balance_mode(cfg, layout.pp) != "micro_batch":
         raise ConfigError(
             f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "
