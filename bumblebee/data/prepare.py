@@ -182,14 +182,19 @@ def encode_input(
     *,
     on_error: str = "raise",
     workers: int = 1,
-    progress: bool = False,
+    progress: bool | str = False,
     stream=None,
+    label: str = "prepare",
 ):
-    """Yield encoded chunks of ``path`` in input order (in ``workers`` processes when > 1)."""
+    """Yield encoded chunks of ``path`` in input order (in ``workers`` processes when > 1).
+    ``progress="auto"``: a bar when stderr is a terminal or the input is 64 MiB or more."""
     if on_error not in ON_ERROR:
         raise DataError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     files, total, unit = scan(path)
-    bar = Progress(total, unit, stream) if progress else None
+    if progress == "auto":
+        tty = getattr(stream or sys.stderr, "isatty", lambda: False)()
+        progress = tty or (unit == "B" and total >= 64 * 2**20)
+    bar = Progress(total, unit, stream, label) if progress else None
     jobs = ((c, on_error) for c in chunks(files))
     pool, results = None, None
     # Pool.terminate() can hang for good (its feeder thread blocked writing to workers nobody
@@ -278,9 +283,16 @@ def prepare(
         raise
 
 
-def encode_in_memory(path: str, enc: Encoder, *, on_error: str = "raise") -> TokenStore:
-    """The same encoding into an in-memory store (text / chat sources read directly by a run)."""
-    parts = list(encode_input(path, enc, on_error=on_error))
+def encode_in_memory(
+    path: str, enc: Encoder, *, on_error: str = "raise", progress: bool | str = "auto", stream=None
+) -> TokenStore:
+    """The same encoding into an in-memory store (text / chat sources read directly by a run),
+    with a progress bar on a large input (tokenizing gigabytes at start was silent for minutes)."""
+    parts = list(
+        encode_input(
+            path, enc, on_error=on_error, progress=progress, stream=stream, label="tokenize"
+        )
+    )
     skipped: Counter = Counter()
     notes: Counter = Counter()
     for r in parts:

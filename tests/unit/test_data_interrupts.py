@@ -90,3 +90,19 @@ def test_an_interrupt_while_the_output_is_closed_leaves_nothing(tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         prepare(str(src), str(out), Encoder("tokens", ""), progress=False)
     assert not out.exists(), os.listdir(out)
+
+
+def test_tokenizing_at_start_shows_progress_on_a_large_input(tmp_path):
+    """Issue 35: text / chat data a run tokenizes at start gets the bar ``data prepare`` has
+    (label ``tokenize``) when the input is large or stderr a terminal; a small one stays quiet."""
+    import io
+
+    from bumblebee.data.prepare import encode_in_memory
+
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": [1, 2, 3]}) + "\n" for _ in range(50)))
+    quiet, shown = io.StringIO(), io.StringIO()
+    encode_in_memory(str(src), Encoder("tokens", ""), stream=quiet)
+    store = encode_in_memory(str(src), Encoder("tokens", ""), progress=True, stream=shown)
+    assert quiet.getvalue() == "" and store.num_docs == 50
+    assert shown.getvalue().startswith("tokenize [") and "100%" in shown.getvalue()
