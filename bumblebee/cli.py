@@ -249,7 +249,6 @@ def _data_run(args) -> int:
     # OUT used to both succeed and leave a corpus equal to neither
     import bumblebee.outputs as outputs
     from bumblebee.config import ConfigError
-    from bumblebee.errors import disk_full, out_of_room
     from bumblebee.runtime.outdir import OutDirLock
 
     outputs.check_target(args.out, "data prepare OUT", kind="dir", inputs=[args.input])
@@ -261,15 +260,12 @@ def _data_run(args) -> int:
         raise ConfigError(
             f"data prepare OUT: cannot create {args.out} ({e.strerror or e})"
         ) from None
-    try:
-        with OutDirLock(args.out, what="data prepare OUT"):
-            code = run(args)
+    try:  # on a full disk the writer has removed its files; the guard's line says so
+        with outputs.writing(args.out, "write the prepared data"):
+            with OutDirLock(args.out, what="data prepare OUT"):
+                code = run(args)
         done = True
         return code
-    except (OSError, RuntimeError) as e:  # the writer has removed its files
-        if out_of_room(e):
-            raise disk_full(args.out, "write the prepared data", e) from None
-        raise
     finally:  # a failed or interrupted prepare leaves no directory it created behind
         if created and not done:
             from bumblebee.data.prepare import no_interrupts
