@@ -49,7 +49,7 @@ from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.console import Progress
 from bumblebee.plan.fakerun import DataDependent, FakeRun, make_routing
 from bumblebee.plan.hardware import GB
-from bumblebee.plan.layout import Layout, Primitives, Workload
+from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.memory import in_flight, local_tokens, stage_layers
 from bumblebee.plan.recipe import Candidate
 from bumblebee.plan.spec import ModelSpec
@@ -165,19 +165,18 @@ def _arch(hf: dict):
     return arch_from_hf_dict(hf)
 
 
-def _prims(p: Primitives) -> PrimitivesConfig:
+def _prims(p: PrimitivesConfig) -> PrimitivesConfig:
+    """The candidate's choices with the implementations whose CUDA kernels the analytic model
+    assumes; the sharding wrappers are not run."""
     modules = (
         ["norm", "attn_core", "moe_act", "linear_attn_core"] if p.recompute == "selective" else []
     )
-    return PrimitivesConfig(
+    return dataclasses.replace(
+        p,
         attention="varlen",
         cp="ring",
         linear_attention="chunked",
         experts="grouped",
-        moe_comm=p.moe_comm,
-        moe_chunks=p.moe_chunks,
-        loss=p.loss,
-        recompute=p.recompute,
         recompute_modules=modules,
         sharding="none",
     )
@@ -309,7 +308,7 @@ def dry_run(
     analytic = stage_timeline(spec, lay, prims, work, skew)
     s = max(range(len(analytic)), key=lambda i: analytic[i].peak.total)
     layers = stage_layers(spec, lay.pp)[s]
-    t, inflight = local_tokens(work, lay), in_flight(work, lay, prims, s)
+    t, inflight = local_tokens(work, lay), in_flight(work, lay, s)
     if cand.prims.sharding != "none":
         notes.append(f"{cand.prims.sharding} wrappers not run: unsharded 16 B/param static state")
     if dist.is_initialized():
