@@ -37,11 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from unittest import mock
 
 import torch
 
@@ -182,64 +180,31 @@ def _prims(p: PrimitivesConfig) -> PrimitivesConfig:
     )
 
 
-def _as_cuda(select):
-    """The dispatch's answer for CUDA (FLA present) wherever the fake tensors live."""
-    return lambda slot, impl, device, dtype, **kw: select(slot, impl, "cuda", dtype, fla=True)
-
-
-def _patches(stack: ExitStack, one_doc, run: FakeRun) -> None:
+def _seams(stack: ExitStack, docs, run: FakeRun) -> None:
+    """The runtime's own code on fake CPU tensors: kernels chosen for CUDA with FLA present, the
+    documents stated (fake position ids hold no values), recompute forwards labelled."""
     import torch.nn.attention.varlen  # noqa: F401  (registers the flash ops' fake kernels)
 
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import dispatch, packed, recompute
 
-    for name in (
-        "attention.sdpa",
-        "cp.ring",
-        "cp.ring_latent",
-        "linear_attention.gated_delta_rule",
-    ):
-        mod = importlib.import_module(f"bumblebee.primitives.{name}")
-        stack.enter_context(mock.patch.object(mod, "select", _as_cuda(dispatch.select)))
-    for name in ("moe.experts", "moe.chunked"):
-        stack.enter_context(
-            mock.patch.object(
-                importlib.import_module(f"bumblebee.primitives.{name}"),
-                "grouped_mm_supported",
-                lambda x: True,
-            )
-        )
-    linear_ce = importlib.import_module("bumblebee.primitives.loss.linear_ce")
-    stack.enter_context(
-        mock.patch.object(linear_ce, "default_tiles", lambda dev: linear_ce.DEFAULT_TILES["cuda"])
-    )
-    for name in ("bumblebee.models.base", "bumblebee.primitives.cp.layout"):  # documents are data
-        stack.enter_context(mock.patch.object(importlib.import_module(name), "doc_layout", one_doc))
-    mesh = importlib.import_module("bumblebee.runtime.mesh")
-    stack.enter_context(mock.patch.object(mesh, "_group_options", lambda device: ("fake", None)))
-    recompute = importlib.import_module("bumblebee.primitives.recompute")
-    stack.enter_context(
-        mock.patch.object(recompute, "_recomputing", _recompute_scope(run, recompute._recomputing))
-    )
+    stack.enter_context(dispatch.assume("cuda", fla=True))
+    stack.enter_context(packed.assume_documents(docs))
+    stack.enter_context(recompute.observe(lambda: _recompute_scope(run)))
 
 
-def _recompute_scope(run: FakeRun, original):
+@contextlib.contextmanager
+def _recompute_scope(run: FakeRun):
     """A checkpoint's recompute forward (it runs inside whichever backward node first unpacks the
     layer's tensors) allocates under "recompute", the mixer's and the dispatch's under their own
     labels; the interrupted label comes back when it ends (also when torch stops it early)."""
-
-    @contextlib.contextmanager
-    def scope(*args):
-        depth = len(run.stack)
-        run.stack.append(run.label)
-        run.label = "recompute"
-        try:
-            with original(*args):
-                yield
-        finally:
-            del run.stack[depth + 1 :]
-            run.label = run.stack.pop()
-
-    return scope
+    depth = len(run.stack)
+    run.stack.append(run.label)
+    run.label = "recompute"
+    try:
+        yield
+    finally:
+        del run.stack[depth + 1 :]
+        run.label = run.stack.pop()
 
 
 class _Scoped:
@@ -333,8 +298,8 @@ def dry_run(
     )
     try:
         with progress, ExitStack() as stack:
-            _patches(stack, docs, run)
-            ctx = mesh.build_context(lay, torch.device("cpu"))
+            _seams(stack, docs, run)
+            ctx = mesh.build_context(lay, torch.device("cpu"), fake=True)
             groups = ParallelGroups(
                 ep_group=ctx.ep_group if lay.ep > 1 else None, cp_group=ctx.cp_group
             )
