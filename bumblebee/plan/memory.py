@@ -63,8 +63,10 @@ from bumblebee.config import PrimitivesConfig
 from bumblebee.plan.layer_bytes import norm_bytes
 from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
-from bumblebee.primitives import loss as _losses  # noqa: F401  (registers the losses' costs)
+from bumblebee.primitives import loss as _losses  # noqa: F401  (registers their costs)
+from bumblebee.primitives import sharding as _shardings  # noqa: F401  (registers their costs)
 from bumblebee.primitives.loss.costs import LossCosts
+from bumblebee.primitives.sharding.costs import ShardingCosts
 
 BF16, FP32 = 2, 4
 # Gradient buffers alive in a layer's backward, relative to its saved tensors: small because
@@ -137,29 +139,17 @@ def static_bytes(
     d, e = dense / lay.tp, expert / lay.ep
     shard = d / (lay.dp_shard * lay.cp) + e / lay.edp
     where = f"dense {d / 1e9:.3f}B/tp-shard, experts {e / 1e9:.3f}B/ep-shard"
-    if prims.sharding == "fsdp2":
-        return (
-            FP32 * shard,
-            FP32 * shard,
-            2 * FP32 * shard,
-            shard,
-            f"fsdp2: 4+4+8 B x {shard / 1e9:.3f}B sharded params ({where}; / dp*cp={lay.dp_shard * lay.cp}, "
-            f"/ edp={lay.edp})",
-        )
-    if prims.sharding == "zero1":
-        return (
-            BF16 * (d + e),
-            FP32 * (d + e),
-            12 * shard,
-            shard,
-            f"zero1: (2+4) B x {(d + e) / 1e9:.3f}B params + 12 B x {shard / 1e9:.3f}B optimizer shard ({where})",
-        )
+    c = sharding_costs(prims)
+    own = d + e  # parameters of this rank's stage, tp and ep shards
+    why = c.explain.format(
+        shard=shard / 1e9, full=own / 1e9, where=where, dpcp=lay.dp_shard * lay.cp, edp=lay.edp
+    )
     return (
-        BF16 * (d + e),
-        FP32 * (d + e),
-        12 * (d + e),
-        d + e,
-        f"none: 2+4+12 B x {(d + e) / 1e9:.3f}B ({where})",
+        c.param_bytes * (shard if c.params_sharded else own),
+        c.grad_bytes * (shard if c.params_sharded else own),
+        c.optim_bytes * (shard if c.optim_sharded else own),
+        shard if c.optim_sharded else own,
+        f"{prims.sharding}: {why}",
     )
 
 
@@ -368,6 +358,11 @@ def routed_saved(spec: ModelSpec, prims: PrimitivesConfig, tp: int) -> float:
 
 
 # ------------------------------------------------------------------------------------ loss (bytes)
+
+
+def sharding_costs(prims: PrimitivesConfig) -> ShardingCosts:
+    """The configured sharding's cost facts, declared next to its code (primitives/sharding/)."""
+    return registry.get("sharding", prims.sharding).costs
 
 
 def loss_costs(prims: PrimitivesConfig) -> LossCosts:

@@ -41,6 +41,7 @@ from bumblebee.plan.memory import (
     mixer_act,
     mlp_act,
     routed_units,
+    sharding_costs,
     stage_kinds,
     stage_layers,
 )
@@ -271,7 +272,7 @@ def estimate(
         for kind, n in stage_kinds(spec, layers).items():
             one = _Clock()
             compute = _layer_time(spec, kind, lay, prims, work, gpu, eff, one)
-            if prims.sharding == "fsdp2":
+            if sharding_costs(prims).gathers_per_layer:
                 one.add(
                     "fsdp_comm",
                     max(
@@ -307,7 +308,8 @@ def _dp_sync(
 ) -> float:
     """Once-per-step gradient sync for none/zero1 (reduce-scatter or all-reduce of fp32 grads,
     all-gather of bf16 params), overlapped with the last micro-batch's backward."""
-    if prims.sharding == "fsdp2":
+    sync = sharding_costs(prims).sync_bytes_per_param
+    if not sync:
         return 0.0
     n = spec.num_params()
     d = (n["dense"] / lay.pp) / lay.tp
@@ -319,7 +321,7 @@ def _dp_sync(
     ):
         if g > 1:
             bw = _link(g, inner, gpu) * 1e9 * eff.collective
-            vol = params * (2 * FP32 if prims.sharding == "none" else FP32 + BF16) * (g - 1) / g
+            vol = params * sync * (g - 1) / g
             t += vol / bw
     return max(0.0, t - eff.comm_overlap * 2 / 3 * micro_s)
 
@@ -330,6 +332,6 @@ def _optimizer(
     """Adam over this GPU's shard: read param/grad/m/v, write param/m/v and the bf16 copy."""
     n = spec.num_params()
     d, e = n["dense"] / lay.pp / lay.tp, n["expert"] / lay.pp / lay.ep
-    if prims.sharding != "none":
+    if sharding_costs(prims).optim_sharded:
         d, e = d / (lay.dp_shard * lay.cp), e / lay.edp
     return (d + e) * (7 * FP32 + BF16) / (gpu.hbm_gbps * 1e9 * eff.hbm)

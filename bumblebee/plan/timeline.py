@@ -59,6 +59,7 @@ from bumblebee.plan.memory import (
     mlp_act,
     routed_buffers,
     routed_saved,
+    sharding_costs,
     stage_kinds,
     stage_layers,
     static_bytes,
@@ -316,7 +317,9 @@ def stage_timeline(
         }
         saved_mb = sum(n * per_kind[k][0] for k, n in kinds.items())
         ag_fwd, ag_bwd = (
-            allgather_bytes(spec, lay, layers, first, last) if prims.sharding == "fsdp2" else (0, 0)
+            allgather_bytes(spec, lay, layers, first, last)
+            if sharding_costs(prims).gathers_per_layer
+            else (0, 0)
         )
 
         def moment(name: str, **terms) -> MemoryBreakdown:
@@ -394,7 +397,7 @@ def stage_timeline(
             lb, lwhy = loss_bytes(spec, lay, prims, work)
             head = (
                 allgather_bytes(spec, lay, range(0), False, True)[1]
-                if prims.sharding == "fsdp2"
+                if sharding_costs(prims).gathers_per_layer
                 else 0.0
             )
             mem = moment("loss", saved_inputs=saved, loss=lb + others_loss, allgather=head)
