@@ -14,14 +14,31 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from bumblebee import registry
 from bumblebee.config import ConfigError, PrimitivesConfig, parse_override
 from bumblebee.plan.spec import ModelSpec
+from bumblebee.primitives import loss as _loss  # noqa: F401  (registers the losses, their costs)
+from bumblebee.primitives import sharding as _sharding  # noqa: F401  (and the shardings)
 from bumblebee.runtime.resolve import Layout  # noqa: F401  (one meaning of "layout" in bumblebee)
 
-SHARDING = ("none", "zero1", "fsdp2")
-LOSS = ("ce", "linear_ce")
+# the recompute policies and MoE exchanges the planner models (by name: plan/memory.py, perf.py)
 RECOMPUTE = ("none", "selective", "full")
 MOE_COMM = ("local", "alltoall", "chunked")
+
+
+def planned_choices() -> dict[str, tuple[str, ...]]:
+    """Slot -> the implementations ``--set`` may fix: every registered loss and sharding that
+    declares its costs (primitives/loss/costs.py, primitives/sharding/costs.py), and the above."""
+
+    def costed(slot):
+        return tuple(n for n, i in registry.implementations(slot).items() if i.costs is not None)
+
+    return {
+        "sharding": costed("sharding"),
+        "loss": costed("loss"),
+        "recompute": RECOMPUTE,
+        "moe_comm": MOE_COMM,
+    }
 
 
 def prims_label(prims: PrimitivesConfig) -> str:
@@ -88,7 +105,7 @@ def parse_layout(text: str, gpus: int) -> Layout:
 def apply_overrides(prims: PrimitivesConfig, items: list[str]) -> tuple[PrimitivesConfig, set[str]]:
     """``--set primitives.loss=ce`` ... -> (primitives, names of the fixed fields)."""
     changes: dict = {}
-    choices = {"sharding": SHARDING, "loss": LOSS, "recompute": RECOMPUTE, "moe_comm": MOE_COMM}
+    choices = planned_choices()
     for item in items:
         keys, value = parse_override(item)
         if len(keys) != 2 or keys[0] != "primitives":
