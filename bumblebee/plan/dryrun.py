@@ -11,9 +11,9 @@ says needs most (``world / pp * stage``):
   exchange, the Gated DeltaNet CP scan (halo, transition all-gather), the MoE dispatch
   (``alltoall`` / ``chunked``) with its count exchange and uneven all-to-alls, recompute,
   and the loss;
-- the kernels CUDA would run (``primitives/dispatch.py`` asked for "cuda": ``varlen_attn``,
-  FLA's chunk kernel through its fake op, ``_grouped_mm``), on fake CPU tensors (a CPU
-  build cannot record autograd on fake CUDA tensors);
+- the kernels CUDA would run (``dispatch.assume("cuda", fla=True)``: ``varlen_attn``, FLA's
+  chunk kernel through its fake op, ``_grouped_mm``, the linear CE's CUDA tiles), on fake CPU
+  tensors (a CPU build cannot record autograd on fake CUDA tensors);
 - 1F1B's steady state: ``min(pp - s, m)`` micro-batch forwards kept in flight, then the
   backward of the oldest (the peak), then the optimizer step (fp32 master and Adam moments,
   foreach-style temporaries), gradients preallocated (a steady-state step).
