@@ -1,5 +1,5 @@
-"""Host syncs and staged host-to-device copies of one training step, by call site, counted in the
-emulated-CUDA mode (``bumblebee/perf/syncs.py``) on 2 gloo ranks.
+"""Host syncs, staged host-to-device copies and kernel launches of one training step, by call
+site, counted in the emulated-CUDA mode (``bumblebee/perf/syncs.py``) on 2 gloo ranks.
 
     python benchmarks/host_syncs.py                 # Qwen3.5 cp2, Qwen3-MoE ep2 chunked, DeepSeek-V3 cp2 ep2
     python benchmarks/host_syncs.py --seq 2048 --layers 8
@@ -48,9 +48,11 @@ def _rank(rank, world, sets, out_dir):
     )
     trainer = Trainer(cfg, stream=io.StringIO())
     trainer.train_step()  # the first step builds what a run builds once
-    with emulate_cuda(check_comm=False), SyncCounter() as c:
+    with emulate_cuda(check_comm=False), SyncCounter(launch_sites=True) as c:
         trainer.train_step()
     return (
+        c.launches,
+        c.by_launch_site.most_common(8),
         c.syncs,
         sum(c.async_by_site.values()),
         trainer.model.arch.num_hidden_layers,
@@ -78,7 +80,7 @@ def main() -> None:
         f"model.arch.num_hidden_layers={args.layers}",
     ]
     for name, sets in CASES.items():
-        syncs, staged, layers, micro, top, top_async = run_distributed(
+        launches, top_launch, syncs, staged, layers, micro, top, top_async = run_distributed(
             _rank, 2, base + sets, f"{args.out}/{name}"
         )[0]
         print(
@@ -89,6 +91,13 @@ def main() -> None:
             print(f"    {n:5d}  {site}")
         for site, n in top_async:
             print(f"    {n:5d}  {site} (staged, async)")
+        print(
+            f"  kernel launches (eager CUDA, emulated): {launches} per step "
+            f"({launches / (layers * micro):.0f} per layer per micro-batch, head and optimizer "
+            "included); top sites:"
+        )
+        for site, n in top_launch:
+            print(f"    {n:6d}  {site}")
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def _data_run(args) -> int:
     if args.data_command != "prepare":
         return run(args)
     # one writer per output directory, as a training run holds its out_dir: two prepares into one
-    # OUT used to both succeed and leave a corpus equal to neither
+    # OUT would leave a corpus equal to neither
     from bumblebee.config import ConfigError
     from bumblebee.errors import disk_full, out_of_room
     from bumblebee.runtime.launch.outdir import OutDirLock

@@ -20,6 +20,8 @@ from bumblebee.errors import ConfigError
 from bumblebee.models import qwen3_moe  # noqa: F401
 from bumblebee.models import qwen3_5_moe  # noqa: F401
 from bumblebee.models import deepseek_v3  # noqa: F401
+from bumblebee.models import qwen3_next  # noqa: F401
+from bumblebee.models import glm4_moe  # noqa: F401
 
 # isort: on
 from bumblebee.models.arch import ArchError

@@ -2,7 +2,7 @@
 
 Each family's arch builds one (``arch.to_spec()``); the planner reads nothing else
 about a model, and the runtime reads it for its own estimates, so there is one copy
-of this arithmetic. Both families today:
+of this arithmetic. The families today:
 
 - ``qwen3_moe`` (Qwen3-30B-A3B, Qwen3-235B-A22B): every layer is GQA attention
   with q/k RMSNorm, then a routed MoE (or a dense SwiGLU on ``mlp_only_layers``);
@@ -14,6 +14,11 @@ of this arithmetic. Both families today:
   Attention (``ATTN`` with ``mla_kv_rank > 0``: low-rank q / kv projections, decoupled
   rope dims, per-head value dim ``mla_v_dim``); the first layers are dense SwiGLU, the rest
   routed experts plus ungated shared experts (``shared_gate = False``).
+- ``qwen3_next`` (Qwen3-Next-80B-A3B): Qwen3.5's hybrid (same parameter counts: its fused GDN
+  projections hold the same weights), with HF's optional dense layers;
+- ``glm4_moe`` (GLM-4.5 / 4.6 / 4.7, GLM-4.5-Air): GQA with q/k/v biases (``attn_bias``) and
+  optional q/k norm (``qk_norm``), DeepSeek-V3's MLP pattern (dense first layers, routed +
+  ungated shared experts).
 
 ``mtp_depth`` multi-token-prediction modules (``models/mtp.py``) each add one more
 (attention, MoE) layer, a [2H -> H] projection and three norms, and one more
@@ -43,6 +48,8 @@ class ModelSpec:
     n_kv_heads: int
     head_dim: int
     attn_gate: bool  # Qwen3.5 gated attention: q_proj emits q and an output gate
+    qk_norm: bool = True  # per-head q/k RMSNorm weights (GLM-4.5-Air has none)
+    attn_bias: bool = False  # q/k/v projection biases (GLM)
     gdn_k_heads: int = 0
     gdn_v_heads: int = 0
     gdn_k_dim: int = 0
@@ -86,7 +93,9 @@ class ModelSpec:
         if kind == ATTN:
             q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
             kv = 2 * self.n_kv_heads * self.head_dim
-            return h * (q_out + kv) + self.n_heads * self.head_dim * h + 2 * self.head_dim + h
+            bias = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim * self.attn_bias
+            norms = 2 * self.head_dim * self.qk_norm
+            return h * (q_out + kv) + self.n_heads * self.head_dim * h + bias + norms + h
         kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
         conv_ch = 2 * kd + vd
         return (

@@ -15,6 +15,10 @@ prefetch and the chunked-EP overlap are exposed. A CPU run cannot see them as wa
   copies staged through ``primitives.packed.to_device`` (pinned, asynchronous on CUDA) are
   counted apart, as "host-to-device (pinned, async)", and are not syncs (``syncs``).
 
+Kernel launches are counted beside them: every aten op on a tensor that is not on the host,
+except views and what only allocates or relabels (``NO_KERNEL``): what an eager CUDA run
+launches, one kernel per op (a composite op that CUDA runs as several counts once: a floor).
+
 Each event is attributed to the innermost stack frame inside ``bumblebee/`` ("file:line").
 Counting starts at ``__enter__`` and stops at ``__exit__``; nothing changes outside.
 """
@@ -44,6 +48,23 @@ def _site() -> str:
     return "outside bumblebee"
 
 
+_aten = torch.ops.aten
+# ops that launch no kernel: allocation without a fill, metadata, aliasing
+NO_KERNEL = {
+    _aten.empty.memory_format,
+    _aten.empty_strided.default,
+    _aten.empty_like.default,
+    _aten.new_empty.default,
+    _aten.new_empty_strided.default,
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten._unsafe_view.default,
+    _aten.lift_fresh.default,
+    _aten.set_.source_Storage_storage_offset,
+    _aten._local_scalar_dense.default,  # a sync, counted as such
+}
+
+
 class _ScalarReads(TorchDispatchMode):
     def __init__(self, counter: SyncCounter):
         super().__init__()
@@ -61,6 +82,10 @@ class _ScalarReads(TorchDispatchMode):
             if not host:
                 c._add("device-to-host")
             return func(*args, **(kwargs or {}))
+        if not host and not func.is_view and func not in NO_KERNEL:
+            c.launches += 1
+            if c.launch_sites:
+                c.by_launch_site[_site()] += 1
         out = func(*args, **(kwargs or {}))
         if host:  # computed from host tensors only: stays on the host
             for x in torch.utils._pytree.tree_leaves(out):
@@ -71,11 +96,15 @@ class _ScalarReads(TorchDispatchMode):
 
 class SyncCounter:
     """``with SyncCounter() as c: ...``; then ``c.total``, ``c.by_site`` {site: count},
-    ``c.by_kind`` {"device-to-host" | "host-to-device": count}."""
+    ``c.by_kind`` {"device-to-host" | "host-to-device": count}, ``c.launches`` (and, with
+    ``launch_sites=True``, ``c.by_launch_site``)."""
 
     MAKERS = ("tensor", "as_tensor", "from_numpy")
 
-    def __init__(self):
+    def __init__(self, launch_sites: bool = False):
+        self.launches = 0  # kernels an eager CUDA run launches (see the module docstring)
+        self.launch_sites = launch_sites  # attribute launches to call sites (slower)
+        self.by_launch_site: collections.Counter = collections.Counter()
         self.by_site: collections.Counter = collections.Counter()
         self.by_kind: collections.Counter = collections.Counter()
         self.async_by_site: collections.Counter = collections.Counter()  # staged copies (not syncs)

@@ -192,7 +192,7 @@ def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
         if (
             not g
         ):  # Qwen3: q/k RMSNorm keep their fp32 input and bf16 normalized output; the core keeps
-            # roped q, k, v, its output and fp32 logsumexp (checked: dry run 46.4 vs 46.2 KB/token, cp 1-2)
+            # roped q, k, v, its output and fp32 logsumexp (skills/plan/memory.md: checked by the dry run)
             kept = (2 * nd + 2 * kvd + 2 * spec.n_heads / tp + h / tp) * BF16
             cheap = (nd + kvd + h / tp) * BF16 + (h / tp + nd + kvd) * FP32
             return kept, cheap

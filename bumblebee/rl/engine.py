@@ -51,7 +51,6 @@ from bumblebee.models import resolve_arch
 from bumblebee.models.head import check_token_ids
 from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.moe.replay import RoutingScope
-from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.rl import microbatch as mbs
 from bumblebee.rl.batch import (
     OPTIONAL,
@@ -197,7 +196,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         self.model = build_initial_model(
             cfg,
             self.device,
-            ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group),
+            ctx.model_groups,
             split,
             arch=plan.arch,
         )  # split and sharded on the meta device, then filled

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from bumblebee.primitives.parallel import ParallelGroups
+from bumblebee.primitives.sharding import ShardingGroups
 from bumblebee.runtime.resolve import Layout
 
 
@@ -80,6 +82,19 @@ class ParallelContext:
     def pp_group(self):
         """Ranks holding the pipeline stages of the same data (same dp_shard, cp, tp coordinates)."""
         return self._group(self.dense, "pp") if self.layout.pp > 1 else None
+
+    # the views primitives take: a model its EP / CP groups, a sharding primitive its meshes
+    @property
+    def model_groups(self) -> ParallelGroups:
+        return ParallelGroups(ep_group=self.ep_group, cp_group=self.cp_group)
+
+    @property
+    def sharding_groups(self) -> ShardingGroups:
+        return ShardingGroups(
+            dense_mesh=self.dp_cp["dp_cp"] if self.dp_cp is not None else None,
+            expert_mesh=self.experts["edp"] if self.experts is not None else None,
+            ep_group=self.ep_group,
+        )
 
 
 def single_process(device: torch.device) -> ParallelContext:

@@ -34,7 +34,6 @@ from bumblebee.primitives.dispatch import describe as describe_kernels
 from bumblebee.primitives.dispatch import kernel_table
 from bumblebee.primitives.moe.balance import load_summary
 from bumblebee.primitives.parallel import ParallelGroups
-from bumblebee.primitives.sharding import ShardingGroups
 from bumblebee.runtime.checkpoint.checkpointer import Checkpointer
 from bumblebee.runtime.checkpoint.export import export_checkpoint
 from bumblebee.runtime.eval import evaluate
@@ -100,12 +99,7 @@ def build_parallel_context(plan: RunPlan, device: torch.device) -> ParallelConte
 
 def build_sharding(cfg: Config, ctx: ParallelContext):
     """The configured sharding primitive over this layout's groups (``wrap(model)`` comes next)."""
-    groups = ShardingGroups(
-        dense_mesh=ctx.dp_cp["dp_cp"] if ctx.dp_cp is not None else None,
-        expert_mesh=ctx.experts["edp"] if ctx.experts is not None else None,
-        ep_group=ctx.ep_group,
-    )
-    return registry.get("sharding", cfg.primitives.sharding).factory(groups, cfg.train)
+    return registry.get("sharding", cfg.primitives.sharding).factory(ctx.sharding_groups, cfg.train)
 
 
 class Trainer:
@@ -152,7 +146,7 @@ class Trainer:
         self.model = build_initial_model(
             cfg,
             self.device,
-            ParallelGroups(ep_group=ctx.ep_group, cp_group=ctx.cp_group),
+            ctx.model_groups,
             split,
             arch=plan.arch,
         )

@@ -15,17 +15,16 @@ FSDP until the next unit's reduction either way. Otherwise (first micro-batch,
 Gloo (CPU runs): gloo's ``all_gather_into_tensor`` stages the whole output in a temporary
 and its ``reduce_scatter_tensor`` ~1.25x the whole input, so every unit cost one or two
 extra full-size copies of its parameters or gradients at the moment it was gathered or
-reduced (measured on 4 ranks, one 594 MiB fp32 tensor: +594 MiB resident for the
-all-gather, +746 MiB for the reduce-scatter); for a [vocab, hidden] table these were the
-largest thing alive in the step. NCCL works in place. On gloo:
+reduced (skills/sharding/fsdp2.md, "On gloo", has the measurements); for a [vocab, hidden]
+table these were the largest thing alive in the step. NCCL works in place. On gloo:
 
 - all-gather (``InPlaceAllGather``): FSDP has already copied this rank's shard into its
   slot of the flat output; every rank broadcasts its slot into the others' outputs (the
   bytes of an all-gather, nothing staged; an exact copy);
 - reduce-scatter: an in-place all-reduce of FSDP's flat input buffer, then this rank's
   slot is the output (copied out unless the output already is that slot). Twice the bytes
-  of a reduce-scatter, yet faster than gloo's own on one host (same tensor: 0.97 s vs
-  1.93 s); every rank's slot is the ring sum gloo's all-reduce computes once per element.
+  of a reduce-scatter, yet faster than gloo's own on one host; every rank's slot is the ring sum
+  gloo's all-reduce computes once per element.
 """
 
 from __future__ import annotations

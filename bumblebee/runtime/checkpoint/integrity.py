@@ -5,9 +5,8 @@ Why CRC-32 (``zlib.crc32``): the threat is corruption (a flipped bit on disk or 
 transit, a file overwritten by a stray copy), not an adversary, so a cryptographic
 hash buys nothing; CRC-32 catches every error burst up to 32 bits and any odd
 number of flipped bits, ships with Python (no dependency), and is the fastest hash
-in the standard library (measured on this CPU, 256 MiB buffer: crc32 0.9 GiB/s,
-sha256 0.4, blake2b 0.17; see the faults note). Tampering is a different question:
-checkpoints are loaded without unpickling arbitrary objects (checkpoint_state.py).
+in the standard library (skills/runtime/checkpoints.md has the figures). Tampering is a different question:
+checkpoints are loaded without unpickling arbitrary objects (checkpoint/state.py).
 
 The work is spread over the ranks: on save each rank hashes every ``world``-th file
 of the directory (sorted names) and rank 0 merges the results into the marker; on

@@ -133,7 +133,7 @@ def state_pieces(
     for name, _ in named:
         holder, start = sharding.optimizer_param(name, optimizer)
         # a parameter the optimizer does not hold has no state to save: the checkpoint would
-        # silently lack it (an unsharded fsdp2 parameter once did; sharding.reshard() first)
+        # silently lack it (an unsharded fsdp2 parameter: sharding.reshard() first)
         assert id(holder) in owned, f"{name}: not a parameter of the optimizer (unsharded?)"
         for k, v in optimizer.state[holder].items():
             key = f"optim/{name}/{k}"

@@ -1,0 +1,80 @@
+"""GLM-4.5 / 4.6 / 4.7 presets: Hugging Face ``config.json`` dictionaries (``tiny`` for tests and the
+CPU demo; the others carry the public dimensions of the released configs)."""
+
+from __future__ import annotations
+
+# zai-org/GLM-4.5 (355B total, 32B active): 92 layers (3 dense), 160 experts top-8 + 1 shared,
+# 96 heads of 128 over 8 KV heads, q/k norm, q/k/v biases, half the head dims rotated, one MTP layer
+_GLM45 = {
+    "model_type": "glm4_moe",
+    "vocab_size": 151552,
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "num_hidden_layers": 92,
+    "first_k_dense_replace": 3,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attention_bias": True,
+    "use_qk_norm": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+    "n_routed_experts": 160,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+PRESETS: dict[str, dict] = {
+    "tiny": {
+        "model_type": "glm4_moe",
+        "vocab_size": 272,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.5,
+        },
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "num_nextn_predict_layers": 1,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "glm-4.5": _GLM45,
+    # GLM-4.6 / 4.7: GLM-4.5's architecture with a 200K context
+    "glm-4.6": {**_GLM45, "max_position_embeddings": 202752},
+    "glm-4.7": {**_GLM45, "max_position_embeddings": 202752},
+    # zai-org/GLM-4.5-Air (106B total, 12B active): 46 layers (1 dense), 128 experts, no q/k norm
+    "glm-4.5-air": {
+        **_GLM45,
+        "hidden_size": 4096,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 46,
+        "first_k_dense_replace": 1,
+        "use_qk_norm": False,
+        "n_routed_experts": 128,
+        "routed_scaling_factor": 1.0,
+    },
+}
