@@ -61,9 +61,8 @@ class Workload:
     seq: int
     global_batch: int
     micro_batch: int = 1
-    balance: str = (
-        "auto"  # train.balance: "auto" / "global_batch" keep every micro-batch in flight at pp = 1
-    )
+    # train.balance: "auto" / "global_batch" keep every micro-batch in flight at pp = 1
+    balance: str = "auto"
 
 
 def parse_layout(text: str, gpus: int) -> Layout:

@@ -123,6 +123,11 @@ def in_flight(work: Workload, lay: Layout, stage: int) -> int:
 # ------------------------------------------------------------------------ static state (bytes)
 
 
+def sharding_costs(prims: PrimitivesConfig) -> ShardingCosts:
+    """The configured sharding's cost facts, declared next to its code (primitives/sharding/)."""
+    return registry.get("sharding", prims.sharding).costs
+
+
 def static_bytes(
     spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, layers: range, first: bool, last: bool
 ):
@@ -358,11 +363,6 @@ def routed_saved(spec: ModelSpec, prims: PrimitivesConfig, tp: int) -> float:
 
 
 # ------------------------------------------------------------------------------------ loss (bytes)
-
-
-def sharding_costs(prims: PrimitivesConfig) -> ShardingCosts:
-    """The configured sharding's cost facts, declared next to its code (primitives/sharding/)."""
-    return registry.get("sharding", prims.sharding).costs
 
 
 def loss_costs(prims: PrimitivesConfig) -> LossCosts:

@@ -25,8 +25,8 @@ from bumblebee.plan.timeline import MemoryBreakdown, StageMemory, stage_timeline
 
 LARGE_MODEL = 100e9  # published recipe: EP 8 for models <= 100B parameters, 32 above
 LOCAL_SEQ_MAX = 32768  # published recipe: per-GPU sequence about 16K-32K
-# the recipe's primitives (moe_chunks: 4 past a 32K local sequence); differs from the runtime's
-# PrimitivesConfig defaults in moe_comm (the runtime's default runs on any layout, ep = 1 included)
+# the recipe's primitives, set explicitly: PrimitivesConfig's default moe_comm is alltoall
+# (moe_chunks: 4 past a 32K local sequence)
 RECIPE = dict(
     sharding="fsdp2", loss="linear_ce", recompute="full", moe_comm="chunked", moe_chunks=2
 )
