@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 from bumblebee.console import SetOverride
@@ -66,11 +67,14 @@ def _train_run(args) -> int:
 
     resume = [f"train.resume={json.dumps(args.resume)}"] if args.resume else []
     restarts = [f"train.max_restarts={args.max_restarts}"] if args.max_restarts is not None else []
-    cfg = load_config(args.config, args.overrides + resume + restarts)
+    errors: list[str] = []  # reported with the checks below, all at once
+    cfg = load_config(args.config, args.overrides + resume + restarts, errors=errors)
     if args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+        errors.append(f"--nproc must be >= 1, got {args.nproc}")
 
     def checks(world: int):  # warnings only for a run that starts: an error stays the only line
+        if errors:  # the launch checks assume valid values; they gather their own problems
+            raise ConfigError("\n".join(errors))
         plan = preflight(cfg, world)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy of each warning
             for warning in config_warnings(cfg):
@@ -243,27 +247,31 @@ def _data_run(args) -> int:
         return run(args)
     # one writer per output directory, as a training run holds its out_dir: two prepares into one
     # OUT would leave a corpus equal to neither
+    import bumblebee.outputs as outputs
     from bumblebee.config import ConfigError
-    from bumblebee.errors import disk_full, out_of_room
     from bumblebee.runtime.launch.outdir import OutDirLock
 
+    outputs.check_target(args.out, "data prepare OUT", kind="dir", inputs=[args.input])
     created = not os.path.isdir(args.out)
+    done = False
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
         raise ConfigError(
             f"data prepare OUT: cannot create {args.out} ({e.strerror or e})"
         ) from None
-    try:
-        with OutDirLock(args.out, what="data prepare OUT"):
-            return run(args)
-    except (OSError, RuntimeError) as e:  # the writer has removed its files
-        if out_of_room(e):
-            raise disk_full(args.out, "write the prepared data", e) from None
-        raise
-    finally:  # a failed prepare leaves no directory it created behind
-        if created and os.path.isdir(args.out) and not os.listdir(args.out):
-            os.rmdir(args.out)
+    try:  # on a full disk the writer has removed its files; the guard's line says so
+        with outputs.writing(args.out, "write the prepared data"):
+            with OutDirLock(args.out, what="data prepare OUT"):
+                code = run(args)
+        done = True
+        return code
+    finally:  # a failed or interrupted prepare leaves no directory it created behind
+        if created and not done:
+            from bumblebee.data.prepare import no_interrupts
+
+            with no_interrupts():  # everything in it is this run's (it held the lock)
+                shutil.rmtree(args.out, ignore_errors=True)
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
@@ -352,6 +360,32 @@ def _command(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; ``argv`` None: the program itself (``bumblebee ...``), whose exit code
+    is final once decided, so a late Ctrl-C is ignored rather than turned into a traceback from
+    the interpreter's shutdown or a death by SIGINT after the work is done."""
+    import signal
+
+    program = argv is None
+    try:
+        if program:
+            from bumblebee.runtime.launch.interrupts import defer_during_imports
+
+            defer_during_imports()
+        code = _main(argv)
+    except KeyboardInterrupt:  # anywhere, imports included (torch takes seconds to import)
+        if program:
+            from bumblebee.runtime.launch.interrupts import reported
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            reported()
+        print("bumblebee: interrupted", file=sys.stderr)
+        return 130
+    if program:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     # CUDA's caching allocator grows segments in place instead of keeping one per size class: less
     # fragmentation at long context. Read when CUDA first allocates, so set before any command runs
     # (and inherited by the ranks --nproc starts); a user's own setting wins.
@@ -372,15 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `bumblebee data inspect X | head`: the reader has gone; stop quietly
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a command its pipe ended
-    except ConfigError as e:
-        print(f"bumblebee: error: {e}", file=sys.stderr)
+    except ConfigError as e:  # several lines: every config error of the invocation
+        for line in str(e).splitlines() or [""]:
+            print(f"bumblebee: error: {line}", file=sys.stderr)
         return 2
     except NonFiniteError as e:  # a run stopped on a NaN/Inf step: its checkpoints are intact
         print(f"bumblebee: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("bumblebee: interrupted", file=sys.stderr)
-        return 130
 
 
 def _silence_stdout() -> None:

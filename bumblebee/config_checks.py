@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 
-from bumblebee.errors import ConfigError
+from bumblebee.errors import ConfigError, gather
 
 DATA_SOURCES = ("synthetic", "jsonl", "tokens", "text", "chat")
 
@@ -34,20 +34,29 @@ def check_int_range(section: str, obj) -> None:
 
 
 def validate(cfg) -> None:
-    """Every section's values, in this order (the first problem found is the one reported)."""
-    for f in dataclasses.fields(cfg):
-        check_int_range(f.name, getattr(cfg, f.name))
-    _check_mtp(cfg)
-    _check_train(cfg.train)
-    _check_moe(cfg)
-    _check_parallel(cfg)
+    """Every section's values; each section's first problem is reported, all sections together
+    (one ConfigError, a line each)."""
+    gather(
+        *[
+            (lambda f=f: check_int_range(f.name, getattr(cfg, f.name)))
+            for f in dataclasses.fields(cfg)
+        ],
+        lambda: _check_mtp(cfg),
+        lambda: _check_train(cfg.train),
+        lambda: _check_moe(cfg),
+        lambda: _check_parallel(cfg),
+        lambda: _check_eval_every(cfg),
+        lambda: _check_data(cfg.data, cfg.train),
+        lambda: _check_synthetic(cfg),
+        lambda: _check_primitives(cfg),
+    )
+
+
+def _check_eval_every(cfg) -> None:
     if cfg.train.eval_every != "auto" and not (
         isinstance(cfg.train.eval_every, int) and cfg.train.eval_every >= 0
     ):
         raise ConfigError(f"train.eval_every must be >= 0 or 'auto', got {cfg.train.eval_every!r}")
-    _check_data(cfg.data, cfg.train)
-    _check_synthetic(cfg)
-    _check_primitives(cfg)
 
 
 def _check_mtp(cfg) -> None:

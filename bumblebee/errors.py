@@ -9,6 +9,24 @@ class ConfigError(ValueError):
     """Invalid user input. The message is one line, printed as-is by the CLI."""
 
 
+def gather(*checks) -> None:
+    """Run every check; raise one ``ConfigError`` whose lines are all their failures, in order
+    (all config errors of one invocation are reported together, not one per attempt). A check
+    that fails in any other way after an earlier one failed is skipped: it may have tripped over
+    that problem."""
+    lines: list[str] = []
+    for check in checks:
+        try:
+            check()
+        except ConfigError as e:
+            lines += [line for line in str(e).splitlines() if line not in lines]
+        except Exception:
+            if not lines:
+                raise
+    if lines:
+        raise ConfigError("\n".join(lines))
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be loaded as asked (missing file, wrong shape, ...)."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import bumblebee.outputs as outputs
 from bumblebee.config import ConfigError
 
 FORMATS = (".png", ".pdf", ".svg")
@@ -76,19 +77,8 @@ def check_output(out: str, run_dirs: list[str]) -> None:
         raise ConfigError(
             f"{out}: is a directory; give a file name such as {os.path.join(out, 'report.png')}"
         )
-    real = os.path.realpath(out)
-    for d in run_dirs:
-        if real in (os.path.realpath(d), os.path.realpath(metrics_path(d))):
-            raise ConfigError(f"{out}: is one of the inputs; choose another output path")
-    parent = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{out}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK) or (
-        os.path.exists(out) and not os.access(out, os.W_OK)
-    ):
-        raise ConfigError(f"{out}: not writable")
+    inputs = [metrics_path(d) for d in run_dirs]  # a report inside a run directory is fine
+    outputs.check_target(out, "report -o", kind="file", inputs=inputs)
 
 
 def check_inputs(run_dirs: list[str], out: str) -> None:

@@ -33,7 +33,12 @@ def _token_store(data_cfg, path: str):
         tools=data_cfg.tools,
         template_kwargs=data_cfg.chat_template_kwargs,
     )
-    return encode_in_memory(path, enc, on_error=data_cfg.on_error)
+    import os
+
+    rank0 = os.environ.get("RANK", "0") == "0"  # one bar for the job
+    return encode_in_memory(
+        path, enc, on_error=data_cfg.on_error, progress="auto" if rank0 else False
+    )
 
 
 def build_source(data_cfg, train_cfg, vocab_size: int):

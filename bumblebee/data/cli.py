@@ -151,6 +151,12 @@ def run(args, stream=None) -> int:
         return 0
     if args.seq_len < 2:
         raise ConfigError(f"--seq-len must be >= 2, got {args.seq_len}")
+    need, have = 40 * args.seq_len, host_memory()  # the packed row: 4 int64 + 1 uint8 per token
+    if need > have:
+        raise ConfigError(
+            f"--seq-len {args.seq_len}: one packed row needs {need / 2**30:.3g} GiB, more than "
+            f"this machine's {have / 2**30:.0f} GiB of memory"
+        )
     inspect(
         args.path,
         seq_len=args.seq_len,
@@ -160,6 +166,14 @@ def run(args, stream=None) -> int:
         too_long=args.too_long,
     )
     return 0
+
+
+def host_memory() -> int:
+    """Physical memory in bytes (a generous 1 TiB where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**40
 
 
 def histogram(lengths: np.ndarray) -> list[tuple[str, int]]:

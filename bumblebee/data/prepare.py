@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -111,12 +114,66 @@ _WORKER: dict = {}  # inside a worker process only: its encoder (the tokenizer l
 
 
 def _pool_init(enc: Encoder) -> None:
+    # Ctrl-C reaches the whole process group: only the parent stops (and terminates the pool); a
+    # worker that died of it mid-task left imap waiting forever, and printed its traceback. SIGINT
+    # is blocked from before the fork (see _pool): ignore it, then let other signals through.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _WORKER["enc"] = enc
+
+
+def _pool(workers: int, enc: Encoder):
+    """(a fork pool whose workers ignore SIGINT, whether Ctrl-C came while it started). SIGINT is
+    blocked meanwhile, so no worker sees it before its initializer, and only recorded: raised
+    inside the at-fork callbacks that run Python code (logging's), it was swallowed."""
+    hit: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda s, f: hit.append(s)) if main else None
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pool = mp.get_context("fork").Pool(workers, initializer=_pool_init, initargs=(enc,))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    return pool, bool(hit)
+
+
+@contextmanager
+def no_interrupts():
+    """SIGINT ignored within the block (cleanup after the first Ctrl-C: a second one must not cut
+    a pool's termination or the removal of a partial output short); a no-op off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _pool_encode(args) -> dict:
     chunk, on_error = args
     return encode_chunk(_WORKER["enc"], chunk, on_error)
+
+
+def _wind_down(pool, results, stop: threading.Event, slots: threading.Semaphore) -> None:
+    """Stop feeding, let the chunks in flight finish (dropped), and end the workers."""
+    stop.set()
+    slots.release()  # the feeder returns instead of waiting for a slot
+    pool.close()
+    deadline = time.monotonic() + 30
+    try:
+        while results is not None:
+            results.next(timeout=max(deadline - time.monotonic(), 0.01))
+    except StopIteration:
+        pool.join()
+        return
+    except Exception:  # a worker failed, or is stuck for 30 s: nothing left worth waiting for
+        pass
+    pool.terminate()
+    pool.join()
 
 
 def encode_input(
@@ -125,26 +182,48 @@ def encode_input(
     *,
     on_error: str = "raise",
     workers: int = 1,
-    progress: bool = False,
+    progress: bool | str = False,
     stream=None,
+    label: str = "prepare",
 ):
-    """Yield encoded chunks of ``path`` in input order (in ``workers`` processes when > 1)."""
+    """Yield encoded chunks of ``path`` in input order (in ``workers`` processes when > 1).
+    ``progress="auto"``: a bar when stderr is a terminal or the input is 64 MiB or more."""
     if on_error not in ON_ERROR:
         raise DataError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     files, total, unit = scan(path)
-    bar = Progress(total, unit, stream) if progress else None
+    if progress == "auto":
+        tty = getattr(stream or sys.stderr, "isatty", lambda: False)()
+        progress = tty or (unit == "B" and total >= 64 * 2**20)
+    bar = Progress(total, unit, stream, label) if progress else None
     jobs = ((c, on_error) for c in chunks(files))
-    pool = None
-    if workers > 1:
-        os.environ.setdefault(
-            "TOKENIZERS_PARALLELISM", "false"
-        )  # the tokenizers library warns after fork
-        pool = mp.get_context("fork").Pool(workers, initializer=_pool_init, initargs=(enc,))
-        results = pool.imap(_pool_encode, jobs, chunksize=1)
-    else:
-        results = (encode_chunk(enc, c, e) for c, e in jobs)
+    pool, results = None, None
+    # Pool.terminate() can hang for good (its feeder thread blocked writing to workers nobody
+    # reads any more, or a worker holding the result queue's lock while it writes a chunk the
+    # stopped result thread never reads: Ctrl-C near the end hung). So the pool is never
+    # terminated with work in flight: at most 2 chunks per worker are fed ahead of the results
+    # taken, and on the way out the feeder stops and those few finish and are dropped.
+    slots, stop = threading.Semaphore(2 * workers), threading.Event()
+
+    def fed():
+        for job in jobs:
+            slots.acquire()
+            if stop.is_set():
+                return
+            yield job
+
     try:
+        if workers > 1:
+            os.environ.setdefault(
+                "TOKENIZERS_PARALLELISM", "false"
+            )  # the tokenizers library warns after fork
+            pool, interrupted = _pool(workers, enc)
+            if interrupted:
+                raise KeyboardInterrupt
+            results = pool.imap(_pool_encode, fed(), chunksize=1)
+        else:
+            results = (encode_chunk(enc, c, e) for c, e in jobs)
         for r in results:
+            slots.release()
             if r["error"]:
                 raise DataError(r["error"])
             if bar:
@@ -152,8 +231,8 @@ def encode_input(
             yield r
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            with no_interrupts():
+                _wind_down(pool, results, stop, slots)
         if bar:
             bar.close()
 
@@ -187,24 +266,33 @@ def prepare(
             raise DataError(
                 f"{path}: no usable records" + (f" (skipped: {dict(skipped)})" if skipped else "")
             )
+        # inside the try: an interrupt while the offsets or meta.json are written is a partial output
+        return writer.close(
+            {
+                "source": os.path.abspath(path),
+                **enc.describe(),
+                "max_token_id": max_id,
+                "skipped": dict(skipped),
+                "skipped_total": sum(skipped.values()),
+                "notes": dict(notes),
+            }
+        )
     except BaseException:
-        writer.abort()
+        with no_interrupts():
+            writer.abort()
         raise
-    return writer.close(
-        {
-            "source": os.path.abspath(path),
-            **enc.describe(),
-            "max_token_id": max_id,
-            "skipped": dict(skipped),
-            "skipped_total": sum(skipped.values()),
-            "notes": dict(notes),
-        }
+
+
+def encode_in_memory(
+    path: str, enc: Encoder, *, on_error: str = "raise", progress: bool | str = "auto", stream=None
+) -> TokenStore:
+    """The same encoding into an in-memory store (text / chat sources read directly by a run),
+    with a progress bar on a large input (tokenizing gigabytes at start was silent for minutes)."""
+    parts = list(
+        encode_input(
+            path, enc, on_error=on_error, progress=progress, stream=stream, label="tokenize"
+        )
     )
-
-
-def encode_in_memory(path: str, enc: Encoder, *, on_error: str = "raise") -> TokenStore:
-    """The same encoding into an in-memory store (text / chat sources read directly by a run)."""
-    parts = list(encode_input(path, enc, on_error=on_error))
     skipped: Counter = Counter()
     notes: Counter = Counter()
     for r in parts:

@@ -114,7 +114,7 @@ class StoreWriter:
         """Remove what was written (a failed prepare leaves no half-written directory behind)."""
         self._tokens.close()
         self._mask.close()
-        for name, _ in FILES.values():
+        for name in [n for n, _ in FILES.values()] + ["meta.json.tmp", "meta.json"]:
             p = os.path.join(self.out_dir, name)
             if os.path.exists(p):
                 os.remove(p)

@@ -132,6 +132,11 @@ def _header(args, n: int | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # before any work (the dry run takes minutes on a real model); NaN passes every comparison
+    if not (math.isfinite(args.skew) and args.skew >= 1.0):
+        raise ConfigError(
+            f"--skew must be a finite number >= 1 (1: balanced routing), got {args.skew}"
+        )
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     if args.seq < 1:

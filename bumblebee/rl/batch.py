@@ -32,7 +32,14 @@ import torch
 from bumblebee.rl.losses import aggregation_weights
 
 IGNORE = -100
-OPTIONAL = ("advantages", "old_logprobs", "ref_logprobs")  # per-token inputs of a loss
+OPTIONAL = (
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "rollout_logprobs",
+)  # per-token loss inputs
+# what a loss sees per token: OPTIONAL, then values prediction_view derives from the whole batch
+LOSS_INPUTS = OPTIONAL + ("rollout_seq_log_ratio",)
 
 
 @dataclass
@@ -43,6 +50,8 @@ class RLBatch:
     advantages: torch.Tensor | None = None  # [B, T] float32
     old_logprobs: torch.Tensor | None = None  # [B, T] float32, behaviour policy
     ref_logprobs: torch.Tensor | None = None  # [B, T] float32, reference policy (KL penalty)
+    # [B, T] float32: the rollout engine's log-probs of its sampled tokens (off-policy correction)
+    rollout_logprobs: torch.Tensor | None = None
     seq_index: torch.Tensor | None = None  # [B, T] int64: packed sequence index, -1 on padding
     # [B, T, L, K] int64: the experts each token was routed to in each MoE layer (L MoE layers in order,
     # K per token), from a rollout engine or compute_logprobs(return_routing=True); replayed when given
@@ -99,11 +108,13 @@ def pack_sequences(
     advantages=None,
     old_logprobs=None,
     ref_logprobs=None,
+    rollout_logprobs=None,
     pad_id: int = 0,
 ) -> RLBatch:
     """Pack sequences first-fit, in order, into rows of ``seq_len`` tokens.
     ``advantages``: one float per sequence (broadcast over its tokens) or one list per
-    sequence; ``old_logprobs`` / ``ref_logprobs``: one list per sequence (token-aligned)."""
+    sequence; ``old_logprobs`` / ``ref_logprobs`` / ``rollout_logprobs``: one list per
+    sequence (token-aligned)."""
     n = len(tokens)
     if len(loss_masks) != n:
         raise ValueError(f"{n} sequences but {len(loss_masks)} loss masks")
@@ -127,7 +138,12 @@ def pack_sequences(
     pos = torch.zeros(B, seq_len, dtype=torch.long)
     mask = torch.zeros(B, seq_len, dtype=torch.bool)
     index = torch.full((B, seq_len), -1, dtype=torch.long)
-    fields = {"advantages": advantages, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
+    fields = {
+        "advantages": advantages,
+        "old_logprobs": old_logprobs,
+        "ref_logprobs": ref_logprobs,
+        "rollout_logprobs": rollout_logprobs,
+    }
     out = {k: None if v is None else torch.zeros(B, seq_len) for k, v in fields.items()}
     for b, members in enumerate(rows):
         at = 0
@@ -214,7 +230,20 @@ def prediction_view(
             t = getattr(batch, name)
             if t is not None:  # zero off the mask: garbage there must not reach the loss
                 out[name] = shift_left(torch.where(trained, t.float(), 0.0))
+        if batch.old_logprobs is not None and batch.rollout_logprobs is not None:
+            # summed over whole sequences here, before micro-batches and CP shards split them
+            log_ratio = torch.where(trained, batch.old_logprobs - batch.rollout_logprobs, 0.0)
+            seq_sum = sequence_sums(log_ratio.float(), sequence_ids(batch.position_ids))
+            out["rollout_seq_log_ratio"] = shift_left(torch.where(trained, seq_sum, 0.0))
     return out
+
+
+def sequence_sums(x_BT: torch.Tensor, seq_ids_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T]: at every token, the sum of ``x`` over the tokens of its sequence."""
+    _, inverse = torch.unique(seq_ids_BT.reshape(-1), return_inverse=True)
+    sums = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, device=x_BT.device)
+    sums.scatter_add_(0, inverse, x_BT.reshape(-1))
+    return sums[inverse].view_as(x_BT)
 
 
 def pad_batch(batch: RLBatch, rows: int, cols: int) -> RLBatch:

@@ -4,8 +4,9 @@ Configuration, lowest to highest precedence: the RL defaults below (a smaller ti
 model and optimizer settings suited to the toy task), the ``--config`` TOML file,
 then ``--set`` overrides. Keys under ``rl.`` (``--set rl.steps=40`` or an ``[rl]``
 table) go to ``RLConfig``; everything else is the ordinary run config, validated by
-``load_config``. ``--plot out.png`` draws the reward curve (through bumblebee/report.py;
-matplotlib is imported only when asked for).
+``load_config``. ``--tis C`` is ``--set rl.tis=C`` (applied last). ``--plot out.png``
+draws the reward curve (through bumblebee/report.py; matplotlib is imported only when
+asked for).
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action=SetOverride,
         metavar="SECTION.KEY=VALUE",
         help="override one value, e.g. --set rl.steps=40 or --set model.arch.hidden_size=128 (repeatable)",
+    )
+    p.add_argument(
+        "--tis",
+        type=float,
+        metavar="C",
+        help="truncated importance sampling on pi_train / pi_rollout, capped at C > 1 (e.g. 2); "
+        "the same as --set rl.tis=C, which it overrides",
     )
     p.add_argument(
         "--nproc",
@@ -115,6 +123,14 @@ def load_configs(path: str | None, overrides: list[str]):
     return cfg, rl
 
 
+def configs_from_args(args):
+    """(run Config, RLConfig) of parsed ``bumblebee rl`` arguments."""
+    overrides = list(args.overrides or [])
+    if args.tis is not None:  # last, so it wins over the file and --set
+        overrides.append(f"rl.tis={args.tis!r}")
+    return load_configs(args.config, overrides)
+
+
 @record
 def _worker(job) -> None:
     from bumblebee.runtime.launch import launcher as launch
@@ -146,7 +162,7 @@ def run(args) -> int:
     from bumblebee.runtime.launch.outdir import OutDirLock, check_out_dir
     from bumblebee.runtime.resolve import check_run
 
-    cfg, rl = load_configs(args.config, args.overrides)
+    cfg, rl = configs_from_args(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     if args.plot:

@@ -53,7 +53,7 @@ from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.moe.replay import RoutingScope
 from bumblebee.rl import microbatch as mbs
 from bumblebee.rl.batch import (
-    OPTIONAL,
+    LOSS_INPUTS,
     RLBatch,
     has_prefix,
     prediction_view,
@@ -71,6 +71,7 @@ from bumblebee.runtime.resolve import resolve_layout
 from bumblebee.runtime.step import (
     ExpertLoad,
     accumulate,
+    add_stat,
     autocast_for,
     balance_denominator,
     optimizer_tail,
@@ -377,7 +378,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
                 )
             if loss_fn is None:
                 return aux, {}
-            x = PolicyInputs(logp, ent, mb["mask"], mb["weights"], *(mb.get(k) for k in OPTIONAL))
+            x = PolicyInputs(
+                logp, ent, mb["mask"], mb["weights"], *(mb.get(k) for k in LOSS_INPUTS)
+            )
             loss, stats = loss_fn(x)
             return loss + aux_scale * aux, {"loss": loss, **stats}
 
@@ -387,7 +390,7 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
                 sums = {}
                 for mb in shards:
                     for k, v in forward(mb)[1].items():
-                        sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
+                        add_stat(sums, k, v)
         else:
             sums = accumulate(shards, self.sharding, forward)
         return self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
@@ -408,18 +411,21 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         return out
 
     def _aggregate(self, sums: dict, n_tokens: int, has_loss: bool) -> ForwardOutput:
-        """Loss and metric sums over every rank's tokens; metrics as token means."""
+        """Loss and metric sums over every rank's tokens; metrics as token means (``_max``
+        names: the maximum over every rank)."""
         if not has_loss:
             return ForwardOutput(None, n_tokens, {})
-        names = sorted(k for k in sums if k != "loss")
+        names = sorted(k for k in sums if k != "loss" and not k.endswith("_max"))
+        maxima = sorted(k for k in sums if k.endswith("_max"))
         totals = torch.stack([sums["loss"]] + [sums[k] for k in names])
+        top = torch.stack([sums[k] for k in maxima]) if maxima else None
         if self.ctx.distributed:
             dist.all_reduce(totals, group=self.ctx.dp_cp_group)
-        return ForwardOutput(
-            float(totals[0]),
-            n_tokens,
-            {k: float(v) / max(n_tokens, 1) for k, v in zip(names, totals[1:])},
-        )
+            if top is not None:
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.ctx.dp_cp_group)
+        metrics = {k: float(v) / max(n_tokens, 1) for k, v in zip(names, totals[1:])}
+        metrics.update({k: float(v) for k, v in zip(maxima, top if top is not None else [])})
+        return ForwardOutput(float(totals[0]), n_tokens, metrics)
 
     def _token_aligned(self, batch: RLBatch, kept: list, entropy: bool):
         """Per-micro-batch results at prediction positions -> token-aligned [B, T] of this rank."""

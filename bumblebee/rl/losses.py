@@ -24,6 +24,16 @@ backward. Everything else here works on per-token ``[T]`` tensors:
   ranks) gives exactly the full-batch loss. Modes: ``token-mean`` (every token of the
   batch weighs the same), ``seq-mean-token-mean`` (mean over sequences of each
   sequence's token mean), ``seq-mean-token-sum`` (mean over sequences of token sums).
+- ``rollout_correction``: importance weights for the gap between the rollout engine's
+  sampling distribution and the training engine's (numerics, or one step of asynchrony),
+  on the ratio ``rho = pi_train(old) / pi_rollout`` of the batch's ``old_logprobs`` to its
+  ``rollout_logprobs``: truncated IS (TIS; Yao et al. 2025, "Your Efficient RL Framework
+  Secretly Brings You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl)
+  ``w = min(rho, C)``, or masked IS (MIS; verl's rollout correction,
+  https://verl.readthedocs.io/en/latest/algo/rollout_corr.html) ``w = rho if rho <= C else 0``;
+  per token, or per sequence with ``rho_seq = exp(sum of the sequence's token log-ratios)``
+  (the product of its token ratios) given to each of its tokens. The weight is detached
+  and multiplies the policy-gradient term only.
 
 Legend: T tokens (flattened), H hidden, V vocabulary (this rank's slice), N rollouts,
 G rollouts per prompt.
@@ -31,6 +41,7 @@ G rollouts per prompt.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +50,7 @@ from bumblebee.primitives.loss import linear_cross_entropy
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+IS_LEVELS = ("token", "sequence")
 IGNORE = -100
 
 
@@ -127,6 +139,35 @@ def grpo_advantages(rewards_N, group_size: int, *, scale_by_std: bool = True, ep
     return adv_PG.reshape(-1)
 
 
+def rollout_correction(log_ratio_T, mask_T, cap: float, mode: str | None):
+    """(weight [T], metric sums) for log-ratios ``log(pi_train / pi_rollout)`` (token or
+    sequence level, already expanded to tokens). ``mode``: "tis" (``min(rho, cap)``), "mis"
+    (``rho`` where ``rho <= cap``, else 0) or None (weight 1, metrics only). The weight is
+    detached: it reweights the samples, it is not a function to differentiate."""
+    lr_T = log_ratio_T.detach().float()
+    log_cap = math.log(cap)
+    over_T = (lr_T > log_cap) & mask_T
+    # exp after the cap on the log: exact min(rho, C) with no overflow for long sequences
+    capped_T = torch.exp(torch.clamp(lr_T, max=log_cap))
+    if mode == "tis":
+        w_T = capped_T
+    elif mode == "mis":
+        w_T = torch.where(over_T, 0.0, capped_T)
+    elif mode is None:
+        w_T = torch.ones_like(lr_T)
+    else:
+        raise ValueError(f"unknown rollout correction {mode!r}; valid: tis, mis")
+    # rho for the metrics, its log capped at 80 so a long sequence's product stays finite in fp32
+    rho_T = torch.where(mask_T, torch.exp(torch.clamp(lr_T, max=80.0)), 0.0)
+    stats = {  # sums over the mask (the engine divides by the token count), "_max": a maximum
+        "is_ratio_mean": rho_T.sum(),
+        "is_ratio_max": rho_T.max() if rho_T.numel() else rho_T.new_zeros(()),
+    }
+    if mode:
+        stats[f"is_{'mask' if mode == 'mis' else 'clip'}_frac"] = over_T.sum().float()
+    return torch.where(mask_T, w_T, 0.0), stats
+
+
 # ------------------------------------------------------------------------------ aggregation
 def _sequence_lengths(m, seq_ids):
     """(masked tokens per sequence [S] fp32, each token's sequence [numel])."""
@@ -179,13 +220,18 @@ class PolicyInputs:
     advantages: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None  # log pi_rollout(token), from the sampler
+    # each token's sequence's sum of (old_logprobs - rollout_logprobs) over its trained tokens
+    rollout_seq_log_ratio: torch.Tensor | None = None
 
 
 @dataclass
 class PolicyLoss:
     """PPO / GRPO policy loss per token: clipped surrogate + kl_coef * KL(pi || pi_ref)
-    - entropy_coef * entropy, aggregated with ``agg``. Called on a micro-batch, it returns
-    (its share of the loss, per-token metric sums over the mask)."""
+    - entropy_coef * entropy, aggregated with ``agg``; with ``tis`` / ``mis`` the surrogate
+    term of each token is weighted by ``rollout_correction``. Called on a micro-batch, it
+    returns (its share of the loss, per-token metric sums over the mask; names ending in
+    ``_max`` are maxima, reduced with max by the engine)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -195,6 +241,10 @@ class PolicyLoss:
     entropy_coef: float = 0.0
     agg: str = "token-mean"
     needs_entropy: bool = True  # computed for the metrics even when entropy_coef = 0
+    # rollout correction (rollout_correction): at most one of tis / mis, each the cap C (> 1)
+    tis: float | None = None
+    mis: float | None = None
+    is_level: str = "token"  # token | sequence
 
     def __post_init__(self):
         if self.clip_low < 0 or self.clip_high < 0:
@@ -209,6 +259,36 @@ class PolicyLoss:
             )
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg must be one of {AGGREGATIONS}, got {self.agg!r}")
+        if self.tis is not None and self.mis is not None:
+            raise ValueError("set at most one of tis (truncated IS) and mis (masked IS)")
+        cap = self.tis if self.tis is not None else self.mis
+        if cap is not None and not cap > 1.0:  # a cap <= 1 would down-weight on-policy tokens
+            raise ValueError(f"the tis / mis cap must be > 1, got {cap}")
+        if self.is_level not in IS_LEVELS:
+            raise ValueError(f"is_level must be one of {IS_LEVELS}, got {self.is_level!r}")
+
+    @property
+    def is_mode(self) -> str | None:
+        return "tis" if self.tis is not None else "mis" if self.mis is not None else None
+
+    def _rollout_weight(self, x: PolicyInputs):
+        """(per-token IS weight or None, metric sums); metrics whenever rollout log-probs are given."""
+        mode = self.is_mode
+        if x.rollout_logprobs is None:
+            if mode:
+                raise ValueError(f"{mode} needs rollout_logprobs in the batch")
+            return None, {}
+        if self.is_level == "sequence":
+            if x.rollout_seq_log_ratio is None:
+                raise ValueError(
+                    "is_level = 'sequence' needs rollout_seq_log_ratio (prediction_view derives it)"
+                )
+            log_ratio_T = x.rollout_seq_log_ratio
+        else:
+            log_ratio_T = x.old_logprobs - x.rollout_logprobs
+        cap = self.tis if mode == "tis" else self.mis if mode == "mis" else 2.0
+        w_T, stats = rollout_correction(log_ratio_T, x.mask, cap, mode)
+        return (w_T if mode else None), stats
 
     def __call__(self, x: PolicyInputs):
         if x.advantages is None or x.old_logprobs is None:
@@ -222,11 +302,13 @@ class PolicyLoss:
             clip_high=self.clip_high,
             dual_clip=self.dual_clip,
         )
-        loss_T = pg_T
+        w_T, is_stats = self._rollout_weight(x)
+        loss_T = pg_T if w_T is None else w_T * pg_T
         stats = {
             "clip_frac": (clipped_T & m).sum().float(),
             "dual_clip_frac": (dual_T & m).sum().float(),
             "approx_kl_old": (kl_penalty(x.logprobs.detach(), x.old_logprobs, "k3") * m).sum(),
+            **is_stats,
         }
         if x.ref_logprobs is not None:
             kl_T = kl_penalty(x.logprobs, x.ref_logprobs, self.kl_estimator)
@@ -265,6 +347,8 @@ def fused_policy_loss(
     advantages_T=None,
     old_logprobs_T=None,
     ref_logprobs_T=None,
+    rollout_logprobs_T=None,
+    rollout_seq_log_ratio_T=None,
     temperature: float = 1.0,
     vocab_group=None,
     **tiles,
@@ -288,6 +372,8 @@ def fused_policy_loss(
         advantages_T,
         old_logprobs_T,
         ref_logprobs_T,
+        rollout_logprobs_T,
+        rollout_seq_log_ratio_T,
     )
     loss, stats = loss_fn(x)
     return loss, stats, logp_T, entropy_T

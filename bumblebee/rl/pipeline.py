@@ -28,9 +28,10 @@ import torch.distributed as dist
 from bumblebee import registry
 from bumblebee.primitives.cp.layout import shard_sequence
 from bumblebee.rl import microbatch as mbs
-from bumblebee.rl.batch import OPTIONAL
+from bumblebee.rl.batch import LOSS_INPUTS
 from bumblebee.rl.losses import PolicyInputs, token_logprobs
 from bumblebee.runtime.pipeline import Pipeline
+from bumblebee.runtime.step import add_stat
 
 
 class EnginePipeline:
@@ -83,7 +84,7 @@ class EnginePipeline:
             out_bT2[..., 1] if self.with_entropy else None,
             target_bTk[..., 0] > 0,
             target_bTk[..., 1],
-            *(next(extra) if k in self.names else None for k in OPTIONAL),
+            *(next(extra) if k in self.names else None for k in LOSS_INPUTS),
         )
 
     def _loss(self, out_bT2, target_bTk):
@@ -121,7 +122,7 @@ class EnginePipeline:
         ) in self.pipe.modules:  # the balance loss is a mean over every micro-batch of the batch
             m.aux_scale = aux_coef / (runs * self.plan.balance_denominator)
         self.with_entropy, self.loss_fn, self.log = with_entropy, loss_fn, []
-        self.names = tuple(k for k in OPTIONAL if k in P)
+        self.names = tuple(k for k in LOSS_INPUTS if k in P)
         index = torch.arange(B * T).view(B, T)
         kept = []
         for r in range(runs):
@@ -185,10 +186,11 @@ class EnginePipeline:
         log = self.log[-n:] if self.is_last else []
         names = [sorted(log[0])] if self.is_last else [None]
         dist.broadcast_object_list(names, src=self.last_rank, group=self.ctx.pp_group)
+        # zeros off the last stage: the pp sum is the last stage's figure (a "_max" figure is >= 0)
         sums = {k: torch.zeros((), device=self.device) for k in names[0]}
         for entry in log:
             for k, v in entry.items():
-                sums[k] = sums[k] + v.float()
+                add_stat(sums, k, v)
         total = torch.stack([sums[k] for k in names[0]])
         dist.all_reduce(total, group=self.ctx.pp_group)
         return dict(zip(names[0], total))

@@ -12,9 +12,11 @@
    ``optimizer_step``.
 
 Every step writes one line of ``metrics.jsonl`` (phase, reward, accuracy, kl,
-entropy, clip fraction, ...). Greedy accuracy on a fixed held-out set is measured
-after the warm-up and at the end. RL settings live in ``RLConfig`` (``--set rl.key=value``
-or an ``[rl]`` table in the config file); the rest is the ordinary run config.
+entropy, clip fraction, the rollout ratio ``pi_train / pi_rollout`` of the sampler's
+tokens: ``is_ratio_*``, ...); ``rl.tis`` / ``rl.mis`` correct for it. Greedy accuracy
+on a fixed held-out set is measured after the warm-up and at the end. RL settings live
+in ``RLConfig`` (``--set rl.key=value`` or an ``[rl]`` table in the config file); the
+rest is the ordinary run config.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ from bumblebee.config import Config, ConfigError, dump_toml
 from bumblebee.config_checks import check_int_range
 from bumblebee.models import build_model
 from bumblebee.rl.engine import Engine, check_temperature
-from bumblebee.rl.losses import AGGREGATIONS, KL_ESTIMATORS, PolicyLoss, TokenNLL, grpo_advantages
+from bumblebee.rl.losses import (
+    AGGREGATIONS,
+    IS_LEVELS,
+    KL_ESTIMATORS,
+    PolicyLoss,
+    TokenNLL,
+    grpo_advantages,
+)
 from bumblebee.rl.sampler import Sampler
 from bumblebee.rl.toy import EOS, TASKS, make_task, rollout_batch, supervised_batch
 from bumblebee.runtime.metrics import json_line
@@ -63,6 +72,10 @@ class RLConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     agg: str = "token-mean"
+    # rollout correction on pi_train / pi_rollout (losses.rollout_correction); 0 disables
+    tis: float = 0.0  # truncated importance sampling cap C: weight min(rho, C)
+    mis: float = 0.0  # masked importance sampling cap C: weight rho, 0 where rho > C
+    is_level: str = "token"  # token | sequence (rho of a sequence: product of its token ratios)
     seq_len: int = 128  # row length rollouts are packed into
     eval_problems: int = 128  # held-out problems, evaluated after the warm-up and at the end
     eval_samples: int = 4  # samples per held-out problem for the evaluation reward
@@ -90,6 +103,8 @@ class RLConfig:
             "kl_coef",
             "entropy_coef",
             "partial",
+            "tis",
+            "mis",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"rl.{name} must be >= 0, got {getattr(self, name)}")
@@ -101,6 +116,15 @@ class RLConfig:
             raise ConfigError(
                 f"rl.agg must be one of {AGGREGATIONS} and rl.kl_estimator one of {KL_ESTIMATORS}"
             )
+        for name in ("tis", "mis"):
+            if getattr(self, name) and getattr(self, name) <= 1:
+                raise ConfigError(
+                    f"rl.{name} must be > 1 (or 0 to disable), got {getattr(self, name)}"
+                )
+        if self.tis and self.mis:
+            raise ConfigError("set at most one of rl.tis and rl.mis")
+        if self.is_level not in IS_LEVELS:
+            raise ConfigError(f"rl.is_level must be one of {IS_LEVELS}, got {self.is_level!r}")
         if self.group_size < 2:
             raise ConfigError("rl.group_size must be >= 2 (GRPO normalizes within a group)")
         self.validate_ranges()
@@ -155,6 +179,9 @@ class RLConfig:
             kl_estimator=self.kl_estimator,
             entropy_coef=self.entropy_coef,
             agg=self.agg,
+            tis=self.tis or None,
+            mis=self.mis or None,
+            is_level=self.is_level,
         )
 
 
@@ -260,14 +287,14 @@ def _grpo_step(
         ro.completions,
         rl.seq_len,
         advantages=grpo_advantages(rewards, rl.group_size).tolist(),
+        # the sampler's log-probs of its tokens, token-aligned (0 on the prompt): pi_rollout
+        rollout_logprobs=[[0.0] * len(p) + lp for p, lp in zip(ro.prompts, ro.logprobs)],
     )
     old = engine.compute_logprobs(batch).logprobs
     batch = batch.replace(old_logprobs=old, ref_logprobs=reference.compute_logprobs(batch).logprobs)
     # the sampler's log-probs of its own tokens vs the Engine's (KV cache vs packed forward)
-    engine_lp = torch.cat(
-        [lp[m] for lp, m in zip(batch.unpack(old), batch.unpack(batch.loss_mask))]
-    )
-    mismatch = (engine_lp - torch.tensor([x for lp in ro.logprobs for x in lp])).abs().max()
+    trained = batch.loss_mask
+    mismatch = (old - batch.rollout_logprobs)[trained].abs().max() if trained.any() else 0.0
     per_update = -(-batch.rows // rl.updates_per_step)
     ms = [
         _update(engine, batch.select_rows(i, i + per_update), loss_fn, rl.lr)
@@ -275,6 +302,7 @@ def _grpo_step(
     ]
     _push_weights(engine, sampler)
     mean = lambda k: sum(m[k] for m in ms) / len(ms)  # noqa: E731
+    is_keys = [k for k in ms[0] if k.startswith("is_")]  # rollout-correction figures
     return {
         "phase": "grpo",
         "step": step,
@@ -293,6 +321,7 @@ def _grpo_step(
                 "grad_norm",
             )
         },
+        **{k: max(m[k] for m in ms) if k.endswith("_max") else mean(k) for k in is_keys},
         "lr": rl.lr,
         "response_len": sum(len(c) for c in ro.completions) / len(ro.completions),
         "rollout_logprob_err": float(mismatch),

@@ -22,6 +22,8 @@ from typing import Any
 import bumblebee.primitives  # noqa: F401  (registers every implementation)
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError, balance_mode, parse_config
+from bumblebee.config_checks import validate
+from bumblebee.errors import gather
 from bumblebee.models import FAMILIES, family_of, resolve_arch
 
 
@@ -141,48 +143,73 @@ def mtp_depth(cfg: Config, arch) -> int:
     return depth
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- TOML file <- ``--set`` overrides; every value and the model checked."""
-    cfg = parse_config(path, overrides)
-    validate_run(cfg)
+def load_config(
+    path: str | None = None, overrides: list[str] | None = None, errors: list | None = None
+) -> Config:
+    """Defaults <- TOML file <- ``--set`` overrides; every value and the model checked, all
+    problems in one ConfigError (a line each): first every section's values and the model's
+    architecture, together; the cross-checks (primitives, MTP) only on valid values, or one
+    mistake would be reported twice. With ``errors``, a caller with checks of its own gets
+    those lines appended there instead, and the config back."""
+    cfg = parse_config(path, overrides, check=False)
+    try:
+        gather(lambda: validate(cfg), lambda: resolve_arch(cfg.model))
+        validate_run(cfg)
+    except ConfigError as e:
+        if errors is None:
+            raise
+        errors += str(e).splitlines()
     return cfg
 
 
 def check_run(cfg: Config, world: int) -> RunPlan:
     """Everything about a run on ``world`` ranks that can be rejected before any process
-    group exists (the launcher calls this in the parent process); the ``RunPlan`` of what runs."""
+    group exists (the launcher calls this in the parent process); every problem found, a line
+    each. The ``RunPlan`` of what runs."""
     arch = resolve_arch(cfg.model)
     layout = resolve_layout(cfg.parallel, world, arch)
-    if world > 1 and cfg.primitives.sharding == "none":
-        raise ConfigError(
-            f"primitives.sharding = 'none' needs a single process (world size is {world}); "
-            "use 'fsdp2' or 'zero1'"
-        )
-    if layout.ep > 1 and cfg.primitives.moe_comm == "local":
-        raise ConfigError(
-            "primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use 'alltoall'"
-        )
-    if layout.cp > 1 and cfg.train.seq_len % (2 * layout.cp):
-        raise ConfigError(
-            f"train.seq_len ({cfg.train.seq_len}) must be divisible by 2 x parallel.cp "
-            f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks"
-        )
-    if layout.cp > 1 and not FAMILIES[cfg.model.name].context_parallel:
-        able = ", ".join(f.name for f in FAMILIES.values() if f.context_parallel)
-        raise ConfigError(
-            f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; valid: {able}"
-        )
-    rows, rem = divmod(cfg.train.global_batch, layout.dp_shard)
-    if rem or rows % cfg.train.micro_batch:
-        unit = layout.dp_shard * cfg.train.micro_batch
-        raise ConfigError(
-            f"train.global_batch ({cfg.train.global_batch}) must be a multiple of dp_shard "
-            f"({layout.dp_shard}) x train.micro_batch ({cfg.train.micro_batch}), e.g. "
-            f"--set train.global_batch={unit * max(1, round(cfg.train.global_batch / unit))}"
-        )
-    check_pipeline(cfg, layout, arch, rows)
-    micro = rows // cfg.train.micro_batch
-    pp_micro = (cfg.primitives.pp_microbatches or micro) if layout.pp > 1 else 1
+    p, t = cfg.primitives, cfg.train
+
+    def sharding():
+        if world > 1 and p.sharding == "none":
+            raise ConfigError(
+                f"primitives.sharding = 'none' needs a single process (world size is {world}); "
+                "use 'fsdp2' or 'zero1'"
+            )
+
+    def moe_comm():
+        if layout.ep > 1 and p.moe_comm == "local":
+            raise ConfigError(
+                "primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use "
+                "'alltoall'"
+            )
+
+    def cp():
+        if layout.cp > 1 and t.seq_len % (2 * layout.cp):
+            raise ConfigError(
+                f"train.seq_len ({t.seq_len}) must be divisible by 2 x parallel.cp "
+                f"({2 * layout.cp}): each rank holds two of the 2*cp zigzag chunks"
+            )
+        if layout.cp > 1 and not FAMILIES[cfg.model.name].context_parallel:
+            able = ", ".join(f.name for f in FAMILIES.values() if f.context_parallel)
+            raise ConfigError(
+                f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; valid: {able}"
+            )
+
+    rows, rem = divmod(t.global_batch, layout.dp_shard)
+
+    def batch():
+        if rem or rows % t.micro_batch:
+            unit = layout.dp_shard * t.micro_batch
+            raise ConfigError(
+                f"train.global_batch ({t.global_batch}) must be a multiple of dp_shard "
+                f"({layout.dp_shard}) x train.micro_batch ({t.micro_batch}), e.g. "
+                f"--set train.global_batch={unit * max(1, round(t.global_batch / unit))}"
+            )
+
+    gather(sharding, moe_comm, cp, batch, lambda: check_pipeline(cfg, layout, arch, rows))
+    micro = rows // t.micro_batch
+    pp_micro = (p.pp_microbatches or micro) if layout.pp > 1 else 1
     return RunPlan(
         arch=arch,
         layout=layout,
@@ -191,7 +218,7 @@ def check_run(cfg: Config, world: int) -> RunPlan:
         pp_microbatches=pp_micro,
         balance=balance_mode(cfg, layout.pp),
         balance_denominator=(pp_micro if layout.pp > 1 else micro) * layout.dp_shard * layout.cp,
-        tokens_per_step=cfg.train.global_batch * cfg.train.seq_len,
+        tokens_per_step=t.global_batch * t.seq_len,
         mtp_depth=mtp_depth(cfg, arch),
     )
 
@@ -208,6 +235,14 @@ def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:
         if p.pp_layout or p.pp_virtual_stages != 1:
             raise ConfigError("primitives.pp_layout and pp_virtual_stages need parallel.pp > 1")
         return
+    gather(
+        lambda: _check_schedule(cfg, layout, rows_per_rank),
+        lambda: _check_stages(cfg, layout, arch),
+    )
+
+
+def _check_schedule(cfg, layout, rows_per_rank: int) -> None:
+    p = cfg.primitives
     m = p.pp_microbatches or rows_per_rank // cfg.train.micro_batch
     if rows_per_rank % m:
         raise ConfigError(
@@ -223,6 +258,10 @@ def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:
                 f"pipeline): raise train.global_batch to {layout.dp_shard * layout.pp} or more"
             )
         raise ConfigError(f"primitives.pipeline = {p.pipeline!r} {problem}{hint}")
+
+
+def _check_stages(cfg, layout, arch) -> None:
+    p = cfg.primitives
     if balance_mode(cfg, layout.pp) != "micro_batch":
         raise ConfigError(
             f"train.balance = '{cfg.train.balance}' needs every micro-batch's router statistics "

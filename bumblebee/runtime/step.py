@@ -84,18 +84,28 @@ def balance_denominator(micro: int, dp: int, cp: int) -> int:
     return micro * dp * cp
 
 
+def add_stat(sums: dict, name: str, value: torch.Tensor) -> None:
+    """Fold one micro-batch's stat into ``sums``: summed, or kept as a maximum for a name
+    ending in ``_max`` (a max of nonnegative values; e.g. the largest importance ratio)."""
+    v = value.detach().float()
+    if name not in sums:
+        sums[name] = v
+    else:
+        sums[name] = torch.maximum(sums[name], v) if name.endswith("_max") else sums[name] + v
+
+
 def accumulate(parts: list, sharding, forward) -> dict[str, torch.Tensor]:
     """Forward and backward over micro-batches ``parts``; ``set_grad_sync`` says which is the
     last (FSDP2 reduce-scatters every one unless ``train.grad_accum = "unsharded"``).
     ``forward(part) -> (loss to differentiate, {name: detached stat})``;
-    returns each stat summed over the micro-batches (fp32)."""
+    returns each stat summed over the micro-batches (fp32; ``_max`` names: their maximum)."""
     sums: dict[str, torch.Tensor] = {}
     for i, part in enumerate(parts):
         sharding.set_grad_sync(i == len(parts) - 1)
         loss, stats = forward(part)
         loss.backward()
         for k, v in stats.items():
-            sums[k] = sums[k] + v.detach().float() if k in sums else v.detach().float()
+            add_stat(sums, k, v)
     return sums
 
 

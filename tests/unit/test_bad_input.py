@@ -87,7 +87,7 @@ VALUES = [  # (--set items, fragment of the error)
     (["primitives.pp_microbatches=-1"], "primitives.pp_microbatches must be >= 0"),
     (['train.out_dir=""'], "train.out_dir is empty"),
     (['train.out_dir="   "'], "train.out_dir is empty"),
-    (["train.out_dir=/proc/bumblebee-run"], "cannot write to /proc/bumblebee-run"),
+    (["train.out_dir=/proc/bumblebee-run"], "/proc/bumblebee-run: not writable"),
     ([f"train.out_dir=/tmp/{'x' * 300}"], "longer than"),
 ]
 

@@ -32,6 +32,7 @@ LAYER_OF = {
     "errors": "core",
     "report": "core",
     "report_inputs": "core",
+    "outputs": "core",
     "__init__": "api",
     "primitives": "primitives",
     "models": "models",

@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+import bumblebee.outputs as outputs
 from bumblebee.config import PrimitivesConfig, tomllib
 from bumblebee.console import Progress
 from bumblebee.errors import disk_full, out_of_room
@@ -63,6 +64,7 @@ def export_checkpoint(
     replaced, so two exports never mix); never a checkpoint or run directory."""
     if max_shard_bytes < 1:
         raise CheckpointError(f"--max-shard-bytes must be >= 1, got {max_shard_bytes}")
+    outputs.check_target(out_dir, "convert OUT_DIR", kind="dir", inputs=[spec], nested=False)
     old = export_target_files(out_dir, overwrite)
     path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
     arch, named_shapes, tensors = stream_checkpoint(path)  # checksums verified

@@ -11,8 +11,10 @@ elsewhere; this module only covers SIGINT.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from contextlib import contextmanager
 
 
@@ -39,3 +41,44 @@ def interrupt_once(ignore_after: bool = False):
         raise
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _importing(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_PENDING = threading.Event()  # a Ctrl-C the program has not reported yet
+
+
+def defer_during_imports() -> None:
+    """For the program's whole life (``bumblebee ...``, not an in-process caller): Ctrl-C while a
+    module is being imported is raised once the import has finished, and an interrupt that was
+    swallowed is raised again until the program reports it (``reported``). A KeyboardInterrupt
+    inside numpy's or torch's import leaves them half-initialized (the next import fails with an
+    ImportError), and one that lands in a callback Python runs for itself (logging's at-fork
+    hook while an import forks a helper) is printed as "Exception ignored" and lost: the
+    command ran to the end and exited 0."""
+
+    def again():  # while unreported, signal again whenever this handler is the one installed
+        while _PENDING.is_set():
+            time.sleep(0.2)
+            if _PENDING.is_set() and signal.getsignal(signal.SIGINT) is handler:
+                os.kill(os.getpid(), signal.SIGINT)  # the process: this thread may block SIGINT
+
+    def handler(signum, frame):
+        if not _PENDING.is_set():
+            _PENDING.set()
+            threading.Thread(target=again, daemon=True).start()
+        if not _importing(frame):
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+
+def reported() -> None:
+    """The interrupt has been reported (``bumblebee: interrupted``): no more retries."""
+    _PENDING.clear()

@@ -27,15 +27,18 @@ import sys
 import time
 from contextlib import contextmanager
 
+import bumblebee.outputs as outputs
 from bumblebee.config import ConfigError
 
 LOCK_NAME = "bumblebee.lock"
 
 
-def check_out_dir(out_dir: str, *, checkpoints: bool) -> None:
-    """Everything about ``out_dir`` that can fail later, checked now (creates it)."""
+def check_out_dir(out_dir: str, *, checkpoints: bool, inputs=()) -> None:
+    """Everything about ``out_dir`` that can fail later, checked now (creates it); ``inputs``:
+    what the run reads (data, model)."""
     if not out_dir.strip():
         raise ConfigError("train.out_dir is empty; give the directory the run writes to")
+    outputs.check_target(out_dir, "train.out_dir", kind="dir", inputs=inputs)
     path = os.path.abspath(out_dir)
     name_max = _limit("PC_NAME_MAX", 255)
     long = [part for part in path.split(os.sep) if len(part.encode()) > name_max]

@@ -23,6 +23,27 @@ from bumblebee.runtime.resolve import check_run
 SYNTHETIC_KEYS = len(KEYS)  # distinct key letters a document can hold
 
 
+def _activations_fit(cfg: Config, layout, arch) -> None:
+    """A lower bound only (one layer's input and output for one micro-batch, 2 bytes a value):
+    a train.seq_len beyond it never reached step 1 (1e9 tokens: the data plan alone ran for
+    hours), so it is refused now. The planner sizes everything else."""
+    import torch
+
+    from bumblebee.data.cli import host_memory
+
+    tokens = cfg.train.seq_len * cfg.train.micro_batch // max(layout.cp, 1)
+    need = 2 * 2 * tokens * arch.hidden_size
+    cuda = torch.cuda.is_available()
+    have = torch.cuda.get_device_properties(0).total_memory if cuda else host_memory()
+    if need > have:
+        raise ConfigError(
+            f"train.seq_len = {cfg.train.seq_len}: one micro-batch's activations alone need >= "
+            f"{need / 2**30:.3g} GiB per rank ({tokens} tokens x hidden {arch.hidden_size}, in and out "
+            f"of a layer), more than the {have / 2**30:.0f} GiB of {'GPU' if cuda else 'host'} "
+            "memory; shorten it or split it with parallel.cp"
+        )
+
+
 def preflight(cfg: Config, world: int):
     """Everything about the run on ``world`` ranks that can be rejected before launch;
     returns the ``RunPlan``. Raises ``ConfigError`` (one line)."""
@@ -41,6 +62,7 @@ def preflight(cfg: Config, world: int):
             )
     plan = check_run(cfg, world)
     layout, arch = plan.layout, plan.arch
+    _activations_fit(cfg, layout, arch)
     if (
         t.wandb
     ):  # an optional extra: missing, one line now rather than from rank 0 after the model is built
@@ -71,7 +93,11 @@ def preflight(cfg: Config, world: int):
     if t.resume:
         check_resume(cfg, arch)
     check_kernels(cfg, arch, cuda=torch.cuda.is_available() and not t.emulate_cuda)
-    check_out_dir(t.out_dir, checkpoints=bool(t.save_every or t.export_hf))
+    check_out_dir(
+        t.out_dir,
+        checkpoints=bool(t.save_every or t.export_hf),
+        inputs=[cfg.data.path if cfg.data.source != "synthetic" else "", cfg.model.hf_path],
+    )
     return plan
 
 

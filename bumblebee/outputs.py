@@ -1,0 +1,74 @@
+"""The one writer guard every command that writes runs before it writes: ``train`` (out_dir),
+``data prepare`` (OUT), ``convert`` (OUT_DIR) and ``report`` (-o).
+
+``check_target`` refuses, each with one line naming the path: an empty path; a target of the
+wrong kind (a file where a directory goes, a directory where a file goes); a target that is
+one of the command's inputs or lies inside an input directory (writing there would destroy
+or mix with what is being read); and a place that cannot be written (checked by creating a
+probe file in the nearest existing directory, so a read-only filesystem fails as well as a
+permission). ``writing`` turns a write that runs out of room into errors.disk_full's line.
+Whatever a command adds on top (convert's "an earlier export", train's lock) stays its own.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+from bumblebee.errors import ConfigError, disk_full, out_of_room
+
+
+def _contains(outer: str, inner: str) -> bool:
+    return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
+
+
+def check_target(
+    path: str, what: str, *, kind: str = "dir", inputs=(), nested: bool = True
+) -> None:
+    """Raise ``ConfigError("{what} {path}: ...")`` unless ``path`` may be written as a ``kind``
+    ("dir" or "file"); ``inputs``: the paths the command reads; ``nested``: whether a target
+    inside an input directory is refused too (convert's run_dir/hf is not)."""
+    assert kind in ("dir", "file")
+    if not str(path).strip():
+        raise ConfigError(f"{what} is empty; give the path to write to")
+    label = f"{what} {path}"
+    if os.path.exists(path):
+        if kind == "dir" and not os.path.isdir(path):
+            raise ConfigError(f"{label}: exists and is not a directory")
+        if kind == "file" and os.path.isdir(path):
+            raise ConfigError(f"{label}: is a directory; give a file name")
+    real = os.path.realpath(path)
+    for src in inputs:
+        if not src:
+            continue
+        src_real = os.path.realpath(src)
+        if real == src_real or (nested and _contains(src_real, real)):
+            where = "is" if real == src_real else "lies inside"
+            raise ConfigError(f"{label}: {where} the input {src}; write elsewhere")
+    parent = real if kind == "dir" and os.path.isdir(real) else os.path.dirname(real)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{label}: {parent} is a file, not a directory")
+    if os.path.exists(real) and kind == "file" and not os.access(real, os.W_OK):
+        raise ConfigError(f"{label}: not writable")
+    probe = os.path.join(parent, f".bumblebee-write-test-{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        if out_of_room(e):
+            raise disk_full(parent, f"write {what}", e) from None
+        raise ConfigError(f"{label}: not writable ({parent}: {e.strerror or e})") from None
+
+
+@contextmanager
+def writing(path: str, doing: str):
+    """Within the block, a write that runs out of room is ``disk_full``'s one line."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        if out_of_room(e):
+            raise disk_full(path, doing, e) from None
+        raise
