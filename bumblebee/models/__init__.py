@@ -97,6 +97,12 @@ def resolve_arch(model_cfg):
         except ConfigError as e:
             where = "" if str(e).startswith(path) else f"{path}: "
             raise ConfigError(f"model.hf_path: {where}{e}") from None
+        from bumblebee.models.hf_read import checkpoint_block_size
+
+        try:  # a quantization we cannot read is refused before any rank starts
+            checkpoint_block_size(model_cfg.hf_path)
+        except ConfigError as e:
+            raise ConfigError(f"model.hf_path: {e}") from None
         arch = without_absent_mtp(arch, model_cfg.hf_path)
     else:
         if model_cfg.preset not in family.presets:
