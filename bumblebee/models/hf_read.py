@@ -201,31 +201,33 @@ class HFCheckpoint:
         handle, stored, file = self.where[name]
         try:
             sl = handle.get_slice(stored)
-            if name in self.scales:
-                return self._dequant(name, sl, lo, hi)
-            return sl[lo:hi] if sl.get_shape() else handle.get_tensor(stored)
+            if name not in self.scales:
+                return sl[lo:hi] if sl.get_shape() else handle.get_tensor(stored)
+            shape = sl.get_shape()
+            lo, hi, _ = slice(lo, hi).indices(shape[0])
+            hi, b0 = max(lo, hi), self.block[0]
+            scale = self.scales[name][0].get_slice(self.scales[name][1])
+            # 2-D: dim 0 is block rows, so read the scale rows [lo, hi) touches; 3-D (stacked
+            # experts): dim 0 is whole matrices, each with its own scale
+            first = lo // b0 if len(shape) == 2 else lo
+            s = scale[first : -(-hi // b0) if len(shape) == 2 else hi]
+            w = sl[lo:hi]
         except (OSError, RuntimeError, SafetensorError) as e:
             raise _unreadable(file, e) from None
+        return self._dequant(w, s, shape, lo - first * b0 if len(shape) == 2 else None)
 
     def scale_shape(self, name: str) -> tuple[int, ...]:
         """The ``_scale_inv`` shape the block size asks of weight ``name``."""
         *lead, r, c = self.shape(name)
         return (*lead, -(-r // self.block[0]), -(-c // self.block[1]))
 
-    def _dequant(self, name: str, sl, lo: int | None, hi: int | None) -> torch.Tensor:
-        shape = sl.get_shape()
-        lo, hi, _ = slice(lo, hi).indices(shape[0])
-        hi = max(lo, hi)
+    def _dequant(self, w: torch.Tensor, s: torch.Tensor, shape, skip: int | None) -> torch.Tensor:
+        """``w.float() * s`` with each scale spread over its block; ``skip``: the rows of the
+        first scale block before ``w`` starts (a slice starting inside a block)."""
         b0, b1 = self.block
-        scale = self.scales[name][0].get_slice(self.scales[name][1])
-        if len(shape) == 2:  # dim 0 is block rows: read the blocks [lo, hi) touches, trim the ends
-            first = lo // b0
-            s = scale[first : -(-hi // b0)].float().repeat_interleave(b0, 0)
-            s = s[lo - first * b0 : hi - first * b0]
-        else:  # stacked experts: dim 0 is whole tensors, each with its own blocks
-            s = scale[lo:hi].float().repeat_interleave(b0, -2)[..., : shape[-2], :]
-        s = s.repeat_interleave(b1, -1)[..., : shape[-1]]
-        return sl[lo:hi].float() * s
+        s = s.float().repeat_interleave(b0, -2)
+        s = s[skip : skip + w.shape[0]] if skip is not None else s[..., : shape[-2], :]
+        return w.float() * s.repeat_interleave(b1, -1)[..., : shape[-1]]
 
 
 def _plan(ckpt: HFCheckpoint, full: dict[str, tuple], F: int, tied: bool) -> dict[str, str]:

@@ -274,3 +274,45 @@ def test_unknown_format_is_refused_in_one_line(fp8_dir, tmp_path, case):
         bumblebee.from_hf(path)
     assert isinstance(e.value, ConfigError) and "\n" not in str(e.value)
     assert says in str(e.value), str(e.value)
+
+
+def test_fused_fp8_experts_load_per_rank(fp8_dir, tmp_path, monkeypatch):
+    """HF's fused expert tensors ([E, 2F, H] / [E, H, F]) in FP8 with a scale per expert: dim 0
+    is whole experts, so a rank reads its experts' matrices and scales."""
+
+    def fuse(t):
+        E = PRESETS["tiny"]["n_routed_experts"]
+        for layer in range(1, PRESETS["tiny"]["num_hidden_layers"]):
+            base = f"model.layers.{layer}.mlp.experts"
+            for fused, projs in (
+                ("gate_up_proj", ("gate_proj", "up_proj")),
+                ("down_proj", ("down_proj",)),
+            ):
+                for sfx in ("", "_scale_inv"):
+                    per = [
+                        torch.cat([t.pop(f"{base}.{e}.{p}.weight{sfx}") for p in projs])
+                        for e in range(E)
+                    ]
+                    t[f"{base}.{fused}{sfx}"] = torch.stack(per)
+
+    path = refusal_dir(fp8_dir, tmp_path, fuse)
+    whole = bumblebee.from_hf(fp8_dir[0], dtype=torch.float32)
+    for n, a in bumblebee.from_hf(path, dtype=torch.float32).state_dict().items():
+        assert torch.equal(a, whole.state_dict()[n]), n
+    monkeypatch.setattr(hf_read, "safe_open", Counting)
+    name = "model.layers.1.mlp.experts.w_down"
+    for rank in range(3):
+
+        def extent(t, is_expert=False, ep_rank=0, ep=1, rank=rank):
+            lo = min(t.shape[0], rank * -(-t.shape[0] // 3)) if t.dim() else 0
+            return tuple(t.shape), lo, t[lo : lo + -(-t.shape[0] // 3)] if t.dim() else t
+
+        monkeypatch.setattr(hf_read, "row_extent", extent)
+        model = build_model(whole.arch)
+        Counting.read.clear()
+        hf_read.load_hf_weights(model, path)
+        _, lo, part = extent(model.get_parameter(name))
+        assert torch.equal(part, whole.get_parameter(name)[lo : lo + part.shape[0]])
+        stored = "model.layers.1.mlp.experts.down_proj"
+        assert Counting.read[stored] == part.numel()  # its experts' fp8 bytes only
+        assert Counting.read[stored + "_scale_inv"] == part.shape[0] * 8 * 3 * 4
