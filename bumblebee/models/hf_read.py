@@ -40,6 +40,7 @@ from safetensors import SafetensorError, safe_open
 from bumblebee.errors import CheckpointError
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.family import family_of_model_type
+from bumblebee.models.hf_config import read_hf_config
 from bumblebee.models.mtp_names import skip_prefixes
 from bumblebee.primitives.sharding.common import row_extent
 
@@ -92,8 +93,6 @@ def checkpoint_block_size(path: str) -> tuple[int, int] | None:
     cfg = os.path.join(path, "config.json")
     if not os.path.isfile(cfg):
         return None
-    from bumblebee.models import read_hf_config
-
     d = read_hf_config(cfg)
     if isinstance(d.get("text_config"), dict) and "quantization_config" not in d:
         d = d["text_config"]
