@@ -868,8 +868,9 @@ def planner_gpu(ck: Check) -> str:
 
 def slice_prediction(ck: Check, preset: str, layers: int, seq: int) -> dict:
     """The planner's evaluation of the same slice on one GPU (same layers, no parallelism)."""
+    from bumblebee.config import PrimitivesConfig
     from bumblebee.plan.hardware import get_gpu
-    from bumblebee.plan.layout import Layout, Primitives, Workload
+    from bumblebee.plan.layout import Layout, Workload
     from bumblebee.plan.recipe import evaluate
     from bumblebee.plan.spec import load_spec, spec_from_hf_dict
 
@@ -878,7 +879,7 @@ def slice_prediction(ck: Check, preset: str, layers: int, seq: int) -> dict:
     if "layer_types" in d:
         d["layer_types"] = list(d["layer_types"])[:layers]
     spec = spec_from_hf_dict(d, f"{preset}[:{layers}]")
-    prims = Primitives(sharding="none", loss="linear_ce", recompute="full", moe_comm="local")
+    prims = PrimitivesConfig(sharding="none", loss="linear_ce", recompute="full", moe_comm="local")
     c = evaluate(spec, Layout(), prims, Workload(seq=seq, global_batch=1), get_gpu(planner_gpu(ck)))
     return {
         "step_s": c.perf.step_s if c.perf else None,

@@ -5,7 +5,9 @@ communication, ...). Each slot has exactly one *reference* implementation: the
 obviously-correct one every optimized implementation is paired against.
 Implementations register themselves at import time with ``@register``; the
 config names them (``[primitives] loss = "ce"``) and the model resolves the
-name with ``get``. The registry holds factories only, never state. It is a leaf:
+name with ``get``. An implementation may also declare facts about itself next to its code
+(``costs``: what the planner needs to count its memory and time, plan/memory.py).
+The registry holds factories and such facts only, never state. It is a leaf:
 importing ``bumblebee.primitives`` (or any module under it) registers every
 implementation, so whoever looks names up has imported them already.
 """
@@ -40,12 +42,15 @@ class Impl:
     factory: Callable[..., Any]
     reference: bool
     summary: str
+    costs: Any = None  # the slot's cost facts (loss: primitives/loss/costs.LossCosts) or None
 
 
 _IMPLS: dict[str, dict[str, Impl]] = {slot: {} for slot in SLOTS}
 
 
-def register(slot: str, name: str, *, reference: bool = False, summary: str = ""):
+def register(
+    slot: str, name: str, *, reference: bool = False, summary: str = "", costs: Any = None
+):
     """Decorator: register ``factory`` as implementation ``name`` of ``slot``."""
     assert slot in SLOTS, f"unknown slot {slot!r}"
 
@@ -56,7 +61,8 @@ def register(slot: str, name: str, *, reference: bool = False, summary: str = ""
             f"slot {slot} has two references"
         )
         doc = (factory.__doc__ or "").strip().splitlines()
-        impls[name] = Impl(slot, name, factory, reference, summary or (doc[0] if doc else ""))
+        summary_ = summary or (doc[0] if doc else "")
+        impls[name] = Impl(slot, name, factory, reference, summary_, costs)
         return factory
 
     return deco

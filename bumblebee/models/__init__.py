@@ -7,7 +7,6 @@ the family's ``CausalLM`` (models/base.py), ``arch_from_hf_dict`` reads a Huggin
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -26,6 +25,7 @@ from bumblebee.models import glm4_moe  # noqa: F401
 # isort: on
 from bumblebee.models.arch import ArchError
 from bumblebee.models.family import FAMILIES, Family, family_of_model_type
+from bumblebee.models.hf_config import read_hf_config
 from bumblebee.models.mtp_names import without_absent_mtp
 
 
@@ -44,22 +44,6 @@ REQUIRED_HF_KEYS = (
     "num_experts_per_tok",
 )
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def read_hf_config(path: str) -> dict:
-    """A ``config.json`` as a dict; unreadable, not UTF-8, not JSON or not an object is a one-line error."""
-    from bumblebee.config import ConfigError
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not a JSON text ({e})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(d).__name__}")
-    return d
 
 
 def arch_from_hf_dict(d: dict):
@@ -97,6 +81,12 @@ def resolve_arch(model_cfg):
         except ConfigError as e:
             where = "" if str(e).startswith(path) else f"{path}: "
             raise ConfigError(f"model.hf_path: {where}{e}") from None
+        from bumblebee.models.hf_read import checkpoint_block_size
+
+        try:  # a quantization we cannot read is refused before any rank starts
+            checkpoint_block_size(model_cfg.hf_path)
+        except ConfigError as e:
+            raise ConfigError(f"model.hf_path: {e}") from None
         arch = without_absent_mtp(arch, model_cfg.hf_path)
     else:
         if model_cfg.preset not in family.presets:

@@ -13,6 +13,8 @@ table, models/family.py): prefixes read under another name (the multimodal
 model (its vision tower ``model.visual.``), skipped with a one-line notice, and names that
 need the arch (DeepSeek's MTP modules stored as ``model.layers.{L + k}``). A config that
 counts MTP modules over a checkpoint without their tensors builds without MTP.
+Block-FP8 checkpoints (``weight_scale_inv``) load dequantized (models/hf_read.py); ``to_hf``
+writes plain weights in ``dtype`` and no ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ import torch
 
 from bumblebee.errors import CheckpointError
 from bumblebee.models.base import persistent_buffers
-from bumblebee.models.hf_read import load_hf_weights, weight_files  # noqa: F401  (load_hf_weights re-exported)
+from bumblebee.models.hf_read import (  # noqa: F401  (load_hf_weights re-exported)
+    checkpoint_block_size,
+    load_hf_weights,
+    weight_files,
+)
 from bumblebee.models.hf_write import write_hf
 from bumblebee.models.mtp_names import without_absent_mtp
 
@@ -45,6 +51,7 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, prims=None):
             f"{cfg_path}: {e}" if not str(e).startswith(cfg_path) else str(e)
         ) from None
     weight_files(path)  # a missing weights file is reported before anything is built
+    checkpoint_block_size(path)  # so is a quantization we cannot read
     model = build_model(without_absent_mtp(arch, path), prims, device="meta")
     return materialize(model, torch.device("cpu"), hf_path=path, dtype=dtype)
 

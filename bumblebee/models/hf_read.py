@@ -14,6 +14,16 @@ every model tensor is in the checkpoint; anything else is a one-line ``Checkpoin
 naming the tensor. Expert tensors come per expert (HF's files:
 ``mlp.experts.{e}.{gate,up,down}_proj.weight``) or fused (``experts.gate_up_proj`` [E, 2F, H],
 ``experts.down_proj`` [E, H, F]); bumblebee stacks them as ``w_gate_up`` / ``w_down``.
+
+Block-FP8 checkpoints as released (DeepSeek-V3, Kimi-K2, MiniMax-M2, GLM FP8): ``config.json``
+has ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [b0, b1]}``
+and a weight stored as ``float8_e4m3fn`` comes with ``<name>_scale_inv`` (fp32, one value per
+b0 x b1 block of its last two dims). Such a weight is dequantized as read, rows [lo, hi) with
+the scale block rows that cover them (a slice may start or end inside a block):
+``w = fp8.float() * scale_inv`` broadcast over the blocks, then cast to the model's dtype. The
+``_scale_inv`` tensors are not model tensors; any other quantization (method, fmt, block size
+not two positive ints, a scale whose shape does not match the block size, an fp8 weight without
+its scale or a scale without its weight) is a one-line ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from safetensors import SafetensorError, safe_open
 from bumblebee.errors import CheckpointError
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.family import family_of_model_type
+from bumblebee.models.hf_config import read_hf_config
 from bumblebee.models.mtp_names import skip_prefixes
 from bumblebee.primitives.sharding.common import row_extent
 
@@ -46,7 +57,46 @@ _DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE = "_scale_inv"  # suffix of a block-FP8 weight's scale: ``q_proj.weight_scale_inv``
+
+
+def fp8_block_size(cfg: dict, where: str) -> tuple[int, int] | None:
+    """The (rows, cols) block of a block-FP8 checkpoint's ``config.json`` dict, None when it
+    declares no quantization; any quantization we cannot dequantize exactly is refused."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    what = f"{where}: quantization_config {json.dumps(q, sort_keys=True)[:160]}"
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        raise CheckpointError(
+            f"{what} is not supported; bumblebee reads block FP8 (quant_method 'fp8')"
+        )
+    # transformers' fp8 config has no fmt (e4m3 implied); MiniMax spells it 'float8_e4m3fn'
+    if q.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):
+        raise CheckpointError(f"{what}: fmt must be 'e4m3' (float8_e4m3fn weights)")
+    block = q.get("weight_block_size")
+    if not (
+        isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+    ):
+        raise CheckpointError(
+            f"{what}: weight_block_size must be two positive ints, e.g. [128, 128]"
+        )
+    return block[0], block[1]
+
+
+def checkpoint_block_size(path: str) -> tuple[int, int] | None:
+    """``fp8_block_size`` of the ``config.json`` in HF directory ``path`` (None without one)."""
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        return None
+    d = read_hf_config(cfg)
+    if isinstance(d.get("text_config"), dict) and "quantization_config" not in d:
+        d = d["text_config"]
+    return fp8_block_size(d, cfg)
 
 
 def weight_files(path: str) -> list[str]:
@@ -97,6 +147,8 @@ class HFCheckpoint:
             str, tuple[object, str, str]
         ] = {}  # our name -> (handle, stored name, file)
         self.skipped: list[str] = []  # stored names under the skip list
+        self.block = checkpoint_block_size(path)  # block-FP8 (rows, cols), or None
+        self.scales: dict[str, tuple[object, str, str]] = {}  # our weight name -> its scale_inv
 
     def __enter__(self):
         self._stack = ExitStack()
@@ -111,15 +163,18 @@ class HFCheckpoint:
                 if stored.startswith(self.skip_prefixes):
                     self.skipped.append(stored)
                     continue
+                # a scale is filed under its weight's name, so renames apply to both alike
+                scale = stored.endswith(SCALE)
+                weight = stored[: -len(SCALE)] if scale else stored
                 ours = next(
-                    (o + stored[len(p) :] for p, o in self.renames.items() if stored.startswith(p)),
-                    stored,
+                    (o + weight[len(p) :] for p, o in self.renames.items() if weight.startswith(p)),
+                    weight,
                 )
                 ours = self.name_in(ours) if self.name_in else ours
                 if (
                     ours
                 ):  # "": a copy of a shared tensor (DeepSeek's per-MTP-module embedding / head)
-                    self.where[ours] = (handle, stored, file)
+                    (self.scales if scale else self.where)[ours] = (handle, stored, file)
         return self
 
     def __exit__(self, *exc):
@@ -140,13 +195,38 @@ class HFCheckpoint:
         return _DTYPES.get(kind, kind)
 
     def rows(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
-        """Rows [lo, hi) of dim 0 (all of it by default): only those bytes are read."""
+        """Rows [lo, hi) of dim 0 (all of it by default): only those bytes are read. A block-FP8
+        weight comes dequantized (fp32), reading only the scale blocks of those rows."""
         handle, stored, file = self.where[name]
         try:
             sl = handle.get_slice(stored)
-            return sl[lo:hi] if sl.get_shape() else handle.get_tensor(stored)
+            if name not in self.scales:
+                return sl[lo:hi] if sl.get_shape() else handle.get_tensor(stored)
+            shape = sl.get_shape()
+            lo, hi, _ = slice(lo, hi).indices(shape[0])
+            hi, b0 = max(lo, hi), self.block[0]
+            scale = self.scales[name][0].get_slice(self.scales[name][1])
+            # 2-D: dim 0 is block rows, so read the scale rows [lo, hi) touches; 3-D (stacked
+            # experts): dim 0 is whole matrices, each with its own scale
+            first = lo // b0 if len(shape) == 2 else lo
+            s = scale[first : -(-hi // b0) if len(shape) == 2 else hi]
+            w = sl[lo:hi]
         except (OSError, RuntimeError, SafetensorError) as e:
             raise _unreadable(file, e) from None
+        return self._dequant(w, s, shape, lo - first * b0 if len(shape) == 2 else None)
+
+    def scale_shape(self, name: str) -> tuple[int, ...]:
+        """The ``_scale_inv`` shape the block size asks of weight ``name``."""
+        *lead, r, c = self.shape(name)
+        return (*lead, -(-r // self.block[0]), -(-c // self.block[1]))
+
+    def _dequant(self, w: torch.Tensor, s: torch.Tensor, shape, skip: int | None) -> torch.Tensor:
+        """``w.float() * s`` with each scale spread over its block; ``skip``: the rows of the
+        first scale block before ``w`` starts (a slice starting inside a block)."""
+        b0, b1 = self.block
+        s = s.float().repeat_interleave(b0, -2)
+        s = s[skip : skip + w.shape[0]] if skip is not None else s[..., : shape[-2], :]
+        return w.float() * s.repeat_interleave(b1, -1)[..., : shape[-1]]
 
 
 def _plan(ckpt: HFCheckpoint, full: dict[str, tuple], F: int, tied: bool) -> dict[str, str]:
@@ -181,11 +261,14 @@ def _plan(ckpt: HFCheckpoint, full: dict[str, tuple], F: int, tied: bool) -> dic
             raise CheckpointError(
                 f"shape mismatch for {name}: checkpoint {shape}, model {tuple(want)}"
             )
+        _check_fp8(ckpt, name, shape, dtype)
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise CheckpointError(
                 f"{name} is stored as {dtype}; model weights must be floating point"
             )
         covered.add(name)
+    if orphans := sorted(set(ckpt.scales) - set(ckpt.where)):
+        raise CheckpointError(f"{ckpt.scales[orphans[0]][1]} is a scale without its weight")
     missing = []
     for name in full:
         if name not in experts:
@@ -205,6 +288,35 @@ def _plan(ckpt: HFCheckpoint, full: dict[str, tuple], F: int, tied: bool) -> dic
             f"{ckpt.path}: checkpoint lacks {', '.join(sorted(missing)[:3])}{more}"
         )
     return kinds
+
+
+def _check_fp8(ckpt: HFCheckpoint, name: str, shape: tuple, dtype) -> None:
+    """An fp8 weight needs the declared block format and its scale of the matching shape;
+    a scale needs an fp8 weight (anything else would be dequantized wrongly)."""
+    stored = ckpt.where[name][1]
+    if name in ckpt.scales and dtype not in FP8:
+        raise CheckpointError(f"{stored} is stored as {dtype} but has a {SCALE} tensor")
+    if dtype not in FP8:
+        return
+    if ckpt.block is None:
+        raise CheckpointError(
+            f"{stored} is stored as {dtype} but config.json declares no block-FP8 "
+            "quantization_config"
+        )
+    if dtype != torch.float8_e4m3fn or len(shape) < 2:
+        raise CheckpointError(
+            f"{stored} is stored as {dtype} {list(shape)}; block FP8 needs float8_e4m3fn matrices"
+        )
+    if name not in ckpt.scales:
+        raise CheckpointError(f"{stored} is stored as {dtype} without its {stored}{SCALE}")
+    handle, sname, _ = ckpt.scales[name]
+    got, want = tuple(handle.get_slice(sname).get_shape()), ckpt.scale_shape(name)
+    sdtype = _DTYPES.get(handle.get_slice(sname).get_dtype())
+    if got != want or sdtype not in (torch.float32, torch.bfloat16):
+        raise CheckpointError(
+            f"{sname}: {sdtype} {list(got)}, expected float32 {list(want)} "
+            f"(weight_block_size {list(ckpt.block)} over {list(shape)})"
+        )
 
 
 @torch.no_grad()

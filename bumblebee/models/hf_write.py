@@ -16,6 +16,11 @@ list), those tensors are copied unchanged from the source, the language model is
 under the source's prefix (``model.language_model.``), and the source's ``config.json`` and
 other non-weight files (tokenizer, processor, chat template) are kept, so the export is again a
 complete checkpoint. A tensor the model wrote itself is never carried over a second time.
+
+A block-FP8 source (models/hf_read.py) is never written back in FP8: the export is in
+``dtype`` (bf16 unless asked otherwise, runtime/checkpoint/export.py), carried FP8 tensors are
+dequantized into it, their ``_scale_inv`` tensors dropped, and ``config.json`` loses the
+source's ``quantization_config`` (it would tell loaders to dequantize plain weights).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ _ST_DTYPES = {
     torch.float16: "F16",
     torch.float64: "F64",
 }
+_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # the weight files an export writes (and so replaces): anything else in the directory (an adapter,
 # a README, tokenizer files) belongs to someone else and is never removed
@@ -135,8 +141,9 @@ class _Source:
         self.path, self.family = path, family
         with HFCheckpoint(path, {}, ()) as ckpt:  # stored names, nothing renamed or skipped
             stored = list(ckpt.where)
+            # an FP8 tensor comes out of ckpt.rows dequantized: carried in the export's dtype
             self.carried = [
-                (n, ckpt.shape(n), ckpt.dtype(n))
+                (n, ckpt.shape(n), None if n in ckpt.scales else ckpt.dtype(n))
                 for n in stored
                 if n.startswith(skip_prefixes(family, arch))
             ]
@@ -191,7 +198,7 @@ def write_hf(
     entries = [_entry(src.rename(h) if src else h, shape, dtype) for h, shape, _, _ in layout]
     written = {e[0] for e in entries}
     carried = [
-        _entry(n, s, d) for n, s, d in (src.carried if src else []) if n not in written
+        _entry(n, s, d or dtype) for n, s, d in (src.carried if src else []) if n not in written
     ]  # never twice
     os.makedirs(out_dir, exist_ok=True)
     shards = _plan(entries, max_shard_bytes)
@@ -239,8 +246,8 @@ def _carry(src: _Source, out_dir: str, fnames: list[str], shards) -> None:
         for fname, shard in zip(fnames, shards):
             with open(os.path.join(out_dir, fname), "wb") as f:
                 f.write(_header(shard))
-                for name, *_ in shard:
-                    f.write(_raw(ckpt.rows(name)))
+                for name, _, _, st_dtype in shard:
+                    f.write(_raw(ckpt.rows(name).to(_FROM_ST[st_dtype])))
 
 
 def _config(out_dir: str, arch, dtype: torch.dtype, src: _Source | None) -> None:
@@ -255,6 +262,8 @@ def _config(out_dir: str, arch, dtype: torch.dtype, src: _Source | None) -> None
             text_type = outer["text_config"].get("model_type", cfg["model_type"])
             outer["text_config"] = {**outer["text_config"], **cfg, "model_type": text_type}
             cfg = outer
+        for d in (cfg, cfg.get("text_config") or {}):
+            d.pop("quantization_config", None)  # the weights are written dequantized
         for name in os.listdir(src.path):  # tokenizer, processor, chat template, generation config
             path = os.path.join(src.path, name)
             if (

@@ -13,13 +13,13 @@ import json
 import math
 import sys
 
-from bumblebee.config import ConfigError
+from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.console import Progress, SetOverride
 from bumblebee.plan import report
 from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.kernels import assumptions, kernels_note
-from bumblebee.plan.layout import Primitives, Workload, apply_overrides, check, parse_layout
-from bumblebee.plan.recipe import Recommendation, evaluate, recipe, search
+from bumblebee.plan.layout import Workload, apply_overrides, check, parse_layout, prims_label
+from bumblebee.plan.recipe import Recommendation, evaluate, recipe, recipe_primitives, search
 from bumblebee.plan.runnable import emit_toml, run_config, runtime_problem
 from bumblebee.plan.spec import GDN, load_spec, preset_names
 
@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _one_layout(args, spec, gpu, work, base: Primitives, fixed: set[str]) -> Recommendation:
+def _one_layout(args, spec, gpu, work, base: PrimitivesConfig, fixed: set[str]) -> Recommendation:
     lay = parse_layout(args.layout, args.gpus)
     prims = base
     if lay.ep == 1 and "moe_comm" not in fixed:
@@ -116,7 +116,7 @@ def _one_layout(args, spec, gpu, work, base: Primitives, fixed: set[str]) -> Rec
         cand,
         {
             "layout": f"{lay.short()} (given by --layout)",
-            "primitives": f"{prims.short()}"
+            "primitives": f"{prims_label(prims)}"
             + (" (recipe defaults + --set)" if fixed else " (recipe defaults)"),
         },
     )
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     if batch < 1:
         raise ConfigError(f"--global-batch must be >= 1, got {batch}")
     work = Workload(seq=args.seq, global_batch=batch)
-    base, fixed = apply_overrides(Primitives(), args.overrides)
+    base, fixed = apply_overrides(recipe_primitives(), args.overrides)
     notes: list[str] = []
     counts = None
     if args.layout:
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
                 best,
                 {
                     "layout": f"{best.layout.short()} (fastest feasible in the search)",
-                    "primitives": best.prims.short(),
+                    "primitives": prims_label(best.prims),
                 },
             )
         elif best is None:
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         elif best.tokens_per_s > rec.candidate.tokens_per_s * 1.03:
             gain = best.tokens_per_s / rec.candidate.tokens_per_s - 1
             notes.append(
-                f"the search beats the recipe: {best.layout.short()} | {best.prims.short()} is predicted "
+                f"the search beats the recipe: {best.layout.short()} | {prims_label(best.prims)} is predicted "
                 f"{gain:+.0%} tokens/s ({best.memory.total / 1e9:.1f} GB/GPU)"
             )
         else:

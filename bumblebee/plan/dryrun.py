@@ -11,9 +11,9 @@ says needs most (``world / pp * stage``):
   exchange, the Gated DeltaNet CP scan (halo, transition all-gather), the MoE dispatch
   (``alltoall`` / ``chunked``) with its count exchange and uneven all-to-alls, recompute,
   and the loss;
-- the kernels CUDA would run (``primitives/dispatch.py`` asked for "cuda": ``varlen_attn``,
-  FLA's chunk kernel through its fake op, ``_grouped_mm``), on fake CPU tensors (a CPU
-  build cannot record autograd on fake CUDA tensors);
+- the kernels CUDA would run (``dispatch.assume("cuda", fla=True)``: ``varlen_attn``, FLA's
+  chunk kernel through its fake op, ``_grouped_mm``, the linear CE's CUDA tiles), on fake CPU
+  tensors (a CPU build cannot record autograd on fake CUDA tensors);
 - 1F1B's steady state: ``min(pp - s, m)`` micro-batch forwards kept in flight, then the
   backward of the oldest (the peak), then the optimizer step (fp32 master and Adam moments,
   foreach-style temporaries), gradients preallocated (a steady-state step).
@@ -37,11 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from unittest import mock
 
 import torch
 
@@ -49,7 +47,7 @@ from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.console import Progress
 from bumblebee.plan.fakerun import DataDependent, FakeRun, make_routing
 from bumblebee.plan.hardware import GB
-from bumblebee.plan.layout import Layout, Primitives, Workload
+from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.memory import in_flight, local_tokens, stage_layers
 from bumblebee.plan.recipe import Candidate
 from bumblebee.plan.spec import ModelSpec
@@ -165,82 +163,48 @@ def _arch(hf: dict):
     return arch_from_hf_dict(hf)
 
 
-def _prims(p: Primitives) -> PrimitivesConfig:
+def _prims(p: PrimitivesConfig) -> PrimitivesConfig:
+    """The candidate's choices with the implementations whose CUDA kernels the analytic model
+    assumes; the sharding wrappers are not run."""
     modules = (
         ["norm", "attn_core", "moe_act", "linear_attn_core"] if p.recompute == "selective" else []
     )
-    return PrimitivesConfig(
+    return dataclasses.replace(
+        p,
         attention="varlen",
         cp="ring",
         linear_attention="chunked",
         experts="grouped",
-        moe_comm=p.moe_comm,
-        moe_chunks=p.moe_chunks,
-        loss=p.loss,
-        recompute=p.recompute,
         recompute_modules=modules,
         sharding="none",
     )
 
 
-def _as_cuda(select):
-    """The dispatch's answer for CUDA (FLA present) wherever the fake tensors live."""
-    return lambda slot, impl, device, dtype, **kw: select(slot, impl, "cuda", dtype, fla=True)
-
-
-def _patches(stack: ExitStack, one_doc, run: FakeRun) -> None:
+def _seams(stack: ExitStack, docs, run: FakeRun) -> None:
+    """The runtime's own code on fake CPU tensors: kernels chosen for CUDA with FLA present, the
+    documents stated (fake position ids hold no values), recompute forwards labelled."""
     import torch.nn.attention.varlen  # noqa: F401  (registers the flash ops' fake kernels)
 
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import dispatch, packed, recompute
 
-    for name in (
-        "attention.sdpa",
-        "cp.ring",
-        "cp.ring_latent",
-        "linear_attention.gated_delta_rule",
-    ):
-        mod = importlib.import_module(f"bumblebee.primitives.{name}")
-        stack.enter_context(mock.patch.object(mod, "select", _as_cuda(dispatch.select)))
-    for name in ("moe.experts", "moe.chunked"):
-        stack.enter_context(
-            mock.patch.object(
-                importlib.import_module(f"bumblebee.primitives.{name}"),
-                "grouped_mm_supported",
-                lambda x: True,
-            )
-        )
-    linear_ce = importlib.import_module("bumblebee.primitives.loss.linear_ce")
-    stack.enter_context(
-        mock.patch.object(linear_ce, "default_tiles", lambda dev: linear_ce.DEFAULT_TILES["cuda"])
-    )
-    for name in ("bumblebee.models.base", "bumblebee.primitives.cp.layout"):  # documents are data
-        stack.enter_context(mock.patch.object(importlib.import_module(name), "doc_layout", one_doc))
-    mesh = importlib.import_module("bumblebee.runtime.mesh")
-    stack.enter_context(mock.patch.object(mesh, "_group_options", lambda device: ("fake", None)))
-    recompute = importlib.import_module("bumblebee.primitives.recompute")
-    stack.enter_context(
-        mock.patch.object(recompute, "_recomputing", _recompute_scope(run, recompute._recomputing))
-    )
+    stack.enter_context(dispatch.assume("cuda", fla=True))
+    stack.enter_context(packed.assume_documents(docs))
+    stack.enter_context(recompute.observe(lambda: _recompute_scope(run)))
 
 
-def _recompute_scope(run: FakeRun, original):
+@contextlib.contextmanager
+def _recompute_scope(run: FakeRun):
     """A checkpoint's recompute forward (it runs inside whichever backward node first unpacks the
     layer's tensors) allocates under "recompute", the mixer's and the dispatch's under their own
     labels; the interrupted label comes back when it ends (also when torch stops it early)."""
-
-    @contextlib.contextmanager
-    def scope(*args):
-        depth = len(run.stack)
-        run.stack.append(run.label)
-        run.label = "recompute"
-        try:
-            with original(*args):
-                yield
-        finally:
-            del run.stack[depth + 1 :]
-            run.label = run.stack.pop()
-
-    return scope
+    depth = len(run.stack)
+    run.stack.append(run.label)
+    run.label = "recompute"
+    try:
+        yield
+    finally:
+        del run.stack[depth + 1 :]
+        run.label = run.stack.pop()
 
 
 class _Scoped:
@@ -309,7 +273,7 @@ def dry_run(
     analytic = stage_timeline(spec, lay, prims, work, skew)
     s = max(range(len(analytic)), key=lambda i: analytic[i].peak.total)
     layers = stage_layers(spec, lay.pp)[s]
-    t, inflight = local_tokens(work, lay), in_flight(work, lay, prims, s)
+    t, inflight = local_tokens(work, lay), in_flight(work, lay, s)
     if cand.prims.sharding != "none":
         notes.append(f"{cand.prims.sharding} wrappers not run: unsharded 16 B/param static state")
     if dist.is_initialized():
@@ -334,8 +298,8 @@ def dry_run(
     )
     try:
         with progress, ExitStack() as stack:
-            _patches(stack, docs, run)
-            ctx = mesh.build_context(lay, torch.device("cpu"))
+            _seams(stack, docs, run)
+            ctx = mesh.build_context(lay, torch.device("cpu"), fake=True)
             groups = ParallelGroups(
                 ep_group=ctx.ep_group if lay.ep > 1 else None, cp_group=ctx.cp_group
             )

@@ -1,4 +1,5 @@
-"""Layouts and primitive choices the planner evaluates (``Layout`` is the runtime's own class).
+"""Layouts and primitive choices the planner evaluates (``Layout`` is the runtime's own class,
+the primitives a ``PrimitivesConfig``).
 
 Rank order follows Megatron / torchtitan: tp innermost, then cp, then dp, then
 pp (``world = tp * cp * dp * pp``). Expert parallelism folds into the ranks of
@@ -13,47 +14,55 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from bumblebee.config import ConfigError, parse_override
+from bumblebee import registry
+from bumblebee.config import ConfigError, PrimitivesConfig, parse_override
 from bumblebee.plan.spec import ModelSpec
+from bumblebee.primitives import loss as _loss  # noqa: F401  (registers the losses, their costs)
+from bumblebee.primitives import sharding as _sharding  # noqa: F401  (and the shardings)
 from bumblebee.runtime.resolve import Layout  # noqa: F401  (one meaning of "layout" in bumblebee)
 
-SHARDING = ("none", "zero1", "fsdp2")
-LOSS = ("ce", "linear_ce")
+# the recompute policies and MoE exchanges the planner models (by name: plan/memory.py, perf.py)
 RECOMPUTE = ("none", "selective", "full")
 MOE_COMM = ("local", "alltoall", "chunked")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Primitives:
-    sharding: str = "fsdp2"
-    loss: str = "linear_ce"
-    recompute: str = "full"
-    moe_comm: str = "chunked"
-    moe_chunks: int = 2
-    balance: str = (
-        "auto"  # train.balance: "auto" / "global_batch" keep every micro-batch in flight at pp = 1
-    )
+def planned_choices() -> dict[str, tuple[str, ...]]:
+    """Slot -> the implementations ``--set`` may fix: every registered loss and sharding that
+    declares its costs (primitives/loss/costs.py, primitives/sharding/costs.py), and the above."""
 
-    def short(self) -> str:
-        comm = f"{self.moe_comm}x{self.moe_chunks}" if self.moe_comm == "chunked" else self.moe_comm
-        return f"{self.sharding} {self.loss} {self.recompute} {comm}"
+    def costed(slot):
+        return tuple(n for n, i in registry.implementations(slot).items() if i.costs is not None)
 
-    def as_dict(self) -> dict:
-        return {
-            "sharding": self.sharding,
-            "loss": self.loss,
-            "recompute": self.recompute,
-            "moe_comm": self.moe_comm,
-        }
+    return {
+        "sharding": costed("sharding"),
+        "loss": costed("loss"),
+        "recompute": RECOMPUTE,
+        "moe_comm": MOE_COMM,
+    }
+
+
+def prims_label(prims: PrimitivesConfig) -> str:
+    """The planned primitives in one cell: ``fsdp2 linear_ce full chunkedx2``."""
+    p = prims
+    comm = f"{p.moe_comm}x{p.moe_chunks}" if p.moe_comm == "chunked" else p.moe_comm
+    return f"{p.sharding} {p.loss} {p.recompute} {comm}"
+
+
+def prims_json(prims: PrimitivesConfig) -> dict:
+    """The slots the planner chooses (``--json``)."""
+    return {k: getattr(prims, k) for k in ("sharding", "loss", "recompute", "moe_comm")}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
-    """What is trained: sequence length, sequences per optimizer step, micro-batch."""
+    """What is trained (the ``train.*`` fields the planner reads): sequence length, sequences per
+    optimizer step, micro-batch, balance-loss mode."""
 
     seq: int
     global_batch: int
     micro_batch: int = 1
+    # train.balance: "auto" / "global_batch" keep every micro-batch in flight at pp = 1
+    balance: str = "auto"
 
 
 def parse_layout(text: str, gpus: int) -> Layout:
@@ -92,10 +101,10 @@ def parse_layout(text: str, gpus: int) -> Layout:
     )
 
 
-def apply_overrides(prims: Primitives, items: list[str]) -> tuple[Primitives, set[str]]:
+def apply_overrides(prims: PrimitivesConfig, items: list[str]) -> tuple[PrimitivesConfig, set[str]]:
     """``--set primitives.loss=ce`` ... -> (primitives, names of the fixed fields)."""
     changes: dict = {}
-    choices = {"sharding": SHARDING, "loss": LOSS, "recompute": RECOMPUTE, "moe_comm": MOE_COMM}
+    choices = planned_choices()
     for item in items:
         keys, value = parse_override(item)
         if len(keys) != 2 or keys[0] != "primitives":
@@ -119,7 +128,9 @@ def apply_overrides(prims: Primitives, items: list[str]) -> tuple[Primitives, se
     return dataclasses.replace(prims, **changes), set(changes)
 
 
-def check(spec: ModelSpec, layout: Layout, prims: Primitives, work: Workload, gpus: int) -> str:
+def check(
+    spec: ModelSpec, layout: Layout, prims: PrimitivesConfig, work: Workload, gpus: int
+) -> str:
     """Why this configuration cannot run at all ('' if it can). Memory is checked elsewhere."""
     lay = layout
     if lay.world != gpus:

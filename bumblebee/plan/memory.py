@@ -58,16 +58,21 @@ Legend: t local tokens, H hidden, k experts per token, F expert FFN, V vocabular
 
 from __future__ import annotations
 
+from bumblebee import registry
+from bumblebee.config import PrimitivesConfig
 from bumblebee.plan.layer_bytes import norm_bytes
-from bumblebee.plan.layout import Layout, Primitives, Workload
+from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
+from bumblebee.primitives import loss as _losses  # noqa: F401  (registers their costs)
+from bumblebee.primitives import sharding as _shardings  # noqa: F401  (registers their costs)
+from bumblebee.primitives.loss.costs import LossCosts
+from bumblebee.primitives.sharding.costs import ShardingCosts
 
 BF16, FP32 = 2, 4
 # Gradient buffers alive in a layer's backward, relative to its saved tensors: small because
 # autograd frees each saved tensor once its node has run. Checked, not fitted: the dry run of
 # one layer measures 0.1-0.2 (see skills/plan/memory.md).
 BWD_GRAD_FRACTION = 0.15
-CE_BYTES_PER_LOGIT = BF16 + FP32  # bf16 logits + the fp32 working copy reused in place (ce.py)
 ADAM_TEMP_B = FP32  # foreach AdamW: sqrt(v) for every parameter it updates
 
 
@@ -105,12 +110,12 @@ def micro_batches(work: Workload, lay: Layout) -> int:
     return max(1, work.global_batch // (lay.dp_shard * work.micro_batch))
 
 
-def in_flight(work: Workload, lay: Layout, prims, stage: int) -> int:
+def in_flight(work: Workload, lay: Layout, stage: int) -> int:
     """Micro-batches whose saved inputs are alive at once on ``stage``: 1F1B's ``min(pp - s, m)``;
     at pp = 1 the global-batch balance loss (``train.balance`` "auto" or "global_batch") runs every
     micro-batch's forward before the first backward (runtime/step.py), so all ``m`` are."""
     m = micro_batches(work, lay)
-    if lay.pp == 1 and prims.balance in ("auto", "global_batch"):
+    if lay.pp == 1 and work.balance in ("auto", "global_batch"):
         return m
     return min(lay.pp - stage, m)
 
@@ -118,8 +123,13 @@ def in_flight(work: Workload, lay: Layout, prims, stage: int) -> int:
 # ------------------------------------------------------------------------ static state (bytes)
 
 
+def sharding_costs(prims: PrimitivesConfig) -> ShardingCosts:
+    """The configured sharding's cost facts, declared next to its code (primitives/sharding/)."""
+    return registry.get("sharding", prims.sharding).costs
+
+
 def static_bytes(
-    spec: ModelSpec, lay: Layout, prims: Primitives, layers: range, first: bool, last: bool
+    spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, layers: range, first: bool, last: bool
 ):
     """(parameters, gradients, optimizer, parameters this rank's optimizer updates, formula)."""
     kinds = stage_kinds(spec, layers)
@@ -134,29 +144,17 @@ def static_bytes(
     d, e = dense / lay.tp, expert / lay.ep
     shard = d / (lay.dp_shard * lay.cp) + e / lay.edp
     where = f"dense {d / 1e9:.3f}B/tp-shard, experts {e / 1e9:.3f}B/ep-shard"
-    if prims.sharding == "fsdp2":
-        return (
-            FP32 * shard,
-            FP32 * shard,
-            2 * FP32 * shard,
-            shard,
-            f"fsdp2: 4+4+8 B x {shard / 1e9:.3f}B sharded params ({where}; / dp*cp={lay.dp_shard * lay.cp}, "
-            f"/ edp={lay.edp})",
-        )
-    if prims.sharding == "zero1":
-        return (
-            BF16 * (d + e),
-            FP32 * (d + e),
-            12 * shard,
-            shard,
-            f"zero1: (2+4) B x {(d + e) / 1e9:.3f}B params + 12 B x {shard / 1e9:.3f}B optimizer shard ({where})",
-        )
+    c = sharding_costs(prims)
+    own = d + e  # parameters of this rank's stage, tp and ep shards
+    why = c.explain.format(
+        shard=shard / 1e9, full=own / 1e9, where=where, dpcp=lay.dp_shard * lay.cp, edp=lay.edp
+    )
     return (
-        BF16 * (d + e),
-        FP32 * (d + e),
-        12 * (d + e),
-        d + e,
-        f"none: 2+4+12 B x {(d + e) / 1e9:.3f}B ({where})",
+        c.param_bytes * (shard if c.params_sharded else own),
+        c.grad_bytes * (shard if c.params_sharded else own),
+        c.optim_bytes * (shard if c.optim_sharded else own),
+        shard if c.optim_sharded else own,
+        f"{prims.sharding}: {why}",
     )
 
 
@@ -295,7 +293,7 @@ def routed_units(spec: ModelSpec, tp: int) -> tuple[float, float]:
 
 
 def routed_buffers(
-    spec: ModelSpec, prims: Primitives, tp: int, skew: float = 1.0
+    spec: ModelSpec, prims: PrimitivesConfig, tp: int, skew: float = 1.0
 ) -> dict[str, tuple[float, str]]:
     """Per-token bytes of the routed [k*t, .] tensors alive at the MoE block's largest moment of
     each phase: "fwd" (a forward whose tensors autograd does not keep: full recompute's first
@@ -345,7 +343,9 @@ def routed_buffers(
     return out
 
 
-def expert_grad_bytes(spec: ModelSpec, lay: Layout, prims: Primitives, phase: str = "bwd") -> float:
+def expert_grad_bytes(
+    spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, phase: str = "bwd"
+) -> float:
     """Bytes of the local experts' weight gradients (bf16, the compute dtype) alive at a MoE
     backward's ``phase``: chunked's first delayed wgrad holds fc1's; its second sums fc1's over
     chunks (dw + new -> sum: 3 x fc1) beside fc2's; the others fc1's and fc2's."""
@@ -356,7 +356,7 @@ def expert_grad_bytes(spec: ModelSpec, lay: Layout, prims: Primitives, phase: st
     return w1 + w2
 
 
-def routed_saved(spec: ModelSpec, prims: Primitives, tp: int) -> float:
+def routed_saved(spec: ModelSpec, prims: PrimitivesConfig, tp: int) -> float:
     """Routed bytes per token one micro-batch keeps to its backward without full recompute."""
     X, A = routed_units(spec, tp)
     return 2 * X + (4 * A if prims.recompute == "none" else 2 * A)
@@ -365,40 +365,34 @@ def routed_saved(spec: ModelSpec, prims: Primitives, tp: int) -> float:
 # ------------------------------------------------------------------------------------ loss (bytes)
 
 
-LCE_TILE_BYTES = (
-    4 * 2048 * 8192 * FP32
-)  # linear_ce on CUDA: about four fp32 [2048, 8192] tiles alive
+def loss_costs(prims: PrimitivesConfig) -> LossCosts:
+    """The configured loss's cost facts, declared next to its code (primitives/loss/)."""
+    return registry.get("loss", prims.loss).costs
 
 
-def loss_kept(spec: ModelSpec, lay: Layout, prims: Primitives) -> float:
+def loss_kept(spec: ModelSpec, lay: Layout, prims: PrimitivesConfig) -> float:
     """Bytes per token a micro-batch's finished loss forward keeps for its backward: the final norm's
-    saved tensors (its bf16 output is the head's input), and for ``linear_ce`` the per-token int64
-    target, valid flag and fp32 log-sum-exp; ``ce`` its fp32 log-probabilities [t, V/tp] (checked:
-    dry run 0.08 and 0.35 GB at 4K tokens, Qwen3.5 dims, 16K vocabulary)."""
-    norm = norm_bytes(spec, 1)
-    return norm + 8 + 1 + FP32 if prims.loss == "linear_ce" else norm + FP32 * spec.vocab / lay.tp
+    saved tensors (its bf16 output is the head's input) and the loss's own (``linear_ce``: the
+    per-token int64 target, valid flag and fp32 log-sum-exp; ``ce``: its fp32 log-probabilities
+    [t, V/tp]; checked: dry run 0.08 and 0.35 GB at 4K tokens, Qwen3.5 dims, 16K vocabulary)."""
+    c, norm = loss_costs(prims), norm_bytes(spec, 1)
+    return norm + c.kept_per_token + c.kept_per_logit * spec.vocab / lay.tp
 
 
 def loss_bytes(
-    spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload
+    spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, work: Workload
 ) -> tuple[float, str]:
     """Loss temporaries on the last stage at the loss moment. Tokens: all t local tokens
     (the LM head's input is gathered over tp; its vocabulary is split over tp)."""
     t, h = local_tokens(work, lay), spec.hidden
     vshard = spec.vocab / lay.tp
     norm = norm_bytes(spec, 1)  # the final norm's saved tensors (the hidden is gathered over tp)
-    if prims.loss == "ce":
-        b = t * vshard * CE_BYTES_PER_LOGIT + t * norm
-        return b, (
-            f"ce: {t} x {vshard:.0f} x (2+4) B (bf16 logits + fp32 working copy) + {t} x {norm:.0f} B "
-            f"(final norm)"
-        )
-    hidden = (
-        t * norm + (FP32 + BF16) * t * h
-    )  # final norm, fp32 dh accumulator, bf16 hidden gradient
-    head = f"{t} x ({norm:.0f} + {h} x 6) B (final norm, fp32 dh, hidden grad)"
-    b = BF16 * vshard * h + hidden + LCE_TILE_BYTES
-    return (
-        b,
-        f"linear_ce: {vshard:.0f} x {h} x 2 B (head gradient, bf16) + {head} + 4 fp32 [2048, 8192] tiles",
+    c = loss_costs(prims)
+    b = (
+        t * vshard * c.work_per_logit
+        + t * norm
+        + c.work_per_hidden * t * h
+        + c.head_grad_per_weight * vshard * h
+        + c.workspace
     )
+    return b, f"{prims.loss}: " + c.explain.format(t=t, v=vshard, h=h, norm=norm)

@@ -28,17 +28,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bumblebee.config import PrimitivesConfig
 from bumblebee.plan.hardware import GPU, Efficiency
-from bumblebee.plan.layout import Layout, Primitives, Workload
+from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.memory import (
     BF16,
     FP32,
     kind_params,
     local_tokens,
+    loss_costs,
     micro_batches,
     mixer_act,
     mlp_act,
     routed_units,
+    sharding_costs,
     stage_kinds,
     stage_layers,
 )
@@ -108,7 +111,7 @@ def _layer_time(
     spec: ModelSpec,
     kind: tuple[str, str],
     lay: Layout,
-    prims: Primitives,
+    prims: PrimitivesConfig,
     work: Workload,
     gpu: GPU,
     eff: Efficiency,
@@ -244,19 +247,19 @@ def _fsdp_layer_comm(
 
 
 def _loss_time(
-    spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, gpu: GPU, eff: Efficiency
+    spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, work: Workload, gpu: GPU, eff: Efficiency
 ) -> float:
     t = local_tokens(work, lay)
     vshard = spec.vocab / lay.tp
     gemm = _gemm(3 * 2.0 * t * spec.hidden * vshard, spec.hidden, gpu, eff)
     ce = gemm + t * vshard * eff.ce_bytes_per_logit / (gpu.hbm_gbps * 1e9 * eff.hbm)
-    return ce * eff.linear_ce_slowdown if prims.loss == "linear_ce" else ce
+    return ce * eff.linear_ce_slowdown if loss_costs(prims).tiled_head else ce
 
 
 def estimate(
     spec: ModelSpec,
     lay: Layout,
-    prims: Primitives,
+    prims: PrimitivesConfig,
     work: Workload,
     gpu: GPU,
     eff: Efficiency | None = None,
@@ -269,7 +272,7 @@ def estimate(
         for kind, n in stage_kinds(spec, layers).items():
             one = _Clock()
             compute = _layer_time(spec, kind, lay, prims, work, gpu, eff, one)
-            if prims.sharding == "fsdp2":
+            if sharding_costs(prims).gathers_per_layer:
                 one.add(
                     "fsdp_comm",
                     max(
@@ -301,11 +304,12 @@ def estimate(
 
 
 def _dp_sync(
-    spec: ModelSpec, lay: Layout, prims: Primitives, gpu: GPU, eff: Efficiency, micro_s: float
+    spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, gpu: GPU, eff: Efficiency, micro_s: float
 ) -> float:
     """Once-per-step gradient sync for none/zero1 (reduce-scatter or all-reduce of fp32 grads,
     all-gather of bf16 params), overlapped with the last micro-batch's backward."""
-    if prims.sharding == "fsdp2":
+    sync = sharding_costs(prims).sync_bytes_per_param
+    if not sync:
         return 0.0
     n = spec.num_params()
     d = (n["dense"] / lay.pp) / lay.tp
@@ -317,15 +321,17 @@ def _dp_sync(
     ):
         if g > 1:
             bw = _link(g, inner, gpu) * 1e9 * eff.collective
-            vol = params * (2 * FP32 if prims.sharding == "none" else FP32 + BF16) * (g - 1) / g
+            vol = params * sync * (g - 1) / g
             t += vol / bw
     return max(0.0, t - eff.comm_overlap * 2 / 3 * micro_s)
 
 
-def _optimizer(spec: ModelSpec, lay: Layout, prims: Primitives, gpu: GPU, eff: Efficiency) -> float:
+def _optimizer(
+    spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, gpu: GPU, eff: Efficiency
+) -> float:
     """Adam over this GPU's shard: read param/grad/m/v, write param/m/v and the bf16 copy."""
     n = spec.num_params()
     d, e = n["dense"] / lay.pp / lay.tp, n["expert"] / lay.pp / lay.ep
-    if prims.sharding != "none":
+    if sharding_costs(prims).optim_sharded:
         d, e = d / (lay.dp_shard * lay.cp), e / lay.edp
     return (d + e) * (7 * FP32 + BF16) / (gpu.hbm_gbps * 1e9 * eff.hbm)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from bumblebee.config import ConfigError
+from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.plan.hardware import GB, GPU, MEMORY_MARGIN, Efficiency
-from bumblebee.plan.layout import Layout, Primitives, Workload, check
+from bumblebee.plan.layout import Layout, Workload, check, prims_json
 from bumblebee.plan.memory import local_tokens
 from bumblebee.plan.perf import PerfEstimate, estimate
 from bumblebee.plan.spec import ModelSpec
@@ -25,12 +25,22 @@ from bumblebee.plan.timeline import MemoryBreakdown, StageMemory, stage_timeline
 
 LARGE_MODEL = 100e9  # published recipe: EP 8 for models <= 100B parameters, 32 above
 LOCAL_SEQ_MAX = 32768  # published recipe: per-GPU sequence about 16K-32K
+# the recipe's primitives, set explicitly: PrimitivesConfig's default moe_comm is alltoall
+# (moe_chunks: 4 past a 32K local sequence)
+RECIPE = dict(
+    sharding="fsdp2", loss="linear_ce", recompute="full", moe_comm="chunked", moe_chunks=2
+)
+
+
+def recipe_primitives() -> PrimitivesConfig:
+    """The primitives the recipe starts from (``--set`` fixes some of them)."""
+    return PrimitivesConfig(**RECIPE)
 
 
 @dataclass
 class Candidate:
     layout: Layout
-    prims: Primitives
+    prims: PrimitivesConfig
     feasible: bool
     reason: str
     memory: MemoryBreakdown | None = None  # the stage that needs the most memory
@@ -52,7 +62,7 @@ class Candidate:
                 "cp": lay.cp,
                 "dp_shard": lay.dp_shard,
             },
-            "primitives": self.prims.as_dict(),
+            "primitives": prims_json(self.prims),
             "memory_gb": self.memory.as_gb() if self.memory else None,
             "peak_stage": self.memory.stage if self.memory else None,
             "peak_moment": self.memory.moment if self.memory else None,
@@ -67,7 +77,7 @@ class Candidate:
 def evaluate(
     spec: ModelSpec,
     lay: Layout,
-    prims: Primitives,
+    prims: PrimitivesConfig,
     work: Workload,
     gpu: GPU,
     eff: Efficiency | None = None,
@@ -121,7 +131,7 @@ def layouts(spec: ModelSpec, gpus: int, gpu: GPU) -> list[Layout]:
     return out
 
 
-def primitive_choices(ep: int, base: Primitives, fixed: set[str]) -> list[Primitives]:
+def primitive_choices(ep: int, base: PrimitivesConfig, fixed: set[str]) -> list[PrimitivesConfig]:
     def opts(name, values):
         return [getattr(base, name)] if name in fixed else values
 
@@ -133,7 +143,7 @@ def primitive_choices(ep: int, base: Primitives, fixed: set[str]) -> list[Primit
     if "moe_comm" in fixed or "moe_chunks" in fixed:
         comms = [(base.moe_comm, base.moe_chunks)]
     return [
-        Primitives(sharding=sh, loss=lo, recompute=rc, moe_comm=mc, moe_chunks=ch)
+        PrimitivesConfig(sharding=sh, loss=lo, recompute=rc, moe_comm=mc, moe_chunks=ch)
         for sh in opts("sharding", ["fsdp2", "zero1"])
         for lo in opts("loss", ["linear_ce", "ce"])
         for rc in opts("recompute", ["full", "selective", "none"])
@@ -146,7 +156,7 @@ def search(
     gpus: int,
     gpu: GPU,
     work: Workload,
-    base: Primitives,
+    base: PrimitivesConfig,
     fixed: set[str],
     eff: Efficiency | None = None,
     progress=None,
@@ -196,7 +206,7 @@ def recipe(
     gpus: int,
     gpu: GPU,
     work: Workload,
-    base: Primitives,
+    base: PrimitivesConfig,
     fixed: set[str],
     eff: Efficiency | None = None,
 ) -> Recommendation:
@@ -209,17 +219,7 @@ def recipe(
     chunks = 2 if local <= LOCAL_SEQ_MAX else 4
     prims = dataclasses.replace(
         base,
-        **{
-            k: v
-            for k, v in dict(
-                sharding="fsdp2",
-                loss="linear_ce",
-                recompute="full",
-                moe_comm="chunked",
-                moe_chunks=chunks,
-            ).items()
-            if k not in fixed
-        },
+        **{k: v for k, v in dict(RECIPE, moe_chunks=chunks).items() if k not in fixed},
     )
     tried: list[Candidate] = []
     # escalation: (pp, cp multiplier) in the order the recipe prefers

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bumblebee.config import ConfigError
 from bumblebee.plan.hardware import GB, GPU
-from bumblebee.plan.layout import Workload
+from bumblebee.plan.layout import Workload, prims_label
 from bumblebee.plan.recipe import Candidate, Recommendation
 from bumblebee.plan.spec import ModelSpec
 from bumblebee.report import pyplot, save
@@ -48,7 +48,7 @@ def _row(i: int | str, c: Candidate) -> str:
     )
     mark = "  [not runnable yet]" if c.reason.startswith("not runnable yet") else ""
     return (
-        f"{i!s:>3} {c.layout.short():<32} {c.prims.short():<33} {mem.get('total', 0):6.1f} "
+        f"{i!s:>3} {c.layout.short():<32} {prims_label(c.prims):<33} {mem.get('total', 0):6.1f} "
         f"{parts} {perf}{mark}"
     )
 
@@ -71,7 +71,7 @@ def _stage_row(st) -> str:
 def explain(c: Candidate) -> str:
     """Every term of every stage's peak moment with its formula and numbers (``--explain``)."""
     lines = [
-        f"memory of {c.layout.short()} | {c.prims.short()}: per stage, the peak moment and each term's formula"
+        f"memory of {c.layout.short()} | {prims_label(c.prims)}: per stage, the peak moment and each term's formula"
     ]
     for st in c.stages:
         p = st.peak
@@ -119,7 +119,7 @@ def text(
     if rec:
         c = rec.candidate
         status = "fits" if c.feasible else "DOES NOT FIT"
-        lines += ["", f"{title} ({status}): {c.layout.short()} | {c.prims.short()}"]
+        lines += ["", f"{title} ({status}): {c.layout.short()} | {prims_label(c.prims)}"]
         for key, why in rec.reasons.items():
             lines.append(f"  {key:<10} {why}")
         if c.memory:
@@ -153,7 +153,8 @@ def text(
     if infeasible:
         lines += ["", f"infeasible ({n_bad}; nearest to fitting shown):"]
         lines += [
-            f"  {c.layout.short():<26} {c.prims.short():<33} {c.reason}" for c in infeasible[:top]
+            f"  {c.layout.short():<26} {prims_label(c.prims):<33} {c.reason}"
+            for c in infeasible[:top]
         ]
     return "\n".join(lines)
 
@@ -164,7 +165,7 @@ def plot(path: str, cands: list[Candidate], top: int = 8) -> None:
     shown = [c for c in cands if c.memory][:top]
     if not shown:
         raise ConfigError("--plot: no candidate to draw")
-    labels = [f"{c.layout.short()}\n{c.prims.short()}" for c in shown]
+    labels = [f"{c.layout.short()}\n{prims_label(c.prims)}" for c in shown]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(shown)), 5.5))
     bottom = [0.0] * len(shown)
     for key, short in BREAKDOWN:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from bumblebee.config import PrimitivesConfig
 from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
 from bumblebee.plan.layer_bytes import (
     attn_core_bytes,
@@ -38,15 +39,13 @@ from bumblebee.plan.layer_bytes import (
     router_bytes,
     stream_tensors,
 )
-from bumblebee.plan.layout import Layout, Primitives, Workload
+from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.memory import (
     ADAM_TEMP_B,
     BF16,
     BWD_GRAD_FRACTION,
-    CE_BYTES_PER_LOGIT,
     FP32,
     GDN_CP_BWD_FACTOR,
-    LCE_TILE_BYTES,
     allgather_bytes,
     cp_extra,
     expert_grad_bytes,
@@ -54,11 +53,13 @@ from bumblebee.plan.memory import (
     in_flight,
     local_tokens,
     loss_bytes,
+    loss_costs,
     loss_kept,
     mixer_act,
     mlp_act,
     routed_buffers,
     routed_saved,
+    sharding_costs,
     stage_kinds,
     stage_layers,
     static_bytes,
@@ -133,7 +134,7 @@ def _layer_moments(
     spec: ModelSpec,
     kind: tuple[str, str],
     lay: Layout,
-    prims: Primitives,
+    prims: PrimitivesConfig,
     t: int,
     skew: float = 1.0,
     mb: int = 1,
@@ -299,7 +300,7 @@ def _layer_moments(
 
 
 def stage_timeline(
-    spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload, skew: float = 1.0
+    spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, work: Workload, skew: float = 1.0
 ) -> list[StageMemory]:
     """Every stage's moments; ``skew``: this rank's experts receive ``skew`` x the balanced rows."""
     t = local_tokens(work, lay)
@@ -309,14 +310,16 @@ def stage_timeline(
         params, grads, optim, updated, static_why = static_bytes(
             spec, lay, prims, layers, first, last
         )
-        inflight = in_flight(work, lay, prims, s)
+        inflight = in_flight(work, lay, s)
         kinds = stage_kinds(spec, layers)
         per_kind = {
             k: _layer_moments(spec, k, lay, prims, t, skew, work.micro_batch) for k in kinds
         }
         saved_mb = sum(n * per_kind[k][0] for k, n in kinds.items())
         ag_fwd, ag_bwd = (
-            allgather_bytes(spec, lay, layers, first, last) if prims.sharding == "fsdp2" else (0, 0)
+            allgather_bytes(spec, lay, layers, first, last)
+            if sharding_costs(prims).gathers_per_layer
+            else (0, 0)
         )
 
         def moment(name: str, **terms) -> MemoryBreakdown:
@@ -394,7 +397,7 @@ def stage_timeline(
             lb, lwhy = loss_bytes(spec, lay, prims, work)
             head = (
                 allgather_bytes(spec, lay, range(0), False, True)[1]
-                if prims.sharding == "fsdp2"
+                if sharding_costs(prims).gathers_per_layer
                 else 0.0
             )
             mem = moment("loss", saved_inputs=saved, loss=lb + others_loss, allgather=head)
@@ -423,17 +426,10 @@ def stage_timeline(
             if name.startswith("forward")
         ]
         if last:
-            ev_loss = (
-                t * spec.vocab / lay.tp * CE_BYTES_PER_LOGIT
-                if prims.loss == "ce"
-                else LCE_TILE_BYTES
-            )
+            c = loss_costs(prims)  # a forward only: no gradients, only the logits or tiles
+            ev_loss = t * spec.vocab / lay.tp * c.work_per_logit + c.workspace
             evals.append(moment("eval", saved_inputs=stream, loss=ev_loss, allgather=head))
-            evals[-1].why["loss"] = (
-                "ce forward: [t, V] bf16 logits + fp32 copy"
-                if prims.loss == "ce"
-                else "linear_ce forward: its fp32 tiles (no head gradient)"
-            )
+            evals[-1].why["loss"] = f"{prims.loss} forward: {c.explain_eval}"
         if evals:
             moments["eval"] = max(evals, key=lambda m: m.total)
             moments["eval"].why["saved_inputs"] = (
@@ -444,14 +440,14 @@ def stage_timeline(
 
 
 def stage_memory(
-    spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload
+    spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, work: Workload
 ) -> list[MemoryBreakdown]:
     """The peak moment of every pipeline stage."""
     return [st.peak for st in stage_timeline(spec, lay, prims, work)]
 
 
 def peak_memory(
-    spec: ModelSpec, lay: Layout, prims: Primitives, work: Workload
+    spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, work: Workload
 ) -> tuple[MemoryBreakdown, int]:
     """The stage whose GPUs need the most memory (the one that OOMs first), and its index."""
     stages = stage_memory(spec, lay, prims, work)

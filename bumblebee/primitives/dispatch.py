@@ -22,8 +22,13 @@ flash-impl registry (2.13), the flash-attn 3 package (``flash_attn_interface``) 
 References (``sdpa``, ``allgather``, ``recurrent``) and every other implementation run their
 own PyTorch code everywhere. Under the emulated-CUDA mode (``emulation.py``, ``train.emulate_cuda``)
 the implementations pass ``emulation.kind(tensor)`` ("cuda" for CPU tensors too) and the table
-answers its CUDA, bf16, fla-present column for any dtype. The flash kernels take only half precision (flash-attention's
-constraint); FLA's Triton kernels need a GPU (``pip install -e ".[gpu]"`` adds ``fla-core``).
+answers its CUDA, bf16, fla-present column for any dtype. The flash kernels take only half
+precision (flash-attention's constraint); FLA's Triton kernels need a GPU (``pip install -e
+".[gpu]"`` adds ``fla-core``).
+
+Inside ``assume("cuda", fla=True)`` (the planner's dry run on fake CPU tensors) the table answers
+for that device whatever the tensors' device and nothing else changes: the chosen kernels run as
+they are (on fake tensors, their fake kernels). The emulation also swaps kernels for references.
 """
 
 from __future__ import annotations
@@ -39,6 +44,26 @@ import torch
 from bumblebee.primitives import emulation
 
 HALF = (torch.bfloat16, torch.float16)
+
+# (device, fla) the dispatch answers for inside ``assume``; None: the caller's device
+_ASSUMED = contextvars.ContextVar("bumblebee_assumed_device", default=None)
+
+
+@contextlib.contextmanager
+def assume(device: str, *, fla: bool | None = None):
+    """Select kernels as if the tensors lived on ``device`` (with ``fla`` present or not; None: the
+    package check): ``select``, ``grouped_mm_supported`` and the linear CE's default tiles."""
+    token = _ASSUMED.set((device, fla))
+    try:
+        yield
+    finally:
+        _ASSUMED.reset(token)
+
+
+def assumed_device() -> str | None:
+    """The device ``assume`` names, or None outside it."""
+    a = _ASSUMED.get()
+    return None if a is None else a[0]
 
 
 @dataclass(frozen=True)
@@ -112,6 +137,8 @@ def select(
 ) -> Kernel:
     """The kernel ``slot``/``impl`` runs on ``device`` ("cuda", "cpu", ...) for ``dtype``.
     ``fla`` / ``fa3`` override the package checks (the planner asks "what if it were installed")."""
+    if (a := _ASSUMED.get()) is not None:
+        device, fla = a[0], fla if a[1] is None else a[1]
     dtype, cuda = _dtype(dtype), device == "cuda"
     fla = package_present("fla") if fla is None else fla
     if cuda and emulation.active():  # every CUDA branch, its kernels replaced by their references

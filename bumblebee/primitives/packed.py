@@ -5,11 +5,17 @@ does not continue the previous one (``pos[t] != pos[t-1] + 1``, in particular
 where it restarts at 0). Attention and linear attention use this layout so that
 no token sees across a document boundary.
 
+The layout is read from the values of ``position_ids``; on fake tensors (the planner's dry
+run) there are none, so the caller states the documents with ``assume_documents``.
+
 Legend: B batch, T tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -76,7 +82,24 @@ class DocLayout:
         return ids.view(len(self.bounds), self.seq_len)
 
 
+# position ids -> DocLayout, set by ``assume_documents``; None: read from the values
+_ASSUMED_DOCS = contextvars.ContextVar("bumblebee_assumed_documents", default=None)
+
+
+@contextlib.contextmanager
+def assume_documents(layout: Callable[[torch.Tensor], DocLayout]):
+    """Inside, ``doc_layout(pos)`` is ``layout(pos)``: documents are data, which fake tensors do
+    not hold (the model's and the CP layout's documents alike)."""
+    token = _ASSUMED_DOCS.set(layout)
+    try:
+        yield
+    finally:
+        _ASSUMED_DOCS.reset(token)
+
+
 def doc_layout(position_ids_BT: torch.Tensor) -> DocLayout:
+    if (assumed := _ASSUMED_DOCS.get()) is not None:
+        return assumed(position_ids_BT)
     B, T = position_ids_BT.shape
     starts = torch.ones(B, T, dtype=torch.bool, device=position_ids_BT.device)
     if T > 1:

@@ -47,16 +47,31 @@ MODULE_NAMES = ("norm", "attn_core", "moe", "moe_act", "mlp", "shared_expert", "
 
 # Dynamic scope too: True inside ``eager()`` (``lean`` runs its function without a checkpoint).
 _EAGER = contextvars.ContextVar("bumblebee_eager", default=False)
+# A context-manager factory entered around every policy checkpoint's recompute forward, or None
+_OBSERVER = contextvars.ContextVar("bumblebee_recompute_observer", default=None)
+
+
+@contextlib.contextmanager
+def observe(scope: Callable[[], contextlib.AbstractContextManager]):
+    """Inside, each recompute forward of a policy's checkpoint runs within ``scope()`` (the
+    planner's dry run labels what it allocates); ``lean``'s checkpoints are not observed."""
+    token = _OBSERVER.set(scope)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
 
 
 @contextlib.contextmanager
 def _recomputing(routing_scope):
-    token = _RECOMPUTING.set(True)
-    try:
-        with routing_replay.entered(routing_scope):
-            yield
-    finally:
-        _RECOMPUTING.reset(token)
+    observer = _OBSERVER.get()
+    with observer() if observer is not None else contextlib.nullcontext():
+        token = _RECOMPUTING.set(True)
+        try:
+            with routing_replay.entered(routing_scope):
+                yield
+        finally:
+            _RECOMPUTING.reset(token)
 
 
 @contextlib.contextmanager

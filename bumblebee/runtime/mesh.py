@@ -115,16 +115,18 @@ def _group_options(device: torch.device):
     return backend, options
 
 
-def build_context(layout: Layout, device: torch.device) -> ParallelContext:
+def build_context(layout: Layout, device: torch.device, *, fake: bool = False) -> ParallelContext:
     """Create the meshes (collective: every rank calls this with the same layout). Every
-    group they create has the world group's collective timeout (train.collective_timeout_s)."""
+    group they create has the world group's collective timeout (train.collective_timeout_s).
+    ``fake``: the world group is torch's fake process group (the planner's dry run); its groups
+    are fake too and take no options."""
     assert dist.is_initialized() and dist.get_world_size() == layout.world
     if layout.world == 1:
         return single_process(device)
     ranks = torch.arange(layout.world)
     kind = device.type
     L = layout
-    opt = _group_options(device)
+    opt = ("fake", None) if fake else _group_options(device)
 
     def mesh(shape, names):
         return DeviceMesh(

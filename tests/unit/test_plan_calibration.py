@@ -25,10 +25,11 @@ from typing import NamedTuple
 
 import pytest
 
+from bumblebee.config import PrimitivesConfig
 from bumblebee.plan.hardware import GB, GPUS, MEMORY_MARGIN
-from bumblebee.plan.layout import Layout, Primitives, Workload
+from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.perf import estimate
-from bumblebee.plan.recipe import evaluate
+from bumblebee.plan.recipe import evaluate, recipe_primitives
 from bumblebee.plan.spec import load_spec, spec_from_hf_dict
 from bumblebee.plan.timeline import stage_memory
 
@@ -69,7 +70,7 @@ def qwen35():
 
 
 def _prims(loss):
-    return Primitives(sharding="zero1", loss=loss, recompute="full", moe_comm="alltoall")
+    return PrimitivesConfig(sharding="zero1", loss=loss, recompute="full", moe_comm="alltoall")
 
 
 # ------------------------------------------------------------------------ fitted (in-sample)
@@ -98,7 +99,9 @@ def test_fitted_points_keep_their_order(qwen35):
 def test_full_recompute_costs_about_30_percent(qwen35):
     lay = Layout(ep=8, cp=8, dp_shard=4)
     t = {
-        r: estimate(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK, H100).step_s
+        r: estimate(
+            qwen35, lay, PrimitivesConfig(recompute=r, moe_comm="alltoall"), WORK, H100
+        ).step_s
         for r in ("full", "none")
     }
     assert t["full"] / t["none"] - 1 == pytest.approx(PUBLISHED_RECOMPUTE_EXTRA_COMPUTE, abs=0.1)
@@ -109,8 +112,8 @@ def _moe_layer_gain(spec, seq):
     the extra kernel launches of chunking), forward + backward."""
     lay, w = Layout(ep=8, cp=1, dp_shard=32), Workload(seq=seq, global_batch=32)
     moe = lambda p: p["experts"] + p["ep_comm"] + p["launch"]  # noqa: E731
-    a = estimate(spec, lay, Primitives(moe_comm="alltoall"), w, H100).parts_s
-    c = estimate(spec, lay, Primitives(moe_comm="chunked", moe_chunks=2), w, H100).parts_s
+    a = estimate(spec, lay, PrimitivesConfig(moe_comm="alltoall"), w, H100).parts_s
+    c = estimate(spec, lay, PrimitivesConfig(moe_comm="chunked", moe_chunks=2), w, H100).parts_s
     return 1 - moe(c) / moe(a)
 
 
@@ -195,7 +198,7 @@ def _mem(spec, layout, prims, seq=131072, batch=32):
 
 
 def test_memory_falls_with_more_gpus_and_cp(qwen35):
-    p = Primitives()
+    p = recipe_primitives()
     m16 = _mem(qwen35, Layout(ep=8, cp=4, dp_shard=4), p)
     m32 = _mem(qwen35, Layout(ep=8, cp=4, dp_shard=8), p)
     m64 = _mem(qwen35, Layout(ep=8, cp=4, dp_shard=16), p)
@@ -209,15 +212,17 @@ def test_memory_falls_with_more_gpus_and_cp(qwen35):
 
 def test_linear_ce_logits_below_ce(qwen35):
     lay = Layout(ep=8, cp=4, dp_shard=8)
-    ce = stage_memory(qwen35, lay, Primitives(loss="ce"), WORK)[-1]
-    lin = stage_memory(qwen35, lay, Primitives(loss="linear_ce"), WORK)[-1]
+    ce = stage_memory(qwen35, lay, PrimitivesConfig(loss="ce", moe_comm="chunked"), WORK)[-1]
+    lin = stage_memory(qwen35, lay, PrimitivesConfig(loss="linear_ce", moe_comm="chunked"), WORK)[
+        -1
+    ]
     assert lin.loss < ce.loss / 10 and lin.total < ce.total
 
 
 def test_fsdp2_static_below_zero1(qwen35):
     lay = Layout(ep=8, cp=4, dp_shard=8)
-    f = stage_memory(qwen35, lay, Primitives(sharding="fsdp2"), WORK)[0]
-    z = stage_memory(qwen35, lay, Primitives(sharding="zero1"), WORK)[0]
+    f = stage_memory(qwen35, lay, PrimitivesConfig(sharding="fsdp2", moe_comm="chunked"), WORK)[0]
+    z = stage_memory(qwen35, lay, PrimitivesConfig(sharding="zero1", moe_comm="chunked"), WORK)[0]
     static = lambda m: m.parameters + m.gradients + m.optimizer  # noqa: E731
     assert static(f) < static(z)
     assert static(f) / GB == pytest.approx(
@@ -229,7 +234,7 @@ def test_fsdp2_static_below_zero1(qwen35):
 def test_recompute_ordering(qwen35):
     lay = Layout(ep=8, cp=8, dp_shard=4)
     full, sel, none = (
-        stage_memory(qwen35, lay, Primitives(recompute=r, moe_comm="alltoall"), WORK)[
+        stage_memory(qwen35, lay, PrimitivesConfig(recompute=r, moe_comm="alltoall"), WORK)[
             0
         ].saved_inputs
         for r in ("full", "selective", "none")
@@ -242,7 +247,7 @@ def test_short_local_sequences_pay_launch_overhead(qwen35):
         p = estimate(
             qwen35,
             Layout(ep=8, dp_shard=32),
-            Primitives(),
+            recipe_primitives(),
             Workload(seq=seq, global_batch=32),
             H100,
         ).parts_s
@@ -252,7 +257,7 @@ def test_short_local_sequences_pay_launch_overhead(qwen35):
 
 
 def test_faster_gpu_is_faster(qwen35):
-    lay, p = Layout(ep=8, cp=4, dp_shard=8), Primitives()
+    lay, p = Layout(ep=8, cp=4, dp_shard=8), recipe_primitives()
     h100 = evaluate(qwen35, lay, p, WORK, GPUS["h100"])
     b200 = evaluate(qwen35, lay, p, WORK, GPUS["b200"])
     assert b200.tokens_per_s > 1.5 * h100.tokens_per_s

@@ -12,12 +12,12 @@ layer's, not as routed buffers."""
 
 import pytest
 
-from bumblebee.config import ConfigError
+from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.models.presets import PRESETS
 from bumblebee.plan.dryrun import dry_run
 from bumblebee.plan.hardware import GPUS
-from bumblebee.plan.layout import Layout, Primitives, Workload
-from bumblebee.plan.recipe import evaluate
+from bumblebee.plan.layout import Layout, Workload
+from bumblebee.plan.recipe import evaluate, recipe_primitives
 from bumblebee.plan.spec import spec_from_hf_dict
 
 HF = dict(
@@ -36,7 +36,9 @@ WORK = Workload(seq=8192, global_batch=8)
 
 def _run(moe_comm="chunked", loss="linear_ce", skew=1.0, hf=HF):
     spec = spec_from_hf_dict(hf)
-    cand = evaluate(spec, LAYOUT, Primitives(moe_comm=moe_comm, loss=loss), WORK, GPUS["h100"])
+    cand = evaluate(
+        spec, LAYOUT, PrimitivesConfig(moe_comm=moe_comm, loss=loss), WORK, GPUS["h100"]
+    )
     return dry_run(spec, hf, cand, WORK, skew=skew)
 
 
@@ -104,7 +106,7 @@ def test_qwen3_moe_per_term_peaks_agree(moe_comm, loss):
 
 def test_dry_run_rejects_unimplemented_family():
     spec = spec_from_hf_dict(HF)
-    cand = evaluate(spec, LAYOUT, Primitives(), WORK, GPUS["h100"])
+    cand = evaluate(spec, LAYOUT, recipe_primitives(), WORK, GPUS["h100"])
     with pytest.raises(ConfigError, match="not implemented"):
         dry_run(spec, {"model_type": "qwen9_moe"}, cand, WORK)
 
@@ -115,7 +117,7 @@ def test_deepseek_last_stage_runs_its_mtp_module():
     beside the hidden states) and holds exactly the parameters the spec counts."""
     hf = PRESETS["deepseek_v3"]["tiny"]
     spec, work = spec_from_hf_dict(hf), Workload(seq=1024, global_batch=4)
-    cand = evaluate(spec, Layout(pp=2, dp_shard=1), Primitives(), work, GPUS["h100"])
+    cand = evaluate(spec, Layout(pp=2, dp_shard=1), recipe_primitives(), work, GPUS["h100"])
     r = dry_run(spec, hf, cand, work)
     assert r.stage == 1 and r.static[0] == pytest.approx(r.static[1], rel=1e-6)
 
@@ -127,7 +129,10 @@ def test_gdn_mixer_above_the_norm_blocking_threshold():
     spec = spec_from_hf_dict(HF)
     work = Workload(seq=16384, global_batch=8)
     r = dry_run(
-        spec, HF, evaluate(spec, LAYOUT, Primitives(moe_comm="chunked"), work, GPUS["h100"]), work
+        spec,
+        HF,
+        evaluate(spec, LAYOUT, PrimitivesConfig(moe_comm="chunked"), work, GPUS["h100"]),
+        work,
     )
     for moment in ("forward:mixer", "backward:mixer"):
         measured, analytic = r.terms[moment]["live_layer"]
@@ -151,5 +156,5 @@ def test_short_packed_documents_stay_within_the_plan():
 
 def _run_docs(doc_len):
     spec = spec_from_hf_dict(HF)
-    cand = evaluate(spec, LAYOUT, Primitives(), WORK, GPUS["h100"])
+    cand = evaluate(spec, LAYOUT, recipe_primitives(), WORK, GPUS["h100"])
     return dry_run(spec, HF, cand, WORK, doc_len=doc_len)

@@ -150,7 +150,9 @@ def fla_causal_conv1d(x_BTC, weight_CW, layout: DocLayout, initial_BPC, activati
     x = x_BTC.reshape(1, B * T, C)
     if kernel is not None:
         y, hT = kernel(x, weight_CW, **args)
-    elif emulation.active():  # the CUDA branch on CPU: the contract, counted as FLA's kernels
+    elif emulation.active() or not x.is_cuda:
+        # the CUDA branch on CPU (emulated, or the planner's dry run on fake CPU tensors): the
+        # contract, counted as FLA's kernels
         ref = _shapes_only if is_fake(x) or x.device.type == "meta" else reference_fla_causal_conv1d
         y, hT = standin(
             lambda x, w, h0: ref(x, w, **{**args, "initial_state": h0}),

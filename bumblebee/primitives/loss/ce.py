@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bumblebee.primitives.loss.costs import LossCosts
 from bumblebee.registry import register
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -50,7 +51,25 @@ def reduce_loss(loss_T: torch.Tensor, valid_T: torch.Tensor, reduction: str) -> 
     return total / valid_T.sum().clamp(min=1)
 
 
-@register("loss", "ce", reference=True, summary="materialized fp32 logits + cross-entropy")
+# kept for backward: the fp32 log-probabilities; while it runs: bf16 logits + one fp32 working
+# copy that softmax and its gradient reuse in place
+COSTS = LossCosts(
+    kept_per_token=0,
+    kept_per_logit=4,
+    work_per_logit=2 + 4,
+    work_per_hidden=0,
+    head_grad_per_weight=0,
+    workspace=0,
+    tiled_head=False,
+    explain="{t} x {v:.0f} x (2+4) B (bf16 logits + fp32 working copy) + {t} x {norm:.0f} B "
+    "(final norm)",
+    explain_eval="[t, V] bf16 logits + fp32 copy",
+)
+
+
+@register(
+    "loss", "ce", reference=True, summary="materialized fp32 logits + cross-entropy", costs=COSTS
+)
 def cross_entropy(
     hidden_TH,
     weight_VH,

@@ -40,8 +40,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bumblebee.primitives import emulation
+from bumblebee.primitives import dispatch, emulation
 from bumblebee.primitives.loss.ce import check_loss_args, reduce_loss
+from bumblebee.primitives.loss.costs import LossCosts
 from bumblebee.registry import register
 
 # (token_tile, vocab_tile) defaults: one fp32 [t, v] tile is 32 MB on CPU and 64 MB on GPU,
@@ -53,7 +54,8 @@ _FP32_MIN = torch.finfo(torch.float32).min  # "no logit seen yet": exp(_FP32_MIN
 
 
 def default_tiles(device: torch.device) -> tuple[int, int]:
-    return DEFAULT_TILES.get(device.type, DEFAULT_TILES["cuda"])
+    kind = dispatch.assumed_device() or device.type  # the planner's dry run: the target's tiles
+    return DEFAULT_TILES.get(kind, DEFAULT_TILES["cuda"])
 
 
 def _vocab_offset(v_local: int, group, device) -> tuple[int, int]:
@@ -235,8 +237,28 @@ class _LinearCE(torch.autograd.Function):
         return (gh_TH, gw_VH) + (None,) * 8
 
 
+# kept for backward per token: the int64 target, the valid flag, the fp32 log-sum-exp; while it
+# runs: the bf16 head gradient, an fp32 dhidden accumulator + the bf16 hidden gradient, and
+# about four fp32 [token_tile, vocab_tile] tiles of the CUDA defaults
+COSTS = LossCosts(
+    kept_per_token=8 + 1 + 4,
+    kept_per_logit=0,
+    work_per_logit=0,
+    work_per_hidden=4 + 2,
+    head_grad_per_weight=2,
+    workspace=4 * DEFAULT_TILES["cuda"][0] * DEFAULT_TILES["cuda"][1] * 4,
+    tiled_head=True,
+    explain="{v:.0f} x {h} x 2 B (head gradient, bf16) + {t} x ({norm:.0f} + {h} x 6) B "
+    "(final norm, fp32 dh, hidden grad) + 4 fp32 [2048, 8192] tiles",
+    explain_eval="its fp32 tiles (no head gradient)",
+)
+
+
 @register(
-    "loss", "linear_ce", summary="tiled LM head + CE: online log-sum-exp, no [tokens, vocab] logits"
+    "loss",
+    "linear_ce",
+    summary="tiled LM head + CE: online log-sum-exp, no [tokens, vocab] logits",
+    costs=COSTS,
 )
 def linear_cross_entropy(
     hidden_TH,

@@ -60,12 +60,31 @@ from torch.distributed.fsdp import (
 )
 
 from bumblebee.primitives.sharding.common import clip_grad_norm
+from bumblebee.primitives.sharding.costs import ShardingCosts
 from bumblebee.primitives.sharding.fsdp_comm import set_unit_comms
 from bumblebee.primitives.sharding.none import NoSharding
 from bumblebee.registry import register
 
+# fp32 parameters (the master), fp32 gradients, two fp32 moments, all sharded; each layer's
+# parameters all-gathered for its forward and backward, gradients reduce-scattered per layer
+COSTS = ShardingCosts(
+    param_bytes=4,
+    grad_bytes=4,
+    optim_bytes=2 * 4,
+    params_sharded=True,
+    optim_sharded=True,
+    gathers_per_layer=True,
+    sync_bytes_per_param=0,
+    explain="4+4+8 B x {shard:.3f}B sharded params ({where}; / dp*cp={dpcp}, / edp={edp})",
+)
 
-@register("sharding", "fsdp2", summary="FSDP2 fully_shard per layer; experts over the edp mesh")
+
+@register(
+    "sharding",
+    "fsdp2",
+    summary="FSDP2 fully_shard per layer; experts over the edp mesh",
+    costs=COSTS,
+)
 class FSDP2(NoSharding):
     def wrap(self, model):
         t, g = self.train_cfg, self.groups

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from bumblebee.primitives.sharding.common import ShardingGroups, state_bytes
+from bumblebee.primitives.sharding.costs import ShardingCosts
 from bumblebee.registry import register
 
 
@@ -26,7 +27,23 @@ def decay_groups(named_params, weight_decay: float) -> list[dict]:
     ]
 
 
-@register("sharding", "none", reference=True, summary="single process: nothing sharded")
+# bf16 parameters, fp32 gradients, fp32 master + two moments, whole; a step syncs fp32 gradients
+# (all-reduce: twice their bytes)
+COSTS = ShardingCosts(
+    param_bytes=2,
+    grad_bytes=4,
+    optim_bytes=12,
+    params_sharded=False,
+    optim_sharded=False,
+    gathers_per_layer=False,
+    sync_bytes_per_param=2 * 4,
+    explain="2+4+12 B x {full:.3f}B ({where})",
+)
+
+
+@register(
+    "sharding", "none", reference=True, summary="single process: nothing sharded", costs=COSTS
+)
 class NoSharding:
     def __init__(self, groups: ShardingGroups, train_cfg):
         self.groups, self.train_cfg = groups, train_cfg

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.primitives.sharding.common import clip_grad_norm
+from bumblebee.primitives.sharding.costs import ShardingCosts
 from bumblebee.primitives.sharding.none import NoSharding
 from bumblebee.registry import register
 
@@ -51,10 +52,25 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group) -> None:
         offset += t.numel()
 
 
+# bf16 parameters and fp32 gradients whole, fp32 master + two moments sharded; a step
+# reduce-scatters fp32 gradients and all-gathers bf16 parameters
+COSTS = ShardingCosts(
+    param_bytes=2,
+    grad_bytes=4,
+    optim_bytes=12,
+    params_sharded=False,
+    optim_sharded=True,
+    gathers_per_layer=False,
+    sync_bytes_per_param=4 + 2,
+    explain="(2+4) B x {full:.3f}B params + 12 B x {shard:.3f}B optimizer shard ({where})",
+)
+
+
 @register(
     "sharding",
     "zero1",
     summary="replicated params/grads, grads all-reduced, optimizer state sharded",
+    costs=COSTS,
 )
 class Zero1(NoSharding):
     def wrap(self, model):

@@ -35,6 +35,7 @@ from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
+from bumblebee.models.hf_read import checkpoint_block_size
 from bumblebee.models.hf_write import check_export_target, write_hf
 from bumblebee.runtime.checkpoint.checkpointer import (
     _STEP_DIR,
@@ -59,7 +60,8 @@ def export_checkpoint(
 ) -> str:
     """``bumblebee convert --to hf``: the parameters of a checkpoint (or the newest complete
     one under a run / checkpoints directory) as a HF directory, in ``dtype`` ("bfloat16" |
-    "float32"; default the run's ``train.dtype``); one process. Returns the checkpoint used.
+    "float32"; default the run's ``train.dtype``, bfloat16 for a run from a block-FP8
+    ``model.hf_path``); one process. Returns the checkpoint used.
     ``out_dir`` must be new or empty, or an earlier export with ``overwrite`` (its files are
     replaced, so two exports never mix); never a checkpoint or run directory."""
     if max_shard_bytes < 1:
@@ -69,9 +71,6 @@ def export_checkpoint(
     path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
     arch, named_shapes, tensors = stream_checkpoint(path)  # checksums verified
     saved = _saved_config(path)
-    dtype = dtype or (
-        "bfloat16" if saved.get("train", {}).get("dtype") == "bfloat16" else "float32"
-    )
     source = saved.get("model", {}).get("hf_path", "")
     if source and not os.path.isfile(os.path.join(source, "config.json")):
         print(
@@ -79,6 +78,16 @@ def export_checkpoint(
             file=sys.stderr,
         )
         source = ""
+    fp8 = bool(source) and checkpoint_block_size(source) is not None
+    dtype = dtype or (
+        "bfloat16" if fp8 or saved.get("train", {}).get("dtype") == "bfloat16" else "float32"
+    )
+    if fp8:  # never re-quantized: say so, since the export is about twice the source's size
+        print(
+            f"bumblebee: {source} is block-FP8: exporting {dtype} weights (dequantized, no "
+            "_scale_inv tensors, config.json without quantization_config)",
+            file=sys.stderr,
+        )
     check_export_target(out_dir, source)  # --overwrite would replace the run's own starting model
     parent, base = os.path.split(os.path.abspath(out_dir))
     tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
