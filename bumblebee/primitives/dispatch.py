@@ -28,7 +28,9 @@ precision (flash-attention's constraint); FLA's Triton kernels need a GPU (``pip
 
 Inside ``assume("cuda", fla=True)`` (the planner's dry run on fake CPU tensors) the table answers
 for that device whatever the tensors' device and nothing else changes: the chosen kernels run as
-they are (on fake tensors, their fake kernels). The emulation also swaps kernels for references.
+they are (on fake tensors, their fake kernels); the conv and the glue stay unfused there, as the
+planner's activation-memory model has them (the fused paths keep less: it is conservative).
+The emulation also swaps kernels for references.
 """
 
 from __future__ import annotations
@@ -172,8 +174,10 @@ def select(
             False,
             "fla not installed (pip install -e '.[gpu]')" if cuda else "",
         )
+    # the planner's dry run (``assume``) keeps the unfused glue: its activation-memory model does
+    unfused = _UNFUSED.get() or _ASSUMED.get() is not None
     if (slot, impl) == ("conv", "causal"):  # Gated DeltaNet's short conv (linear_attention/conv.py)
-        if cuda and fla and not _UNFUSED.get():
+        if cuda and fla and not unfused:
             return Kernel("fla_causal_conv1d", "fla causal_conv1d (fused, varlen)", True)
         return Kernel(
             "conv_blocks",
@@ -182,7 +186,7 @@ def select(
             "fla not installed (pip install -e '.[gpu]')" if cuda else "",
         )
     if (slot, impl) == ("glue", "fused"):  # norms, gated norm, SwiGLU product, RoPE (fused.py)
-        if cuda and not _UNFUSED.get():
+        if cuda and not unfused:
             return Kernel("compiled", "torch.compile per function (inductor)", True)
         return Kernel("eager", "eager PyTorch ops", False)
     return Kernel(impl, f"{impl} (PyTorch)", False)

@@ -44,7 +44,6 @@ from bumblebee.primitives.attention.flash import FLASH_BWD, FLASH_FWD, reference
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring_comm import backward_hop
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
-from bumblebee.primitives.fused import fused
 from bumblebee.primitives.kernel_region import kernel
 from bumblebee.primitives.packed import to_device
 
@@ -258,19 +257,11 @@ def forward_step(
             p.causal,
             scale,
         )
-        o_new, lse_new = fused(
-            "ring_lse_merge", lse_merge, o[p.q_index], lse[:, p.q_index], o_p, lse_p
-        )
-        o[p.q_index] = o_new
-        lse[:, p.q_index] = lse_new
-
-
-def lse_merge(o, lse, o_p, lse_p):
-    """Running (o fp32 [S, N, D], lse fp32 [N, S]) merged with a block's (o_p, lse_p): one fused
-    kernel on CUDA (``fused.py``)."""
-    new = torch.logaddexp(lse, lse_p.float())
-    keep, add = torch.exp(lse - new).T[..., None], torch.exp(lse_p - new).T[..., None]
-    return o * keep + o_p.float() * add, new
+        old = lse[:, p.q_index]
+        new = torch.logaddexp(old, lse_p.float())
+        keep, add = torch.exp(old - new).T[..., None], torch.exp(lse_p - new).T[..., None]
+        o[p.q_index] = o[p.q_index] * keep + o_p.float() * add
+        lse[:, p.q_index] = new
 
 
 def backward_step(
