@@ -3,9 +3,10 @@
 Under the emulated-CUDA mode (``emulation.py``) a CUDA kernel (FLA's chunk kernel and causal
 conv, flash varlen attention, the ring's flash block ops, the compiled glue of ``fused.py``) is
 replaced by a plain-PyTorch reference of its contract. A launch counter (``perf/syncs.py``)
-would count the reference's own ops -- hundreds per call -- where CUDA launches a handful. The stand-ins run inside ``kernel(name, launches,
-syncs)``: the counter counts each region once, as ``launches`` kernel launches and ``syncs``
-host syncs (what the real kernel does), and none of the ops and host reads inside it.
+would count the reference's own ops -- hundreds per call -- where CUDA launches a handful. The
+stand-ins run inside ``kernel(name, launches, syncs)``: the counter counts each region once, as
+``launches`` kernel launches and ``syncs`` host syncs (what the real kernel does), and none of
+the ops and host reads inside it.
 
 Regions nest: each counts once, the ops inside any of them count nowhere (FLA's explicit
 backward re-runs the forward under autograd: a forward region inside the backward's). Autograd's
