@@ -35,6 +35,10 @@ class Family:
     router: str = ""  # the router the architecture routes with (replaces the default softmax_topk)
     # its mixers run on zigzag CP shards (every shared block does); False: parallel.cp > 1 refused
     context_parallel: bool = True
+    # (kernel launches, blocking host syncs, layout) per layer per micro-batch of a training step,
+    # counted in the emulated-CUDA mode (benchmarks/launches.py --part layers; skills/runtime/
+    # emulated_cuda.md); the planner prints it. None: not counted for this family.
+    launches_per_layer: tuple | None = None
 
 
 FAMILIES: dict[str, Family] = {}

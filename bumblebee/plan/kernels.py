@@ -15,18 +15,15 @@ from __future__ import annotations
 from bumblebee.config import PrimitivesConfig
 from bumblebee.primitives import dispatch
 
-# Kernel launches and blocking host syncs per layer per micro-batch of one training step
-# (forward, full recompute, backward, the layer's optimizer share), counted in the emulated-CUDA
-# mode with the kernels counted as kernels: ``python benchmarks/launches.py --part layers`` (tiny
-# presets with the families' layer patterns; figures, layouts and machine in
-# skills/runtime/emulated_cuda.md). The time model does not charge them (it assumes the host
-# runs ahead of the GPU, which these counts make plausible); the plan prints them.
-MEASURED_PER_LAYER = {
-    # family: (launches, syncs, layout it was counted on)
-    "qwen3_5_moe": (520, 0, "cp 2 ring"),
-    "qwen3_moe": (378, 2, "ep 2 chunked"),
-    "deepseek_v3": (668, 2, "cp 2 ring, ep 2 chunked"),
-}
+
+def measured_per_layer(family: str | None) -> tuple:
+    """(launches, syncs, layout) per layer per micro-batch the family's table entry records
+    (``Family.launches_per_layer``, counted with ``benchmarks/launches.py --part layers``); the time
+    model does not charge them (it assumes the host runs ahead of the GPU), the plan prints them."""
+    from bumblebee.models.family import FAMILIES
+
+    entry = FAMILIES.get(family)
+    return (entry.launches_per_layer if entry else None) or (None, None, "")
 
 
 def assumed_kernels(cp: int, *, fla: bool = True, fa3: bool = True) -> dict[str, dispatch.Kernel]:
@@ -44,7 +41,7 @@ def kernels_note(cp: int, has_gdn: bool, family: str | None = None) -> str:
         table.pop("conv")
     line = "kernels assumed (CUDA, bf16): " + dispatch.describe(table)
     line += " (activation memory still modelled with the eager glue and conv blocks: conservative)"
-    launches, syncs, layout = MEASURED_PER_LAYER.get(family, (None, None, ""))
+    launches, syncs, layout = measured_per_layer(family)
     if launches is not None:
         line += (
             f"; measured per layer per micro-batch with these kernels (emulated CUDA, {layout}, "

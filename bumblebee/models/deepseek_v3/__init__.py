@@ -13,6 +13,7 @@ FAMILY = register_family(
         arch=DeepseekV3Arch,
         model=DeepseekV3ForCausalLM,
         presets=PRESETS,
+        launches_per_layer=(668, 2, "cp 2 ring, ep 2 chunked"),
         hf_model_types=("deepseek_v3", "kimi_k2"),
         hf_name_in=names.hf_name_in,
         hf_name_out=names.hf_name_out,

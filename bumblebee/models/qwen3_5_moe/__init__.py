@@ -13,6 +13,7 @@ FAMILY = register_family(
         arch=Qwen3_5MoeArch,
         model=Qwen3_5MoeForCausalLM,
         presets=PRESETS,
+        launches_per_layer=(520, 0, "cp 2 ring"),
         hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
         hf_prefixes={"model.language_model.": "model."},
         skip_prefixes=("model.visual.",),

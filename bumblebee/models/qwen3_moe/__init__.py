@@ -11,6 +11,7 @@ FAMILY = register_family(
         arch=Qwen3MoeArch,
         model=Qwen3MoeForCausalLM,
         presets=PRESETS,
+        launches_per_layer=(378, 2, "ep 2 chunked"),
         hf_model_types=("qwen3_moe",),
     )
 )
