@@ -121,7 +121,8 @@ def test_convert_refuses_a_used_directory_and_overwrite_replaces_the_old_export(
 @pytest.mark.parametrize(
     "target, fragment",
     [
-        ("run", "a training run directory"),
+        ("run", "is the input"),  # the run itself: the writer guard names it first
+        ("other_run", "a training run directory"),
         ("run/checkpoints/step_00000001", "a training checkpoint directory"),
         ("run/checkpoints", "a training checkpoint directory"),
         ("run/config.toml", "not a directory"),
@@ -133,6 +134,8 @@ def test_convert_never_writes_into_a_run_checkpoint_or_foreign_directory(
 ):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
+    (tmp_path / "other_run").mkdir()  # another run's record
+    (tmp_path / "other_run" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     os.symlink(four_checkpoints, tmp_path / "run")
     before = {
         p: os.path.getsize(os.path.join(r, p)) for r, _, fs in os.walk(four_checkpoints) for p in fs
