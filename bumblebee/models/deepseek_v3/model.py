@@ -122,36 +122,37 @@ class SharedHead(nn.Module):
         self.norm = RMSNorm(hidden, eps)
 
 
-class MTPLayer(DecoderLayer):
-    """One MTP depth (``models/mtp.py``), stored by DeepSeek as ``model.layers.{L + k}``: a MoE
-    decoder layer plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``."""
+def mtp_layer_class(decoder: type) -> type:
+    """One MTP depth in DeepSeek's layout (``models/mtp.py``), stored as ``model.layers.{L + k}``:
+    a MoE ``decoder`` layer plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm`` (GLM
+    ships the same layout over its own decoder layer)."""
 
-    def __init__(self, arch: DeepseekV3Arch, parts: LayerParts):
-        super().__init__(arch, arch.num_hidden_layers, parts, moe=True)
-        self.enorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.hnorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * arch.hidden_size, arch.hidden_size, bias=False)
-        self.shared_head = SharedHead(arch.hidden_size, arch.rms_norm_eps)
+    class MTPLayer(decoder):
+        def __init__(self, arch, parts: LayerParts):
+            super().__init__(arch, arch.num_hidden_layers, parts, moe=True)
+            self.enorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+            self.hnorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+            self.eh_proj = nn.Linear(2 * arch.hidden_size, arch.hidden_size, bias=False)
+            self.shared_head = SharedHead(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, h_BTH, emb_BTH, cos, sin, layout):
-        x, aux = super().forward(
-            combine(self.enorm, self.hnorm, self.eh_proj, emb_BTH, h_BTH), cos, sin, layout
-        )
-        return self.shared_head.norm(x), aux
+        def forward(self, h_BTH, emb_BTH, cos, sin, layout):
+            x, aux = super().forward(
+                combine(self.enorm, self.hnorm, self.eh_proj, emb_BTH, h_BTH), cos, sin, layout
+            )
+            return self.shared_head.norm(x), aux
+
+    return MTPLayer
 
 
-class DeepseekV3ForCausalLM(CausalLM):
-    """DeepSeek-V3: the shared causal LM (models/base.py) over MLA + MoE decoder layers."""
+class LayerMTP:
+    """The causal LM's MTP hooks for DeepSeek-layout modules (``mtp_layer``, built by
+    ``mtp_layer_class``), counted by ``arch.num_nextn_predict_layers``."""
 
-    family = "deepseek_v3"
-    norm_cls = RMSNorm
-
-    def make_layer(self, index: int, parts: LayerParts, moe: bool | None = None) -> nn.Module:
-        return DecoderLayer(self.arch, index, parts, moe)
+    mtp_layer: type
 
     def make_mtp(self, parts: LayerParts):
         n = self.arch.num_nextn_predict_layers
-        return nn.ModuleList([MTPLayer(self.arch, parts) for _ in range(n)]) if n else None
+        return nn.ModuleList([self.mtp_layer(self.arch, parts) for _ in range(n)]) if n else None
 
     def mtp_modules(self) -> int:
         return 0 if self.mtp is None else len(self.mtp)
@@ -161,6 +162,17 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def mtp_units(self) -> list[nn.Module]:
         return list(self.mtp)
+
+
+class DeepseekV3ForCausalLM(LayerMTP, CausalLM):
+    """DeepSeek-V3: the shared causal LM (models/base.py) over MLA + MoE decoder layers."""
+
+    family = "deepseek_v3"
+    norm_cls = RMSNorm
+    mtp_layer = mtp_layer_class(DecoderLayer)
+
+    def make_layer(self, index: int, parts: LayerParts, moe: bool | None = None) -> nn.Module:
+        return DecoderLayer(self.arch, index, parts, moe)
 
     def rotary_dim(self) -> int:
         return self.arch.qk_rope_head_dim

@@ -26,9 +26,8 @@ from torch import nn
 
 from bumblebee.models.base import CausalLM, LayerParts
 from bumblebee.models.blocks import MLP
-from bumblebee.models.deepseek_v3.model import ROUTER, DeepseekMoE, SharedHead
+from bumblebee.models.deepseek_v3.model import ROUTER, DeepseekMoE, LayerMTP, mtp_layer_class
 from bumblebee.models.glm4_moe.arch import Glm4MoeArch
-from bumblebee.models.mtp import combine
 from bumblebee.primitives.norms import RMSNorm
 from bumblebee.primitives.packed import DocLayout
 from bumblebee.primitives.rope import apply_rope
@@ -96,45 +95,15 @@ class DecoderLayer(nn.Module):
         return h + y, aux
 
 
-class MTPLayer(DecoderLayer):
-    """One MTP depth (``models/mtp.py``), stored as ``model.layers.{L + k}``: a MoE decoder layer
-    plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``."""
-
-    def __init__(self, arch: Glm4MoeArch, parts: LayerParts):
-        super().__init__(arch, arch.num_hidden_layers, parts, moe=True)
-        self.enorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.hnorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * arch.hidden_size, arch.hidden_size, bias=False)
-        self.shared_head = SharedHead(arch.hidden_size, arch.rms_norm_eps)
-
-    def forward(self, h_BTH, emb_BTH, cos, sin, layout):
-        x, aux = super().forward(
-            combine(self.enorm, self.hnorm, self.eh_proj, emb_BTH, h_BTH), cos, sin, layout
-        )
-        return self.shared_head.norm(x), aux
-
-
-class Glm4MoeForCausalLM(CausalLM):
+class Glm4MoeForCausalLM(LayerMTP, CausalLM):
     """GLM-4.5: the shared causal LM (models/base.py) over GQA + DeepSeek-style MoE layers."""
 
     family = "glm4_moe"
     norm_cls = RMSNorm
+    mtp_layer = mtp_layer_class(DecoderLayer)
 
     def make_layer(self, index: int, parts: LayerParts, moe: bool | None = None) -> nn.Module:
         return DecoderLayer(self.arch, index, parts, moe)
-
-    def make_mtp(self, parts: LayerParts):
-        n = self.arch.num_nextn_predict_layers
-        return nn.ModuleList([MTPLayer(self.arch, parts) for _ in range(n)]) if n else None
-
-    def mtp_modules(self) -> int:
-        return 0 if self.mtp is None else len(self.mtp)
-
-    def mtp_forward(self, k: int, h_BTH, emb_BTH, cos, sin, layout):
-        return self.recompute.layer(self.mtp[k], h_BTH, emb_BTH, cos, sin, layout)
-
-    def mtp_units(self) -> list[nn.Module]:
-        return list(self.mtp)
 
     def rotary_dim(self) -> int:
         return self.arch.rotary_dim
