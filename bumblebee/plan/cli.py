@@ -16,6 +16,8 @@ import sys
 from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.console import Progress, SetOverride
 from bumblebee.plan import report
+from bumblebee.plan.cp_rules import check_cp_rules
+from bumblebee.plan.cp_rules import text as cp_rules_text
 from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.kernels import assumptions, kernels_note
 from bumblebee.plan.layout import Workload, apply_overrides, check, parse_layout, prims_label
@@ -272,8 +274,10 @@ def run(args: argparse.Namespace) -> int:
         shown = [rec.candidate] + [c for c in cands if c.feasible and c is not rec.candidate]
         report.plot(args.plot, shown)
         notes.append(f"plot written to {args.plot}")
-    if args.explain and not args.json:
+    rules = check_cp_rules(spec, rec.candidate, work, gpu) if args.explain else None
+    if rules is not None and not args.json:
         print(report.explain(rec.candidate) + "\n")
+        print(cp_rules_text(rules) + "\n")
     if args.json:
         out = report.to_json(rec, cands)
         for entry, cand in zip([out["recommended"]] + out["candidates"], [rec.candidate] + cands):
@@ -285,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
             entry["assumptions"] = assumptions(cand.layout.cp, GDN in spec.mixers)
         if dry is not None:
             out["dry_run"] = dry.as_json()
+        if rules is not None:
+            out["cp_rules"] = [r.as_json() for r in rules]
         print(json.dumps(out, indent=1))
     else:
         print(
