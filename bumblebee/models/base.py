@@ -398,7 +398,7 @@ class CausalLM(RoutingProtocol, nn.Module):
                 context.append([e.contiguous() for e in embs.split(H, dim=-1)])
         stats = []
         for i in layer_ids:
-            x, s = self.recompute.layer(self.model.layers[i], x, cos, sin, layout)
+            x, s = self.recompute.decoder_layer(self.model.layers[i], x, cos, sin, layout)
             if s.dim() == 1:  # dense layers return a 0-d zero
                 stats.append(s)
         stats = torch.stack(stats) if stats else None

@@ -132,7 +132,7 @@ def check_cp_rules(
             f"global batch is halved",
         )
     )
-    sel = p.recompute != "full"
+    sel = p.recompute not in ("full", "offload")
     out.append(
         RuleCheck(
             "prefer selective recompute",

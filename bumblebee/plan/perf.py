@@ -122,7 +122,7 @@ def _layer_time(
     ts = t / lay.tp  # sequence-parallel tokens
     h, tp = spec.hidden, lay.tp
     mixer, mlp = kind
-    rc = prims.recompute
+    rc = "full" if prims.recompute == "offload" else prims.recompute  # offload: full + copies
     fwd_passes = 2.0 if rc == "full" else 1.0  # forward + recompute forward
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm
 
@@ -225,6 +225,11 @@ def _layer_time(
             state = spec.gdn_v_heads / tp * spec.gdn_k_dim * spec.gdn_v_dim * FP32
             hop = P2P_LATENCY_S + state / bw
             clock.add("cp_comm", (lay.cp - 1) * hop * (fwd_passes + 1))
+    if prims.recompute == "offload":
+        # the layer input out after the forward and back before the recompute, each on a side
+        # stream under a layer's compute: only what a layer's compute does not cover is exposed
+        copy = t * h / tp * BF16 / (gpu.pcie_gbps * 1e9)
+        clock.add("offload", 2 * max(0.0, copy - compute / (fwd_passes + 2)))
     return compute
 
 
