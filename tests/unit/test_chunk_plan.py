@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -91,3 +93,56 @@ def test_bad_weights():
         d.for_layer(0, 3)
     with pytest.raises(ConfigError, match="needs moe_comm = 'chunked'"):
         load_config(None, ["primitives.moe_comm=alltoall", "primitives.moe_chunk_weights=[1, 2]"])
+
+
+# ---------------------------------------------------------------------------------- the planner
+def _metrics(path, loads, n=3):
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "metrics.jsonl", "w") as f:
+        for step in range(n):
+            f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+            f.write(json.dumps({"step": step, "expert_load": loads}) + "\n")
+        f.write('{"step": 9, "expert_lo')  # a line cut by a crash
+
+
+def test_run_skew_from_histograms(tmp_path):
+    from bumblebee.plan.chunks import run_skew
+    from bumblebee.plan.spec import load_spec
+
+    spec, _ = load_spec("qwen3_moe/tiny")
+    E = spec.experts
+    layers = sum(m == "moe" for m in spec.mlps)
+    hot = [4] * (E // 2) + [1] * (E // 2)  # rank 0 of ep 2 gets 4x rank 1's rows
+    flat = [1] * E
+    _metrics(tmp_path, [hot] + [flat] * (layers - 1))
+    skews = run_skew(str(tmp_path), spec, ep=2)
+    assert skews[0] == pytest.approx(8 / 5) and skews[1:] == [1.0] * (layers - 1)
+    assert run_skew(str(tmp_path), spec, ep=1) == [1.0] * layers
+    with pytest.raises(ConfigError, match="no expert_load histograms"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 1}\n')
+        run_skew(str(tmp_path / "empty"), spec, ep=2)
+    _metrics(tmp_path / "other", [[1] * (E + 1)] * layers)
+    with pytest.raises(ConfigError, match="experts"):
+        run_skew(str(tmp_path / "other"), spec, ep=2)
+
+
+def test_plan_chooses_chunks_under_skew(capsys):
+    from bumblebee.plan import cli
+
+    args = ["--model", "qwen3-30b-a3b", "--gpus", "16", "--seq", "65536"]
+    args += ["--layout", "tp=1 pp=1 ep=8 cp=2", "--json"]
+    assert cli.main(args) == 0
+    even = json.loads(capsys.readouterr().out)
+    assert "chunks" not in even
+    assert cli.main(args + ["--skew", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    c = out["chunks"]
+    assert c["skew"] == [4.0] and c["exposed_s"] < c["exposed_even_s"]
+    assert "moe_chunk_weights" in out["recommended"]["config"]
+    # skew: the busiest rank is slower, and more memory is routed to it
+    slow, fast = out["recommended"], even["recommended"]
+    assert slow["tokens_per_s_per_gpu"] < fast["tokens_per_s_per_gpu"]
+    assert slow["memory_gb"]["moe_buffers"] > fast["memory_gb"]["moe_buffers"]
+    assert cli.main(args + ["--skew", "2", "--from-run", "x"]) == 2
+    assert "drop --skew" in capsys.readouterr().err
