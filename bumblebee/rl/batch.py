@@ -56,6 +56,9 @@ class RLBatch:
     # [B, T, L, K] int64: the experts each token was routed to in each MoE layer (L MoE layers in order,
     # K per token), from a rollout engine or compute_logprobs(return_routing=True); replayed when given
     routing: torch.Tensor | None = None
+    # [B, T] int64: a shared-prefix tree (rl/shared_prefix.py): 1 + the column where the parent of
+    # the token's document starts (it attends to / continues that document's chain), 0 for none
+    attach: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.input_ids.dim() != 2:
@@ -221,6 +224,8 @@ def prediction_view(
     }
     if batch.routing is not None:  # the experts of the token at each position: not shifted
         out["routing"] = batch.routing
+    if batch.attach is not None:  # the document tree: a property of the columns, not shifted
+        out["attach"] = batch.attach
     if agg:
         out["mask"] = shift_left(trained, False)
         out["weights"] = shift_left(

@@ -51,6 +51,8 @@ from bumblebee.models import resolve_arch
 from bumblebee.models.head import check_token_ids
 from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
 from bumblebee.primitives.moe.replay import RoutingScope
+from bumblebee.primitives.packed import assume_documents
+from bumblebee.primitives.prefix_tree import tree_layout
 from bumblebee.rl import microbatch as mbs
 from bumblebee.rl.batch import (
     LOSS_INPUTS,
@@ -65,6 +67,7 @@ from bumblebee.rl.checkpoint import EngineCheckpoints
 from bumblebee.rl.global_batch import GlobalBatchCalls, LogProbs, _all_gather  # noqa: F401 (LogProbs: public)
 from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_totals, token_logprobs
 from bumblebee.rl.offload import Offloader
+from bumblebee.rl.shared_prefix import check_tree_batch
 from bumblebee.rl.weights import EngineWeights
 from bumblebee.runtime.optim import build_optimizer, check_lr
 from bumblebee.runtime.resolve import resolve_layout
@@ -280,8 +283,12 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
 
     def _scores(self, mb: dict[str, torch.Tensor], with_entropy: bool, scope=None):
         """Forward one micro-batch: (logp [b, T], entropy [b, T] or None, balance loss, router stats).
-        ``scope``: a ``RoutingScope`` replaying ``mb["routing"]`` and/or recording the experts used."""
-        with self.autocast:
+        ``scope``: a ``RoutingScope`` replaying ``mb["routing"]`` and/or recording the experts used.
+        A shared-prefix batch (``mb["attach"]``) runs on its tree layout (primitives/prefix_tree.py)."""
+        tree = contextlib.nullcontext()
+        if "attach" in mb:
+            tree = assume_documents(lambda pos: tree_layout(pos, mb["attach"]))
+        with self.autocast, tree:
             (logp_T, ent_T), aux, stats = self.model.scores(
                 mb["input_ids"],
                 mb["position_ids"],
@@ -326,6 +333,9 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
             self.offloader.require("params", "grads")
             loss_fn = loss_fn if loss_fn is not None else PolicyLoss()
         budget = max_tokens_per_micro_batch or self.max_tokens_per_micro_batch
+        check_tree_batch(
+            batch, budget=budget, cp=self.ctx.layout.cp, pp=2 if self.pipeline is not None else 1
+        )
         agg = getattr(loss_fn, "agg", "token-mean") if loss_fn is not None else None
         totals = None
         if agg:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from bumblebee.models.head import check_token_ids
 from bumblebee.rl import microbatch as mbs
 from bumblebee.rl.batch import RLBatch, gather_tokens, pad_batch
+from bumblebee.rl.shared_prefix import check_tree_batch
 from bumblebee.runtime.optim import check_lr
 
 
@@ -44,6 +45,7 @@ class GlobalBatchCalls:
         to split evenly, and to 2 x cp chunks), or with a token budget whole sequences balanced
         over dp ranks by token count."""
         B, T = batch.input_ids.shape
+        check_tree_batch(batch, budget=budget, cp=self.ctx.layout.cp, pp=1)
         if budget is None:
             cp = self.ctx.layout.cp
             rows, cols = -(-B // self._dp), T if cp == 1 else -(-T // (2 * cp)) * 2 * cp

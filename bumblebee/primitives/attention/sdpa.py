@@ -14,6 +14,10 @@ by groups of query heads).
   causal kernels and skips all cross-document blocks; a Python loop over documents
   is its cost.
 
+A shared-prefix ``TreeLayout`` (``primitives/prefix_tree.py``) lets a document also see the
+keys of its parent chain: ``sdpa`` widens the mask, ``varlen`` runs each document over its
+chain's keys (``attention/tree.py``).
+
 Legend: B batch, N query heads, K kv heads, T tokens, D head dim.
 """
 
@@ -24,8 +28,10 @@ import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import flash_varlen
+from bumblebee.primitives.attention.tree import tree_varlen
 from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.prefix_tree import TreeLayout
 from bumblebee.registry import register
 
 
@@ -33,7 +39,12 @@ from bumblebee.registry import register
 def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
     T = q_BNTD.shape[2]
     doc_BT = layout.doc_ids(q_BNTD.device)
-    same_doc = doc_BT[:, :, None] == doc_BT[:, None, :]
+    if isinstance(layout, TreeLayout):  # a document also sees its parent chain
+        vis_BDD = layout.visible(q_BNTD.device)
+        rows = torch.arange(doc_BT.shape[0], device=q_BNTD.device)[:, None, None]
+        same_doc = vis_BDD[rows, doc_BT[:, :, None], doc_BT[:, None, :]]
+    else:
+        same_doc = doc_BT[:, :, None] == doc_BT[:, None, :]
     causal = torch.ones(T, T, dtype=torch.bool, device=q_BNTD.device).tril()
     mask = (same_doc & causal)[:, None]
     return F.scaled_dot_product_attention(
@@ -52,6 +63,8 @@ def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
     summary="packed documents, no mask: varlen_attn (CUDA, half) or SDPA per document",
 )
 def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
+    if isinstance(layout, TreeLayout):
+        return tree_varlen(q_BNTD, k_BKTD, v_BKTD, layout, scale)
     if select("attention", "varlen", emulation.kind(q_BNTD), q_BNTD.dtype).name == "varlen_attn":
         return flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout, scale)
     gqa = q_BNTD.shape[1] != k_BKTD.shape[1]

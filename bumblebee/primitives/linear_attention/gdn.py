@@ -34,7 +34,9 @@ from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.fused import fused
 from bumblebee.primitives.linear_attention.conv import CausalConv1d
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
+from bumblebee.primitives.linear_attention.tree import gated_delta_net_tree
 from bumblebee.primitives.packed import DocLayout
+from bumblebee.primitives.prefix_tree import TreeLayout
 from bumblebee.primitives.recompute import lean
 
 
@@ -202,7 +204,8 @@ class GatedDeltaNet(nn.Module):
 
         With a ``CPLayout`` (the sequence is zigzag-sharded over a CP group) the layer runs
         context-parallel (``linear_attention/cp.py``): the state is carried across ranks
-        internally, no ``state`` may be passed, and the returned state is None."""
+        internally, no ``state`` may be passed, and the returned state is None. A shared-prefix
+        ``TreeLayout`` likewise (``linear_attention/tree.py``)."""
         if isinstance(layout, CPLayout):
             if state is not None:
                 raise ValueError(
@@ -210,6 +213,12 @@ class GatedDeltaNet(nn.Module):
                     "(the CP layout already carries the state across ranks); pass state=None"
                 )
             return gated_delta_net_cp(self, x_BTD, layout, carry=self.cp_carry), None
+        if isinstance(layout, TreeLayout):  # shared prefixes: a branch continues its parent's state
+            if state is not None:
+                raise ValueError(
+                    "GatedDeltaNet: a carried state cannot be combined with a tree layout"
+                )
+            return gated_delta_net_tree(self, x_BTD, layout), None
         qkv_pre_BTC, z_BTHV, beta_BTH, g_BTH = self.project(x_BTD)
         qkv_BTC, conv_BPC = self.conv1d(
             qkv_pre_BTC, layout, None if state is None else state.conv_BPC, F.silu
