@@ -6,7 +6,10 @@ unshared batch packs the G full sequences (G rows of P + C tokens); the tree bat
 P - 1 + G (C + 1) tokens: the prompt's last token opens every branch). Both run the same
 ``Engine.forward_backward`` (policy loss, fp32, recompute as configured) on a tiny-width model;
 printed side by side: tokens processed, step time (median of ``--reps``, alternating the two
-so both see the same machine load), and the loss and gradient difference between them.
+so both see the same machine load; wall and this process's CPU seconds, the second less
+sensitive to a shared machine), and the loss and gradient difference between them. With
+``--memory``, one more untimed forward_backward of each under the repo's ``MemoryTracker``
+(CPU: every tensor storage allocated) gives the peak activation bytes.
 
     PYTHONPATH=. python benchmarks/shared_prefix.py                      # G=8, 16K + 1K, qwen3_5_moe
     PYTHONPATH=. python benchmarks/shared_prefix.py --family qwen3_moe --prefix 2048 --cont 256
@@ -68,11 +71,12 @@ def group(G: int, P: int, C: int, seed: int = 0) -> Segment:
     return Segment(ids(P), leaves)
 
 
-def timed(engine: Engine, batch, loss) -> tuple[float, float, dict]:
+def timed(engine: Engine, batch, loss) -> tuple[tuple[float, float], float, dict]:
+    """((wall seconds, this process's CPU seconds), loss, gradients) of one forward_backward."""
     engine.zero_grad()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = engine.forward_backward(batch, loss)
-    seconds = time.perf_counter() - start
+    seconds = (time.perf_counter() - start, time.process_time() - cpu)
     grads = {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
     return seconds, out.loss, grads
 
@@ -85,6 +89,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--cont", type=int, default=1024, help="C: continuation tokens")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--memory", action="store_true", help="also peak activation bytes (tracked)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -130,8 +135,10 @@ def main(argv=None) -> dict:
         "tokens_shared": tree.input_ids.numel(),
         "tokens_unshared": int(full.input_ids.numel()),
         "token_ratio": full.input_ids.numel() / tree.input_ids.numel(),
-        "step_s_shared": statistics.median(times["shared"]),
-        "step_s_unshared": statistics.median(times["unshared"]),
+        "step_s_shared": statistics.median(t for t, _ in times["shared"]),
+        "step_s_unshared": statistics.median(t for t, _ in times["unshared"]),
+        "cpu_s_shared": statistics.median(c for _, c in times["shared"]),
+        "cpu_s_unshared": statistics.median(c for _, c in times["unshared"]),
         "times": times,
         "loss_shared": loss_t,
         "loss_unshared": loss_f,
@@ -139,16 +146,32 @@ def main(argv=None) -> dict:
         "grad_max_rel_diff": grad_rel,
     }
     res["step_ratio"] = res["step_s_unshared"] / res["step_s_shared"]
+    res["cpu_ratio"] = res["cpu_s_unshared"] / res["cpu_s_shared"]
+    if args.memory:
+        from bumblebee.perf.memory import MemoryTracker
+
+        for name, batch in (("shared", tree), ("unshared", full)):
+            engine.zero_grad()
+            with MemoryTracker("cpu", model=engine.model) as mem:
+                mem.reset_peak()
+                engine.forward_backward(batch, loss)
+                res[f"peak_activation_bytes_{name}"] = mem.breakdown("peak")["activations"]
     print(
         f"{args.family}, G={args.groups}, prefix {args.prefix} + continuation {args.cont} "
         f"({res['threads']} threads, median of {args.reps})\n"
         f"  tokens processed: shared {res['tokens_shared']}, unshared {res['tokens_unshared']} "
         f"({res['token_ratio']:.2f}x fewer)\n"
         f"  forward_backward: shared {res['step_s_shared']:.2f} s, unshared "
-        f"{res['step_s_unshared']:.2f} s ({res['step_ratio']:.2f}x)\n"
+        f"{res['step_s_unshared']:.2f} s ({res['step_ratio']:.2f}x) wall; "
+        f"{res['cpu_s_shared']:.2f} s / {res['cpu_s_unshared']:.2f} s ({res['cpu_ratio']:.2f}x) CPU\n"
         f"  loss {loss_t:.6f} vs {loss_f:.6f} (rel {res['loss_rel_diff']:.1e}), "
         f"max gradient difference / max |gradient| {grad_rel:.1e}"
     )
+    if args.memory:
+        a, b = res["peak_activation_bytes_shared"], res["peak_activation_bytes_unshared"]
+        print(
+            f"  peak activations (tracked): shared {a / 2**20:.1f} MiB, unshared {b / 2**20:.1f} MiB"
+        )
     json.dump(res, sys.stdout)
     print()
     return res
