@@ -30,7 +30,7 @@ COMMON = [
     "model.arch.num_hidden_layers=2",
     "model.arch.hidden_size=32",
     "model.arch.router_aux_loss_coef=0.0",  # the balance loss counts a shared token once
-    "train.micro_batch=2",
+    "train.micro_batch=1",  # the tree batch: two rows, two micro-batches
 ]
 FAMILIES = {
     "qwen3_moe": ["model.arch.head_dim=8", "model.arch.moe_intermediate_size=32"],
@@ -102,8 +102,8 @@ def test_tree_step_equals_unshared(tmp_path, family):
     )
     e = Engine(cfg)
     roots = trees()
-    tree, full = pack_tree(roots, seq_len=192), reference_batch(roots)
-    assert tree.rows == 1 and tree.input_ids.numel() < full.input_ids.numel()
+    tree, full = pack_tree(roots, seq_len=160), reference_batch(roots)
+    assert tree.rows == 2 and tree.input_ids.numel() < full.input_ids.numel()
     loss = PolicyLoss(
         kl_coef=0.1, entropy_coef=0.01, agg="seq-mean-token-mean", tis=2.0, is_level="sequence"
     )
