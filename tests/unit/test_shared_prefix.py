@@ -6,12 +6,16 @@
   tree batch equal those of the unshared batch. The trees cover a one-level group whose prefix
   crosses a 64-token chunk, continuations of 1 token (shorter than the conv window), a
   two-level tree and a one-token root (its children become roots).
+  The same under emulated CUDA (``emulate_cuda``: the GPU branches, the gathered ``varlen_attn``
+  call and FLA's GDN kernels, run on CPU with their reference kernels) for Qwen3.5 and DeepSeek-V3.
 - The attention cores on a tree layout: dense mask (``sdpa``), per-document (``varlen`` on CPU)
   and the CUDA glue (one varlen call over gathered keys) through the kernel's CPU reference.
 - Layout and batch errors.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from bumblebee import load_config
 from bumblebee.primitives.attention.flash import reference_varlen_attn
 from bumblebee.primitives.attention.sdpa import sdpa_masked, sdpa_varlen
 from bumblebee.primitives.attention.tree import gathered_varlen
+from bumblebee.primitives.emulation import emulate_cuda
 from bumblebee.primitives.prefix_tree import tree_layout
 from bumblebee.rl.batch import pack_sequences
 from bumblebee.rl.engine import Engine
@@ -95,8 +100,11 @@ def step(e, batch, loss):
     return out, grads, e.compute_logprobs(batch).logprobs
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_tree_step_equals_unshared(tmp_path, family):
+@pytest.mark.parametrize(
+    "family,emulated",
+    [(f, False) for f in FAMILIES] + [("qwen3_5_moe", True), ("deepseek_v3", True)],
+)
+def test_tree_step_equals_unshared(tmp_path, family, emulated):
     cfg = load_config(
         None, [f"model.name={family}", *COMMON, *FAMILIES[family], f"train.out_dir={tmp_path}"]
     )
@@ -107,8 +115,11 @@ def test_tree_step_equals_unshared(tmp_path, family):
     loss = PolicyLoss(
         kl_coef=0.1, entropy_coef=0.01, agg="seq-mean-token-mean", tis=2.0, is_level="sequence"
     )
-    out_t, grads_t, lp_t = step(e, tree, loss)
-    out_f, grads_f, lp_f = step(e, full, loss)
+    # emulated: the CUDA branches on CPU (gathered varlen_attn, FLA's GDN op, fused conv), each
+    # kernel replaced by the reference of its contract
+    with emulate_cuda(check_comm=False) if emulated else contextlib.nullcontext():
+        out_t, grads_t, lp_t = step(e, tree, loss)
+        out_f, grads_f, lp_f = step(e, full, loss)
     assert out_t.tokens == out_f.tokens == sum(len(p[-1].tokens) for r in roots for p in r.leaves())
     assert out_t.loss == pytest.approx(out_f.loss, rel=1e-5, abs=1e-7)
     for k in out_f.metrics:
