@@ -325,7 +325,8 @@ class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
         metric names every time. ``forward_only`` also returns this rank's token-aligned
         log-probs (and entropies with ``entropy``, and with ``return_routing`` the experts every
         token was routed to, [B, T, L, K]). A batch carrying ``routing`` is run with those experts
-        (routing replay, primitives/moe/replay.py). Collective over all ranks."""
+        (routing replay, primitives/moe/replay.py). A batch carrying ``attach`` is a shared-prefix
+        tree (rl/shared_prefix.py: cp = 1, pp = 1, row micro-batches). Collective over all ranks."""
         check_token_ids(batch.input_ids, self.arch.vocab_size, "batch.input_ids")
         if forward_only:
             self.offloader.require("params")

@@ -7,12 +7,15 @@ its parent chain (all of them: they precede it) and its own keys up to their pos
   each shared K/V once per branch, but no projection or MLP runs twice. Written from the
   kernel's documented contract; tested on CPU through ``reference_varlen_attn``.
 - elsewhere: one SDPA call per document over [chain K/V ; own K/V] with that mask (a document
-  without a parent: the plain causal call).
+  without a parent: the plain causal call), under ``lean`` (the mask and the K/V copy are not
+  kept for backward: measured, they held most of a 16K-prefix step's peak).
 
 Legend: B batch, N query heads, K kv heads, T tokens, D head dim, S packed tokens.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,7 @@ from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import cuda_varlen_attn
 from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.prefix_tree import TreeLayout, gather_index
+from bumblebee.primitives.recompute import lean
 
 
 def tree_varlen(q_BNTD, k_BKTD, v_BKTD, layout: TreeLayout, scale: float, kernel=None):
@@ -37,29 +41,33 @@ def tree_varlen(q_BNTD, k_BKTD, v_BKTD, layout: TreeLayout, scale: float, kernel
     for b, bounds in enumerate(layout.bounds):
         docs = []
         for d, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-            ranges = layout.key_ranges(b, d)
-            k, v = (
-                torch.cat([x[b : b + 1, :, r0:r1] for r0, r1 in ranges], 2)
-                for x in (k_BKTD, v_BKTD)
-            )
-            Lq, Lk = e - s, k.shape[2]
-            mask = None
-            if Lk > Lq:  # bottom-right causal: query j sees the chain and its own keys <= j
-                i_k, i_q = (torch.arange(n, device=q_BNTD.device) for n in (Lk, Lq))
-                mask = i_k[None, :] <= i_q[:, None] + (Lk - Lq)
-            docs.append(
-                F.scaled_dot_product_attention(
-                    q_BNTD[b : b + 1, :, s:e],
-                    k,
-                    v,
-                    attn_mask=mask,
-                    is_causal=mask is None,
-                    scale=scale,
-                    enable_gqa=gqa,
+            q = q_BNTD[b : b + 1, :, s:e]
+            if layout.parents[b][d] < 0:
+                k, v = k_BKTD[b : b + 1, :, s:e], v_BKTD[b : b + 1, :, s:e]
+                docs.append(
+                    F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+                    )
                 )
-            )
+                continue
+            # the chain's K/V copy and the [own, chain + own] mask (fp32 inside SDPA: 4 bytes per
+            # query-key pair) are rebuilt in backward rather than kept per branch
+            ranges = tuple(layout.key_ranges(b, d))
+            branch = functools.partial(_branch, row=b, ranges=ranges, scale=scale, gqa=gqa)
+            docs.append(lean(branch, q, k_BKTD, v_BKTD))
         rows.append(torch.cat(docs, dim=2))
     return torch.cat(rows, dim=0)
+
+
+def _branch(q_1NLD, k_BKTD, v_BKTD, *, row: int, ranges, scale: float, gqa: bool):
+    """A branch's queries over its chain's keys and its own, causal aligned to the bottom right."""
+    k, v = (
+        torch.cat([x[row : row + 1, :, r0:r1] for r0, r1 in ranges], 2) for x in (k_BKTD, v_BKTD)
+    )
+    Lq, Lk = q_1NLD.shape[2], k.shape[2]
+    i_k, i_q = (torch.arange(n, device=q_1NLD.device) for n in (Lk, Lq))
+    mask = i_k[None, :] <= i_q[:, None] + (Lk - Lq - 1)
+    return F.scaled_dot_product_attention(q_1NLD, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def gathered_varlen(q_BNTD, k_BKTD, v_BKTD, layout: TreeLayout, scale: float, kernel):
