@@ -66,7 +66,7 @@ def _branch(q_1NLD, k_BKTD, v_BKTD, *, row: int, ranges, scale: float, gqa: bool
     )
     Lq, Lk = q_1NLD.shape[2], k.shape[2]
     i_k, i_q = (torch.arange(n, device=q_1NLD.device) for n in (Lk, Lq))
-    mask = i_k[None, :] <= i_q[:, None] + (Lk - Lq - 1)
+    mask = i_k[None, :] <= i_q[:, None] + (Lk - Lq)
     return F.scaled_dot_product_attention(q_1NLD, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
