@@ -14,6 +14,18 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 | conv / causal (GDN conv) | FLA ``causal_conv1d`` (``fla`` imports), else channel blocks | same | blocks |
 | glue / fused (norms, SwiGLU, RoPE) | ``torch.compile`` per function | same | eager ops |
 
+Attention options (``attention/options.py``): a sliding window runs in ``varlen_attn`` (its
+``window_size``), SDPA per document (a band mask) and the ring's fp32 tiles (masked, and the
+blocks and steps it excludes skipped); the ring of flash steps takes no window, so with one the
+ring runs its tiles.
+Per-head sinks: no kernel PyTorch ships takes them (``varlen_attn`` has no sink
+argument, and its backward op reads no gradient of the LSE, so a sink cannot be folded in after
+the kernel without a backward of our own), so with ``sinks`` the table answers the fp32 paths on
+CUDA too: ``attention / varlen`` writes each document's scores out in fp32, ``cp / ring`` runs
+its fp32 tiles and merges the sink into the final LSE (exact forward and backward). Kernels that
+do take sinks (FlashAttention 3 forks with ``s_aux`` / learnable-sink support, FlexAttention with
+a differentiable LSE) are not wired in.
+
 FA3: torch's flash ops (``varlen_attn``, the ring's ``_varlen_attn``) run FlashAttention 3 once
 ``torch.nn.attention.activate_flash_attention_impl("FA3")`` is called, which needs PyTorch's
 flash-impl registry (2.13), the flash-attn 3 package (``flash_attn_interface``) and a Hopper GPU
@@ -135,16 +147,41 @@ def _dtype(dtype) -> torch.dtype:
 
 
 def select(
-    slot: str, impl: str, device: str, dtype, *, fla: bool | None = None, fa3: bool | None = None
+    slot: str,
+    impl: str,
+    device: str,
+    dtype,
+    *,
+    fla: bool | None = None,
+    fa3: bool | None = None,
+    sinks: bool = False,
+    window: bool = False,
 ) -> Kernel:
     """The kernel ``slot``/``impl`` runs on ``device`` ("cuda", "cpu", ...) for ``dtype``.
-    ``fla`` / ``fa3`` override the package checks (the planner asks "what if it were installed")."""
+    ``fla`` / ``fa3`` override the package checks (the planner asks "what if it were installed");
+    ``sinks``: the attention has per-head sink logits (no flash kernel here takes them);
+    ``window``: a sliding window (the flash ring takes none)."""
     if (a := _ASSUMED.get()) is not None:
         device, fla = a[0], fla if a[1] is None else a[1]
     dtype, cuda = _dtype(dtype), device == "cuda"
     fla = package_present("fla") if fla is None else fla
     if cuda and emulation.active():  # every CUDA branch, its kernels replaced by their references
         dtype, fla = torch.bfloat16, True
+    if sinks and (slot, impl) == ("attention", "varlen"):
+        return Kernel(
+            "sink_per_doc",
+            "fp32 scores per document (attention sinks)",
+            False,
+            "no PyTorch flash kernel takes sink logits" if cuda else "",
+        )
+    if (sinks or window) and (slot, impl) == ("cp", "ring"):
+        why = "sink logits" if sinks else "a sliding window"
+        return Kernel(
+            "ring_tiles",
+            f"ring, fp32 score tiles ({'attention sinks' if sinks else 'sliding window'})",
+            False,
+            f"the flash ring takes no {why}" if cuda else "",
+        )
     if (slot, impl) == ("attention", "varlen"):
         if cuda and dtype in HALF:
             return Kernel("varlen_attn", f"varlen_attn (flash, {flash_impl(fa3)})", True)
@@ -196,13 +233,25 @@ KERNEL_SLOTS = ("attention", "cp", "linear_attention")
 
 
 def kernel_table(
-    prims, device: str, dtype, *, cp: int = 1, fla: bool | None = None, fa3: bool | None = None
+    prims,
+    device: str,
+    dtype,
+    *,
+    cp: int = 1,
+    fla: bool | None = None,
+    fa3: bool | None = None,
+    sinks: bool = False,
 ) -> dict[str, Kernel]:
     """slot -> Kernel for the configured implementations (``prims``: a PrimitivesConfig).
-    ``cp`` omitted or 1: no CP slot (full attention runs the ``attention`` slot)."""
-    out = {"attention": select("attention", prims.attention, device, dtype, fla=fla, fa3=fa3)}
+    ``cp`` omitted or 1: no CP slot (full attention runs the ``attention`` slot); ``sinks``: the
+    model's attention has sink logits."""
+    out = {
+        "attention": select(
+            "attention", prims.attention, device, dtype, fla=fla, fa3=fa3, sinks=sinks
+        )
+    }
     if cp > 1:
-        out["cp"] = select("cp", prims.cp, device, dtype, fla=fla, fa3=fa3)
+        out["cp"] = select("cp", prims.cp, device, dtype, fla=fla, fa3=fa3, sinks=sinks)
     out["linear_attention"] = select(
         "linear_attention", prims.linear_attention, device, dtype, fla=fla
     )

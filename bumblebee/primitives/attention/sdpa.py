@@ -14,6 +14,9 @@ by groups of query heads).
   causal kernels and skips all cross-document blocks; a Python loop over documents
   is its cost.
 
+Both take the generic options of ``options.py``: a sliding ``window`` and per-head ``sinks``
+(the sink path writes its scores out in fp32 per document: no PyTorch kernel takes sinks).
+
 Legend: B batch, N query heads, K kv heads, T tokens, D head dim.
 """
 
@@ -24,26 +27,21 @@ import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import flash_varlen
+from bumblebee.primitives.attention.options import explicit_attention, window_allows
 from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.packed import DocLayout
 from bumblebee.registry import register
 
 
 @register("attention", "sdpa", reference=True, summary="dense causal+document mask, one SDPA call")
-def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
+def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float, *, window=0, sinks=None):
     T = q_BNTD.shape[2]
     doc_BT = layout.doc_ids(q_BNTD.device)
     same_doc = doc_BT[:, :, None] == doc_BT[:, None, :]
+    pos = torch.arange(T, device=q_BNTD.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=q_BNTD.device).tril()
-    mask = (same_doc & causal)[:, None]
-    return F.scaled_dot_product_attention(
-        q_BNTD,
-        k_BKTD,
-        v_BKTD,
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q_BNTD.shape[1] != k_BKTD.shape[1],
-    )
+    mask = (same_doc & (causal & window_allows(pos, pos, window)))[:, None]
+    return explicit_attention(q_BNTD, k_BKTD, v_BKTD, mask, scale, sinks)
 
 
 @register(
@@ -51,11 +49,15 @@ def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
     "varlen",
     summary="packed documents, no mask: varlen_attn (CUDA, half) or SDPA per document",
 )
-def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
-    if select("attention", "varlen", emulation.kind(q_BNTD), q_BNTD.dtype).name == "varlen_attn":
-        return flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout, scale)
+def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float, *, window=0, sinks=None):
+    kernel = select(
+        "attention", "varlen", emulation.kind(q_BNTD), q_BNTD.dtype, sinks=sinks is not None
+    )
+    if kernel.name == "varlen_attn":
+        return flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout, scale, window=window)
     gqa = q_BNTD.shape[1] != k_BKTD.shape[1]
-    if layout.single_doc:
+    plain = not window and sinks is None
+    if layout.single_doc and plain:
         return F.scaled_dot_product_attention(
             q_BNTD, k_BKTD, v_BKTD, is_causal=True, scale=scale, enable_gqa=gqa
         )
@@ -63,15 +65,16 @@ def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float):
     for b, bounds in enumerate(layout.bounds):
         docs = []
         for s, e in zip(bounds[:-1], bounds[1:]):
-            docs.append(
-                F.scaled_dot_product_attention(
-                    q_BNTD[b : b + 1, :, s:e],
-                    k_BKTD[b : b + 1, :, s:e],
-                    v_BKTD[b : b + 1, :, s:e],
-                    is_causal=True,
-                    scale=scale,
-                    enable_gqa=gqa,
+            q, k, v = (x[b : b + 1, :, s:e] for x in (q_BNTD, k_BKTD, v_BKTD))
+            if plain:
+                docs.append(
+                    F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+                    )
                 )
-            )
+                continue
+            pos = torch.arange(e - s, device=q.device)
+            band = (pos[None, :] <= pos[:, None]) & window_allows(pos, pos, window)
+            docs.append(explicit_attention(q, k, v, band, scale, sinks))
         rows.append(torch.cat(docs, dim=2))
     return torch.cat(rows, dim=0)
