@@ -44,7 +44,8 @@ def hf_eager(q, k, v, window, sinks, scale):
 def reference(q, k, v, lengths, window, sinks, scale):
     outs, s = [], 0
     for n in lengths:
-        outs.append(hf_eager(q[:, :, s : s + n], k[:, :, s : s + n], v[:, :, s : s + n], window, sinks, scale))  # fmt: skip
+        doc = [x[:, :, s : s + n] for x in (q, k, v)]
+        outs.append(hf_eager(*doc, window, sinks, scale))
         s += n
     return torch.cat(outs, dim=2)
 
@@ -114,7 +115,8 @@ def ring_emulated(q, k, v, sinks, pos, C, window, run_all=False):
         for step, need in enumerate(needed_steps(lay, window)):
             src = (r - step) % C
             if need or run_all:
-                backward_block(qs[r], do, delta, lses[r], dq[r], ks[src], vs[src], dk[src], dv[src], lay, src, 0.3, window)  # fmt: skip
+                kv = (ks[src], vs[src], dk[src], dv[src])
+                backward_block(qs[r], do, delta, lses[r], dq[r], *kv, lay, src, 0.3, window)
         dsinks += sink_grad(heads, lses[r], delta)
     glob = torch.cat(local)
 
