@@ -21,6 +21,7 @@ from bumblebee.models import qwen3_5_moe  # noqa: F401
 from bumblebee.models import deepseek_v3  # noqa: F401
 from bumblebee.models import qwen3_next  # noqa: F401
 from bumblebee.models import glm4_moe  # noqa: F401
+from bumblebee.models import gpt_oss  # noqa: F401
 
 # isort: on
 from bumblebee.models.arch import ArchError
@@ -33,7 +34,8 @@ def family_of(arch) -> Family:
     return family_of_model_type(arch.model_type)
 
 
-# keys a Hugging Face config.json must state (a default would silently build another model)
+# keys a Hugging Face config.json must state (a default would silently build another model); an
+# arch whose config names a size otherwise states its own (``hf_required_keys``)
 REQUIRED_HF_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -56,7 +58,8 @@ def arch_from_hf_dict(d: dict):
         valid = [t for f in FAMILIES.values() for t in f.hf_model_types]
         raise ConfigError(f"unsupported model_type {model_type!r}; valid: {', '.join(valid)}")
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
-    missing = [k for k in REQUIRED_HF_KEYS if text.get(k) is None]
+    required = getattr(family.arch, "hf_required_keys", REQUIRED_HF_KEYS)
+    missing = [k for k in required if text.get(k) is None]
     if all(text.get(k) is None for k in EXPERT_COUNT_KEYS):
         missing.append("num_experts")
     if missing:

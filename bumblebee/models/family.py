@@ -31,6 +31,9 @@ class Family:
     # arch -> {bumblebee name: [checkpoint names]}: copies of a tensor a checkpoint stores again
     # (DeepSeek's per-MTP-module embedding and LM head), written right after it
     hf_copies: object = None
+    # tensors stored under another name / layout (models/hf_stored.py ``StoredAs``: gpt-oss's
+    # transposed, interleaved fused experts), read and written through the same declarations
+    hf_stored: tuple = ()
     mtp_arch_key: str = ""  # the arch field counting MTP modules (0 when a checkpoint has none)
     router: str = ""  # the router the architecture routes with (replaces the default softmax_topk)
     # its mixers run on zigzag CP shards (every shared block does); False: parallel.cp > 1 refused

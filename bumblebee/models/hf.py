@@ -30,6 +30,7 @@ from bumblebee.models.hf_read import (  # noqa: F401  (load_hf_weights re-export
     load_hf_weights,
     weight_files,
 )
+from bumblebee.models.hf_stored import stored_entry
 from bumblebee.models.hf_write import write_hf
 from bumblebee.models.mtp_names import without_absent_mtp
 
@@ -67,7 +68,9 @@ def hf_state_dict(model):
     for name, p in model.named_parameters():
         t = p.detach()
         hf = family.hf_name_out(model.arch, name) if family.hf_name_out else name
-        if hf.endswith("experts.w_gate_up"):
+        if entry := stored_entry(family.hf_stored, hf):
+            yield entry.checkpoint_name(hf), entry.to_checkpoint(t)
+        elif hf.endswith("experts.w_gate_up"):
             base = hf.rsplit(".", 1)[0]
             for e in range(t.shape[0]):
                 yield f"{base}.{e}.gate_proj.weight", t[e, :F]
@@ -83,7 +86,13 @@ def hf_state_dict(model):
     for name, b in persistent_buffers(
         model
     ):  # e.g. the sigmoid_bias router's e_score_correction_bias
-        yield (family.hf_name_out(model.arch, name) if family.hf_name_out else name), b.detach()
+        hf = family.hf_name_out(model.arch, name) if family.hf_name_out else name
+        entry = stored_entry(family.hf_stored, hf)
+        yield (
+            (entry.checkpoint_name(hf), entry.to_checkpoint(b.detach()))
+            if entry
+            else (hf, b.detach())
+        )
 
 
 def to_hf(

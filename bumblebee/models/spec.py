@@ -19,6 +19,10 @@ of this arithmetic. The families today:
 - ``glm4_moe`` (GLM-4.5 / 4.6 / 4.7, GLM-4.5-Air): GQA with q/k/v biases (``attn_bias``) and
   optional q/k norm (``qk_norm``), DeepSeek-V3's MLP pattern (dense first layers, routed +
   ungated shared experts).
+- ``gpt_oss`` (gpt-oss-20b / 120b): GQA with q/k/v and output biases (``o_bias``), per-head
+  sinks (``attn_sinks``), sliding-window layers (``windows``: a window bounds the keys each
+  query reads, so those layers' attention FLOPs stop growing with the sequence), routed experts
+  only, with router and expert biases (``moe_bias``).
 
 ``mtp_depth`` multi-token-prediction modules (``models/mtp.py``) each add one more
 (attention, MoE) layer, a [2H -> H] projection and three norms, and one more
@@ -68,6 +72,12 @@ class ModelSpec:
     mla_rope_dim: int = 0
     mla_v_dim: int = 0
     mtp_depth: int = 0  # multi-token-prediction modules
+    # gpt-oss: output-projection bias, per-head sink logits, per-layer attention window (0 or
+    # absent: full), router bias [E] and expert biases [E, 2F] + [E, H]
+    o_bias: bool = False
+    attn_sinks: bool = False
+    windows: tuple[int, ...] = ()
+    moe_bias: bool = False
     # the norm keeps an fp32 normalized value for backward (a zero-centered (1 + w) norm in fp32)
     # instead of a bf16 cast: 10H instead of 8H bytes per token (plan/layer_bytes.py)
     fp32_norm: bool = False
@@ -95,7 +105,8 @@ class ModelSpec:
             kv = 2 * self.n_kv_heads * self.head_dim
             bias = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim * self.attn_bias
             norms = 2 * self.head_dim * self.qk_norm
-            return h * (q_out + kv) + self.n_heads * self.head_dim * h + bias + norms + h
+            extra = h * self.o_bias + self.n_heads * self.attn_sinks
+            return h * (q_out + kv) + self.n_heads * self.head_dim * h + bias + norms + h + extra
         kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
         conv_ch = 2 * kd + vd
         return (
@@ -128,7 +139,10 @@ class ModelSpec:
         shared = (
             (3 * h * self.shared_ffn + h * self.shared_gate) if self.shared_ffn else 0
         )  # + sigmoid gate [1, H]
-        return self.experts * h + shared + h, self.experts * 3 * h * self.expert_ffn
+        expert = self.experts * (
+            3 * h * self.expert_ffn + (2 * self.expert_ffn + h) * self.moe_bias
+        )
+        return self.experts * (h + self.moe_bias) + shared + h, expert
 
     def layer_params(self, i: int) -> tuple[int, int]:
         dense, expert = self.mlp_params(self.mlps[i])
@@ -183,13 +197,27 @@ class ModelSpec:
         kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
         return 2.0 * h * (2 * kd + 2 * vd + 2 * self.gdn_v_heads + vd)
 
-    def attn_core_flops(self, seq: int) -> float:
+    def attn_core_flops(self, seq: int, window: int = 0) -> float:
         """Causal softmax attention, mean over a sequence of ``seq`` tokens: QK^T and PV
         over seq/2 keys on average (2 matmuls x 2 FLOPs x N*D x seq/2); MLA's PV runs over
-        its value dim."""
-        return (
-            self.n_heads * (self.head_dim + (self.mla_v_dim if self.mla else self.head_dim)) * seq
+        its value dim. A ``window`` shorter than ``seq``: query t reads min(t + 1, window) keys,
+        W (W + 1) / 2 + (seq - W) W over the sequence."""
+        per_key = (
+            2.0 * self.n_heads * (self.head_dim + (self.mla_v_dim if self.mla else self.head_dim))
         )
+        if window and window < seq:
+            return per_key * (window * (window + 1) / 2 + (seq - window) * window) / seq
+        return per_key * seq / 2
+
+    def mean_attn_core_flops(self, seq: int) -> float:
+        """``attn_core_flops`` averaged over the attention layers (the planner times layers by
+        kind; windowed and full layers alternate, so the mean carries the total)."""
+        ws = [self.window(i) for i, m in enumerate(self.mixers) if m == ATTN] or [0]
+        return sum(self.attn_core_flops(seq, w) for w in ws) / len(ws)
+
+    def window(self, i: int) -> int:
+        """Layer ``i``'s attention window (0: full)."""
+        return self.windows[i] if self.windows else 0
 
     def gdn_core_flops(self, chunk: int = 64) -> float:
         """Chunked gated delta rule (Yang et al. 2024, "Gated Delta Networks", chunkwise
@@ -216,10 +244,14 @@ class ModelSpec:
             seq
             * (
                 self.mixer_gemm_flops(mixer)
-                + (self.attn_core_flops(seq) if mixer == ATTN else self.gdn_core_flops())
+                + (
+                    self.attn_core_flops(seq, self.window(i))
+                    if mixer == ATTN
+                    else self.gdn_core_flops()
+                )
                 + sum(self.moe_gemm_flops(mlp))
             )
-            for mixer, mlp in zip(self.mixers, self.mlps)
+            for i, (mixer, mlp) in enumerate(zip(self.mixers, self.mlps))
         ]
         return layers, 2.0 * seq * self.hidden * self.vocab
 
@@ -228,9 +260,10 @@ class ModelSpec:
         attention at half the square): the convention TFLOPs/GPU figures are quoted in."""
         fwd = 2.0 * self.hidden * self.vocab  # LM head
         mtp = ((ATTN, MOE),) * self.mtp_depth  # each MTP module: one more layer + projection + head
-        for mixer, mlp in tuple(zip(self.mixers, self.mlps)) + mtp:
+        windows = [self.window(i) for i in range(self.layers)] + [0] * self.mtp_depth
+        for (mixer, mlp), w in zip(tuple(zip(self.mixers, self.mlps)) + mtp, windows):
             fwd += self.mixer_gemm_flops(mixer) + sum(self.moe_gemm_flops(mlp))
-            fwd += self.attn_core_flops(seq) if mixer == ATTN else self.gdn_core_flops()
+            fwd += self.attn_core_flops(seq, w) if mixer == ATTN else self.gdn_core_flops()
         fwd += self.mtp_depth * (
             2.0 * 2 * self.hidden * self.hidden + 2.0 * self.hidden * self.vocab
         )
