@@ -70,6 +70,14 @@ class GptOssArch(BaseArch):
         if not self.layer_types and isinstance(self.num_hidden_layers, int):
             self.layer_types = [LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers)]
 
+    def with_overrides(self, overrides: dict[str, Any]):
+        """A new layer count without ``layer_types`` takes HF's alternation for that count."""
+        if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+            n = overrides["num_hidden_layers"]
+            if isinstance(n, int) and not isinstance(n, bool):
+                overrides = {**overrides, "layer_types": [LAYER_TYPES[i % 2] for i in range(n)]}
+        return super().with_overrides(overrides)
+
     # ------------------------------------------------------------------ names the shared code reads
     @property
     def num_experts(self) -> int:
