@@ -18,13 +18,13 @@ Attention options (``attention/options.py``): a sliding window runs in ``varlen_
 ``window_size``), SDPA per document (a band mask) and the ring's fp32 tiles (masked, and the
 blocks and steps it excludes skipped); the ring of flash steps takes no window, so with one the
 ring runs its tiles.
-Per-head sinks: no kernel PyTorch ships takes them (``varlen_attn`` has no sink
-argument, and its backward op reads no gradient of the LSE, so a sink cannot be folded in after
-the kernel without a backward of our own), so with ``sinks`` the table answers the fp32 paths on
-CUDA too: ``attention / varlen`` writes each document's scores out in fp32, ``cp / ring`` runs
-its fp32 tiles and merges the sink into the final LSE (exact forward and backward). Kernels that
-do take sinks (FlashAttention 3 forks with ``s_aux`` / learnable-sink support, FlexAttention with
-a differentiable LSE) are not wired in.
+Per-head sinks: no kernel PyTorch ships takes them, but a sink only rescales each row of plain
+attention through its LSE (``attention/flash_sinks.py``): ``attention / varlen`` on CUDA in half
+precision runs ``torch.ops.torch_attn._varlen_attn`` with the LSE, merges the sinks, and calls
+the flash backward op itself with the merged (output, LSE) (``varlen_attn``'s public wrapper
+drops the LSE gradient); elsewhere each document's scores are written out in fp32. The flash
+ring takes no sinks: ``cp / ring`` with sinks runs its fp32 tiles on CUDA too and merges the
+sinks into the final LSE.
 
 FA3: torch's flash ops (``varlen_attn``, the ring's ``_varlen_attn``) run FlashAttention 3 once
 ``torch.nn.attention.activate_flash_attention_impl("FA3")`` is called, which needs PyTorch's
@@ -159,7 +159,7 @@ def select(
 ) -> Kernel:
     """The kernel ``slot``/``impl`` runs on ``device`` ("cuda", "cpu", ...) for ``dtype``.
     ``fla`` / ``fa3`` override the package checks (the planner asks "what if it were installed");
-    ``sinks``: the attention has per-head sink logits (no flash kernel here takes them);
+    ``sinks``: the attention has per-head sink logits (merged through the LSE on CUDA);
     ``window``: a sliding window (the flash ring takes none)."""
     if (a := _ASSUMED.get()) is not None:
         device, fla = a[0], fla if a[1] is None else a[1]
@@ -168,11 +168,14 @@ def select(
     if cuda and emulation.active():  # every CUDA branch, its kernels replaced by their references
         dtype, fla = torch.bfloat16, True
     if sinks and (slot, impl) == ("attention", "varlen"):
+        if cuda and dtype in HALF:
+            label = f"varlen_attn + sink merge through the LSE (flash, {flash_impl(fa3)})"
+            return Kernel("varlen_attn_sinks", label, True)
         return Kernel(
             "sink_per_doc",
             "fp32 scores per document (attention sinks)",
             False,
-            "no PyTorch flash kernel takes sink logits" if cuda else "",
+            "flash kernels take bf16/fp16 only" if cuda else "",
         )
     if (sinks or window) and (slot, impl) == ("cp", "ring"):
         why = "sink logits" if sinks else "a sliding window"
@@ -180,7 +183,7 @@ def select(
             "ring_tiles",
             f"ring, fp32 score tiles ({'attention sinks' if sinks else 'sliding window'})",
             False,
-            f"the flash ring takes no {why}" if cuda else "",
+            f"the flash ring takes no {why}" if cuda else "",  # (ring_flash.py: causal pairs only)
         )
     if (slot, impl) == ("attention", "varlen"):
         if cuda and dtype in HALF:
@@ -241,17 +244,20 @@ def kernel_table(
     fla: bool | None = None,
     fa3: bool | None = None,
     sinks: bool = False,
+    window: bool = False,
 ) -> dict[str, Kernel]:
     """slot -> Kernel for the configured implementations (``prims``: a PrimitivesConfig).
-    ``cp`` omitted or 1: no CP slot (full attention runs the ``attention`` slot); ``sinks``: the
-    model's attention has sink logits."""
+    ``cp`` omitted or 1: no CP slot (full attention runs the ``attention`` slot); ``sinks`` /
+    ``window``: the model's attention has sink logits / sliding-window layers."""
     out = {
         "attention": select(
             "attention", prims.attention, device, dtype, fla=fla, fa3=fa3, sinks=sinks
         )
     }
     if cp > 1:
-        out["cp"] = select("cp", prims.cp, device, dtype, fla=fla, fa3=fa3, sinks=sinks)
+        out["cp"] = select(
+            "cp", prims.cp, device, dtype, fla=fla, fa3=fa3, sinks=sinks, window=window
+        )
     out["linear_attention"] = select(
         "linear_attention", prims.linear_attention, device, dtype, fla=fla
     )

@@ -178,8 +178,10 @@ class Trainer:
                     f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n"
                 )
             kind = "cuda" if t.emulate_cuda else self.device.type
+            spec = self.model.arch.to_spec()
+            options = {"sinks": spec.attn_sinks, "window": any(spec.windows)}
             kernels = describe_kernels(
-                kernel_table(cfg.primitives, kind, t.dtype, cp=ctx.layout.cp)
+                kernel_table(cfg.primitives, kind, t.dtype, cp=ctx.layout.cp, **options)
             )
             emulated = " (emulated CUDA: CPU tensors, reference kernels, checked communication)"
             stream.write(

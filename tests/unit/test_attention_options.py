@@ -150,3 +150,19 @@ def test_ring_blocks_window_sinks_and_skipped_steps(window, lengths, skips):
     if skips:  # the skipped steps, run anyway, add nothing
         again = ring_emulated(q, k, v, sinks, pos, C, window, run_all=True)
         assert all(torch.equal(a, b) for a, b in zip(again[:5], (o, dq, dk, dv, ds)))
+
+
+@pytest.mark.parametrize("window", [5, 0])
+def test_flash_sink_glue_on_the_reference_kernel(window):
+    """The CUDA path's glue (flash_sinks.py: kernel LSE, sink merge, flash backward handed the
+    merged output and LSE, the sinks' gradient) on the kernels' fp32 reference."""
+    from bumblebee.primitives.attention.flash_sinks import flash_varlen_sinks, reference_kernel
+
+    lengths = [9, 3, 12]
+    q, k, v, sinks = inputs(sum(lengths), seed=3)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].expand(B, -1)
+    out = flash_varlen_sinks(q, k, v, doc_layout(pos), 0.3, sinks, window=window, kern=reference_kernel())  # fmt: skip
+    ref = reference(q, k, v, lengths, window, sinks, 0.3)
+    assert (out - ref).abs().max().item() < 1e-5
+    for g, g_ref in zip(grads(out, [q, k, v, sinks]), grads(ref, [q, k, v, sinks])):
+        assert (g - g_ref).abs().max().item() < 1e-5

@@ -15,7 +15,8 @@ by groups of query heads).
   is its cost.
 
 Both take the generic options of ``options.py``: a sliding ``window`` and per-head ``sinks``
-(the sink path writes its scores out in fp32 per document: no PyTorch kernel takes sinks).
+(``varlen`` on CUDA merges the sinks through the flash kernel's LSE, ``flash_sinks.py``;
+elsewhere it writes each document's scores out in fp32 with the sink column).
 
 Legend: B batch, N query heads, K kv heads, T tokens, D head dim.
 """
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import flash_varlen
+from bumblebee.primitives.attention.flash_sinks import flash_varlen_sinks
 from bumblebee.primitives.attention.options import explicit_attention, window_allows
 from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.packed import DocLayout
@@ -55,6 +57,8 @@ def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float, *, wind
     )
     if kernel.name == "varlen_attn":
         return flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout, scale, window=window)
+    if kernel.name == "varlen_attn_sinks":
+        return flash_varlen_sinks(q_BNTD, k_BKTD, v_BKTD, layout, scale, sinks, window=window)
     gqa = q_BNTD.shape[1] != k_BKTD.shape[1]
     plain = not window and sinks is None
     if layout.single_doc and plain:
