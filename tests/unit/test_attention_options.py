@@ -135,7 +135,9 @@ def ring_emulated(q, k, v, sinks, pos, C, window, run_all=False):
 # them), 6 of 16 (rank, step) visits skipped; the document boundary at 40 (chunk 5's start, held
 # by rank 2) also makes rank 3's block useless to rank 2: 7. Causal alone on one
 # document needs every step.
-@pytest.mark.parametrize("window,lengths,skips", [(3, [64], 6), (3, [40, 24], 7), (0, [64], 0)])
+@pytest.mark.parametrize(
+    "window,lengths,skips", [(3, [64], 6), (2, [64], 6), (3, [40, 24], 7), (0, [64], 0)]
+)
 def test_ring_blocks_window_sinks_and_skipped_steps(window, lengths, skips):
     C, T = 4, sum(lengths)
     q, k, v, sinks = inputs(T, seed=2)
