@@ -16,6 +16,8 @@ transformers model holds none.
 
 from __future__ import annotations
 
+from bumblebee.models.hf_stored import stored_entry
+
 
 def hf_expert_names(name: str, first: int, piece, F: int):
     """Checkpoint (name, tensor) of a piece of stacked experts (``w_gate_up`` [n, 2F, H] / ``w_down``
@@ -44,9 +46,14 @@ def transformers_name(name: str) -> str | None:
     return name
 
 
-def transformers_named(pairs):
-    """(transformers name, tensor) from (bumblebee name, tensor) pairs, MTP tensors dropped."""
+def transformers_named(pairs, stored=()):
+    """(transformers name, tensor) from (bumblebee name, tensor) pairs, MTP tensors dropped.
+    ``stored``: the family's ``hf_stored`` declarations (models/hf_stored.py): those tensors keep
+    their checkpoint name and layout (gpt-oss: transformers holds its experts as stored)."""
     for name, t in pairs:
+        if entry := stored_entry(stored, name):
+            yield entry.checkpoint_name(name), entry.to_checkpoint(t)
+            continue
         out = transformers_name(name)
         if out is not None:
             yield out, t

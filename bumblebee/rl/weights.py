@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import _weight_files, hf_state_dict
+from bumblebee.models.hf_stored import stored_entry
 from bumblebee.models.hf_write import write_hf
 from bumblebee.rl.weight_names import hf_expert_names, transformers_named
 
@@ -227,9 +228,13 @@ class EngineWeights:
         self.offloader.require("params")
         F, ep_group = self.arch.moe_intermediate_size, self.ctx.ep_group
         ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        from bumblebee.models import family_of
+
+        stored = family_of(self.arch).hf_stored  # declared layouts: converted whole
         for name, p in _state(self.model):
             if (
                 name.endswith(("experts.w_gate_up", "experts.w_down"))
+                and not stored_entry(stored, name)
                 and p.numel() * ep * (dtype or p.dtype).itemsize > piece_bytes
             ):
                 for first, piece in expert_pieces(p, ep_group, dtype, piece_bytes):
@@ -254,7 +259,10 @@ class EngineWeights:
         else:  # whole tensors: a fused expert stack larger than a bucket gets a bucket of its own
             stream = self.named_weights(hf_names=False, dtype=dtype)
             if names == "transformers":
-                stream = self._renamed(transformers_named(stream))
+                from bumblebee.models import family_of
+
+                stored = family_of(self.arch).hf_stored
+                stream = self._renamed(transformers_named(stream, stored))
         for name, t in stream:
             n = t.numel() * t.element_size()
             if bucket and size + n > bucket_bytes:
