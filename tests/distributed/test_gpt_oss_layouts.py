@@ -43,7 +43,7 @@ def test_two_ranks_match_single_process(tmp_path):
     per_rank = run_distributed(ranks, 2, BASE, CASES, data, str(tmp_path / "runs"), STEPS)
     for i, ov in enumerate(CASES):
         for trace in [r[i] for r in per_rank]:  # (pipeline: the loss on every rank)
-            check(trace, ref, " ".join(ov))
+            check(trace, ref, " ".join(ov), step1=1e-6, later=1e-6)  # measured <= 8.7e-8
 
 
 def test_train_from_hf_directory_and_export_bit_exact(tmp_path):
