@@ -168,3 +168,28 @@ def test_flash_sink_glue_on_the_reference_kernel(window):
     assert (out - ref).abs().max().item() < 1e-5
     for g, g_ref in zip(grads(out, [q, k, v, sinks]), grads(ref, [q, k, v, sinks])):
         assert (g - g_ref).abs().max().item() < 1e-5
+
+
+def test_emulated_cuda_dispatch_runs_the_flash_sink_path():
+    """Under the emulated-CUDA mode ``varlen`` with sinks takes the CUDA branch (flash kernels with
+    the sink merge, their references counted as the kernels) and still equals HF's maths."""
+    from bumblebee.primitives import dispatch, emulation
+    from bumblebee.primitives.attention import flash_sinks
+
+    calls = []
+    real = flash_sinks.flash_varlen_sinks
+
+    def spy(*a, **kw):
+        calls.append(kw.get("window"))
+        return real(*a, **kw)
+
+    lengths = [9, 3, 12]
+    q, k, v, sinks = inputs(sum(lengths), seed=4)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].expand(B, -1)
+    with emulation.emulate_cuda(check_comm=False), pytest.MonkeyPatch.context() as mp:
+        mp.setattr("bumblebee.primitives.attention.sdpa.flash_varlen_sinks", spy)
+        assert dispatch.select("attention", "varlen", "cuda", torch.bfloat16, sinks=True).fused
+        out = sdpa_varlen(q, k, v, doc_layout(pos), 0.3, window=5, sinks=sinks)
+    assert calls == [5]
+    ref = reference(q, k, v, lengths, 5, sinks, 0.3)
+    assert (out - ref).abs().max().item() < 1e-5
