@@ -346,15 +346,15 @@ def load_hf_weights(model, path: str) -> None:
     }
     F = model.arch.moe_intermediate_size
     ep, ep_rank = model.groups.ep_size, model.groups.ep_rank
-    stored = family.hf_stored
+    declared = family.hf_stored  # tensors stored under another name / layout
 
     def name_in(n):
         n = family.hf_name_in(model.arch, n) if family.hf_name_in else n
-        return model_name(stored, n) if n else n
+        return model_name(declared, n) if n else n
 
     skip = skip_prefixes(family, model.arch)
     with HFCheckpoint(path, family.hf_prefixes, skip, name_in) as ckpt:
-        kinds = _plan(ckpt, full, F, whole.lm_head is None, stored)
+        kinds = _plan(ckpt, full, F, whole.lm_head is None, declared)
         for name, p in list(model.named_parameters()) + persistent_buffers(
             model
         ):  # buffers: the router bias
@@ -363,7 +363,7 @@ def load_hf_weights(model, path: str) -> None:
             assert shape == full[name], (name, shape, full[name])
             if part.numel() == 0:
                 continue
-            if entry := stored_entry(stored, name):
+            if entry := stored_entry(declared, name):
                 rows = ckpt.rows(name, lo, hi) if part.dim() else ckpt.rows(name)
                 part.copy_(entry.from_checkpoint(rows))
             elif kinds.get(name) == "per_expert":
