@@ -298,6 +298,11 @@ def rows(slot: str, impl: str) -> list[tuple[str, str, str]]:
                 out.append((device, f"{dtype}, FA3 {'present' if present else 'absent'}", k.label))
         else:
             out.append((device, dtype, select(slot, impl, device, dt).label))
+    if slot in ("attention", "cp"):  # the attention options (sinks; the ring: also a window)
+        for device, dtype in (("cuda", "bfloat16"), ("cpu", "any")):
+            dt = torch.float32 if dtype == "any" else dtype
+            k = select(slot, impl, device, dt, sinks=True)
+            out.append((device, f"{dtype}, sinks", k.label))
     return out
 
 

@@ -155,3 +155,15 @@ def test_mxfp4_checkpoint_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(bumblebee.errors.CheckpointError, match="MXFP4"):
         bumblebee.from_hf(str(tmp_path))
+
+
+def test_chunked_moe_comm_is_refused_up_front():
+    """The chunked EP overlap runs plain SwiGLU GEMMs: biased experts are refused before any rank
+    starts, with what to use instead."""
+    from bumblebee import load_config
+    from bumblebee.errors import ConfigError
+    from bumblebee.runtime.resolve import validate_run
+
+    over = ["model.name=gpt_oss", "parallel.ep=2", "primitives.moe_comm=chunked"]
+    with pytest.raises(ConfigError, match="alltoall"):
+        validate_run(load_config(None, over))
