@@ -167,3 +167,26 @@ def test_chunked_moe_comm_is_refused_up_front():
     over = ["model.name=gpt_oss", "parallel.ep=2", "primitives.moe_comm=chunked"]
     with pytest.raises(ConfigError, match="alltoall"):
         validate_run(load_config(None, over))
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_released_sizes_count_as_hf_and_windows_bound_attention(preset):
+    """The planner's ModelSpec of each released size holds exactly the parameters of HF's model
+    (built on the meta device), and a sliding layer's attention FLOPs are those of the keys its
+    queries read: sum over t of min(t + 1, W), not the causal T^2 / 2."""
+    from bumblebee.models.gpt_oss.presets import PRESETS
+
+    d = dict(PRESETS[preset])
+    spec = bumblebee.models.arch_from_hf_dict(dict(d)).to_spec(preset)
+    d.pop("model_type")
+    with torch.device("meta"):
+        hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**d))
+    assert spec.num_params()["total"] == sum(p.numel() for p in hf.parameters())
+    seq, W = 4096, d["sliding_window"]
+    per_key = 4 * spec.n_heads * spec.head_dim  # QK^T and PV, 2 FLOPs per multiply-add
+    keys = sum(min(t + 1, W) for t in range(seq))
+    assert spec.windows[:2] == (W, 0)
+    assert spec.attn_core_flops(seq, spec.windows[0]) * seq == pytest.approx(per_key * keys)
+    assert spec.attn_core_flops(seq, spec.windows[1]) * seq == pytest.approx(
+        per_key * seq * seq / 2
+    )
