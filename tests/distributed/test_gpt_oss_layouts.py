@@ -1,9 +1,11 @@
 """gpt-oss family (sinks, a sliding layer with a window shorter than a CP chunk and a full layer,
 biased top-k-then-softmax router, biased clamped-SwiGLU experts) on 2 gloo ranks equals the
 single process on the same global batch: per-step loss and grad norm for fsdp2 + EP all-to-all,
-CP ring (the window masks the tiles; sinks merged into the final LSE) with zero1, CP allgather
-and pipeline. One spawn runs every layout. A tiny ``transformers`` checkpoint (bf16) round-trips
-bit for bit, trains from its HF directory and exports back to the trained parameters exactly."""
+CP ring (the window masks the tiles and picks the blocks to exchange; sinks merged into the
+final LSE) with zero1, and pipeline (CP allgather with the same options:
+tests/distributed/test_window_ring.py). One spawn runs every layout. A tiny ``transformers``
+checkpoint (bf16) round-trips bit for bit, trains from its HF directory and exports back to the
+trained parameters exactly."""
 
 import torch
 import transformers
@@ -31,7 +33,6 @@ CASES = [
         "primitives.cp=ring",
         "primitives.recompute=full",
     ],  # fmt: skip
-    ["parallel.cp=2", "primitives.sharding=fsdp2", "primitives.cp=allgather"],
     ["parallel.pp=2", "primitives.pipeline=1f1b", "primitives.sharding=fsdp2"],
 ]
 

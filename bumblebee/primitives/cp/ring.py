@@ -17,8 +17,12 @@ dK += dS^T Q s.
 Options (``attention/options.py``): a sliding ``window`` masks the tiles and skips every block
 pair whose keys all lie before every query's window; a ring step none of whose pairs is needed
 is skipped whole (``needed_steps``; with zigzag shards and a window shorter than a chunk only
-the steps bringing the own, previous and next rank's blocks are needed). The K/V blocks still
-travel every hop (the ring reaches later blocks through them). ``sinks`` join each row's
+the steps bringing the own, previous and next rank's blocks are needed). With a window the
+blocks are not forwarded hop by hop: for each step s some rank needs (``ring_plan``), every
+rank sends its own K/V block straight to rank + s (``ring_comm.exchange``), and in backward
+sends the block's dK/dV contributions straight back to its owner; steps no rank needs move no
+bytes at all (at 8 ranks and a window shorter than a chunk: 2 exchanges instead of 7 hops).
+``sinks`` join each row's
 softmax after the last step: ``lse' = logaddexp(lse, sink)``, ``o' = o exp(lse - lse')``;
 backward is the usual one with (o', lse') and ``dsink = -sum_rows exp(sink - lse') Delta``.
 
@@ -36,15 +40,18 @@ D head dim, q/k tile rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.options import merge_sinks, sink_grad
 from bumblebee.primitives.cp.layout import CPLayout
-from bumblebee.primitives.cp.ring_comm import backward_hop
+from bumblebee.primitives.cp.ring_comm import backward_hop, exchange
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
 from bumblebee.primitives.cp.ring_flash import ring_flash_attention
 from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.packed import DeviceCache
 from bumblebee.registry import register
 
 Q_TILE = 512  # query rows per score tile
@@ -85,6 +92,22 @@ def needed_steps(layout: CPLayout, window: int = 0) -> tuple[bool, ...]:
             for s in range(layout.size)
         ),
     )
+
+
+def ring_plan(layout: CPLayout, window: int) -> tuple[int, ...]:
+    """The ring steps (offsets) some rank of the group needs: the same on every rank (derived from
+    the global layout), so every rank takes part in the same exchanges."""
+
+    def build():
+        needed = set()
+        for r in range(layout.size):
+            other = dataclasses.replace(
+                layout, rank=r, index_L=layout.rank_index(r), _cache=DeviceCache()
+            )
+            needed.update(s for s, need in enumerate(needed_steps(other, window)) if need)
+        return tuple(sorted(needed | {0}))
+
+    return layout.cached(("ring_plan", window), layout.index_L.device, build)
 
 
 def _scores(q_BKGqD, k_BKkD, mask, scale):
@@ -128,6 +151,12 @@ def backward_block(
         dk[:, :, k_sl] += torch.matmul(ds.transpose(-1, -2), q[:, :, :, q_sl]).sum(2) * scale
 
 
+def _wait(started):
+    bufs, wait = started
+    wait()
+    return bufs
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, window=0, sinks=None):
@@ -143,7 +172,17 @@ class RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         k, v = k_BKLD.contiguous(), v_BKLD.contiguous()
         needed = needed_steps(layout, window)
-        for step in range(layout.size):
+        if window:  # direct exchanges of the steps some rank needs, all posted at once
+            steps = ring_plan(layout, window)
+            pending = {s: exchange([k, v], layout, s) for s in steps if s}
+            for step in steps:
+                kb, vb = (k, v) if step == 0 else pending[step][0]
+                if step:
+                    pending[step][1]()
+                if needed[step]:
+                    src = (layout.rank - step) % layout.size
+                    forward_block(q, o, lse, kb, vb, layout, src, scale, window)
+        for step in range(0 if window else layout.size):
             src = (layout.rank - step) % layout.size
             if step + 1 < layout.size:
                 (k_next, v_next), wait = _ring_pass([k, v], layout)
@@ -176,7 +215,16 @@ class RingAttention(torch.autograd.Function):
         k, v = k_BKLD.float().contiguous(), v_BKLD.float().contiguous()
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         needed = needed_steps(layout, window)
-        for step in range(layout.size):
+        for step in ring_plan(layout, window) if window else ():  # blocks fetched again
+            kb, vb = (k, v) if step == 0 else _wait(exchange([k, v], layout, step))
+            dkb, dvb = (dk, dv) if step == 0 else (torch.zeros_like(k), torch.zeros_like(v))
+            src = (layout.rank - step) % layout.size
+            if needed[step]:
+                backward_block(q, do, delta, lse, dq, kb, vb, dkb, dvb, layout, src, scale, window)
+            if step:  # the block's gradient home to its owner; ours from rank + step
+                gk, gv = _wait(exchange([dkb, dvb], layout, -step))
+                dk, dv = dk + gk, dv + gv
+        for step in range(0 if window else layout.size):
             src = (layout.rank - step) % layout.size
             if needed[step]:
                 backward_block(q, do, delta, lse, dq, k, v, dk, dv, layout, src, scale, window)
