@@ -15,9 +15,9 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 | glue / fused (norms, SwiGLU, RoPE) | ``torch.compile`` per function | same | eager ops |
 
 Attention options (``attention/options.py``): a sliding window runs in ``varlen_attn`` (its
-``window_size``), SDPA per document (a band mask) and the ring's fp32 tiles (masked, and the
-blocks and steps it excludes skipped); the ring of flash steps takes no window, so with one the
-ring runs its tiles.
+``window_size``), SDPA per document (a band mask) and the ring's fp32 tiles (masked; the blocks
+and steps it excludes skipped, their exchanges too); the ring of flash steps takes no window, so
+with one the ring runs its tiles.
 Per-head sinks: no kernel PyTorch ships takes them, but a sink only rescales each row of plain
 attention through its LSE (``attention/flash_sinks.py``): ``attention / varlen`` on CUDA in half
 precision runs ``torch.ops.torch_attn._varlen_attn`` with the LSE, merges the sinks, and calls
