@@ -50,6 +50,7 @@ class LoraInfo:
     alpha: float
     linear_targets: tuple  # leaf names of the adapted nn.Linear modules
     expert_paths: tuple  # module paths of the adapted Experts under a decoder layer (mlp.experts)
+    bases: frozenset = frozenset()  # names of the adapted base parameters
 
     @property
     def scale(self) -> float:
@@ -121,8 +122,10 @@ def add_lora(model: nn.Module, lora_cfg, train_dtype: str = "float32") -> nn.Mod
             cast = dtype if p.dim() >= 2 and p.is_floating_point() else p.dtype
             setattr(m, pn, nn.Parameter(p.detach().to(cast), requires_grad=False))
     model.__dict__.pop("_expert_names", None)  # is_expert_param now also covers the factors
+    names = {n for n, _ in model.named_parameters()}
+    bases = frozenset(n for n in names if (ab := factor_names(n)) is not None and ab[0] in names)
     model.lora_info = LoraInfo(
-        r, float(lora_cfg.alpha), tuple(sorted(linear)), tuple(sorted(experts))
+        r, float(lora_cfg.alpha), tuple(sorted(linear)), tuple(sorted(experts)), bases
     )
     return model
 
@@ -149,16 +152,18 @@ def factor_names(base: str) -> tuple[str, str] | None:
 
 
 @torch.no_grad()
-def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W + scale * B A in fp32, rounded once to W's dtype (stacked experts: per expert)."""
+def merge(w, a, b, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W + scale * B A in fp32, rounded once to ``dtype`` (default W's; stacked experts: per
+    expert)."""
     delta = torch.matmul(b.float(), a.float())
-    return (w.float() + scale * delta).to(w.dtype)
+    return (w.float() + scale * delta).to(dtype or w.dtype)
 
 
-def merged_stream(pairs, scale: float):
+def merged_stream(pairs, scale: float, dtype: torch.dtype | None = None):
     """(name, full tensor) pairs with every adapted base tensor replaced by its merged value and
-    the factors dropped. A module's factors follow its base tensors (registration order), so
-    the stream holds one module's tensors at a time."""
+    the factors dropped (``dtype``: the merged tensors' dtype, default their base's). A module's
+    factors follow its base tensors (registration order), so the stream holds one module's
+    tensors at a time."""
     pending: list = []
 
     def flush():
@@ -168,7 +173,7 @@ def merged_stream(pairs, scale: float):
                 continue
             ab = factor_names(name)
             if ab is not None and ab[0] in got:
-                t = merge(t, got[ab[0]], got[ab[1]], scale)
+                t = merge(t, got[ab[0]], got[ab[1]], scale, dtype)
             yield name, t
         pending.clear()
 
