@@ -2,8 +2,9 @@
 each test, and a hard stop when the `[test]` extra is missing.
 
 The Hugging Face `transformers` models are the correctness reference of every model
-family (parity, HF round trips, conversion), `peft` that of the LoRA adapter export. Skipping them when the package is absent
-would turn a third of the evidence into a green "skipped", so the run stops instead.
+family (parity, HF round trips, conversion), `peft` that of the LoRA adapter export.
+Skipping them when the package is absent would turn a third of the evidence into a green
+"skipped", so the run stops instead.
 """
 
 import os
