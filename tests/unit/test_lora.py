@@ -123,6 +123,8 @@ def test_adapters_train_and_load_into_peft_with_equal_logits(tmp_path, family):
     assert all(torch.equal(p, base[n]) for n, p in e.model.named_parameters() if n in base)
     state = e.optimizer.state  # AdamW moments for the adapters only (the base has no state)
     assert len(state) == len(trainable)
+    updated = [p for g in e.optimizer.param_groups for p in g["params"]]
+    assert len(updated) == len(trainable) and all(p.requires_grad for p in updated)
 
     out = str(tmp_path / "adapter")
     e.export_peft(out)
