@@ -98,8 +98,14 @@ def to_hf(
     parameters'), sharded with an index when larger than ``max_shard_bytes``, one tensor at a time
     (models/hf_write.py, which also writes the family's copies, e.g. DeepSeek's per-MTP-module
     embedding and head). ``source``: the HF directory it came from, whose tensors outside the
-    language model (vision tower, MTP head) are carried over unchanged."""
+    language model (vision tower, MTP head) are carried over unchanged. A model with LoRA
+    adapters is written merged."""
     named = [(n, p.detach()) for n, p in list(model.named_parameters()) + persistent_buffers(model)]
+    info = getattr(model, "lora_info", None)
+    if info is not None:  # LoRA: the adapters merged into their base tensors (models/lora.py)
+        from bumblebee.models.lora import merged_stream
+
+        named = list(merged_stream(named, info.scale))
     dtype = dtype or (named[0][1].dtype if named else torch.float32)
     write_hf(
         out_dir,

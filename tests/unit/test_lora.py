@@ -220,7 +220,7 @@ def test_rl_demo_lora_sampler_gets_the_merged_policy(tmp_path):
 
 def test_train_saves_adapters_and_exports_merged_weights(tmp_path, capsys):
     """``bumblebee train`` with ``model.lora``: checkpoints hold the base and the adapters (their
-    optimizer state only), and the HF export at the end is the merged model."""
+    optimizer state only), and the HF export at the end (and ``to_hf``) is the merged model."""
     import bumblebee
     from bumblebee.cli import main
     from bumblebee.runtime.checkpoint.checkpointer import load_model
@@ -239,7 +239,9 @@ def test_train_saves_adapters_and_exports_merged_weights(tmp_path, capsys):
     names = [n for n, p in trained.named_parameters() if p.requires_grad]
     assert names and all(".lora_" in n for n in names)
     assert any(p.abs().max() > 0 for n, p in trained.named_parameters() if ".lora_B" in n)
-    exported = bumblebee.from_hf(str(tmp_path / "hf")).eval()
+    bumblebee.to_hf(trained, str(tmp_path / "to_hf"))  # the public writer merges too
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        assert (trained(ids) - exported(ids)).abs().max().item() < 1e-5
+    for where in ("hf", "to_hf"):
+        exported = bumblebee.from_hf(str(tmp_path / where)).eval()
+        with torch.no_grad():
+            assert (trained(ids) - exported(ids)).abs().max().item() < 1e-5, where
