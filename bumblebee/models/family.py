@@ -27,7 +27,8 @@ class Family:
     hf_name_in: object = (
         None  # (arch, checkpoint name) -> bumblebee name, "" = a copy of a shared tensor
     )
-    hf_name_out: object = None  # (arch, bumblebee name) -> checkpoint name
+    # (arch, name with the experts split per expert, models/hf_write.py) -> checkpoint name
+    hf_name_out: object = None
     # arch -> {bumblebee name: [checkpoint names]}: copies of a tensor a checkpoint stores again
     # (DeepSeek's per-MTP-module embedding and LM head), written right after it
     hf_copies: object = None

@@ -11,7 +11,8 @@ table, models/family.py): prefixes read under another name (the multimodal
 ``Qwen3_5MoeForConditionalGeneration`` nests the language model under
 ``model.language_model.``, read as ``model.``) and prefixes that are not the language
 model (its vision tower ``model.visual.``), skipped with a one-line notice, and names that
-need the arch (DeepSeek's MTP modules stored as ``model.layers.{L + k}``). A config that
+need the arch (DeepSeek's MTP modules stored as ``model.layers.{L + k}``, MiniMax's Mixtral
+expert names ``block_sparse_moe.experts.{e}.w1``, applied after the experts are split). A config that
 counts MTP modules over a checkpoint without their tensors builds without MTP.
 Block-FP8 checkpoints (``weight_scale_inv``) load dequantized (models/hf_read.py); ``to_hf``
 writes plain weights in ``dtype`` and no ``quantization_config``.

@@ -188,3 +188,16 @@ def test_released_config_keys_and_refusals():
     attn.q_norm = bumblebee.primitives.norms.RMSNorm(half)
     with pytest.raises(ConfigError, match="all heads"):
         tiny(torch.randint(0, 272, (1, 8)))
+
+
+def test_kv_cache_decoding_equals_full_forward():
+    """Prefill + one cached step (the RL sampler's path) through the all-heads q/k norm."""
+    model = bumblebee.build_model(arch_from_hf_dict(dict(PRESETS["tiny"])), seed=0).eval()
+    ids, pos = torch.randint(0, 272, (2, 9)), torch.arange(9).expand(2, 9)
+    cache = model.new_kv_cache(rows=2, length=9)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+    prefill = model.forward_cached(ids[:, :8], pos[:, :8], cache, 0, causal)
+    step = model.forward_cached(ids[:, 8:], pos[:, 8:], cache, 8, None)
+    with torch.no_grad():
+        full = model(ids).float()
+    torch.testing.assert_close(torch.cat([prefill, step], dim=1), full, rtol=1e-5, atol=1e-5)
