@@ -259,7 +259,10 @@ class EngineWeights:
         else:  # whole tensors: a fused expert stack larger than a bucket gets a bucket of its own
             stream = self.named_weights(hf_names=False, dtype=dtype)
             if names == "transformers":
-                stream = self._renamed(transformers_named(stream))
+                from bumblebee.models import family_of
+
+                renames = family_of(self.arch).transformers_renames
+                stream = self._renamed(transformers_named(stream, renames))
         for name, t in stream:
             n = t.numel() * t.element_size()
             if bucket and size + n > bucket_bytes:

@@ -201,3 +201,37 @@ def test_kv_cache_decoding_equals_full_forward():
     with torch.no_grad():
         full = model(ids).float()
     torch.testing.assert_close(torch.cat([prefill, step], dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_streams_released_and_transformers_names(tmp_path):
+    """The RL Engine's weight stream: ``names="transformers"`` loads strictly into a transformers
+    model (router bias on the MoE block) with equal logits; ``names="hf"`` gives the released
+    names, also for experts streamed in pieces (buckets smaller than one expert stack)."""
+    from bumblebee import load_config
+    from bumblebee.rl.engine import Engine
+
+    small = ["model.name=minimax_m2", "model.arch.num_hidden_layers=2", "model.arch.hidden_size=32",
+             "model.arch.num_local_experts=4", "model.arch.intermediate_size=16",
+             "primitives.attention=sdpa", "train.global_batch=2", f"train.out_dir={tmp_path}"]  # fmt: skip
+    e = Engine(load_config(None, small))
+    with torch.no_grad():
+        for p in e.model.parameters():  # not the init: a tensor under a wrong name would show
+            p.add_(torch.randn_like(p) * 0.02)
+    cfg = transformers.MiniMaxM2Config(
+        **{**e.arch.to_hf_dict(), "bos_token_id": None, "eos_token_id": None}
+    )
+    hf = transformers.MiniMaxM2ForCausalLM(cfg).float().eval()
+
+    def stream(names):
+        buckets = e.weight_buckets(bucket_bytes=4 << 10, dtype=torch.float32, names=names)
+        return {n: t.clone() for b in buckets for n, t in b}
+
+    result = hf.load_state_dict(stream("transformers"), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    ids = torch.randint(0, e.arch.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert (hf(ids).logits - e.model(ids)).abs().max().item() < 1e-4
+    hf.save_pretrained(tmp_path / "ref")
+    released = stream("hf")
+    ref = load_file(tmp_path / "ref" / "model.safetensors")
+    assert set(released) == set(ref) and all(torch.equal(released[n], ref[n]) for n in ref)

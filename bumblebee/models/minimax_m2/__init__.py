@@ -16,6 +16,7 @@ FAMILY = register_family(
         hf_model_types=("minimax_m2",),
         hf_name_in=names.hf_name_in,
         hf_name_out=names.hf_name_out,
+        transformers_renames={"mlp.gate.e_score_correction_bias": "mlp.e_score_correction_bias"},
         router=ROUTER,
     )
 )
