@@ -227,13 +227,18 @@ class EngineWeights:
         self.offloader.require("params")
         F, ep_group = self.arch.moe_intermediate_size, self.ctx.ep_group
         ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        from bumblebee.models import family_of
+
+        # the family's checkpoint names of the split experts, as hf_state_dict writes them
+        out = family_of(self.arch).hf_name_out or (lambda arch, n: n)
         for name, p in _state(self.model):
             if (
                 name.endswith(("experts.w_gate_up", "experts.w_down"))
                 and p.numel() * ep * (dtype or p.dtype).itemsize > piece_bytes
             ):
                 for first, piece in expert_pieces(p, ep_group, dtype, piece_bytes):
-                    yield from self._renamed(hf_expert_names(name, first, piece, F))
+                    split = hf_expert_names(name, first, piece, F)
+                    yield from self._renamed((out(self.arch, n), t) for n, t in split)
             else:
                 yield from self._hf_named([(name, _gather(self.model, name, p, ep_group, dtype))])
 
@@ -254,7 +259,10 @@ class EngineWeights:
         else:  # whole tensors: a fused expert stack larger than a bucket gets a bucket of its own
             stream = self.named_weights(hf_names=False, dtype=dtype)
             if names == "transformers":
-                stream = self._renamed(transformers_named(stream))
+                from bumblebee.models import family_of
+
+                renames = family_of(self.arch).transformers_renames
+                stream = self._renamed(transformers_named(stream, renames))
         for name, t in stream:
             n = t.numel() * t.element_size()
             if bucket and size + n > bucket_bytes:
