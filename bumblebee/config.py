@@ -78,6 +78,9 @@ class PrimitivesConfig:
     experts: str = "grouped"
     moe_comm: str = "alltoall"
     moe_chunks: int = 2
+    # chunked: token share of each chunk, [] even; one list for every MoE layer or one per MoE
+    # layer (`bumblebee plan --skew / --from-run` chooses them: primitives/moe/chunk_plan.py)
+    moe_chunk_weights: list = field(default_factory=list)
     loss: str = "linear_ce"
     sharding: str = "fsdp2"
     recompute: str = "full"

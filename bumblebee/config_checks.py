@@ -206,6 +206,11 @@ def _check_primitives(cfg) -> None:
             f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', "
             f"got {cfg.primitives.moe_chunks}"
         )
+    if pr.moe_chunk_weights and pr.moe_comm != "chunked":
+        raise ConfigError(
+            f"primitives.moe_chunk_weights = {pr.moe_chunk_weights} needs moe_comm = 'chunked' "
+            f"(got {pr.moe_comm!r})"
+        )
 
 
 def _check_data(d, t) -> None:

@@ -21,6 +21,7 @@ from bumblebee.models import qwen3_5_moe  # noqa: F401
 from bumblebee.models import deepseek_v3  # noqa: F401
 from bumblebee.models import qwen3_next  # noqa: F401
 from bumblebee.models import glm4_moe  # noqa: F401
+from bumblebee.models import minimax_m2  # noqa: F401
 
 # isort: on
 from bumblebee.models.arch import ArchError
@@ -56,7 +57,9 @@ def arch_from_hf_dict(d: dict):
         valid = [t for f in FAMILIES.values() for t in f.hf_model_types]
         raise ConfigError(f"unsupported model_type {model_type!r}; valid: {', '.join(valid)}")
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
-    missing = [k for k in REQUIRED_HF_KEYS if text.get(k) is None]
+    # a family whose config names a size otherwise states its own list (arch.REQUIRED_HF_KEYS)
+    required = getattr(family.arch, "REQUIRED_HF_KEYS", REQUIRED_HF_KEYS)
+    missing = [k for k in required if text.get(k) is None]
     if all(text.get(k) is None for k in EXPERT_COUNT_KEYS):
         missing.append("num_experts")
     if missing:

@@ -127,7 +127,10 @@ class CausalLM(RoutingProtocol, nn.Module):
         self.prims = prims = prims or PrimitivesConfig()
         self.groups = groups = groups or ParallelGroups()
         dispatch = registry.get("moe_comm", prims.moe_comm).factory(
-            num_experts=arch.num_experts, ep_group=groups.ep_group, num_chunks=prims.moe_chunks
+            num_experts=arch.num_experts,
+            ep_group=groups.ep_group,
+            num_chunks=prims.moe_chunks,
+            chunk_weights=prims.moe_chunk_weights,
         )
         self.recompute = registry.get("recompute", prims.recompute).factory(prims.recompute_modules)
         self.loss_fn = registry.get("loss", prims.loss).factory
@@ -148,6 +151,8 @@ class CausalLM(RoutingProtocol, nn.Module):
         self.num_moe_layers = max(self.main_moe_layers, 1)
         for j, layer in enumerate(layer for layer in self.model.layers if layer.is_moe):
             layer.mlp.moe_index = j  # its slot in router stats and routing replay ids
+            if hasattr(dispatch, "for_layer"):  # a dispatcher with per-layer settings
+                layer.mlp.dispatch = dispatch.for_layer(j, self.main_moe_layers)
         self.mtp = self.make_mtp(parts)  # multi-token prediction modules (models/mtp.py) or None
         for k, block in enumerate(self.mtp_moe_blocks()):
             block.moe_index = (
@@ -404,7 +409,7 @@ class CausalLM(RoutingProtocol, nn.Module):
                 context.append([e.contiguous() for e in embs.split(H, dim=-1)])
         stats = []
         for i in layer_ids:
-            x, s = self.recompute.layer(self.model.layers[i], x, cos, sin, layout)
+            x, s = self.recompute.decoder_layer(self.model.layers[i], x, cos, sin, layout)
             if s.dim() == 1:  # dense layers return a 0-d zero
                 stats.append(s)
         stats = torch.stack(stats) if stats else None

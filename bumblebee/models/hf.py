@@ -11,7 +11,8 @@ table, models/family.py): prefixes read under another name (the multimodal
 ``Qwen3_5MoeForConditionalGeneration`` nests the language model under
 ``model.language_model.``, read as ``model.``) and prefixes that are not the language
 model (its vision tower ``model.visual.``), skipped with a one-line notice, and names that
-need the arch (DeepSeek's MTP modules stored as ``model.layers.{L + k}``). A config that
+need the arch (DeepSeek's MTP modules stored as ``model.layers.{L + k}``, MiniMax's Mixtral
+expert names ``block_sparse_moe.experts.{e}.w1``, applied after the experts are split). A config that
 counts MTP modules over a checkpoint without their tensors builds without MTP.
 Block-FP8 checkpoints (``weight_scale_inv``) load dequantized (models/hf_read.py); ``to_hf``
 writes plain weights in ``dtype`` and no ``quantization_config``.
@@ -30,7 +31,7 @@ from bumblebee.models.hf_read import (  # noqa: F401  (load_hf_weights re-export
     load_hf_weights,
     weight_files,
 )
-from bumblebee.models.hf_write import write_hf
+from bumblebee.models.hf_write import hf_layout, write_hf
 from bumblebee.models.mtp_names import without_absent_mtp
 
 _weight_files = weight_files  # the name rl/weights.py imports
@@ -64,20 +65,12 @@ def hf_state_dict(model):
     family = family_of(model.arch)
     F = model.arch.moe_intermediate_size
     copies = family.hf_copies(model.arch) if family.hf_copies else {}
+    out = family.hf_name_out or (lambda arch, n: n)
     for name, p in model.named_parameters():
         t = p.detach()
-        hf = family.hf_name_out(model.arch, name) if family.hf_name_out else name
-        if hf.endswith("experts.w_gate_up"):
-            base = hf.rsplit(".", 1)[0]
-            for e in range(t.shape[0]):
-                yield f"{base}.{e}.gate_proj.weight", t[e, :F]
-                yield f"{base}.{e}.up_proj.weight", t[e, F:]
-        elif hf.endswith("experts.w_down"):
-            base = hf.rsplit(".", 1)[0]
-            for e in range(t.shape[0]):
-                yield f"{base}.{e}.down_proj.weight", t[e]
-        else:
-            yield hf, t
+        # the family's names apply to the split per-expert names (MiniMax's w1 / w3 / w2)
+        for hf, _, _, part in hf_layout([(name, tuple(t.shape))], F):
+            yield out(model.arch, hf), (t if part is None else t[part[0], part[1]])
         for copy in copies.get(name, ()):
             yield copy, t
     for name, b in persistent_buffers(

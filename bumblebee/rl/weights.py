@@ -48,7 +48,6 @@ from bumblebee.models.lora import (
     is_lora_name,
     merge,
     merged_stream,
-    write_peft_adapter,
 )
 from bumblebee.rl.weight_names import hf_expert_names, transformers_named
 
@@ -255,6 +254,10 @@ class EngineWeights:
         self.offloader.require("params")
         F, ep_group = self.arch.moe_intermediate_size, self.ctx.ep_group
         ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        from bumblebee.models import family_of
+
+        # the family's checkpoint names of the split experts, as hf_state_dict writes them
+        out = family_of(self.arch).hf_name_out or (lambda arch, n: n)
         state, lora = _state(self.model), self._lora
         params = dict(state)
         for name, p in state:
@@ -274,7 +277,8 @@ class EngineWeights:
                         piece = merge(
                             piece, a[first : first + n], b[first : first + n], lora.scale, dtype
                         )
-                    yield from self._renamed(hf_expert_names(name, first, piece, F))
+                    split = hf_expert_names(name, first, piece, F)
+                    yield from self._renamed((out(self.arch, n), t) for n, t in split)
             else:
                 t = _gather(self.model, name, p, ep_group, dtype)
                 yield from self._hf_named([(name, merge(t, a, b, lora.scale, dtype) if ab else t)])
@@ -296,7 +300,10 @@ class EngineWeights:
         else:  # whole tensors: a fused expert stack larger than a bucket gets a bucket of its own
             stream = self.named_weights(hf_names=False, dtype=dtype)
             if names == "transformers":
-                stream = self._renamed(transformers_named(stream))
+                from bumblebee.models import family_of
+
+                renames = family_of(self.arch).transformers_renames
+                stream = self._renamed(transformers_named(stream, renames))
         for name, t in stream:
             n = t.numel() * t.element_size()
             if bucket and size + n > bucket_bytes:
@@ -335,42 +342,6 @@ class EngineWeights:
             write_hf(out_dir, self.arch, shapes, named, dtype=dtype, source=self.cfg.model.hf_path)
         else:
             for _ in named:
-                pass
-        self._barrier()
-
-    def export_peft(self, out_dir: str) -> None:
-        """Write the LoRA adapters as a PEFT adapter directory (adapter_config.json +
-        adapter_model.safetensors, models/lora.py) from rank 0; ``peft`` loads it onto the
-        ``transformers`` model of the base checkpoint. Collective."""
-        lora = self._lora
-        if lora is None:
-            raise ValueError("export_peft needs LoRA adapters (model.lora.rank > 0)")
-        from bumblebee.models import family_of
-
-        family = family_of(self.arch)
-        out = family.hf_name_out
-        if self.ctx.pp_group is None:  # the factors only, never the frozen base
-            factors = (
-                (n, _gather(self.model, n, p, self.ctx.ep_group, None))
-                for n, p in self.model.named_parameters()
-                if is_lora_name(n)
-            )
-        else:  # every stage's tensors, in the stages' order
-            factors = (
-                (n, t)
-                for n, t in gathered(self.model, self.ctx.ep_group, None, self.ctx.pp_group)
-                if is_lora_name(n)
-            )
-        if self.ctx.rank == 0:
-            write_peft_adapter(
-                out_dir,
-                lora,
-                factors,
-                (lambda n: out(self.arch, n)) if out else None,
-                self.cfg.model.hf_path,
-            )
-        else:
-            for _ in factors:
                 pass
         self._barrier()
 
