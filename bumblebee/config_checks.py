@@ -42,7 +42,7 @@ def validate(cfg) -> None:
             for f in dataclasses.fields(cfg)
         ],
         lambda: _check_mtp(cfg),
-        lambda: _check_lora(cfg.model.lora),
+        lambda: _check_lora(cfg.model.lora, cfg.train.dtype),
         lambda: _check_train(cfg.train),
         lambda: _check_moe(cfg),
         lambda: _check_parallel(cfg),
@@ -60,7 +60,7 @@ def _check_eval_every(cfg) -> None:
         raise ConfigError(f"train.eval_every must be >= 0 or 'auto', got {cfg.train.eval_every!r}")
 
 
-def _check_lora(lora) -> None:
+def _check_lora(lora, train_dtype: str) -> None:
     if not (isinstance(lora.rank, int) and 0 <= lora.rank < 2**16):
         raise ConfigError(f"model.lora.rank must be >= 0 (0: no adapters), got {lora.rank!r}")
     if not (math.isfinite(lora.alpha) and lora.alpha > 0):
@@ -72,6 +72,11 @@ def _check_lora(lora) -> None:
     if lora.base_dtype not in ("auto", "bfloat16", "float32"):
         raise ConfigError(
             f"model.lora.base_dtype must be 'auto', 'bfloat16' or 'float32', got {lora.base_dtype!r}"
+        )
+    if lora.rank and lora.base_dtype == "bfloat16" and train_dtype != "bfloat16":
+        raise ConfigError(
+            "model.lora.base_dtype = 'bfloat16' needs train.dtype = 'bfloat16' (the frozen bf16 "
+            "matrices are computed under bf16 autocast; fp32 compute keeps an fp32 base)"
         )
 
 

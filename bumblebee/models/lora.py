@@ -114,13 +114,15 @@ def add_lora(model: nn.Module, lora_cfg, train_dtype: str = "float32") -> nn.Mod
         raise ConfigError(
             f"model.lora.targets: {', '.join(unknown)} not in this model; valid: {', '.join(sorted(seen))}"
         )
-    dtype = base_dtype(lora_cfg, train_dtype)
+    dtype, frozen = base_dtype(lora_cfg, train_dtype), {}
     for mn, m in model.named_modules():
         for pn, p in list(m.named_parameters(recurse=False)):
             if is_lora_name(f"{mn}.{pn}"):
                 continue
-            cast = dtype if p.dim() >= 2 and p.is_floating_point() else p.dtype
-            setattr(m, pn, nn.Parameter(p.detach().to(cast), requires_grad=False))
+            if id(p) not in frozen:  # a parameter shared by two modules stays shared
+                cast = dtype if p.dim() >= 2 and p.is_floating_point() else p.dtype
+                frozen[id(p)] = nn.Parameter(p.detach().to(cast), requires_grad=False)
+            setattr(m, pn, frozen[id(p)])
     model.__dict__.pop("_expert_names", None)  # is_expert_param now also covers the factors
     names = {n for n, _ in model.named_parameters()}
     bases = frozenset(n for n in names if (ab := factor_names(n)) is not None and ab[0] in names)

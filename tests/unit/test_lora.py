@@ -12,7 +12,7 @@ projections, routed and shared experts), from a tiny random ``transformers`` che
   HF-named buckets streamed in pieces of experts equal the whole merged tensors, in bf16;
 - a bf16 base: static bytes (parameters, gradients, optimizer state) measured on the live tensors
   after a step are >= 3x lower than full fine-tuning of the same model;
-- a target the model does not have is refused with the valid names;
+- a target the model does not have is refused with the valid names, bad settings in one line;
 - ``bumblebee rl --lora R``: the sampler, fed merged weights, scores its tokens as the Engine.
 """
 
@@ -185,12 +185,19 @@ def test_bf16_base_static_bytes_at_least_3x_lower(tmp_path):
     assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
 
 
-def test_unknown_target_is_refused(tmp_path):
+def test_bad_lora_settings_are_refused(tmp_path):
     cfg = load_config(
         None, [f"train.out_dir={tmp_path}", "model.lora.rank=2", "model.lora.targets=['qproj']"]
     )
     with pytest.raises(ConfigError, match="qproj not in this model; valid: .*q_proj"):
         Engine(cfg)
+    for bad, says in (
+        (["model.lora.rnk=2"], "unknown key 'rnk' .did you mean 'rank'"),
+        (["model.lora.rank=-1"], "model.lora.rank must be >= 0"),
+        (["model.lora.rank=2", "model.lora.base_dtype=bfloat16"], "needs train.dtype = 'bfloat16'"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, [f"train.out_dir={tmp_path}", *bad])
 
 
 def test_rl_demo_lora_sampler_gets_the_merged_policy(tmp_path):
