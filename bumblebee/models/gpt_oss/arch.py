@@ -32,7 +32,7 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 @dataclass(kw_only=True)
 class GptOssArch(BaseArch):
     # what a config.json must state (its expert FFN is ``intermediate_size``)
-    hf_required_keys = (
+    REQUIRED_HF_KEYS = (
         "vocab_size",
         "hidden_size",
         "intermediate_size",
