@@ -8,10 +8,14 @@
   ``sink_grad``), run for 4 zigzag ranks in one process with the hops replaced by indexing,
   equal the same reference, and the steps a window (or a document boundary) makes useless are
   skipped: counted exactly (6 of 16 for a window shorter than a chunk, none without a window),
-  and running them anyway changes nothing.
+  and running them anyway changes nothing;
+- ``ring_attention`` itself on 4 ranks as threads (a mailbox for the transport): only the blocks
+  some rank's window needs are exchanged, and the result is the reference's.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -193,3 +197,80 @@ def test_emulated_cuda_dispatch_runs_the_flash_sink_path():
     assert calls == [5]
     ref = reference(q, k, v, lengths, 5, sinks, 0.3)
     assert (out - ref).abs().max().item() < 1e-5
+
+
+class Mailbox:
+    """``ring_comm.exchange`` between threads standing for CP ranks: each send is a copy keyed by
+    (sender, receiver, n-th message between them); a wait blocks until the matching one arrived."""
+
+    def __init__(self):
+        self.cv, self.box, self.count, self.offsets = threading.Condition(), {}, {}, []
+
+    def exchange(self, tensors, layout, offset):
+        r, C = layout.rank, layout.size
+        dst, src = (r + offset) % C, (r - offset) % C
+        bufs = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+        with self.cv:
+            n = self.count.get((r, dst), 0)
+            self.count[(r, dst)] = n + 1
+            self.box[(r, dst, n)] = [t.detach().clone() for t in tensors]
+            self.offsets.append((r, offset))
+            m = self.count.get(("in", src, r), 0)
+            self.count[("in", src, r)] = m + 1
+            self.cv.notify_all()
+
+        def wait():
+            with self.cv:
+                self.cv.wait_for(lambda: (src, r, m) in self.box)
+                for b, t in zip(bufs, self.box.pop((src, r, m))):
+                    b.copy_(t)
+
+        return bufs, wait
+
+
+def test_window_ring_on_four_ranks_exchanges_only_needed_blocks(monkeypatch):
+    """``ring_attention`` with a window (3, shorter than the 8-token chunks) and sinks, 4 ranks as
+    threads (the transport replaced by a mailbox; over gloo it is tests/distributed/
+    test_gpt_oss_layouts.py's CP case): every rank's outputs, dQ / dK / dV and the summed sink
+    gradient equal HF's maths on the whole row, and only the neighbours' blocks move: offsets 1
+    and 3 forward, the same again plus the gradients sent home (-1, -3) backward, per rank,
+    instead of 3 + 4 ring hops. The CP reference (``allgather``'s local attention over the
+    gathered row) with the same options equals it too."""
+    from bumblebee.primitives.cp import ring
+    from bumblebee.primitives.cp.allgather import attend_gathered
+
+    C, W, lengths = 4, 3, [40, 24]
+    q, k, v, sinks = inputs(sum(lengths), seed=5)
+    T = sum(lengths)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].expand(B, -1)
+    ref = reference(q, k, v, lengths, W, sinks, 0.3)
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6))
+    ref_grads = torch.autograd.grad(ref, [q, k, v, sinks], dout)
+    mailbox = Mailbox()
+    monkeypatch.setattr(ring, "exchange", mailbox.exchange)
+    docs, results = doc_layout(pos), {}
+
+    def rank(r):
+        idx = zigzag_index(T, C, r)
+        layout = CPLayout(None, C, r, T, docs.doc_ids("cpu"), idx, docs)
+        local = [t.detach()[:, :, idx].requires_grad_() for t in (q, k, v)]
+        s = sinks.detach().clone().requires_grad_()
+        out = ring.ring_attention(*local, layout, 0.3, window=W, sinks=s)
+        gathered = attend_gathered(local[0], k, v, layout, 0.3, window=W, sinks=sinks)
+        results[r] = idx, out, torch.autograd.grad(out, local + [s], dout[:, :, idx]), gathered
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(C)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == C
+    for idx, out, grads, gathered in results.values():
+        assert (out - ref[:, :, idx]).abs().max().item() < 1e-5
+        assert (gathered - ref[:, :, idx]).abs().max().item() < 1e-5
+        for g, g_ref in zip(grads[:3], ref_grads[:3]):
+            assert (g - g_ref[:, :, idx]).abs().max().item() < 1e-5
+    dsinks = sum(grads[3] for _, _, grads, _ in results.values())
+    assert (dsinks - ref_grads[3]).abs().max().item() < 1e-5
+    for r in range(C):
+        assert sorted(o for rr, o in mailbox.offsets if rr == r) == [-3, -1, 1, 1, 3, 3]
