@@ -2,8 +2,8 @@
 biased top-k-then-softmax router, biased clamped-SwiGLU experts) on 2 gloo ranks equals the
 single process on the same global batch: per-step loss and grad norm for fsdp2 + EP all-to-all,
 CP ring (the window masks the tiles and picks the blocks to exchange; sinks merged into the
-final LSE) with zero1, and pipeline (CP allgather with the same options:
-tests/distributed/test_window_ring.py). One spawn runs every layout. A tiny ``transformers``
+final LSE) with zero1, and pipeline (the window ring at 4 ranks and allgather with the same
+options: tests/unit/test_attention_options.py). One spawn runs every layout. A tiny ``transformers``
 checkpoint (bf16) round-trips bit for bit, trains from its HF directory and exports back to the
 trained parameters exactly."""
 
