@@ -176,9 +176,7 @@ class RingAttention(torch.autograd.Function):
             steps = ring_plan(layout, window)
             pending = {s: exchange([k, v], layout, s) for s in steps if s}
             for step in steps:
-                kb, vb = (k, v) if step == 0 else pending[step][0]
-                if step:
-                    pending[step][1]()
+                kb, vb = (k, v) if step == 0 else _wait(pending[step])
                 if needed[step]:
                     src = (layout.rank - step) % layout.size
                     forward_block(q, o, lse, kb, vb, layout, src, scale, window)
