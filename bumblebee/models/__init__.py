@@ -21,6 +21,7 @@ from bumblebee.models import qwen3_5_moe  # noqa: F401
 from bumblebee.models import deepseek_v3  # noqa: F401
 from bumblebee.models import qwen3_next  # noqa: F401
 from bumblebee.models import glm4_moe  # noqa: F401
+from bumblebee.models import kimi_linear  # noqa: F401
 
 # isort: on
 from bumblebee.models.arch import ArchError
@@ -41,7 +42,7 @@ REQUIRED_HF_KEYS = (
     "num_attention_heads",
     "num_key_value_heads",
     "moe_intermediate_size",
-    "num_experts_per_tok",
+    ("num_experts_per_tok", "num_experts_per_token"),  # (HF's own aliases of one key)
 )
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -56,7 +57,11 @@ def arch_from_hf_dict(d: dict):
         valid = [t for f in FAMILIES.values() for t in f.hf_model_types]
         raise ConfigError(f"unsupported model_type {model_type!r}; valid: {', '.join(valid)}")
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
-    missing = [k for k in REQUIRED_HF_KEYS if text.get(k) is None]
+    missing = [
+        k if isinstance(k, str) else k[0]
+        for k in REQUIRED_HF_KEYS
+        if all(text.get(a) is None for a in ((k,) if isinstance(k, str) else k))
+    ]
     if all(text.get(k) is None for k in EXPERT_COUNT_KEYS):
         missing.append("num_experts")
     if missing:

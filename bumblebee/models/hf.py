@@ -64,20 +64,21 @@ def hf_state_dict(model):
     family = family_of(model.arch)
     F = model.arch.moe_intermediate_size
     copies = family.hf_copies(model.arch) if family.hf_copies else {}
+    # the family's map sees per-expert names, as on export (hf_write.py) and load (hf_read.py)
+    out = (lambda n: family.hf_name_out(model.arch, n)) if family.hf_name_out else (lambda n: n)
     for name, p in model.named_parameters():
         t = p.detach()
-        hf = family.hf_name_out(model.arch, name) if family.hf_name_out else name
-        if hf.endswith("experts.w_gate_up"):
-            base = hf.rsplit(".", 1)[0]
+        if name.endswith("experts.w_gate_up"):
+            base = name.rsplit(".", 1)[0]
             for e in range(t.shape[0]):
-                yield f"{base}.{e}.gate_proj.weight", t[e, :F]
-                yield f"{base}.{e}.up_proj.weight", t[e, F:]
-        elif hf.endswith("experts.w_down"):
-            base = hf.rsplit(".", 1)[0]
+                yield out(f"{base}.{e}.gate_proj.weight"), t[e, :F]
+                yield out(f"{base}.{e}.up_proj.weight"), t[e, F:]
+        elif name.endswith("experts.w_down"):
+            base = name.rsplit(".", 1)[0]
             for e in range(t.shape[0]):
-                yield f"{base}.{e}.down_proj.weight", t[e]
+                yield out(f"{base}.{e}.down_proj.weight"), t[e]
         else:
-            yield hf, t
+            yield out(name), t
         for copy in copies.get(name, ()):
             yield copy, t
     for name, b in persistent_buffers(

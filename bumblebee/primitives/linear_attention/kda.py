@@ -129,7 +129,9 @@ class KimiDeltaAttention(GatedDeltaNet):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))
+        if self.A_log.is_meta:  # shapes only (the model is built on meta, filled later)
+            return
+        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (), device="cpu")))
         for name, fill in self.init_rules(std).items():
             fill(self.get_parameter(name).data, gen)
 
