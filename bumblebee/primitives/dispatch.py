@@ -10,7 +10,7 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 | --- | --- | --- | --- |
 | attention / varlen | ``varlen_attn`` (flash: FA3 when present, else FA2) | SDPA per document | SDPA per document |
 | cp / ring | ring of ``varlen_attn`` steps (same flash) | fp32 tiles | fp32 tiles |
-| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` (``fla`` imports), else chunked | same | chunked |
+| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` (per-channel gates: ``chunk_kda``; ``fla`` imports), else chunked | same | chunked |
 | conv / causal (GDN conv) | FLA ``causal_conv1d`` (``fla`` imports), else channel blocks | same | blocks |
 | glue / fused (norms, SwiGLU, RoPE) | ``torch.compile`` per function | same | eager ops |
 
