@@ -10,9 +10,12 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 | --- | --- | --- | --- |
 | attention / varlen | ``varlen_attn`` (flash: FA3 when present, else FA2) | SDPA per document | SDPA per document |
 | cp / ring | ring of ``varlen_attn`` steps (same flash) | fp32 tiles | fp32 tiles |
-| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` (per-channel gates: ``chunk_kda``; ``fla`` imports), else chunked | same | chunked |
+| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` or ``chunk_kda`` (fla), else chunked | same | chunked |
 | conv / causal (GDN conv) | FLA ``causal_conv1d`` (``fla`` imports), else channel blocks | same | blocks |
 | glue / fused (norms, SwiGLU, RoPE) | ``torch.compile`` per function | same | eager ops |
+
+``chunk_kda`` serves the per-channel gates of Kimi Delta Attention (g [B, T, H, K],
+``linear_attention/fla_kda.py``); the scalar-gate rule takes ``chunk_gated_delta_rule``.
 
 FA3: torch's flash ops (``varlen_attn``, the ring's ``_varlen_attn``) run FlashAttention 3 once
 ``torch.nn.attention.activate_flash_attention_impl("FA3")`` is called, which needs PyTorch's

@@ -24,6 +24,7 @@ Legend: B batch, T tokens, H heads, K key dim, V value dim, S = B*T, N documents
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee.primitives.kernel_region import kernel as region
 from bumblebee.primitives.linear_attention.fla import _groups
@@ -35,9 +36,35 @@ from bumblebee.primitives.packed import DocLayout, to_device
 FLA_KDA_FWD = ("fla chunk_kda fwd", 8, 0)
 
 
-def _kernel():
+class _ShapesOnly(torch.autograd.Function):
+    """``chunk_kda`` on fake tensors (the planner's dry run): its outputs' shapes, its inputs kept
+    for backward as FLA's autograd.Function keeps them, input-shaped gradients. FLA's own
+    intermediates (chunk cumsum, intra-chunk A matrices: ~[S, H, 64] fp32 each) are not modelled."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, cu, final):
+        ctx.save_for_backward(q, k, v, g, beta)
+        ctx.h0 = h0
+        H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+        ht = v.new_empty(cu.shape[0] - 1, H, K, V, dtype=torch.float32) if final else None
+        return torch.empty_like(v), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        grads = [torch.empty_like(x) for x in ctx.saved_tensors]
+        return (*grads, None if ctx.h0 is None else torch.empty_like(ctx.h0), None, None)
+
+
+def _shapes_only(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                 **unused):  # fmt: skip
+    return _ShapesOnly.apply(q, k, v, g, beta, initial_state, cu_seqlens, output_final_state)
+
+
+def _kernel(x):
     from bumblebee.primitives import emulation
 
+    if is_fake(x) or x.device.type == "meta":
+        return _shapes_only
     if emulation.active():  # the CUDA branch on CPU: the kernel's contract in plain PyTorch
         return reference_chunk_kda
     from fla.ops.kda import chunk_kda
@@ -75,7 +102,7 @@ def fla_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, layout: DocLayout, initial
         raise ValueError("fla_kda: key heads must equal value heads (KDA has no grouped keys)")
     dev = q_BTHK.device
     plan = layout.cached("fla_kda_plan", dev, lambda: _Plan(layout, dev))
-    kernel = kernel or _kernel()
+    kernel = kernel or _kernel(q_BTHK)
     flat = lambda x: x.reshape((1, B * T) + tuple(x.shape[2:]))  # noqa: E731
     xs = [flat(q_BTHK), flat(k_BTHK), flat(v_BTHV.to(q_BTHK.dtype)), flat(g_BTHK.float()),
           flat(beta_BTH.to(q_BTHK.dtype))]  # fmt: skip

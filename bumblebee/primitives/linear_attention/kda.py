@@ -31,11 +31,13 @@ Legend: B batch, T tokens, D hidden, H heads, K key dim (= V value dim), R gate 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee.primitives import init
 from bumblebee.primitives.linear_attention.conv import CausalConv1d
@@ -84,7 +86,7 @@ def inverse_softplus_dt(lo: float = 1e-3, hi: float = 1e-1):
     """dt_bias = softplus^-1(dt), dt = exp(U(log lo, log hi)) (FLA's / HF's KDA init)."""
 
     def fill(t: torch.Tensor, g: torch.Generator) -> None:
-        dt = t.uniform_(torch.tensor(lo).log().item(), torch.tensor(hi).log().item(), generator=g)
+        dt = t.uniform_(math.log(lo), math.log(hi), generator=g)
         dt = dt.exp_().clamp_min_(1e-4)
         t.copy_(dt + torch.log(-torch.expm1(-dt)))
 
@@ -129,7 +131,7 @@ class KimiDeltaAttention(GatedDeltaNet):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        if self.A_log.is_meta:  # shapes only (the model is built on meta, filled later)
+        if self.A_log.is_meta or is_fake(self.A_log):  # shapes only (filled later, or never)
             return
         gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (), device="cpu")))
         for name, fill in self.init_rules(std).items():
