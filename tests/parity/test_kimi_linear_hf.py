@@ -123,3 +123,17 @@ def test_to_hf_round_trip_and_packed_rows(tmp_path):
         packed = bb(ids, position_ids=pos)
         ref = torch.cat([hf(doc).logits for doc in ids.split(lengths, dim=1)], dim=1)
     assert (packed - ref).abs().max().item() < 1e-4
+
+
+def test_release_preset_counts_transformers_parameters():
+    """The ModelSpec (planner) of the Kimi-Linear-48B-A3B preset: 49,122,675,072 parameters, what
+    ``transformers`` 5.23 builds on the meta device from the same config (counted once; building
+    it here would take seconds). Layer pattern: 1-based MLA layers 4, 8, ..., 24, 27."""
+    from bumblebee.models import arch_from_hf_dict
+    from bumblebee.models.presets import PRESETS
+
+    arch = arch_from_hf_dict(dict(PRESETS["kimi_linear"]["kimi-linear-48b-a3b"]))
+    mla = [i + 1 for i, t in enumerate(arch.layer_types) if t == FULL]
+    assert mla == [4, 8, 12, 16, 20, 24, 27] and arch.mlp_layer_types[:2] == ["dense", "sparse"]
+    assert arch.num_params()["total"] == 49_122_675_072
+    assert arch.to_hf_dict()["num_experts_per_token"] == 8  # Kimi's spelling written back
