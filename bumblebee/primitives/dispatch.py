@@ -170,10 +170,12 @@ def select(
         )
     if (slot, impl) == ("linear_attention", "chunked"):
         if cuda and fla:
-            return Kernel("fla_chunk", "fla chunk_gated_delta_rule", True)
+            return Kernel(
+                "fla_chunk", "fla chunk_gated_delta_rule", True
+            )  # chunk_kda: per-channel g
         return Kernel(
             "torch_chunked",
-            "chunked PyTorch (64-token chunks)",
+            "chunked PyTorch (64-token chunks; 16 with per-channel gates)",
             False,
             "fla not installed (pip install -e '.[gpu]')" if cuda else "",
         )
