@@ -213,7 +213,8 @@ def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
     if spec.kda_gate_rank:  # KDA: the decay is per key channel (fp32 [Hk*K] per token, not [Hv])
         r = spec.kda_gate_rank  # the low-rank gates' inner activations (not split by TP)
         kept = (2 * kd + vd) + vd + vh + 2 * r + vd  # q/k/v, output gate, beta, f_a/g_a, core out
-        return kept * BF16 + kd * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
+        # fp32 decay kept three times: f + dt_bias and softplus(.) (autograd), g (the core)
+        return kept * BF16 + 3 * kd * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
     kept = (2 * kd + vd) + vd + 2 * vh + vd  # in_proj qkv, z, b/a, core output
     return kept * BF16 + 2 * vh * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
 
