@@ -14,6 +14,11 @@ dispatch, SwiGLU experts, combine) on each rank's local tokens; ``moe_comm``
   completed when issued, so its difference to ``chunkK`` is what the overlap itself buys
   and its difference to no-chunk is what the leaner chunked backward buys.
 
+``--skew F`` plants routing skew: rank 0's experts receive about F x the rows of each other
+rank's (a constant input feature and a router bias on rank 0's experts, tuned before timing; the
+measured share is printed). ``--weights 0.15,0.6,0.25`` (repeatable) adds chunked runs with those
+uneven token shares (``primitives.moe_chunk_weights``; ``bumblebee plan --skew F`` chooses them).
+
 ``--recompute full`` wraps the layer in the full-recompute policy's checkpoint, so
 the backward includes the recompute forward (where chunked skips fc2 and the combine).
 ``--profile-dir DIR`` also writes a ``torch.profiler`` Chrome trace of one forward +
@@ -47,7 +52,8 @@ from bumblebee.config import PrimitivesConfig
 from bumblebee.models.blocks import MoE
 from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.perf.memory import MemoryTracker
-from bumblebee.primitives.moe import chunked
+from bumblebee.plan.perf import chunk_phases
+from bumblebee.primitives.moe import chunk_plan, chunked
 from bumblebee.primitives.parallel import ParallelGroups
 
 
@@ -82,7 +88,8 @@ class ExposedComm:
         dist.all_to_all_single, chunked._Pending.wait = blocking_a2a, timed_wait
 
 
-def build(args, k: int):
+def build(args, k):
+    """k: 0 (alltoall), a chunk count, or a tuple of chunk weights."""
     arch = Qwen3MoeArch(
         vocab_size=256,
         hidden_size=args.hidden,
@@ -96,8 +103,12 @@ def build(args, k: int):
         num_experts_per_tok=args.topk,
     )
     comm = "alltoall" if k == 0 else "chunked"
+    weights = k if isinstance(k, tuple) else ()
     dispatch = registry.get("moe_comm", comm).factory(
-        num_experts=args.experts, ep_group=dist.group.WORLD, num_chunks=k or 2
+        num_experts=args.experts,
+        ep_group=dist.group.WORLD,
+        num_chunks=len(weights) or k or 2,
+        chunk_weights=weights,
     )
     torch.manual_seed(0)  # same weights for every configuration (each rank its own experts)
     moe = MoE(
@@ -108,13 +119,43 @@ def build(args, k: int):
     )
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.02)
+    if args.skew_bias:  # feature 0 of the input is constant 1: a bias on rank 0's experts
+        with torch.no_grad():
+            w = next(moe.gate.parameters())
+            w[:, 0] = 0.0
+            w[: args.experts // dist.get_world_size(), 0] = args.skew_bias
     return moe
+
+
+def rank0_share(args, moe, x_BTH) -> float:
+    """Fraction of all ranks' routed rows that go to rank 0's experts."""
+    with torch.no_grad():
+        idx = moe.gate(x_BTH.reshape(-1, args.hidden)).idx_TK
+    n = torch.tensor(
+        [(idx < args.experts // dist.get_world_size()).sum(), idx.numel()], dtype=torch.float64
+    )
+    dist.all_reduce(n)
+    return (n[0] / n[1]).item()
+
+
+def tune_skew(args, x_BTH) -> float:
+    """The router bias that sends rank 0 about ``skew`` x each other rank's rows (bisection)."""
+    R = dist.get_world_size()
+    target = args.skew / (args.skew + R - 1)
+    lo, hi = 0.0, 50.0
+    for _ in range(30):
+        args.skew_bias = (lo + hi) / 2
+        if rank0_share(args, build(args, 0), x_BTH) < target:
+            lo = args.skew_bias
+        else:
+            hi = args.skew_bias
+    return args.skew_bias
 
 
 def step(moe, x_BTH, probe_BTH, recompute):
     x = x_BTH.detach().requires_grad_()
-    y, aux = recompute.layer(moe, x)
-    ((y * probe_BTH).sum() + aux).backward()
+    y, _stats = recompute.layer(moe, x)  # router stats: the balance loss's input, not a loss
+    (y * probe_BTH).sum().backward()
     moe.zero_grad(set_to_none=True)
 
 
@@ -124,6 +165,7 @@ def worker(args):
     rank = dist.get_rank()
     configs = [("no-chunk", 0)] + [(f"chunk{k}", k) for k in args.chunks]
     configs += [(f"chunk{k}-sync", k) for k in args.chunks] if args.sync_control else []
+    configs += [(weights_label(w), w) for w in args.weights]
     recompute = registry.get("recompute", args.recompute).factory([])
     exposed = ExposedComm()
     out = {}
@@ -131,6 +173,13 @@ def worker(args):
         g = torch.Generator().manual_seed(rank)
         x_BTH = torch.randn(1, seq, args.hidden, generator=g)
         probe_BTH = torch.randn(1, seq, args.hidden, generator=g)
+        args.skew_bias = 0.0
+        if args.skew > 1:
+            x_BTH[..., 0] = 1.0
+            tune_skew(args, x_BTH)
+            share = rank0_share(args, build(args, 0), x_BTH)
+            R = dist.get_world_size()
+            out[(seq, "skew")] = share * (R - 1) / (1 - share)  # rank 0 over each other rank
         moes = {label: build(args, k) for label, k in configs}
         for label, moe in moes.items():  # warm-up, tracked: peak live bytes
             exposed.force_sync = label.endswith("-sync")
@@ -193,6 +242,10 @@ def trace_overlap(path: str) -> tuple[float, float]:
     return sum(b - a for a, b in comm) / 1e3, under / 1e3
 
 
+def weights_label(w) -> str:
+    return "w" + "/".join(f"{v:g}" for v in w)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -215,6 +268,14 @@ def main(argv=None) -> None:
         "--recompute", default="none", help="recompute policy around the layer (none | full)"
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration")
+    p.add_argument("--skew", type=float, default=1.0, help="rank 0's experts get F x the rows")
+    p.add_argument(
+        "--weights",
+        type=lambda s: tuple(float(v) for v in s.split(",")),
+        action="append",
+        default=[],
+        help="uneven chunk weights, e.g. 0.15,0.6,0.25 (repeatable)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--profile-dir", default="", help="write torch.profiler Chrome traces here")
     p.add_argument(
@@ -241,14 +302,19 @@ def main(argv=None) -> None:
         f"recompute={args.recompute}, fp32, {args.threads} thread(s)/rank, median of {args.repeats}"
     )
     head = (
-        f"{'local seq':>9} {'config':<11} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} | "
+        f"{'local seq':>9} {'config':<15} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} | "
         f"{'peak MiB':>9} {'vs no-chunk':>11}"
     )
     print(head)
     print("-" * len(head))
     labels = ["no-chunk"] + [f"chunk{k}" for k in args.chunks]
     labels += [f"chunk{k}-sync" for k in args.chunks] if args.sync_control else []
+    labels += [weights_label(w) for w in args.weights]
     for seq in args.seqs:
+        if (seq, "skew") in res:
+            print(
+                f"{seq:>9} planted skew: rank 0 gets {res[(seq, 'skew')]:.2f} x each other rank's rows"
+            )
         base_t, base_m = res[(seq, "no-chunk", "time")], res[(seq, "no-chunk", "peak")]
         for label in labels:
             t, c, m = (
@@ -257,8 +323,20 @@ def main(argv=None) -> None:
                 res[(seq, label, "peak")],
             )
             print(
-                f"{seq:>9} {label:<11} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} | {m / 2**20:>9.1f} "
+                f"{seq:>9} {label:<15} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} | {m / 2**20:>9.1f} "
                 f"{m / base_m:>11.2f}"
+            )
+    for seq in args.seqs:  # the schedule's timeline fed this machine's measured no-chunk phases
+        comm = res[(seq, "no-chunk", "comm")]
+        gemm = (res[(seq, "no-chunk", "time")] - comm) / 3  # forward; backward ~2x
+        phases = chunk_phases(gemm, comm / 4, recompute=args.recompute == "full")
+        for k in args.chunks:
+            even = chunk_plan.evaluate(chunk_plan.even(k), phases)
+            got = chunk_plan.best(phases, counts=(k,))
+            print(
+                f"{seq:>9} timeline x{k}: even exposes {even.exposed:.3f} s; best weights "
+                f"{'/'.join(f'{v:g}' for v in got.weights)} expose {got.exposed:.3f} s "
+                f"(all-to-all {comm / 4:.3f} s vs expert GEMMs {gemm:.3f} s per pass)"
             )
     if args.profile_dir:
         print(

@@ -127,7 +127,10 @@ class CausalLM(RoutingProtocol, nn.Module):
         self.prims = prims = prims or PrimitivesConfig()
         self.groups = groups = groups or ParallelGroups()
         dispatch = registry.get("moe_comm", prims.moe_comm).factory(
-            num_experts=arch.num_experts, ep_group=groups.ep_group, num_chunks=prims.moe_chunks
+            num_experts=arch.num_experts,
+            ep_group=groups.ep_group,
+            num_chunks=prims.moe_chunks,
+            chunk_weights=prims.moe_chunk_weights,
         )
         self.recompute = registry.get("recompute", prims.recompute).factory(prims.recompute_modules)
         self.loss_fn = registry.get("loss", prims.loss).factory
@@ -148,6 +151,8 @@ class CausalLM(RoutingProtocol, nn.Module):
         self.num_moe_layers = max(self.main_moe_layers, 1)
         for j, layer in enumerate(layer for layer in self.model.layers if layer.is_moe):
             layer.mlp.moe_index = j  # its slot in router stats and routing replay ids
+            if hasattr(dispatch, "for_layer"):  # a dispatcher with per-layer settings
+                layer.mlp.dispatch = dispatch.for_layer(j, self.main_moe_layers)
         self.mtp = self.make_mtp(parts)  # multi-token prediction modules (models/mtp.py) or None
         for k, block in enumerate(self.mtp_moe_blocks()):
             block.moe_index = (
@@ -210,14 +215,18 @@ class CausalLM(RoutingProtocol, nn.Module):
         for matrices, then the family's ``init_vectors``."""
         rules = {name: init.normal(std) for name, p in self.named_parameters() if p.dim() > 1}
         rules.update(self.init_vectors(std))
+        from bumblebee.models.lora import lora_init_rules
+
+        rules.update(lora_init_rules(self.named_parameters(), init))
         return rules
 
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
+    def reset_parameters(self, std: float = 0.02, seed: int | None = None, only=None) -> None:
         """Initialize in place, identically for every layout of ``seed``: each value is a function
         of (seed, tensor name, position) only (primitives/init.py), so an expert slice, an FSDP2
         shard or a pipeline stage gets exactly its part of the full tensors, generated one block
-        at a time. ``seed=None`` draws one from torch's global generator. Nothing to do on meta."""
+        at a time. ``seed=None`` draws one from torch's global generator. Nothing to do on meta.
+        ``only(name) -> bool``: the parameters to fill (the adapters of a model loaded from HF)."""
         if any(
             p.is_meta or is_fake(p) for p in self.parameters()
         ):  # shapes only (meta, or the planner's fakes)
@@ -227,6 +236,8 @@ class CausalLM(RoutingProtocol, nn.Module):
         rules = self.init_rules(std)
         ep, r = self.groups.ep_size, self.groups.ep_rank
         for name, p in self.named_parameters():
+            if only is not None and not only(name):
+                continue
             if name not in rules:
                 raise NotImplementedError(
                     f"{type(self).__name__}: no init rule for {name} (init_vectors)"
@@ -234,7 +245,7 @@ class CausalLM(RoutingProtocol, nn.Module):
             shape, lo, part = row_extent(p, self.is_expert_param(name), r, ep)
             init.fill_rows(part, shape, lo, rules[name], seed, name)
         for name, b in self.named_buffers():
-            if name in rules:
+            if name in rules and only is None:
                 init.fill_rows(b, tuple(b.shape), 0, rules[name], seed, name)
 
     @property
@@ -398,7 +409,7 @@ class CausalLM(RoutingProtocol, nn.Module):
                 context.append([e.contiguous() for e in embs.split(H, dim=-1)])
         stats = []
         for i in layer_ids:
-            x, s = self.recompute.layer(self.model.layers[i], x, cos, sin, layout)
+            x, s = self.recompute.decoder_layer(self.model.layers[i], x, cos, sin, layout)
             if s.dim() == 1:  # dense layers return a 0-d zero
                 stats.append(s)
         stats = torch.stack(stats) if stats else None

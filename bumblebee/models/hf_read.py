@@ -41,6 +41,7 @@ from bumblebee.errors import CheckpointError
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.family import family_of_model_type
 from bumblebee.models.hf_config import read_hf_config
+from bumblebee.models.lora import is_lora_name
 from bumblebee.models.mtp_names import skip_prefixes
 from bumblebee.primitives.sharding.common import row_extent
 
@@ -341,6 +342,8 @@ def load_hf_weights(model, path: str) -> None:
         for name, p in list(model.named_parameters()) + persistent_buffers(
             model
         ):  # buffers: the router bias
+            if is_lora_name(name):  # adapters (models/lora.py) start from their init, not the file
+                continue
             shape, lo, part = row_extent(p, model.is_expert_param(name), ep_rank, ep)
             hi = lo + (part.shape[0] if part.dim() else 1)
             assert shape == full[name], (name, shape, full[name])

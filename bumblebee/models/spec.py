@@ -52,6 +52,8 @@ class ModelSpec:
     head_dim: int
     attn_gate: bool  # Qwen3.5 gated attention: q_proj emits q and an output gate
     qk_norm: bool = True  # per-head q/k RMSNorm weights (GLM-4.5-Air has none)
+    # the q and k norms each span all heads of a token (MiniMax-M2): (N + K) x D weights, not 2D
+    qk_norm_all_heads: bool = False
     attn_bias: bool = False  # q/k/v projection biases (GLM)
     gdn_k_heads: int = 0
     gdn_v_heads: int = 0
@@ -101,7 +103,11 @@ class ModelSpec:
             q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
             kv = 2 * self.n_kv_heads * self.head_dim
             bias = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim * self.attn_bias
-            norms = 2 * self.head_dim * self.qk_norm
+            norms = (
+                (self.n_heads + self.n_kv_heads) * self.head_dim
+                if self.qk_norm_all_heads
+                else 2 * self.head_dim * self.qk_norm
+            )
             return h * (q_out + kv) + self.n_heads * self.head_dim * h + bias + norms + h
         kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
         conv_ch = 2 * kd + vd

@@ -49,6 +49,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from bumblebee.primitives.host_memory import allocating_host
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
 
@@ -104,7 +106,7 @@ class _AllocationMode(TorchDispatchMode):
             fresh = self.fresh[func] = tuple(
                 r.alias_info is None and not collective for r in func._schema.returns
             )
-        track = self.tracker._track
+        track = self.tracker._track_host if allocating_host() else self.tracker._track
         if isinstance(out, torch.Tensor):
             if fresh[0]:
                 track(out, None)
@@ -139,6 +141,8 @@ class MemoryTracker:
         self._hooks = []
         self._resize = None  # (original UntypedStorage.resize_, our wrapper) inside the context
         self._interrupted = False  # a KeyboardInterrupt caught in a weakref callback, to re-raise
+        self._host_live: dict[int, tuple] = {}  # host buffers (primitives/host_memory.py)
+        self._host = self._host_peak = 0
 
     # ------------------------------------------------------------------ public API
     @property
@@ -157,6 +161,7 @@ class MemoryTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
         with self._lock:
             self._peak, self._peak_bytes = self._total, dict(self._bytes)
+            self._host_peak = self._host
 
     def breakdown(self, at: str = "current") -> dict[str, int]:
         """Bytes per category (CATEGORIES) plus "total", now (``"current"``) or at the peak."""
@@ -223,10 +228,40 @@ class MemoryTracker:
         self._hooks.clear()
         with self._lock:
             self._live.clear()  # drop the weakrefs: no more callbacks; figures stay frozen
+            self._host_live.clear()
         if exc[0] is None:
             self._raise_pending_interrupt()
 
+    @property
+    def host_bytes(self) -> int:
+        """Live bytes of host buffers made inside ``host_allocations()`` (CPU tracker; not part of
+        ``current_bytes``, as pinned host memory is not part of the CUDA allocator's count)."""
+        return self._host
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return self._host_peak
+
     # ------------------------------------------------------------------ bookkeeping
+    def _track_host(self, t: torch.Tensor, category) -> None:
+        for s in _storages(t):
+            key = s._cdata
+            with self._lock:
+                if key in self._host_live:
+                    continue
+                self._host_live[key] = (
+                    weakref.ref(s, lambda _, k=key: self._on_host_free(k)),
+                    s.nbytes(),
+                )
+                self._host += s.nbytes()
+                self._host_peak = max(self._host_peak, self._host)
+
+    def _on_host_free(self, key: int) -> None:
+        with self._lock:
+            entry = self._host_live.pop(key, None)
+            if entry is not None:
+                self._host -= entry[1]
+
     def _track(self, t: torch.Tensor, category) -> None:
         """Count ``t``'s storages if new; with a ``category``, (re)label them."""
         for s in _storages(t):

@@ -16,6 +16,9 @@ import sys
 from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.console import Progress, SetOverride
 from bumblebee.plan import report
+from bumblebee.plan.chunks import ChunkChoice, choose, run_skew
+from bumblebee.plan.cp_rules import check_cp_rules
+from bumblebee.plan.cp_rules import text as cp_rules_text
 from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.kernels import assumptions, kernels_note
 from bumblebee.plan.layout import Workload, apply_overrides, check, parse_layout, prims_label
@@ -63,8 +66,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         metavar="F",
-        help="--dry-run routing: this rank's experts receive F x their balanced share (default 1: "
-        "balanced)",
+        help="routing skew: the busiest EP rank's experts receive F x their balanced share "
+        "(default 1: balanced); the plan's memory and time and the dry run's routing follow it, "
+        "and with moe_comm chunked the chunk count and weights are chosen for it",
+    )
+    p.add_argument(
+        "--from-run",
+        metavar="DIR",
+        help="a training run's out_dir: per-layer routing skew from its expert-load histograms "
+        "(moe.load_histogram_every), used as --skew (the worst layer) and to choose chunk "
+        "weights per MoE layer",
     )
     p.add_argument(
         "--doc-len",
@@ -111,7 +122,7 @@ def _one_layout(args, spec, gpu, work, base: PrimitivesConfig, fixed: set[str]) 
     why = check(spec, lay, prims, work, args.gpus)
     if why:
         raise ConfigError(f"--layout {args.layout!r}: {why}")
-    cand = evaluate(spec, lay, prims, work, gpu)
+    cand = evaluate(spec, lay, prims, work, gpu, skew=args.skew)
     return Recommendation(
         cand,
         {
@@ -120,6 +131,26 @@ def _one_layout(args, spec, gpu, work, base: PrimitivesConfig, fixed: set[str]) 
             + (" (recipe defaults + --set)" if fixed else " (recipe defaults)"),
         },
     )
+
+
+def _choose_chunks(args, spec, gpu, work, rec: Recommendation) -> ChunkChoice | None:
+    """Under routing skew (``--skew`` or ``--from-run``) and chunked EP: the recommendation
+    re-evaluated with the chunk weights chosen for it (plan/chunks.py)."""
+    c = rec.candidate
+    if args.from_run:
+        skews = run_skew(args.from_run, spec, c.layout.ep)
+        c = evaluate(spec, c.layout, c.prims, work, gpu, skew=max(skews))
+    else:
+        skews = [args.skew] if args.skew > 1 else None
+    rec.candidate = c
+    if skews is None or c.prims.moe_comm != "chunked" or c.layout.ep == 1:
+        return None
+    choice = choose(spec, c.layout, c.prims.recompute, c.prims.moe_chunks, work, gpu, skews)
+    w = choice.config_weights()
+    k = c.prims.moe_chunks if isinstance(w[0], list) else len(w)
+    prims = dataclasses.replace(c.prims, moe_chunk_weights=w, moe_chunks=k)
+    rec.candidate = evaluate(spec, c.layout, prims, work, gpu, skew=max(skews))
+    return choice
 
 
 def _header(args, n: int | None) -> str:
@@ -137,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--skew must be a finite number >= 1 (1: balanced routing), got {args.skew}"
         )
+    if args.from_run and args.skew != 1.0:
+        raise ConfigError("--from-run reads the skew from the run's histograms: drop --skew")
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     if args.seq < 1:
@@ -163,9 +196,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.gpus > 4096:
             raise ConfigError(f"--gpus {args.gpus}: the search covers up to 4096 GPUs")
-        rec = recipe(spec, args.gpus, gpu, work, base, fixed)
+        rec = recipe(spec, args.gpus, gpu, work, base, fixed, skew=args.skew)
         with Progress(f"plan {spec.name} on {args.gpus} GPUs: layouts evaluated") as progress:
-            cands = search(spec, args.gpus, gpu, work, base, fixed, progress=progress)
+            cands = search(
+                spec, args.gpus, gpu, work, base, fixed, progress=progress, skew=args.skew
+            )
         # rank only what the runtime accepts (its own resolver); the rest only on request, marked
         problems = {}
         with Progress(
@@ -231,6 +266,9 @@ def run(args: argparse.Namespace) -> int:
         cands = [c for c in cands if c.feasible][: args.top] + [c for c in cands if not c.feasible][
             : args.top
         ]
+    chunks = _choose_chunks(args, spec, gpu, work, rec)
+    if chunks is not None:
+        notes.append(chunks.text())
     notes.append(
         "assumed, decided by the runtime at start: bf16 compute, fp32 master weights; on CPU the "
         "pure-PyTorch paths run"
@@ -272,8 +310,10 @@ def run(args: argparse.Namespace) -> int:
         shown = [rec.candidate] + [c for c in cands if c.feasible and c is not rec.candidate]
         report.plot(args.plot, shown)
         notes.append(f"plot written to {args.plot}")
-    if args.explain and not args.json:
+    rules = check_cp_rules(spec, rec.candidate, work, gpu) if args.explain else None
+    if rules is not None and not args.json:
         print(report.explain(rec.candidate) + "\n")
+        print(cp_rules_text(rules) + "\n")
     if args.json:
         out = report.to_json(rec, cands)
         for entry, cand in zip([out["recommended"]] + out["candidates"], [rec.candidate] + cands):
@@ -285,6 +325,16 @@ def run(args: argparse.Namespace) -> int:
             entry["assumptions"] = assumptions(cand.layout.cp, GDN in spec.mixers)
         if dry is not None:
             out["dry_run"] = dry.as_json()
+        if chunks is not None:
+            out["chunks"] = {
+                "skew": chunks.skews,
+                "moe_chunk_weights": chunks.config_weights(),
+                "exposed_even_s": chunks.exposed_even_s,
+                "exposed_s": chunks.exposed_s,
+                "moe_s": chunks.moe_s,
+            }
+        if rules is not None:
+            out["cp_rules"] = [r.as_json() for r in rules]
         print(json.dumps(out, indent=1))
     else:
         print(

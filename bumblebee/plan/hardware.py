@@ -26,6 +26,9 @@ class GPU:
     # inter-node per GPU per direction: 8 x 400 Gb/s IB per 8-GPU node (typical H100 cluster networking)
     ib_gbps: float = 50.0
     gpus_per_node: int = 8
+    # host <-> GPU per direction: PCIe 5.0 x16 is 64 GB/s nominal; ~50 GB/s is what copies from
+    # pinned memory reach (recompute = "offload" moves layer inputs over it)
+    pcie_gbps: float = 50.0
 
 
 # Public spec sheets, dense bf16 (NVIDIA H100 SXM, H200, B200 datasheets).

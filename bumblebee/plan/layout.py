@@ -22,7 +22,7 @@ from bumblebee.primitives import sharding as _sharding  # noqa: F401  (and the s
 from bumblebee.runtime.resolve import Layout  # noqa: F401  (one meaning of "layout" in bumblebee)
 
 # the recompute policies and MoE exchanges the planner models (by name: plan/memory.py, perf.py)
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "offload")
 MOE_COMM = ("local", "alltoall", "chunked")
 
 

@@ -46,6 +46,8 @@ from bumblebee.plan.memory import (
     stage_layers,
 )
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
+from bumblebee.primitives.moe import chunk_plan
+from bumblebee.primitives.moe.chunk_plan import PhaseTimes
 
 KERNELS = {
     ATTN: 22,
@@ -116,13 +118,15 @@ def _layer_time(
     gpu: GPU,
     eff: Efficiency,
     clock: _Clock,
+    skew: float = 1.0,
 ) -> float:
-    """One layer, one micro-batch, forward + backward (+ recompute). Returns its compute time."""
+    """One layer, one micro-batch, forward + backward (+ recompute). Returns its compute time
+    (``skew``: the busiest EP rank's experts receive skew x the balanced rows)."""
     t = local_tokens(work, lay)
     ts = t / lay.tp  # sequence-parallel tokens
     h, tp = spec.hidden, lay.tp
     mixer, mlp = kind
-    rc = prims.recompute
+    rc = "full" if prims.recompute == "offload" else prims.recompute  # offload: full + copies
     fwd_passes = 2.0 if rc == "full" else 1.0  # forward + recompute forward
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm
 
@@ -148,25 +152,33 @@ def _layer_time(
     clock.add("gemm", dense * (fwd_passes + 2))
     compute = (proj + dense) * (fwd_passes + 2) + core * fwd_passes + core_b
     if mlp == MOE:
-        rows = spec.top_k * ts  # routed rows this GPU computes (balanced routing)
-        per_expert = rows * lay.ep / spec.experts
-        experts = _gemm(ts * routed_f, min(per_expert, spec.expert_ffn, h), gpu, eff, grouped=True)
-        routed_bytes = rows * h * BF16
-        a2a = _a2a(routed_bytes, lay.ep, gpu, eff) if lay.ep > 1 else 0.0
+        experts, a2a = moe_times(spec, lay, work, gpu, eff, skew)
         # passes: (expert GEMM share, number of all-to-alls) for forward, recompute, backward
         passes = [(1.0, 2), (2.0, 2)]
         if rc == "full":
             passes.append((1.0, 1 if prims.moe_comm == "chunked" else 2))
-        for gemm_mult, n_a2a in passes:
-            g, c = experts * gemm_mult, a2a * n_a2a
-            if prims.moe_comm == "chunked" and c > 0:
-                n = max(1, prims.moe_chunks)
-                clock.add("experts", g)
-                clock.add("ep_comm", min(g, c) / n + max(0.0, c - g))
-                clock.add("launch", (n - 1) * KERNELS["chunk"] * eff.kernel_us * 1e-6)
-            else:
-                clock.add("experts", g)
-                clock.add("ep_comm", c)
+        if prims.moe_comm == "chunked" and a2a > 0:
+            # even chunks: the calibrated per-pass estimate; uneven chunks scale it by what the
+            # timeline of the schedule (chunk_plan.py) says they change
+            weights = chunk_weight_lists(prims)
+            phases = chunk_phases(experts, a2a, recompute=rc == "full")
+            for w in weights:
+                n = len(w)
+                timeline = chunk_plan.evaluate(w, phases).exposed
+                even = chunk_plan.evaluate(chunk_plan.even(n), phases).exposed
+                scale = timeline / even if even > 0 else 1.0
+                for gemm_mult, n_a2a in passes:
+                    g, c = experts * gemm_mult, a2a * n_a2a
+                    clock.add("experts", g / len(weights))
+                    exposed = min(g, c) / n + max(0.0, c - g)
+                    clock.add("ep_comm", exposed * scale / len(weights))
+                    clock.add(
+                        "launch", (n - 1) * KERNELS["chunk"] * eff.kernel_us * 1e-6 / len(weights)
+                    )
+        else:
+            for gemm_mult, n_a2a in passes:
+                clock.add("experts", experts * gemm_mult)
+                clock.add("ep_comm", a2a * n_a2a)
         compute += experts * (fwd_passes + 2)
 
     # elementwise / norm / permute traffic: each activation written and read once per pass
@@ -225,7 +237,51 @@ def _layer_time(
             state = spec.gdn_v_heads / tp * spec.gdn_k_dim * spec.gdn_v_dim * FP32
             hop = P2P_LATENCY_S + state / bw
             clock.add("cp_comm", (lay.cp - 1) * hop * (fwd_passes + 1))
+    if prims.recompute == "offload":
+        # the layer input out after the forward and back before the recompute, each on a side
+        # stream under a layer's compute: only what a layer's compute does not cover is exposed
+        copy = t * h / tp * BF16 / (gpu.pcie_gbps * 1e9)
+        clock.add("offload", 2 * max(0.0, copy - compute / (fwd_passes + 2)))
     return compute
+
+
+def moe_times(
+    spec: ModelSpec, lay: Layout, work: Workload, gpu: GPU, eff: Efficiency, skew: float = 1.0
+) -> tuple[float, float]:
+    """Seconds of one MoE layer's routed expert GEMMs (forward) and of one all-to-all of its
+    routed rows, per micro-batch, on the busiest EP rank: its experts receive (and send back)
+    ``skew`` x the balanced rows."""
+    ts = local_tokens(work, lay) / lay.tp
+    rows = spec.top_k * ts  # routed rows this GPU computes (balanced routing)
+    per_expert = rows * lay.ep / spec.experts
+    routed_f = spec.moe_gemm_flops(MOE)[1]
+    experts = _gemm(
+        ts * routed_f, min(per_expert, spec.expert_ffn, spec.hidden), gpu, eff, grouped=True
+    )
+    if lay.ep == 1:
+        return experts, 0.0
+    return skew * experts, skew * _a2a(rows * spec.hidden * BF16, lay.ep, gpu, eff)
+
+
+def chunk_phases(experts: float, a2a: float, recompute: bool) -> list:
+    """One MoE layer's phases as chunked.py runs them (chunk_plan.py): forward (dispatch, fc1 +
+    fc2, combine), backward (combine-backward, dgrad, dispatch-backward, then the weight
+    gradients) and, under full recompute, the recompute forward (dispatch and fc1 only)."""
+    out = [
+        ("forward", PhaseTimes(dispatch=a2a, gemm=experts, combine=a2a)),
+        ("backward", PhaseTimes(dispatch=a2a, gemm=experts, combine=a2a, after=experts)),
+    ]
+    if recompute:
+        out.append(("forward", PhaseTimes(dispatch=a2a, gemm=experts, combine=0.0)))
+    return out
+
+
+def chunk_weight_lists(prims: PrimitivesConfig) -> list[tuple]:
+    """The chunk weights of every MoE layer (one entry when all layers share them)."""
+    w = prims.moe_chunk_weights
+    if w and all(isinstance(x, list | tuple) for x in w):
+        return [tuple(x) for x in w]
+    return [tuple(w) if w else chunk_plan.even(max(1, prims.moe_chunks))]
 
 
 def _fsdp_layer_comm(
@@ -263,6 +319,7 @@ def estimate(
     work: Workload,
     gpu: GPU,
     eff: Efficiency | None = None,
+    skew: float = 1.0,
 ) -> PerfEstimate:
     eff = eff or Efficiency()
     m = micro_batches(work, lay)
@@ -271,7 +328,7 @@ def estimate(
         clock = _Clock()
         for kind, n in stage_kinds(spec, layers).items():
             one = _Clock()
-            compute = _layer_time(spec, kind, lay, prims, work, gpu, eff, one)
+            compute = _layer_time(spec, kind, lay, prims, work, gpu, eff, one, skew)
             if sharding_costs(prims).gathers_per_layer:
                 one.add(
                     "fsdp_comm",

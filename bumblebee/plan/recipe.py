@@ -81,15 +81,17 @@ def evaluate(
     work: Workload,
     gpu: GPU,
     eff: Efficiency | None = None,
+    skew: float = 1.0,
 ) -> Candidate:
+    """``skew``: routing skew on the busiest EP rank (memory and time; 1: balanced)."""
     why = check(spec, lay, prims, work, lay.world)
     if why:
         return Candidate(lay, prims, False, why)
-    timeline = stage_timeline(spec, lay, prims, work)
+    timeline = stage_timeline(spec, lay, prims, work, skew)
     stages = [st.peak for st in timeline]
     peak = max(range(len(stages)), key=lambda s: stages[s].total)
     mem = stages[peak]
-    perf = estimate(spec, lay, prims, work, gpu, eff)
+    perf = estimate(spec, lay, prims, work, gpu, eff, skew)
     cand = Candidate(
         lay, prims, True, "", mem, [round(m.total / GB, 2) for m in stages], perf, timeline
     )
@@ -160,6 +162,7 @@ def search(
     fixed: set[str],
     eff: Efficiency | None = None,
     progress=None,
+    skew: float = 1.0,
 ) -> list[Candidate]:
     """Every valid combination: feasible ones by predicted throughput, then the rest by memory.
     ``progress`` (a ``console.Progress``) counts the layouts evaluated."""
@@ -171,7 +174,7 @@ def search(
         for prims in primitive_choices(lay.ep, base, fixed):
             if check(spec, lay, prims, work, gpus):
                 continue
-            cands.append(evaluate(spec, lay, prims, work, gpu, eff))
+            cands.append(evaluate(spec, lay, prims, work, gpu, eff, skew))
         if progress is not None:
             progress.update()
     # feasible: fastest first; infeasible: nearest to fitting first
@@ -209,6 +212,7 @@ def recipe(
     base: PrimitivesConfig,
     fixed: set[str],
     eff: Efficiency | None = None,
+    skew: float = 1.0,
 ) -> Recommendation:
     n = spec.num_params()["total"]
     ep_rule = 32 if n > LARGE_MODEL else 8
@@ -230,7 +234,9 @@ def recipe(
         dp = gpus // (pp * cp)
         ep = _largest_divisor_pow2(min(ep_rule, gpus // pp), spec.experts, cp * dp)
         p = prims if ep > 1 else dataclasses.replace(prims, moe_comm="local")
-        cand = evaluate(spec, Layout(tp=1, pp=pp, ep=ep, cp=cp, dp_shard=dp), p, work, gpu, eff)
+        cand = evaluate(
+            spec, Layout(tp=1, pp=pp, ep=ep, cp=cp, dp_shard=dp), p, work, gpu, eff, skew
+        )
         tried.append(cand)
         if cand.feasible:
             break

@@ -38,6 +38,7 @@ def run_config(model: str, family: str, cand, work) -> Config:
         p.recompute,
     )
     cfg.primitives.moe_comm, cfg.primitives.moe_chunks = p.moe_comm, p.moe_chunks
+    cfg.primitives.moe_chunk_weights = list(p.moe_chunk_weights)
     cfg.train.seq_len, cfg.train.global_batch, cfg.train.micro_batch = (
         work.seq,
         work.global_batch,
@@ -104,7 +105,12 @@ def emit_toml(cfg: Config, header: str) -> str:
         "primitives": {
             k: getattr(cfg.primitives, k)
             for k in ("sharding", "loss", "recompute", "moe_comm", "moe_chunks")
-        },
+        }
+        | (
+            {"moe_chunk_weights": cfg.primitives.moe_chunk_weights}
+            if cfg.primitives.moe_chunk_weights
+            else {}
+        ),
         "train": {k: getattr(t, k) for k in ("seq_len", "global_batch", "micro_batch", "dtype")},
         "data": {},
     }

@@ -149,7 +149,8 @@ def _layer_moments(
     cpk, cpm, cp_why = cp_extra(spec, mixer, lay)
     routed = routed_buffers(spec, prims, tp, skew) if mlp == MOE else {}
     ws = t * gdn_state_bytes(spec, tp) if mixer != ATTN else 0.0
-    f, rc = BWD_GRAD_FRACTION, prims.recompute
+    f = BWD_GRAD_FRACTION
+    rc = "full" if prims.recompute == "offload" else prims.recompute  # the device side is full's
     rsaved = routed_saved(spec, prims, tp) if mlp == MOE else 0.0
     saved = {"full": h2, "selective": mk + fk + rsaved, "none": mk + mc + fk + fc + rsaved}[rc]
     # the mixer's saved tensors with its input norm counted from the code (mixer_act's count of it is
@@ -299,6 +300,13 @@ def _layer_moments(
     return saved, out
 
 
+def _offloaded(host: float, device: float) -> str:
+    return (
+        f"offload recompute: {host / GB:.2f} GB of layer inputs in host memory; on the device "
+        f"{device / GB:.2f} GB (the input being recomputed and the one prefetched)"
+    )
+
+
 def stage_timeline(
     spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, work: Workload, skew: float = 1.0
 ) -> list[StageMemory]:
@@ -316,6 +324,10 @@ def stage_timeline(
             k: _layer_moments(spec, k, lay, prims, t, skew, work.micro_batch) for k in kinds
         }
         saved_mb = sum(n * per_kind[k][0] for k, n in kinds.items())
+        # offload: every layer input waits in host memory; the device holds the one being
+        # recomputed and the one prefetched
+        host = inflight * t * saved_mb if prims.recompute == "offload" else 0.0
+        on_device = 2 * t * spec.hidden / lay.tp * BF16 if host else float("inf")
         ag_fwd, ag_bwd = (
             allgather_bytes(spec, lay, layers, first, last)
             if sharding_costs(prims).gathers_per_layer
@@ -341,13 +353,15 @@ def stage_timeline(
                     f"{inflight} micro-batch(es) in flight x {t} tokens x {saved_mb:.0f} "
                     f"B/token ({prims.recompute} recompute, {len(layers)} layers)"
                 )
+            if host and mem.saved_inputs:
+                mem.why["saved_inputs"] = _offloaded(host, mem.saved_inputs)
             mem.why["overhead"] = (
                 f"{FIXED_OVERHEAD_GB} GB fixed + {FRAGMENTATION} x {transient / GB:.2f} GB transient"
             )
             return mem
 
         moments: dict[str, MemoryBreakdown] = {}
-        saved = inflight * t * saved_mb
+        saved = min(inflight * t * saved_mb, on_device)
         # the global-batch balance loss runs every micro-batch's forward, loss included, before the backwards
         others_loss = (
             (inflight - 1) * t * loss_kept(spec, lay, prims) if last and lay.pp == 1 else 0.0
@@ -367,7 +381,7 @@ def stage_timeline(
                 (n_in, own), (_, live, routed, ws, why) = max(
                     cands, key=lambda v: v[0][1] + sum(v[1][1:4])
                 )
-                kept = (inflight - 1) * t * saved_mb + own
+                kept = min((inflight - 1) * t * saved_mb + own, on_device)
                 mem = moment(
                     name,
                     saved_inputs=kept,
@@ -379,7 +393,9 @@ def stage_timeline(
                 )
                 mem.why["live_layer"] = why
                 mem.why["saved_inputs"] = (
-                    f"{inflight - 1} other micro-batch(es) in flight x {t} tokens x "
+                    _offloaded(host, kept)
+                    if host
+                    else f"{inflight - 1} other micro-batch(es) in flight x {t} tokens x "
                     f"{saved_mb:.0f} B/token + layers 0..{n_in - 1} of this one "
                     f"({prims.recompute} recompute)"
                 )

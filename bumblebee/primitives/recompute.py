@@ -37,6 +37,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from bumblebee.primitives.moe import replay as routing_replay
+from bumblebee.primitives.offload import LayerInputStore
 from bumblebee.primitives.recompute_scope import _RECOMPUTING
 from bumblebee.registry import register
 
@@ -140,6 +141,12 @@ class NoRecompute:
     def module(self, name: str, fn: Callable, *args):
         return fn(*args)
 
+    def decoder_layer(self, fn: Callable, x: torch.Tensor, *args):
+        """A decoder layer of the main stack (``x``: its input hidden state, read by nothing
+        after the layer but the layer's own backward). Policies that move that input elsewhere
+        between forward and backward override this; ``layer`` is for everything else."""
+        return self.layer(fn, x, *args)
+
 
 @register("recompute", "full", summary="checkpoint every decoder layer; recompute it in backward")
 class FullRecompute(NoRecompute):
@@ -167,3 +174,31 @@ class SelectiveRecompute(NoRecompute):
         if name in self.selected:
             return _checkpoint(fn, *args)
         return fn(*args)
+
+
+@register(
+    "recompute",
+    "offload",
+    summary="full recompute; each layer's input waits in host memory until its backward",
+)
+class OffloadRecompute(FullRecompute):
+    """``full``, plus each decoder layer's input moved to host memory right after the layer's
+    forward and brought back, one layer ahead, for its recompute (primitives/offload.py)."""
+
+    def __init__(self, modules=()):
+        super().__init__(modules)
+        self.store = LayerInputStore()
+
+    def decoder_layer(self, fn: Callable, x: torch.Tensor, *args):
+        if _EAGER.get() or not (torch.is_grad_enabled() and x.requires_grad):
+            return self.layer(fn, x, *args)
+        entry = []
+
+        def run(x, *args):
+            if entry:  # the recompute: the input's storage is released until restored
+                self.store.restore(entry[0])
+            return fn(x, *args)
+
+        out = _checkpoint(run, x, *args)
+        entry.append(self.store.offload(x))
+        return out

@@ -33,20 +33,21 @@ def hf_expert_names(name: str, first: int, piece, F: int):
 FUSED = {"experts.w_gate_up": "experts.gate_up_proj", "experts.w_down": "experts.down_proj"}
 
 
-def transformers_name(name: str) -> str | None:
+def transformers_name(name: str, renames: dict | None = None) -> str | None:
     """A bumblebee parameter / buffer name -> transformers 5's in-memory name (before the source
-    checkpoint's prefixes); None for a tensor a transformers model does not hold."""
+    checkpoint's prefixes); None for a tensor a transformers model does not hold. ``renames``:
+    the family's own name endings (``Family.transformers_renames``)."""
     if name.startswith("mtp."):
         return None
-    for ours, theirs in FUSED.items():
+    for ours, theirs in {**FUSED, **(renames or {})}.items():
         if name.endswith(ours):
             return name[: -len(ours)] + theirs
     return name
 
 
-def transformers_named(pairs):
+def transformers_named(pairs, renames: dict | None = None):
     """(transformers name, tensor) from (bumblebee name, tensor) pairs, MTP tensors dropped."""
     for name, t in pairs:
-        out = transformers_name(name)
+        out = transformers_name(name, renames)
         if out is not None:
             yield out, t

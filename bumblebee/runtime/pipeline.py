@@ -86,7 +86,7 @@ def stage_layout(cfg, model, stages: int) -> list[list[int]]:
         return [list(layers) for layers in cfg.primitives.pp_layout]
     layers, head = model.layer_flops(cfg.train.seq_len)
     passes = (
-        4 if cfg.primitives.recompute == "full" else 3
+        4 if cfg.primitives.recompute in ("full", "offload") else 3
     )  # forward + backward (+ recomputed forward)
     mtp = model.mtp_depth  # MTP depths run on the last stage: a (MoE) layer and the LM head each
     return balance_layers(

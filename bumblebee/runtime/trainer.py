@@ -78,7 +78,14 @@ def build_initial_model(
     ``device`` and filled in place: the random init of ``train.seed`` (identical for every
     layout), or each rank's slices of ``model.hf_path``."""
     arch = arch or resolve_arch(cfg.model)
-    model = build_model(arch, cfg.primitives, groups or ParallelGroups(), device="meta")
+    model = build_model(
+        arch,
+        cfg.primitives,
+        groups or ParallelGroups(),
+        device="meta",
+        lora=cfg.model.lora if cfg.model.lora.rank else None,
+        train_dtype=cfg.train.dtype,
+    )
     model.set_mtp(
         cfg.mtp.depth, cfg.mtp.loss_weight
     )  # before the split: the last pipeline stage runs MTP

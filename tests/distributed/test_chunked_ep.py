@@ -74,7 +74,10 @@ def layer(rank, world, comm, k, policy, kind, K, T):
         num_experts_per_tok=K,
     )
     group = None if comm == "local" else dist.group.WORLD
-    dispatch = registry.get("moe_comm", comm).factory(num_experts=E, ep_group=group, num_chunks=k)
+    weights = k if isinstance(k, tuple) else ()  # uneven chunks: their token shares
+    dispatch = registry.get("moe_comm", comm).factory(
+        num_experts=E, ep_group=group, num_chunks=len(k) if weights else k, chunk_weights=weights
+    )
     moe = MoE(arch, PrimitivesConfig(), dispatch, ParallelGroups(ep_group=group))
     g = torch.Generator().manual_seed(
         7
@@ -154,7 +157,13 @@ def layer_cases(K_random):
         for policy in ("none", "full")
         for kind, K, T in (("random", K_random, 37), ("skewed", 3, 23))
     ]
-    return cases + [(4, "full", "skewed", 3, 3), (3, "none", "random", K_random, 2)]
+    # uneven chunks (chunk_plan.py), one of them empty at T = 5
+    weighted = [
+        ((0.15, 0.6, 0.25), "full", "skewed", 3, 37),
+        ((0.2, 0.8), "none", "random", K_random, 37),
+        ((0.05, 0.2, 0.6, 0.15), "full", "random", K_random, 5),
+    ]
+    return cases + [(4, "full", "skewed", 3, 3), (3, "none", "random", K_random, 2)] + weighted
 
 
 def trace_overrides(ep, rc, k):
@@ -162,6 +171,8 @@ def trace_overrides(ep, rc, k):
         ["primitives.moe_comm=alltoall"]
         if k is None
         else ["primitives.moe_comm=chunked", f"primitives.moe_chunks={k}"]
+        if isinstance(k, int)  # else one list of chunk weights per MoE layer
+        else ["primitives.moe_comm=chunked", f"primitives.moe_chunk_weights={[list(w) for w in k]}"]
     )
     return [f"parallel.ep={ep}", f"primitives.recompute={rc}"] + comm
 
@@ -199,6 +210,7 @@ def check_layers(cases, results):
     for rank, (per_rank, _) in enumerate(results):
         for (k, policy, kind, K, T), (errs, calls, errs_local) in zip(cases, per_rank):
             case = f"rank {rank} k={k} {policy} {kind} K={K} T={T}"
+            k = len(k) if isinstance(k, tuple) else k
             for name, err, err_local in zip(LAYER_NAMES, errs, errs_local):
                 assert err < RTOL, f"{case}: {name} relative error {err:.2e}"
                 assert err_local < 1e-5, (
@@ -234,6 +246,7 @@ def test_two_ranks(tmp_path):
     """ep = 2, top-k 3 > ep; traces for every k with recompute none and full."""
     cases = layer_cases(K_random=3)
     runs = [(2, rc, k) for k in (None, 2, 3, 4) for rc in ("none", "full")]
+    runs.append((2, "full", ((0.3, 0.7),)))  # per-layer chunk weights (one MoE layer)
     results = run_distributed(_ranks, 2, cases, runs, str(tmp_path))
     check_layers(cases, results)
     check_traces(runs, results[0][1], 2)

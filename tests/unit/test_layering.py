@@ -77,7 +77,7 @@ ALLOWED = {
 ALLOWED_MODULES = {
     # the launch counter reads the kernel regions the emulated kernels enter; a leaf module
     # (nothing from bumblebee), so perf gains no dependency on primitives' code
-    "perf": {"bumblebee.primitives.kernel_region"},
+    "perf": {"bumblebee.primitives.kernel_region", "bumblebee.primitives.host_memory"},
 }
 
 

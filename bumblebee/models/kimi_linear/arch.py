@@ -42,6 +42,17 @@ _LINEAR_CONFIG = {"head_dim": "linear_head_dim", "num_heads": "linear_num_heads"
 
 @dataclass(kw_only=True)
 class KimiLinearArch(DeepseekV3Arch):
+    # Kimi's config.json (the release and transformers' save_pretrained) names the experts per token
+    # num_experts_per_token (models/__init__.py's required keys otherwise)
+    REQUIRED_HF_KEYS = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "moe_intermediate_size",
+        "num_experts_per_token",
+    )
     model_type: str = "kimi_linear"
     vocab_size: int = 163840
     hidden_size: int = 2304

@@ -86,6 +86,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(
             kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), bias=False
         )
+        # the latent CP ring reads this weight itself: LoRA (models/lora.py) leaves it frozen
+        self.kv_b_proj.reads_weight = True
         self.o_proj = nn.Linear(heads * v_head_dim, hidden, bias=False)
         self.scale, self.rope_interleave = scale, rope_interleave
         self.use_rope = use_rope  # False: the decoupled dims stay, unrotated (a NoPE MLA)

@@ -50,6 +50,7 @@ brings to this rank's experts (grouped by local expert), F expert FFN, G = 2F.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from torch.profiler import record_function
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.moe.alltoall import regroup_by_expert
+from bumblebee.primitives.moe.chunk_plan import token_bounds
 from bumblebee.primitives.moe.experts import experts_grouped, experts_loop, grouped_mm_supported
 from bumblebee.primitives.moe.local import permute, unsort_rows
 from bumblebee.primitives.packed import to_device
@@ -158,9 +160,12 @@ class _Setup:
     grouped: bool
     recompute: bool  # inside a recompute forward: skip what only the discarded output needs
     drops: bool = False  # capacity: ids == num_experts mark dropped pairs (cut by permute)
+    weights: tuple | None = None  # token share of each chunk (chunk_plan.py); None: even
 
 
-def _bounds(T: int, k: int):
+def _bounds(T: int, k: int, weights=None):
+    if weights is not None:
+        return token_bounds(T, weights)
     sizes = [T // k + (i < T % k) for i in range(k)]
     starts = [sum(sizes[:i]) for i in range(k)]
     return [(s, s + n) for s, n in zip(starts, sizes)]
@@ -173,7 +178,7 @@ class _ChunkedExperts(torch.autograd.Function):
     def forward(ctx, x_TH, weight_TK, w1_EGH, w2_EHF, idx_TK, s: _Setup):
         (T, K), H, ep = idx_TK.shape, x_TH.shape[1], s.comm.ep
         chunks = []  # per chunk: [lo, hi, order_N, send, recv, local, by_expert]
-        for lo, hi in _bounds(T, s.num_chunks):
+        for lo, hi in _bounds(T, s.num_chunks, s.weights):
             order_N, counts_E = permute(idx_TK[lo:hi], s.num_experts, s.drops)
             chunks.append([lo, hi, order_N, counts_E])
         # every chunk's counts in one exchange and one device-to-host read (a read per chunk would
@@ -279,21 +284,53 @@ class _ChunkedExperts(torch.autograd.Function):
     "moe_comm", "chunked", summary="k token chunks; async dispatch/combine under the expert GEMMs"
 )
 class ChunkedDispatch:
-    def __init__(self, num_experts: int, ep_group=None, num_chunks: int = 2, **_unused):
-        if isinstance(num_chunks, bool) or num_chunks not in CHUNKS:
-            from bumblebee.config import ConfigError  # lazily, as registry.get does
+    """``chunk_weights``: [] (even chunks), one list of ``num_chunks`` positive token shares for
+    every MoE layer, or one list (2-4 shares) per MoE layer in order (``for_layer``)."""
 
+    def __init__(
+        self, num_experts: int, ep_group=None, num_chunks: int = 2, chunk_weights=(), **_unused
+    ):
+        from bumblebee.config import ConfigError  # lazily, as registry.get does
+
+        if isinstance(num_chunks, bool) or num_chunks not in CHUNKS:
             raise ConfigError(
                 f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', got "
                 f"{num_chunks!r}"
             )
         self.num_experts, self.num_chunks, self.group = num_experts, num_chunks, ep_group
+        per_layer = bool(chunk_weights) and all(isinstance(w, list | tuple) for w in chunk_weights)
+        for w in chunk_weights if per_layer else [chunk_weights] if chunk_weights else []:
+            ok = all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in w)
+            if not ok or len(w) not in CHUNKS or (not per_layer and len(w) != num_chunks):
+                raise ConfigError(
+                    f"primitives.moe_chunk_weights: {list(chunk_weights)!r} must be [] (even), "
+                    f"{num_chunks} positive numbers (moe_chunks) or one list of 2-4 positive "
+                    "numbers per MoE layer"
+                )
+        self.per_layer = [tuple(w) for w in chunk_weights] if per_layer else None
+        self.weights = tuple(chunk_weights) if chunk_weights and not per_layer else None
         self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
         if num_experts % self.ep:
             raise ValueError(
                 f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})"
             )
         self._streams = {}  # device -> CUDA communication stream
+
+    def for_layer(self, j: int, layers: int) -> ChunkedDispatch:
+        """The dispatcher of MoE layer ``j`` of ``layers``: this one, or with that layer's
+        chunk weights (streams shared)."""
+        if self.per_layer is None:
+            return self
+        if len(self.per_layer) != layers:
+            from bumblebee.config import ConfigError
+
+            raise ConfigError(
+                f"primitives.moe_chunk_weights has {len(self.per_layer)} per-layer lists; the model "
+                f"has {layers} MoE layers"
+            )
+        out = copy.copy(self)
+        out.weights, out.num_chunks, out.per_layer = self.per_layer[j], len(self.per_layer[j]), None
+        return out
 
     def __call__(
         self,
@@ -338,6 +375,7 @@ class ChunkedDispatch:
             grouped,
             recompute=in_recompute(),
             drops=drops,
+            weights=self.weights,
         )
         dtype = x_TH.dtype  # the experts' compute dtype (Experts.forward applied autocast)
         return _ChunkedExperts.apply(
