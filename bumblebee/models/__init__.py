@@ -22,6 +22,7 @@ from bumblebee.models import deepseek_v3  # noqa: F401
 from bumblebee.models import qwen3_next  # noqa: F401
 from bumblebee.models import glm4_moe  # noqa: F401
 from bumblebee.models import minimax_m2  # noqa: F401
+from bumblebee.models import kimi_linear  # noqa: F401
 from bumblebee.models import gpt_oss  # noqa: F401
 
 # isort: on

@@ -16,6 +16,9 @@ of this arithmetic. The families today:
   routed experts plus ungated shared experts (``shared_gate = False``).
 - ``qwen3_next`` (Qwen3-Next-80B-A3B): Qwen3.5's hybrid (same parameter counts: its fused GDN
   projections hold the same weights), with HF's optional dense layers;
+- ``kimi_linear`` (Kimi-Linear-48B-A3B): Kimi Delta Attention (``GDN`` with ``kda_gate_rank``:
+  per-channel decay, low-rank decay / output gates) in a 3:1 hybrid with MLA without RoPE, and
+  DeepSeek-V3's MLP pattern;
 - ``glm4_moe`` (GLM-4.5 / 4.6 / 4.7, GLM-4.5-Air): GQA with q/k/v biases (``attn_bias``) and
   optional q/k norm (``qk_norm``), DeepSeek-V3's MLP pattern (dense first layers, routed +
   ungated shared experts).
@@ -61,6 +64,10 @@ class ModelSpec:
     gdn_k_dim: int = 0
     gdn_v_dim: int = 0
     gdn_conv: int = 0
+    # Kimi Delta Attention (> 0): the linear mixer's decay is per key channel and its decay and
+    # output gates are low rank (D -> rank -> H*K each); separate q/k/v projections, no z / a
+    # projections. 0: Gated DeltaNet (per-head decay, full-rank z).
+    kda_gate_rank: int = 0
     experts: int
     top_k: int
     expert_ffn: int
@@ -115,6 +122,20 @@ class ModelSpec:
             return h * (q_out + kv) + self.n_heads * self.head_dim * h + bias + norms + h + extra
         kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
         conv_ch = 2 * kd + vd
+        if self.kda_gate_rank:
+            r, hv = self.kda_gate_rank, self.gdn_v_heads
+            return (
+                h * conv_ch  # q, k, v projections
+                + conv_ch * self.gdn_conv
+                + (h * r + r * kd)
+                + kd
+                + hv  # decay gate f_a, f_b, dt_bias [H*K], A_log [H]
+                + (h * r + r * vd)  # output gate g_a, g_b
+                + h * hv  # b_proj
+                + self.gdn_v_dim  # gated norm
+                + vd * h
+                + h
+            )  # o_proj, input_layernorm
         return (
             h * (conv_ch + vd + 2 * self.gdn_v_heads)  # in_proj qkv, z, b, a
             + conv_ch * self.gdn_conv
@@ -201,6 +222,9 @@ class ModelSpec:
                 * (q_out + 2 * self.n_kv_heads * self.head_dim + self.n_heads * self.head_dim)
             )
         kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
+        if self.kda_gate_rank:
+            r = self.kda_gate_rank
+            return 2.0 * (h * (2 * kd + vd + self.gdn_v_heads + 2 * r) + r * (kd + vd) + vd * h)
         return 2.0 * h * (2 * kd + 2 * vd + 2 * self.gdn_v_heads + vd)
 
     def attn_core_flops(self, seq: int, window: int = 0) -> float:
@@ -230,6 +254,9 @@ class ModelSpec:
         form): per value head and token, three state products (k S, q S, k^T u) of
         Dk x Dv and the intra-chunk C x (Dk + Dv) attention-like products, x2 FLOPs."""
         dk, dv = self.gdn_k_dim, self.gdn_v_dim
+        if self.kda_gate_rank:  # per-channel decay: the C x C pair products carry a K-wide factor
+            # (FLA's chunk_kda forms them in sub-chunks; counted as one extra C x Dk product)
+            return 2.0 * self.gdn_v_heads * (3 * dk * dv + 2 * chunk * (2 * dk + dv))
         return 2.0 * self.gdn_v_heads * (3 * dk * dv + 2 * chunk * (dk + dv))
 
     def moe_gemm_flops(self, kind: str) -> tuple[float, float]:

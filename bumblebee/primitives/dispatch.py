@@ -10,9 +10,12 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 | --- | --- | --- | --- |
 | attention / varlen | ``varlen_attn`` (flash: FA3 when present, else FA2) | SDPA per document | SDPA per document |
 | cp / ring | ring of ``varlen_attn`` steps (same flash) | fp32 tiles | fp32 tiles |
-| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` (``fla`` imports), else chunked | same | chunked |
+| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` or ``chunk_kda`` (fla), else chunked | same | chunked |
 | conv / causal (GDN conv) | FLA ``causal_conv1d`` (``fla`` imports), else channel blocks | same | blocks |
 | glue / fused (norms, SwiGLU, RoPE) | ``torch.compile`` per function | same | eager ops |
+
+``chunk_kda`` serves the per-channel gates of Kimi Delta Attention (g [B, T, H, K],
+``linear_attention/fla_kda.py``); the scalar-gate rule takes ``chunk_gated_delta_rule``.
 
 Attention options (``attention/options.py``): a sliding window runs in ``varlen_attn`` (its
 ``window_size``), SDPA per document (a band mask) and the ring's fp32 tiles (masked; the blocks
@@ -207,10 +210,12 @@ def select(
         )
     if (slot, impl) == ("linear_attention", "chunked"):
         if cuda and fla:
-            return Kernel("fla_chunk", "fla chunk_gated_delta_rule", True)
+            return Kernel(
+                "fla_chunk", "fla chunk_gated_delta_rule", True
+            )  # chunk_kda: per-channel g
         return Kernel(
             "torch_chunked",
-            "chunked PyTorch (64-token chunks)",
+            "chunked PyTorch (64-token chunks; 16 with per-channel gates)",
             False,
             "fla not installed (pip install -e '.[gpu]')" if cuda else "",
         )
