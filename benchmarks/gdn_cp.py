@@ -11,12 +11,14 @@ time of one GDN layer, cp = 1 vs cp = 2 / 4 over gloo on this machine, for
 
     python benchmarks/gdn_cp.py                          # 8K and 32K tokens, cp 2 and 4
     python benchmarks/gdn_cp.py --seq 4096 --cp 2        # quick
+    python benchmarks/gdn_cp.py --mixer kda --impls zigzag # Kimi Delta Attention's layer
 
 The layer: hidden 256, 2 key / 4 value heads of dim 64, conv kernel 4, chunked core; one
-row of packed 8K-token documents. Memory is the peak of the tensors allocated inside the
-call (perf.memory.MemoryTracker: activations, temporaries and gradients; inputs and weights
-excluded). Bytes are what one rank receives (all-gather: the other ranks' parts; P2P: the
-receive buffers; gloo's all-reduce stands in for a reduce-scatter and is counted as one).
+row of packed 8K-token documents. ``--mixer kda``: a Kimi Delta Attention layer instead (4 heads
+of dim 64, per-channel decay; the same CP code), for its bytes beside GDN's. Memory is the peak
+of the tensors allocated inside the call (perf.memory.MemoryTracker: activations, temporaries
+and gradients; inputs and weights excluded). Bytes are what one rank receives (all-gather: the
+other ranks' parts; P2P: the receive buffers; gloo's all-reduce stands in for a reduce-scatter and is counted as one).
 Times share this machine's cores between ranks, so they show work per rank plus exchange,
 not a speed-up; nothing passes or fails on them. ``cpu s`` is the rank's own CPU time (work
 done, waiting excluded): the scan-vs-relay work difference; ``time s`` (wall) includes the
@@ -41,14 +43,18 @@ from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
 from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_chunked
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
+from bumblebee.primitives.linear_attention.kda import KimiDeltaAttention
 from bumblebee.primitives.packed import doc_layout
 from bumblebee.primitives.recompute import NoRecompute
 
 HIDDEN, KEY_HEADS, VALUE_HEADS, DIM, DOC = 256, 2, 4, 64, 8192
 
 
-def make_layer():
+def make_layer(mixer: str = "gdn"):
     torch.manual_seed(0)
+    if mixer == "kda":
+        return KimiDeltaAttention(HIDDEN, VALUE_HEADS, DIM, 4, 1e-6, gated_delta_rule_chunked,
+                                  NoRecompute())  # fmt: skip
     return GatedDeltaNet(
         HIDDEN, KEY_HEADS, VALUE_HEADS, DIM, DIM, 4, 1e-6, gated_delta_rule_chunked, NoRecompute()
     )
@@ -113,8 +119,8 @@ def timed(fn, x, w):
     return best, peak, received, cpu
 
 
-def single(seq: int):
-    layer = make_layer()
+def single(seq: int, mixer: str):
+    layer = make_layer(mixer)
     x, pos = inputs(seq)
     layout = doc_layout(pos)
     return timed(lambda t: layer(t, layout)[0], x, torch.ones(1, seq, HIDDEN))
@@ -128,11 +134,11 @@ def gather_everything(layer, x_BLD, layout, docs):
     return y_BTD[:, layout.index_L]
 
 
-def worker(seqs, impls):
+def worker(seqs, impls, mixer):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     C, r = dist.get_world_size(), dist.get_rank()
-    layer, out = make_layer(), {}
+    layer, out = make_layer(mixer), {}
     for seq in seqs:
         x, pos = inputs(seq)
         x, pos_local = shard_sequence(x, C, r).contiguous(), shard_sequence(pos, C, r)
@@ -162,10 +168,11 @@ def main() -> None:
         default=["gather", "zigzag", "relayout", "relay"],
         choices=["gather", "zigzag", "relayout", "relay"],
     )
+    p.add_argument("--mixer", choices=["gdn", "kda"], default="gdn")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    rows = [(seq, 1, "single", *single(seq)) for seq in args.seq]
+    rows = [(seq, 1, "single", *single(seq, args.mixer)) for seq in args.seq]
     for cp in args.cp:
         cfg = LaunchConfig(
             min_nodes=1,
@@ -177,7 +184,7 @@ def main() -> None:
             max_restarts=0,
             start_method="spawn",
         )
-        per_rank = elastic_launch(cfg, worker)(args.seq, args.impls)
+        per_rank = elastic_launch(cfg, worker)(args.seq, args.impls, args.mixer)
         for seq in args.seq:
             for impl in args.impls:
                 res = [per_rank[r][(seq, impl)] for r in range(cp)]
@@ -194,8 +201,8 @@ def main() -> None:
                 )
     base = {seq: (t, m) for seq, cp, _, t, m, _, _ in rows if cp == 1}
     print(
-        f"GDN layer fwd+bwd, hidden {HIDDEN}, {KEY_HEADS}/{VALUE_HEADS} heads of dim {DIM}, fp32, gloo, "
-        f"1 thread per rank"
+        f"{args.mixer.upper()} layer fwd+bwd, hidden {HIDDEN}, {KEY_HEADS}/{VALUE_HEADS} heads of dim "
+        f"{DIM}, fp32, gloo, 1 thread per rank"
     )
     print(
         f"{'tokens':>7} {'cp':>3} {'impl':<9} {'time s':>7} {'x cp=1':>7} {'cpu s':>7} {'peak MiB/rank':>14} "

@@ -34,12 +34,27 @@ from bumblebee.errors import ConfigError  # noqa: F401  (re-exported: ``from bum
 
 
 @dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (models/lora.py): rank 0 trains every parameter; rank r > 0 freezes the
+    base (no gradient, no optimizer state) and trains W + (alpha / r) B A on the targets."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    # module names to adapt (nn.Linear leaf names such as q_proj / in_proj_qkv / gate_proj, and
+    # "experts" for the routed experts' stacked weights); []: every projection of the decoder layers
+    targets: list = field(default_factory=list)
+    # frozen base parameters: "auto" (bfloat16 when train.dtype is, else float32) | "bfloat16" | "float32"
+    base_dtype: str = "auto"
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     name: str = "qwen3_moe"  # a registered model family (models/<family>/; the default run's)
     preset: str = "tiny"  # a name from bumblebee.models.presets, ignored when hf_path is set
     hf_path: str = ""  # a Hugging Face directory (config.json + safetensors) to start from
     # Architecture overrides on top of the preset, HF key names: {num_hidden_layers = 2, ...}
     arch: dict = field(default_factory=dict)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # {rank = 8, alpha = 16, targets = [...]}
 
 
 @dataclass(kw_only=True)
@@ -269,6 +284,18 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if isinstance(value, dict):
             return value
         raise ConfigError(f"{where}: expected a table, got {value!r}")
+    if dataclasses.is_dataclass(hint):  # a nested table (model.lora)
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {value!r}")
+        hints = get_type_hints(hint)
+        out = hint()
+        for key, v in value.items():
+            if key not in hints:
+                raise ConfigError(f"{where}: unknown key {key!r}{_suggest(key, list(hints))}")
+            setattr(out, key, _coerce(v, hints[key], f"{where}.{key}"))
+        return out
     raise AssertionError(f"unhandled type hint {hint} for {where}")
 
 
@@ -346,6 +373,10 @@ def parse_config(
         keys, value = parse_override(item)
         if len(keys) > 2 and keys[0] == "model" and keys[1] == "arch":
             cfg.model.arch = {**cfg.model.arch, ".".join(keys[2:]): value}
+            continue
+        if len(keys) == 3 and keys[:2] == ["model", "lora"]:  # one key of the nested table
+            lora = dataclasses.asdict(cfg.model.lora)
+            _apply(cfg, {"model": {"lora": {**lora, keys[2]: value}}}, "--set")
             continue
         if len(keys) != 2:
             raise ConfigError(f"--set {item!r}: expected section.key=value")

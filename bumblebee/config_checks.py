@@ -42,6 +42,7 @@ def validate(cfg) -> None:
             for f in dataclasses.fields(cfg)
         ],
         lambda: _check_mtp(cfg),
+        lambda: _check_lora(cfg.model.lora, cfg.train.dtype),
         lambda: _check_train(cfg.train),
         lambda: _check_moe(cfg),
         lambda: _check_parallel(cfg),
@@ -57,6 +58,26 @@ def _check_eval_every(cfg) -> None:
         isinstance(cfg.train.eval_every, int) and cfg.train.eval_every >= 0
     ):
         raise ConfigError(f"train.eval_every must be >= 0 or 'auto', got {cfg.train.eval_every!r}")
+
+
+def _check_lora(lora, train_dtype: str) -> None:
+    if not (isinstance(lora.rank, int) and 0 <= lora.rank < 2**16):
+        raise ConfigError(f"model.lora.rank must be >= 0 (0: no adapters), got {lora.rank!r}")
+    if not (math.isfinite(lora.alpha) and lora.alpha > 0):
+        raise ConfigError(f"model.lora.alpha must be a finite number > 0, got {lora.alpha}")
+    if not all(isinstance(t, str) and t for t in lora.targets):
+        raise ConfigError(
+            f"model.lora.targets must be module names (q_proj, experts, ...), got {lora.targets!r}"
+        )
+    if lora.base_dtype not in ("auto", "bfloat16", "float32"):
+        raise ConfigError(
+            f"model.lora.base_dtype must be 'auto', 'bfloat16' or 'float32', got {lora.base_dtype!r}"
+        )
+    if lora.rank and lora.base_dtype == "bfloat16" and train_dtype != "bfloat16":
+        raise ConfigError(
+            "model.lora.base_dtype = 'bfloat16' needs train.dtype = 'bfloat16' (the frozen bf16 "
+            "matrices are computed under bf16 autocast; fp32 compute keeps an fp32 base)"
+        )
 
 
 def _check_mtp(cfg) -> None:

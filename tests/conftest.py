@@ -2,8 +2,9 @@
 each test, and a hard stop when the `[test]` extra is missing.
 
 The Hugging Face `transformers` models are the correctness reference of every model
-family (parity, HF round trips, conversion). Skipping them when the package is absent
-would turn a third of the evidence into a green "skipped", so the run stops instead.
+family (parity, HF round trips, conversion), `peft` that of the LoRA adapter export.
+Skipping them when the package is absent would turn a third of the evidence into a green
+"skipped", so the run stops instead.
 """
 
 import os
@@ -16,7 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # for `import dist_utils`
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 MISSING_EXTRA = (
-    "transformers is not installed: the Hugging Face reference tests need the [test] extra "
+    "{} is not installed: the Hugging Face reference tests need the [test] extra "
     '(pip install -e ".[test]")'
 )
 
@@ -25,7 +26,11 @@ def pytest_configure(config):
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise pytest.UsageError(MISSING_EXTRA) from None
+        raise pytest.UsageError(MISSING_EXTRA.format("transformers")) from None
+    try:
+        import peft  # noqa: F401  (the LoRA adapter round trip's reference)
+    except ImportError:
+        raise pytest.UsageError(MISSING_EXTRA.format("peft")) from None
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,9 @@ from bumblebee.models import qwen3_5_moe  # noqa: F401
 from bumblebee.models import deepseek_v3  # noqa: F401
 from bumblebee.models import qwen3_next  # noqa: F401
 from bumblebee.models import glm4_moe  # noqa: F401
+from bumblebee.models import minimax_m2  # noqa: F401
+from bumblebee.models import kimi_linear  # noqa: F401
+from bumblebee.models import gpt_oss  # noqa: F401
 
 # isort: on
 from bumblebee.models.arch import ArchError
@@ -56,7 +59,9 @@ def arch_from_hf_dict(d: dict):
         valid = [t for f in FAMILIES.values() for t in f.hf_model_types]
         raise ConfigError(f"unsupported model_type {model_type!r}; valid: {', '.join(valid)}")
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
-    missing = [k for k in REQUIRED_HF_KEYS if text.get(k) is None]
+    # a family whose config names a size otherwise states its own list (arch.REQUIRED_HF_KEYS)
+    required = getattr(family.arch, "REQUIRED_HF_KEYS", REQUIRED_HF_KEYS)
+    missing = [k for k in required if text.get(k) is None]
     if all(text.get(k) is None for k in EXPERT_COUNT_KEYS):
         missing.append("num_experts")
     if missing:
@@ -101,17 +106,32 @@ def resolve_arch(model_cfg):
         raise ConfigError(f"model.arch: {e}") from None
 
 
-def build_model(arch, prims=None, groups=None, *, device=None, seed: int | None = None):
+def build_model(
+    arch,
+    prims=None,
+    groups=None,
+    *,
+    device=None,
+    seed: int | None = None,
+    lora=None,
+    train_dtype: str = "float32",
+):
     """A model of ``arch``'s family with the chosen primitives; ``groups``
     (``primitives.parallel.ParallelGroups``) when it is split over ranks. Initialized from
     ``seed`` (None: drawn from torch's global generator), identically for every layout; with
     ``device="meta"`` nothing is allocated: split it (pipeline stage, sharding) and then
-    ``materialize`` it, so a rank only ever holds its share."""
+    ``materialize`` it, so a rank only ever holds its share. ``lora``: a ``LoraConfig``
+    (adapters, frozen base: models/lora.py), the base dtype following ``train_dtype``."""
+    from bumblebee.models.lora import add_lora
+
     cls = family_of(arch).model
     if device is not None and torch.device(device).type == "meta":
         with torch.device("meta"):
-            return cls(arch, prims, groups)
+            model = cls(arch, prims, groups)
+            return model if lora is None else add_lora(model, lora, train_dtype)
     model = cls(arch, prims, groups)  # built on the CPU, not initialized yet: see CausalLM.__init__
+    if lora is not None:
+        add_lora(model, lora, train_dtype)
     model.reset_parameters(seed=seed)
     return model if device is None else model.to(device)
 
@@ -132,6 +152,10 @@ def materialize(model, device, *, seed: int | None = None, hf_path: str = "", dt
         from bumblebee.models.hf_read import load_hf_weights
 
         load_hf_weights(model, hf_path)
+        if getattr(model, "lora_info", None) is not None:  # adapters are not in the checkpoint
+            from bumblebee.models.lora import is_lora_name
+
+            model.reset_parameters(seed=seed, only=is_lora_name)
     else:
         model.reset_parameters(seed=seed)
     return model

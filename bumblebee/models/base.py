@@ -215,14 +215,18 @@ class CausalLM(RoutingProtocol, nn.Module):
         for matrices, then the family's ``init_vectors``."""
         rules = {name: init.normal(std) for name, p in self.named_parameters() if p.dim() > 1}
         rules.update(self.init_vectors(std))
+        from bumblebee.models.lora import lora_init_rules
+
+        rules.update(lora_init_rules(self.named_parameters(), init))
         return rules
 
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02, seed: int | None = None) -> None:
+    def reset_parameters(self, std: float = 0.02, seed: int | None = None, only=None) -> None:
         """Initialize in place, identically for every layout of ``seed``: each value is a function
         of (seed, tensor name, position) only (primitives/init.py), so an expert slice, an FSDP2
         shard or a pipeline stage gets exactly its part of the full tensors, generated one block
-        at a time. ``seed=None`` draws one from torch's global generator. Nothing to do on meta."""
+        at a time. ``seed=None`` draws one from torch's global generator. Nothing to do on meta.
+        ``only(name) -> bool``: the parameters to fill (the adapters of a model loaded from HF)."""
         if any(
             p.is_meta or is_fake(p) for p in self.parameters()
         ):  # shapes only (meta, or the planner's fakes)
@@ -232,6 +236,8 @@ class CausalLM(RoutingProtocol, nn.Module):
         rules = self.init_rules(std)
         ep, r = self.groups.ep_size, self.groups.ep_rank
         for name, p in self.named_parameters():
+            if only is not None and not only(name):
+                continue
             if name not in rules:
                 raise NotImplementedError(
                     f"{type(self).__name__}: no init rule for {name} (init_vectors)"
@@ -239,7 +245,7 @@ class CausalLM(RoutingProtocol, nn.Module):
             shape, lo, part = row_extent(p, self.is_expert_param(name), r, ep)
             init.fill_rows(part, shape, lo, rules[name], seed, name)
         for name, b in self.named_buffers():
-            if name in rules:
+            if name in rules and only is None:
                 init.fill_rows(b, tuple(b.shape), 0, rules[name], seed, name)
 
     @property

@@ -27,10 +27,17 @@ class Family:
     hf_name_in: object = (
         None  # (arch, checkpoint name) -> bumblebee name, "" = a copy of a shared tensor
     )
-    hf_name_out: object = None  # (arch, bumblebee name) -> checkpoint name
+    # (arch, name with the experts split per expert, models/hf_write.py) -> checkpoint name
+    hf_name_out: object = None
     # arch -> {bumblebee name: [checkpoint names]}: copies of a tensor a checkpoint stores again
     # (DeepSeek's per-MTP-module embedding and LM head), written right after it
     hf_copies: object = None
+    # tensors stored under another name / layout (models/hf_stored.py ``StoredAs``: gpt-oss's
+    # transposed, interleaved fused experts), read and written through the same declarations
+    hf_stored: tuple = ()
+    # bumblebee name ending -> transformers 5's in-memory one, beyond the fused experts
+    # (rl/weight_names.py; MiniMax keeps the router bias on the MoE block, not on its gate)
+    transformers_renames: dict = field(default_factory=dict)
     mtp_arch_key: str = ""  # the arch field counting MTP modules (0 when a checkpoint has none)
     router: str = ""  # the router the architecture routes with (replaces the default softmax_topk)
     # its mixers run on zigzag CP shards (every shared block does); False: parallel.cp > 1 refused

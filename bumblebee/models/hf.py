@@ -11,7 +11,10 @@ table, models/family.py): prefixes read under another name (the multimodal
 ``Qwen3_5MoeForConditionalGeneration`` nests the language model under
 ``model.language_model.``, read as ``model.``) and prefixes that are not the language
 model (its vision tower ``model.visual.``), skipped with a one-line notice, and names that
-need the arch (DeepSeek's MTP modules stored as ``model.layers.{L + k}``). A config that
+need the arch (DeepSeek's MTP modules stored as ``model.layers.{L + k}``, MiniMax's Mixtral
+expert names ``block_sparse_moe.experts.{e}.w1``, applied after the experts are split), and
+tensors a family stores under another name or layout (``hf_stored``, models/hf_stored.py:
+gpt-oss's router and its transposed, interleaved fused experts), converted both ways exactly. A config that
 counts MTP modules over a checkpoint without their tensors builds without MTP.
 Block-FP8 checkpoints (``weight_scale_inv``) load dequantized (models/hf_read.py); ``to_hf``
 writes plain weights in ``dtype`` and no ``quantization_config``.
@@ -30,7 +33,8 @@ from bumblebee.models.hf_read import (  # noqa: F401  (load_hf_weights re-export
     load_hf_weights,
     weight_files,
 )
-from bumblebee.models.hf_write import write_hf
+from bumblebee.models.hf_stored import stored_entry
+from bumblebee.models.hf_write import hf_layout, write_hf
 from bumblebee.models.mtp_names import without_absent_mtp
 
 _weight_files = weight_files  # the name rl/weights.py imports
@@ -64,26 +68,26 @@ def hf_state_dict(model):
     family = family_of(model.arch)
     F = model.arch.moe_intermediate_size
     copies = family.hf_copies(model.arch) if family.hf_copies else {}
+    out = family.hf_name_out or (lambda arch, n: n)
     for name, p in model.named_parameters():
         t = p.detach()
-        hf = family.hf_name_out(model.arch, name) if family.hf_name_out else name
-        if hf.endswith("experts.w_gate_up"):
-            base = hf.rsplit(".", 1)[0]
-            for e in range(t.shape[0]):
-                yield f"{base}.{e}.gate_proj.weight", t[e, :F]
-                yield f"{base}.{e}.up_proj.weight", t[e, F:]
-        elif hf.endswith("experts.w_down"):
-            base = hf.rsplit(".", 1)[0]
-            for e in range(t.shape[0]):
-                yield f"{base}.{e}.down_proj.weight", t[e]
-        else:
-            yield hf, t
+        # the family's names apply to the split per-expert names (MiniMax's w1 / w3 / w2)
+        for hf, _, _, part in hf_layout([(name, tuple(t.shape))], F, family.hf_stored):
+            # part: a split expert's rows, or a declared layout's conversion (callable)
+            piece = t if part is None else part(t) if callable(part) else t[part[0], part[1]]
+            yield out(model.arch, hf), piece
         for copy in copies.get(name, ()):
             yield copy, t
     for name, b in persistent_buffers(
         model
     ):  # e.g. the sigmoid_bias router's e_score_correction_bias
-        yield (family.hf_name_out(model.arch, name) if family.hf_name_out else name), b.detach()
+        hf = family.hf_name_out(model.arch, name) if family.hf_name_out else name
+        entry = stored_entry(family.hf_stored, hf)
+        yield (
+            (entry.checkpoint_name(hf), entry.to_checkpoint(b.detach()))
+            if entry
+            else (hf, b.detach())
+        )
 
 
 def to_hf(
@@ -98,8 +102,14 @@ def to_hf(
     parameters'), sharded with an index when larger than ``max_shard_bytes``, one tensor at a time
     (models/hf_write.py, which also writes the family's copies, e.g. DeepSeek's per-MTP-module
     embedding and head). ``source``: the HF directory it came from, whose tensors outside the
-    language model (vision tower, MTP head) are carried over unchanged."""
+    language model (vision tower, MTP head) are carried over unchanged. A model with LoRA
+    adapters is written merged."""
     named = [(n, p.detach()) for n, p in list(model.named_parameters()) + persistent_buffers(model)]
+    info = getattr(model, "lora_info", None)
+    if info is not None:  # LoRA: the adapters merged into their base tensors (models/lora.py)
+        from bumblebee.models.lora import merged_stream
+
+        named = list(merged_stream(named, info.scale))
     dtype = dtype or (named[0][1].dtype if named else torch.float32)
     write_hf(
         out_dir,

@@ -13,7 +13,9 @@ tower and MTP head, models/family.py) with the model's shape and a floating-poin
 every model tensor is in the checkpoint; anything else is a one-line ``CheckpointError``
 naming the tensor. Expert tensors come per expert (HF's files:
 ``mlp.experts.{e}.{gate,up,down}_proj.weight``) or fused (``experts.gate_up_proj`` [E, 2F, H],
-``experts.down_proj`` [E, H, F]); bumblebee stacks them as ``w_gate_up`` / ``w_down``.
+``experts.down_proj`` [E, H, F]); bumblebee stacks them as ``w_gate_up`` / ``w_down``. A family's
+``hf_stored`` declarations (models/hf_stored.py) name tensors stored under another name or
+layout (transposed, interleaved halves): their rows are read and converted as they arrive.
 
 Block-FP8 checkpoints as released (DeepSeek-V3, Kimi-K2, MiniMax-M2, GLM FP8): ``config.json``
 has ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [b0, b1]}``
@@ -41,6 +43,8 @@ from bumblebee.errors import CheckpointError
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.family import family_of_model_type
 from bumblebee.models.hf_config import read_hf_config
+from bumblebee.models.hf_stored import model_name, stored_entry
+from bumblebee.models.lora import is_lora_name
 from bumblebee.models.mtp_names import skip_prefixes
 from bumblebee.primitives.sharding.common import row_extent
 
@@ -229,15 +233,24 @@ class HFCheckpoint:
         return w.float() * s.repeat_interleave(b1, -1)[..., : shape[-1]]
 
 
-def _plan(ckpt: HFCheckpoint, full: dict[str, tuple], F: int, tied: bool) -> dict[str, str]:
+def _plan(
+    ckpt: HFCheckpoint, full: dict[str, tuple], F: int, tied: bool, stored=()
+) -> dict[str, str]:
     """Check every checkpoint tensor against the whole model's tensors ``full`` (name -> global
-    shape); returns, for each stacked expert tensor, "fused" or "per_expert"."""
+    shape; ``stored``: the family's ``hf_stored``); returns, for each stacked expert tensor,
+    "fused", "per_expert" or "stored" (a declared layout)."""
     experts = {n: s for n, s in full.items() if n.endswith(("experts.w_gate_up", "experts.w_down"))}
     kinds: dict[str, str] = {}
     covered: set[str] = set()
     for name in ckpt.where:
         file = ckpt.where[name][2]
-        if m := EXPERT.match(name):
+        if entry := stored_entry(stored, name):
+            if name not in full:
+                raise CheckpointError(f"unexpected tensor {ckpt.where[name][1]} for this model")
+            want = entry.stored_shape(full[name])
+            if name in experts:
+                kinds[name] = "stored"
+        elif m := EXPERT.match(name):
             base, e, proj = m.group(1), int(m.group(2)), m.group(3)
             target = f"{base}.w_down" if proj == "down_proj" else f"{base}.w_gate_up"
             if target not in experts or e >= experts[target][0]:
@@ -273,7 +286,7 @@ def _plan(ckpt: HFCheckpoint, full: dict[str, tuple], F: int, tied: bool) -> dic
     for name in full:
         if name not in experts:
             missing += [] if name in covered else [name]
-        elif kinds.get(name) != "fused":
+        elif kinds.get(name) not in ("fused", "stored"):
             base = name.rsplit(".", 1)[0]
             projs = ("gate_proj", "up_proj") if name.endswith("w_gate_up") else ("down_proj",)
             missing += [
@@ -334,19 +347,29 @@ def load_hf_weights(model, path: str) -> None:
     }
     F = model.arch.moe_intermediate_size
     ep, ep_rank = model.groups.ep_size, model.groups.ep_rank
-    name_in = (lambda n: family.hf_name_in(model.arch, n)) if family.hf_name_in else None
+    declared = family.hf_stored  # tensors stored under another name / layout
+
+    def name_in(n):
+        n = family.hf_name_in(model.arch, n) if family.hf_name_in else n
+        return model_name(declared, n) if n else n
+
     skip = skip_prefixes(family, model.arch)
     with HFCheckpoint(path, family.hf_prefixes, skip, name_in) as ckpt:
-        kinds = _plan(ckpt, full, F, whole.lm_head is None)
+        kinds = _plan(ckpt, full, F, whole.lm_head is None, declared)
         for name, p in list(model.named_parameters()) + persistent_buffers(
             model
         ):  # buffers: the router bias
+            if is_lora_name(name):  # adapters (models/lora.py) start from their init, not the file
+                continue
             shape, lo, part = row_extent(p, model.is_expert_param(name), ep_rank, ep)
             hi = lo + (part.shape[0] if part.dim() else 1)
             assert shape == full[name], (name, shape, full[name])
             if part.numel() == 0:
                 continue
-            if kinds.get(name) == "per_expert":
+            if entry := stored_entry(declared, name):
+                rows = ckpt.rows(name, lo, hi) if part.dim() else ckpt.rows(name)
+                part.copy_(entry.from_checkpoint(rows))
+            elif kinds.get(name) == "per_expert":
                 base = name.rsplit(".", 1)[0]
                 for e in range(lo, hi):
                     if name.endswith("w_gate_up"):

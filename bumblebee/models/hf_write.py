@@ -36,6 +36,7 @@ import torch
 
 from bumblebee.models.family import family_of_model_type
 from bumblebee.models.hf_read import HFCheckpoint
+from bumblebee.models.hf_stored import stored_entry
 from bumblebee.models.mtp_names import skip_prefixes
 
 _ST_DTYPES = {
@@ -76,12 +77,18 @@ def stale_weight_files(out_dir: str, written: list[str]) -> list[str]:
     return sorted(n for n in os.listdir(out_dir) if WEIGHT_FILE.match(n) and n not in written)
 
 
-def hf_layout(named_shapes, F: int):
+def hf_layout(named_shapes, F: int, stored=()):
     """(HF name, shape, bumblebee name, part) for every parameter given as (name, global shape),
-    experts split per expert (``part`` = (expert, rows) of the stacked tensor, else None)."""
+    experts split per expert (``part`` = (expert, rows) of the stacked tensor, else None; a
+    callable for a tensor stored in a declared layout, ``stored``: models/hf_stored.py)."""
     for name, shape in named_shapes:
         base = name.rsplit(".", 1)[0]
-        if name.endswith("experts.w_gate_up"):
+        if entry := stored_entry(stored, name):
+            yield (
+                entry.checkpoint_name(name), entry.stored_shape(shape), name,
+                entry.to_checkpoint,
+            )  # fmt: skip
+        elif name.endswith("experts.w_gate_up"):
             for e in range(shape[0]):
                 yield f"{base}.{e}.gate_proj.weight", (F, shape[2]), name, (e, slice(0, F))
                 yield f"{base}.{e}.up_proj.weight", (F, shape[2]), name, (e, slice(F, 2 * F))
@@ -176,7 +183,7 @@ def write_hf(
     F = arch.moe_intermediate_size
     family = family_of_model_type(arch.model_type)
     src = _Source(source, family, arch) if source else None
-    layout = list(hf_layout(named_shapes, F))
+    layout = list(hf_layout(named_shapes, F, family.hf_stored))
     if (
         family.hf_name_out
     ):  # names that need the arch (DeepSeek's MTP modules at model.layers.{L + k})
@@ -238,7 +245,10 @@ def _parts(layout, tensors):
             got, t = next(it)
             assert got == name, (got, name)
             current = name
-        yield t if part is None else t[part[0], part[1]]
+        if part is None:
+            yield t
+        else:
+            yield part(t) if callable(part) else t[part[0], part[1]]
 
 
 def _carry(src: _Source, out_dir: str, fnames: list[str], shards) -> None:

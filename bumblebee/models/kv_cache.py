@@ -43,11 +43,16 @@ class KVCache:
 
 
 def cache_aware(attend):
-    """The attention core ``attend(q, k, v, layout, scale)``, or the cache's when ``layout`` is one."""
+    """The attention core ``attend(q, k, v, layout, scale, **options)`` (window, sinks:
+    primitives/attention/options.py), or the cache's when ``layout`` is one."""
 
-    def core(q, k, v, layout, scale):
+    def core(q, k, v, layout, scale, **options):
         if isinstance(layout, KVCache):
+            if any(o is not None and o is not False and o != 0 for o in options.values()):
+                raise NotImplementedError(
+                    f"K/V-cache decoding takes no attention options ({', '.join(options)})"
+                )
             return layout.attend(q, k, v, scale)
-        return attend(q, k, v, layout, scale)
+        return attend(q, k, v, layout, scale, **options)
 
     return core

@@ -16,9 +16,16 @@ of this arithmetic. The families today:
   routed experts plus ungated shared experts (``shared_gate = False``).
 - ``qwen3_next`` (Qwen3-Next-80B-A3B): Qwen3.5's hybrid (same parameter counts: its fused GDN
   projections hold the same weights), with HF's optional dense layers;
+- ``kimi_linear`` (Kimi-Linear-48B-A3B): Kimi Delta Attention (``GDN`` with ``kda_gate_rank``:
+  per-channel decay, low-rank decay / output gates) in a 3:1 hybrid with MLA without RoPE, and
+  DeepSeek-V3's MLP pattern;
 - ``glm4_moe`` (GLM-4.5 / 4.6 / 4.7, GLM-4.5-Air): GQA with q/k/v biases (``attn_bias``) and
   optional q/k norm (``qk_norm``), DeepSeek-V3's MLP pattern (dense first layers, routed +
   ungated shared experts).
+- ``gpt_oss`` (gpt-oss-20b / 120b): GQA with q/k/v and output biases (``o_bias``), per-head
+  sinks (``attn_sinks``), sliding-window layers (``windows``: a window bounds the keys each
+  query reads, so those layers' attention FLOPs stop growing with the sequence), routed experts
+  only, with router and expert biases (``moe_bias``).
 
 ``mtp_depth`` multi-token-prediction modules (``models/mtp.py``) each add one more
 (attention, MoE) layer, a [2H -> H] projection and three norms, and one more
@@ -49,12 +56,18 @@ class ModelSpec:
     head_dim: int
     attn_gate: bool  # Qwen3.5 gated attention: q_proj emits q and an output gate
     qk_norm: bool = True  # per-head q/k RMSNorm weights (GLM-4.5-Air has none)
+    # the q and k norms each span all heads of a token (MiniMax-M2): (N + K) x D weights, not 2D
+    qk_norm_all_heads: bool = False
     attn_bias: bool = False  # q/k/v projection biases (GLM)
     gdn_k_heads: int = 0
     gdn_v_heads: int = 0
     gdn_k_dim: int = 0
     gdn_v_dim: int = 0
     gdn_conv: int = 0
+    # Kimi Delta Attention (> 0): the linear mixer's decay is per key channel and its decay and
+    # output gates are low rank (D -> rank -> H*K each); separate q/k/v projections, no z / a
+    # projections. 0: Gated DeltaNet (per-head decay, full-rank z).
+    kda_gate_rank: int = 0
     experts: int
     top_k: int
     expert_ffn: int
@@ -68,6 +81,12 @@ class ModelSpec:
     mla_rope_dim: int = 0
     mla_v_dim: int = 0
     mtp_depth: int = 0  # multi-token-prediction modules
+    # gpt-oss: output-projection bias, per-head sink logits, per-layer attention window (0 or
+    # absent: full), router bias [E] and expert biases [E, 2F] + [E, H]
+    o_bias: bool = False
+    attn_sinks: bool = False
+    windows: tuple[int, ...] = ()
+    moe_bias: bool = False
     # the norm keeps an fp32 normalized value for backward (a zero-centered (1 + w) norm in fp32)
     # instead of a bf16 cast: 10H instead of 8H bytes per token (plan/layer_bytes.py)
     fp32_norm: bool = False
@@ -94,10 +113,29 @@ class ModelSpec:
             q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
             kv = 2 * self.n_kv_heads * self.head_dim
             bias = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim * self.attn_bias
-            norms = 2 * self.head_dim * self.qk_norm
-            return h * (q_out + kv) + self.n_heads * self.head_dim * h + bias + norms + h
+            norms = (
+                (self.n_heads + self.n_kv_heads) * self.head_dim
+                if self.qk_norm_all_heads
+                else 2 * self.head_dim * self.qk_norm
+            )
+            extra = h * self.o_bias + self.n_heads * self.attn_sinks
+            return h * (q_out + kv) + self.n_heads * self.head_dim * h + bias + norms + h + extra
         kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
         conv_ch = 2 * kd + vd
+        if self.kda_gate_rank:
+            r, hv = self.kda_gate_rank, self.gdn_v_heads
+            return (
+                h * conv_ch  # q, k, v projections
+                + conv_ch * self.gdn_conv
+                + (h * r + r * kd)
+                + kd
+                + hv  # decay gate f_a, f_b, dt_bias [H*K], A_log [H]
+                + (h * r + r * vd)  # output gate g_a, g_b
+                + h * hv  # b_proj
+                + self.gdn_v_dim  # gated norm
+                + vd * h
+                + h
+            )  # o_proj, input_layernorm
         return (
             h * (conv_ch + vd + 2 * self.gdn_v_heads)  # in_proj qkv, z, b, a
             + conv_ch * self.gdn_conv
@@ -128,7 +166,10 @@ class ModelSpec:
         shared = (
             (3 * h * self.shared_ffn + h * self.shared_gate) if self.shared_ffn else 0
         )  # + sigmoid gate [1, H]
-        return self.experts * h + shared + h, self.experts * 3 * h * self.expert_ffn
+        expert = self.experts * (
+            3 * h * self.expert_ffn + (2 * self.expert_ffn + h) * self.moe_bias
+        )
+        return self.experts * (h + self.moe_bias) + shared + h, expert
 
     def layer_params(self, i: int) -> tuple[int, int]:
         dense, expert = self.mlp_params(self.mlps[i])
@@ -181,21 +222,41 @@ class ModelSpec:
                 * (q_out + 2 * self.n_kv_heads * self.head_dim + self.n_heads * self.head_dim)
             )
         kd, vd = self.gdn_k_heads * self.gdn_k_dim, self.gdn_v_heads * self.gdn_v_dim
+        if self.kda_gate_rank:
+            r = self.kda_gate_rank
+            return 2.0 * (h * (2 * kd + vd + self.gdn_v_heads + 2 * r) + r * (kd + vd) + vd * h)
         return 2.0 * h * (2 * kd + 2 * vd + 2 * self.gdn_v_heads + vd)
 
-    def attn_core_flops(self, seq: int) -> float:
+    def attn_core_flops(self, seq: int, window: int = 0) -> float:
         """Causal softmax attention, mean over a sequence of ``seq`` tokens: QK^T and PV
         over seq/2 keys on average (2 matmuls x 2 FLOPs x N*D x seq/2); MLA's PV runs over
-        its value dim."""
-        return (
-            self.n_heads * (self.head_dim + (self.mla_v_dim if self.mla else self.head_dim)) * seq
+        its value dim. A ``window`` shorter than ``seq``: query t reads min(t + 1, window) keys,
+        W (W + 1) / 2 + (seq - W) W over the sequence."""
+        per_key = (
+            2.0 * self.n_heads * (self.head_dim + (self.mla_v_dim if self.mla else self.head_dim))
         )
+        if window and window < seq:
+            return per_key * (window * (window + 1) / 2 + (seq - window) * window) / seq
+        return per_key * seq / 2
+
+    def mean_attn_core_flops(self, seq: int) -> float:
+        """``attn_core_flops`` averaged over the attention layers (the planner times layers by
+        kind; windowed and full layers alternate, so the mean carries the total)."""
+        ws = [self.window(i) for i, m in enumerate(self.mixers) if m == ATTN] or [0]
+        return sum(self.attn_core_flops(seq, w) for w in ws) / len(ws)
+
+    def window(self, i: int) -> int:
+        """Layer ``i``'s attention window (0: full)."""
+        return self.windows[i] if self.windows else 0
 
     def gdn_core_flops(self, chunk: int = 64) -> float:
         """Chunked gated delta rule (Yang et al. 2024, "Gated Delta Networks", chunkwise
         form): per value head and token, three state products (k S, q S, k^T u) of
         Dk x Dv and the intra-chunk C x (Dk + Dv) attention-like products, x2 FLOPs."""
         dk, dv = self.gdn_k_dim, self.gdn_v_dim
+        if self.kda_gate_rank:  # per-channel decay: the C x C pair products carry a K-wide factor
+            # (FLA's chunk_kda forms them in sub-chunks; counted as one extra C x Dk product)
+            return 2.0 * self.gdn_v_heads * (3 * dk * dv + 2 * chunk * (2 * dk + dv))
         return 2.0 * self.gdn_v_heads * (3 * dk * dv + 2 * chunk * (dk + dv))
 
     def moe_gemm_flops(self, kind: str) -> tuple[float, float]:
@@ -216,10 +277,14 @@ class ModelSpec:
             seq
             * (
                 self.mixer_gemm_flops(mixer)
-                + (self.attn_core_flops(seq) if mixer == ATTN else self.gdn_core_flops())
+                + (
+                    self.attn_core_flops(seq, self.window(i))
+                    if mixer == ATTN
+                    else self.gdn_core_flops()
+                )
                 + sum(self.moe_gemm_flops(mlp))
             )
-            for mixer, mlp in zip(self.mixers, self.mlps)
+            for i, (mixer, mlp) in enumerate(zip(self.mixers, self.mlps))
         ]
         return layers, 2.0 * seq * self.hidden * self.vocab
 
@@ -228,9 +293,10 @@ class ModelSpec:
         attention at half the square): the convention TFLOPs/GPU figures are quoted in."""
         fwd = 2.0 * self.hidden * self.vocab  # LM head
         mtp = ((ATTN, MOE),) * self.mtp_depth  # each MTP module: one more layer + projection + head
-        for mixer, mlp in tuple(zip(self.mixers, self.mlps)) + mtp:
+        windows = [self.window(i) for i in range(self.layers)] + [0] * self.mtp_depth
+        for (mixer, mlp), w in zip(tuple(zip(self.mixers, self.mlps)) + mtp, windows):
             fwd += self.mixer_gemm_flops(mixer) + sum(self.moe_gemm_flops(mlp))
-            fwd += self.attn_core_flops(seq) if mixer == ATTN else self.gdn_core_flops()
+            fwd += self.attn_core_flops(seq, w) if mixer == ATTN else self.gdn_core_flops()
         fwd += self.mtp_depth * (
             2.0 * 2 * self.hidden * self.hidden + 2.0 * self.hidden * self.vocab
         )

@@ -273,8 +273,8 @@ def run(args: argparse.Namespace) -> int:
         "assumed, decided by the runtime at start: bf16 compute, fp32 master weights; on CPU the "
         "pure-PyTorch paths run"
     )
-    notes.append(kernels_note(rec.candidate.layout.cp, GDN in spec.mixers, spec.family))
-    pure = assumptions(rec.candidate.layout.cp, GDN in spec.mixers)["pure_pytorch_here"]
+    notes.append(kernels_note(rec.candidate.layout.cp, GDN in spec.mixers, spec.family, spec))
+    pure = assumptions(rec.candidate.layout.cp, GDN in spec.mixers, spec)["pure_pytorch_here"]
     if pure and rec.candidate.perf:
         notes.append(
             f"TFLOPs assume the fused kernels; on CUDA with this environment's packages "
@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
             )  # what `bumblebee train --config` takes
             entry["config"] = emit_toml(cfg, _header(args, None))
             entry["runtime_problem"] = runtime_problem(cfg, args.gpus)
-            entry["assumptions"] = assumptions(cand.layout.cp, GDN in spec.mixers)
+            entry["assumptions"] = assumptions(cand.layout.cp, GDN in spec.mixers, spec)
         if dry is not None:
             out["dry_run"] = dry.as_json()
         if chunks is not None:

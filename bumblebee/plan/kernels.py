@@ -26,16 +26,26 @@ def measured_per_layer(family: str | None) -> tuple:
     return (entry.launches_per_layer if entry else None) or (None, None, "")
 
 
-def assumed_kernels(cp: int, *, fla: bool = True, fa3: bool = True) -> dict[str, dispatch.Kernel]:
+def attention_options(spec) -> dict:
+    """The attention options of a ``ModelSpec`` the kernel dispatch asks about (sinks, window)."""
+    return {"sinks": spec.attn_sinks, "window": any(spec.windows)} if spec is not None else {}
+
+
+def assumed_kernels(
+    cp: int, *, fla: bool = True, fa3: bool = True, spec=None
+) -> dict[str, dispatch.Kernel]:
     """slot -> Kernel of a CUDA bf16 run with the default primitives at context parallelism ``cp``
-    (FA3 and FLA present: the attention efficiencies were fitted to FA3 / TE runs)."""
-    return dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=cp, fla=fla, fa3=fa3)
+    (FA3 and FLA present: the attention efficiencies were fitted to FA3 / TE runs); ``spec``: the
+    model, whose attention options (sinks, window) may change the kernel."""
+    return dispatch.kernel_table(
+        PrimitivesConfig(), "cuda", "bfloat16", cp=cp, fla=fla, fa3=fa3, **attention_options(spec)
+    )
 
 
-def kernels_note(cp: int, has_gdn: bool, family: str | None = None) -> str:
+def kernels_note(cp: int, has_gdn: bool, family: str | None = None, spec=None) -> str:
     """One line for the plan: the kernels its figures assume, the launch / sync counts measured
     for the family, and warnings when FLA or FA3 is absent here."""
-    table = assumed_kernels(cp)
+    table = assumed_kernels(cp, spec=spec)
     if not has_gdn:
         table.pop("linear_attention")
         table.pop("conv")
@@ -60,14 +70,14 @@ def kernels_note(cp: int, has_gdn: bool, family: str | None = None) -> str:
     return line
 
 
-def assumptions(cp: int, has_gdn: bool) -> dict:
+def assumptions(cp: int, has_gdn: bool, spec=None) -> dict:
     """What every prediction of a plan assumes (``--json``: ``assumptions``): dtypes, the kernels
     the efficiencies and the memory terms follow, and which slots a run *with the packages of
     this environment* would execute in pure PyTorch on CUDA (its TFLOPs would be lower than
     predicted: the model does not cost those paths)."""
-    table = assumed_kernels(cp)
+    table = assumed_kernels(cp, spec=spec)
     here = dispatch.kernel_table(
-        PrimitivesConfig(), "cuda", "bfloat16", cp=cp
+        PrimitivesConfig(), "cuda", "bfloat16", cp=cp, **attention_options(spec)
     )  # packages present here
     if not has_gdn:
         for slot in ("linear_attention", "conv"):

@@ -81,7 +81,8 @@ def attn_core_bytes(spec: ModelSpec, lay: Layout) -> tuple[float, float, str]:
 def gdn_cp_bytes(
     spec: ModelSpec, lay: Layout, micro_batch: int = 1, tokens: int = 0
 ) -> dict[str, tuple[float, float]]:
-    """A Gated DeltaNet layer under context parallelism with full recompute, counted from its code
+    """A Gated DeltaNet (or KDA: same scan, per-channel fp32 gate) layer under context parallelism
+    with full recompute, counted from its code
     (``linear_attention/gdn.py``, ``cp.py``, ``fla.py``): phase -> (bytes per token, fixed bytes).
 
     Per token (kd = Gk*K, vd = Hv*V, Hv*W with W = V+K: the extended core's value width):
@@ -108,11 +109,16 @@ def gdn_cp_bytes(
     hv, k, v = spec.gdn_v_heads / tp, spec.gdn_k_dim, spec.gdn_v_dim
     hw = hv * (v + k)
     bf16 = 4 * (2 * kd + vd) + 2 * vd + 2 * vd  # pre-conv qkv, conv output, z, corrected output
-    saved = bf16 + 12 * hv + 2 * hw + 4 * vd + 2 * vd
+    # fp32 gates: beta, g, a [Hv] each; KDA's decay is per key channel [Gk*K], kept three times
+    # (f + dt_bias and softplus(.) for autograd, g for the core), plus beta [Hv]
+    gates = 12 * kd + 4 * hv if spec.kda_gate_rank else 12 * hv
+    saved = bf16 + gates + 2 * hw + 4 * vd + 2 * vd
     blocked = tokens > 2 * NORM_BLOCK
     norm_t, norm_fixed = (0.0, 12 * vd * NORM_BLOCK) if blocked else (12 * vd, 0.0)
-    fwd = bf16 + 12 * hv + 8 * hw + 4 * vd + norm_t + 2 * vd
-    recompute = saved + 8 * hw + 4 * vd + norm_t
+    # KDA's separate q / k / v projections before their concat, transient
+    proj = 2 * (2 * kd + vd) if spec.kda_gate_rank else 0.0
+    fwd = bf16 + gates + 8 * hw + 4 * vd + norm_t + 2 * vd + proj
+    recompute = saved + 8 * hw + 4 * vd + norm_t + proj
     r, c = 2 * micro_batch, lay.cp
     state_w, state_v = r * hv * k * (v + k) * FP32, r * hv * k * v * FP32
     return {

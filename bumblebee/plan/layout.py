@@ -152,6 +152,8 @@ def check(
         return "moe_comm alltoall/chunked needs ep > 1"
     if lay.ep > 1 and prims.moe_comm == "local":
         return "moe_comm local needs ep = 1"
+    if prims.moe_comm == "chunked" and spec.moe_bias:
+        return "moe_comm chunked runs plain SwiGLU experts (these have biases and another GLU)"
     if prims.moe_comm == "chunked" and prims.recompute == "selective":
         return "chunked EP overlap is validated under full (or no) recompute only"
     return ""

@@ -209,8 +209,13 @@ def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
     kd = spec.gdn_k_heads * spec.gdn_k_dim / tp
     vd = spec.gdn_v_heads * spec.gdn_v_dim / tp
     vh = spec.gdn_v_heads / tp
-    kept = (2 * kd + vd) + vd + 2 * vh + vd  # in_proj qkv, z, b/a, core output
     cheap = (2 * kd + vd) + 2 * kd  # conv output, l2-normed q/k
+    if spec.kda_gate_rank:  # KDA: the decay is per key channel (fp32 [Hk*K] per token, not [Hv])
+        r = spec.kda_gate_rank  # the low-rank gates' inner activations (not split by TP)
+        kept = (2 * kd + vd) + vd + vh + 2 * r + vd  # q/k/v, output gate, beta, f_a/g_a, core out
+        # fp32 decay kept three times: f + dt_bias and softplus(.) (autograd), g (the core)
+        return kept * BF16 + 3 * kd * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
+    kept = (2 * kd + vd) + vd + 2 * vh + vd  # in_proj qkv, z, b/a, core output
     return kept * BF16 + 2 * vh * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
 
 
@@ -268,7 +273,9 @@ def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str
 
 
 def gdn_state_bytes(spec: ModelSpec, tp: int, chunk: int = 64) -> float:
-    """Chunk states h [t/C, Hv, Dk, Dv] recomputed in backward, and their gradient (bf16)."""
+    """Chunk states h [t/C, Hv, Dk, Dv] recomputed in backward, and their gradient (bf16). KDA's
+    state is the same [Hv, Dk, Dv] (its per-channel decay changes the transition, not the state);
+    FLA's chunk_kda also uses 64-token chunks."""
     return 2 * BF16 * spec.gdn_v_heads / tp * spec.gdn_k_dim * spec.gdn_v_dim / chunk
 
 

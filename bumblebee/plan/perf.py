@@ -135,7 +135,7 @@ def _layer_time(
         t * spec.mixer_gemm_flops(mixer) / tp, min(h, spec.n_heads * spec.head_dim / tp), gpu, eff
     )
     if mixer == ATTN:
-        core_f = t * spec.attn_core_flops(work.seq) / tp
+        core_f = t * spec.mean_attn_core_flops(work.seq) / tp
         core = core_f / (gpu.bf16_tflops * 1e12 * eff.attn_fwd)
         core_b = 2.5 * core_f / (gpu.bf16_tflops * 1e12 * eff.attn_bwd)
     else:

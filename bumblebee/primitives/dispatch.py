@@ -10,9 +10,24 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 | --- | --- | --- | --- |
 | attention / varlen | ``varlen_attn`` (flash: FA3 when present, else FA2) | SDPA per document | SDPA per document |
 | cp / ring | ring of ``varlen_attn`` steps (same flash) | fp32 tiles | fp32 tiles |
-| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` (``fla`` imports), else chunked | same | chunked |
+| linear_attention / chunked | FLA ``chunk_gated_delta_rule`` or ``chunk_kda`` (fla), else chunked | same | chunked |
 | conv / causal (GDN conv) | FLA ``causal_conv1d`` (``fla`` imports), else channel blocks | same | blocks |
 | glue / fused (norms, SwiGLU, RoPE) | ``torch.compile`` per function | same | eager ops |
+
+``chunk_kda`` serves the per-channel gates of Kimi Delta Attention (g [B, T, H, K],
+``linear_attention/fla_kda.py``); the scalar-gate rule takes ``chunk_gated_delta_rule``.
+
+Attention options (``attention/options.py``): a sliding window runs in ``varlen_attn`` (its
+``window_size``), SDPA per document (a band mask) and the ring's fp32 tiles (masked; the blocks
+and steps it excludes skipped, their exchanges too); the ring of flash steps takes no window, so
+with one the ring runs its tiles.
+Per-head sinks: no kernel PyTorch ships takes them, but a sink only rescales each row of plain
+attention through its LSE (``attention/flash_sinks.py``): ``attention / varlen`` on CUDA in half
+precision runs ``torch.ops.torch_attn._varlen_attn`` with the LSE, merges the sinks, and calls
+the flash backward op itself with the merged (output, LSE) (``varlen_attn``'s public wrapper
+drops the LSE gradient); elsewhere each document's scores are written out in fp32. The flash
+ring takes no sinks: ``cp / ring`` with sinks runs its fp32 tiles on CUDA too and merges the
+sinks into the final LSE.
 
 FA3: torch's flash ops (``varlen_attn``, the ring's ``_varlen_attn``) run FlashAttention 3 once
 ``torch.nn.attention.activate_flash_attention_impl("FA3")`` is called, which needs PyTorch's
@@ -135,16 +150,44 @@ def _dtype(dtype) -> torch.dtype:
 
 
 def select(
-    slot: str, impl: str, device: str, dtype, *, fla: bool | None = None, fa3: bool | None = None
+    slot: str,
+    impl: str,
+    device: str,
+    dtype,
+    *,
+    fla: bool | None = None,
+    fa3: bool | None = None,
+    sinks: bool = False,
+    window: bool = False,
 ) -> Kernel:
     """The kernel ``slot``/``impl`` runs on ``device`` ("cuda", "cpu", ...) for ``dtype``.
-    ``fla`` / ``fa3`` override the package checks (the planner asks "what if it were installed")."""
+    ``fla`` / ``fa3`` override the package checks (the planner asks "what if it were installed");
+    ``sinks``: the attention has per-head sink logits (merged through the LSE on CUDA);
+    ``window``: a sliding window (the flash ring takes none)."""
     if (a := _ASSUMED.get()) is not None:
         device, fla = a[0], fla if a[1] is None else a[1]
     dtype, cuda = _dtype(dtype), device == "cuda"
     fla = package_present("fla") if fla is None else fla
     if cuda and emulation.active():  # every CUDA branch, its kernels replaced by their references
         dtype, fla = torch.bfloat16, True
+    if sinks and (slot, impl) == ("attention", "varlen"):
+        if cuda and dtype in HALF:
+            label = f"varlen_attn + sink merge through the LSE (flash, {flash_impl(fa3)})"
+            return Kernel("varlen_attn_sinks", label, True)
+        return Kernel(
+            "sink_per_doc",
+            "fp32 scores per document (attention sinks)",
+            False,
+            "flash kernels take bf16/fp16 only" if cuda else "",
+        )
+    if (sinks or window) and (slot, impl) == ("cp", "ring"):
+        why = "sink logits" if sinks else "a sliding window"
+        return Kernel(
+            "ring_tiles",
+            f"ring, fp32 score tiles ({'attention sinks' if sinks else 'sliding window'})",
+            False,
+            f"the flash ring takes no {why}" if cuda else "",  # (ring_flash.py: causal pairs only)
+        )
     if (slot, impl) == ("attention", "varlen"):
         if cuda and dtype in HALF:
             return Kernel("varlen_attn", f"varlen_attn (flash, {flash_impl(fa3)})", True)
@@ -167,10 +210,12 @@ def select(
         )
     if (slot, impl) == ("linear_attention", "chunked"):
         if cuda and fla:
-            return Kernel("fla_chunk", "fla chunk_gated_delta_rule", True)
+            return Kernel(
+                "fla_chunk", "fla chunk_gated_delta_rule", True
+            )  # chunk_kda: per-channel g
         return Kernel(
             "torch_chunked",
-            "chunked PyTorch (64-token chunks)",
+            "chunked PyTorch (64-token chunks; 16 with per-channel gates)",
             False,
             "fla not installed (pip install -e '.[gpu]')" if cuda else "",
         )
@@ -196,13 +241,28 @@ KERNEL_SLOTS = ("attention", "cp", "linear_attention")
 
 
 def kernel_table(
-    prims, device: str, dtype, *, cp: int = 1, fla: bool | None = None, fa3: bool | None = None
+    prims,
+    device: str,
+    dtype,
+    *,
+    cp: int = 1,
+    fla: bool | None = None,
+    fa3: bool | None = None,
+    sinks: bool = False,
+    window: bool = False,
 ) -> dict[str, Kernel]:
     """slot -> Kernel for the configured implementations (``prims``: a PrimitivesConfig).
-    ``cp`` omitted or 1: no CP slot (full attention runs the ``attention`` slot)."""
-    out = {"attention": select("attention", prims.attention, device, dtype, fla=fla, fa3=fa3)}
+    ``cp`` omitted or 1: no CP slot (full attention runs the ``attention`` slot); ``sinks`` /
+    ``window``: the model's attention has sink logits / sliding-window layers."""
+    out = {
+        "attention": select(
+            "attention", prims.attention, device, dtype, fla=fla, fa3=fa3, sinks=sinks
+        )
+    }
     if cp > 1:
-        out["cp"] = select("cp", prims.cp, device, dtype, fla=fla, fa3=fa3)
+        out["cp"] = select(
+            "cp", prims.cp, device, dtype, fla=fla, fa3=fa3, sinks=sinks, window=window
+        )
     out["linear_attention"] = select(
         "linear_attention", prims.linear_attention, device, dtype, fla=fla
     )
@@ -243,6 +303,11 @@ def rows(slot: str, impl: str) -> list[tuple[str, str, str]]:
                 out.append((device, f"{dtype}, FA3 {'present' if present else 'absent'}", k.label))
         else:
             out.append((device, dtype, select(slot, impl, device, dt).label))
+    if slot in ("attention", "cp"):  # the attention options (sinks; the ring: also a window)
+        for device, dtype in (("cuda", "bfloat16"), ("cpu", "any")):
+            dt = torch.float32 if dtype == "any" else dtype
+            k = select(slot, impl, device, dt, sinks=True)
+            out.append((device, f"{dtype}, sinks", k.label))
     return out
 
 

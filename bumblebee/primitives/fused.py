@@ -61,3 +61,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def swiglu_halves(h: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``h = [gate | up]`` on the last dim (one fused kernel on CUDA)."""
     return fused("swiglu", _swiglu_halves, h)
+
+
+def _clamped_swiglu_halves(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
+
+
+def clamped_swiglu_halves(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's GLU of ``h = [gate | up]``: gate clamped above and up on both sides at ``limit``,
+    then ``(up + 1) * gate * sigmoid(alpha * gate)`` (one fused kernel on CUDA)."""
+    return fused("clamped_swiglu", _clamped_swiglu_halves, h, alpha, limit)

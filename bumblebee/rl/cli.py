@@ -4,7 +4,8 @@ Configuration, lowest to highest precedence: the RL defaults below (a smaller ti
 model and optimizer settings suited to the toy task), the ``--config`` TOML file,
 then ``--set`` overrides. Keys under ``rl.`` (``--set rl.steps=40`` or an ``[rl]``
 table) go to ``RLConfig``; everything else is the ordinary run config, validated by
-``load_config``. ``--tis C`` is ``--set rl.tis=C`` (applied last). ``--plot out.png``
+``load_config``. ``--tis C`` is ``--set rl.tis=C`` and ``--lora R`` is
+``--set model.lora.rank=R`` (both applied last). ``--plot out.png``
 draws the reward curve (through bumblebee/report.py; matplotlib is imported only when
 asked for).
 """
@@ -60,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="C",
         help="truncated importance sampling on pi_train / pi_rollout, capped at C > 1 (e.g. 2); "
         "the same as --set rl.tis=C, which it overrides",
+    )
+    p.add_argument(
+        "--lora",
+        type=int,
+        metavar="R",
+        help="train rank-R LoRA adapters on every projection and the routed experts, the base "
+        "frozen (models/lora.py); the same as --set model.lora.rank=R, which it overrides",
     )
     p.add_argument(
         "--nproc",
@@ -128,6 +136,8 @@ def configs_from_args(args):
     overrides = list(args.overrides or [])
     if args.tis is not None:  # last, so it wins over the file and --set
         overrides.append(f"rl.tis={args.tis!r}")
+    if args.lora is not None:
+        overrides.append(f"model.lora.rank={args.lora}")
     return load_configs(args.config, overrides)
 
 

@@ -33,7 +33,8 @@ by the global expert load of the training forwards since the last step, as the T
 (``mtp.depth`` is 0 here: the policy is the next-token model); exports write them as held.
 
 Weights out (``rl/weights.py``): ``weight_buckets`` (bucketed, HF-named, for a rollout
-engine), ``named_weights``, ``export_hf``. Memory (``rl/offload.py``): ``offload`` /
+engine), ``named_weights``, ``export_hf`` (merged with LoRA adapters); ``export_peft`` writes the
+adapters themselves (``rl/adapters.py``). Memory (``rl/offload.py``): ``offload`` /
 ``onload`` by part. Calls that touch the model are collective: every rank makes them, in order.
 """
 
@@ -54,6 +55,7 @@ from bumblebee.primitives.moe.replay import RoutingScope
 from bumblebee.primitives.packed import assume_documents
 from bumblebee.primitives.prefix_tree import tree_layout
 from bumblebee.rl import microbatch as mbs
+from bumblebee.rl.adapters import EngineAdapters
 from bumblebee.rl.batch import (
     LOSS_INPUTS,
     RLBatch,
@@ -122,7 +124,7 @@ def check_temperature(value, name: str = "temperature") -> None:
         )
 
 
-class Engine(GlobalBatchCalls, EngineWeights, EngineCheckpoints):
+class Engine(GlobalBatchCalls, EngineWeights, EngineAdapters, EngineCheckpoints):
     """The policy under training on this rank's share of the layout ``cfg`` describes.
 
     ``hf_path``: start from a Hugging Face checkpoint (sets ``model.hf_path``; ``model.arch``

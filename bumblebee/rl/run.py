@@ -2,7 +2,8 @@
 
 1. A tiny model gets a short supervised warm-up on a built-in task (``rl/toy.py``),
    through ``Engine.train_step`` with a token NLL loss; the result is exported
-   (``Engine.export_hf``) and becomes the reference policy of the KL penalty.
+   (``Engine.export_hf``) and becomes the reference policy of the KL penalty (and, with
+   ``model.lora.rank > 0``, the frozen base whose LoRA adapters GRPO trains).
 2. GRPO (Shao et al. 2024): per step, ``prompts_per_step`` problems, ``group_size``
    samples each from the built-in sampler (weights pushed from the Engine in
    ``weight_buckets``), exact rewards, group-normalized advantages, old and reference
@@ -33,7 +34,7 @@ from typing import IO
 import torch
 import torch.distributed as dist
 
-from bumblebee.config import Config, ConfigError, dump_toml
+from bumblebee.config import Config, ConfigError, LoraConfig, dump_toml
 from bumblebee.config_checks import check_int_range
 from bumblebee.models import build_model
 from bumblebee.rl.engine import Engine, check_temperature
@@ -334,7 +335,10 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
     rl.validate()
     stream = stream or sys.stdout
     start = time.perf_counter()
-    engine = Engine(cfg, temperature=rl.temperature)
+    # --lora: the warm-up trains the whole model (the base a LoRA run starts from), GRPO then
+    # trains adapters on it with the base frozen
+    base_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig()))
+    engine = Engine(base_cfg, temperature=rl.temperature)
     ctx, out_dir = engine.ctx, cfg.train.out_dir
     log = _Log(out_dir, ctx.rank == 0, stream)
     if ctx.rank == 0:
@@ -372,8 +376,11 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
     ref_dir = os.path.join(out_dir, "reference")
     engine.export_hf(ref_dir)
     reference = Engine(
-        cfg, hf_path=ref_dir, temperature=rl.temperature
+        base_cfg, hf_path=ref_dir, temperature=rl.temperature
     )  # KL is tracked even at kl_coef = 0
+    if cfg.model.lora.rank:  # the policy: adapters (B = 0: equal to the base) on the warmed-up base
+        del engine
+        engine = Engine(cfg, hf_path=ref_dir, temperature=rl.temperature)
     _push_weights(engine, sampler)
     before = (
         _broadcast(_evaluate(sampler, task, eval_set, rl) if sampler else None, ctx)

@@ -16,6 +16,8 @@ transformers model holds none.
 
 from __future__ import annotations
 
+from bumblebee.models.hf_stored import stored_entry
+
 
 def hf_expert_names(name: str, first: int, piece, F: int):
     """Checkpoint (name, tensor) of a piece of stacked experts (``w_gate_up`` [n, 2F, H] / ``w_down``
@@ -33,20 +35,26 @@ def hf_expert_names(name: str, first: int, piece, F: int):
 FUSED = {"experts.w_gate_up": "experts.gate_up_proj", "experts.w_down": "experts.down_proj"}
 
 
-def transformers_name(name: str) -> str | None:
+def transformers_name(name: str, renames: dict | None = None) -> str | None:
     """A bumblebee parameter / buffer name -> transformers 5's in-memory name (before the source
-    checkpoint's prefixes); None for a tensor a transformers model does not hold."""
+    checkpoint's prefixes); None for a tensor a transformers model does not hold. ``renames``:
+    the family's own name endings (``Family.transformers_renames``)."""
     if name.startswith("mtp."):
         return None
-    for ours, theirs in FUSED.items():
+    for ours, theirs in {**FUSED, **(renames or {})}.items():
         if name.endswith(ours):
             return name[: -len(ours)] + theirs
     return name
 
 
-def transformers_named(pairs):
-    """(transformers name, tensor) from (bumblebee name, tensor) pairs, MTP tensors dropped."""
+def transformers_named(pairs, renames: dict | None = None, stored=()):
+    """(transformers name, tensor) from (bumblebee name, tensor) pairs, MTP tensors dropped.
+    ``stored``: the family's ``hf_stored`` declarations (models/hf_stored.py): those tensors keep
+    their checkpoint name and layout (gpt-oss: transformers holds its experts as stored)."""
     for name, t in pairs:
-        out = transformers_name(name)
+        if entry := stored_entry(stored, name):
+            yield entry.checkpoint_name(name), entry.to_checkpoint(t)
+            continue
+        out = transformers_name(name, renames)
         if out is not None:
             yield out, t

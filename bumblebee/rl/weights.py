@@ -42,7 +42,14 @@ from torch.distributed.tensor import DTensor
 
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import _weight_files, hf_state_dict
+from bumblebee.models.hf_stored import stored_entry
 from bumblebee.models.hf_write import write_hf
+from bumblebee.models.lora import (
+    factor_names,
+    is_lora_name,
+    merge,
+    merged_stream,
+)
 from bumblebee.rl.weight_names import hf_expert_names, transformers_named
 
 
@@ -88,7 +95,7 @@ def gathered(model, ep_group, dtype: torch.dtype | None, pp_group=None):
                 (p.shape[0] * ep if ep > 1 and model.is_expert_param(n) else p.shape[0]),
                 *p.shape[1:],
             ),
-            dtype if dtype is not None and isinstance(p, torch.nn.Parameter) else p.dtype,
+            dtype if dtype is not None and _cast(model, n, p) else p.dtype,
             isinstance(p, torch.nn.Parameter),
         )
         for n, p in _state(model)
@@ -112,6 +119,16 @@ def gathered(model, ep_group, dtype: torch.dtype | None, pp_group=None):
                 yield name, t
 
 
+def _cast(model, name: str, p) -> bool:
+    """Whether a tensor is cast to the asked dtype before its gather: parameters, but neither LoRA
+    factors nor their base tensors (merged in fp32 first and rounded once, models/lora.py), nor
+    buffers."""
+    info = getattr(model, "lora_info", None)
+    if info is not None and (is_lora_name(name) or name in info.bases):
+        return False
+    return isinstance(p, torch.nn.Parameter)
+
+
 def _state(model) -> list[tuple[str, torch.Tensor]]:
     """Parameters, then the buffers that are model state (e.g. the sigmoid_bias router's
     ``e_score_correction_bias``: replicated, exported like a parameter)."""
@@ -129,7 +146,7 @@ def _gather(model, name: str, p, ep_group, dtype) -> torch.Tensor:
     expert slices concatenated over the ep group; a buffer as it is (replicated; kept in its own dtype,
     e.g. an fp32 router bias). Collective."""
     t = p.detach()
-    if dtype is not None and t.dtype != dtype and isinstance(p, torch.nn.Parameter):
+    if dtype is not None and t.dtype != dtype and _cast(model, name, p):
         t = t.to(dtype)
     if isinstance(t, DTensor):
         t = t.full_tensor()
@@ -209,13 +226,24 @@ class EngineWeights:
     def _hf_named(self, named):
         return self._renamed(hf_state_dict(_FullModel(self.arch, named)))
 
-    def named_weights(self, *, hf_names: bool = True, dtype: torch.dtype | None = None):
+    @property
+    def _lora(self):
+        """The model's ``LoraInfo`` (models/lora.py), or None without adapters."""
+        return getattr(self.model, "lora_info", None)
+
+    def named_weights(
+        self, *, hf_names: bool = True, dtype: torch.dtype | None = None, merged: bool = True
+    ):
         """Stream (name, full tensor) for every parameter: the source checkpoint's HF names
-        (experts split per expert) by default, bumblebee names with ``hf_names=False``.
+        (experts split per expert) by default, bumblebee names with ``hf_names=False``. With
+        LoRA adapters each adapted tensor comes merged (W + scale B A, rounded once to ``dtype``)
+        and the factors are left out, unless ``merged=False`` (bumblebee names: the factors too).
         Collective: every rank iterates to the end. A tensor may share storage with the live
         parameter (replicated layouts): copy what you keep across an update."""
         self.offloader.require("params")
         named = gathered(self.model, self.ctx.ep_group, dtype, self.ctx.pp_group)
+        if self._lora is not None and merged:
+            named = merged_stream(named, self._lora.scale, dtype)
         return self._hf_named(named) if hf_names else named
 
     def _hf_stream(self, dtype, piece_bytes: int):
@@ -227,15 +255,36 @@ class EngineWeights:
         self.offloader.require("params")
         F, ep_group = self.arch.moe_intermediate_size, self.ctx.ep_group
         ep = 1 if ep_group is None else dist.get_world_size(ep_group)
-        for name, p in _state(self.model):
+        from bumblebee.models import family_of
+
+        stored = family_of(self.arch).hf_stored  # declared layouts: converted whole
+        # the family's checkpoint names of the split experts, as hf_state_dict writes them
+        out = family_of(self.arch).hf_name_out or (lambda arch, n: n)
+        state, lora = _state(self.model), self._lora
+        params = dict(state)
+        for name, p in state:
+            if is_lora_name(name):  # merged into its base tensor below
+                continue
+            ab = factor_names(name) if lora is not None else None
+            ab = ab if ab is not None and ab[0] in params else None
+            # the factors are small: gathered whole (every rank, same order), merged per piece
+            a, b = [_gather(self.model, n, params[n], ep_group, None) for n in ab] if ab else (0, 0)
             if (
                 name.endswith(("experts.w_gate_up", "experts.w_down"))
+                and not stored_entry(stored, name)
                 and p.numel() * ep * (dtype or p.dtype).itemsize > piece_bytes
             ):
-                for first, piece in expert_pieces(p, ep_group, dtype, piece_bytes):
-                    yield from self._renamed(hf_expert_names(name, first, piece, F))
+                for first, piece in expert_pieces(p, ep_group, None if ab else dtype, piece_bytes):
+                    if ab:
+                        n = piece.shape[0]
+                        piece = merge(
+                            piece, a[first : first + n], b[first : first + n], lora.scale, dtype
+                        )
+                    split = hf_expert_names(name, first, piece, F)
+                    yield from self._renamed((out(self.arch, n), t) for n, t in split)
             else:
-                yield from self._hf_named([(name, _gather(self.model, name, p, ep_group, dtype))])
+                t = _gather(self.model, name, p, ep_group, dtype)
+                yield from self._hf_named([(name, merge(t, a, b, lora.scale, dtype) if ab else t)])
 
     def weight_buckets(
         self,
@@ -254,7 +303,12 @@ class EngineWeights:
         else:  # whole tensors: a fused expert stack larger than a bucket gets a bucket of its own
             stream = self.named_weights(hf_names=False, dtype=dtype)
             if names == "transformers":
-                stream = self._renamed(transformers_named(stream))
+                from bumblebee.models import family_of
+
+                family = family_of(self.arch)
+                stream = self._renamed(
+                    transformers_named(stream, family.transformers_renames, family.hf_stored)
+                )
         for name, t in stream:
             n = t.numel() * t.element_size()
             if bucket and size + n > bucket_bytes:

@@ -83,8 +83,11 @@ def static_state_bytes(model, optimizer) -> dict[str, int]:
     from bumblebee.primitives.sharding.common import local
 
     params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    grads = sum(  # a frozen parameter (LoRA base) gets none
+        local(p).numel() * local(p).element_size() for p in model.parameters() if p.requires_grad
+    )
     own = {id(p) for p in model.parameters()}
     updated = [p for group in optimizer.param_groups for p in group["params"]]
     masters = sum(local(p).numel() * local(p).element_size() for p in updated if id(p) not in own)
     moments = sum(2 * local(p).numel() * 4 for p in updated)
-    return {"params": params, "grads": params, "optimizer": moments + masters}
+    return {"params": params, "grads": grads, "optimizer": moments + masters}

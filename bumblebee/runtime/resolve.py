@@ -126,6 +126,11 @@ def validate_run(cfg: Config):
         router and cfg.primitives.router == "softmax_topk"
     ):  # the default: the architecture's router instead
         cfg.primitives.router = router  # (the resolved config.toml of the run shows it)
+    if cfg.primitives.moe_comm == "chunked" and arch.to_spec().moe_bias:
+        raise ConfigError(
+            "primitives.moe_comm = 'chunked' runs plain SwiGLU experts; this model's experts have "
+            "biases and another GLU: use 'alltoall' (ep > 1) or 'local'"
+        )
     mtp_depth(cfg, arch)
     return arch
 

@@ -78,7 +78,14 @@ def build_initial_model(
     ``device`` and filled in place: the random init of ``train.seed`` (identical for every
     layout), or each rank's slices of ``model.hf_path``."""
     arch = arch or resolve_arch(cfg.model)
-    model = build_model(arch, cfg.primitives, groups or ParallelGroups(), device="meta")
+    model = build_model(
+        arch,
+        cfg.primitives,
+        groups or ParallelGroups(),
+        device="meta",
+        lora=cfg.model.lora if cfg.model.lora.rank else None,
+        train_dtype=cfg.train.dtype,
+    )
     model.set_mtp(
         cfg.mtp.depth, cfg.mtp.loss_weight
     )  # before the split: the last pipeline stage runs MTP
@@ -178,8 +185,10 @@ class Trainer:
                     f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n"
                 )
             kind = "cuda" if t.emulate_cuda else self.device.type
+            spec = self.model.arch.to_spec()
+            options = {"sinks": spec.attn_sinks, "window": any(spec.windows)}
             kernels = describe_kernels(
-                kernel_table(cfg.primitives, kind, t.dtype, cp=ctx.layout.cp)
+                kernel_table(cfg.primitives, kind, t.dtype, cp=ctx.layout.cp, **options)
             )
             emulated = " (emulated CUDA: CPU tensors, reference kernels, checked communication)"
             stream.write(

@@ -10,12 +10,16 @@
   (1e-5 relative, fp32) on packed documents of uneven lengths; cp=2 x ep=2 (fsdp2) matches
   the single-process losses over 5 steps.
 
-One spawn per world size runs all cases of that size (spawning dominates the runtime).
+One spawn per world size runs all cases of that size (spawning dominates the runtime); the
+4-rank spawn also runs Kimi Delta Attention's cp = 4 check (``tests/kda_cp.py``: the KDA layer
+on cp=4 shards, and the Kimi Linear model's loss trace against cp = 1 to 1e-6).
 """
 
 import io
 import json
 
+import family_layouts
+import kda_cp
 import pytest
 import torch
 from dist_utils import run_distributed
@@ -167,10 +171,11 @@ def train(overrides, data, out_dir, steps):
     return [(r["loss"], r["grad_norm"]) for r in trace], grads
 
 
-def _ranks(rank, world, cases, data, out_dir):
+def _ranks(rank, world, cases, data, out_dir, kimi_data=None):
     prim = [layer_cp(rank, world, relayout) for relayout in (False, True)]
     relayout_and_errors(rank, world)
-    return prim, [train(ov, data, f"{out_dir}/{rank}", steps) for ov, steps in cases]
+    models = [train(ov, data, f"{out_dir}/{rank}", steps) for ov, steps in cases]
+    return prim, models, kimi_data and kda_cp.cp4_rank(rank, world, kimi_data, out_dir)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -239,7 +244,10 @@ FOUR = [
 
 @pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["cp2", "cp4_and_cp2xep2"])
 def test_gdn_cp_matches_single_process(world, cases, reference, data, tmp_path):
-    results = run_distributed(_ranks, world, cases, data, str(tmp_path))
+    kimi = world == 4 and family_layouts.write_data(tmp_path / "kimi_docs.jsonl")
+    results = run_distributed(_ranks, world, cases, data, str(tmp_path), kimi or None)
+    if kimi:
+        kda_cp.check_cp4([r[2] for r in results], kda_cp.reference(kimi, tmp_path / "kimi_ref"))
     for i, relayout in enumerate((False, True)):
         check_layer([r[0][i] for r in results], world, "relayout" if relayout else "zigzag")
     for (ov, steps), result in zip(cases, results[0][1]):

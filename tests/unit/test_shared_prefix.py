@@ -152,6 +152,13 @@ def test_attention_cores_on_a_tree():
         dwant = torch.autograd.grad(want.square().sum(), (q, k, v), retain_graph=True)
         for x, y in zip(dgot, dwant):
             assert torch.allclose(x, y, atol=1e-4)
+    for core, kw in (
+        (sdpa_varlen, {"window": 4}),
+        (sdpa_varlen, {"sinks": torch.zeros(4)}),
+        (sdpa_masked, {"window": 4}),
+    ):
+        with pytest.raises(NotImplementedError, match="tree"):  # positions along the chain: not yet
+            core(q, k, v, layout, 0.3, **kw)
     # the dense mask itself against the samples: branch 2's last query sees the prefix and
     # branch 2, nothing of branch 1
     bounds, parents = layout.bounds[0], layout.parents[0]

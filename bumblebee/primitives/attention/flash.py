@@ -57,8 +57,11 @@ def cuda_varlen_attn():
     return varlen_attn
 
 
-def flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float, kernel=None):
-    """Causal attention per packed document -> o [B, N, T, D] (q's dtype)."""
+def flash_varlen(
+    q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float, kernel=None, *, window: int = 0
+):
+    """Causal attention per packed document -> o [B, N, T, D] (q's dtype); ``window`` > 0: each
+    query sees its last ``window`` keys (flash-attention's left window is ``window - 1``)."""
     kernel = kernel or cuda_varlen_attn()
     B, N, T, D = q_BNTD.shape
     K = k_BKTD.shape[1]
@@ -75,7 +78,7 @@ def flash_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float, kernel
         longest,
         longest,
         scale=scale,
-        window_size=(-1, 0),
+        window_size=(window - 1 if window else -1, 0),
         enable_gqa=N != K,
     )
     return o_SND.view(B, T, N, D).transpose(1, 2)
@@ -112,8 +115,9 @@ def reference_varlen_attn(
     """``varlen_attn``'s contract in plain PyTorch (fp32 scores), for CPU tests of the glue:
     per sequence i, queries ``cu_seq_q[i]:cu_seq_q[i+1]`` attend keys ``cu_seq_k[i]:cu_seq_k[i+1]``;
     ``window_size=(-1, 0)`` is causal aligned to the bottom right (query j of Lq sees keys
-    <= j + Lk - Lq, flash-attention's convention); LSE is fp32 [heads, total_q] (the layout
-    of the kernel and of its fake implementation). Empty sequences are allowed."""
+    <= j + Lk - Lq, flash-attention's convention), ``(w, 0)`` also keys >= j + Lk - Lq - w;
+    LSE is fp32 [heads, total_q] (the layout of the kernel and of its fake implementation).
+    Empty sequences are allowed."""
     Sq, N, D = query.shape
     G = N // key.shape[1]
     scale = D**-0.5 if scale is None else scale
@@ -128,10 +132,13 @@ def reference_varlen_attn(
         k = key[k0:k1].float().transpose(0, 1).repeat_interleave(G, 0)
         v = value[k0:k1].float().transpose(0, 1).repeat_interleave(G, 0)
         s = q @ k.transpose(-1, -2) * scale
-        if tuple(window_size) == (-1, 0):
+        if window_size[1] == 0:
             Lq, Lk = q1 - q0, k1 - k0
             i_q, i_k = (torch.arange(n, device=s.device) for n in (Lq, Lk))  # on the scores' device
-            allowed = i_k[None, :] <= i_q[:, None] + (Lk - Lq)
+            diag = i_q[:, None] + (Lk - Lq)
+            allowed = i_k[None, :] <= diag
+            if window_size[0] >= 0:
+                allowed &= i_k[None, :] >= diag - window_size[0]
             s = s.masked_fill(~allowed, float("-inf"))
         l = torch.logsumexp(s, -1)  # noqa: E741
         p = torch.exp(s - torch.where(torch.isinf(l), torch.zeros_like(l), l)[..., None])

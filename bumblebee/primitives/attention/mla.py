@@ -27,7 +27,8 @@ blocks around the ring and re-expands each block on every hop (``primitives/cp/r
 implementation; the benchmark's expanded-head ring).
 Cores and the K/V cache expect one head dim for q, k and v: v is zero-padded from Dv to
 Dn + R and the output sliced back (exact: the padded columns are 0 forward and get no
-gradient). Parameter names follow Hugging Face's ``DeepseekV3Attention``.
+gradient). Parameter names follow Hugging Face's ``DeepseekV3Attention``. ``use_rope=False``
+keeps the layout and leaves the rope dims unrotated (a shared, position-free key part).
 
 Legend: B batch, T tokens, H hidden, N heads, C kv latent (kv_lora_rank), Q q latent,
 Dn nope dims, R rope dims, Dv value dims, D = Dn + R.
@@ -63,6 +64,7 @@ class MultiHeadLatentAttention(nn.Module):
         attend,
         recompute,
         cp_latents: str = "",
+        use_rope: bool = True,
     ):
         super().__init__()
         self.n_heads, self.nope, self.rope, self.v_dim = (
@@ -84,13 +86,18 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(
             kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), bias=False
         )
+        # the latent CP ring reads this weight itself: LoRA (models/lora.py) leaves it frozen
+        self.kv_b_proj.reads_weight = True
         self.o_proj = nn.Linear(heads * v_head_dim, hidden, bias=False)
         self.scale, self.rope_interleave = scale, rope_interleave
+        self.use_rope = use_rope  # False: the decoupled dims stay, unrotated (a NoPE MLA)
         if cp_latents not in ("", "allgather", "ring"):
             raise ValueError(f"cp_latents must be '', 'allgather' or 'ring', got {cp_latents!r}")
         self.attend, self.recompute, self.cp_latents = attend, recompute, cp_latents
 
     def _rope(self, x, cos, sin):
+        if not self.use_rope:
+            return x
         if self.rope_interleave:  # (x0, x1), (x2, x3), ... -> [x0, x2, ... | x1, x3, ...]
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return apply_rope(x, cos, sin)

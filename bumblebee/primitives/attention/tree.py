@@ -27,6 +27,16 @@ from bumblebee.primitives.prefix_tree import TreeLayout, gather_index
 from bumblebee.primitives.recompute import lean
 
 
+def refuse_options(window, sinks) -> None:
+    """Sliding windows and sinks are not combined with tree layouts yet: a window would count
+    positions along the parent chain, not columns of the row."""
+    if window or sinks is not None:
+        raise NotImplementedError(
+            "attention on a shared-prefix (tree) layout supports neither a sliding window nor "
+            "sinks yet"
+        )
+
+
 def tree_varlen(q_BNTD, k_BKTD, v_BKTD, layout: TreeLayout, scale: float, kernel=None):
     if (
         kernel is None

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
+from bumblebee.primitives.attention.options import explicit_attention, window_allows
 from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.registry import register
 
@@ -59,36 +59,43 @@ class GatherSequence(torch.autograd.Function):
 
 
 @register("cp", "allgather", reference=True, summary="all-gather K/V over the CP group, full mask")
-def allgather_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
+def allgather_attention(
+    q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, *, window=0, sinks=None
+):
     return attend_gathered(
         q_BNLD,
         GatherSequence.apply(k_BKLD, layout),
         GatherSequence.apply(v_BKLD, layout),
         layout,
         scale,
+        window=window,
+        sinks=sinks,
     )
 
 
-def attend_gathered(q_BNLD, k_BKTD, v_BKTD, layout: CPLayout, scale: float):
-    """Local queries (zigzag shards) against the whole row's keys / values in global order."""
+def attend_gathered(
+    q_BNLD, k_BKTD, v_BKTD, layout: CPLayout, scale: float, *, window=0, sinks=None
+):
+    """Local queries (zigzag shards) against the whole row's keys / values in global order
+    (``window`` / ``sinks``: attention/options.py)."""
     n = layout.chunk
-    gqa = q_BNLD.shape[1] != k_BKTD.shape[1]
     outs = []
     for part in range(2):  # the early chunk, then the late chunk
         idx_n = layout.index_L[part * n : (part + 1) * n]
         end = int(idx_n[-1]) + 1
         doc_q = layout.doc_BT[:, idx_n]  # [B, n]
         doc_k = layout.doc_BT[:, :end]  # [B, end]
-        causal = torch.arange(end, device=idx_n.device)[None, :] <= idx_n[:, None]
+        k_pos = torch.arange(end, device=idx_n.device)
+        causal = (k_pos[None, :] <= idx_n[:, None]) & window_allows(idx_n, k_pos, window)
         mask = (doc_q[:, :, None] == doc_k[:, None, :]) & causal
         outs.append(
-            F.scaled_dot_product_attention(
+            explicit_attention(
                 q_BNLD[:, :, part * n : (part + 1) * n],
                 k_BKTD[:, :, :end],
                 v_BKTD[:, :, :end],
-                attn_mask=mask[:, None],
-                scale=scale,
-                enable_gqa=gqa,
+                mask[:, None],
+                scale,
+                sinks,
             )
         )
     return torch.cat(outs, dim=2)

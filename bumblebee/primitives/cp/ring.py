@@ -14,6 +14,18 @@ pass brings the accumulators home. Per block pair, with P = exp(S - lse) and
 Delta = rowsum(dO * O): dV += P^T dO, dS = P * (dO V^T - Delta), dQ += dS K s,
 dK += dS^T Q s.
 
+Options (``attention/options.py``): a sliding ``window`` masks the tiles and skips every block
+pair whose keys all lie before every query's window; a ring step none of whose pairs is needed
+is skipped whole (``needed_steps``; with zigzag shards and a window shorter than a chunk only
+the steps bringing the own, previous and next rank's blocks are needed). With a window the
+blocks are not forwarded hop by hop: for each step s some rank needs (``ring_plan``), every
+rank sends its own K/V block straight to rank + s (``ring_comm.exchange``), and in backward
+sends the block's dK/dV contributions straight back to its owner; steps no rank needs move no
+bytes at all (at 8 ranks and a window shorter than a chunk: 2 exchanges instead of 7 hops).
+``sinks`` join each row's
+softmax after the last step: ``lse' = logaddexp(lse, sink)``, ``o' = o exp(lse - lse')``;
+backward is the usual one with (o', lse') and ``dsink = -sum_rows exp(sink - lse') Delta``.
+
 Scores are computed per (query tile, key chunk) pair in fp32, so memory is
 O(tile x chunk), never O(T^2). Forward and backward both run with autocast off, so
 under bf16 autocast the forward's scores and LSE are the fp32 ones the backward
@@ -28,22 +40,27 @@ D head dim, q/k tile rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from bumblebee.primitives import emulation
+from bumblebee.primitives.attention.options import merge_sinks, sink_grad
 from bumblebee.primitives.cp.layout import CPLayout
-from bumblebee.primitives.cp.ring_comm import backward_hop
+from bumblebee.primitives.cp.ring_comm import backward_hop, exchange
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
 from bumblebee.primitives.cp.ring_flash import ring_flash_attention
 from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.packed import DeviceCache
 from bumblebee.registry import register
 
 Q_TILE = 512  # query rows per score tile
 
 
-def _pairs(layout: CPLayout, src: int):
+def _pairs(layout: CPLayout, src: int, window: int = 0):
     """(query slice, key slice, mask [B, 1, 1, q, k]) for every block pair of local queries
-    x the K/V block of rank ``src`` that the causal + document mask does not fully exclude."""
+    x the K/V block of rank ``src`` that the causal + document (+ window) mask does not fully
+    exclude."""
     n, L = layout.chunk, 2 * layout.chunk
     q_idx, k_idx, doc = layout.index_L, layout.rank_index(src), layout.doc_BT
     for qs in range(0, L, min(Q_TILE, n)):
@@ -54,10 +71,43 @@ def _pairs(layout: CPLayout, src: int):
             kg = k_idx[k_sl]
             if int(kg[0]) > int(qg[-1]):
                 continue  # every key is in the future of every query
+            if window and int(qg[0]) - int(kg[-1]) >= window:
+                continue  # every key is before every query's window
             mask = (kg[None, :] <= qg[:, None]) & (doc[:, kg][:, None, :] == doc[:, qg][:, :, None])
+            if window:
+                mask &= (qg[:, None] - kg[None, :] < window)[None]
             if not bool(mask.any()):
                 continue  # causal or document boundary excludes the whole pair
             yield q_sl, k_sl, mask[:, None, None]
+
+
+def needed_steps(layout: CPLayout, window: int = 0) -> tuple[bool, ...]:
+    """Per ring step: whether this rank's queries need the K/V block it receives then (host bools,
+    derived once per layout and window)."""
+    return layout.cached(
+        ("ring_steps", window),
+        layout.index_L.device,
+        lambda: tuple(
+            any(True for _ in _pairs(layout, (layout.rank - s) % layout.size, window))
+            for s in range(layout.size)
+        ),
+    )
+
+
+def ring_plan(layout: CPLayout, window: int) -> tuple[int, ...]:
+    """The ring steps (offsets) some rank of the group needs: the same on every rank (derived from
+    the global layout), so every rank takes part in the same exchanges."""
+
+    def build():
+        needed = set()
+        for r in range(layout.size):
+            other = dataclasses.replace(
+                layout, rank=r, index_L=layout.rank_index(r), _cache=DeviceCache()
+            )
+            needed.update(s for s, need in enumerate(needed_steps(other, window)) if need)
+        return tuple(sorted(needed | {0}))
+
+    return layout.cached(("ring_plan", window), layout.index_L.device, build)
 
 
 def _scores(q_BKGqD, k_BKkD, mask, scale):
@@ -65,10 +115,12 @@ def _scores(q_BKGqD, k_BKkD, mask, scale):
     return s.masked_fill_(~mask, float("-inf"))
 
 
-def forward_block(q, o, lse, k, v, layout: CPLayout, src: int, scale: float) -> None:
+def forward_block(
+    q, o, lse, k, v, layout: CPLayout, src: int, scale: float, window: int = 0
+) -> None:
     """Merge local queries x rank ``src``'s K/V block into the running (o, lse), in place.
     q, o fp32 [B, K, G, L, D] (o's last dim may be v's Dv), lse fp32 [B, K, G, L], k / v [B, K, L, D]."""
-    for q_sl, k_sl, mask in _pairs(layout, src):
+    for q_sl, k_sl, mask in _pairs(layout, src, window):
         s = _scores(q[:, :, :, q_sl], k[:, :, k_sl].float(), mask, scale)
         lse_p = torch.logsumexp(s, dim=-1)
         safe = torch.where(torch.isinf(lse_p), torch.zeros_like(lse_p), lse_p)
@@ -84,11 +136,11 @@ def forward_block(q, o, lse, k, v, layout: CPLayout, src: int, scale: float) -> 
 
 
 def backward_block(
-    q, do, delta, lse, dq, k, v, dk, dv, layout: CPLayout, src: int, scale: float
+    q, do, delta, lse, dq, k, v, dk, dv, layout: CPLayout, src: int, scale: float, window: int = 0
 ) -> None:
     """Add local queries x rank ``src``'s block to dq and to the block's dk / dv (all fp32, in place).
     Shapes as ``forward_block``; do / dq like q, delta = rowsum(dO * O) like lse, dk / dv like k / v."""
-    for q_sl, k_sl, mask in _pairs(layout, src):
+    for q_sl, k_sl, mask in _pairs(layout, src, window):
         kc, vc = k[:, :, k_sl].unsqueeze(2), v[:, :, k_sl].unsqueeze(2)
         s = _scores(q[:, :, :, q_sl], k[:, :, k_sl], mask, scale)
         p = s.sub_(lse[:, :, :, q_sl, None]).exp_()  # 0 where masked
@@ -99,30 +151,48 @@ def backward_block(
         dk[:, :, k_sl] += torch.matmul(ds.transpose(-1, -2), q[:, :, :, q_sl]).sum(2) * scale
 
 
+def _wait(started):
+    bufs, wait = started
+    wait()
+    return bufs
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
+    def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, window=0, sinks=None):
         with torch.autocast(q_BNLD.device.type, enabled=False):  # fp32 scores, as in backward
-            return RingAttention._forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout, scale)
+            return RingAttention._forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout, scale, window, sinks)
 
     @staticmethod
-    def _forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
+    def _forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale, window, sinks):
         B, N, L, D = q_BNLD.shape
         K = k_BKLD.shape[1]
         q = q_BNLD.float().view(B, K, N // K, L, D)
         o = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         k, v = k_BKLD.contiguous(), v_BKLD.contiguous()
-        for step in range(layout.size):
+        needed = needed_steps(layout, window)
+        if window:  # direct exchanges of the steps some rank needs, all posted at once
+            steps = ring_plan(layout, window)
+            pending = {s: exchange([k, v], layout, s) for s in steps if s}
+            for step in steps:
+                kb, vb = (k, v) if step == 0 else _wait(pending[step])
+                if needed[step]:
+                    src = (layout.rank - step) % layout.size
+                    forward_block(q, o, lse, kb, vb, layout, src, scale, window)
+        for step in range(0 if window else layout.size):
             src = (layout.rank - step) % layout.size
             if step + 1 < layout.size:
                 (k_next, v_next), wait = _ring_pass([k, v], layout)
-            forward_block(q, o, lse, k, v, layout, src, scale)
+            if needed[step]:
+                forward_block(q, o, lse, k, v, layout, src, scale, window)
             if step + 1 < layout.size:
                 wait()
                 k, v = k_next, v_next
-        ctx.save_for_backward(q_BNLD, k_BKLD, v_BKLD, o, lse)
-        ctx.layout, ctx.scale = layout, scale
+        if sinks is not None:
+            o, lse = merge_sinks(o, lse, sinks.float().view(1, K, N // K, 1))
+        ctx.save_for_backward(q_BNLD, k_BKLD, v_BKLD, o, lse, sinks)
+        ctx.layout, ctx.scale, ctx.window = layout, scale, window
         return o.view(B, N, L, D).to(q_BNLD.dtype)
 
     @staticmethod
@@ -132,8 +202,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_BNLD):
-        q_BNLD, k_BKLD, v_BKLD, o, lse = ctx.saved_tensors
-        layout, scale = ctx.layout, ctx.scale
+        q_BNLD, k_BKLD, v_BKLD, o, lse, sinks = ctx.saved_tensors
+        layout, scale, window = ctx.layout, ctx.scale, ctx.window
         B, N, L, D = q_BNLD.shape
         K = k_BKLD.shape[1]
         q = q_BNLD.float().view(B, K, N // K, L, D)
@@ -142,21 +212,42 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q)
         k, v = k_BKLD.float().contiguous(), v_BKLD.float().contiguous()
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for step in range(layout.size):
+        needed = needed_steps(layout, window)
+        for step in ring_plan(layout, window) if window else ():  # blocks fetched again
+            kb, vb = (k, v) if step == 0 else _wait(exchange([k, v], layout, step))
+            dkb, dvb = (dk, dv) if step == 0 else (torch.zeros_like(k), torch.zeros_like(v))
             src = (layout.rank - step) % layout.size
-            backward_block(q, do, delta, lse, dq, k, v, dk, dv, layout, src, scale)
+            if needed[step]:
+                backward_block(q, do, delta, lse, dq, kb, vb, dkb, dvb, layout, src, scale, window)
+            if step:  # the block's gradient home to its owner; ours from rank + step
+                gk, gv = _wait(exchange([dkb, dvb], layout, -step))
+                dk, dv = dk + gk, dv + gv
+        for step in range(0 if window else layout.size):
+            src = (layout.rank - step) % layout.size
+            if needed[step]:
+                backward_block(q, do, delta, lse, dq, k, v, dk, dv, layout, src, scale, window)
             (k, v), (dk, dv) = backward_hop(step, layout, [k, v], [dk, dv])
+        dsinks = None
+        if sinks is not None:
+            heads = sinks.float().view(1, K, N // K, 1)
+            dsinks = sink_grad(heads, lse, delta).reshape(N).to(sinks.dtype)
         return (
             dq.view(B, N, L, D).to(q_BNLD.dtype),
             dk.to(k_BKLD.dtype),
             dv.to(v_BKLD.dtype),
             None,
             None,
+            None,
+            dsinks,
         )
 
 
 @register("cp", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")
-def ring_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float):
-    if select("cp", "ring", emulation.kind(q_BNLD), q_BNLD.dtype).name == "ring_varlen_attn":
+def ring_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, *, window=0, sinks=None):
+    kernel = select(
+        "cp", "ring", emulation.kind(q_BNLD), q_BNLD.dtype, sinks=sinks is not None,
+        window=bool(window),
+    )  # fmt: skip
+    if kernel.name == "ring_varlen_attn":
         return ring_flash_attention(q_BNLD, k_BKLD, v_BKLD, layout, scale)
-    return RingAttention.apply(q_BNLD, k_BKLD, v_BKLD, layout, scale)
+    return RingAttention.apply(q_BNLD, k_BKLD, v_BKLD, layout, scale, window, sinks)

@@ -14,9 +14,15 @@ def ring_pass(tensors: list[torch.Tensor], layout: CPLayout):
     Returns (received buffers, a wait() callable). Buffers are contiguous whatever the inputs'
     strides: NCCL writes a message's bytes in memory order, so a buffer shaped like a strided
     view (``empty_like`` keeps the strides of a dense permuted view) would get them scrambled."""
+    return exchange(tensors, layout, 1)
+
+
+def exchange(tensors: list[torch.Tensor], layout: CPLayout, offset: int):
+    """``ring_pass`` over ``offset`` ranks: send to rank + offset, receive rank - offset's,
+    directly (the window ring fetches only the blocks some rank needs, ring.py)."""
     g = layout.group
-    nxt = dist.get_global_rank(g, (layout.rank + 1) % layout.size)
-    prv = dist.get_global_rank(g, (layout.rank - 1) % layout.size)
+    nxt = dist.get_global_rank(g, (layout.rank + offset) % layout.size)
+    prv = dist.get_global_rank(g, (layout.rank - offset) % layout.size)
     bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, g) for t in tensors]
     ops += [dist.P2POp(dist.irecv, b, prv, g) for b in bufs]

@@ -48,11 +48,15 @@ import torch.nn.functional as F
 from bumblebee.primitives import emulation
 from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
+from bumblebee.primitives.linear_attention.fla_kda import fla_kda
 from bumblebee.primitives.packed import DocLayout
 from bumblebee.primitives.recompute import lean
 from bumblebee.registry import register
 
 CHUNK_SIZE = 64
+# per-channel gates (KDA): the chunk keeps a [C, C, K] pairwise decay, so a smaller chunk bounds
+# that transient (C x K x H fp32 per token: 256 KiB at 16 x 128 x 32)
+CHANNEL_CHUNK_SIZE = 16
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -74,11 +78,11 @@ def _prepare(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout: DocLayout, initial
             f"gated delta rule: v {tuple(v_BTHV.shape)} must share [B, T] with q "
             f"{tuple(q_BTGK.shape)} and have a multiple of {G} heads"
         )
-    for name, t in (("g", g_BTH), ("beta", beta_BTH)):
-        if tuple(t.shape) != (B, T, H):
-            raise ValueError(
-                f"gated delta rule: {name} must be [B, T, H] = {(B, T, H)}, got {tuple(t.shape)}"
-            )
+    if tuple(beta_BTH.shape) != (B, T, H) or tuple(g_BTH.shape) not in ((B, T, H), (B, T, H, K)):
+        raise ValueError(
+            f"gated delta rule: beta must be [B, T, H] = {(B, T, H)} and g [B, T, H] or "
+            f"[B, T, H, K] (per channel), got {tuple(beta_BTH.shape)}, {tuple(g_BTH.shape)}"
+        )
     if T == 0 or layout.seq_len != T or len(layout.bounds) != B:
         raise ValueError(
             f"gated delta rule: layout is for {len(layout.bounds)} rows x {layout.seq_len} tokens, "
@@ -115,19 +119,20 @@ def gated_delta_rule_recurrent(
     doc_BT = layout.doc_ids(q.device)
     keep_BT = torch.ones(doc_BT.shape, dtype=q.dtype, device=q.device)
     keep_BT[:, 1:] = (doc_BT[:, 1:] == doc_BT[:, :-1]).to(q.dtype)  # 0 at a document start: reset
-    decay_BHT = g.exp() * keep_BT[:, None]
+    gate_BHTk = g if g.dim() == 4 else g[..., None]  # k = K per channel (KDA), 1 per head (GDN)
+    decay_BHTk = gate_BHTk.exp() * keep_BT[:, None, :, None]
     # unbind (not x[:, :, t]): its backward stacks the T slice gradients once, where per-step
     # indexing would scatter each into a fresh [B, H, T, *] zero tensor (O(T^2) backward)
     steps = zip(
         q.unbind(2),
         k.unbind(2),
         v.unbind(2),
-        decay_BHT[..., None, None].unbind(2),
+        decay_BHTk[..., None].unbind(2),
         beta[..., None].unbind(2),
     )
     outs = []
-    for q_BHK, k_BHK, v_BHV, decay_BH11, beta_BH1 in steps:
-        S_BHKV = S_BHKV * decay_BH11
+    for q_BHK, k_BHK, v_BHV, decay_BHk1, beta_BH1 in steps:
+        S_BHKV = S_BHKV * decay_BHk1  # rows of S (key channels) decay: all alike for GDN
         pred_BHV = (k_BHK.unsqueeze(-2) @ S_BHKV).squeeze(-2)  # what the state recalls for k_t
         delta_BHV = (v_BHV - pred_BHV) * beta_BH1
         S_BHKV = S_BHKV + k_BHK.unsqueeze(-1) * delta_BHV.unsqueeze(-2)
@@ -147,15 +152,28 @@ def gated_delta_rule_chunked(
     beta_BTH,
     layout: DocLayout,
     initial_state=None,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int | None = None,
 ):
+    per_channel = g_BTH.dim() == 4  # KDA's [B, T, H, K] gate
+    chunk_size = chunk_size or (CHANNEL_CHUNK_SIZE if per_channel else CHUNK_SIZE)
     if chunk_size <= 0:
         raise ValueError(f"gated delta rule: chunk_size must be positive, got {chunk_size}")
     if (
         select("linear_attention", "chunked", emulation.kind(q_BTGK), q_BTGK.dtype).name
         == "fla_chunk"
     ):
-        return fla_gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
+        fla = fla_kda if per_channel else fla_gated_delta_rule
+        return fla(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, layout, initial_state)
+    if per_channel:  # same contract; its chunk pairs keep a [C, C, K] decay (see _chunked_channel)
+        return lean(
+            lambda *xs: _chunked_channel(*xs, layout, chunk_size),
+            q_BTGK,
+            k_BTGK,
+            v_BTHV,
+            g_BTH,
+            beta_BTH,
+            initial_state,
+        )
     # autograd keeps the inputs only; the per-chunk fp32 tensors (~400 KiB per token at Qwen3.5's
     # 32 x 128 x 128 heads) are rebuilt in backward, one extra core forward
     return lean(
@@ -241,5 +259,66 @@ def _chunked(
         D_BHCV = U_BHCV - W_BHCK @ S_BHKV
         outs.append(q0_BHCK @ S_BHKV + attn_BHCC @ D_BHCV)
         S_BHKV = S_BHKV * decay_BH11 + kendT_BHKC @ D_BHCV
+    o_BHTV = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
+    return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S_BHKV
+
+
+def _chunked_channel(
+    q_BTGK, k_BTGK, v_BTHV, g_BTHK, beta_BTH, initial_state, layout: DocLayout, chunk_size: int
+):
+    """``_chunked`` with a per-channel decay (KDA): Gamma_i is a [K] vector, so every Gamma_i/Gamma_j
+    factor becomes a diag(.) between the key vectors, and the pair terms
+    A_ij = b_i sum_c k_ic k_jc Gamma_ic/Gamma_jc (and q_i.k_j likewise) need the [C, C, K] decays,
+    formed from log differences (never exp(-log Gamma): that overflows for fast channels)."""
+    q, k, v, g, beta, S_BHKV = _prepare(
+        q_BTGK, k_BTGK, v_BTHV, g_BTHK, beta_BTH, layout, initial_state
+    )
+    B, H, T, K = q.shape
+    V, C = v.shape[-1], chunk_size
+    pad = (-T) % C
+    doc_BT = layout.doc_ids(q.device)
+    if pad:  # zero tokens (g = 0, beta = 0, k = 0) in the last document leave the state unchanged
+        q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+        doc_BT = torch.cat([doc_BT, doc_BT[:, -1:].expand(B, pad)], dim=1)
+    N = (T + pad) // C
+    q, k, v, g = (t.reshape(B, H, N, C, t.shape[-1]) for t in (q, k, v, g))
+    beta = beta.reshape(B, H, N, C)
+
+    doc_B1NC = doc_BT.reshape(B, 1, N, C)
+    prev_B1N = torch.cat([doc_B1NC.new_zeros(B, 1, 1), doc_B1NC[..., :-1, -1]], dim=-1)
+    cont_B1NC1 = (doc_B1NC == prev_B1N[..., None]).to(q.dtype)[..., None]
+    same_B1NCC = doc_B1NC[..., :, None] == doc_B1NC[..., None, :]
+    live_B1NCC1 = (same_B1NCC & torch.ones(C, C, dtype=torch.bool, device=q.device).tril())[
+        ..., None
+    ]
+    cum64_BHNCK = g.double().cumsum(-2)  # fp64 sums, as in _chunked
+    decay_BHNCCK = (cum64_BHNCK[..., :, None, :] - cum64_BHNCK[..., None, :, :]).to(q.dtype)
+    decay_BHNCCK = decay_BHNCCK.masked_fill(~live_B1NCC1, float("-inf")).exp()
+    kb_BHNCK = k * beta[..., None]
+    A_BHNCC = (kb_BHNCK[..., :, None, :] * k[..., None, :, :] * decay_BHNCCK).sum(-1).tril(-1)
+    attn_BHNCC = (q[..., :, None, :] * k[..., None, :, :] * decay_BHNCCK).sum(-1)
+    gamma0_BHNCK = cum64_BHNCK.to(q.dtype).exp() * cont_B1NC1  # Gamma_i where S_0 reaches token i
+    rhs = torch.cat([v * beta[..., None], kb_BHNCK * gamma0_BHNCK], dim=-1)
+    UW = torch.linalg.solve_triangular(A_BHNCC, rhs, upper=False, unitriangular=True)
+    U_BHNCV, W_BHNCK = UW.split([V, K], dim=-1)
+    q0_BHNCK = q * gamma0_BHNCK
+    to_end_BHNCK = (cum64_BHNCK[..., -1:, :] - cum64_BHNCK).to(q.dtype).exp()
+    kend_BHNCK = k * to_end_BHNCK * same_B1NCC[..., -1, :, None]  # Gamma_C/Gamma_j, last document
+    chunk_decay_BHNK1 = gamma0_BHNCK[..., -1, :, None]
+
+    per_chunk = zip(
+        U_BHNCV.unbind(2),
+        W_BHNCK.unbind(2),
+        q0_BHNCK.unbind(2),
+        attn_BHNCC.unbind(2),
+        kend_BHNCK.transpose(-1, -2).unbind(2),
+        chunk_decay_BHNK1.unbind(2),
+    )
+    outs = []
+    for U_BHCV, W_BHCK, q0_BHCK, attn_BHCC, kendT_BHKC, decay_BHK1 in per_chunk:
+        D_BHCV = U_BHCV - W_BHCK @ S_BHKV
+        outs.append(q0_BHCK @ S_BHKV + attn_BHCC @ D_BHCV)
+        S_BHKV = S_BHKV * decay_BHK1 + kendT_BHKC @ D_BHCV
     o_BHTV = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
     return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S_BHKV

@@ -351,9 +351,25 @@ class ChunkedDispatch:
         return expert_fn(x_TH, None, schedule=schedule)
 
     def _schedule(
-        self, x_TH, _counts, w_gate_up_EGH, w_down_EHF, *, idx_TK, weight_TK, expert_fn, drops=False
+        self,
+        x_TH,
+        _counts,
+        w_gate_up_EGH,
+        w_down_EHF,
+        *,
+        idx_TK,
+        weight_TK,
+        expert_fn,
+        drops=False,
+        bias=None,
+        act=None,
     ):
         """Runs inside ``Experts.forward`` with the (gathered) weights of this rank's experts."""
+        if bias is not None or act is not None:
+            raise ValueError(
+                "moe_comm = 'chunked' runs plain SwiGLU experts without biases; these experts have "
+                "biases or another GLU: use moe_comm = 'alltoall' or 'local'"
+            )
         if expert_fn is experts_loop:
             grouped = False
         elif expert_fn is experts_grouped:

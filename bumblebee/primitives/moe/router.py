@@ -4,6 +4,9 @@
 over experts, keep the top-k; with ``norm_topk_prob`` the kept weights are
 renormalized to sum to one. Weights are returned in the activation dtype.
 ``sigmoid_bias`` (DeepSeek-V3's aux-loss-free router) lives in ``sigmoid_bias.py``.
+``topk_softmax`` (gpt-oss): logits = x W^T + b, keep the top-k logits, softmax over those k
+(the weights sum to one; ``norm_topk_prob`` is moot); the balance loss reads the softmax over
+all experts, as Hugging Face's does.
 
 Every router: ``router(x_TH, idx_TK=None) -> Routing``; given ``idx_TK`` (routing replay) it
 skips the selection and weights the given experts with its current probabilities.
@@ -56,6 +59,26 @@ class SoftmaxTopKRouter(nn.Module):
         return Routing(probs_TE, top_i, top_w.to(logits_TE.dtype))
 
 
+@register("router", "topk_softmax", summary="biased logits, top-k, softmax over the k (gpt-oss)")
+class TopKSoftmaxRouter(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(num_experts))
+        self.top_k = top_k
+
+    def forward(self, x_TH: torch.Tensor, idx_TK: torch.Tensor | None = None) -> Routing:
+        logits_TE = F.linear(x_TH, self.weight, self.bias)
+        if idx_TK is None:
+            top_l, top_i = torch.topk(logits_TE, self.top_k, dim=-1)
+        else:
+            top_i = idx_TK
+            top_l = logits_TE.gather(1, top_i)
+        top_w = torch.softmax(top_l, dim=-1, dtype=torch.float32)
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        return Routing(probs_TE, top_i, top_w.to(logits_TE.dtype))
+
+
 ROUTER_OPTIONS = {
     "n_group": 1,
     "topk_group": 1,
@@ -70,11 +93,11 @@ def build_router(name: str, arch) -> nn.Module:
 
     factory = registry.get("router", name).factory
     options = {k: getattr(arch, k) for k in ROUTER_OPTIONS if hasattr(arch, k)}
-    if factory is SoftmaxTopKRouter:
+    if factory in (SoftmaxTopKRouter, TopKSoftmaxRouter):
         used = {k: v for k, v in options.items() if v != ROUTER_OPTIONS[k]}
         if used:
             raise ConfigError(
-                f"router 'softmax_topk' has no group-limited routing or scaling "
+                f"router {name!r} has no group-limited routing or scaling "
                 f"({', '.join(f'{k}={v}' for k, v in used.items())}); use router = 'sigmoid_bias'"
             )
         options = {}

@@ -17,10 +17,12 @@ from bumblebee.registry import register
 
 
 def decay_groups(named_params, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices and stacked experts, none on norms (1-D)."""
+    """Weight decay on matrices and stacked experts, none on norms (1-D). Frozen parameters
+    (``requires_grad`` False: a LoRA base) are left out: no optimizer state for them."""
     decay, no_decay = [], []
     for _, p in named_params:
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -78,9 +78,10 @@ class Zero1(NoSharding):
         self.named = list(model.named_parameters())
         g = self.groups
         self.is_expert = model.is_expert_param
-        self.slices = {
+        self.slices = {  # trainable parameters only: a frozen one (LoRA base) has no optimizer state
             name: _Slice(p, g.expert_group if self.is_expert(name) else g.dense_group)
             for name, p in self.named
+            if p.requires_grad
         }
         return model
 
@@ -109,11 +110,12 @@ class Zero1(NoSharding):
             s.master.copy_(s.p.detach().view(-1)[s.lo : s.hi])
 
     def reduce_grads(self) -> None:
-        for _, p in self.named:
+        trained = [(n, p) for n, p in self.named if p.requires_grad]
+        for _, p in trained:
             if p.grad is None:  # e.g. an expert that saw no token: its gradient is zero
                 p.grad = torch.zeros_like(p)
-        dense = [p.grad for n, p in self.named if not self.is_expert(n)]
-        experts = [p.grad for n, p in self.named if self.is_expert(n)]
+        dense = [p.grad for n, p in trained if not self.is_expert(n)]
+        experts = [p.grad for n, p in trained if self.is_expert(n)]
         _flat_all_reduce(dense, self.groups.dense_group)
         _flat_all_reduce(experts, self.groups.expert_group)
 

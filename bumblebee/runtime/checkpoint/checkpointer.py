@@ -421,6 +421,21 @@ class Checkpointer:
             self.save(step)
 
 
+def saved_lora(path: str):
+    """The ``model.lora`` (a ``LoraConfig``) of the run that wrote checkpoint ``path``, from the
+    config.toml saved in it; None without adapters (or without a readable config)."""
+    from bumblebee.config import LoraConfig, _coerce, tomllib
+
+    try:
+        with open(os.path.join(path, "config.toml"), "rb") as f:
+            table = tomllib.load(f).get("model", {}).get("lora", {})
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(table, dict) or not table.get("rank"):
+        return None
+    return _coerce(table, LoraConfig, f"{path}/config.toml: model.lora")
+
+
 def load_model(path: str) -> torch.nn.Module:
     """The whole model of checkpoint directory ``path`` in one process (checksums verified)."""
     info = read_marker(path)
@@ -428,7 +443,9 @@ def load_model(path: str) -> torch.nn.Module:
     # a router with a selection bias saved its buffer: build that router to receive it
     biased = any(k.endswith("mlp.gate.e_score_correction_bias") for k in info.get("shapes", {}))
     model = build_model(
-        arch_from_hf_dict(info["arch"]), PrimitivesConfig(router="sigmoid_bias") if biased else None
+        arch_from_hf_dict(info["arch"]),
+        PrimitivesConfig(router="sigmoid_bias") if biased else None,
+        lora=saved_lora(path),
     )
     named = list(model.named_parameters()) + persistent_buffers(model)
     pieces = {f"model/{n}": Piece(p.detach().view(-1), 0, tuple(p.shape)) for n, p in named}

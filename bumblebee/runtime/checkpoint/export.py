@@ -37,6 +37,7 @@ from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 from bumblebee.models.hf_read import checkpoint_block_size
 from bumblebee.models.hf_write import check_export_target, write_hf
+from bumblebee.models.lora import is_lora_name, merged_stream
 from bumblebee.runtime.checkpoint.checkpointer import (
     _STEP_DIR,
     HF_SHARD_BYTES,
@@ -44,6 +45,7 @@ from bumblebee.runtime.checkpoint.checkpointer import (
     _check_fits,
     named_checkpoint,
     read_marker,
+    saved_lora,
 )
 from bumblebee.runtime.checkpoint.integrity import verify_checksums
 from bumblebee.runtime.checkpoint.state import Piece, load_pieces, read_dcp_metadata
@@ -173,8 +175,12 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
     arch = arch_from_hf_dict(info["arch"])
     # a router with a selection bias saved its buffer: build that router to receive it
     biased = any(k.endswith("mlp.gate.e_score_correction_bias") for k in info.get("shapes", {}))
+    lora = saved_lora(path)
     whole = build_model(
-        arch, PrimitivesConfig(router="sigmoid_bias") if biased else None, device="meta"
+        arch,
+        PrimitivesConfig(router="sigmoid_bias") if biased else None,
+        device="meta",
+        lora=lora,
     )
     named_shapes = [
         (n, tuple(p.shape)) for n, p in list(whole.named_parameters()) + persistent_buffers(whole)
@@ -198,7 +204,11 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
                     yield n, full.pop(n)
                 bucket, size = [], 0
 
-    return arch, named_shapes, tensors()
+    if lora is None:
+        return arch, named_shapes, tensors()
+    # LoRA: the adapters merged into their base tensors, which are what a HF directory holds
+    base = [(n, shape) for n, shape in named_shapes if not is_lora_name(n)]
+    return arch, base, merged_stream(tensors(), lora.alpha / lora.rank, torch.float32)
 
 
 # what an export writes itself (models/hf_write.py WEIGHT_FILE, and config.json)

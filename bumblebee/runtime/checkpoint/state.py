@@ -130,7 +130,9 @@ def state_pieces(
         pieces[f"model/{name}"] = Piece(b.detach().view(-1), 0, tuple(b.shape))
     ensure_optimizer_state(optimizer)
     owned = {id(q) for g in optimizer.param_groups for q in g["params"]}
-    for name, _ in named:
+    for name, p in named:
+        if not p.requires_grad:  # frozen (a LoRA base): saved, but no optimizer state
+            continue
         holder, start = sharding.optimizer_param(name, optimizer)
         # a parameter the optimizer does not hold has no state to save: the checkpoint would
         # silently lack it (an unsharded fsdp2 parameter: sharding.reshard() first)
