@@ -1,7 +1,7 @@
 """Shared-prefix (tree) training equals running every sample in full.
 
-- Engine, three families (Qwen3-MoE: GQA attention; Qwen3.5: Gated DeltaNet + attention;
-  DeepSeek-V3: MLA), fp32: the policy loss (clipped surrogate, KL, entropy, sequence-mean
+- Engine, four families (Qwen3-MoE: GQA attention; Qwen3.5: Gated DeltaNet + attention;
+  DeepSeek-V3: MLA; Kimi-Linear: KDA + MLA), fp32: the policy loss (clipped surrogate, KL, entropy, sequence-mean
   aggregation, sequence-level TIS), every parameter's gradient and the per-token log-probs of a
   tree batch equal those of the unshared batch. The trees cover a one-level group whose prefix
   crosses a 64-token chunk, continuations of 1 token (shorter than the conv window), a
@@ -48,6 +48,10 @@ FAMILIES = {
         "model.arch.shared_expert_intermediate_size=32",
     ],
     "deepseek_v3": ["model.arch.intermediate_size=64", "model.arch.moe_intermediate_size=32"],
+    "kimi_linear": [  # KDA (GatedDeltaNet's interface, per-channel decay) + NoPE MLA
+        'model.arch.layer_types=["linear_attention", "full_attention"]',
+        'model.arch.mlp_layer_types=["dense", "sparse"]',
+    ],
 }
 
 
