@@ -22,6 +22,7 @@ from bumblebee.models import deepseek_v3  # noqa: F401
 from bumblebee.models import qwen3_next  # noqa: F401
 from bumblebee.models import glm4_moe  # noqa: F401
 from bumblebee.models import deepseek_v32  # noqa: F401
+from bumblebee.models import glm_moe_dsa  # noqa: F401
 
 # isort: on
 from bumblebee.models.arch import ArchError

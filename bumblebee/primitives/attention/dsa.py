@@ -41,10 +41,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+def _up(x):
+    """At least fp32 (scores and probabilities of half-precision inputs)."""
+    return x.float() if x.element_size() < 4 else x
+
+
 def index_scores(qi_BTHD, ki_BSD, w_BTH, scale: float):
-    """Indexer scores [B, Tq, S] (fp32)."""
-    s = torch.einsum("bthd,bsd->bths", qi_BTHD.float(), ki_BSD.float()) * scale
-    return torch.einsum("bth,bths->bts", w_BTH.float(), torch.relu(s))
+    """Indexer scores [B, Tq, S] (at least fp32)."""
+    s = torch.einsum("bthd,bsd->bths", _up(qi_BTHD), _up(ki_BSD)) * scale
+    return torch.einsum("bth,bths->bts", _up(w_BTH), torch.relu(s))
 
 
 def allowed(qpos_T, doc_q_BT, doc_k_BS, end: int):
@@ -57,7 +62,7 @@ def allowed(qpos_T, doc_q_BT, doc_k_BS, end: int):
 def _attend(q_abs, lat_sel, valid, scale, C):
     """Main attention over given keys. lat_sel [B, Tq, K, C+R] or [B, K, C+R] (shared keys)."""
     eq = "bqnc,bqkc->bqnk" if lat_sel.dim() == 4 else "bqnc,bkc->bqnk"
-    s = torch.einsum(eq, q_abs, lat_sel).float() * scale
+    s = _up(torch.einsum(eq, q_abs, lat_sel)) * scale
     s = s.masked_fill(~valid[:, :, None], float("-inf"))
     p = torch.softmax(s, dim=-1)
     eo = "bqnk,bqkc->bqnc" if lat_sel.dim() == 4 else "bqnk,bkc->bqnc"
@@ -109,7 +114,7 @@ def dsa_blockwise(
     q_abs, lat, qi, ki, w, qpos, doc_q, doc_k, *, topk, scale, index_scale, dense, block, C
 ):
     """(o_lat [B, Tq, N, C], summed indexer KL): query blocks, gathered keys, no [Tq, S] tensor."""
-    outs, kl = [], q_abs.new_zeros((), dtype=torch.float32)
+    outs, kl = [], _up(q_abs.new_zeros(()))
     grad = torch.is_grad_enabled()
     for i in range(0, q_abs.shape[1], block):
         j = min(i + block, q_abs.shape[1])

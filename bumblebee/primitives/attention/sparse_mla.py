@@ -31,7 +31,7 @@ import functools
 import torch
 from torch import nn
 
-from bumblebee.primitives.attention.dsa import AddLoss, dsa_blockwise, dsa_reference
+from bumblebee.primitives.attention.dsa import AddLoss, _up, dsa_blockwise, dsa_reference
 from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
 from bumblebee.primitives.cp.allgather import GatherSequence
 from bumblebee.primitives.cp.layout import CPLayout
@@ -63,7 +63,7 @@ class LightningIndexer(nn.Module):
         qi = self.wq_b(q_resid).view(B, T, self.heads, self.dim).transpose(1, 2)
         qi = self._rope(qi, cos, sin).transpose(1, 2)
         ki = self._rope(self.k_norm(self.wk(x))[:, None], cos, sin)[:, 0]
-        w = self.weights_proj(x).float() * self.heads**-0.5
+        w = _up(self.weights_proj(x)) * self.heads**-0.5
         return qi, ki, w
 
 
