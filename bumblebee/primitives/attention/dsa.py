@@ -59,6 +59,13 @@ def allowed(qpos_T, doc_q_BT, doc_k_BS, end: int):
     return causal[None] & (doc_q_BT[:, :, None] == doc_k_BS[:, None, :end])
 
 
+def select_top(scores, k: int):
+    """(values, indices) of the k highest scores per row, ties to the earliest key: a stable sort,
+    so the choice does not depend on the row's width (block, CP shard), unlike ``torch.topk``'s."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def _attend(q_abs, lat_sel, valid, scale, C):
     """Main attention over given keys. lat_sel [B, Tq, K, C+R] or [B, K, C+R] (shared keys)."""
     eq = "bqnc,bqkc->bqnk" if lat_sel.dim() == 4 else "bqnc,bkc->bqnk"
@@ -88,7 +95,7 @@ def dsa_reference(
     if dense:
         sel = ok
     else:
-        idx = scores.topk(min(topk, S), dim=-1).indices
+        idx = select_top(scores, min(topk, S))[1]
         sel = torch.zeros_like(ok).scatter(-1, idx, True) & ok
     o, p = _attend(q_abs, lat, sel, scale, C)
     return o, _kl(p, scores, sel), sel
@@ -101,13 +108,13 @@ def _block(q_abs, lat, qi, ki, w, qpos, doc_q, doc_k, topk, scale, index_scale, 
     if dense:
         o, p = _attend(q_abs, lat[:, :end], ok, scale, C)
         return o, _kl(p, scores, ok)
-    top = scores.topk(min(topk, end), dim=-1)
-    valid = top.values > float("-inf")
-    B, Q, K = top.indices.shape
-    flat = top.indices.reshape(B, Q * K, 1).expand(-1, -1, lat.shape[-1])
+    values, indices = select_top(scores, min(topk, end))
+    valid = values > float("-inf")
+    B, Q, K = indices.shape
+    flat = indices.reshape(B, Q * K, 1).expand(-1, -1, lat.shape[-1])
     lat_sel = lat.gather(1, flat).view(B, Q, K, lat.shape[-1])
     o, p = _attend(q_abs, lat_sel, valid, scale, C)
-    return o, _kl(p, top.values, valid)
+    return o, _kl(p, values, valid)
 
 
 def dsa_blockwise(
