@@ -60,10 +60,13 @@ def allowed(qpos_T, doc_q_BT, doc_k_BS, end: int):
 
 
 def select_top(scores, k: int):
-    """(values, indices) of the k highest scores per row, ties to the earliest key: a stable sort,
-    so the choice does not depend on the row's width (block, CP shard), unlike ``torch.topk``'s."""
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    """Indices [..., k] of the k highest scores per row. Exact ties happen at 0 (every ReLU head
+    dead); they go to the earliest key: a zero becomes -(position + 1) x 1e-30, below every
+    positive score and above every negative one of magnitude > 1e-23, so the choice does not
+    depend on the row's width (query block, CP shard) as ``torch.topk``'s order among ties does."""
+    pos = torch.arange(1, scores.shape[-1] + 1, device=scores.device, dtype=scores.dtype)
+    keyed = torch.where(scores == 0, pos * -1e-30, scores)
+    return keyed.topk(k, dim=-1).indices
 
 
 def _attend(q_abs, lat_sel, valid, scale, C):
@@ -95,7 +98,7 @@ def dsa_reference(
     if dense:
         sel = ok
     else:
-        idx = select_top(scores, min(topk, S))[1]
+        idx = select_top(scores, min(topk, S))
         sel = torch.zeros_like(ok).scatter(-1, idx, True) & ok
     o, p = _attend(q_abs, lat, sel, scale, C)
     return o, _kl(p, scores, sel), sel
@@ -104,17 +107,22 @@ def dsa_reference(
 def _block(q_abs, lat, qi, ki, w, qpos, doc_q, doc_k, topk, scale, index_scale, dense, C):
     end = int(qpos[-1]) + 1  # causality: later keys are never seen by this block
     ok = allowed(qpos, doc_q, doc_k, end)
-    scores = index_scores(qi, ki[:, :end], w, index_scale).masked_fill(~ok, float("-inf"))
     if dense:
+        scores = index_scores(qi, ki[:, :end], w, index_scale)
         o, p = _attend(q_abs, lat[:, :end], ok, scale, C)
         return o, _kl(p, scores, ok)
-    values, indices = select_top(scores, min(topk, end))
-    valid = values > float("-inf")
+    with torch.no_grad():  # the selection: no gradient, so nothing [block, S] is kept for backward
+        scores = index_scores(qi, ki[:, :end], w, index_scale).masked_fill(~ok, float("-inf"))
+        indices = select_top(scores, min(topk, end))
+        valid = ok.gather(-1, indices)
     B, Q, K = indices.shape
-    flat = indices.reshape(B, Q * K, 1).expand(-1, -1, lat.shape[-1])
-    lat_sel = lat.gather(1, flat).view(B, Q, K, lat.shape[-1])
+    flat = indices.reshape(B, Q * K, 1)
+    lat_sel = lat.gather(1, flat.expand(-1, -1, lat.shape[-1])).view(B, Q, K, lat.shape[-1])
+    ki_sel = ki.gather(1, flat.expand(-1, -1, ki.shape[-1])).view(B, Q, K, ki.shape[-1])
     o, p = _attend(q_abs, lat_sel, valid, scale, C)
-    return o, _kl(p, values, valid)
+    s = torch.einsum("bqhd,bqkd->bqhk", _up(qi), _up(ki_sel)) * index_scale  # the selected keys'
+    i_sel = torch.einsum("bqh,bqhk->bqk", _up(w), torch.relu(s))  # indexer scores, with gradient
+    return o, _kl(p, i_sel, valid)
 
 
 def dsa_blockwise(
