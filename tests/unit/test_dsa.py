@@ -174,3 +174,21 @@ def test_dense_warmup_trains_only_the_indexers():
 def test_bad_dsa_settings_are_refused(override):
     with pytest.raises(ConfigError, match="dsa_"):
         load_config(None, ["model.name=deepseek_v32", override])
+
+
+def test_planner_terms_follow_the_code():
+    """The spec's keys per query beyond topk tokens are the mean of min(topk, t + 1) over a causal
+    row's queries (what the blockwise core reads), its parameters count the indexer, and the planner's DSA buffers keep
+    a constant per-token part and one block growing with the row, never [T, T]."""
+    from bumblebee.plan.layout import Layout
+    from bumblebee.plan.memory import dsa_bytes
+
+    model = tiny()
+    spec = model.arch.to_spec()
+    assert spec.num_params()["total"] == sum(p.numel() for p in model.parameters())
+    for seq in (40, 100):  # (up to topk keys: seq / 2, the dense convention of attn_core_flops)
+        mean = sum(min(spec.dsa_topk, t + 1) for t in range(seq)) / seq
+        assert spec.dsa_keys(seq) == pytest.approx(mean, rel=1e-12), seq
+    lay = Layout()
+    (k1, w1, _), (k2, w2, _) = (dsa_bytes(spec, lay, t, 128) for t in (65536, 131072))
+    assert k1 == k2 > 0 and 1.9 < w2 / w1 < 2.1
