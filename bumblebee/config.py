@@ -93,6 +93,12 @@ class PrimitivesConfig:
     pp_layout: list = field(
         default_factory=list
     )  # decoder layers of each stage, [[0, 1], [2, 3]]; []: balance cost
+    # DeepSeek Sparse Attention (primitives/attention/sparse_mla.py): "dense_warmup" (every allowed key
+    # attended, only the indexers train) then "sparse" (top-k keys); blockwise core or the dense reference
+    dsa_stage: str = "sparse"
+    dsa_impl: str = "blockwise"
+    dsa_block: int = 128  # queries per block of the blockwise core
+    dsa_indexer_loss: float = 1.0  # weight of the indexer KL
     # CUDA without a fused kernel's package (fla for Gated DeltaNet): run the slow PyTorch path instead of refusing
     allow_fallback: bool = False
 

@@ -203,6 +203,19 @@ def _check_primitives(cfg) -> None:
         raise ConfigError(
             f"primitives.linear_attention_cp must be 'scan' or 'relay', got {pr.linear_attention_cp!r}"
         )
+    if pr.dsa_stage not in ("sparse", "dense_warmup") or pr.dsa_impl not in (
+        "blockwise",
+        "reference",
+    ):
+        raise ConfigError(
+            f"primitives.dsa_stage must be 'sparse' or 'dense_warmup' and primitives.dsa_impl "
+            f"'blockwise' or 'reference', got {pr.dsa_stage!r}, {pr.dsa_impl!r}"
+        )
+    if pr.dsa_block < 1 or pr.dsa_indexer_loss < 0:
+        raise ConfigError(
+            f"primitives.dsa_block must be >= 1 and dsa_indexer_loss >= 0, got {pr.dsa_block}, "
+            f"{pr.dsa_indexer_loss}"
+        )
     for name in ("moe_chunks", "pp_microbatches", "pp_virtual_stages"):
         if getattr(pr, name) < 0:
             raise ConfigError(f"primitives.{name} must be >= 0, got {getattr(pr, name)}")

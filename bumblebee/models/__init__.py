@@ -24,6 +24,8 @@ from bumblebee.models import glm4_moe  # noqa: F401
 from bumblebee.models import minimax_m2  # noqa: F401
 from bumblebee.models import kimi_linear  # noqa: F401
 from bumblebee.models import gpt_oss  # noqa: F401
+from bumblebee.models import deepseek_v32  # noqa: F401
+from bumblebee.models import glm_moe_dsa  # noqa: F401
 
 # isort: on
 from bumblebee.models.arch import ArchError

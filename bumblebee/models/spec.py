@@ -87,6 +87,10 @@ class ModelSpec:
     attn_sinks: bool = False
     windows: tuple[int, ...] = ()
     moe_bias: bool = False
+    # DeepSeek Sparse Attention (0 = dense): keys per query, lightning-indexer heads and head dim
+    dsa_topk: int = 0
+    dsa_heads: int = 0
+    dsa_dim: int = 0
     # the norm keeps an fp32 normalized value for backward (a zero-centered (1 + w) norm in fp32)
     # instead of a bf16 cast: 10H instead of 8H bytes per token (plan/layer_bytes.py)
     fp32_norm: bool = False
@@ -107,8 +111,13 @@ class ModelSpec:
         h = self.hidden
         if kind == ATTN and self.mla:
             return (
-                self._mla_weights() + self.mla_q_rank + self.mla_kv_rank + h
-            )  # + q / kv latent norms, input norm
+                self._mla_weights()
+                + self.mla_q_rank
+                + self.mla_kv_rank
+                + h
+                + self._indexer_weights()
+                + 2 * self.dsa_dim
+            )  # + q / kv latent norms, input norm; DSA's indexer and its key LayerNorm
         if kind == ATTN:
             q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
             kv = 2 * self.n_kv_heads * self.head_dim
@@ -157,6 +166,22 @@ class ModelSpec:
         q = (h * self.mla_q_rank + self.mla_q_rank * n * d) if self.mla_q_rank else h * n * d
         nope = d - r
         return q + h * (c + r) + c * n * (nope + self.mla_v_dim) + n * self.mla_v_dim * h
+
+    def _indexer_weights(self) -> int:
+        """Matmul weights of DSA's lightning indexer: q from the q latent, one key, head weights."""
+        return (
+            self.mla_q_rank * self.dsa_heads * self.dsa_dim
+            + self.hidden * self.dsa_dim
+            + self.hidden * self.dsa_heads
+        )
+
+    def dsa_keys(self, seq: int) -> float:
+        """Mean over a ``seq``-token causal row of the keys a query's main attention reads:
+        min(topk, t) for the query at position t (all of them without DSA, seq / 2)."""
+        k = self.dsa_topk
+        if not k or seq <= k:
+            return seq / 2
+        return k - k * (k - 1) / (2.0 * seq)
 
     def mlp_params(self, kind: str) -> tuple[int, int]:
         """(non-expert, routed-expert) parameters of one MLP block incl. its norm."""
@@ -213,7 +238,7 @@ class ModelSpec:
         """2 x matmul weights of the token mixer (projections only)."""
         h = self.hidden
         if kind == ATTN and self.mla:
-            return 2.0 * self._mla_weights()
+            return 2.0 * (self._mla_weights() + self._indexer_weights())
         if kind == ATTN:
             q_out = self.n_heads * self.head_dim * (2 if self.attn_gate else 1)
             return (
@@ -231,7 +256,14 @@ class ModelSpec:
         """Causal softmax attention, mean over a sequence of ``seq`` tokens: QK^T and PV
         over seq/2 keys on average (2 matmuls x 2 FLOPs x N*D x seq/2); MLA's PV runs over
         its value dim. A ``window`` shorter than ``seq``: query t reads min(t + 1, window) keys,
-        W (W + 1) / 2 + (seq - W) W over the sequence."""
+        W (W + 1) / 2 + (seq - W) W over the sequence. DSA: the absorbed MLA over the selected
+        latents plus the indexer over all earlier keys."""
+        if self.dsa_topk:  # absorbed MLA over the selected latents + the indexer over all keys
+            c, r = self.mla_kv_rank, self.mla_rope_dim
+            main = (
+                2.0 * self.n_heads * (2 * c + r) * self.dsa_keys(seq)
+            )  # QK^T over C + R, PV over C
+            return main + 2.0 * self.dsa_heads * (self.dsa_dim + 1) * seq / 2
         per_key = (
             2.0 * self.n_heads * (self.head_dim + (self.mla_v_dim if self.mla else self.head_dim))
         )

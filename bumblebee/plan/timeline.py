@@ -48,6 +48,7 @@ from bumblebee.plan.memory import (
     GDN_CP_BWD_FACTOR,
     allgather_bytes,
     cp_extra,
+    dsa_bytes,
     expert_grad_bytes,
     gdn_state_bytes,
     in_flight,
@@ -149,6 +150,9 @@ def _layer_moments(
     cpk, cpm, cp_why = cp_extra(spec, mixer, lay)
     routed = routed_buffers(spec, prims, tp, skew) if mlp == MOE else {}
     ws = t * gdn_state_bytes(spec, tp) if mixer != ATTN else 0.0
+    dsa_kept, dsa_ws, dsa_why = dsa_bytes(spec, lay, t, prims.dsa_block)
+    cpk, ws = cpk + dsa_kept, ws + dsa_ws
+    cp_why = "; ".join(w for w in (cp_why, dsa_why) if w)
     f = BWD_GRAD_FRACTION
     rc = "full" if prims.recompute == "offload" else prims.recompute  # the device side is full's
     rsaved = routed_saved(spec, prims, tp) if mlp == MOE else 0.0

@@ -73,34 +73,43 @@ def mla_scale(arch: DeepseekV3Arch) -> float:
     return scale
 
 
+def mla_args(arch: DeepseekV3Arch, parts: LayerParts, eps: float | None = None) -> dict:
+    """MLA's keyword arguments from the arch (``eps``: the latent norms' epsilon, default the arch's)."""
+    return dict(
+        q_lora_rank=arch.q_lora_rank,
+        kv_lora_rank=arch.kv_lora_rank,
+        qk_nope_head_dim=arch.qk_nope_head_dim,
+        qk_rope_head_dim=arch.qk_rope_head_dim,
+        v_head_dim=arch.v_head_dim,
+        eps=arch.rms_norm_eps if eps is None else eps,
+        scale=mla_scale(arch),
+        rope_interleave=arch.rope_interleave,
+        attend=parts.attend,
+        recompute=parts.recompute,
+        cp_latents=parts.prims.cp
+        if parts.groups.cp_size > 1 and parts.prims.cp in ("allgather", "ring")
+        else "",
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: DeepseekV3Arch, idx: int, parts: LayerParts, moe: bool | None = None):
         super().__init__()
         self.recompute = parts.recompute
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = MultiHeadLatentAttention(
-            arch.hidden_size,
-            arch.num_attention_heads,
-            q_lora_rank=arch.q_lora_rank,
-            kv_lora_rank=arch.kv_lora_rank,
-            qk_nope_head_dim=arch.qk_nope_head_dim,
-            qk_rope_head_dim=arch.qk_rope_head_dim,
-            v_head_dim=arch.v_head_dim,
-            eps=arch.rms_norm_eps,
-            scale=mla_scale(arch),
-            rope_interleave=arch.rope_interleave,
-            attend=parts.attend,
-            recompute=parts.recompute,
-            cp_latents=parts.prims.cp
-            if parts.groups.cp_size > 1 and parts.prims.cp in ("allgather", "ring")
-            else "",
-        )
+        self.self_attn = self.make_attention(arch, parts)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.is_moe = arch.is_moe_layer(idx) if moe is None else moe
         self.mlp = (
             DeepseekMoE(arch, parts)
             if self.is_moe
             else MLP(arch.hidden_size, arch.intermediate_size)
+        )
+
+    def make_attention(self, arch, parts: LayerParts) -> nn.Module:
+        """MLA (a family built on DeepSeek-V3's layer swaps in its own attention here)."""
+        return MultiHeadLatentAttention(
+            arch.hidden_size, arch.num_attention_heads, **mla_args(arch, parts)
         )
 
     def forward(self, x_BTH, cos, sin, layout: DocLayout):

@@ -1,0 +1,194 @@
+"""DeepSeek Sparse Attention's primitive (primitives/attention/dsa.py, sparse_mla.py).
+
+- the blockwise core (query blocks, per-block top-k, gathered latents, checkpointed blocks)
+  equals the dense masked reference: output, indexer KL and every input gradient, for sparse
+  and dense-warm-up selection, packed documents and a query subset at global positions (what
+  a CP rank holds);
+- with top-k covering every key, the sparse layer equals plain MLA through the ``sdpa`` core
+  (the absorbed MQA form against the expanded heads: an independent reference);
+- the indexer learns from its KL alone: the loss falls, no gradient reaches the main model;
+  ``dense_warmup`` freezes everything but the indexers;
+- bad ``dsa_*`` settings are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from bumblebee import load_config
+from bumblebee.config import PrimitivesConfig
+from bumblebee.errors import ConfigError
+from bumblebee.models import arch_from_hf_dict, build_model
+from bumblebee.models.deepseek_v32 import PRESETS
+from bumblebee.primitives.attention.dsa import dsa_blockwise, dsa_reference
+from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
+from bumblebee.primitives.attention.sdpa import sdpa_masked
+from bumblebee.primitives.attention.sparse_mla import SparseLatentAttention
+from bumblebee.primitives.packed import doc_layout
+from bumblebee.primitives.recompute import NoRecompute
+from bumblebee.primitives.rope import rope_cos_sin
+
+B, S, N, C, R, HI, DI = 2, 48, 3, 8, 4, 4, 8
+
+
+def inputs(seed, qpos):
+    g = torch.Generator().manual_seed(seed)
+    Tq = len(qpos)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    doc = torch.tensor([[0] * 20 + [1] * 28, [0] * 48])
+    return (
+        r(B, Tq, N, C + R),
+        r(B, S, C + R),
+        r(B, Tq, HI, DI),
+        r(B, S, DI),
+        r(B, Tq, HI),
+        qpos,
+        doc[:, qpos],
+        doc,
+    )
+
+
+QUERIES = {
+    "all": torch.arange(S),
+    "zigzag_rank1_of2": torch.cat([torch.arange(12, 24), torch.arange(24, 36)]),
+}
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("queries", list(QUERIES))
+def test_blockwise_equals_reference(dense, queries):
+    args = inputs(0, QUERIES[queries])
+    kw = dict(topk=10, scale=0.3, index_scale=DI**-0.5, dense=dense, C=C)
+    o_ref, kl_ref, sel = dsa_reference(*args, **kw)
+    if not dense:  # the selection really drops keys
+        assert (sel.sum(-1) == 10).any() and sel.sum(-1).max() == 10
+    grads_ref = torch.autograd.grad((o_ref**2).sum() + kl_ref, [a for a in args[:5]])
+    for block in (5, 64):
+        o, kl = dsa_blockwise(*args, block=block, **kw)
+        torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(kl, kl_ref, rtol=1e-10, atol=1e-10)
+        grads = torch.autograd.grad((o**2).sum() + kl, [a for a in args[:5]])
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10)
+
+
+def _mla_kwargs():
+    return dict(
+        q_lora_rank=16,
+        kv_lora_rank=C,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=R,
+        v_head_dim=6,
+        eps=1e-6,
+        scale=0.25,
+        rope_interleave=True,
+        recompute=NoRecompute(),
+    )
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "reference"])
+def test_full_topk_equals_dense_mla(impl):
+    torch.manual_seed(0)
+    mla = MultiHeadLatentAttention(32, N, attend=sdpa_masked, **_mla_kwargs()).double()
+    dsa = SparseLatentAttention(
+        32,
+        N,
+        index_heads=HI,
+        index_dim=DI,
+        index_topk=S,
+        index_rope_interleave=False,
+        impl=impl,
+        block=7,
+        attend=None,
+        **_mla_kwargs(),
+    ).double()
+    dsa.load_state_dict(mla.state_dict(), strict=False)
+    x = torch.randn(B, S, 32, dtype=torch.float64)
+    pos = torch.cat([torch.arange(20), torch.arange(28)])[None].expand(B, S)
+    cos, sin = rope_cos_sin(pos, R, 10000.0, torch.float64)
+    layout = doc_layout(pos)
+    torch.testing.assert_close(dsa(x, cos, sin, layout), mla(x, cos, sin, layout))
+
+
+def tiny(**prims):
+    arch = arch_from_hf_dict({**PRESETS["tiny"], "num_nextn_predict_layers": 0})
+    return build_model(arch, dataclasses.replace(PrimitivesConfig(), **prims), seed=0)
+
+
+def _layer_and_inputs(seed=0, T=S):
+    torch.manual_seed(seed)
+    layer = SparseLatentAttention(
+        32,
+        N,
+        index_heads=HI,
+        index_dim=DI,
+        index_topk=12,
+        index_rope_interleave=False,
+        block=16,
+        attend=None,
+        **_mla_kwargs(),
+    )
+    x = torch.randn(B, T, 32)
+    pos = torch.arange(T)[None].expand(B, T)
+    cos, sin = rope_cos_sin(pos, R, 10000.0, torch.float32)
+    return layer, (x, cos, sin, doc_layout(pos))
+
+
+def test_indexer_learns_from_its_kl_only():
+    layer, args = _layer_and_inputs()
+    index = [p for n, p in layer.named_parameters() if n.startswith("indexer.")]
+    opt = torch.optim.Adam(index, lr=1e-2)
+    kls = []
+    for _ in range(15):
+        opt.zero_grad(set_to_none=True)
+        layer(*args).sum().backward()
+        kls.append(float(layer.indexer_kl))
+        opt.step()
+    assert kls[-1] < 0.7 * kls[0], kls
+    # the KL's gradient stays in the indexer: with the main loss at zero weight, nothing else moves
+    layer.zero_grad(set_to_none=True)
+    (0.0 * layer(*args).sum()).backward()
+    for n, p in layer.named_parameters():
+        assert bool(p.grad.any()) == n.startswith("indexer."), n
+
+
+def test_dense_warmup_trains_only_the_indexers():
+    model = tiny(dsa_stage="dense_warmup", recompute="none")
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if ".indexer." in n
+    }
+    ids = torch.randint(0, 256, (1, 40))
+    model(ids, labels=ids).backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    "override", ["primitives.dsa_stage=warm", "primitives.dsa_impl=flash", "primitives.dsa_block=0"]
+)
+def test_bad_dsa_settings_are_refused(override):
+    with pytest.raises(ConfigError, match="dsa_"):
+        load_config(None, ["model.name=deepseek_v32", override])
+
+
+def test_planner_terms_follow_the_code():
+    """The spec's keys per query beyond topk tokens are the mean of min(topk, t + 1) over a causal
+    row's queries (what the blockwise core reads), its parameters count the indexer, and the planner's DSA buffers keep
+    a constant per-token part and one block growing with the row, never [T, T]."""
+    from bumblebee.plan.layout import Layout
+    from bumblebee.plan.memory import dsa_bytes
+
+    model = tiny()
+    spec = model.arch.to_spec()
+    assert spec.num_params()["total"] == sum(p.numel() for p in model.parameters())
+    for seq in (40, 100):  # (up to topk keys: seq / 2, the dense convention of attn_core_flops)
+        mean = sum(min(spec.dsa_topk, t + 1) for t in range(seq)) / seq
+        assert spec.dsa_keys(seq) == pytest.approx(mean, rel=1e-12), seq
+    lay = Layout()
+    (k1, w1, _), (k2, w2, _) = (dsa_bytes(spec, lay, t, 128) for t in (65536, 131072))
+    assert k1 == k2 > 0 and 1.9 < w2 / w1 < 2.1
