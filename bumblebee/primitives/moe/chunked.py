@@ -299,7 +299,9 @@ class ChunkedDispatch:
             )
         self.num_experts, self.num_chunks, self.group = num_experts, num_chunks, ep_group
         per_layer = bool(chunk_weights) and all(isinstance(w, list | tuple) for w in chunk_weights)
-        for w in chunk_weights if per_layer else [chunk_weights] if chunk_weights else []:
+        # the lists to check: one per MoE layer, the one shared list, or none (even chunks)
+        lists = chunk_weights if per_layer else [chunk_weights] if chunk_weights else []
+        for w in lists:
             ok = all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in w)
             if not ok or len(w) not in CHUNKS or (not per_layer and len(w) != num_chunks):
                 raise ConfigError(
