@@ -12,6 +12,8 @@ import dataclasses
 import math
 from typing import Any
 
+from bumblebee.models.spec import ATTN, DENSE, MOE, ModelSpec
+
 
 class BaseArch:
     """What every family's arch dataclass shares (its fields are HF ``config.json`` keys). The
@@ -31,6 +33,30 @@ class BaseArch:
     def context_parallel_error(self, cp: int, seq_len: int) -> str | None:
         """Why ``seq_len`` tokens cannot be split over ``cp`` zigzag ranks (None: they can)."""
         return None
+
+    def spec(self, name: str, family: str, **fields) -> ModelSpec:
+        """The ``ModelSpec`` of GQA attention + MoE layers (dense where ``is_moe_layer`` says so)
+        read from the names every arch answers; ``fields``: what the family has otherwise."""
+        layers = self.num_hidden_layers
+        common = dict(
+            name=name,
+            family=family,
+            vocab=self.vocab_size,
+            hidden=self.hidden_size,
+            mixers=(ATTN,) * layers,
+            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
+            n_heads=self.num_attention_heads,
+            n_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            attn_gate=False,
+            experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            expert_ffn=self.moe_intermediate_size,
+            shared_ffn=0,
+            dense_ffn=0,
+            tied=self.tie_word_embeddings,
+        )
+        return ModelSpec(**{**common, **fields})
 
 
 class ArchError(ValueError):

@@ -197,27 +197,12 @@ class DeepseekV3Arch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, DENSE, MOE, ModelSpec
-
-        layers = self.num_hidden_layers
-        return ModelSpec(
-            name=name,
-            family="deepseek_v3",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
-            mixers=(ATTN,) * layers,
-            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_attention_heads,
-            head_dim=self.head_dim,
-            attn_gate=False,
-            experts=self.n_routed_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.moe_intermediate_size,
+        return self.spec(
+            name,
+            "deepseek_v3",
             shared_ffn=self.shared_expert_intermediate_size,
             shared_gate=False,
             dense_ffn=self.intermediate_size,
-            tied=self.tie_word_embeddings,
             mla_q_rank=self.q_lora_rank,
             mla_kv_rank=self.kv_lora_rank,
             mla_rope_dim=self.qk_rope_head_dim,

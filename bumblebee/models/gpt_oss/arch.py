@@ -187,30 +187,13 @@ class GptOssArch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, MOE, ModelSpec
-
-        layers = self.num_hidden_layers
-        return ModelSpec(
-            name=name,
-            family="gpt_oss",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
-            mixers=(ATTN,) * layers,
-            mlps=(MOE,) * layers,
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            attn_gate=False,
+        return self.spec(
+            name,
+            "gpt_oss",
             attn_bias=self.attention_bias,
             o_bias=self.attention_bias,
             attn_sinks=True,
-            windows=tuple(self.window(i) for i in range(layers)),
+            windows=tuple(self.window(i) for i in range(self.num_hidden_layers)),
             qk_norm=False,
-            experts=self.num_local_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.intermediate_size,
             moe_bias=True,
-            shared_ffn=0,
-            dense_ffn=0,
-            tied=self.tie_word_embeddings,
         )

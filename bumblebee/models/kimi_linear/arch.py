@@ -161,14 +161,12 @@ class KimiLinearArch(DeepseekV3Arch):
 
     def to_spec(self, name: str = "custom"):
         """DeepSeek-V3's spec (MLA, its MLPs) with KDA on the linear layers."""
-        from bumblebee.models.spec import ATTN, DENSE, GDN, MOE
+        from bumblebee.models.spec import ATTN, GDN
 
-        layers = self.num_hidden_layers
         return dataclasses.replace(
             super().to_spec(name),
             family="kimi_linear",
             mixers=tuple(GDN if t == LINEAR else ATTN for t in self.layer_types),
-            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
             gdn_k_heads=self.linear_num_heads,
             gdn_v_heads=self.linear_num_heads,
             gdn_k_dim=self.linear_head_dim,

@@ -162,25 +162,4 @@ class MiniMaxM2Arch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, MOE, ModelSpec
-
-        layers = self.num_hidden_layers
-        return ModelSpec(
-            name=name,
-            family="minimax_m2",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
-            mixers=(ATTN,) * layers,
-            mlps=(MOE,) * layers,
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            attn_gate=False,
-            qk_norm_all_heads=True,
-            experts=self.num_local_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.intermediate_size,
-            shared_ffn=0,
-            dense_ffn=0,
-            tied=self.tie_word_embeddings,
-        )
+        return self.spec(name, "minimax_m2", qk_norm_all_heads=True)

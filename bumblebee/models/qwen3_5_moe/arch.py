@@ -208,31 +208,20 @@ class Qwen3_5MoeArch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, GDN, MOE, ModelSpec
+        from bumblebee.models.spec import ATTN, GDN
 
-        return ModelSpec(
-            name=name,
-            family="qwen3_5_moe",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
+        return self.spec(
+            name,
+            "qwen3_5_moe",
             mixers=tuple(ATTN if t == "full_attention" else GDN for t in self.layer_types),
-            mlps=(MOE,) * self.num_hidden_layers,
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
             attn_gate=True,
             gdn_k_heads=self.linear_num_key_heads,
             gdn_v_heads=self.linear_num_value_heads,
             gdn_k_dim=self.linear_key_head_dim,
             gdn_v_dim=self.linear_value_head_dim,
             gdn_conv=self.linear_conv_kernel_dim,
-            experts=self.num_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.moe_intermediate_size,
             shared_ffn=self.shared_expert_intermediate_size,
-            dense_ffn=0,
-            tied=self.tie_word_embeddings,
             mtp_depth=self.mtp_num_hidden_layers,
             fp32_norm=True,  # ZeroCenteredRMSNorm
-            stream_tensors=4,  # the decoder layer keeps h_in and mixed (model.py)
+            stream_tensors=4,  # the decoder layer keeps the mixer's input and output (model.py)
         )

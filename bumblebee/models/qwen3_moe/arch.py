@@ -128,24 +128,4 @@ class Qwen3MoeArch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, DENSE, MOE, ModelSpec
-
-        layers = self.num_hidden_layers
-        return ModelSpec(
-            name=name,
-            family="qwen3_moe",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
-            mixers=(ATTN,) * layers,
-            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            attn_gate=False,
-            experts=self.num_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.moe_intermediate_size,
-            shared_ffn=0,
-            dense_ffn=self.intermediate_size,
-            tied=self.tie_word_embeddings,
-        )
+        return self.spec(name, "qwen3_moe", dense_ffn=self.intermediate_size)

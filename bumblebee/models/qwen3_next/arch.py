@@ -64,12 +64,5 @@ class Qwen3NextArch(Qwen3_5MoeArch):
     def to_spec(self, name: str = "custom"):
         """Qwen3.5's spec (same mixers, same parameter counts: the fused GDN projections hold the
         same weights) with this family's dense layers."""
-        from bumblebee.models.spec import DENSE, MOE
-
-        layers = self.num_hidden_layers
-        return dataclasses.replace(
-            super().to_spec(name),
-            family="qwen3_next",
-            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
-            dense_ffn=self.intermediate_size,
-        )
+        spec = super().to_spec(name)
+        return dataclasses.replace(spec, family="qwen3_next", dense_ffn=self.intermediate_size)
