@@ -15,8 +15,6 @@ Multi-token prediction: ``num_nextn_predict_layers`` modules (``models/mtp.py``)
 decoder layer of this family plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``,
 stored as ``model.layers.{L + k}`` like DeepSeek-V3's (``transformers`` drops these tensors on
 load; bumblebee trains and exports them).
-
-Legend: B batch, T tokens, H hidden, N query heads, K kv heads, D head dim.
 """
 
 from __future__ import annotations

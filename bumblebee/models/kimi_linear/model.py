@@ -8,7 +8,7 @@ Decoder layer i: x + Mixer(RMSNorm(x)), then h + MLP(RMSNorm(h)), where
   DeepSeek's Multi-head Latent Attention without RoPE (``use_rope=False``: the decoupled key
   dims are kept, unrotated; softmax scale (Dn + R)^-0.5);
 - the MLP (``arch.mlp_layer_types[i]``) is a dense SwiGLU or DeepSeek-V3's routed experts with
-  the sigmoid-bias router and ungated shared experts (``deepseek_v3/model.py``'s block).
+  the sigmoid-bias router and ungated shared experts (the shared MoE block with DeepSeek-V3's ``MOE_TRAITS``).
 
 Both mixers sit at ``self_attn`` and both MLPs at ``mlp``, as in HF's modules; checkpoints store
 the MLPs under ``block_sparse_moe`` with experts' ``w1`` / ``w3`` / ``w2`` (``names.py``).

@@ -16,8 +16,6 @@ Decoder layer: x + Attn(RMSNorm(x)), then h + MoE(RMSNorm(h)) in every layer, wi
 
 Checkpoint names (``names.py``): Mixtral's ``block_sparse_moe.experts.{e}.{w1, w3, w2}`` for
 gate / up / down, the router as ``block_sparse_moe.gate`` and its bias on the block.
-
-Legend: B batch, T tokens, H hidden, N query heads, K kv heads, D head dim.
 """
 
 from __future__ import annotations

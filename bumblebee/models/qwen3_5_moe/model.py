@@ -25,7 +25,7 @@ Every RMSNorm except the GDN output norm is zero-centered, ``(1 + w)`` in fp32
 ``models/hf.py``). The released checkpoints' multi-token-prediction head ``mtp.*`` is
 ``MultiTokenPredictor`` (``models/mtp.py``), same names.
 
-Legend: B batch, T tokens, D hidden, N query heads, K kv heads, E head dim, V vocabulary.
+Legend: B batch, T tokens, D hidden.
 """
 
 from __future__ import annotations

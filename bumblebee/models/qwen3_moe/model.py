@@ -6,9 +6,6 @@ q/k RMSNorm and RoPE on per-document positions; its core, the router, the
 expert FFN, the token dispatch, the loss and the recompute policy are the
 configured primitives. Module and parameter names follow Hugging Face so that
 checkpoints map one to one (experts are stacked, see ``models/hf.py``).
-
-Legend: B batch, T tokens, H hidden, N query heads, K kv heads, D head dim,
-V vocabulary, E experts.
 """
 
 from __future__ import annotations
