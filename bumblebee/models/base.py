@@ -2,18 +2,14 @@
 
 A family (``models/<family>/``) brings its decoder layers (``make_layer``, usually the shared
 pre-norm layer of models/blocks.py over its mixer and MLP), its arch, presets and a Hugging
-Face name map; everything around the layers lives here once:
-
-- construction: the primitives named in the config are resolved (attention or the CP
-  attention when the sequence is split, MoE dispatch, recompute policy, loss) and the
-  HF-named backbone ``model.{embed_tokens, layers, norm}`` and ``lm_head`` are built;
-- entry points: ``hidden_states`` (optionally one pipeline stage of it), ``loss_terms``
-  (what a training step needs from one micro-batch), ``scores`` (hidden states through the LM
-  head with any function of (hidden, head weight): the RL engine's per-token log-probs) and
-  ``forward`` (the public API);
-- the LM head is a module whose forward *uses* its weight (``LMHead``): every reader of the
-  head (the loss primitive, log-probs, logits) goes through it, so FSDP2 can make it a unit of
-  its own, gathered just around that call and its backward.
+Face name map; everything around the layers lives here once: construction (the primitives
+the config names: attention or the CP attention when the sequence is split, MoE dispatch,
+recompute policy, loss; the HF-named ``model.{embed_tokens, layers, norm}`` and ``lm_head``)
+and the entry points: ``hidden_states`` (optionally one pipeline stage of it), ``loss_terms``
+(what a training step needs from one micro-batch), ``scores`` (hidden states through the LM
+head with any function of (hidden, head weight): the RL engine's per-token log-probs) and
+``forward`` (the public API). Every reader of the head goes through ``LMHead``'s forward, so
+FSDP2 gathers it just around that call and its backward.
 
 The rest is in mixins, one file each: ``WeightInit`` (models/weights.py: layout-independent
 initialization), ``Placement`` (models/placement.py: expert parameters, FSDP units, pipeline
@@ -42,7 +38,7 @@ from bumblebee.primitives.cp.layout import build_cp_layout
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.packed import default_position_ids, doc_layout
 from bumblebee.primitives.parallel import ParallelGroups
-from bumblebee.primitives.rope import rope_cos_sin
+from bumblebee.primitives.rope import rope_cos_sin, yarn_inv_freq
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -175,8 +171,16 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
         return self.arch.head_dim
 
     def rope_tables(self, position_ids_BT, dtype):
-        """RoPE (cos, sin) [B, T, rotary_dim] in ``dtype`` (a family with scaled RoPE overrides this)."""
-        return rope_cos_sin(position_ids_BT, self.rotary_dim(), self.arch.rope_theta, dtype)
+        """RoPE (cos, sin) [B, T, rotary_dim] in ``dtype``, YaRN-scaled where the arch keeps HF's
+        ``rope_parameters`` with ``rope_type = "yarn"``."""
+        a, dim, theta = self.arch, self.rotary_dim(), self.arch.rope_theta
+        rope = getattr(a, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") == "default":
+            return rope_cos_sin(position_ids_BT, dim, theta, dtype)
+        if "_yarn" not in self.__dict__:  # host fp32 frequencies, kept out of .to(dtype)
+            self.__dict__["_yarn"] = yarn_inv_freq(dim, theta, rope, a.max_position_embeddings)
+        inv_freq, scale = self.__dict__["_yarn"]
+        return rope_cos_sin(position_ids_BT, dim, theta, dtype, inv_freq=inv_freq, scale=scale)
 
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
         """Forward FLOPs of one ``seq_len``-token sequence per decoder layer, and of the LM head:

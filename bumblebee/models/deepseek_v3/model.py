@@ -33,7 +33,7 @@ from bumblebee.models.kv_cache import KVCache
 from bumblebee.models.mtp import combine
 from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
 from bumblebee.primitives.norms import RMSNorm
-from bumblebee.primitives.rope import rope_cos_sin, yarn_inv_freq, yarn_mscale
+from bumblebee.primitives.rope import yarn_mscale
 
 ROUTER = "sigmoid_bias"  # the architecture's router
 
@@ -147,19 +147,6 @@ class DeepseekV3ForCausalLM(LayerMTP, CausalLM):
 
     def rotary_dim(self) -> int:
         return self.arch.qk_rope_head_dim
-
-    def rope_tables(self, position_ids_BT, dtype):
-        a = self.arch
-        if a.rope_parameters.get("rope_type", "default") == "default":
-            return super().rope_tables(position_ids_BT, dtype)
-        if "_yarn" not in self.__dict__:  # host fp32 frequencies, kept out of .to(dtype)
-            self.__dict__["_yarn"] = yarn_inv_freq(
-                a.qk_rope_head_dim, a.rope_theta, a.rope_parameters, a.max_position_embeddings
-            )
-        inv_freq, scale = self.__dict__["_yarn"]
-        return rope_cos_sin(
-            position_ids_BT, a.qk_rope_head_dim, a.rope_theta, dtype, inv_freq=inv_freq, scale=scale
-        )
 
     def new_kv_cache(self, rows: int, length: int) -> KVCache:
         """Expanded per-head keys / values (v zero-padded to the q/k head dim, as MLA attends)."""

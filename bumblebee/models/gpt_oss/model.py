@@ -27,7 +27,6 @@ from bumblebee.models.blocks import Attention, DecoderLayer, feed_forward
 from bumblebee.primitives import init
 from bumblebee.primitives.moe.experts import ClampedSwiGLU
 from bumblebee.primitives.norms import RMSNorm
-from bumblebee.primitives.rope import rope_cos_sin, yarn_inv_freq
 
 ROUTER = "topk_softmax"  # the architecture's router
 
@@ -55,19 +54,6 @@ class GptOssForCausalLM(CausalLM):
         act = ClampedSwiGLU(a.swiglu_alpha, a.swiglu_limit)
         moe = feed_forward(a, index, parts, router=ROUTER, expert_bias=True, act=act)
         return DecoderLayer(a, parts, attention, moe, layer_type=a.layer_types[index])
-
-    def rope_tables(self, position_ids_BT, dtype):
-        a = self.arch
-        if a.rope_parameters.get("rope_type", "default") == "default":
-            return super().rope_tables(position_ids_BT, dtype)
-        if "_yarn" not in self.__dict__:  # host fp32 frequencies, kept out of .to(dtype)
-            self.__dict__["_yarn"] = yarn_inv_freq(
-                a.head_dim, a.rope_theta, a.rope_parameters, a.max_position_embeddings
-            )
-        inv_freq, scale = self.__dict__["_yarn"]
-        return rope_cos_sin(
-            position_ids_BT, a.head_dim, a.rope_theta, dtype, inv_freq=inv_freq, scale=scale
-        )
 
     def init_vectors(self, std: float) -> dict:
         """HF's init: ones for the norm weights, zeros for the projection and expert biases,
