@@ -103,7 +103,7 @@ class Attention(nn.Module):
         k = self._heads(self.k_proj(x_BTH), self.n_kv, self.k_norm)
         v = self.v_proj(x_BTH).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.sinks is None and not self.window:
+        if self.sinks is None and not self.window:  # no options: the call every core takes
             o_BNTD = self.recompute.module(
                 "attn_core", self.attend, q, k, v, layout, self.head_dim**-0.5
             )
