@@ -26,6 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from bumblebee.config_aliases import canonical
 from bumblebee.config_checks import (
     check_filled,
     validate,  # noqa: F401  (re-exported: ``from bumblebee.config import validate``)
@@ -315,7 +316,14 @@ def _apply(cfg: Config, data: dict, source: str) -> None:
             raise ConfigError(f"{source}: [{section}] must be a table")
         obj = getattr(cfg, section)
         hints = get_type_hints(type(obj))
-        for key, value in values.items():
+        seen: dict[str, str] = {}  # new key -> the spelling it was given as in this table
+        for given, value in values.items():
+            key, value = canonical(section, given, value)
+            if key in seen:
+                raise ConfigError(
+                    f"{source}: {section}.{given} and {section}.{seen[key]} are one key (give it once)"
+                )
+            seen[key] = given
             if key not in hints:
                 raise ConfigError(
                     f"{source}: unknown key {section}.{key}{_suggest(key, list(hints))}"
