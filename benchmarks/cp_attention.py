@@ -73,7 +73,9 @@ def worker(seqs, impls):
         )
         layout = build_cp_layout(shard_sequence(pos, C, r), dist.group.WORLD)
         for impl in impls:
-            out[(seq, impl)] = timed(registry.get("cp", impl).factory, q, k, v, layout, DIM**-0.5)
+            out[(seq, impl)] = timed(
+                registry.get("cp_attention", impl).factory, q, k, v, layout, DIM**-0.5
+            )
     dist.destroy_process_group()
     return out
 

@@ -5,7 +5,7 @@ Part 1 (bytes): one MLA layer at a preset's attention dims (default DeepSeek-V3:
 rope / nope / value dims; the hidden size is shrunk, it does not enter what the ring sends), bf16
 autocast as in training, on ``--cp`` gloo ranks, forward + backward. Every tensor handed to
 ``isend`` by the ring (``dist.P2POp``) is counted; the totals are divided by the hops and by the
-rank's tokens. Two designs: ``latent`` (``cp = "ring"``: normalized kv latent + roped rope key
+rank's tokens. Two designs: ``latent`` (``cp_attention = "ring"``: normalized kv latent + roped rope key
 per hop, re-expanded by every rank, ``primitives/cp/ring_latent.py``) and ``expanded`` (the same
 layer with ``cp_latents = ""``: per-head K and V through the generic ``ring`` core, v padded to
 the qk head dim).

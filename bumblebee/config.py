@@ -70,7 +70,8 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class PrimitivesConfig:
     attention: str = "varlen"
-    cp: str = "ring"
+    # the attention core under context parallelism (the degree is parallel.cp)
+    cp_attention: str = "ring"
     linear_attention: str = "chunked"
     # how context parallelism carries the Gated DeltaNet state: "scan" (all ranks at once, affine scan
     # with a [v | 0_K] state probe) | "relay" (rank to rank through the core's initial state, no probe)

@@ -21,7 +21,7 @@ KEYS: dict[tuple[str, str], str] = {("primitives", "cp"): "cp_attention"}
 VALUES: dict[tuple[str, str], dict[str, str]] = {("train", "balance"): {"global_batch": "step"}}
 
 
-@functools.lru_cache(maxsize=None)  # once per process and spelling: pair parses its config twice
+@functools.cache  # once per process and spelling: pair parses its config twice
 def note(text: str) -> None:
     """Print ``text`` as a deprecation note on stderr (rank 0 only: under torchrun every rank
     parses the config)."""

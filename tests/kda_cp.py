@@ -33,7 +33,7 @@ BASE = [
 ]
 STEPS = 2
 REF = ["primitives.sharding=none", "primitives.moe_comm=local"]
-CP4 = ["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=allgather"]
+CP4 = ["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp_attention=allgather"]
 
 
 def reference(data, out_dir):

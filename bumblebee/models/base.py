@@ -85,7 +85,7 @@ class LayerParts:
     """What a family's decoder layer is built from (resolved once per model)."""
 
     prims: object  # the [primitives] section
-    attend: object  # attention core: the attention slot, or the cp slot when the sequence is split
+    attend: object  # attention core: the attention slot, or the cp_attention slot when the sequence is split
     dispatch: object  # moe_comm: token dispatch/combine around the experts
     recompute: object  # recompute policy
     groups: ParallelGroups
@@ -136,7 +136,7 @@ class CausalLM(RoutingProtocol, nn.Module):
         self.loss_fn = registry.get("loss", prims.loss).factory
         # one attention core for the whole model: the CP implementation when the sequence is split
         attend = (
-            registry.get("cp", prims.cp)
+            registry.get("cp_attention", prims.cp_attention)
             if groups.cp_size > 1
             else registry.get("attention", prims.attention)
         )

@@ -211,13 +211,13 @@ def check_model(result, ref, steps, what):
 
 
 TWO = [
-    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
+    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp_attention=ring"], 1),
     # the probe-free relay (cp_relay.py) under full recompute: the recompute re-runs the relay chain
     (
         [
             "parallel.cp=2",
             "primitives.sharding=zero1",
-            "primitives.cp=ring",
+            "primitives.cp_attention=ring",
             "primitives.linear_attention_cp=relay",
             "primitives.recompute=full",
         ],
@@ -225,14 +225,14 @@ TWO = [
     ),
 ]
 FOUR = [
-    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
+    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp_attention=allgather"], 1),
     # the default recipe's linear CE and full recompute (the recompute re-runs the halo and scan)
     (
         [
             "parallel.cp=2",
             "parallel.ep=2",
             "primitives.sharding=fsdp2",
-            "primitives.cp=ring",
+            "primitives.cp_attention=ring",
             "primitives.moe_comm=alltoall",
             "primitives.loss=linear_ce",
             "primitives.recompute=full",

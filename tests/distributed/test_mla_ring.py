@@ -1,4 +1,4 @@
-"""MLA's latent ring (``cp = "ring"``: the normalized kv latent + roped rope key travel, every rank
+"""MLA's latent ring (``cp_attention = "ring"``: the normalized kv latent + roped rope key travel, every rank
 re-expands each block with ``kv_b_proj``) equals single-process MLA at cp = 2 and cp = 4 on packed
 documents that cross zigzag chunk borders: the output and every gradient (input, q LoRA path,
 kv_a_proj, kv_a_layernorm, kv_b_proj, o_proj), with and without q LoRA, v narrower than the qk head.

@@ -110,8 +110,8 @@ def test_dispatch_table():
     assert sel("attention", "varlen", "cuda", torch.float32).name == "sdpa_per_doc"
     assert sel("attention", "varlen", "cpu", torch.bfloat16).name == "sdpa_per_doc"
     assert sel("attention", "sdpa", "cuda", torch.bfloat16).name == "sdpa"  # references never swap
-    assert sel("cp", "ring", "cuda", "bfloat16").name == "ring_varlen_attn"
-    assert sel("cp", "ring", "cpu", "bfloat16").name == "ring_tiles"
+    assert sel("cp_attention", "ring", "cuda", "bfloat16").name == "ring_varlen_attn"
+    assert sel("cp_attention", "ring", "cpu", "bfloat16").name == "ring_tiles"
     assert sel("linear_attention", "chunked", "cuda", "bfloat16", fla=True).name == "fla_chunk"
     absent = sel("linear_attention", "chunked", "cuda", "bfloat16", fla=False)
     assert absent.name == "torch_chunked" and "fla not installed" in absent.note
@@ -127,7 +127,7 @@ def test_dispatch_table():
     assert fa3.name == "varlen_attn" and "FA3" in fa3.label
     table = dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=4, fla=True, fa3=False)
     assert dispatch.describe(table) == (
-        "attention: varlen_attn (flash, FA2); cp: ring of varlen_attn steps (flash, FA2); "
+        "attention: varlen_attn (flash, FA2); cp_attention: ring of varlen_attn steps (flash, FA2); "
         "linear_attention: fla chunk_gated_delta_rule; conv: fla causal_conv1d (fused, varlen); "
         "glue: torch.compile per function (inductor)"
     )
@@ -143,7 +143,7 @@ def test_dispatch_table():
     "slot,impl",
     [
         ("attention", "varlen"),
-        ("cp", "ring"),
+        ("cp_attention", "ring"),
         ("linear_attention", "chunked"),
         ("conv", "causal"),
         ("glue", "fused"),

@@ -27,6 +27,7 @@ PACKAGE = Path(__file__).parents[2] / "bumblebee"
 LAYER_OF = {
     "config": "core",
     "config_checks": "core",
+    "config_aliases": "core",
     "console": "core",
     "registry": "core",
     "errors": "core",

@@ -66,8 +66,8 @@ class DecoderLayer(nn.Module):
                 rope_interleave=False,
                 attend=parts.attend,
                 recompute=rc,
-                cp_latents=parts.prims.cp
-                if parts.groups.cp_size > 1 and parts.prims.cp in ("allgather", "ring")
+                cp_latents=parts.prims.cp_attention
+                if parts.groups.cp_size > 1 and parts.prims.cp_attention in ("allgather", "ring")
                 else "",
                 use_rope=False,
             )

@@ -58,7 +58,12 @@ class GatherSequence(torch.autograd.Function):
         return mine, None
 
 
-@register("cp", "allgather", reference=True, summary="all-gather K/V over the CP group, full mask")
+@register(
+    "cp_attention",
+    "allgather",
+    reference=True,
+    summary="all-gather K/V over the CP group, full mask",
+)
 def allgather_attention(
     q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, *, window=0, sinks=None
 ):

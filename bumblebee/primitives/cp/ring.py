@@ -242,10 +242,10 @@ class RingAttention(torch.autograd.Function):
         )
 
 
-@register("cp", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")
+@register("cp_attention", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")
 def ring_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, *, window=0, sinks=None):
     kernel = select(
-        "cp", "ring", emulation.kind(q_BNLD), q_BNLD.dtype, sinks=sinks is not None,
+        "cp_attention", "ring", emulation.kind(q_BNLD), q_BNLD.dtype, sinks=sinks is not None,
         window=bool(window),
     )  # fmt: skip
     if kernel.name == "ring_varlen_attn":

@@ -1,4 +1,4 @@
-"""Ring attention whose per-step block work runs a varlen flash kernel (``cp = "ring"`` on
+"""Ring attention whose per-step block work runs a varlen flash kernel (``cp_attention = "ring"`` on
 CUDA in bf16/fp16; ``primitives/dispatch.py`` decides).
 
 The ring is the one of ``ring.py`` (K/V blocks travel r -> r+1; backward sends them round

@@ -1,4 +1,4 @@
-"""Ring attention over MLA latents: what ``cp = "ring"`` runs for Multi-head Latent Attention.
+"""Ring attention over MLA latents: what ``cp_attention = "ring"`` runs for Multi-head Latent Attention.
 
 What travels around the ring per token is MLA's latent, not its heads: the kv latent ``c``
 [C] after ``kv_a_layernorm`` and the shared rope key [R] after RoPE, one tensor [B, L, C + R]
@@ -210,7 +210,8 @@ def latent_ring_attention(
     given; ``save_expanded`` keeps every hop's expansion for backward (measurement only)."""
     if (
         kernel is None
-        and select("cp", "ring", emulation.kind(q_BNLD), q_BNLD.dtype).name == "ring_varlen_attn"
+        and select("cp_attention", "ring", emulation.kind(q_BNLD), q_BNLD.dtype).name
+        == "ring_varlen_attn"
     ):
         kernel = cuda_block_kernel()
     return LatentRingAttention.apply(
