@@ -163,9 +163,9 @@ class TrainConfig:
         600.0  # every process group: a rank that hangs ends the job after this
     )
     on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: "stop" the run | "skip" the update
-    # balance loss (weight: model.arch.router_aux_loss_coef): "global_batch" (expert frequencies over the
-    # whole global batch; keeps every micro-batch's graph until the backwards) | "micro_batch" (per
-    # micro-batch) | "hf" (transformers' aux_loss) | "auto": global_batch at pp = 1, micro_batch with pp > 1
+    # balance loss (weight: model.arch.router_aux_loss_coef): "step" (expert frequencies over the whole
+    # optimizer step; keeps every micro-batch's graph until the backwards) | "micro_batch" (per
+    # micro-batch) | "hf" (transformers' aux_loss) | "auto": step at pp = 1, micro_batch with pp > 1
     balance: str = "auto"
 
 
@@ -426,12 +426,12 @@ def dump_toml(cfg: Config) -> str:
 
 
 def balance_mode(cfg: Config, pp: int) -> str:
-    """The balance-loss definition a run computes: ``train.balance``, where "auto" is "global_batch"
+    """The balance-loss definition a run computes: ``train.balance``, where "auto" is "step"
     (needs every micro-batch's router counts before the first backward) unless a pipeline schedule
     (pp > 1), which backs micro-batches up one by one, makes that impossible: then "micro_batch"."""
     if cfg.train.balance != "auto":
         return cfg.train.balance
-    return "micro_batch" if pp > 1 else "global_batch"
+    return "micro_batch" if pp > 1 else "step"
 
 
 def eval_interval(cfg: Config) -> int:

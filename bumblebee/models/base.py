@@ -68,9 +68,7 @@ class LossTerms:
 
     loss_sum: torch.Tensor  # summed token losses over the valid labels of this micro-batch
     num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
-    aux_loss: (
-        torch.Tensor
-    )  # load-balancing loss of the asked definition (0 if none, or "global_batch")
+    aux_loss: torch.Tensor  # load-balancing loss of the asked definition (0 if none, or "step")
     router_stats: torch.Tensor | None = (
         None  # [L, 2E + 2] per MoE layer (primitives/moe/balance.py)
     )
@@ -428,7 +426,7 @@ class CausalLM(RoutingProtocol, nn.Module):
         routing=None,
     ) -> LossTerms:
         """The summed token loss through the loss primitive (``stage``: the last pipeline stage), the
-        balance loss of definition ``balance`` (``micro_batch`` | ``hf``; ``global_batch``: 0 here,
+        balance loss of definition ``balance`` (``micro_batch`` | ``hf``; ``step``: 0 here,
         the step builds it from ``router_stats`` over the whole batch) and the router stats.
         ``routing``: a ``RoutingScope`` (replay given experts / record the chosen ones; the MTP
         layers are neither replayed nor recorded). With MTP trained, its weighted loss is added to
@@ -476,7 +474,7 @@ class CausalLM(RoutingProtocol, nn.Module):
                 rows = torch.stack(mtp_stats)
                 terms.router_stats = rows if stats_LS is None else torch.cat([stats_LS, rows])
                 layers = self.main_moe_layers + len(mtp_stats)
-        if balance != "global_batch":
+        if balance != "step":
             terms.aux_loss = self.balance_loss(terms.router_stats, balance, layers)
         return terms
 

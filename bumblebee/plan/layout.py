@@ -62,7 +62,7 @@ class Workload:
     seq: int
     global_batch: int
     micro_batch: int = 1
-    # train.balance: "auto" / "global_batch" keep every micro-batch in flight at pp = 1
+    # train.balance: "auto" / "step" keep every micro-batch in flight at pp = 1
     balance: str = "auto"
 
 

@@ -301,7 +301,7 @@ class Trainer:
             )  # counts: this rank's layers
         else:
             coef, parts = self.model.arch.router_aux_loss_coef, micro_batches(local, t.micro_batch)
-            if self.plan.balance == "global_batch":
+            if self.plan.balance == "step":
                 sums = accumulate_global_balance(
                     parts,
                     self.sharding,

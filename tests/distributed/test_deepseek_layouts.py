@@ -283,7 +283,7 @@ def test_pipeline_needs_the_micro_batch_balance_loss():
             "parallel.pp=2",
             "data.source='synthetic'",
             "train.seq_len=256",
-            "train.balance='global_batch'",
+            "train.balance='step'",
         ],
     )
     with pytest.raises(

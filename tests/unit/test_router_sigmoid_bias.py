@@ -244,8 +244,8 @@ def test_trainer_pipeline_refuses_what_it_cannot_do():
     def check_trainer_pipeline(cfg):  # what the Trainer resolves before building a pipeline
         check_run(cfg, 2)
 
-    with pytest.raises(ConfigError, match="train.balance = 'global_batch' needs every micro-batch"):
-        check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=global_batch"]))
+    with pytest.raises(ConfigError, match="train.balance = 'step' needs every micro-batch"):
+        check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=step"]))
     check_trainer_pipeline(
         load_config(None, ["parallel.pp=2"])
     )  # "auto": micro_batch under a pipeline
