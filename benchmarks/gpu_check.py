@@ -237,7 +237,7 @@ def _status(cases) -> str:
 
 # ----------------------------------------------------------------------------- 1. environment
 def section_env(ck: Check, out: dict):
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import kernel_choice
 
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -262,7 +262,7 @@ def section_env(ck: Check, out: dict):
             env[mod] = __import__(mod).__version__
         except Exception as e:  # absent (fla travels as a wheel) or broken
             env[mod] = f"absent ({one_line(e)})"
-    env["fla_present"] = dispatch.package_present("fla")
+    env["fla_present"] = kernel_choice.package_present("fla")
     if ck.cuda:
         props = torch.cuda.get_device_properties(0)
         env["sm"] = f"{props.major}.{props.minor}"
@@ -427,12 +427,12 @@ def case_gdn(ck: Check):
     """``fla_gated_delta_rule`` (the custom op over FLA; per-document states: each row's carried
     state in, its last document's state out, middle documents without) against the chunked
     PyTorch path in fp32."""
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import kernel_choice
     from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
     from bumblebee.primitives.linear_attention.gated_delta_rule import _chunked
     from bumblebee.primitives.packed import doc_layout
 
-    if ck.cuda and not dispatch.package_present("fla"):
+    if ck.cuda and not kernel_choice.package_present("fla"):
         return {"status": "skipped: fla not installed (see benchmarks/README.md, the wheel line)"}
     rows = doc_rows(ck)
     B, T = len(rows), sum(rows[0])
@@ -466,11 +466,11 @@ def case_conv(ck: Check):
     from cu_seqlens, the carried window as the first document's state, SiLU fused) in bf16
     against the channel-blocks path (``causal_conv1d`` + SiLU) in fp32: y, final window, and the
     x / weight / window gradients."""
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import kernel_choice
     from bumblebee.primitives.linear_attention.conv import causal_conv1d, fla_causal_conv1d
     from bumblebee.primitives.packed import doc_layout
 
-    if ck.cuda and not dispatch.package_present("fla"):
+    if ck.cuda and not kernel_choice.package_present("fla"):
         return {"status": "skipped: fla not installed (see benchmarks/README.md, the wheel line)"}
     rows = doc_rows(ck)
     B, T = len(rows), sum(rows[0])
@@ -769,7 +769,7 @@ def speed_attention(ck: Check):
 
 
 def speed_gdn(ck: Check):
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import kernel_choice
     from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
     from bumblebee.primitives.linear_attention.gated_delta_rule import _chunked
     from bumblebee.primitives.packed import DocLayout
@@ -784,7 +784,7 @@ def speed_gdn(ck: Check):
     dout = torch.randn(1, T, H, V, device="cuda", dtype=torch.bfloat16)
     flops = 3 * T * 2.0 * H * (3 * K * V + 2 * 64 * (K + V))  # the planner's count, fwd+bwd
     impls = [("torch chunked (64)", fwd_bwd(lambda *a: _chunked(*a, None, lay, 64), xs, dout))]
-    if dispatch.package_present("fla"):
+    if kernel_choice.package_present("fla"):
         impls.insert(
             0,
             (

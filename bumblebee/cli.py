@@ -110,7 +110,7 @@ def _primitives_args(p: argparse.ArgumentParser) -> None:
 def _primitives_run(args) -> int:
     from bumblebee import registry
     from bumblebee.config import PrimitivesConfig
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import kernel_choice
 
     defaults = PrimitivesConfig()
     for slot, desc in registry.SLOTS.items():
@@ -129,12 +129,12 @@ def _primitives_run(args) -> int:
             ]
             tag = f" [{', '.join(tags)}]" if tags else ""
             print(f"    {name:<14}{tag:<22} {impl.summary}")
-            for device, dtype, label in dispatch.rows(slot, name):  # the kernel it runs where
+            for device, dtype, label in kernel_choice.rows(slot, name):  # the kernel it runs where
                 print(f"        {device + ', ' + dtype:<36} -> {label}")
     print("kernels beside the slots:")
-    for (slot, name), desc in dispatch.EXTRA_KERNELS.items():
+    for (slot, name), desc in kernel_choice.EXTRA_KERNELS.items():
         print(f"    {slot}/{name}: {desc}")
-        for device, dtype, label in dispatch.rows(slot, name):
+        for device, dtype, label in kernel_choice.rows(slot, name):
             print(f"        {device + ', ' + dtype:<36} -> {label}")
     return 0
 

@@ -11,7 +11,7 @@ says needs most (``world / pp * stage``):
   exchange, the Gated DeltaNet CP scan (halo, transition all-gather), the MoE dispatch
   (``alltoall`` / ``chunked``) with its count exchange and uneven all-to-alls, recompute,
   and the loss;
-- the kernels CUDA would run (``dispatch.assume("cuda", fla=True)``: ``varlen_attn``, FLA's
+- the kernels CUDA would run (``kernel_choice.assume("cuda", fla=True)``: ``varlen_attn``, FLA's
   chunk kernel through its fake op, ``_grouped_mm``, the linear CE's CUDA tiles), on fake CPU
   tensors (a CPU build cannot record autograd on fake CUDA tensors);
 - 1F1B's steady state: ``min(pp - s, m)`` micro-batch forwards kept in flight, then the
@@ -185,9 +185,9 @@ def _seams(stack: ExitStack, docs, run: FakeRun) -> None:
     documents stated (fake position ids hold no values), recompute forwards labelled."""
     import torch.nn.attention.varlen  # noqa: F401  (registers the flash ops' fake kernels)
 
-    from bumblebee.primitives import dispatch, packed, recompute
+    from bumblebee.primitives import kernel_choice, packed, recompute
 
-    stack.enter_context(dispatch.assume("cuda", fla=True))
+    stack.enter_context(kernel_choice.assume("cuda", fla=True))
     stack.enter_context(packed.assume_documents(docs))
     stack.enter_context(recompute.observe(lambda: _recompute_scope(run)))
 

@@ -30,8 +30,8 @@ from bumblebee.models import build_model, materialize, resolve_arch
 from bumblebee.perf.flops import Throughput, device_peak
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives import emulation
-from bumblebee.primitives.dispatch import describe as describe_kernels
-from bumblebee.primitives.dispatch import kernel_table
+from bumblebee.primitives.kernel_choice import describe as describe_kernels
+from bumblebee.primitives.kernel_choice import kernel_table
 from bumblebee.primitives.moe.balance import load_summary
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.runtime.checkpoint.checkpointer import Checkpointer

@@ -177,7 +177,7 @@ def test_flash_sink_glue_on_the_reference_kernel(window):
 def test_emulated_cuda_dispatch_runs_the_flash_sink_path():
     """Under the emulated-CUDA mode ``varlen`` with sinks takes the CUDA branch (flash kernels with
     the sink merge, their references counted as the kernels) and still equals HF's maths."""
-    from bumblebee.primitives import dispatch, emulation
+    from bumblebee.primitives import emulation, kernel_choice
     from bumblebee.primitives.attention import flash_sinks
 
     calls = []
@@ -192,7 +192,7 @@ def test_emulated_cuda_dispatch_runs_the_flash_sink_path():
     pos = torch.cat([torch.arange(n) for n in lengths])[None].expand(B, -1)
     with emulation.emulate_cuda(check_comm=False), pytest.MonkeyPatch.context() as mp:
         mp.setattr("bumblebee.primitives.attention.sdpa.flash_varlen_sinks", spy)
-        assert dispatch.select("attention", "varlen", "cuda", torch.bfloat16, sinks=True).fused
+        assert kernel_choice.select("attention", "varlen", "cuda", torch.bfloat16, sinks=True).fused
         out = sdpa_varlen(q, k, v, doc_layout(pos), 0.3, window=5, sinks=sinks)
     assert calls == [5]
     ref = reference(q, k, v, lengths, 5, sinks, 0.3)

@@ -32,7 +32,7 @@ under bf16 autocast the forward's scores and LSE are the fp32 ones the backward
 recomputes (they used to come out of bf16 matmuls in the forward only).
 
 This is the CPU path and the reference of ``ring_flash.py``, which runs the same ring
-with a varlen flash kernel per block pair on CUDA in bf16/fp16 (``primitives/dispatch.py``).
+with a varlen flash kernel per block pair on CUDA in bf16/fp16 (``primitives/kernel_choice.py``).
 
 Legend: B batch, K kv heads, G query heads per kv head, L local tokens (Tl),
 D head dim, q/k tile rows.
@@ -50,7 +50,7 @@ from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring_comm import backward_hop, exchange
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
 from bumblebee.primitives.cp.ring_flash import ring_flash_attention
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.packed import DeviceCache
 from bumblebee.registry import register
 

@@ -1,5 +1,5 @@
 """Ring attention whose per-step block work runs a varlen flash kernel (``cp_attention = "ring"`` on
-CUDA in bf16/fp16; ``primitives/dispatch.py`` decides).
+CUDA in bf16/fp16; ``primitives/kernel_choice.py`` decides).
 
 The ring is the one of ``ring.py`` (K/V blocks travel r -> r+1; backward sends them round
 again with their dK/dV accumulators). What changes is the work per step: instead of fp32
@@ -60,7 +60,7 @@ def cuda_block_kernel() -> BlockKernel:
     """PyTorch's flash ops; ``reference_block_kernel()`` under the emulated-CUDA mode."""
     if emulation.active():
         return reference_block_kernel(as_kernel=True)
-    from bumblebee.primitives.dispatch import use_flash_impl
+    from bumblebee.primitives.kernel_choice import use_flash_impl
 
     use_flash_impl()  # FA3 in torch's dispatcher when present (once)
 

@@ -44,7 +44,7 @@ from bumblebee.primitives.cp.ring_flash import (
     cuda_block_kernel,
     forward_step,
 )
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_choice import select
 
 
 def _expand(lat_BLX, w, n_heads: int, v_dim: int):
@@ -206,7 +206,7 @@ def latent_ring_attention(
 ):
     """MLA's CP ring: queries [B, N, L, Dn + R] (roped), latents [B, L, C + R] (normalized c, roped
     shared rope key), ``w`` = ``kv_b_proj.weight`` [N (Dn + Dv), C] -> output [B, N, L, Dv]. The
-    block kernel follows ``primitives/dispatch.py`` (CUDA bf16/fp16: varlen flash steps) unless
+    block kernel follows ``primitives/kernel_choice.py`` (CUDA bf16/fp16: varlen flash steps) unless
     given; ``save_expanded`` keeps every hop's expansion for backward (measurement only)."""
     if (
         kernel is None

@@ -30,8 +30,8 @@ from torch import nn
 
 from bumblebee.primitives import emulation, init
 from bumblebee.primitives.cp.layout import CPLayout
-from bumblebee.primitives.dispatch import select
 from bumblebee.primitives.fused import fused
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.linear_attention.conv import CausalConv1d
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
 from bumblebee.primitives.linear_attention.tree import gated_delta_net_tree

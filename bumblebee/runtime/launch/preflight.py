@@ -16,7 +16,7 @@ import torch
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError
 from bumblebee.data.synthetic import KEYS, min_doc_len
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.runtime.launch.outdir import check_out_dir
 from bumblebee.runtime.resolve import check_run
 

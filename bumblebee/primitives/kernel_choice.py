@@ -1,4 +1,4 @@
-"""Kernel dispatch: which kernel an implementation runs, from (device, dtype, package present).
+"""Kernel choice: which kernel an implementation runs, from (device, dtype, package present).
 
 A slot implementation chosen in config (``attention = "varlen"``) names an algorithm; the
 kernel that executes it depends on where it runs. This table says which, so the same
@@ -62,7 +62,7 @@ from bumblebee.primitives import emulation
 
 HALF = (torch.bfloat16, torch.float16)
 
-# (device, fla) the dispatch answers for inside ``assume``; None: the caller's device
+# (device, fla) the kernel choice answers for inside ``assume``; None: the caller's device
 _ASSUMED = contextvars.ContextVar("bumblebee_assumed_device", default=None)
 
 
