@@ -172,7 +172,7 @@ def _prims(p: PrimitivesConfig) -> PrimitivesConfig:
     return dataclasses.replace(
         p,
         attention="varlen",
-        cp="ring",
+        cp_attention="ring",
         linear_attention="chunked",
         experts="grouped",
         recompute_modules=modules,
