@@ -131,7 +131,8 @@ class CausalLM(RoutingProtocol, nn.Module):
             chunk_weights=prims.moe_chunk_weights,
         )
         self.recompute = registry.get("recompute", prims.recompute).factory(prims.recompute_modules)
-        self.loss_fn = registry.get("loss", prims.loss).factory
+        # the loss slot (LM head + CE); not an RL `loss_fn`, which scores policy inputs
+        self.head_loss = registry.get("loss", prims.loss).factory
         # one attention core for the whole model: the CP implementation when the sequence is split
         attend = (
             registry.get("cp_attention", prims.cp_attention)
@@ -456,7 +457,7 @@ class CausalLM(RoutingProtocol, nn.Module):
         # (Each [T, H] view above is taken where its hidden state is made, so the backward adds
         # the gradient contributions of a hidden state in the order it did with a head call per
         # depth: bit-identical sums.)
-        sums = self.apply_head(summed_losses, hidden, labels, self.loss_fn)
+        sums = self.apply_head(summed_losses, hidden, labels, self.head_loss)
         loss_sum = sums[0]
         terms = LossTerms(
             loss_sum,

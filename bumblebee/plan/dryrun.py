@@ -400,7 +400,7 @@ def _instrument(model, run: FakeRun, layers, progress=None) -> None:
         mlp = getattr(layer, "mlp", None)
         if mlp is not None and hasattr(mlp, "dispatch"):
             mlp.dispatch = _Scoped(mlp.dispatch, run, "moe")
-    model.loss_fn = _Scoped(model.loss_fn, run, "loss")
+    model.head_loss = _Scoped(model.head_loss, run, "loss")
     if model.model.norm is not None:  # the final norm's output belongs to the loss moment
         model.model.norm.register_forward_pre_hook(
             lambda mod, args: setattr(run, "label", f"fwd{run.mb}:head")
