@@ -328,17 +328,17 @@ def case_ring(ck: Check, N, K, D, cp: int):
     source block in ring order, the LSE merge in place, backward_step with the final O and LSE;
     the shards put back in global order against full attention in fp32."""
     from bumblebee.primitives.attention.sdpa import sdpa_masked
-    from bumblebee.primitives.cp.layout import (
-        CPLayout,
-        shard_sequence,
-        unshard_sequence,
-        zigzag_index,
-    )
     from bumblebee.primitives.cp.ring_flash import (
         _flat,
         backward_step,
         cuda_block_kernel,
         forward_step,
+    )
+    from bumblebee.primitives.cp.zigzag import (
+        CPShards,
+        shard_sequence,
+        unshard_sequence,
+        zigzag_index,
     )
     from bumblebee.primitives.packed import doc_layout
 
@@ -353,7 +353,7 @@ def case_ring(ck: Check, N, K, D, cp: int):
     scale = D**-0.5
     shard = lambda x, r: _flat(shard_sequence(x.transpose(1, 2), cp, r).transpose(1, 2))  # noqa: E731
     lays = [
-        CPLayout(None, cp, r, T, docs.doc_ids(dev), zigzag_index(T, cp, r, dev), docs)
+        CPShards(None, cp, r, T, docs.doc_ids(dev), zigzag_index(T, cp, r, dev), docs)
         for r in range(cp)
     ]
     qs, ks, vs, dos = ([shard(x, r) for r in range(cp)] for x in (q, k, v, do))
@@ -1043,8 +1043,8 @@ def _multirank(rank, world, use_cuda: bool, shapes):
     all-to-all; returns what rank 0 compares with a one-rank run."""
     import torch.distributed as dist
 
-    from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
     from bumblebee.primitives.cp.ring_flash import ring_flash_attention
+    from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence
     from bumblebee.primitives.emulation import emulate_cuda
     from bumblebee.primitives.moe.alltoall import AllToAll
 
@@ -1059,7 +1059,7 @@ def _multirank(rank, world, use_cuda: bool, shapes):
     shard = lambda x: shard_sequence(x.transpose(1, 2), world, rank).transpose(1, 2).contiguous()  # noqa: E731
     ctx = contextlib.nullcontext() if use_cuda else emulate_cuda(check_comm=False)
     with ctx:
-        layout = build_cp_layout(shard_sequence(pos, world, rank), dist.group.WORLD)
+        layout = build_cp_shards(shard_sequence(pos, world, rank), dist.group.WORLD)
         xs = [shard(x).requires_grad_() for x in (q, k, v)]
         o = ring_flash_attention(*xs, layout, D**-0.5)
         o.backward(shard(do))
@@ -1080,7 +1080,7 @@ def section_multirank(ck: Check, out: dict):
     from dist_utils import run_distributed
 
     from bumblebee.primitives.attention.sdpa import sdpa_varlen
-    from bumblebee.primitives.cp.layout import shard_sequence
+    from bumblebee.primitives.cp.zigzag import shard_sequence
     from bumblebee.primitives.packed import doc_layout
 
     world = 2

@@ -40,7 +40,7 @@ from bumblebee.models.head import LMHead, check_token_ids, summed_losses
 from bumblebee.models.kv_cache import KVCache, cache_aware
 from bumblebee.models.routing import RoutingProtocol
 from bumblebee.primitives import init
-from bumblebee.primitives.cp.layout import build_cp_layout
+from bumblebee.primitives.cp.zigzag import build_cp_shards
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.packed import default_position_ids, doc_layout
@@ -321,7 +321,7 @@ class CausalLM(RoutingProtocol, nn.Module):
         document layout (the CP layout when the sequence is split)."""
         cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
         layout = (
-            build_cp_layout(position_ids_BT, cp_group)
+            build_cp_shards(position_ids_BT, cp_group)
             if cp_group is not None
             else doc_layout(position_ids_BT)
         )

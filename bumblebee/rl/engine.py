@@ -50,7 +50,7 @@ import torch.distributed as dist
 from bumblebee.config import Config, ConfigError
 from bumblebee.models import resolve_arch
 from bumblebee.models.head import check_token_ids
-from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
+from bumblebee.primitives.cp.zigzag import shard_sequence, unshard_sequence
 from bumblebee.primitives.moe.replay import RoutingScope
 from bumblebee.primitives.packed import assume_documents
 from bumblebee.primitives.prefix_tree import tree_layout

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from bumblebee.data import Batch
 from bumblebee.data.packing import IGNORE
-from bumblebee.primitives.cp.layout import shard_sequence
+from bumblebee.primitives.cp.zigzag import shard_sequence
 from bumblebee.primitives.loss.linear_ce import default_tiles
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.data import Batch
-from bumblebee.primitives.cp.layout import shard_sequence
+from bumblebee.primitives.cp.zigzag import shard_sequence
 from bumblebee.primitives.moe import balance
 from bumblebee.primitives.moe.balance import split_stats
 from bumblebee.runtime.nonfinite import check_finite

@@ -11,7 +11,7 @@ from dist_utils import run_distributed
 from torch.distributed.tensor import DTensor
 
 from bumblebee import load_config
-from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence, zigzag_index
+from bumblebee.primitives.cp.zigzag import shard_sequence, unshard_sequence, zigzag_index
 from bumblebee.runtime.trainer import Trainer
 
 T = 256

@@ -13,10 +13,10 @@ from dist_utils import run_distributed
 
 from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
 from bumblebee.primitives.attention.sdpa import sdpa_masked
-from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
 from bumblebee.primitives.cp.ring import ring_attention
 from bumblebee.primitives.cp.ring_flash import reference_block_kernel
 from bumblebee.primitives.cp.ring_latent import latent_ring_attention
+from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence
 from bumblebee.primitives.packed import doc_layout
 from bumblebee.primitives.recompute import NoRecompute
 from bumblebee.primitives.rope import rope_cos_sin
@@ -70,7 +70,7 @@ def _ranks(rank, world):
     x, g = inputs()
     pos = positions()
     shard = lambda t: shard_sequence(t, world, rank)  # noqa: E731
-    layout = build_cp_layout(shard(pos), dist.group.WORLD)
+    layout = build_cp_shards(shard(pos), dist.group.WORLD)
     sent = []
     real_p2p = dist.P2POp
 

@@ -22,8 +22,8 @@ import torch
 
 from bumblebee.primitives.attention.options import merge_sinks, sink_grad
 from bumblebee.primitives.attention.sdpa import sdpa_masked, sdpa_varlen
-from bumblebee.primitives.cp.layout import CPLayout, zigzag_index
 from bumblebee.primitives.cp.ring import backward_block, forward_block, needed_steps
+from bumblebee.primitives.cp.zigzag import CPShards, zigzag_index
 from bumblebee.primitives.packed import doc_layout
 
 B, N, K, D = 2, 4, 2, 8
@@ -89,7 +89,7 @@ def ring_emulated(q, k, v, sinks, pos, C, window, run_all=False):
     docs = doc_layout(pos)
     for r in range(C):
         idx = zigzag_index(T, C, r)
-        layouts.append(CPLayout(None, C, r, T, docs.doc_ids("cpu"), idx, docs))
+        layouts.append(CPShards(None, C, r, T, docs.doc_ids("cpu"), idx, docs))
     G = N // K
     local = [lay.index_L for lay in layouts]
     qs = [q.detach()[:, :, i].reshape(B, K, G, -1, D) for i in local]
@@ -252,7 +252,7 @@ def test_window_ring_on_four_ranks_exchanges_only_needed_blocks(monkeypatch):
 
     def rank(r):
         idx = zigzag_index(T, C, r)
-        layout = CPLayout(None, C, r, T, docs.doc_ids("cpu"), idx, docs)
+        layout = CPShards(None, C, r, T, docs.doc_ids("cpu"), idx, docs)
         local = [t.detach()[:, :, idx].requires_grad_() for t in (q, k, v)]
         s = sinks.detach().clone().requires_grad_()
         out = ring.ring_attention(*local, layout, 0.3, window=W, sinks=s)

@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring import backward_block, forward_block
 from bumblebee.primitives.cp.ring_comm import backward_hop, ring_pass
 from bumblebee.primitives.cp.ring_flash import (
@@ -44,6 +43,7 @@ from bumblebee.primitives.cp.ring_flash import (
     cuda_block_kernel,
     forward_step,
 )
+from bumblebee.primitives.cp.zigzag import CPShards
 from bumblebee.primitives.kernel_choice import select
 
 
@@ -64,7 +64,7 @@ class LatentRingAttention(torch.autograd.Function):
         q_BNLD,
         lat_BLX,
         w,
-        layout: CPLayout,
+        layout: CPShards,
         scale: float,
         v_dim: int,
         kernel: BlockKernel | None,
@@ -197,7 +197,7 @@ def latent_ring_attention(
     q_BNLD,
     lat_BLX,
     w,
-    layout: CPLayout,
+    layout: CPShards,
     scale: float,
     v_dim: int,
     *,
