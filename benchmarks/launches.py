@@ -6,7 +6,7 @@
 
 Two parts:
 
-- ``layers``: before (``dispatch.unfused()``: eager glue, the conv's channel blocks, as CUDA ran
+- ``layers``: before (``kernel_choice.unfused()``: eager glue, the conv's channel blocks, as CUDA ran
   them before) and after (the fused paths); kernels counted as kernels in both. One
   emulated-CUDA training step (``train.emulate_cuda``, 2 gloo ranks, tiny
   presets with the families' layer patterns: Qwen3.5-35B-A3B cp2, Qwen3-30B-A3B ep2 chunked,
