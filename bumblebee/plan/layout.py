@@ -15,8 +15,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from bumblebee import registry
-from bumblebee.config import ConfigError, PrimitivesConfig, parse_override
+from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.config_aliases import canonical
+from bumblebee.config_parse import parse_override
 from bumblebee.plan.spec import ModelSpec
 from bumblebee.primitives import loss as _loss  # noqa: F401  (registers the losses, their costs)
 from bumblebee.primitives import sharding as _sharding  # noqa: F401  (and the shardings)

@@ -20,7 +20,8 @@ from typing import get_type_hints
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from bumblebee.config import ConfigError, parse_override, read_toml
+from bumblebee.config import ConfigError
+from bumblebee.config_parse import parse_override, read_toml
 from bumblebee.console import SetOverride
 from bumblebee.report import plot_rewards, pyplot
 from bumblebee.rl.run import RLConfig

@@ -34,8 +34,9 @@ from typing import IO
 import torch
 import torch.distributed as dist
 
-from bumblebee.config import Config, ConfigError, LoraConfig, dump_toml
+from bumblebee.config import Config, ConfigError, LoraConfig
 from bumblebee.config_checks import check_int_range
+from bumblebee.config_parse import dump_toml
 from bumblebee.models import build_model
 from bumblebee.rl.engine import Engine, check_temperature
 from bumblebee.rl.losses import (

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from bumblebee import registry
-from bumblebee.config import Config, ConfigError, dump_toml, eval_interval
+from bumblebee.config import Config, ConfigError, eval_interval
+from bumblebee.config_parse import dump_toml
 from bumblebee.data import build_source
 from bumblebee.data.packing import Batch
 from bumblebee.models import build_model, materialize, resolve_arch

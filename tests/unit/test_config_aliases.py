@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from bumblebee import config_aliases
-from bumblebee.config import ConfigError, dump_toml, parse_config
+from bumblebee.config import ConfigError
+from bumblebee.config_parse import dump_toml, parse_config
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,7 @@ LAYER_OF = {
     "config": "core",
     "config_checks": "core",
     "config_aliases": "core",
+    "config_parse": "core",
     "console": "core",
     "registry": "core",
     "errors": "core",

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from bumblebee.config import PrimitivesConfig, dump_toml, tomllib
+from bumblebee.config import PrimitivesConfig
+from bumblebee.config_parse import dump_toml, tomllib
 from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
@@ -424,7 +425,8 @@ class Checkpointer:
 def saved_lora(path: str):
     """The ``model.lora`` (a ``LoraConfig``) of the run that wrote checkpoint ``path``, from the
     config.toml saved in it; None without adapters (or without a readable config)."""
-    from bumblebee.config import LoraConfig, _coerce, tomllib
+    from bumblebee.config import LoraConfig
+    from bumblebee.config_parse import coerce, tomllib
 
     try:
         with open(os.path.join(path, "config.toml"), "rb") as f:
@@ -433,7 +435,7 @@ def saved_lora(path: str):
         return None
     if not isinstance(table, dict) or not table.get("rank"):
         return None
-    return _coerce(table, LoraConfig, f"{path}/config.toml: model.lora")
+    return coerce(table, LoraConfig, f"{path}/config.toml: model.lora")
 
 
 def load_model(path: str) -> torch.nn.Module:

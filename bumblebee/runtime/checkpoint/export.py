@@ -29,7 +29,8 @@ import sys
 import torch
 
 import bumblebee.outputs as outputs
-from bumblebee.config import PrimitivesConfig, tomllib
+from bumblebee.config import PrimitivesConfig
+from bumblebee.config_parse import tomllib
 from bumblebee.console import Progress
 from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model

@@ -43,8 +43,9 @@ import sys
 from typing import IO, Any
 
 from bumblebee import registry
-from bumblebee.config import Config, ConfigError, parse_override, validate
+from bumblebee.config import Config, ConfigError, validate
 from bumblebee.config_aliases import canonical_key
+from bumblebee.config_parse import parse_override
 from bumblebee.runtime.metrics import strict
 from bumblebee.runtime.resolve import load_config, validate_run
 
