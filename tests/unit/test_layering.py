@@ -34,6 +34,7 @@ LAYER_OF = {
     "errors": "core",
     "report": "core",
     "report_inputs": "core",
+    "report_panels": "core",
     "outputs": "core",
     "__init__": "api",
     "primitives": "primitives",
