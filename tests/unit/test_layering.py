@@ -45,6 +45,7 @@ LAYER_OF = {
     "rl": "rl",
     "plan": "plan",
     "cli": "cli",
+    "commands": "cli",
     "__main__": "cli",
     "integrations": "integrations",
 }
