@@ -24,7 +24,7 @@ from bumblebee.config import ConfigError
 from bumblebee.config_parse import parse_override, read_toml
 from bumblebee.console import SetOverride
 from bumblebee.report import plot_rewards, pyplot
-from bumblebee.rl.run import RLConfig
+from bumblebee.rl.rl_config import RLConfig
 from bumblebee.rl.run import run as run_rl
 from bumblebee.runtime.resolve import load_config
 
