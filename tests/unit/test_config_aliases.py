@@ -106,3 +106,14 @@ def test_pair_takes_the_old_slot_name(capsys):
     assert (a.primitives.cp_attention, b.primitives.cp_attention) == ("allgather", "ring")
     assert args.slot == "cp_attention"
     assert len(notes(capsys.readouterr().err)) == 1
+
+
+def test_train_command_notes_the_old_spelling(capsys):
+    from bumblebee.cli import main
+
+    # a bad step count stops the command before any model is built; the note came first
+    code = main(["train", "--set", "train.balance=global_batch", "--set", "train.steps=-1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "train.steps" in err
+    (line,) = notes(err)
+    assert "train.balance = 'step'" in line
