@@ -24,7 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from bumblebee import registry
 from bumblebee.perf.memory import MemoryTracker
-from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
+from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence
 from bumblebee.primitives.packed import doc_layout
 
 HEADS, KV_HEADS, DIM, DOC = 4, 2, 64, 8192
@@ -71,9 +71,11 @@ def worker(seqs, impls):
         q, k, v = (
             shard_sequence(x.transpose(1, 2), C, r).transpose(1, 2).contiguous() for x in (q, k, v)
         )
-        layout = build_cp_layout(shard_sequence(pos, C, r), dist.group.WORLD)
+        layout = build_cp_shards(shard_sequence(pos, C, r), dist.group.WORLD)
         for impl in impls:
-            out[(seq, impl)] = timed(registry.get("cp", impl).factory, q, k, v, layout, DIM**-0.5)
+            out[(seq, impl)] = timed(
+                registry.get("cp_attention", impl).factory, q, k, v, layout, DIM**-0.5
+            )
     dist.destroy_process_group()
     return out
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bumblebee.primitives.attention.sparse_mla import SparseLatentAttention
-from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
+from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence
 from bumblebee.primitives.recompute import NoRecompute
 from bumblebee.primitives.rope import rope_cos_sin
 
@@ -57,7 +57,7 @@ def rank_main(rank, cp, seq, path, queue):
         recompute=NoRecompute(),
     ).to(torch.bfloat16)  # fmt: skip
     pos = torch.arange(seq)[None]
-    layout = build_cp_layout(shard_sequence(pos, cp, rank), dist.group.WORLD)
+    layout = build_cp_shards(shard_sequence(pos, cp, rank), dist.group.WORLD)
     x = shard_sequence(torch.randn(1, seq, HIDDEN), cp, rank).to(torch.bfloat16)
     x.requires_grad_()
     cos, sin = rope_cos_sin(shard_sequence(pos, cp, rank), R, 10000.0, torch.bfloat16)

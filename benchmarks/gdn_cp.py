@@ -39,7 +39,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives.cp.allgather import GatherSequence
-from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
+from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
 from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_chunked
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
@@ -142,7 +142,7 @@ def worker(seqs, impls, mixer):
     for seq in seqs:
         x, pos = inputs(seq)
         x, pos_local = shard_sequence(x, C, r).contiguous(), shard_sequence(pos, C, r)
-        layout, docs = build_cp_layout(pos_local, dist.group.WORLD), doc_layout(pos)
+        layout, docs = build_cp_shards(pos_local, dist.group.WORLD), doc_layout(pos)
         w = torch.ones_like(x)
         fns = {
             "gather": lambda t: gather_everything(layer, t, layout, docs),

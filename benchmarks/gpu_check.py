@@ -237,7 +237,7 @@ def _status(cases) -> str:
 
 # ----------------------------------------------------------------------------- 1. environment
 def section_env(ck: Check, out: dict):
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import kernel_choice
 
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -262,7 +262,7 @@ def section_env(ck: Check, out: dict):
             env[mod] = __import__(mod).__version__
         except Exception as e:  # absent (fla travels as a wheel) or broken
             env[mod] = f"absent ({one_line(e)})"
-    env["fla_present"] = dispatch.package_present("fla")
+    env["fla_present"] = kernel_choice.package_present("fla")
     if ck.cuda:
         props = torch.cuda.get_device_properties(0)
         env["sm"] = f"{props.major}.{props.minor}"
@@ -328,17 +328,17 @@ def case_ring(ck: Check, N, K, D, cp: int):
     source block in ring order, the LSE merge in place, backward_step with the final O and LSE;
     the shards put back in global order against full attention in fp32."""
     from bumblebee.primitives.attention.sdpa import sdpa_masked
-    from bumblebee.primitives.cp.layout import (
-        CPLayout,
-        shard_sequence,
-        unshard_sequence,
-        zigzag_index,
-    )
     from bumblebee.primitives.cp.ring_flash import (
         _flat,
         backward_step,
         cuda_block_kernel,
         forward_step,
+    )
+    from bumblebee.primitives.cp.zigzag import (
+        CPShards,
+        shard_sequence,
+        unshard_sequence,
+        zigzag_index,
     )
     from bumblebee.primitives.packed import doc_layout
 
@@ -353,7 +353,7 @@ def case_ring(ck: Check, N, K, D, cp: int):
     scale = D**-0.5
     shard = lambda x, r: _flat(shard_sequence(x.transpose(1, 2), cp, r).transpose(1, 2))  # noqa: E731
     lays = [
-        CPLayout(None, cp, r, T, docs.doc_ids(dev), zigzag_index(T, cp, r, dev), docs)
+        CPShards(None, cp, r, T, docs.doc_ids(dev), zigzag_index(T, cp, r, dev), docs)
         for r in range(cp)
     ]
     qs, ks, vs, dos = ([shard(x, r) for r in range(cp)] for x in (q, k, v, do))
@@ -427,12 +427,12 @@ def case_gdn(ck: Check):
     """``fla_gated_delta_rule`` (the custom op over FLA; per-document states: each row's carried
     state in, its last document's state out, middle documents without) against the chunked
     PyTorch path in fp32."""
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import kernel_choice
     from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
     from bumblebee.primitives.linear_attention.gated_delta_rule import _chunked
     from bumblebee.primitives.packed import doc_layout
 
-    if ck.cuda and not dispatch.package_present("fla"):
+    if ck.cuda and not kernel_choice.package_present("fla"):
         return {"status": "skipped: fla not installed (see benchmarks/README.md, the wheel line)"}
     rows = doc_rows(ck)
     B, T = len(rows), sum(rows[0])
@@ -466,11 +466,11 @@ def case_conv(ck: Check):
     from cu_seqlens, the carried window as the first document's state, SiLU fused) in bf16
     against the channel-blocks path (``causal_conv1d`` + SiLU) in fp32: y, final window, and the
     x / weight / window gradients."""
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import kernel_choice
     from bumblebee.primitives.linear_attention.conv import causal_conv1d, fla_causal_conv1d
     from bumblebee.primitives.packed import doc_layout
 
-    if ck.cuda and not dispatch.package_present("fla"):
+    if ck.cuda and not kernel_choice.package_present("fla"):
         return {"status": "skipped: fla not installed (see benchmarks/README.md, the wheel line)"}
     rows = doc_rows(ck)
     B, T = len(rows), sum(rows[0])
@@ -769,7 +769,7 @@ def speed_attention(ck: Check):
 
 
 def speed_gdn(ck: Check):
-    from bumblebee.primitives import dispatch
+    from bumblebee.primitives import kernel_choice
     from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
     from bumblebee.primitives.linear_attention.gated_delta_rule import _chunked
     from bumblebee.primitives.packed import DocLayout
@@ -784,7 +784,7 @@ def speed_gdn(ck: Check):
     dout = torch.randn(1, T, H, V, device="cuda", dtype=torch.bfloat16)
     flops = 3 * T * 2.0 * H * (3 * K * V + 2 * 64 * (K + V))  # the planner's count, fwd+bwd
     impls = [("torch chunked (64)", fwd_bwd(lambda *a: _chunked(*a, None, lay, 64), xs, dout))]
-    if dispatch.package_present("fla"):
+    if kernel_choice.package_present("fla"):
         impls.insert(
             0,
             (
@@ -1043,8 +1043,8 @@ def _multirank(rank, world, use_cuda: bool, shapes):
     all-to-all; returns what rank 0 compares with a one-rank run."""
     import torch.distributed as dist
 
-    from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
     from bumblebee.primitives.cp.ring_flash import ring_flash_attention
+    from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence
     from bumblebee.primitives.emulation import emulate_cuda
     from bumblebee.primitives.moe.alltoall import AllToAll
 
@@ -1059,7 +1059,7 @@ def _multirank(rank, world, use_cuda: bool, shapes):
     shard = lambda x: shard_sequence(x.transpose(1, 2), world, rank).transpose(1, 2).contiguous()  # noqa: E731
     ctx = contextlib.nullcontext() if use_cuda else emulate_cuda(check_comm=False)
     with ctx:
-        layout = build_cp_layout(shard_sequence(pos, world, rank), dist.group.WORLD)
+        layout = build_cp_shards(shard_sequence(pos, world, rank), dist.group.WORLD)
         xs = [shard(x).requires_grad_() for x in (q, k, v)]
         o = ring_flash_attention(*xs, layout, D**-0.5)
         o.backward(shard(do))
@@ -1080,7 +1080,7 @@ def section_multirank(ck: Check, out: dict):
     from dist_utils import run_distributed
 
     from bumblebee.primitives.attention.sdpa import sdpa_varlen
-    from bumblebee.primitives.cp.layout import shard_sequence
+    from bumblebee.primitives.cp.zigzag import shard_sequence
     from bumblebee.primitives.packed import doc_layout
 
     world = 2

@@ -2,7 +2,7 @@
 same micro-batch, ``train.grad_accum = "sharded"`` (reduce-scatter every micro-batch, the
 default) vs ``"unsharded"`` (sync on the last micro-batch only, the old behaviour), under both
 balance-loss modes: ``train.balance = "micro_batch"`` (forward + backward per micro-batch) and
-``"global_batch"`` (the default: every micro-batch's forward first, then every backward, so
+``"step"`` (the default: every micro-batch's forward first, then every backward, so
 every micro-batch's graph, under full recompute its layer inputs, lives until the backwards:
 accumulation then grows memory by design, as one larger micro-batch would).
 
@@ -154,8 +154,8 @@ def main() -> None:
     p.add_argument(
         "--balance",
         nargs="+",
-        default=["micro_batch", "global_batch"],
-        choices=("micro_batch", "global_batch"),
+        default=["micro_batch", "step"],
+        choices=("micro_batch", "step"),
     )
     p.add_argument(
         "--modes", nargs="+", default=["sharded", "unsharded"], choices=("sharded", "unsharded")

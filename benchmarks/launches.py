@@ -6,7 +6,7 @@
 
 Two parts:
 
-- ``layers``: before (``dispatch.unfused()``: eager glue, the conv's channel blocks, as CUDA ran
+- ``layers``: before (``kernel_choice.unfused()``: eager glue, the conv's channel blocks, as CUDA ran
   them before) and after (the fused paths); kernels counted as kernels in both. One
   emulated-CUDA training step (``train.emulate_cuda``, 2 gloo ranks, tiny
   presets with the families' layer patterns: Qwen3.5-35B-A3B cp2, Qwen3-30B-A3B ep2 chunked,
@@ -17,7 +17,7 @@ Two parts:
   real width) and on the documents per row only through the references (now in regions).
 - ``mixers``: Qwen3.5-35B-A3B's two token mixers (Gated DeltaNet through FLA's op, gated
   attention through ``varlen_attn``) at the real widths, forward + backward, on fake meta
-  tensors (``benchmarks/rehearsal.py``), no recompute. Before: the glue as the CPU dispatch runs
+  tensors (``benchmarks/rehearsal.py``), no recompute. Before: the glue as the CPU kernel choice runs
   it (eager norms, RoPE, the conv's channel blocks x taps, the gated norm's token blocks), i.e.
   CUDA before this change; after: the CUDA dispatch under the emulated-CUDA mode (compiled glue,
   FLA's conv), every kernel counted as the kernels it stands for.
@@ -40,8 +40,8 @@ def _rank(rank, world, sets, out_dir, before):
     """One counted step (after a first, uncounted one) -> (launches, syncs, micro-batches)."""
     from bumblebee import load_config
     from bumblebee.perf.syncs import SyncCounter
-    from bumblebee.primitives.dispatch import unfused
     from bumblebee.primitives.emulation import emulate_cuda
+    from bumblebee.primitives.kernel_choice import unfused
     from bumblebee.runtime.trainer import Trainer
 
     cfg = load_config(

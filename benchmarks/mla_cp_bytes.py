@@ -5,7 +5,7 @@ Part 1 (bytes): one MLA layer at a preset's attention dims (default DeepSeek-V3:
 rope / nope / value dims; the hidden size is shrunk, it does not enter what the ring sends), bf16
 autocast as in training, on ``--cp`` gloo ranks, forward + backward. Every tensor handed to
 ``isend`` by the ring (``dist.P2POp``) is counted; the totals are divided by the hops and by the
-rank's tokens. Two designs: ``latent`` (``cp = "ring"``: normalized kv latent + roped rope key
+rank's tokens. Two designs: ``latent`` (``cp_attention = "ring"``: normalized kv latent + roped rope key
 per hop, re-expanded by every rank, ``primitives/cp/ring_latent.py``) and ``expanded`` (the same
 layer with ``cp_latents = ""``: per-head K and V through the generic ``ring`` core, v padded to
 the qk head dim).
@@ -35,9 +35,9 @@ from bumblebee.models import arch_from_hf_dict
 from bumblebee.models.presets import preset
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
-from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
 from bumblebee.primitives.cp.ring import ring_attention
 from bumblebee.primitives.cp.ring_latent import latent_ring_attention
+from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence
 from bumblebee.primitives.recompute import NoRecompute
 from bumblebee.primitives.rope import rope_cos_sin
 
@@ -69,7 +69,7 @@ class Counter:
 def bytes_per_hop(a, cp: int, tokens: int) -> dict:
     r = dist.get_rank()
     pos = shard_sequence(torch.arange(tokens)[None], cp, r)
-    layout = build_cp_layout(pos, dist.group.WORLD)
+    layout = build_cp_shards(pos, dist.group.WORLD)
     cos, sin = rope_cos_sin(
         pos, a.qk_rope_head_dim, a.rope_theta, torch.bfloat16
     )  # as under autocast
@@ -124,7 +124,7 @@ def timed(design, seq: int, cp: int) -> tuple[float, int]:
     lat = torch.randn(1, L, s["kv_lora_rank"] + s["rope"], generator=g)
     w = torch.randn(s["heads"] * (s["nope"] + s["v_dim"]), s["kv_lora_rank"], generator=g) * 0.05
     pos = shard_sequence((torch.arange(seq) % 1024)[None], cp, r)  # packed 1K-token documents
-    layout = build_cp_layout(pos, dist.group.WORLD)
+    layout = build_cp_shards(pos, dist.group.WORLD)
     best, peak = float("inf"), 0
     for i in range(3):
         leaves = [t.clone().requires_grad_() for t in (q, lat, w)]

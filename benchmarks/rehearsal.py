@@ -4,7 +4,7 @@ through the kernels the CUDA dispatch would pick, on a machine without a GPU.
 Under ``FakeTensorMode`` tensors carry shape, dtype and device but no data, so a layer at
 2 x 16K tokens x 2048 hidden costs milliseconds. On a CPU-only torch build autograd on fake
 ``cuda`` tensors aborts (the device guard needs CUDA), so the rehearsal runs on fake ``meta``
-tensors and is *told* which kernels CUDA would run (``primitives/dispatch.py`` with
+tensors and is *told* which kernels CUDA would run (``primitives/kernel_choice.py`` with
 device "cuda"): the attention core is ``varlen_attn`` (its flash ops have fake kernels) and
 the Gated DeltaNet core FLA's chunk kernel through the ``bumblebee::fla_gdn`` custom op
 (``register_fake`` / ``register_autograd``); the chunked PyTorch core can be rehearsed too.
@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives.attention.flash import flash_varlen
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
 from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_chunked
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
@@ -42,7 +42,7 @@ from bumblebee.primitives.rope import rope_cos_sin
 @dataclass(frozen=True)
 class Rehearsal:
     mixer: str  # "gdn" | "attention"
-    kernel: str  # the dispatch's kernel label
+    kernel: str  # the kernel choice's label
     rows: int
     tokens: int
     saved_bytes: int
@@ -109,7 +109,7 @@ def rehearse(
     counter=None,
 ) -> Rehearsal:
     """Forward + backward of one ``mixer`` layer of ``arch`` (a Qwen3.5 arch) on fake tensors.
-    ``kernel``: force a kernel name; default: what the dispatch picks on CUDA for ``dtype``.
+    ``kernel``: force a kernel name; default: what the kernel choice picks on CUDA for ``dtype``.
     ``counter``: a ``perf.syncs.SyncCounter`` entered around forward + backward (inside the fake
     mode, which answers ops without passing them on)."""
     slot, impl = ("linear_attention", "chunked") if mixer == "gdn" else ("attention", "varlen")

@@ -25,7 +25,7 @@ from dist_utils import run_distributed  # noqa: E402
 from bumblebee import load_config  # noqa: E402
 from bumblebee.perf.memory import MemoryTracker  # noqa: E402
 from bumblebee.rl.engine import Engine  # noqa: E402
-from bumblebee.rl.weights import BroadcastTransport  # noqa: E402
+from bumblebee.rl.transport import BroadcastTransport  # noqa: E402
 
 
 def _ranks(rank, world, overrides, modes):

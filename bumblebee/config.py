@@ -1,8 +1,8 @@
-"""Typed run configuration: TOML in, ``--set section.key=value`` overrides, value checks.
+"""Typed run configuration: the sections of a run and their defaults, value checks.
 
-A run is described by six sections (model, parallel, primitives, train, data, moe),
-each a keyword-only dataclass. ``parse_config`` merges defaults, a TOML file and
-command-line overrides, then ``validate`` (config_checks.py) checks every value on its own (types,
+A run is described by seven sections (model, parallel, primitives, train, data, moe, mtp),
+each a keyword-only dataclass. ``parse_config`` (config_parse.py) merges defaults, a TOML file
+and command-line overrides, then ``validate`` (config_checks.py) checks every value on its own (types,
 ranges, files), so that bad input fails in milliseconds with one line that says what
 is wrong and what would be valid. This module is part of the core and imports no
 model or primitive: what needs them (the architecture, the registered primitives,
@@ -13,21 +13,9 @@ the layout at a world size) is checked by ``runtime/resolve.py``, and
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import os
-import sys
-import types
 from dataclasses import dataclass, field
-from typing import Any, Union, get_args, get_origin, get_type_hints
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 from bumblebee.config_checks import (
-    check_filled,
     validate,  # noqa: F401  (re-exported: ``from bumblebee.config import validate``)
 )
 from bumblebee.errors import ConfigError  # noqa: F401  (re-exported: ``from bumblebee.config import ConfigError``)
@@ -69,7 +57,8 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class PrimitivesConfig:
     attention: str = "varlen"
-    cp: str = "ring"
+    # the attention core under context parallelism (the degree is parallel.cp)
+    cp_attention: str = "ring"
     linear_attention: str = "chunked"
     # how context parallelism carries the Gated DeltaNet state: "scan" (all ranks at once, affine scan
     # with a [v | 0_K] state probe) | "relay" (rank to rank through the core's initial state, no probe)
@@ -161,9 +150,9 @@ class TrainConfig:
         600.0  # every process group: a rank that hangs ends the job after this
     )
     on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: "stop" the run | "skip" the update
-    # balance loss (weight: model.arch.router_aux_loss_coef): "global_batch" (expert frequencies over the
-    # whole global batch; keeps every micro-batch's graph until the backwards) | "micro_batch" (per
-    # micro-batch) | "hf" (transformers' aux_loss) | "auto": global_batch at pp = 1, micro_batch with pp > 1
+    # balance loss (weight: model.arch.router_aux_loss_coef): "step" (expert frequencies over the whole
+    # optimizer step; keeps every micro-batch's graph until the backwards) | "micro_batch" (per
+    # micro-batch) | "hf" (transformers' aux_loss) | "auto": step at pp = 1, micro_batch with pp > 1
     balance: str = "auto"
 
 
@@ -239,190 +228,17 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-_SECTION_TYPES = get_type_hints(Config)
-
-
-# ----------------------------------------------------------------------------------------------
-# loading and overriding
-
-
-def _suggest(word: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(word, valid, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return f"{hint}; valid: {', '.join(valid)}"
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Check/convert one value against a field's type hint."""
-    origin = get_origin(hint)
-    if origin is Union or origin is types.UnionType:  # Union[a, b] and a | b
-        errors = []
-        for arm in get_args(hint):
-            try:
-                return _coerce(value, arm, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(
-            f"{where}: {value!r} is not valid ({' or '.join(a.__name__ for a in get_args(hint))})"
-        )
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    if hint is list or origin is list:
-        if isinstance(value, list):
-            return value
-        raise ConfigError(f"{where}: expected a list, got {value!r}")
-    if hint is dict or origin is dict:
-        if isinstance(value, dict):
-            return value
-        raise ConfigError(f"{where}: expected a table, got {value!r}")
-    if dataclasses.is_dataclass(hint):  # a nested table (model.lora)
-        if isinstance(value, hint):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table, got {value!r}")
-        hints = get_type_hints(hint)
-        out = hint()
-        for key, v in value.items():
-            if key not in hints:
-                raise ConfigError(f"{where}: unknown key {key!r}{_suggest(key, list(hints))}")
-            setattr(out, key, _coerce(v, hints[key], f"{where}.{key}"))
-        return out
-    raise AssertionError(f"unhandled type hint {hint} for {where}")
-
-
-def _apply(cfg: Config, data: dict, source: str) -> None:
-    for section, values in data.items():
-        if section not in SECTIONS:
-            raise ConfigError(
-                f"{source}: unknown section [{section}]{_suggest(section, list(SECTIONS))}"
-            )
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: [{section}] must be a table")
-        obj = getattr(cfg, section)
-        hints = get_type_hints(type(obj))
-        for key, value in values.items():
-            if key not in hints:
-                raise ConfigError(
-                    f"{source}: unknown key {section}.{key}{_suggest(key, list(hints))}"
-                )
-            setattr(obj, key, _coerce(value, hints[key], f"{source}: {section}.{key}"))
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``section.key=value`` -> (["section", "key"], value). Values are TOML literals;
-    a bare word that is not a TOML literal is taken as a string (``--set model.preset=tiny``)."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected section.key=value")
-    key, raw = item.split("=", 1)
-    path = key.strip().split(".")
-    if len(path) < 2 or not all(path):
-        raise ConfigError(f"--set {item!r}: expected section.key=value")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return path, value
-
-
-def read_toml(path: str) -> dict:
-    """A TOML file as a dict; a missing or malformed file is a one-line ConfigError."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        kind = " (UTF-16: save it as UTF-8)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise ConfigError(
-            f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}){kind}; TOML files are UTF-8"
-        ) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: malformed TOML: {e}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: malformed TOML: nested too deeply") from None
-
-
-def parse_config(
-    path: str | None = None, overrides: list[str] | None = None, check: bool = True
-) -> Config:
-    """Defaults <- TOML file <- ``--set`` overrides, then ``validate`` unless ``check`` is
-    false (values only; see ``bumblebee.load_config`` for the full check)."""
-    cfg = Config()
-    data = read_toml(path) if path else {}
-    check_filled(data, path, overrides or [])
-    if path:
-        _apply(cfg, data, path)
-    dtype_given = isinstance(data.get("train"), dict) and "dtype" in data["train"]
-    for item in overrides or []:
-        keys, value = parse_override(item)
-        if len(keys) > 2 and keys[0] == "model" and keys[1] == "arch":
-            cfg.model.arch = {**cfg.model.arch, ".".join(keys[2:]): value}
-            continue
-        if len(keys) == 3 and keys[:2] == ["model", "lora"]:  # one key of the nested table
-            lora = dataclasses.asdict(cfg.model.lora)
-            _apply(cfg, {"model": {"lora": {**lora, keys[2]: value}}}, "--set")
-            continue
-        if len(keys) != 2:
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
-        _apply(cfg, {keys[0]: {keys[1]: value}}, "--set")
-        dtype_given = dtype_given or keys == ["train", "dtype"]
-    if not dtype_given and cfg.model.preset != "tiny" and not cfg.model.hf_path:
-        cfg.train.dtype = (
-            "bfloat16"  # real-size presets: bf16 compute (the grouped expert GEMM), fp32 masters
-        )
-    if check:
-        validate(cfg)
-    return cfg
-
-
-def dump_toml(cfg: Config) -> str:
-    """The resolved config as TOML (written next to every run's metrics)."""
-    lines = []
-    for section, values in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if isinstance(value, dict):
-                inner = ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items())
-                lines.append(f"{key} = {{{inner}}}")
-            else:
-                lines.append(f"{key} = {json.dumps(value)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------------------------
 # helpers the runtime reads
 
 
 def balance_mode(cfg: Config, pp: int) -> str:
-    """The balance-loss definition a run computes: ``train.balance``, where "auto" is "global_batch"
+    """The balance-loss definition a run computes: ``train.balance``, where "auto" is "step"
     (needs every micro-batch's router counts before the first backward) unless a pipeline schedule
     (pp > 1), which backs micro-batches up one by one, makes that impossible: then "micro_batch"."""
     if cfg.train.balance != "auto":
         return cfg.train.balance
-    return "micro_batch" if pp > 1 else "global_batch"
+    return "micro_batch" if pp > 1 else "step"
 
 
 def eval_interval(cfg: Config) -> int:

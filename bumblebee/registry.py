@@ -23,7 +23,7 @@ from bumblebee.errors import ConfigError
 # slot -> one-line description; the order is the order `bumblebee primitives` prints.
 SLOTS: dict[str, str] = {
     "attention": "causal attention core over packed documents (q, k, v -> o)",
-    "cp": "context-parallel attention across ranks",
+    "cp_attention": "context-parallel attention across ranks",
     "linear_attention": "Gated DeltaNet linear attention",
     "router": "token -> top-k experts and weights",
     "experts": "expert FFN over tokens grouped by expert",

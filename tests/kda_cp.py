@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from family_layouts import run
 
-from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence, unshard_sequence
+from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence, unshard_sequence
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
 from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_chunked
 from bumblebee.primitives.linear_attention.kda import KimiDeltaAttention
@@ -33,7 +33,7 @@ BASE = [
 ]
 STEPS = 2
 REF = ["primitives.sharding=none", "primitives.moe_comm=local"]
-CP4 = ["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=allgather"]
+CP4 = ["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp_attention=allgather"]
 
 
 def reference(data, out_dir):
@@ -58,7 +58,7 @@ def layer_and_inputs():
 
 def layer_cp(rank, world):
     layer, x, w, pos = layer_and_inputs()
-    layout = build_cp_layout(shard_sequence(pos, world, rank), torch.distributed.group.WORLD)
+    layout = build_cp_shards(shard_sequence(pos, world, rank), torch.distributed.group.WORLD)
     x_local = shard_sequence(x, world, rank).clone().requires_grad_()
     y = gated_delta_net_cp(layer, x_local, layout)
     (y * shard_sequence(w, world, rank)).sum().backward()

@@ -117,7 +117,7 @@ def run(args, stream=None) -> int:
 
         if args.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-        from bumblebee.config import parse_override
+        from bumblebee.config_parse import parse_override
 
         kwargs = {}
         for item in args.template_kwarg:

@@ -34,7 +34,7 @@ from bumblebee.models.kv_cache import CachedDecoding, cache_aware
 from bumblebee.models.placement import Placement
 from bumblebee.models.routing import RoutingProtocol
 from bumblebee.models.weights import WeightInit
-from bumblebee.primitives.cp.layout import build_cp_layout
+from bumblebee.primitives.cp.zigzag import build_cp_shards
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.packed import default_position_ids, doc_layout
 from bumblebee.primitives.parallel import ParallelGroups
@@ -60,8 +60,7 @@ class LossTerms:
 
     loss_sum: torch.Tensor  # summed token losses over the valid labels of this micro-batch
     num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
-    # load-balancing loss of the asked definition (0 if none, or "global_batch")
-    aux_loss: torch.Tensor
+    aux_loss: torch.Tensor  # load-balancing loss of the asked definition (0 if none, or "step")
     router_stats: torch.Tensor | None = (
         None  # [L, 2E + 2] per MoE layer (primitives/moe/balance.py)
     )
@@ -76,7 +75,7 @@ class LayerParts:
     """What a family's decoder layer is built from (resolved once per model)."""
 
     prims: object  # the [primitives] section
-    attend: object  # attention core: the attention slot, or the cp slot when the sequence is split
+    attend: object  # attention core: the attention slot, or the cp_attention slot when the sequence is split
     dispatch: object  # moe_comm: token dispatch/combine around the experts
     recompute: object  # recompute policy
     groups: ParallelGroups
@@ -114,10 +113,11 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
             chunk_weights=prims.moe_chunk_weights,
         )
         self.recompute = registry.get("recompute", prims.recompute).factory(prims.recompute_modules)
-        self.loss_fn = registry.get("loss", prims.loss).factory
+        # the loss slot (LM head + CE); not an RL `loss_fn`, which scores policy inputs
+        self.head_loss = registry.get("loss", prims.loss).factory
         # one attention core for the whole model: the CP implementation when the sequence is split
         attend = (
-            registry.get("cp", prims.cp)
+            registry.get("cp_attention", prims.cp_attention)
             if groups.cp_size > 1
             else registry.get("attention", prims.attention)
         )
@@ -206,7 +206,7 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
         document layout (the CP layout when the sequence is split)."""
         cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
         layout = (
-            build_cp_layout(position_ids_BT, cp_group)
+            build_cp_shards(position_ids_BT, cp_group)
             if cp_group is not None
             else doc_layout(position_ids_BT)
         )
@@ -312,7 +312,7 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
         routing=None,
     ) -> LossTerms:
         """The summed token loss through the loss primitive (``stage``: the last pipeline stage), the
-        balance loss of definition ``balance`` (``micro_batch`` | ``hf``; ``global_batch``: 0 here,
+        balance loss of definition ``balance`` (``micro_batch`` | ``hf``; ``step``: 0 here,
         the step builds it from ``router_stats`` over the whole batch) and the router stats.
         ``routing``: a ``RoutingScope`` (replay given experts / record the chosen ones; the MTP
         layers are neither replayed nor recorded). With MTP trained, its weighted loss is added to
@@ -342,7 +342,7 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
         # (Each [T, H] view above is taken where its hidden state is made, so the backward adds
         # the gradient contributions of a hidden state in the order it did with a head call per
         # depth: bit-identical sums.)
-        sums = self.apply_head(summed_losses, hidden, labels, self.loss_fn)
+        sums = self.apply_head(summed_losses, hidden, labels, self.head_loss)
         loss_sum = sums[0]
         terms = LossTerms(
             loss_sum,
@@ -360,7 +360,7 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
                 rows = torch.stack(mtp_stats)
                 terms.router_stats = rows if stats_LS is None else torch.cat([stats_LS, rows])
                 layers = self.main_moe_layers + len(mtp_stats)
-        if balance != "global_batch":
+        if balance != "step":
             terms.aux_loss = self.balance_loss(terms.router_stats, balance, layers)
         return terms
 

@@ -35,10 +35,10 @@ class LMHead(nn.Linear):
         return fn(hidden, self.weight, *args, **kwargs)
 
 
-def summed_losses(hidden_list, weight_VH, labels_list, loss_fn):
+def summed_losses(hidden_list, weight_VH, labels_list, head_loss):
     """One summed token loss per (hidden [T, H], labels [T]) pair, all with one head weight."""
     return [
-        loss_fn(h_TH, weight_VH, labels_T, reduction="sum")
+        head_loss(h_TH, weight_VH, labels_T, reduction="sum")
         for h_TH, labels_T in zip(hidden_list, labels_list)
     ]
 

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import torch
 
-from bumblebee.primitives.cp.layout import CPLayout, unshard_sequence
+from bumblebee.primitives.cp.zigzag import CPShards, unshard_sequence
 
 
 def _global(x_BT: torch.Tensor, layout) -> torch.Tensor:
     """The whole row of an integer [B, Tl] tensor (all-gathered over the CP group)."""
-    if not isinstance(layout, CPLayout):
+    if not isinstance(layout, CPShards):
         return x_BT
     import torch.distributed as dist
 
@@ -57,7 +57,7 @@ def shift_global(x_BT, layout, k: int, fill: int):
     """``x`` of position i+k for this rank's positions i (the row all-gathered under CP), ``fill``
     where i+k is in another document or past the row."""
     device = x_BT.device
-    if isinstance(layout, CPLayout):
+    if isinstance(layout, CPShards):
         doc_BT, index = layout.doc_BT, layout.index_L
     else:
         doc_BT, index = layout.doc_ids(device), torch.arange(x_BT.shape[1], device=device)

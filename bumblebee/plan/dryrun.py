@@ -11,7 +11,7 @@ says needs most (``world / pp * stage``):
   exchange, the Gated DeltaNet CP scan (halo, transition all-gather), the MoE dispatch
   (``alltoall`` / ``chunked``) with its count exchange and uneven all-to-alls, recompute,
   and the loss;
-- the kernels CUDA would run (``dispatch.assume("cuda", fla=True)``: ``varlen_attn``, FLA's
+- the kernels CUDA would run (``kernel_choice.assume("cuda", fla=True)``: ``varlen_attn``, FLA's
   chunk kernel through its fake op, ``_grouped_mm``, the linear CE's CUDA tiles), on fake CPU
   tensors (a CPU build cannot record autograd on fake CUDA tensors);
 - 1F1B's steady state: ``min(pp - s, m)`` micro-batch forwards kept in flight, then the
@@ -172,7 +172,7 @@ def _prims(p: PrimitivesConfig) -> PrimitivesConfig:
     return dataclasses.replace(
         p,
         attention="varlen",
-        cp="ring",
+        cp_attention="ring",
         linear_attention="chunked",
         experts="grouped",
         recompute_modules=modules,
@@ -185,9 +185,9 @@ def _seams(stack: ExitStack, docs, run: FakeRun) -> None:
     documents stated (fake position ids hold no values), recompute forwards labelled."""
     import torch.nn.attention.varlen  # noqa: F401  (registers the flash ops' fake kernels)
 
-    from bumblebee.primitives import dispatch, packed, recompute
+    from bumblebee.primitives import kernel_choice, packed, recompute
 
-    stack.enter_context(dispatch.assume("cuda", fla=True))
+    stack.enter_context(kernel_choice.assume("cuda", fla=True))
     stack.enter_context(packed.assume_documents(docs))
     stack.enter_context(recompute.observe(lambda: _recompute_scope(run)))
 
@@ -400,7 +400,7 @@ def _instrument(model, run: FakeRun, layers, progress=None) -> None:
         mlp = getattr(layer, "mlp", None)
         if mlp is not None and hasattr(mlp, "dispatch"):
             mlp.dispatch = _Scoped(mlp.dispatch, run, "moe")
-    model.loss_fn = _Scoped(model.loss_fn, run, "loss")
+    model.head_loss = _Scoped(model.head_loss, run, "loss")
     if model.model.norm is not None:  # the final norm's output belongs to the loss moment
         model.model.norm.register_forward_pre_hook(
             lambda mod, args: setattr(run, "label", f"fwd{run.mb}:head")

@@ -1,9 +1,9 @@
-"""Which kernels the plan assumes, from the runtime's kernel dispatch (``primitives/dispatch.py``).
+"""Which kernels the plan assumes, from the runtime's kernel choice (``primitives/kernel_choice.py``).
 
 The planner's efficiencies (``hardware.Efficiency``: ``attn_fwd``/``attn_bwd`` for flash
 attention, fitted to FA3 / TE runs; ``gdn`` for FLA's chunk kernel) and its activation memory
 model fused CUDA kernels: FA3, FLA's chunk kernel and causal conv, the glue compiled.
-This module asks the dispatch what a CUDA bf16 run of the recipe's primitives would run, and
+This module asks the kernel choice what a CUDA bf16 run of the recipe's primitives would run, and
 says so in the plan; when flash-linear-attention is not importable where the plan is made, the
 note says that a run with these packages would fall back to the pure-PyTorch chunked core
 (the planner does not model that fallback's cost: it is launch-bound, ~256 chunk steps per
@@ -13,7 +13,7 @@ note says that a run with these packages would fall back to the pure-PyTorch chu
 from __future__ import annotations
 
 from bumblebee.config import PrimitivesConfig
-from bumblebee.primitives import dispatch
+from bumblebee.primitives import kernel_choice
 
 
 def measured_per_layer(family: str | None) -> tuple:
@@ -27,17 +27,17 @@ def measured_per_layer(family: str | None) -> tuple:
 
 
 def attention_options(spec) -> dict:
-    """The attention options of a ``ModelSpec`` the kernel dispatch asks about (sinks, window)."""
+    """The attention options of a ``ModelSpec`` the kernel choice asks about (sinks, window)."""
     return {"sinks": spec.attn_sinks, "window": any(spec.windows)} if spec is not None else {}
 
 
 def assumed_kernels(
     cp: int, *, fla: bool = True, fa3: bool = True, spec=None
-) -> dict[str, dispatch.Kernel]:
+) -> dict[str, kernel_choice.Kernel]:
     """slot -> Kernel of a CUDA bf16 run with the default primitives at context parallelism ``cp``
     (FA3 and FLA present: the attention efficiencies were fitted to FA3 / TE runs); ``spec``: the
     model, whose attention options (sinks, window) may change the kernel."""
-    return dispatch.kernel_table(
+    return kernel_choice.kernel_table(
         PrimitivesConfig(), "cuda", "bfloat16", cp=cp, fla=fla, fa3=fa3, **attention_options(spec)
     )
 
@@ -49,7 +49,7 @@ def kernels_note(cp: int, has_gdn: bool, family: str | None = None, spec=None) -
     if not has_gdn:
         table.pop("linear_attention")
         table.pop("conv")
-    line = "kernels assumed (CUDA, bf16): " + dispatch.describe(table)
+    line = "kernels assumed (CUDA, bf16): " + kernel_choice.describe(table)
     line += " (activation memory still modelled with the eager glue and conv blocks: conservative)"
     launches, syncs, layout = measured_per_layer(family)
     if launches is not None:
@@ -57,12 +57,12 @@ def kernels_note(cp: int, has_gdn: bool, family: str | None = None, spec=None) -
             f"; measured per layer per micro-batch with these kernels (emulated CUDA, {layout}, "
             f"benchmarks/launches.py): {launches} kernel launches, {syncs:g} host syncs"
         )
-    if has_gdn and not dispatch.package_present("fla"):
+    if has_gdn and not kernel_choice.package_present("fla"):
         line += (
             "; flash-linear-attention is not installed here: a run with these packages would use the "
             "pure-PyTorch chunked GDN core, which this plan does not model (pip install -e '.[gpu]')"
         )
-    if dispatch.flash_impl() != "FA3":
+    if kernel_choice.flash_impl() != "FA3":
         line += (
             "; FA3 is not available here (flash_attn_interface on a Hopper GPU): torch's flash ops "
             "would run FA2, slower than the FA3-class attention efficiencies assumed (not modelled)"
@@ -76,7 +76,7 @@ def assumptions(cp: int, has_gdn: bool, spec=None) -> dict:
     this environment* would execute in pure PyTorch on CUDA (its TFLOPs would be lower than
     predicted: the model does not cost those paths)."""
     table = assumed_kernels(cp, spec=spec)
-    here = dispatch.kernel_table(
+    here = kernel_choice.kernel_table(
         PrimitivesConfig(), "cuda", "bfloat16", cp=cp, **attention_options(spec)
     )  # packages present here
     if not has_gdn:

@@ -15,7 +15,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from bumblebee import registry
-from bumblebee.config import ConfigError, PrimitivesConfig, parse_override
+from bumblebee.config import ConfigError, PrimitivesConfig
+from bumblebee.config_aliases import canonical
+from bumblebee.config_parse import parse_override
 from bumblebee.plan.spec import ModelSpec
 from bumblebee.primitives import loss as _loss  # noqa: F401  (registers the losses, their costs)
 from bumblebee.primitives import sharding as _sharding  # noqa: F401  (and the shardings)
@@ -61,7 +63,7 @@ class Workload:
     seq: int
     global_batch: int
     micro_batch: int = 1
-    # train.balance: "auto" / "global_batch" keep every micro-batch in flight at pp = 1
+    # train.balance: "auto" / "step" keep every micro-batch in flight at pp = 1
     balance: str = "auto"
 
 
@@ -112,7 +114,7 @@ def apply_overrides(prims: PrimitivesConfig, items: list[str]) -> tuple[Primitiv
                 f"--set {item!r}: the planner takes primitives.KEY=VALUE "
                 f"(KEY: {', '.join([*choices, 'moe_chunks'])})"
             )
-        key = keys[1]
+        key, value = canonical("primitives", keys[1], value)
         if key == "moe_chunks":
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"--set {item!r}: moe_chunks must be a positive integer")

@@ -112,10 +112,10 @@ def micro_batches(work: Workload, lay: Layout) -> int:
 
 def in_flight(work: Workload, lay: Layout, stage: int) -> int:
     """Micro-batches whose saved inputs are alive at once on ``stage``: 1F1B's ``min(pp - s, m)``;
-    at pp = 1 the global-batch balance loss (``train.balance`` "auto" or "global_batch") runs every
+    at pp = 1 the step balance loss (``train.balance`` "auto" or "step") runs every
     micro-batch's forward before the first backward (runtime/step.py), so all ``m`` are."""
     m = micro_batches(work, lay)
-    if lay.pp == 1 and work.balance in ("auto", "global_batch"):
+    if lay.pp == 1 and work.balance in ("auto", "step"):
         return m
     return min(lay.pp - stage, m)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-from bumblebee.config import Config, ConfigError, dump_toml, validate
+from bumblebee.config import Config, ConfigError, validate
+from bumblebee.config_parse import dump_toml
 from bumblebee.models import FAMILIES
 
 

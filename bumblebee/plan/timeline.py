@@ -366,7 +366,7 @@ def stage_timeline(
 
         moments: dict[str, MemoryBreakdown] = {}
         saved = min(inflight * t * saved_mb, on_device)
-        # the global-batch balance loss runs every micro-batch's forward, loss included, before the backwards
+        # the step balance loss runs every micro-batch's forward, loss included, before the backwards
         others_loss = (
             (inflight - 1) * t * loss_kept(spec, lay, prims) if last and lay.pp == 1 else 0.0
         )

@@ -3,7 +3,7 @@
 CPU runs never take the branches a GPU run takes (flash varlen attention, the ring of flash
 block calls, FLA's custom op, the chunked-EP side stream, the record_stream of the in-place
 reduce-scatter), so a defect in them stays invisible until the first GPU run. Inside
-``emulate_cuda()`` the kernel dispatch answers as it would on CUDA in half precision (any
+``emulate_cuda()`` the kernel choice answers as it would on CUDA in half precision (any
 dtype: fp32 runs compare with the plain CPU path to fp32 rounding), and each CUDA kernel is
 replaced by the reference of its contract: ``reference_varlen_attn`` for ``varlen_attn``,
 ``reference_block_kernel`` for the ring's flash ops, ``reference_chunk_gated_delta_rule`` inside
@@ -32,7 +32,7 @@ def active() -> bool:
 
 
 def kind(x: torch.Tensor) -> str:
-    """The device kind the dispatch decides on: "cuda" for CUDA tensors and under emulation."""
+    """The device kind the kernel choice decides on: "cuda" for CUDA tensors and under emulation."""
     return "cuda" if x.is_cuda or active() else x.device.type
 
 

@@ -2,7 +2,7 @@
 
 RMSNorm, the gated RMSNorm, SwiGLU's product and RoPE are chains of small eager ops (an fp32
 RMSNorm is cast, square, mean, add, rsqrt, multiply, cast, multiply: 8 launches forward and more
-backward), each a full read and write of the activation. On CUDA (``dispatch.select("glue",
+backward), each a full read and write of the activation. On CUDA (``kernel_choice.select("glue",
 "fused", ...)``) each function here is compiled on its own, as torchtitan compiles per block: a
 fused forward kernel and a fused backward, nothing else of the model traced. Elsewhere the same
 function runs eagerly -- it is the reference, and the CPU path. Under the emulated-CUDA mode it
@@ -20,7 +20,7 @@ import functools
 import torch
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.kernel_region import standin
 
 # launches of one compiled function (inductor): one fused forward kernel; backward one kernel for

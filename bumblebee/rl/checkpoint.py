@@ -13,11 +13,8 @@ import io
 import os
 
 from bumblebee.config import ConfigError
-from bumblebee.runtime.checkpoint.checkpointer import (
-    Checkpointer,
-    checkpoint_root,
-    named_checkpoint,
-)
+from bumblebee.runtime.checkpoint.checkpointer import Checkpointer
+from bumblebee.runtime.checkpoint.directory import checkpoint_root, named_checkpoint
 
 
 class EngineCheckpoints:

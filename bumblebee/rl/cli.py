@@ -20,10 +20,11 @@ from typing import get_type_hints
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from bumblebee.config import ConfigError, parse_override, read_toml
+from bumblebee.config import ConfigError
+from bumblebee.config_parse import parse_override, read_toml
 from bumblebee.console import SetOverride
 from bumblebee.report import plot_rewards, pyplot
-from bumblebee.rl.run import RLConfig
+from bumblebee.rl.rl_config import RLConfig
 from bumblebee.rl.run import run as run_rl
 from bumblebee.runtime.resolve import load_config
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from bumblebee.config import Config, ConfigError
 from bumblebee.models import resolve_arch
 from bumblebee.models.head import check_token_ids
-from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence
+from bumblebee.primitives.cp.zigzag import shard_sequence, unshard_sequence
 from bumblebee.primitives.moe.replay import RoutingScope
 from bumblebee.primitives.packed import assume_documents
 from bumblebee.primitives.prefix_tree import tree_layout
@@ -66,10 +66,10 @@ from bumblebee.rl.batch import (
     trained_tokens,
 )
 from bumblebee.rl.checkpoint import EngineCheckpoints
-from bumblebee.rl.global_batch import GlobalBatchCalls, LogProbs, _all_gather  # noqa: F401 (LogProbs: public)
 from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_totals, token_logprobs
 from bumblebee.rl.offload import Offloader
 from bumblebee.rl.shared_prefix import check_tree_batch
+from bumblebee.rl.split_batch import EngineSplitBatch, LogProbs, _all_gather  # noqa: F401 (LogProbs: public)
 from bumblebee.rl.weights import EngineWeights
 from bumblebee.runtime.optim import build_optimizer, check_lr
 from bumblebee.runtime.resolve import resolve_layout
@@ -124,7 +124,7 @@ def check_temperature(value, name: str = "temperature") -> None:
         )
 
 
-class Engine(GlobalBatchCalls, EngineWeights, EngineAdapters, EngineCheckpoints):
+class Engine(EngineSplitBatch, EngineWeights, EngineAdapters, EngineCheckpoints):
     """The policy under training on this rank's share of the layout ``cfg`` describes.
 
     ``hf_path``: start from a Hugging Face checkpoint (sets ``model.hf_path``; ``model.arch``

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee import registry
-from bumblebee.primitives.cp.layout import shard_sequence
+from bumblebee.primitives.cp.zigzag import shard_sequence
 from bumblebee.rl import microbatch as mbs
 from bumblebee.rl.batch import LOSS_INPUTS
 from bumblebee.rl.losses import PolicyInputs, token_logprobs

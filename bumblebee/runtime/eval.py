@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from bumblebee.data import Batch
 from bumblebee.data.packing import IGNORE
-from bumblebee.primitives.cp.layout import shard_sequence
+from bumblebee.primitives.cp.zigzag import shard_sequence
 from bumblebee.primitives.loss.linear_ce import default_tiles
 
 
@@ -61,15 +61,15 @@ def tiled_argmax(h_NH, w_VH) -> torch.Tensor:
     return out_N
 
 
-def answer_scores(h_TH, w_VH, labels_T, loss_fn) -> torch.Tensor:
+def answer_scores(h_TH, w_VH, labels_T, head_loss) -> torch.Tensor:
     """[T, 2] fp32: (-log p(label), 1 if the argmax is not the label) at scored positions (labels
-    != -100), 0 elsewhere. The head sees the N scored rows only (``loss_fn``: the model's loss
+    != -100), 0 elsewhere. The head sees the N scored rows only (``head_loss``: the model's loss
     primitive, per token)."""
     out_T2 = torch.zeros(labels_T.shape[0], 2, dtype=torch.float32, device=h_TH.device)
     idx_N = (labels_T != IGNORE).nonzero().squeeze(1)
     if idx_N.numel():
         h_NH, lab_N = h_TH[idx_N], labels_T[idx_N]
-        out_T2[idx_N, 0] = loss_fn(h_NH, w_VH, lab_N, reduction="none").float()
+        out_T2[idx_N, 0] = head_loss(h_NH, w_VH, lab_N, reduction="none").float()
         out_T2[idx_N, 1] = (tiled_argmax(h_NH, w_VH) != lab_N).float()
     return out_T2
 
@@ -81,7 +81,7 @@ def answer_head(part, x, position_ids, labels_BT, stage):
         position_ids,
         answer_scores,
         labels_BT.reshape(-1),
-        part.loss_fn,
+        part.head_loss,
         stage=stage,
         return_stats=True,
     )

@@ -26,7 +26,7 @@ stage's balance loss never travels down the pipeline: ``AttachAuxGrad`` gives it
 gradient in the backward of the stage output (as Megatron-LM's MoEAuxLossAutoScaler). FSDP units
 reduce-scatter once, in their stage's last micro-batch backward. The optimizer tail is the step's
 (runtime/step.py), with the gradient norm summed over pp; logged losses cover all ranks. The
-balance loss is the ``micro_batch`` definition (the global-batch one needs every micro-batch's
+balance loss is the ``micro_batch`` definition (the step one needs every micro-batch's
 router statistics before the first backward, which 1F1B schedules never have).
 
 Expert loads. Each stage records its MoE layers' router statistics per micro-batch; ``run``

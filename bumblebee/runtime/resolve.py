@@ -21,8 +21,9 @@ from typing import Any
 
 import bumblebee.primitives  # noqa: F401  (registers every implementation)
 from bumblebee import registry
-from bumblebee.config import Config, ConfigError, balance_mode, parse_config
+from bumblebee.config import Config, ConfigError, balance_mode
 from bumblebee.config_checks import validate
+from bumblebee.config_parse import parse_config
 from bumblebee.errors import gather
 from bumblebee.models import FAMILIES, family_of, resolve_arch
 

@@ -4,7 +4,7 @@
     sums = accumulate(micro_batches, ...)    2. forward + backward per micro-batch; the sharding
                                                 syncs gradients on the last one (fsdp2: on every
                                                 one by default, train.grad_accum)
-       or accumulate_global_balance(...)        train.balance = "global_batch": every forward, one
+       or accumulate_global_balance(...)        train.balance = "step": every forward, one
                                                 all-reduce of the router stats, every backward
     (or the pipeline schedule runs step 2 when pp > 1: runtime/pipeline.py)
     optimizer_tail(...)                      3. reduce -> clip (global norm, pp-aware) -> finite? ->
@@ -18,7 +18,7 @@ averaged (primitives/sharding/common.py). The balance loss is a mean over every
 micro-batch of the global batch: its coefficient is divided by ``balance_denominator``
 (micro-batches x dp ranks x cp ranks; cp ranks hold identical copies of it), for the
 per-micro-batch definitions (``train.balance`` = "micro_batch" | "hf"). The default,
-"global_batch", takes the expert frequencies of every layer over the whole global batch
+"step", takes the expert frequencies of every layer over the whole optimizer step
 (primitives/moe/balance.py): ``accumulate_global_balance`` runs every micro-batch's forward
 first, sums the router stats over micro-batches and over the dp x cp group in one all-reduce,
 then gives each micro-batch its exact share of the global loss and runs the backwards. The
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.data import Batch
-from bumblebee.primitives.cp.layout import shard_sequence
+from bumblebee.primitives.cp.zigzag import shard_sequence
 from bumblebee.primitives.moe import balance
 from bumblebee.primitives.moe.balance import split_stats
 from bumblebee.runtime.nonfinite import check_finite
@@ -152,16 +152,14 @@ def accumulate_global_balance(
     """``accumulate`` with the global-batch balance loss: forward every micro-batch of ``parts``,
     sum their router stats and all-reduce them over ``group`` (the dp x cp ranks: every token of
     the global batch), then backward each micro-batch's token-loss share plus its share of the
-    global balance loss (``balance.global_batch_share``). Returns ``loss_sum`` (this rank's),
+    global balance loss (``balance.step_loss_share``). Returns ``loss_sum`` (this rank's),
     ``aux`` (the global balance loss, identical on every rank), ``router_counts`` (this
     rank's counts [L, E], summed over its micro-batches) and ``router_dropped``."""
     kept = []
     for part in parts:
         with autocast:
             kept.append(
-                model.loss_terms(
-                    part.input_ids, part.labels, part.position_ids, balance="global_batch"
-                )
+                model.loss_terms(part.input_ids, part.labels, part.position_ids, balance="step")
             )
     stats = [t.router_stats for t in kept if t.router_stats is not None]
     loss_sum = sum(t.loss_sum.detach().float() for t in kept)
@@ -176,14 +174,14 @@ def accumulate_global_balance(
         dist.all_reduce(global_LS, group=group)
     for i, t in enumerate(kept):
         sharding.set_grad_sync(i == len(kept) - 1)
-        loss = t.loss_sum / global_tokens + balance_coef * balance.global_batch_share(
+        loss = t.loss_sum / global_tokens + balance_coef * balance.step_loss_share(
             t.router_stats, global_LS
         )
         loss.backward()
     kept.clear()
     return {
         "loss_sum": loss_sum,
-        "aux": balance.global_batch_value(global_LS),
+        "aux": balance.step_loss(global_LS),
         "router_counts": split_stats(local_LS)[0],
         "router_dropped": balance.dropped_pairs(local_LS),
     }

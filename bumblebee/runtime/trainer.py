@@ -23,15 +23,16 @@ import torch
 import torch.distributed as dist
 
 from bumblebee import registry
-from bumblebee.config import Config, ConfigError, dump_toml, eval_interval
+from bumblebee.config import Config, ConfigError, eval_interval
+from bumblebee.config_parse import dump_toml
 from bumblebee.data import build_source
 from bumblebee.data.packing import Batch
 from bumblebee.models import build_model, materialize, resolve_arch
 from bumblebee.perf.flops import Throughput, device_peak
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives import emulation
-from bumblebee.primitives.dispatch import describe as describe_kernels
-from bumblebee.primitives.dispatch import kernel_table
+from bumblebee.primitives.kernel_choice import describe as describe_kernels
+from bumblebee.primitives.kernel_choice import kernel_table
 from bumblebee.primitives.moe.balance import load_summary
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.runtime.checkpoint.checkpointer import Checkpointer
@@ -301,7 +302,7 @@ class Trainer:
             )  # counts: this rank's layers
         else:
             coef, parts = self.model.arch.router_aux_loss_coef, micro_batches(local, t.micro_batch)
-            if self.plan.balance == "global_batch":
+            if self.plan.balance == "step":
                 sums = accumulate_global_balance(
                     parts,
                     self.sharding,

@@ -1,4 +1,4 @@
-"""``train.balance = "global_batch"`` does not depend on layout or micro-batching: one process
+"""``train.balance = "step"`` does not depend on layout or micro-batching: one process
 with accumulation 4 (and with one micro-batch of 4 sequences), 2 ranks (dp = 2; dp = 1 x
 cp = 2, accumulation 4) and 4 ranks (dp = 4 x ep = 2, accumulation 1) give the same loss, balance
 loss and grad norm per step,
@@ -77,9 +77,7 @@ def check(got, ref, what):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    refs = {
-        r: run(SINGLE + extra + ["train.balance=global_batch"], out) for r, extra in ROUTERS.items()
-    }
+    refs = {r: run(SINGLE + extra + ["train.balance=step"], out) for r, extra in ROUTERS.items()}
     return refs | {r: run(SINGLE + extra, out) for r, extra in MICRO.items()}
 
 

@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from bumblebee import load_config
 from bumblebee.models.hf import hf_state_dict
 from bumblebee.primitives.sharding.common import full_named_parameters
-from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint, read_marker
+from bumblebee.runtime.checkpoint.directory import find_checkpoint, read_marker
 from bumblebee.runtime.checkpoint.export import export_checkpoint
 from bumblebee.runtime.launch.launcher import init_distributed, launch_local
 from bumblebee.runtime.trainer import Trainer

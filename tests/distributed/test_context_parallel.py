@@ -11,7 +11,7 @@ from dist_utils import run_distributed
 from torch.distributed.tensor import DTensor
 
 from bumblebee import load_config
-from bumblebee.primitives.cp.layout import shard_sequence, unshard_sequence, zigzag_index
+from bumblebee.primitives.cp.zigzag import shard_sequence, unshard_sequence, zigzag_index
 from bumblebee.runtime.trainer import Trainer
 
 T = 256
@@ -108,19 +108,27 @@ def test_zigzag_roundtrip_and_balance():
 
 
 TWO = [
-    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
-    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
-    (["parallel.cp=2", "parallel.ep=2", "primitives.sharding=fsdp2", "primitives.cp=ring"], 5),
+    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp_attention=allgather"], 1),
+    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp_attention=ring"], 1),
+    (
+        [
+            "parallel.cp=2",
+            "parallel.ep=2",
+            "primitives.sharding=fsdp2",
+            "primitives.cp_attention=ring",
+        ],
+        5,
+    ),
 ]
 FOUR = [
-    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
-    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
+    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp_attention=allgather"], 1),
+    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp_attention=ring"], 1),
     (
         [
             "parallel.cp=2",
             "parallel.ep=4",
             "primitives.sharding=fsdp2",
-            "primitives.cp=ring",
+            "primitives.cp_attention=ring",
             "primitives.loss=linear_ce",
             "primitives.recompute=full",
         ],

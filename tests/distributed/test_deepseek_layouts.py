@@ -186,7 +186,7 @@ TWO = [
         [
             "parallel.cp=2",
             "primitives.sharding=fsdp2",
-            "primitives.cp=ring",
+            "primitives.cp_attention=ring",
             "primitives.recompute=full",
         ],
     ),
@@ -196,7 +196,7 @@ TWO = [
             "parallel.cp=2",
             "parallel.ep=2",
             "primitives.sharding=fsdp2",
-            "primitives.cp=allgather",
+            "primitives.cp_attention=allgather",
             "primitives.moe_comm=chunked",
             "primitives.loss=linear_ce",
             "primitives.recompute=full",
@@ -211,19 +211,19 @@ FOUR = [
             "parallel.cp=2",
             "parallel.ep=4",
             "primitives.sharding=fsdp2",
-            "primitives.cp=allgather",
+            "primitives.cp_attention=allgather",
             "primitives.moe_comm=chunked",
             "primitives.recompute=full",
         ],
     ),
-    ("mtp", ["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=ring"]),
+    ("mtp", ["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp_attention=ring"]),
     (
         "mb",
         PP
         + [
             "parallel.cp=2",
             "primitives.sharding=zero1",
-            "primitives.cp=ring",
+            "primitives.cp_attention=ring",
             "primitives.loss=linear_ce",
         ],
     ),
@@ -283,7 +283,7 @@ def test_pipeline_needs_the_micro_batch_balance_loss():
             "parallel.pp=2",
             "data.source='synthetic'",
             "train.seq_len=256",
-            "train.balance='global_batch'",
+            "train.balance='step'",
         ],
     )
     with pytest.raises(

@@ -66,7 +66,7 @@ COMMON = [
 CASES = {
     "qwen3_5 cp2 ring mb1": (
         QWEN3_5,
-        ["parallel.cp=2", "primitives.cp='ring'", "train.micro_batch=1"],
+        ["parallel.cp=2", "primitives.cp_attention='ring'", "train.micro_batch=1"],
     ),
     "qwen3_5 ep2 chunked mb2": (
         QWEN3_5,
@@ -77,14 +77,14 @@ CASES = {
         [
             "parallel.cp=2",
             "parallel.ep=2",
-            "primitives.cp='ring'",
+            "primitives.cp_attention='ring'",
             "primitives.moe_comm='chunked'",
             "train.micro_batch=1",
         ],
     ),
     "deepseek cp2 ring mtp mb1": (
         DSV3,
-        ["parallel.cp=2", "primitives.cp='ring'", "train.micro_batch=1"],
+        ["parallel.cp=2", "primitives.cp_attention='ring'", "train.micro_batch=1"],
     ),
     "qwen3 pp2 mb1": (
         QWEN3,
@@ -97,7 +97,12 @@ CASES = {
     ),
     "qwen3_5 cp2 ring bf16": (
         QWEN3_5,
-        ["parallel.cp=2", "primitives.cp='ring'", "train.micro_batch=1", "train.dtype='bfloat16'"],
+        [
+            "parallel.cp=2",
+            "primitives.cp_attention='ring'",
+            "train.micro_batch=1",
+            "train.dtype='bfloat16'",
+        ],
     ),
 }
 

@@ -25,12 +25,12 @@ import torch
 from dist_utils import run_distributed
 
 from bumblebee import load_config
-from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence, unshard_sequence
 from bumblebee.primitives.cp.relayout import (
     contiguous_to_zigzag,
     moved_fraction,
     zigzag_to_contiguous,
 )
+from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence, unshard_sequence
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
 from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_chunked
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
@@ -71,7 +71,7 @@ def layer_reference():
 
 def layer_cp(rank, world, relayout):
     layer, x, w, pos = layer_and_inputs()
-    layout = build_cp_layout(shard_sequence(pos, world, rank), torch.distributed.group.WORLD)
+    layout = build_cp_shards(shard_sequence(pos, world, rank), torch.distributed.group.WORLD)
     x_local = shard_sequence(x, world, rank).clone().requires_grad_()
     y = gated_delta_net_cp(layer, x_local, layout, relayout=relayout)
     (y * shard_sequence(w, world, rank)).sum().backward()
@@ -80,7 +80,7 @@ def layer_cp(rank, world, relayout):
 
 def relayout_and_errors(rank, world):
     pos = torch.arange(8 * world).view(1, -1)  # chunks of 4 tokens
-    layout = build_cp_layout(shard_sequence(pos, world, rank), torch.distributed.group.WORLD)
+    layout = build_cp_shards(shard_sequence(pos, world, rank), torch.distributed.group.WORLD)
     x = shard_sequence(pos, world, rank)
     contiguous = zigzag_to_contiguous(x, layout)
     assert contiguous.flatten().tolist() == list(range(rank * 8, (rank + 1) * 8))
@@ -88,7 +88,7 @@ def relayout_and_errors(rank, world):
     # segments shorter than the conv window (2 tokens < kernel - 1 = 3) are refused, on every rank
     layer = layer_and_inputs()[0]
     pos = torch.arange(4 * world).view(1, -1)
-    layout = build_cp_layout(shard_sequence(pos, world, rank), torch.distributed.group.WORLD)
+    layout = build_cp_shards(shard_sequence(pos, world, rank), torch.distributed.group.WORLD)
     with pytest.raises(ValueError, match="shorter than the conv window"):
         gated_delta_net_cp(layer, torch.zeros(1, 4, 32), layout)
 
@@ -211,13 +211,13 @@ def check_model(result, ref, steps, what):
 
 
 TWO = [
-    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp=ring"], 1),
+    (["parallel.cp=2", "primitives.sharding=zero1", "primitives.cp_attention=ring"], 1),
     # the probe-free relay (cp_relay.py) under full recompute: the recompute re-runs the relay chain
     (
         [
             "parallel.cp=2",
             "primitives.sharding=zero1",
-            "primitives.cp=ring",
+            "primitives.cp_attention=ring",
             "primitives.linear_attention_cp=relay",
             "primitives.recompute=full",
         ],
@@ -225,14 +225,14 @@ TWO = [
     ),
 ]
 FOUR = [
-    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp=allgather"], 1),
+    (["parallel.cp=4", "primitives.sharding=zero1", "primitives.cp_attention=allgather"], 1),
     # the default recipe's linear CE and full recompute (the recompute re-runs the halo and scan)
     (
         [
             "parallel.cp=2",
             "parallel.ep=2",
             "primitives.sharding=fsdp2",
-            "primitives.cp=ring",
+            "primitives.cp_attention=ring",
             "primitives.moe_comm=alltoall",
             "primitives.loss=linear_ce",
             "primitives.recompute=full",

@@ -16,7 +16,7 @@ import torch
 from dist_utils import run_distributed
 from test_gdn_context_parallel import LAYER_DOCS, T_LAYER, layer_and_inputs, one_thread  # noqa: F401
 
-from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence, unshard_sequence
+from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence, unshard_sequence
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
 from bumblebee.primitives.linear_attention.fla import (
     fla_gated_delta_rule,
@@ -51,7 +51,7 @@ def _ranks(rank, world):
     out = []
     for core, carry, relayout in CASES:
         layer, x, w, pos = make(core)
-        layout = build_cp_layout(shard_sequence(pos, world, rank), torch.distributed.group.WORLD)
+        layout = build_cp_shards(shard_sequence(pos, world, rank), torch.distributed.group.WORLD)
         x_local = shard_sequence(x, world, rank).clone().requires_grad_()
         y = gated_delta_net_cp(layer, x_local, layout, relayout=relayout, carry=carry)
         (y * shard_sequence(w, world, rank)).sum().backward()

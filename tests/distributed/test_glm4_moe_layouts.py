@@ -35,7 +35,7 @@ CASES = [
     [
         "parallel.cp=2",
         "primitives.sharding=fsdp2",
-        "primitives.cp=ring",
+        "primitives.cp_attention=ring",
         "primitives.recompute=full",
     ],
     ["parallel.pp=2", "primitives.pipeline=1f1b", "primitives.sharding=fsdp2"],

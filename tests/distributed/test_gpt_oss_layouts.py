@@ -30,7 +30,7 @@ CASES = [
     [
         "parallel.cp=2",
         "primitives.sharding=zero1",
-        "primitives.cp=ring",
+        "primitives.cp_attention=ring",
         "primitives.recompute=full",
     ],  # fmt: skip
     ["parallel.pp=2", "primitives.pipeline=1f1b", "primitives.sharding=fsdp2"],

@@ -17,7 +17,12 @@ from dist_utils import run_distributed
 from family_layouts import check, run, write_data
 from kda_cp import BASE, REF, STEPS, check_cp, check_layer, layer_cp, reference
 
-CP2 = ["parallel.cp=2", "primitives.sharding=fsdp2", "primitives.cp=ring", "primitives.recompute=full"]  # fmt: skip
+CP2 = [
+    "parallel.cp=2",
+    "primitives.sharding=fsdp2",
+    "primitives.cp_attention=ring",
+    "primitives.recompute=full",
+]
 CASES = [
     ["primitives.sharding=fsdp2", "parallel.ep=2", "primitives.moe_comm=alltoall"],
     CP2,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from bumblebee.config import ConfigError
-from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint
+from bumblebee.runtime.checkpoint.directory import find_checkpoint
 from bumblebee.runtime.launch.launcher import init_distributed, launch_local
 
 SMALL = [

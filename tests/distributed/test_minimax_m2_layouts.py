@@ -29,7 +29,7 @@ STEPS = 2
 CASES = [
     ["primitives.sharding=fsdp2", "parallel.ep=2", "primitives.moe_comm=alltoall"],
     ["primitives.sharding=zero1", "parallel.ep=2", "primitives.moe_comm=alltoall"],
-    ["parallel.cp=2", "primitives.sharding=fsdp2", "primitives.cp=ring"],
+    ["parallel.cp=2", "primitives.sharding=fsdp2", "primitives.cp_attention=ring"],
     ["parallel.pp=2", "primitives.pipeline=1f1b", "primitives.sharding=fsdp2"],
 ]
 

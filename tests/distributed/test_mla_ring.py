@@ -1,4 +1,4 @@
-"""MLA's latent ring (``cp = "ring"``: the normalized kv latent + roped rope key travel, every rank
+"""MLA's latent ring (``cp_attention = "ring"``: the normalized kv latent + roped rope key travel, every rank
 re-expands each block with ``kv_b_proj``) equals single-process MLA at cp = 2 and cp = 4 on packed
 documents that cross zigzag chunk borders: the output and every gradient (input, q LoRA path,
 kv_a_proj, kv_a_layernorm, kv_b_proj, o_proj), with and without q LoRA, v narrower than the qk head.
@@ -13,10 +13,10 @@ from dist_utils import run_distributed
 
 from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
 from bumblebee.primitives.attention.sdpa import sdpa_masked
-from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
 from bumblebee.primitives.cp.ring import ring_attention
 from bumblebee.primitives.cp.ring_flash import reference_block_kernel
 from bumblebee.primitives.cp.ring_latent import latent_ring_attention
+from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence
 from bumblebee.primitives.packed import doc_layout
 from bumblebee.primitives.recompute import NoRecompute
 from bumblebee.primitives.rope import rope_cos_sin
@@ -70,7 +70,7 @@ def _ranks(rank, world):
     x, g = inputs()
     pos = positions()
     shard = lambda t: shard_sequence(t, world, rank)  # noqa: E731
-    layout = build_cp_layout(shard(pos), dist.group.WORLD)
+    layout = build_cp_shards(shard(pos), dist.group.WORLD)
     sent = []
     real_p2p = dist.P2POp
 

@@ -12,13 +12,13 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from bumblebee.primitives.cp.allgather import allgather_attention
-from bumblebee.primitives.cp.layout import build_cp_layout, shard_sequence
 from bumblebee.primitives.cp.ring import RingAttention
 from bumblebee.primitives.cp.ring_flash import (
     reference_block_kernel,
     ring_flash_attention,
     step_pairs,
 )
+from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence
 
 T, N, K, D = 48, 4, 2, 8
 DOCS = [[5, 20, 7, 16], [47, 1]]  # per row; pieces cross chunk borders at cp = 2 and 4
@@ -42,7 +42,7 @@ def _inputs():
 def _ranks(rank, world):
     q, k, v, do = _inputs()
     shard = lambda x: shard_sequence(x.transpose(1, 2), world, rank).transpose(1, 2).contiguous()  # noqa: E731
-    layout = build_cp_layout(shard_sequence(positions(), world, rank), dist.group.WORLD)
+    layout = build_cp_shards(shard_sequence(positions(), world, rank), dist.group.WORLD)
     out = {}
     for name, fn in (
         ("allgather", allgather_attention),
@@ -68,7 +68,7 @@ def test_ring_flash_glue_matches_allgather():
 def _autocast_ranks(rank, world):
     q, k, v, _ = _inputs()
     shard = lambda x: shard_sequence(x.transpose(1, 2), world, rank).transpose(1, 2).contiguous()  # noqa: E731
-    layout = build_cp_layout(shard_sequence(positions(), world, rank), dist.group.WORLD)
+    layout = build_cp_shards(shard_sequence(positions(), world, rank), dist.group.WORLD)
     xs = [shard(x).to(torch.bfloat16) for x in (q, k, v)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o_auto = RingAttention.apply(*xs, layout, 0.35)
@@ -91,7 +91,7 @@ def _one_row_ranks(rank, world, checked):
     g = torch.Generator().manual_seed(1)
     pos = torch.cat([torch.arange(n) for n in (9, 30, 9)])[None]
     L = 48 // world
-    layout = build_cp_layout(shard_sequence(pos, world, rank), dist.group.WORLD)
+    layout = build_cp_shards(shard_sequence(pos, world, rank), dist.group.WORLD)
 
     def heads(H):  # [1, L, H, D] -> cat(rotated half, pass half) -> [1, H, L, D], non-contiguous
         x = torch.randn(1, 48, H, D, generator=g)

@@ -29,7 +29,7 @@ from bumblebee import load_config
 from bumblebee.rl.batch import pack_sequences
 from bumblebee.rl.engine import Engine
 from bumblebee.rl.losses import PolicyLoss
-from bumblebee.rl.weights import BroadcastTransport
+from bumblebee.rl.transport import BroadcastTransport
 
 BASE = [
     "model.arch.num_hidden_layers=2",

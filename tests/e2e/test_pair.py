@@ -123,7 +123,10 @@ def test_config_diff_beyond_the_slot_exits_2(capsys):
             ["--slot", "loss", "--a", "ce", "--b", "fast_ce"],
             "unknown loss implementation 'fast_ce'",
         ),
-        (["--slot", "cp", "--a", "allgather", "--b", "ring"], "pass --nproc N with N >= 2"),
+        (
+            ["--slot", "cp_attention", "--a", "allgather", "--b", "ring"],
+            "pass --nproc N with N >= 2",
+        ),
         (
             ["--slot", "loss", "--a", "ce", "--b", "linear_ce", "--set-a", "primitives.loss=ce"],
             "choose the implementation",

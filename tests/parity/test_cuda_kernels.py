@@ -11,7 +11,7 @@ reference's by more than 2x (plus a small floor).
 import pytest
 import torch
 
-from bumblebee.primitives import dispatch
+from bumblebee.primitives import kernel_choice
 from bumblebee.primitives.attention.flash import flash_varlen, reference_varlen_attn
 from bumblebee.primitives.attention.sdpa import sdpa_masked
 from bumblebee.primitives.cp.ring_flash import cuda_block_kernel, reference_block_kernel
@@ -77,7 +77,7 @@ def test_reference_varlen_attn_matches_varlen_attn():
     assert err(a[0], b[0]) < 2e-2 and err(a[1], b[1]) < 1e-3
 
 
-@pytest.mark.skipif(not dispatch.package_present("fla"), reason="needs flash-linear-attention")
+@pytest.mark.skipif(not kernel_choice.package_present("fla"), reason="needs flash-linear-attention")
 def test_fla_chunk_matches_recurrent_within_budget():
     from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
 

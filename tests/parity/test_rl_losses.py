@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
-from bumblebee.primitives.cp.layout import zigzag_index
+from bumblebee.primitives.cp.zigzag import zigzag_index
 from bumblebee.rl.losses import (
     AGGREGATIONS,
     PolicyLoss,

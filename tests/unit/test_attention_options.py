@@ -22,8 +22,8 @@ import torch
 
 from bumblebee.primitives.attention.options import merge_sinks, sink_grad
 from bumblebee.primitives.attention.sdpa import sdpa_masked, sdpa_varlen
-from bumblebee.primitives.cp.layout import CPLayout, zigzag_index
 from bumblebee.primitives.cp.ring import backward_block, forward_block, needed_steps
+from bumblebee.primitives.cp.zigzag import CPShards, zigzag_index
 from bumblebee.primitives.packed import doc_layout
 
 B, N, K, D = 2, 4, 2, 8
@@ -89,7 +89,7 @@ def ring_emulated(q, k, v, sinks, pos, C, window, run_all=False):
     docs = doc_layout(pos)
     for r in range(C):
         idx = zigzag_index(T, C, r)
-        layouts.append(CPLayout(None, C, r, T, docs.doc_ids("cpu"), idx, docs))
+        layouts.append(CPShards(None, C, r, T, docs.doc_ids("cpu"), idx, docs))
     G = N // K
     local = [lay.index_L for lay in layouts]
     qs = [q.detach()[:, :, i].reshape(B, K, G, -1, D) for i in local]
@@ -177,7 +177,7 @@ def test_flash_sink_glue_on_the_reference_kernel(window):
 def test_emulated_cuda_dispatch_runs_the_flash_sink_path():
     """Under the emulated-CUDA mode ``varlen`` with sinks takes the CUDA branch (flash kernels with
     the sink merge, their references counted as the kernels) and still equals HF's maths."""
-    from bumblebee.primitives import dispatch, emulation
+    from bumblebee.primitives import emulation, kernel_choice
     from bumblebee.primitives.attention import flash_sinks
 
     calls = []
@@ -192,7 +192,7 @@ def test_emulated_cuda_dispatch_runs_the_flash_sink_path():
     pos = torch.cat([torch.arange(n) for n in lengths])[None].expand(B, -1)
     with emulation.emulate_cuda(check_comm=False), pytest.MonkeyPatch.context() as mp:
         mp.setattr("bumblebee.primitives.attention.sdpa.flash_varlen_sinks", spy)
-        assert dispatch.select("attention", "varlen", "cuda", torch.bfloat16, sinks=True).fused
+        assert kernel_choice.select("attention", "varlen", "cuda", torch.bfloat16, sinks=True).fused
         out = sdpa_varlen(q, k, v, doc_layout(pos), 0.3, window=5, sinks=sinks)
     assert calls == [5]
     ref = reference(q, k, v, lengths, 5, sinks, 0.3)
@@ -252,7 +252,7 @@ def test_window_ring_on_four_ranks_exchanges_only_needed_blocks(monkeypatch):
 
     def rank(r):
         idx = zigzag_index(T, C, r)
-        layout = CPLayout(None, C, r, T, docs.doc_ids("cpu"), idx, docs)
+        layout = CPShards(None, C, r, T, docs.doc_ids("cpu"), idx, docs)
         local = [t.detach()[:, :, idx].requires_grad_() for t in (q, k, v)]
         s = sinks.detach().clone().requires_grad_()
         out = ring.ring_attention(*local, layout, 0.3, window=W, sinks=s)

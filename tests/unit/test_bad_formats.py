@@ -471,7 +471,8 @@ def test_toml_not_utf8_or_broken(capsys, tmp_path):
     variants. The 6 must fail through ``train --config``; a cut or flip may leave a valid config
     (any config: it is not trained), so those go through ``parse_config``, which must return or
     raise a one-line ConfigError."""
-    from bumblebee.config import ConfigError, parse_config
+    from bumblebee.config import ConfigError
+    from bumblebee.config_parse import parse_config
 
     text = (
         '# a config\n[model]\nname = "qwen3_moe"\n\n[train]\nsteps = 3\nseq_len = 64\nlr = 3e-4\n'

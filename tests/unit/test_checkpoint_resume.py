@@ -17,7 +17,7 @@ from bumblebee import load_config
 from bumblebee.cli import main
 from bumblebee.config import ConfigError
 from bumblebee.models.hf import CheckpointError
-from bumblebee.runtime.checkpoint.checkpointer import MARKER, find_checkpoint, read_marker
+from bumblebee.runtime.checkpoint.directory import MARKER, find_checkpoint, read_marker
 from bumblebee.runtime.checkpoint.integrity import file_checksum
 from bumblebee.runtime.trainer import Trainer
 

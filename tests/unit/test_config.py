@@ -3,7 +3,8 @@
 import pytest
 
 from bumblebee import load_config
-from bumblebee.config import ConfigError, dump_toml, parse_override
+from bumblebee.config import ConfigError
+from bumblebee.config_parse import dump_toml, parse_override
 
 
 def test_defaults_validate():

@@ -29,7 +29,7 @@ def test_the_launch_checks_report_together(capsys, tmp_path):
     """The checks that need the world size (batch split, pipeline), on valid values: a batch
     that does not split and a balance a pipeline cannot give, both at once (the README's
     pipeline example used to fail on them one attempt at a time)."""
-    mistakes = ["train.global_batch=3", "train.micro_batch=2", "train.balance=global_batch"]
+    mistakes = ["train.global_batch=3", "train.micro_batch=2", "train.balance=step"]
     code = main(
         ["train", "--nproc", "2"] + sets(mistakes + ["parallel.pp=2", f"train.out_dir={tmp_path}"])
     )

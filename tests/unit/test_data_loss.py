@@ -20,7 +20,7 @@ import torch
 
 from bumblebee.cli import main
 from bumblebee.models.hf import from_hf
-from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint, read_marker
+from bumblebee.runtime.checkpoint.directory import find_checkpoint, read_marker
 from bumblebee.runtime.launch.outdir import LOCK_NAME, OutDirLock, _start_time
 
 TINY = [

@@ -2,7 +2,7 @@
 exact signatures and semantics (``reference_varlen_attn`` for PyTorch's ``varlen_attn``,
 ``reference_chunk_gated_delta_rule`` for FLA's ``chunk_gated_delta_rule``): packing,
 cu_seqlens from per-document position ids, GQA / GVA head maps, carried states. Plus the
-affine-scan identity CP relies on, through the FLA glue, and the dispatch table."""
+affine-scan identity CP relies on, through the FLA glue, and the kernel table."""
 
 import contextlib
 
@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from bumblebee.config import PrimitivesConfig
-from bumblebee.primitives import dispatch
+from bumblebee.primitives import kernel_choice
 from bumblebee.primitives.attention.flash import flash_varlen, reference_varlen_attn
 from bumblebee.primitives.attention.sdpa import sdpa_masked
 from bumblebee.primitives.linear_attention.fla import (
@@ -105,13 +105,13 @@ def test_fla_custom_op_has_fake_shapes_and_autograd():
 
 
 def test_dispatch_table():
-    sel = dispatch.select
+    sel = kernel_choice.select
     assert sel("attention", "varlen", "cuda", torch.bfloat16).name == "varlen_attn"
     assert sel("attention", "varlen", "cuda", torch.float32).name == "sdpa_per_doc"
     assert sel("attention", "varlen", "cpu", torch.bfloat16).name == "sdpa_per_doc"
     assert sel("attention", "sdpa", "cuda", torch.bfloat16).name == "sdpa"  # references never swap
-    assert sel("cp", "ring", "cuda", "bfloat16").name == "ring_varlen_attn"
-    assert sel("cp", "ring", "cpu", "bfloat16").name == "ring_tiles"
+    assert sel("cp_attention", "ring", "cuda", "bfloat16").name == "ring_varlen_attn"
+    assert sel("cp_attention", "ring", "cpu", "bfloat16").name == "ring_tiles"
     assert sel("linear_attention", "chunked", "cuda", "bfloat16", fla=True).name == "fla_chunk"
     absent = sel("linear_attention", "chunked", "cuda", "bfloat16", fla=False)
     assert absent.name == "torch_chunked" and "fla not installed" in absent.note
@@ -120,18 +120,20 @@ def test_dispatch_table():
     assert sel("conv", "causal", "cpu", "bfloat16", fla=True).name == "conv_blocks"
     assert sel("glue", "fused", "cuda", "float32").name == "compiled"
     assert sel("glue", "fused", "cpu", "bfloat16").name == "eager"
-    with dispatch.unfused():  # the pre-fusion CUDA paths
+    with kernel_choice.unfused():  # the pre-fusion CUDA paths
         assert sel("conv", "causal", "cuda", "bfloat16", fla=True).name == "conv_blocks"
         assert sel("glue", "fused", "cuda", "bfloat16").name == "eager"
     fa3 = sel("attention", "varlen", "cuda", "bfloat16", fa3=True)
     assert fa3.name == "varlen_attn" and "FA3" in fa3.label
-    table = dispatch.kernel_table(PrimitivesConfig(), "cuda", "bfloat16", cp=4, fla=True, fa3=False)
-    assert dispatch.describe(table) == (
-        "attention: varlen_attn (flash, FA2); cp: ring of varlen_attn steps (flash, FA2); "
+    table = kernel_choice.kernel_table(
+        PrimitivesConfig(), "cuda", "bfloat16", cp=4, fla=True, fa3=False
+    )
+    assert kernel_choice.describe(table) == (
+        "attention: varlen_attn (flash, FA2); cp_attention: ring of varlen_attn steps (flash, FA2); "
         "linear_attention: fla chunk_gated_delta_rule; conv: fla causal_conv1d (fused, varlen); "
         "glue: torch.compile per function (inductor)"
     )
-    assert set(dispatch.kernel_table(PrimitivesConfig(), "cpu", "float32")) == {
+    assert set(kernel_choice.kernel_table(PrimitivesConfig(), "cpu", "float32")) == {
         "attention",
         "linear_attention",
         "conv",
@@ -143,14 +145,14 @@ def test_dispatch_table():
     "slot,impl",
     [
         ("attention", "varlen"),
-        ("cp", "ring"),
+        ("cp_attention", "ring"),
         ("linear_attention", "chunked"),
         ("conv", "causal"),
         ("glue", "fused"),
     ],
 )
 def test_dispatch_rows_cover_devices(slot, impl):
-    rows = dispatch.rows(slot, impl)
+    rows = kernel_choice.rows(slot, impl)
     assert {r[0] for r in rows} == {"cuda", "cpu"} and all(r[2] for r in rows)
 
 

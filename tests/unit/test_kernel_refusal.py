@@ -7,7 +7,7 @@ import pytest
 from bumblebee import load_config
 from bumblebee.config import ConfigError
 from bumblebee.models import resolve_arch
-from bumblebee.primitives import dispatch
+from bumblebee.primitives import kernel_choice
 from bumblebee.runtime.launch.preflight import check_kernels
 
 
@@ -16,7 +16,7 @@ def cfg(*sets):
 
 
 @pytest.mark.skipif(
-    dispatch.package_present("fla"), reason="fla is installed: the fused kernel runs"
+    kernel_choice.package_present("fla"), reason="fla is installed: the fused kernel runs"
 )
 def test_cuda_without_fla_refuses_gated_deltanet():
     c = cfg("train.dtype='bfloat16'")

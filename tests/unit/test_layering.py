@@ -27,11 +27,14 @@ PACKAGE = Path(__file__).parents[2] / "bumblebee"
 LAYER_OF = {
     "config": "core",
     "config_checks": "core",
+    "config_aliases": "core",
+    "config_parse": "core",
     "console": "core",
     "registry": "core",
     "errors": "core",
     "report": "core",
     "report_inputs": "core",
+    "report_panels": "core",
     "outputs": "core",
     "__init__": "api",
     "primitives": "primitives",
@@ -42,6 +45,7 @@ LAYER_OF = {
     "rl": "rl",
     "plan": "plan",
     "cli": "cli",
+    "commands": "cli",
     "__main__": "cli",
     "integrations": "integrations",
 }

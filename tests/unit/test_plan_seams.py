@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from bumblebee import registry
-from bumblebee.primitives import dispatch, packed, recompute
+from bumblebee.primitives import kernel_choice, packed, recompute
 from bumblebee.primitives.loss.linear_ce import default_tiles
 from bumblebee.primitives.recompute_scope import in_recompute
 
@@ -22,16 +22,19 @@ def test_no_patched_globals_in_the_package():
 
 def test_assume_changes_the_choice_only_inside():
     cpu = torch.device("cpu")
-    assert dispatch.select("attention", "varlen", "cpu", torch.bfloat16).name == "sdpa_per_doc"
+    assert kernel_choice.select("attention", "varlen", "cpu", torch.bfloat16).name == "sdpa_per_doc"
     assert default_tiles(cpu) == (2048, 4096)
-    with dispatch.assume("cuda", fla=True):
-        assert dispatch.select("attention", "varlen", "cpu", torch.bfloat16).name == "varlen_attn"
+    with kernel_choice.assume("cuda", fla=True):
         assert (
-            dispatch.select("linear_attention", "chunked", "cpu", torch.float32).name == "fla_chunk"
+            kernel_choice.select("attention", "varlen", "cpu", torch.bfloat16).name == "varlen_attn"
+        )
+        assert (
+            kernel_choice.select("linear_attention", "chunked", "cpu", torch.float32).name
+            == "fla_chunk"
         )
         assert default_tiles(cpu) == (2048, 8192)
-    assert dispatch.assumed_device() is None
-    assert dispatch.select("attention", "varlen", "cpu", torch.bfloat16).name == "sdpa_per_doc"
+    assert kernel_choice.assumed_device() is None
+    assert kernel_choice.select("attention", "varlen", "cpu", torch.bfloat16).name == "sdpa_per_doc"
 
 
 def test_assumed_documents():

@@ -18,7 +18,7 @@ from bumblebee.rl.batch import LOSS_INPUTS, pack_sequences, prediction_view, shi
 from bumblebee.rl.cli import configs_from_args
 from bumblebee.rl.engine import Engine
 from bumblebee.rl.losses import PolicyInputs, PolicyLoss
-from bumblebee.rl.run import RLConfig
+from bumblebee.rl.rl_config import RLConfig
 from bumblebee.rl.toy import rollout_batch
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28

@@ -244,8 +244,8 @@ def test_trainer_pipeline_refuses_what_it_cannot_do():
     def check_trainer_pipeline(cfg):  # what the Trainer resolves before building a pipeline
         check_run(cfg, 2)
 
-    with pytest.raises(ConfigError, match="train.balance = 'global_batch' needs every micro-batch"):
-        check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=global_batch"]))
+    with pytest.raises(ConfigError, match="train.balance = 'step' needs every micro-batch"):
+        check_trainer_pipeline(load_config(None, ["parallel.pp=2", "train.balance=step"]))
     check_trainer_pipeline(
         load_config(None, ["parallel.pp=2"])
     )  # "auto": micro_batch under a pipeline
@@ -259,7 +259,7 @@ def test_trainer_pipeline_refuses_what_it_cannot_do():
 
 
 def test_progress_line_and_report_read_the_load():
-    from bumblebee.report import _expert_series
+    from bumblebee.report_panels import expert_series
     from bumblebee.runtime.metrics import MetricsWriter
 
     out = io.StringIO()
@@ -282,5 +282,5 @@ def test_progress_line_and_report_read_the_load():
     w._progress({**rec, "expert_load_max_over_mean": 1.5})
     lines = out.getvalue().splitlines()
     assert "load max/mean 3.2 (layer 1)" in lines[0] and "load max/mean" not in lines[1]
-    title, series = _expert_series([rec])
+    title, series = expert_series([rec])
     assert sorted(series) == ["expert_load_cv", "expert_load_max_over_mean"]

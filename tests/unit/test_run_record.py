@@ -22,7 +22,7 @@ import pytest
 
 from bumblebee import load_config
 from bumblebee.cli import main
-from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint
+from bumblebee.runtime.checkpoint.directory import find_checkpoint
 from bumblebee.runtime.launch.signals import Preempted
 from bumblebee.runtime.trainer import Trainer
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 from data_helpers import make_tokenizer
 
-from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint, read_marker
+from bumblebee.runtime.checkpoint.directory import find_checkpoint, read_marker
 from bumblebee.runtime.launch.outdir import LOCK_NAME
 
 TINY = [

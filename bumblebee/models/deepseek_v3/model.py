@@ -63,8 +63,8 @@ def mla_args(arch: DeepseekV3Arch, parts: LayerParts, eps: float | None = None) 
         rope_interleave=arch.rope_interleave,
         attend=parts.attend,
         recompute=parts.recompute,
-        cp_latents=parts.prims.cp
-        if parts.groups.cp_size > 1 and parts.prims.cp in ("allgather", "ring")
+        cp_latents=parts.prims.cp_attention
+        if parts.groups.cp_size > 1 and parts.prims.cp_attention in ("allgather", "ring")
         else "",
     )
 

@@ -13,7 +13,7 @@ h + MoE(RMSNorm(h)) with
   plus one shared SwiGLU expert scaled by ``sigmoid(shared_expert_gate(x))``.
 
 Context parallelism (``parallel.cp > 1``): the residual stream is zigzag-sharded
-(``primitives/cp/layout.py``) and the layout is a ``CPLayout``. Full attention runs
+(``primitives/cp/zigzag.py``) and the layout is a ``CPShards``. Full attention runs
 the ``cp`` slot (allgather / ring) on it; Gated DeltaNet runs on the same zigzag
 shards with its state carried across ranks by an affine prefix scan
 (``primitives/linear_attention/cp.py``), so no layer converts the residual stream.

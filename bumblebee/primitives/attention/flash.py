@@ -50,7 +50,7 @@ def cuda_varlen_attn():
         return emulated_varlen_attn
     from torch.nn.attention.varlen import varlen_attn
 
-    from bumblebee.primitives.dispatch import use_flash_impl
+    from bumblebee.primitives.kernel_choice import use_flash_impl
 
     use_flash_impl()  # FA3 in torch's dispatcher when present (once)
 

@@ -56,7 +56,7 @@ def cuda_kernel() -> WindowKernel:
                 return ref.backward(*a)
 
         return WindowKernel(fwd_counted, bwd_counted)
-    from bumblebee.primitives.dispatch import use_flash_impl
+    from bumblebee.primitives.kernel_choice import use_flash_impl
 
     use_flash_impl()
 

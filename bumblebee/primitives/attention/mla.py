@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bumblebee.primitives.cp.allgather import GatherSequence, attend_gathered
-from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring_latent import latent_ring_attention
+from bumblebee.primitives.cp.zigzag import CPShards
 from bumblebee.primitives.norms import RMSNorm
 from bumblebee.primitives.rope import apply_rope
 
@@ -124,7 +124,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope, attend = self._rope(k_rope, cos, sin), self.attend
         q = torch.cat((q_nope, self._rope(q_rope, cos, sin)), dim=-1)
         if self.cp_latents == "ring" and isinstance(
-            layout, CPLayout
+            layout, CPShards
         ):  # latent blocks around the ring
             lat = torch.cat((c_kv, k_rope[:, 0]), dim=-1).to(
                 q.dtype
@@ -141,7 +141,7 @@ class MultiHeadLatentAttention(nn.Module):
             )
             return self.o_proj(o_BNTV.transpose(1, 2).reshape(B, T, -1))
         if self.cp_latents == "allgather" and isinstance(
-            layout, CPLayout
+            layout, CPShards
         ):  # the row's latents, global order
             latent = GatherSequence.apply(torch.cat((c_kv[:, None], k_rope), dim=-1), layout)
             c_kv, k_rope = latent[:, 0].split([self.kv_lora_rank, self.rope], dim=-1)

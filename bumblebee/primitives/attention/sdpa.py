@@ -8,7 +8,7 @@ by groups of query heads).
   [B, 1, T, T] boolean mask (causal AND same-document). Obviously correct; the
   mask costs T^2 bytes per row.
 - ``varlen``: on CUDA in bf16/fp16, PyTorch's flash ``varlen_attn`` over all
-  documents at once (``flash.py``; the kernel dispatch, ``primitives/dispatch.py``,
+  documents at once (``flash.py``; the kernel choice, ``primitives/kernel_choice.py``,
   decides). Elsewhere one causal SDPA call per document (or one call for the batch
   when every row is a single document): no mask is built, so it can use the fused
   causal kernels and skips all cross-document blocks; a Python loop over documents
@@ -36,7 +36,7 @@ from bumblebee.primitives.attention.flash import flash_varlen
 from bumblebee.primitives.attention.flash_sinks import flash_varlen_sinks
 from bumblebee.primitives.attention.options import explicit_attention, window_allows
 from bumblebee.primitives.attention.tree import refuse_options, tree_varlen
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.packed import DocLayout
 from bumblebee.primitives.prefix_tree import TreeLayout
 from bumblebee.registry import register

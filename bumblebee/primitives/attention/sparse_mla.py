@@ -34,7 +34,7 @@ from torch import nn
 from bumblebee.primitives.attention.dsa import AddLoss, _up, dsa_blockwise, dsa_reference
 from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
 from bumblebee.primitives.cp.allgather import GatherSequence
-from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.primitives.cp.zigzag import CPShards
 from bumblebee.primitives.packed import DocLayout
 from bumblebee.primitives.rope import apply_rope
 
@@ -101,7 +101,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         self.indexer_kl = None  # last forward's mean indexer KL (detached), for logs and tests
 
     def forward(self, x_BTH, cos, sin, layout):
-        if not isinstance(layout, (CPLayout, DocLayout)):
+        if not isinstance(layout, (CPShards, DocLayout)):
             raise NotImplementedError(
                 "K/V-cache decoding with DeepSeek Sparse Attention (an indexer-key cache) is not built"
             )
@@ -115,7 +115,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         c_kv, k_rope = self.latents(x_BTH)
         lat = torch.cat((c_kv, self._rope(k_rope, cos, sin)[:, 0]), dim=-1)  # [B, T, C + R]
         qi, ki, w = self.indexer(x_BTH, q_resid, cos, sin)
-        if isinstance(layout, CPLayout):  # local queries, the row's keys in global order
+        if isinstance(layout, CPShards):  # local queries, the row's keys in global order
             lat = GatherSequence.apply(lat[:, None], layout)[:, 0]
             ki = GatherSequence.apply(ki[:, None], layout)[:, 0]
             qpos, doc_k, rows = layout.index_L, layout.doc_BT, layout.seq_len

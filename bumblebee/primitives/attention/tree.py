@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import cuda_varlen_attn
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.prefix_tree import TreeLayout, gather_index
 from bumblebee.primitives.recompute import lean
 

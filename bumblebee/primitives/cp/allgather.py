@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.options import explicit_attention, window_allows
-from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.primitives.cp.zigzag import CPShards
 from bumblebee.registry import register
 
 
@@ -33,7 +33,7 @@ class GatherSequence(torch.autograd.Function):
     """[B, K, Tl, D] zigzag shards -> [B, K, T, D] in global order, on every rank."""
 
     @staticmethod
-    def forward(ctx, x_BKLD, layout: CPLayout):
+    def forward(ctx, x_BKLD, layout: CPShards):
         ctx.layout = layout
         x_BKLD = x_BKLD.contiguous()  # and so are the outputs (empty_like keeps a view's strides)
         parts = [torch.empty_like(x_BKLD) for _ in range(layout.size)]
@@ -58,9 +58,14 @@ class GatherSequence(torch.autograd.Function):
         return mine, None
 
 
-@register("cp", "allgather", reference=True, summary="all-gather K/V over the CP group, full mask")
+@register(
+    "cp_attention",
+    "allgather",
+    reference=True,
+    summary="all-gather K/V over the CP group, full mask",
+)
 def allgather_attention(
-    q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, *, window=0, sinks=None
+    q_BNLD, k_BKLD, v_BKLD, layout: CPShards, scale: float, *, window=0, sinks=None
 ):
     return attend_gathered(
         q_BNLD,
@@ -74,7 +79,7 @@ def allgather_attention(
 
 
 def attend_gathered(
-    q_BNLD, k_BKTD, v_BKTD, layout: CPLayout, scale: float, *, window=0, sinks=None
+    q_BNLD, k_BKTD, v_BKTD, layout: CPShards, scale: float, *, window=0, sinks=None
 ):
     """Local queries (zigzag shards) against the whole row's keys / values in global order
     (``window`` / ``sinks``: attention/options.py)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.primitives.cp.zigzag import CPShards
 
 
 def exchange(group, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
@@ -61,7 +61,7 @@ def moved_fraction(cp: int) -> float:
     return moved / (2 * cp)
 
 
-def _move(x_BL, layout: CPLayout, src, dst) -> torch.Tensor:
+def _move(x_BL, layout: CPShards, src, dst) -> torch.Tensor:
     """Re-shard dim 1 of ``x_BL`` from placement ``src`` to placement ``dst`` (chunk -> (rank, slot))."""
     C, me, n = layout.size, layout.rank, layout.chunk
     if x_BL.shape[1] != 2 * n:
@@ -95,7 +95,7 @@ def _move(x_BL, layout: CPLayout, src, dst) -> torch.Tensor:
 
 class _Relayout(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_BL, layout: CPLayout, src, dst):
+    def forward(ctx, x_BL, layout: CPShards, src, dst):
         ctx.layout, ctx.src, ctx.dst = layout, src, dst
         return _move(x_BL, layout, src, dst)
 
@@ -104,11 +104,11 @@ class _Relayout(torch.autograd.Function):
         return _move(grad_BL.contiguous(), ctx.layout, ctx.dst, ctx.src), None, None, None
 
 
-def zigzag_to_contiguous(x_BL: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+def zigzag_to_contiguous(x_BL: torch.Tensor, layout: CPShards) -> torch.Tensor:
     """This rank's zigzag shard (chunks r, 2C-1-r) -> its contiguous shard (chunks 2r, 2r+1)."""
     return _Relayout.apply(x_BL, layout, zigzag_place, contiguous_place)
 
 
-def contiguous_to_zigzag(x_BL: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+def contiguous_to_zigzag(x_BL: torch.Tensor, layout: CPShards) -> torch.Tensor:
     """Inverse of ``zigzag_to_contiguous``."""
     return _Relayout.apply(x_BL, layout, contiguous_place, zigzag_place)

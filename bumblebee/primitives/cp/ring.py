@@ -32,7 +32,7 @@ under bf16 autocast the forward's scores and LSE are the fp32 ones the backward
 recomputes (they used to come out of bf16 matmuls in the forward only).
 
 This is the CPU path and the reference of ``ring_flash.py``, which runs the same ring
-with a varlen flash kernel per block pair on CUDA in bf16/fp16 (``primitives/dispatch.py``).
+with a varlen flash kernel per block pair on CUDA in bf16/fp16 (``primitives/kernel_choice.py``).
 
 Legend: B batch, K kv heads, G query heads per kv head, L local tokens (Tl),
 D head dim, q/k tile rows.
@@ -46,18 +46,18 @@ import torch
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.options import merge_sinks, sink_grad
-from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring_comm import backward_hop, exchange
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
 from bumblebee.primitives.cp.ring_flash import ring_flash_attention
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.cp.zigzag import CPShards
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.packed import DeviceCache
 from bumblebee.registry import register
 
 Q_TILE = 512  # query rows per score tile
 
 
-def _pairs(layout: CPLayout, src: int, window: int = 0):
+def _pairs(layout: CPShards, src: int, window: int = 0):
     """(query slice, key slice, mask [B, 1, 1, q, k]) for every block pair of local queries
     x the K/V block of rank ``src`` that the causal + document (+ window) mask does not fully
     exclude."""
@@ -81,7 +81,7 @@ def _pairs(layout: CPLayout, src: int, window: int = 0):
             yield q_sl, k_sl, mask[:, None, None]
 
 
-def needed_steps(layout: CPLayout, window: int = 0) -> tuple[bool, ...]:
+def needed_steps(layout: CPShards, window: int = 0) -> tuple[bool, ...]:
     """Per ring step: whether this rank's queries need the K/V block it receives then (host bools,
     derived once per layout and window)."""
     return layout.cached(
@@ -94,7 +94,7 @@ def needed_steps(layout: CPLayout, window: int = 0) -> tuple[bool, ...]:
     )
 
 
-def ring_plan(layout: CPLayout, window: int) -> tuple[int, ...]:
+def ring_plan(layout: CPShards, window: int) -> tuple[int, ...]:
     """The ring steps (offsets) some rank of the group needs: the same on every rank (derived from
     the global layout), so every rank takes part in the same exchanges."""
 
@@ -116,7 +116,7 @@ def _scores(q_BKGqD, k_BKkD, mask, scale):
 
 
 def forward_block(
-    q, o, lse, k, v, layout: CPLayout, src: int, scale: float, window: int = 0
+    q, o, lse, k, v, layout: CPShards, src: int, scale: float, window: int = 0
 ) -> None:
     """Merge local queries x rank ``src``'s K/V block into the running (o, lse), in place.
     q, o fp32 [B, K, G, L, D] (o's last dim may be v's Dv), lse fp32 [B, K, G, L], k / v [B, K, L, D]."""
@@ -136,7 +136,7 @@ def forward_block(
 
 
 def backward_block(
-    q, do, delta, lse, dq, k, v, dk, dv, layout: CPLayout, src: int, scale: float, window: int = 0
+    q, do, delta, lse, dq, k, v, dk, dv, layout: CPShards, src: int, scale: float, window: int = 0
 ) -> None:
     """Add local queries x rank ``src``'s block to dq and to the block's dk / dv (all fp32, in place).
     Shapes as ``forward_block``; do / dq like q, delta = rowsum(dO * O) like lse, dk / dv like k / v."""
@@ -159,12 +159,12 @@ def _wait(started):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, window=0, sinks=None):
+    def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPShards, scale: float, window=0, sinks=None):
         with torch.autocast(q_BNLD.device.type, enabled=False):  # fp32 scores, as in backward
             return RingAttention._forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout, scale, window, sinks)
 
     @staticmethod
-    def _forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale, window, sinks):
+    def _forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPShards, scale, window, sinks):
         B, N, L, D = q_BNLD.shape
         K = k_BKLD.shape[1]
         q = q_BNLD.float().view(B, K, N // K, L, D)
@@ -242,10 +242,10 @@ class RingAttention(torch.autograd.Function):
         )
 
 
-@register("cp", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")
-def ring_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, *, window=0, sinks=None):
+@register("cp_attention", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")
+def ring_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPShards, scale: float, *, window=0, sinks=None):
     kernel = select(
-        "cp", "ring", emulation.kind(q_BNLD), q_BNLD.dtype, sinks=sinks is not None,
+        "cp_attention", "ring", emulation.kind(q_BNLD), q_BNLD.dtype, sinks=sinks is not None,
         window=bool(window),
     )  # fmt: skip
     if kernel.name == "ring_varlen_attn":

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bumblebee.primitives.cp.layout import CPLayout
+from bumblebee.primitives.cp.zigzag import CPShards
 
 
-def ring_pass(tensors: list[torch.Tensor], layout: CPLayout):
+def ring_pass(tensors: list[torch.Tensor], layout: CPShards):
     """Start sending ``tensors`` to the next rank and receiving the previous rank's.
     Returns (received buffers, a wait() callable). Buffers are contiguous whatever the inputs'
     strides: NCCL writes a message's bytes in memory order, so a buffer shaped like a strided
@@ -17,7 +17,7 @@ def ring_pass(tensors: list[torch.Tensor], layout: CPLayout):
     return exchange(tensors, layout, 1)
 
 
-def exchange(tensors: list[torch.Tensor], layout: CPLayout, offset: int):
+def exchange(tensors: list[torch.Tensor], layout: CPShards, offset: int):
     """``ring_pass`` over ``offset`` ranks: send to rank + offset, receive rank - offset's,
     directly (the window ring fetches only the blocks some rank needs, ring.py)."""
     g = layout.group
@@ -31,7 +31,7 @@ def exchange(tensors: list[torch.Tensor], layout: CPLayout, offset: int):
 
 
 def backward_hop(
-    step: int, layout: CPLayout, blocks: list[torch.Tensor], grads: list[torch.Tensor]
+    step: int, layout: CPShards, blocks: list[torch.Tensor], grads: list[torch.Tensor]
 ):
     """The backward ring's hop after ``step``: pass the blocks (K/V, or MLA latents) on with the
     gradient accumulators every rank adds to. After the last hop only the accumulators travel,

@@ -1,5 +1,5 @@
-"""Ring attention whose per-step block work runs a varlen flash kernel (``cp = "ring"`` on
-CUDA in bf16/fp16; ``primitives/dispatch.py`` decides).
+"""Ring attention whose per-step block work runs a varlen flash kernel (``cp_attention = "ring"`` on
+CUDA in bf16/fp16; ``primitives/kernel_choice.py`` decides).
 
 The ring is the one of ``ring.py`` (K/V blocks travel r -> r+1; backward sends them round
 again with their dK/dV accumulators). What changes is the work per step: instead of fp32
@@ -16,7 +16,7 @@ pieces the pair shares. With zigzag shards (chunks of n tokens, rank r holds chu
   per row: that document's queries in chunk i against its keys in chunk j, no mask (all
   keys precede all queries).
 
-These decisions use the host copy of the global document boundaries (``CPLayout.docs``),
+These decisions use the host copy of the global document boundaries (``CPShards.docs``),
 so a step issues its kernels without a device-to-host sync. Partial results merge with
 their log-sum-exp (fp32), o = sum_p exp(lse_p - lse) o_p. Backward hands each pair the
 *final* output and LSE (flash backward computes P = exp(S - lse) and
@@ -41,9 +41,9 @@ import torch
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import FLASH_BWD, FLASH_FWD, reference_varlen_attn
-from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring_comm import backward_hop
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
+from bumblebee.primitives.cp.zigzag import CPShards
 from bumblebee.primitives.kernel_region import kernel
 from bumblebee.primitives.packed import to_device
 
@@ -60,7 +60,7 @@ def cuda_block_kernel() -> BlockKernel:
     """PyTorch's flash ops; ``reference_block_kernel()`` under the emulated-CUDA mode."""
     if emulation.active():
         return reference_block_kernel(as_kernel=True)
-    from bumblebee.primitives.dispatch import use_flash_impl
+    from bumblebee.primitives.kernel_choice import use_flash_impl
 
     use_flash_impl()  # FA3 in torch's dispatcher when present (once)
 
@@ -187,7 +187,7 @@ def _pack(pieces, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     return to_device(idx, device), to_device(cu, device, torch.int32), longest
 
 
-def step_pairs(layout: CPLayout, src: int) -> list[Pair]:
+def step_pairs(layout: CPShards, src: int) -> list[Pair]:
     """The kernel calls of the ring step holding rank ``src``'s K/V, decided on the host once per
     layout (every layer's forward, recompute and backward reuse the index tensors)."""
     return layout.cached(
@@ -195,7 +195,7 @@ def step_pairs(layout: CPLayout, src: int) -> list[Pair]:
     )
 
 
-def _step_pairs(layout: CPLayout, src: int) -> list[Pair]:
+def _step_pairs(layout: CPShards, src: int) -> list[Pair]:
     C, r, n = layout.size, layout.rank, layout.chunk
     L = 2 * n
     chunks = lambda rank: (rank, 2 * C - 1 - rank)  # noqa: E731  (global chunk of slot 0, slot 1)
@@ -241,7 +241,7 @@ def _flat(x_BHLD: torch.Tensor) -> torch.Tensor:
 
 
 def forward_step(
-    q, o, lse, k, v, layout: CPLayout, src: int, scale: float, kernel: BlockKernel
+    q, o, lse, k, v, layout: CPShards, src: int, scale: float, kernel: BlockKernel
 ) -> None:
     """Merge local queries x rank ``src``'s K/V block into the running (o, lse), in place.
     q [B*L, N, D], o fp32 like q, lse fp32 [N, B*L], k / v [B*L, K, D]."""
@@ -265,7 +265,7 @@ def forward_step(
 
 
 def backward_step(
-    do, q, out, lse, dq, k, v, dk, dv, layout: CPLayout, src: int, scale: float, kernel: BlockKernel
+    do, q, out, lse, dq, k, v, dk, dv, layout: CPShards, src: int, scale: float, kernel: BlockKernel
 ) -> None:
     """Add local queries x rank ``src``'s block to dq and the block's dk / dv (fp32, in place);
     ``out`` / ``lse`` are the forward's final output and log-sum-exp."""
@@ -291,7 +291,7 @@ def backward_step(
 
 class RingFlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, kernel: BlockKernel):
+    def forward(ctx, q_BNLD, k_BKLD, v_BKLD, layout: CPShards, scale: float, kernel: BlockKernel):
         B, N, L, D = q_BNLD.shape
         q = _flat(q_BNLD)
         o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -336,7 +336,7 @@ class RingFlashAttention(torch.autograd.Function):
 
 
 def ring_flash_attention(
-    q_BNLD, k_BKLD, v_BKLD, layout: CPLayout, scale: float, kernel: BlockKernel | None = None
+    q_BNLD, k_BKLD, v_BKLD, layout: CPShards, scale: float, kernel: BlockKernel | None = None
 ):
     return RingFlashAttention.apply(
         q_BNLD, k_BKLD, v_BKLD, layout, scale, kernel or cuda_block_kernel()

@@ -1,4 +1,4 @@
-"""Ring attention over MLA latents: what ``cp = "ring"`` runs for Multi-head Latent Attention.
+"""Ring attention over MLA latents: what ``cp_attention = "ring"`` runs for Multi-head Latent Attention.
 
 What travels around the ring per token is MLA's latent, not its heads: the kv latent ``c``
 [C] after ``kv_a_layernorm`` and the shared rope key [R] after RoPE, one tensor [B, L, C + R]
@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.ring import backward_block, forward_block
 from bumblebee.primitives.cp.ring_comm import backward_hop, ring_pass
 from bumblebee.primitives.cp.ring_flash import (
@@ -44,7 +43,8 @@ from bumblebee.primitives.cp.ring_flash import (
     cuda_block_kernel,
     forward_step,
 )
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.cp.zigzag import CPShards
+from bumblebee.primitives.kernel_choice import select
 
 
 def _expand(lat_BLX, w, n_heads: int, v_dim: int):
@@ -64,7 +64,7 @@ class LatentRingAttention(torch.autograd.Function):
         q_BNLD,
         lat_BLX,
         w,
-        layout: CPLayout,
+        layout: CPShards,
         scale: float,
         v_dim: int,
         kernel: BlockKernel | None,
@@ -197,7 +197,7 @@ def latent_ring_attention(
     q_BNLD,
     lat_BLX,
     w,
-    layout: CPLayout,
+    layout: CPShards,
     scale: float,
     v_dim: int,
     *,
@@ -206,11 +206,12 @@ def latent_ring_attention(
 ):
     """MLA's CP ring: queries [B, N, L, Dn + R] (roped), latents [B, L, C + R] (normalized c, roped
     shared rope key), ``w`` = ``kv_b_proj.weight`` [N (Dn + Dv), C] -> output [B, N, L, Dv]. The
-    block kernel follows ``primitives/dispatch.py`` (CUDA bf16/fp16: varlen flash steps) unless
+    block kernel follows ``primitives/kernel_choice.py`` (CUDA bf16/fp16: varlen flash steps) unless
     given; ``save_expanded`` keeps every hop's expansion for backward (measurement only)."""
     if (
         kernel is None
-        and select("cp", "ring", emulation.kind(q_BNLD), q_BNLD.dtype).name == "ring_varlen_attn"
+        and select("cp_attention", "ring", emulation.kind(q_BNLD), q_BNLD.dtype).name
+        == "ring_varlen_attn"
     ):
         kernel = cuda_block_kernel()
     return LatentRingAttention.apply(

@@ -18,7 +18,7 @@ The conv is W shifted multiply-adds (W = 4 in Qwen3.5), which makes the
 per-token document mask a cheap elementwise product; the weight uses nn.Conv1d's
 depthwise layout [C, 1, W] so HF's ``linear_attn.conv1d.weight`` maps one to one.
 
-On CUDA with fla-core present (``dispatch.select("conv", "causal", ...)``) the layer runs FLA's
+On CUDA with fla-core present (``kernel_choice.select("conv", "causal", ...)``) the layer runs FLA's
 fused ``causal_conv1d`` instead (``fla_causal_conv1d``: one Triton kernel over all channels and
 documents, SiLU fused, varlen through ``cu_seqlens``, the carried window as per-document initial
 states) in place of the channel blocks x taps loop.
@@ -34,7 +34,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.kernel_region import standin
 from bumblebee.primitives.linear_attention.fla import doc_plan, fla_chunk_indices
 from bumblebee.primitives.packed import DocLayout, to_device

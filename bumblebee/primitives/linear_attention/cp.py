@@ -22,7 +22,7 @@ e_t = 0 beyond it. Cost: the core runs with V + K value columns (about 1.5-2x th
 FLOPs for K = V); the core is a few percent of a GDN layer, whose projections dominate.
 
 Layout. The residual stream stays zigzag (full attention's load-balanced layout,
-``cp/layout.py``): rank r holds chunks r and 2C-1-r of the 2C chunks. The scan does not need
+``cp/zigzag.py``): rank r holds chunks r and 2C-1-r of the 2C chunks. The scan does not need
 contiguous shards, only segments in a known global order, so by default the layer runs on
 the two zigzag chunks as two segments and no hidden state moves. ``relayout=True`` instead
 converts the layer input to contiguous shards (``cp/relayout.py``, chunks 2r and 2r+1, one
@@ -71,13 +71,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.relayout import (
     contiguous_to_zigzag,
     exchange,
     zigzag_place,
     zigzag_to_contiguous,
 )
+from bumblebee.primitives.cp.zigzag import CPShards
 from bumblebee.primitives.linear_attention.cp_relay import relay_core
 from bumblebee.primitives.packed import DocLayout
 
@@ -98,14 +98,14 @@ class Segments:
         return (s, 0) if self.contiguous else zigzag_place(s, cp)
 
 
-def segments(layout: CPLayout, contiguous: bool = False) -> Segments:
+def segments(layout: CPShards, contiguous: bool = False) -> Segments:
     C, r, n = layout.size, layout.rank, layout.chunk
     if contiguous:
         return Segments(C, 2 * n, (r,), True)
     return Segments(2 * C, n, (r, 2 * C - 1 - r), False)
 
 
-def segment_rows(layout: CPLayout, starts: list[int], m: int) -> DocLayout:
+def segment_rows(layout: CPShards, starts: list[int], m: int) -> DocLayout:
     """DocLayout of the ``m``-token segments starting at global offsets ``starts`` of every row (row
     b * len(starts) + i), from the host document bounds (no device read), once per layout."""
     if layout.docs is None:  # a layout built without host bounds: read them off the device ids
@@ -134,7 +134,7 @@ def rows_layout(doc_RM: torch.Tensor) -> DocLayout:
     )
 
 
-def _shift(x_L, segs: Segments, layout: CPLayout, step: int) -> torch.Tensor:
+def _shift(x_L, segs: Segments, layout: CPShards, step: int) -> torch.Tensor:
     """out[i] = the x of segment local[i] + step, from whichever rank holds it (zeros if none)."""
     me, C = layout.rank, layout.size
     out: list[torch.Tensor | None] = [None] * len(segs.local)
@@ -165,7 +165,7 @@ class ShiftHalo(torch.autograd.Function):
     them (zeros before segment 0). Backward returns each gradient to the tail's owner."""
 
     @staticmethod
-    def forward(ctx, tails_LBPC, segs: Segments, layout: CPLayout):
+    def forward(ctx, tails_LBPC, segs: Segments, layout: CPShards):
         ctx.segs, ctx.layout = segs, layout
         return _shift(tails_LBPC, segs, layout, -1)
 
@@ -180,7 +180,7 @@ class GatherTransitions(torch.autograd.Function):
     reduce-scatter (on gloo, which has none, an all-reduce and a slice)."""
 
     @staticmethod
-    def forward(ctx, x_L, layout: CPLayout):
+    def forward(ctx, x_L, layout: CPShards):
         ctx.layout = layout
         parts = [torch.empty_like(x_L) for _ in range(layout.size)]
         dist.all_gather(parts, x_L.contiguous(), group=layout.group)
@@ -215,7 +215,7 @@ def incoming_states(trans_CLBHKW, segs: Segments, cont_BS, cp: int, V: int) -> t
 
 
 def gated_delta_net_cp(
-    layer, x_BLD: torch.Tensor, layout: CPLayout, relayout: bool = False, carry: str = "scan"
+    layer, x_BLD: torch.Tensor, layout: CPShards, relayout: bool = False, carry: str = "scan"
 ) -> torch.Tensor:
     """A ``gdn.GatedDeltaNet`` layer on this rank's zigzag shard [B, Tl, D] -> y [B, Tl, D] (zigzag).
     ``carry``: "scan" (the affine scan with the state probe, below) or "relay" (the state passed

@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import torch
 
-from bumblebee.primitives.cp.layout import CPLayout
 from bumblebee.primitives.cp.relayout import exchange
+from bumblebee.primitives.cp.zigzag import CPShards
 from bumblebee.primitives.recompute import eager
 
 
-def _pass(state, to_rank: int | None, from_rank: int | None, layout: CPLayout, like: torch.Tensor):
+def _pass(state, to_rank: int | None, from_rank: int | None, layout: CPShards, like: torch.Tensor):
     """Send ``state`` to ``to_rank`` and/or receive one from ``from_rank`` (group ranks; None: none)."""
     recv = torch.empty_like(like) if from_rank is not None else None
     exchange(
@@ -71,7 +71,7 @@ class RelayCore(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, run, segs, layout: CPLayout, cont_BS, B: int
+        ctx, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, run, segs, layout: CPShards, cont_BS, B: int
     ):
         L, me, C = len(segs.local), layout.rank, layout.size
         H, K, V = v_RMHV.shape[2], q_RMGK.shape[-1], v_RMHV.shape[-1]
@@ -172,7 +172,7 @@ def relay_core(
     beta_RMH,
     seg_layouts,
     segs,
-    layout: CPLayout,
+    layout: CPShards,
     cont_BS,
     B: int,
 ) -> torch.Tensor:

@@ -13,7 +13,7 @@ With fewer key heads G than value heads H, key head j serves value heads
 
 - ``recurrent`` (reference): the recurrence above, token by token.
 - ``chunked``: on CUDA with flash-linear-attention installed, FLA's chunk kernel
-  (``fla.py``; ``primitives/dispatch.py`` decides); elsewhere chunks of C = 64 tokens. Inside a
+  (``fla.py``; ``primitives/kernel_choice.py`` decides); elsewhere chunks of C = 64 tokens. Inside a
   chunk (Gamma_i = prod_{s<=i} a_s,
   all products restricted to one document) the updates collapse into the WY / UT
   form (Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
 from bumblebee.primitives.linear_attention.fla_kda import fla_kda
 from bumblebee.primitives.packed import DocLayout

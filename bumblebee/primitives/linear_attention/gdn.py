@@ -12,7 +12,7 @@ Yang et al., "Gated Delta Networks: Improving Mamba2 with Delta Rule" (ICLR
 
 The conv window and the recurrent state restart at every packed document; both
 can be carried in (``GDNState``) and are returned for the row ends. Under context
-parallelism (a ``CPLayout``) the layer hands its projections to ``cp.py``, which
+parallelism (a ``CPShards``) the layer hands its projections to ``cp.py``, which
 carries both across ranks.
 
 Legend: B batch, T tokens, D hidden, G key heads, H value heads, K key dim,
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from bumblebee.primitives import emulation, init
-from bumblebee.primitives.cp.layout import CPLayout
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.cp.zigzag import CPShards
 from bumblebee.primitives.fused import fused
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.linear_attention.conv import CausalConv1d
 from bumblebee.primitives.linear_attention.cp import gated_delta_net_cp
 from bumblebee.primitives.linear_attention.tree import gated_delta_net_tree
@@ -195,18 +195,18 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(o_BTHV, z_BTHV).reshape(B, T, self.H * self.V))
 
     def forward(
-        self, x_BTD: torch.Tensor, layout: DocLayout | CPLayout, state: GDNState | None = None
+        self, x_BTD: torch.Tensor, layout: DocLayout | CPShards, state: GDNState | None = None
     ):
         """-> (y [B, T, D], GDNState at the end of every row). ``state`` continues each row's
         first document (see ``gated_delta_rule``); None starts from zeros. The layout cannot tell
         whether row b's first token opens a new document, so a caller carrying a state across a
         split passes ``state.continued(continues_B)``.
 
-        With a ``CPLayout`` (the sequence is zigzag-sharded over a CP group) the layer runs
+        With a ``CPShards`` (the sequence is zigzag-sharded over a CP group) the layer runs
         context-parallel (``linear_attention/cp.py``): the state is carried across ranks
         internally, no ``state`` may be passed, and the returned state is None. A shared-prefix
         ``TreeLayout`` likewise (``linear_attention/tree.py``)."""
-        if isinstance(layout, CPLayout):
+        if isinstance(layout, CPShards):
             if state is not None:
                 raise ValueError(
                     "GatedDeltaNet: a carried state cannot be combined with context parallelism "

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bumblebee.primitives import dispatch, emulation
+from bumblebee.primitives import emulation, kernel_choice
 from bumblebee.primitives.loss.ce import check_loss_args, reduce_loss
 from bumblebee.primitives.loss.costs import LossCosts
 from bumblebee.registry import register
@@ -54,7 +54,9 @@ _FP32_MIN = torch.finfo(torch.float32).min  # "no logit seen yet": exp(_FP32_MIN
 
 
 def default_tiles(device: torch.device) -> tuple[int, int]:
-    kind = dispatch.assumed_device() or device.type  # the planner's dry run: the target's tiles
+    kind = (
+        kernel_choice.assumed_device() or device.type
+    )  # the planner's dry run: the target's tiles
     return DEFAULT_TILES.get(kind, DEFAULT_TILES["cuda"])
 
 

@@ -14,13 +14,13 @@ makes the three definitions below cheap to switch and the global one exact:
 ``hf`` (``transformers``' ``load_balancing_loss_func``, which ``Qwen3MoeForCausalLM`` returns as
     ``aux_loss``): the sums are pooled over layers first, E sum_e (C_e / LT) (P_e / LT) with
     C = sum_l c_l, P = sum_l p_l, per micro-batch (cp-reduced as above).
-``global_batch`` (global-batch balancing, Qiu et al. 2025, "Demons in the Detail: On Implementing
+``step`` (global-batch balancing, Qiu et al. 2025, "Demons in the Detail: On Implementing
     Load Balancing Loss for Training Specialized Mixture-of-Expert Models"): the expert
-    frequencies c_le / T of each layer are taken over the *whole global batch* (all
-    micro-batches, all dp and cp ranks) before they multiply the probabilities; the loss is
+    frequencies c_le / T of each layer are taken over the *whole optimizer step* (the global
+    batch: all micro-batches, all dp and cp ranks) before they multiply the probabilities; the loss is
     (1/L) sum_l E sum_e (C^G_le / T^G) (P^G_le / T^G). Given the global counts, it is linear in
     each micro-batch's probability sums, so every micro-batch contributes its exact share
-    ``global_batch_share`` and the total is independent of layout and micro-batching
+    ``step_loss_share`` and the total is independent of layout and micro-batching
     (runtime/step.py gathers the counts once per step, before the first backward).
 
 Legend: T tokens, E experts, K choices per token, L MoE layers, S = 2E + 2.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-MODES = ("global_batch", "micro_batch", "hf")
+MODES = ("step", "micro_batch", "hf")
 
 
 def router_stats(probs_TE: torch.Tensor, idx_TK: torch.Tensor, dropped=0) -> torch.Tensor:
@@ -92,10 +92,10 @@ def hf_loss(stats_LS: torch.Tensor, cp_group=None) -> torch.Tensor:
     return E * torch.sum(counts.sum(0) / rows * (probs.sum(0) / rows))
 
 
-def global_batch_share(stats_LS: torch.Tensor, global_LS: torch.Tensor) -> torch.Tensor:
-    """This micro-batch's share of the global-batch loss: (1/L) sum_l E <C^G_l / T^G, p_l> / T^G
+def step_loss_share(stats_LS: torch.Tensor, global_LS: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's share of the step balance loss: (1/L) sum_l E <C^G_l / T^G, p_l> / T^G
     with ``global_LS`` the stats summed over the global batch (detached). Summed over every
-    micro-batch of every dp / cp rank it is ``global_batch_value(global_LS)``."""
+    micro-batch of every dp / cp rank it is ``step_loss(global_LS)``."""
     _, probs, _ = split_stats(stats_LS)
     g_counts, _, g_tokens = split_stats(global_LS.detach())
     E, L = probs.shape[-1], probs.shape[0]
@@ -103,8 +103,8 @@ def global_batch_share(stats_LS: torch.Tensor, global_LS: torch.Tensor) -> torch
     return E * torch.sum(freq_LE * probs / g_tokens[:, None]) / L
 
 
-def global_batch_value(global_LS: torch.Tensor) -> torch.Tensor:
-    """The global-batch balance loss itself (for logging), from the globally summed stats."""
+def step_loss(global_LS: torch.Tensor) -> torch.Tensor:
+    """The step balance loss itself (for logging), from the globally summed stats."""
     counts, probs, tokens = split_stats(global_LS.detach())
     E = counts.shape[-1]
     return E * torch.sum(counts / tokens[:, None] * probs / tokens[:, None]) / counts.shape[0]

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bumblebee.primitives import dispatch
+from bumblebee.primitives import kernel_choice
 from bumblebee.primitives.fused import clamped_swiglu_halves, swiglu_halves
 from bumblebee.registry import register
 
@@ -159,7 +159,7 @@ def experts_loop(
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if dispatch.assumed_device() is not None:  # the planner's target (sm90+ in bf16) runs it
+    if kernel_choice.assumed_device() is not None:  # the planner's target (sm90+ in bf16) runs it
         return True
     if x.device.type == "cpu":
         return True

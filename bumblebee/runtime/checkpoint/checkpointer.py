@@ -1,4 +1,5 @@
-"""Crash-safe training checkpoints: save, resume on any layout (export to Hugging Face: export.py).
+"""Crash-safe training checkpoints: save, resume on any layout (export to Hugging Face: export.py;
+finding and validating a checkpoint directory: directory.py).
 
 A checkpoint is a directory ``<out_dir>/checkpoints/step_<N>`` written with
 ``torch.distributed.checkpoint`` (DCP): every rank writes the part of the state it
@@ -27,19 +28,28 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from bumblebee.config import PrimitivesConfig, dump_toml, tomllib
+from bumblebee.config import PrimitivesConfig
+from bumblebee.config_parse import dump_toml, tomllib
 from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
+from bumblebee.runtime.checkpoint.directory import (
+    FORMAT,
+    MARKER,
+    STEP_DIR,
+    VERSION,
+    check_fits,
+    checkpoint_root,
+    find_checkpoint,
+    read_marker,
+)
 from bumblebee.runtime.checkpoint.integrity import (
     HASH,
     checksum_files,
@@ -57,114 +67,7 @@ from bumblebee.runtime.checkpoint.state import (
     state_pieces,
 )
 
-FORMAT, VERSION = "bumblebee-checkpoint", 1
-MARKER = "complete.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 HF_SHARD_BYTES = 5 * 2**30
-
-
-# ------------------------------------------------------------------------------ directories
-def checkpoint_root(out_dir: str) -> str:
-    return os.path.join(out_dir, "checkpoints")
-
-
-def read_marker(path: str) -> dict:
-    """Validate checkpoint directory ``path`` and return its marker; a one-line
-    ``CheckpointError`` for anything incomplete, truncated or foreign."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    marker = os.path.join(path, MARKER)
-    if not os.path.isfile(marker):
-        if os.path.isfile(os.path.join(path, ".metadata")) or os.path.basename(path).startswith(
-            ".tmp-"
-        ):
-            raise CheckpointError(
-                f"{path}: incomplete checkpoint (no {MARKER}: its save did not finish)"
-            )
-        if os.path.isfile(os.path.join(path, "config.json")):
-            raise CheckpointError(
-                f"{path}: a Hugging Face model directory, not a training checkpoint "
-                "(start a run from it with model.hf_path)"
-            )
-        raise CheckpointError(f"{path}: not a bumblebee checkpoint (no {MARKER})")
-    try:
-        with open(marker) as f:
-            info = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable {MARKER} ({e})") from None
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: {MARKER} does not describe a bumblebee checkpoint")
-    if info.get("version") != VERSION:
-        raise CheckpointError(
-            f"{path}: checkpoint format version {info.get('version')!r}; "
-            f"this bumblebee reads {VERSION}"
-        )
-    step, files, arch, shapes = (
-        info.get("step"),
-        info.get("files"),
-        info.get("arch"),
-        info.get("shapes", {}),
-    )
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"{path}: {MARKER}: 'step' must be an integer >= 0, got {step!r}")
-    if not isinstance(files, dict) or not all(
-        isinstance(n, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
-        for n, v in files.items()
-    ):
-        raise CheckpointError(f"{path}: {MARKER}: 'files' must map file names to sizes in bytes")
-    if not isinstance(arch, dict) or not isinstance(shapes, dict):
-        raise CheckpointError(f"{path}: {MARKER}: 'arch' and 'shapes' must be objects")
-    for name, size in files.items():
-        file = os.path.join(path, name)
-        if os.path.basename(name) != name:
-            raise CheckpointError(f"{path}: {MARKER} names a file outside the checkpoint: {name!r}")
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{path}: truncated checkpoint: {name} is missing")
-        if os.path.getsize(file) != size:
-            raise CheckpointError(
-                f"{path}: truncated checkpoint: {name} has {os.path.getsize(file)} bytes, "
-                f"{size} expected"
-            )
-    return info
-
-
-def newest_complete(root: str, notify=None) -> str | None:
-    """The newest valid ``step_<N>`` under ``root`` (None if none); others are reported."""
-    steps = (
-        sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := _STEP_DIR.match(n)))
-        if os.path.isdir(root)
-        else []
-    )
-    for _, name in reversed(steps):
-        try:
-            read_marker(os.path.join(root, name))
-            return os.path.join(root, name)
-        except CheckpointError as e:
-            if notify:
-                notify(f"skipping {e}")
-    return None
-
-
-def find_checkpoint(spec: str, out_dir: str, notify=None) -> str | None:
-    """The directory a ``train.resume`` value names: ``auto`` = the newest complete checkpoint
-    of the run in ``out_dir`` (None if there is none yet), else ``named_checkpoint(spec)``."""
-    if spec == "auto":
-        return newest_complete(checkpoint_root(out_dir), notify)
-    return named_checkpoint(spec, notify)
-
-
-def named_checkpoint(spec: str, notify=None) -> str:
-    """A checkpoint directory as is, or the newest complete checkpoint of a run directory
-    (or of its ``checkpoints`` directory); validated."""
-    if not os.path.isfile(os.path.join(spec, MARKER)):
-        for root in (spec, checkpoint_root(spec)):
-            if os.path.isdir(root) and any(_STEP_DIR.match(n) for n in os.listdir(root)):
-                found = newest_complete(root, notify)
-                if found is None:
-                    raise CheckpointError(f"{root}: no complete checkpoint")
-                return found
-    read_marker(spec)
-    return spec
 
 
 def _write_durably(path: str, text: str) -> None:
@@ -180,33 +83,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _check_fits(
-    path: str, info: dict, md: Metadata, pieces: dict[str, Piece], whole: bool = True
-) -> None:
-    """Every piece's tensor exists in the checkpoint at its global size and, for a ``whole``
-    model (not one pipeline stage), the checkpoint holds no parameter the model lacks."""
-    shapes = {f"model/{n}": tuple(s) for n, s in info.get("shapes", {}).items()}
-    mine = {k for k in pieces if k.startswith("model/")}
-    extra = sorted(set(shapes) - mine)
-    for key, p in pieces.items():
-        saved = md.state_dict_metadata.get(key)
-        if saved is None:
-            raise CheckpointError(
-                f"{path}: checkpoint lacks {key[6:] if key in mine else key} (a different model?)"
-            )
-        if not isinstance(saved, TensorStorageMetadata):
-            raise CheckpointError(f"{path}: {key} is not a tensor in the checkpoint")
-        if (key in shapes and shapes[key] != p.shape) or tuple(saved.size) != (p.numel,):
-            raise CheckpointError(
-                f"{path}: {key[6:]} has shape {list(shapes.get(key, saved.size))} in the checkpoint, "
-                f"{list(p.shape)} in this model (a different architecture?)"
-            )
-    if extra and whole:
-        raise CheckpointError(
-            f"{path}: checkpoint has tensors this model lacks: {', '.join(k[6:] for k in extra[:3])}"
-        )
 
 
 # ------------------------------------------------------------------------------ the trainer's hook
@@ -283,7 +159,7 @@ class Checkpointer:
         verify_checksums(path, info, self.group)  # every rank checks a share of the files
         md = read_dcp_metadata(path)
         pieces = self._pieces()
-        _check_fits(path, info, md, pieces, whole=self.ctx.layout.pp == 1)
+        check_fits(path, info, md, pieces, whole=self.ctx.layout.pp == 1)
         rng = {
             k: Piece(torch.empty(tuple(s.size), dtype=s.properties.dtype), 0, tuple(s.size))
             for k, s in md.state_dict_metadata.items()
@@ -401,7 +277,7 @@ class Checkpointer:
             done = sorted(
                 (int(m.group(1)), n)
                 for n in os.listdir(self.root)
-                if (m := _STEP_DIR.match(n)) and os.path.isfile(os.path.join(self.root, n, MARKER))
+                if (m := STEP_DIR.match(n)) and os.path.isfile(os.path.join(self.root, n, MARKER))
             )
             for _, name in done[:-keep]:
                 if name != written:
@@ -424,7 +300,8 @@ class Checkpointer:
 def saved_lora(path: str):
     """The ``model.lora`` (a ``LoraConfig``) of the run that wrote checkpoint ``path``, from the
     config.toml saved in it; None without adapters (or without a readable config)."""
-    from bumblebee.config import LoraConfig, _coerce, tomllib
+    from bumblebee.config import LoraConfig
+    from bumblebee.config_parse import coerce, tomllib
 
     try:
         with open(os.path.join(path, "config.toml"), "rb") as f:
@@ -433,7 +310,7 @@ def saved_lora(path: str):
         return None
     if not isinstance(table, dict) or not table.get("rank"):
         return None
-    return _coerce(table, LoraConfig, f"{path}/config.toml: model.lora")
+    return coerce(table, LoraConfig, f"{path}/config.toml: model.lora")
 
 
 def load_model(path: str) -> torch.nn.Module:
@@ -449,6 +326,6 @@ def load_model(path: str) -> torch.nn.Module:
     )
     named = list(model.named_parameters()) + persistent_buffers(model)
     pieces = {f"model/{n}": Piece(p.detach().view(-1), 0, tuple(p.shape)) for n, p in named}
-    _check_fits(path, info, read_dcp_metadata(path), pieces)
+    check_fits(path, info, read_dcp_metadata(path), pieces)
     load_pieces(path, pieces)
     return model

@@ -29,7 +29,8 @@ import sys
 import torch
 
 import bumblebee.outputs as outputs
-from bumblebee.config import PrimitivesConfig, tomllib
+from bumblebee.config import PrimitivesConfig
+from bumblebee.config_parse import tomllib
 from bumblebee.console import Progress
 from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
@@ -38,14 +39,13 @@ from bumblebee.models.hf import CheckpointError
 from bumblebee.models.hf_read import checkpoint_block_size
 from bumblebee.models.hf_write import check_export_target, write_hf
 from bumblebee.models.lora import is_lora_name, merged_stream
-from bumblebee.runtime.checkpoint.checkpointer import (
-    _STEP_DIR,
-    HF_SHARD_BYTES,
+from bumblebee.runtime.checkpoint.checkpointer import HF_SHARD_BYTES, saved_lora
+from bumblebee.runtime.checkpoint.directory import (
     MARKER,
-    _check_fits,
+    STEP_DIR,
+    check_fits,
     named_checkpoint,
     read_marker,
-    saved_lora,
 )
 from bumblebee.runtime.checkpoint.integrity import verify_checksums
 from bumblebee.runtime.checkpoint.state import Piece, load_pieces, read_dcp_metadata
@@ -186,7 +186,7 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
         (n, tuple(p.shape)) for n, p in list(whole.named_parameters()) + persistent_buffers(whole)
     ]
     meta = {f"model/{n}": Piece(torch.empty(0, device="meta"), 0, s) for n, s in named_shapes}
-    _check_fits(path, info, read_dcp_metadata(path), meta)
+    check_fits(path, info, read_dcp_metadata(path), meta)
 
     def tensors():
         bucket, size = [], 0
@@ -229,8 +229,8 @@ def export_target_files(out_dir: str, overwrite: bool) -> list[str]:
     if (
         MARKER in names
         or ".metadata" in names
-        or _STEP_DIR.match(os.path.basename(os.path.abspath(out_dir)))
-        or any(_STEP_DIR.match(n) for n in names)
+        or STEP_DIR.match(os.path.basename(os.path.abspath(out_dir)))
+        or any(STEP_DIR.match(n) for n in names)
     ):
         raise CheckpointError(
             f"{out_dir}: a training checkpoint directory; export to a new directory"

@@ -7,12 +7,7 @@ import os
 import sys
 
 from bumblebee.errors import CheckpointError
-from bumblebee.runtime.checkpoint.checkpointer import (
-    _STEP_DIR,
-    MARKER,
-    checkpoint_root,
-    read_marker,
-)
+from bumblebee.runtime.checkpoint.directory import MARKER, STEP_DIR, checkpoint_root, read_marker
 from bumblebee.runtime.checkpoint.integrity import HASH, verify_checksums
 
 
@@ -27,13 +22,13 @@ def verify_command(spec: str) -> int:
             (
                 r
                 for r in (spec, checkpoint_root(spec))
-                if os.path.isdir(r) and any(_STEP_DIR.match(n) for n in os.listdir(r))
+                if os.path.isdir(r) and any(STEP_DIR.match(n) for n in os.listdir(r))
             ),
             None,
         )
         if root is None:
             read_marker(spec)  # raises the one-line reason (missing, not a checkpoint, ...)
-        dirs = [os.path.join(root, n) for n in sorted(os.listdir(root)) if _STEP_DIR.match(n)]
+        dirs = [os.path.join(root, n) for n in sorted(os.listdir(root)) if STEP_DIR.match(n)]
     bad = 0
     for d in dirs:
         try:

@@ -101,7 +101,7 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
 def resume_spec(cfg) -> str:
     """What a worker resumes from: after a restart, the newest complete checkpoint of
     this run when there is one, else what the config says."""
-    from bumblebee.runtime.checkpoint.checkpointer import checkpoint_root, newest_complete
+    from bumblebee.runtime.checkpoint.directory import checkpoint_root, newest_complete
 
     if restart_count() > 0 and newest_complete(checkpoint_root(cfg.train.out_dir)) is not None:
         return "auto"

@@ -16,7 +16,7 @@ import torch
 from bumblebee import registry
 from bumblebee.config import Config, ConfigError
 from bumblebee.data.synthetic import KEYS, min_doc_len
-from bumblebee.primitives.dispatch import select
+from bumblebee.primitives.kernel_choice import select
 from bumblebee.runtime.launch.outdir import check_out_dir
 from bumblebee.runtime.resolve import check_run
 
@@ -117,7 +117,7 @@ def check_kernels(cfg: Config, arch, cuda: bool) -> None:
 
 def check_resume(cfg: Config, arch) -> None:
     """The checkpoint ``train.resume`` names is complete and was saved for this architecture."""
-    from bumblebee.runtime.checkpoint.checkpointer import find_checkpoint, read_marker
+    from bumblebee.runtime.checkpoint.directory import find_checkpoint, read_marker
 
     path = find_checkpoint(cfg.train.resume, cfg.train.out_dir)
     if path is None:  # "auto" in a run without checkpoints yet: a fresh start

@@ -43,7 +43,9 @@ import sys
 from typing import IO, Any
 
 from bumblebee import registry
-from bumblebee.config import Config, ConfigError, parse_override, validate
+from bumblebee.config import Config, ConfigError, validate
+from bumblebee.config_aliases import canonical_key
+from bumblebee.config_parse import parse_override
 from bumblebee.runtime.metrics import strict
 from bumblebee.runtime.resolve import load_config, validate_run
 
@@ -56,7 +58,10 @@ from bumblebee.runtime.resolve import load_config, validate_run
 # pair a few steps (default 3), not a training run.
 TOLERANCES: dict[str, tuple[float, float]] = {
     "attention": (1e-4, 5e-2),  # masked SDPA vs per-document SDPA: different kernels/blocking
-    "cp": (1e-4, 5e-2),  # all-gathered masked SDPA vs ring blocks with an online log-sum-exp merge
+    "cp_attention": (
+        1e-4,
+        5e-2,
+    ),  # all-gathered masked SDPA vs ring blocks with an online log-sum-exp merge
     "linear_attention": (
         1e-4,
         5e-2,
@@ -84,7 +89,7 @@ COMPANION_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 # Slots used only when a parallel axis is > 1: pairing them sets the axis to --nproc if it is 1.
-SLOT_AXIS: dict[str, str] = {"cp": "cp", "pipeline": "pp"}
+SLOT_AXIS: dict[str, str] = {"cp_attention": "cp", "pipeline": "pp"}
 
 
 def slot_families(slot: str) -> list[str]:
@@ -252,7 +257,8 @@ def _coverage_notes(cfg_a: Config, cfg_b: Config, slot: str, nproc: int) -> list
 
 def build_pair(args) -> tuple[Config, Config, list[str]]:
     """The two validated configs and notes about what was adjusted for the slot."""
-    slot = args.slot
+    # a slot is named as its primitives key, old spellings included; the rest of the run reads args
+    slot = args.slot = canonical_key("primitives", args.slot)
     if slot not in registry.SLOTS:
         raise ConfigError(
             f"unknown slot {slot!r}; slots that can be paired: {', '.join(pairable_slots())}"

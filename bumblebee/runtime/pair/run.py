@@ -113,7 +113,7 @@ def probe(trainer: Trainer, names: list[str]) -> dict[str, torch.Tensor]:
 
         return fn
 
-    inner = model.loss_fn
+    inner = model.head_loss
 
     def per_token(hidden_TH, weight_VH, labels_T, **kwargs):
         loss_T = inner(hidden_TH, weight_VH, labels_T, **{**kwargs, "reduction": "none"})
@@ -121,13 +121,13 @@ def probe(trainer: Trainer, names: list[str]) -> dict[str, torch.Tensor]:
         return loss_T.sum()
 
     handles = [modules[n].register_forward_hook(hook(n)) for n in names]
-    model.loss_fn = per_token
+    model.head_loss = per_token
     try:
         mb = first_micro_batch(trainer)
         with trainer.autocast:
             model.loss_terms(mb.input_ids, mb.labels, mb.position_ids)
     finally:
-        model.loss_fn = inner
+        model.head_loss = inner
         for h in handles:
             h.remove()
     return captured

@@ -1,4 +1,4 @@
-"""Kernel dispatch: which kernel an implementation runs, from (device, dtype, package present).
+"""Kernel choice: which kernel an implementation runs, from (device, dtype, package present).
 
 A slot implementation chosen in config (``attention = "varlen"``) names an algorithm; the
 kernel that executes it depends on where it runs. This table says which, so the same
@@ -9,7 +9,7 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 | slot / impl | CUDA, bf16/fp16 | CUDA, fp32 | CPU |
 | --- | --- | --- | --- |
 | attention / varlen | ``varlen_attn`` (flash: FA3 when present, else FA2) | SDPA per document | SDPA per document |
-| cp / ring | ring of ``varlen_attn`` steps (same flash) | fp32 tiles | fp32 tiles |
+| cp_attention / ring | ring of ``varlen_attn`` steps (same flash) | fp32 tiles | fp32 tiles |
 | linear_attention / chunked | FLA ``chunk_gated_delta_rule`` or ``chunk_kda`` (fla), else chunked | same | chunked |
 | conv / causal (GDN conv) | FLA ``causal_conv1d`` (``fla`` imports), else channel blocks | same | blocks |
 | glue / fused (norms, SwiGLU, RoPE) | ``torch.compile`` per function | same | eager ops |
@@ -26,7 +26,7 @@ attention through its LSE (``attention/flash_sinks.py``): ``attention / varlen``
 precision runs ``torch.ops.torch_attn._varlen_attn`` with the LSE, merges the sinks, and calls
 the flash backward op itself with the merged (output, LSE) (``varlen_attn``'s public wrapper
 drops the LSE gradient); elsewhere each document's scores are written out in fp32. The flash
-ring takes no sinks: ``cp / ring`` with sinks runs its fp32 tiles on CUDA too and merges the
+ring takes no sinks: ``cp_attention / ring`` with sinks runs its fp32 tiles on CUDA too and merges the
 sinks into the final LSE.
 
 FA3: torch's flash ops (``varlen_attn``, the ring's ``_varlen_attn``) run FlashAttention 3 once
@@ -62,7 +62,7 @@ from bumblebee.primitives import emulation
 
 HALF = (torch.bfloat16, torch.float16)
 
-# (device, fla) the dispatch answers for inside ``assume``; None: the caller's device
+# (device, fla) the kernel choice answers for inside ``assume``; None: the caller's device
 _ASSUMED = contextvars.ContextVar("bumblebee_assumed_device", default=None)
 
 
@@ -180,7 +180,7 @@ def select(
             False,
             "flash kernels take bf16/fp16 only" if cuda else "",
         )
-    if (sinks or window) and (slot, impl) == ("cp", "ring"):
+    if (sinks or window) and (slot, impl) == ("cp_attention", "ring"):
         why = "sink logits" if sinks else "a sliding window"
         return Kernel(
             "ring_tiles",
@@ -197,7 +197,7 @@ def select(
             cuda,
             "flash kernels take bf16/fp16 only" if cuda else "",
         )
-    if (slot, impl) == ("cp", "ring"):
+    if (slot, impl) == ("cp_attention", "ring"):
         if cuda and dtype in HALF:
             return Kernel(
                 "ring_varlen_attn", f"ring of varlen_attn steps (flash, {flash_impl(fa3)})", True
@@ -237,7 +237,7 @@ def select(
     return Kernel(impl, f"{impl} (PyTorch)", False)
 
 
-KERNEL_SLOTS = ("attention", "cp", "linear_attention")
+KERNEL_SLOTS = ("attention", "cp_attention", "linear_attention")
 
 
 def kernel_table(
@@ -260,8 +260,15 @@ def kernel_table(
         )
     }
     if cp > 1:
-        out["cp"] = select(
-            "cp", prims.cp, device, dtype, fla=fla, fa3=fa3, sinks=sinks, window=window
+        out["cp_attention"] = select(
+            "cp_attention",
+            prims.cp_attention,
+            device,
+            dtype,
+            fla=fla,
+            fa3=fa3,
+            sinks=sinks,
+            window=window,
         )
     out["linear_attention"] = select(
         "linear_attention", prims.linear_attention, device, dtype, fla=fla
@@ -284,7 +291,7 @@ def rows(slot: str, impl: str) -> list[tuple[str, str, str]]:
     never changes."""
     if (slot, impl) not in (
         ("attention", "varlen"),
-        ("cp", "ring"),
+        ("cp_attention", "ring"),
         ("linear_attention", "chunked"),
         ("conv", "causal"),
         ("glue", "fused"),
@@ -297,13 +304,16 @@ def rows(slot: str, impl: str) -> list[tuple[str, str, str]]:
             for present in (True, False):
                 k = select(slot, impl, device, dt, fla=present)
                 out.append((device, f"{dtype}, fla {'present' if present else 'absent'}", k.label))
-        elif slot in ("attention", "cp") and (device, dtype) == ("cuda", "bfloat16"):
+        elif slot in ("attention", "cp_attention") and (device, dtype) == ("cuda", "bfloat16"):
             for present in (True, False):
                 k = select(slot, impl, device, dt, fa3=present)
                 out.append((device, f"{dtype}, FA3 {'present' if present else 'absent'}", k.label))
         else:
             out.append((device, dtype, select(slot, impl, device, dt).label))
-    if slot in ("attention", "cp"):  # the attention options (sinks; the ring: also a window)
+    if slot in (
+        "attention",
+        "cp_attention",
+    ):  # the attention options (sinks; the ring: also a window)
         for device, dtype in (("cuda", "bfloat16"), ("cpu", "any")):
             dt = torch.float32 if dtype == "any" else dtype
             k = select(slot, impl, device, dt, sinks=True)

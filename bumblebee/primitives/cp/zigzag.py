@@ -46,8 +46,9 @@ def unshard_sequence(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class CPLayout:
-    """What a CP attention implementation needs to know about the sequence."""
+class CPShards:
+    """The sequence as the CP group holds it: what a CP attention implementation needs to know
+    (named apart from ``runtime.resolve.Layout``, the parallel degrees)."""
 
     group: object
     size: int
@@ -74,7 +75,7 @@ class CPLayout:
         return zigzag_index(self.seq_len, self.size, r, self.index_L.device)
 
 
-def build_cp_layout(position_ids_local_BT: torch.Tensor, group) -> CPLayout:
+def build_cp_shards(position_ids_local_BT: torch.Tensor, group) -> CPShards:
     """All-gather the local position ids and rebuild the global document layout."""
     C, r = dist.get_world_size(group), dist.get_rank(group)
     parts = [torch.empty_like(position_ids_local_BT) for _ in range(C)]
@@ -83,4 +84,4 @@ def build_cp_layout(position_ids_local_BT: torch.Tensor, group) -> CPLayout:
     T = global_pos.shape[1]
     docs = doc_layout(global_pos)
     doc = docs.doc_ids(position_ids_local_BT.device)
-    return CPLayout(group, C, r, T, doc, zigzag_index(T, C, r, position_ids_local_BT.device), docs)
+    return CPShards(group, C, r, T, doc, zigzag_index(T, C, r, position_ids_local_BT.device), docs)

@@ -1,4 +1,5 @@
-"""The global-batch calls of the RL Engine: every rank passes the same batch, its part is cut here.
+"""The RL Engine's calls on one whole batch: every rank passes the same batch, its part is cut here
+and the results are gathered back.
 
 ``compute_logprobs`` and ``train_step`` are thin wrappers over the engine-level surface
 (``forward_backward`` + ``optimizer_step``): this dp rank's rows of the global batch -- padded
@@ -39,7 +40,7 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     return parts
 
 
-class GlobalBatchCalls:
+class EngineSplitBatch:
     def _rank_part(self, batch: RLBatch, budget: int | None) -> tuple[RLBatch, object]:
         """This dp rank's part of a global batch, and how to put its results back: rows (padded
         to split evenly, and to 2 x cp chunks), or with a token budget whole sequences balanced
