@@ -19,7 +19,7 @@ from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.moe.router import build_router
 from bumblebee.primitives.norms import RMSNorm
 from bumblebee.primitives.packed import DocLayout
-from bumblebee.primitives.parallel import ParallelGroups
+from bumblebee.primitives.parallel import ParallelState
 from bumblebee.primitives.rope import apply_rope
 
 
@@ -69,7 +69,7 @@ class MoE(nn.Module):
     """Router -> dispatch -> experts -> combine. Returns (output, router stats): the stats vector
     of ``primitives/moe/balance.py`` that the model turns into a balance loss."""
 
-    def __init__(self, arch, prims, dispatch, groups: ParallelGroups):
+    def __init__(self, arch, prims, dispatch, groups: ParallelState):
         super().__init__()
         ep_size = groups.ep_size
         self.gate = build_router(prims.router, arch)

@@ -44,7 +44,7 @@ from bumblebee.primitives import init
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
 from bumblebee.primitives.norms import ZeroCenteredRMSNorm
 from bumblebee.primitives.packed import DocLayout
-from bumblebee.primitives.parallel import ParallelGroups
+from bumblebee.primitives.parallel import ParallelState
 from bumblebee.primitives.rope import apply_rope
 
 
@@ -90,7 +90,7 @@ class GatedAttention(nn.Module):
 class SharedExpertMoE(MoE):
     """HF ``Qwen3_5MoeSparseMoeBlock``: routed experts (Qwen3-MoE's block) + gated shared expert."""
 
-    def __init__(self, arch: Qwen3_5MoeArch, prims, dispatch, recompute, groups: ParallelGroups):
+    def __init__(self, arch: Qwen3_5MoeArch, prims, dispatch, recompute, groups: ParallelState):
         super().__init__(arch, prims, dispatch, groups)
         self.shared_expert = MLP(arch.hidden_size, arch.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)

@@ -241,7 +241,7 @@ def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     rank holds its stages' layers only: the pipeline ranks' parameters are gathered (on the host)."""
     weights = dict(full_named_parameters(trainer.model, trainer.ctx.ep_group))
     if getattr(trainer, "pipeline", None) is not None:
-        parts: list = [None] * dist.get_world_size(trainer.ctx.pp_group)
+        parts: list = [None] * trainer.ctx.layout.pp
         dist.all_gather_object(
             parts, {n: t.cpu() for n, t in weights.items()}, group=trainer.ctx.pp_group
         )
