@@ -66,6 +66,8 @@ class ParallelState:
     cp_rank: int = 0
     ep_rank: int = 0
     pp_rank: int = 0
+    dp_cp_rank: int = 0  # along the dense parameters' group
+    edp_rank: int = 0  # along the expert parameters' group
     ep_group: object = None  # ranks that split the experts of a layer
     cp_group: object = None  # ranks that split the sequence (None when cp = 1)
     pp_group: object = None  # ranks holding the stages of the same data (None when pp = 1)
@@ -110,6 +112,14 @@ class ParallelState:
     @property
     def expert_size(self) -> int:
         return self.layout.edp
+
+    @property
+    def dense_rank(self) -> int:
+        return self.dp_cp_rank
+
+    @property
+    def expert_rank(self) -> int:
+        return self.edp_rank
 
 
 def ParallelGroups(ep_group=None, cp_group=None) -> ParallelState:
