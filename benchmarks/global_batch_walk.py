@@ -8,9 +8,10 @@ records each executed line that names a variable or a plain attribute (``self.x`
 holding such a value. A Trainer is built and runs one step (single process, the default tiny
 model, 2 layers, 64 tokens); the walk is the sequence of bumblebee files those lines are in,
 in execution order, repeats in a row merged. ``files``: the distinct files; ``climbs``: calls
-on the way to a touching line that go *up* the import floors -- from a module into one that
-imports it (directly or not) and that the call stack did not come through -- counted once per
-(caller file, callee file) pair. ``returns`` (reported, not a goal): how often the walk comes
+on the way to a touching line that go *up* -- into a higher layer (core < primitives, data,
+perf < models < runtime < rl), or within a layer into a module whose module-level imports reach
+the caller's -- and into a file the call stack did not come through, counted once per (caller
+file, callee file) pair. ``returns`` (reported, not a goal): how often the walk comes
 back to a file it had left; the Trainer handing the batch size to the data source and asking it
 for rows each step is one. The operations' values are those of a plain int: nothing the run
 computes changes.
@@ -164,32 +165,52 @@ def walk(overrides: list[str] | None = None) -> list[str]:
     return files
 
 
+LAYERS = {  # tests/unit/test_layering.py's order, bottom first (api, plan, cli on top)
+    **dict.fromkeys("config config_checks console registry errors report".split(), 0),
+    **dict.fromkeys(["report_inputs", "outputs"], 0),
+    **dict.fromkeys(["primitives", "data", "perf"], 1),
+    "models": 2,
+    "runtime": 3,
+    "rl": 4,
+}
+
+
+def _layer(rel: str) -> int:
+    first = rel.split(os.sep)[1].removesuffix(".py")
+    return LAYERS.get(first, 5)
+
+
+def _file_of(module: str) -> str | None:
+    base = os.path.join(ROOT, *module.split("."))
+    for cand in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.exists(cand):
+            return os.path.relpath(cand, ROOT)
+    return None
+
+
 def _imports() -> dict[str, set[str]]:
-    """file -> the bumblebee files it imports (top-level and lazy imports; a package's
-    ``__init__`` for every module imported through it, but the root facade's)."""
+    """file -> the bumblebee files its module-level imports name (a function-level import is how
+    code reaches up, so it does not make a floor; nor does a package ``__init__`` run on the way
+    to one of its modules)."""
     out: dict[str, set[str]] = {}
     for folder, _dirs, names in os.walk(PACKAGE):
         for n in names:
             if not n.endswith(".py"):
                 continue
             path = os.path.join(folder, n)
-            rel = os.path.relpath(path, ROOT)
-            deps = out.setdefault(rel, set())
-            for node in ast.walk(ast.parse(open(path).read())):
+            deps = out.setdefault(os.path.relpath(path, ROOT), set())
+            for node in ast.parse(open(path).read()).body:
                 mods = []
                 if isinstance(node, ast.Import):
                     mods = [a.name for a in node.names]
                 elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-                for m in mods:
-                    parts = m.split(".")
-                    if parts[0] != "bumblebee":
-                        continue
-                    for i in range(2, len(parts) + 1):
-                        base = os.path.join(ROOT, *parts[:i])
-                        for cand in (base + ".py", os.path.join(base, "__init__.py")):
-                            if os.path.exists(cand):
-                                deps.add(os.path.relpath(cand, ROOT))
+                    mods = [
+                        f"{node.module}.{a.name}"
+                        if _file_of(f"{node.module}.{a.name}")
+                        else node.module
+                        for a in node.names
+                    ]
+                deps.update(f for m in mods if m.startswith("bumblebee.") and (f := _file_of(m)))
     return out
 
 
@@ -216,7 +237,12 @@ def climbs() -> list[tuple[str, str]]:
         for i, (caller, callee) in enumerate(zip(stack, stack[1:])):
             if callee in stack[:i]:
                 continue
-            if _reaches(graph, callee, caller) and not _reaches(graph, caller, callee):
+            higher = _layer(callee) > _layer(caller) or (
+                _layer(callee) == _layer(caller)
+                and _reaches(graph, callee, caller)
+                and not _reaches(graph, caller, callee)
+            )
+            if higher:
                 up.add((caller, callee))
     return sorted(up)
 
