@@ -85,11 +85,12 @@ def state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
 
 
 @torch.no_grad()
-def full_named_parameters(model: torch.nn.Module, ep_group=None):
+def full_named_parameters(model: torch.nn.Module, ep_group=None, ep: int | None = None):
     """Yield (name, full tensor) for every parameter of a possibly sharded model: FSDP
     shards are all-gathered, and expert tensors (``model.is_expert_param``) are
     concatenated over the ep group. Collective: every rank must iterate it to the end."""
-    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    if ep is None:  # a caller without the parallel state (``ep``: the group's size)
+        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     for name, p in model.named_parameters():
         t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
         if ep > 1 and model.is_expert_param(name):
