@@ -9,7 +9,8 @@ dp_shard: it only has to divide dp_shard*cp*tp (ep * edp = dp_shard * cp * tp).
 
 The layout itself (sizes only) is resolved and checked without any process group
 by ``runtime/resolve.py``, so impossible layouts fail in the launcher with a
-one-line reason before a single process starts.
+one-line reason before a single process starts. ``build_context`` returns the one
+``ParallelState`` (primitives/parallel.py: primitives may not import runtime).
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from bumblebee.primitives.parallel import Layout, ParallelState
-
-# the runtime's name for the one parallel state (primitives/parallel.py holds it: primitives
-# may not import runtime)
-ParallelContext = ParallelState
 
 
 def single_process(device: torch.device) -> ParallelState:
