@@ -41,13 +41,13 @@ class RunPlan:
 
     arch: Any  # the model family's arch dataclass
     layout: Layout
-    rows_per_rank: int  # train.global_batch / dp_shard
+    rows_per_rank: int  # train.global_batch / dp_shard, or the Engine's rows
     micro_batches: int  # per step and rank: rows_per_rank / train.micro_batch
     pp_microbatches: int  # micro-batches of one pipeline schedule run (1 without pp)
     balance: str  # the balance-loss definition computed (config.balance_mode)
     # copies of the balance loss the global batch's mean runs over (micro-batches x dp x cp)
     balance_denominator: int
-    tokens_per_step: int  # train.global_batch x train.seq_len
+    tokens_per_step: int  # rows_per_rank x dp_shard x train.seq_len
     mtp_depth: int  # MTP depths trained
     device: str  # the device kind the kernels are for ("cuda" under train.emulate_cuda)
     kernels: dict[str, Kernel]  # slot -> the kernel its implementation runs there
