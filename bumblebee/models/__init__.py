@@ -119,7 +119,7 @@ def build_model(
     train_dtype: str = "float32",
 ):
     """A model of ``arch``'s family with the chosen primitives; ``groups``
-    (``primitives.parallel.ParallelGroups``) when it is split over ranks. Initialized from
+    (``primitives.parallel.ParallelState``) when it is split over ranks. Initialized from
     ``seed`` (None: drawn from torch's global generator), identically for every layout; with
     ``device="meta"`` nothing is allocated: split it (pipeline stage, sharding) and then
     ``materialize`` it, so a rank only ever holds its share. ``lora``: a ``LoraConfig``

@@ -37,7 +37,7 @@ from bumblebee.models.weights import WeightInit
 from bumblebee.primitives.cp.zigzag import build_cp_shards
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.packed import default_position_ids, doc_layout
-from bumblebee.primitives.parallel import ParallelGroups
+from bumblebee.primitives.parallel import ParallelState
 from bumblebee.primitives.rope import rope_cos_sin, yarn_inv_freq
 
 
@@ -78,7 +78,7 @@ class LayerParts:
     attend: object  # attention core: the attention slot, or the cp_attention slot when the sequence is split
     dispatch: object  # moe_comm: token dispatch/combine around the experts
     recompute: object  # recompute policy
-    groups: ParallelGroups
+    groups: ParallelState
 
 
 class Backbone(nn.Module):
@@ -99,16 +99,17 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
     family = ""
     norm_cls: type = nn.Module
 
-    def __init__(self, arch, prims=None, groups: ParallelGroups | None = None):
+    def __init__(self, arch, prims=None, groups: ParallelState | None = None):
         super().__init__()
         from bumblebee.config import PrimitivesConfig
 
         self.arch = arch
         self.prims = prims = prims or PrimitivesConfig()
-        self.groups = groups = groups or ParallelGroups()
+        self.groups = groups = groups or ParallelState()
         dispatch = registry.get("moe_comm", prims.moe_comm).factory(
             num_experts=arch.num_experts,
             ep_group=groups.ep_group,
+            ep_size=groups.ep_size,  # carried: the layout's, not read back from the group
             num_chunks=prims.moe_chunks,
             chunk_weights=prims.moe_chunk_weights,
         )
@@ -206,7 +207,7 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
         document layout (the CP layout when the sequence is split)."""
         cp_group = self.groups.cp_group if self.groups.cp_size > 1 else None
         layout = (
-            build_cp_shards(position_ids_BT, cp_group)
+            build_cp_shards(position_ids_BT, cp_group, self.groups.cp_size, self.groups.cp_rank)
             if cp_group is not None
             else doc_layout(position_ids_BT)
         )

@@ -24,7 +24,7 @@ from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.moe.router import build_router
 from bumblebee.primitives.norms import RMSNorm
 from bumblebee.primitives.packed import DocLayout
-from bumblebee.primitives.parallel import ParallelGroups
+from bumblebee.primitives.parallel import ParallelState
 from bumblebee.primitives.recompute import NoRecompute
 from bumblebee.primitives.rope import apply_rope
 
@@ -144,7 +144,7 @@ class MoE(nn.Module):
         arch,
         prims,
         dispatch,
-        groups: ParallelGroups,
+        groups: ParallelState,
         recompute=None,
         *,
         router: str = "",

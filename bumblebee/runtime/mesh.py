@@ -9,97 +9,21 @@ dp_shard: it only has to divide dp_shard*cp*tp (ep * edp = dp_shard * cp * tp).
 
 The layout itself (sizes only) is resolved and checked without any process group
 by ``runtime/resolve.py``, so impossible layouts fail in the launcher with a
-one-line reason before a single process starts.
+one-line reason before a single process starts. ``build_context`` returns the one
+``ParallelState`` (primitives/parallel.py: primitives may not import runtime).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from bumblebee.primitives.parallel import ParallelGroups
-from bumblebee.primitives.sharding import ShardingGroups
-from bumblebee.runtime.resolve import Layout
+from bumblebee.primitives.parallel import Layout, ParallelState
 
 
-@dataclass
-class ParallelContext:
-    """Everything a rank needs to know about the layout; built once per run."""
-
-    layout: Layout
-    rank: int
-    device: torch.device
-    dense: DeviceMesh | None  # (pp, dp_shard, cp, tp)
-    dp_cp: DeviceMesh | None  # (pp, dp_cp): ranks that hold the same dense parameters
-    experts: DeviceMesh | None  # (pp, edp, ep)
-
-    @property
-    def distributed(self) -> bool:
-        return self.layout.world > 1
-
-    def _coord(self, mesh: DeviceMesh | None, axis: str) -> int:
-        return 0 if mesh is None else mesh.get_local_rank(axis)
-
-    def _group(self, mesh: DeviceMesh | None, axis: str):
-        return None if mesh is None else mesh.get_group(axis)
-
-    @property
-    def dp_rank(self) -> int:
-        return self._coord(self.dense, "dp_shard")
-
-    @property
-    def cp_rank(self) -> int:
-        return self._coord(self.dense, "cp")
-
-    @property
-    def cp_group(self):
-        return self._group(self.dense, "cp") if self.layout.cp > 1 else None
-
-    @property
-    def ep_rank(self) -> int:
-        return self._coord(self.experts, "ep")
-
-    @property
-    def ep_group(self):
-        return self._group(self.experts, "ep")
-
-    @property
-    def dp_cp_group(self):
-        return self._group(self.dp_cp, "dp_cp")
-
-    @property
-    def edp_group(self):
-        return self._group(self.experts, "edp")
-
-    @property
-    def pp_rank(self) -> int:
-        return self._coord(self.dense, "pp")
-
-    @property
-    def pp_group(self):
-        """Ranks holding the pipeline stages of the same data (same dp_shard, cp, tp coordinates)."""
-        return self._group(self.dense, "pp") if self.layout.pp > 1 else None
-
-    # the views primitives take: a model its EP / CP groups, a sharding primitive its meshes
-    @property
-    def model_groups(self) -> ParallelGroups:
-        return ParallelGroups(ep_group=self.ep_group, cp_group=self.cp_group)
-
-    @property
-    def sharding_groups(self) -> ShardingGroups:
-        return ShardingGroups(
-            dense_mesh=self.dp_cp["dp_cp"] if self.dp_cp is not None else None,
-            expert_mesh=self.experts["edp"] if self.experts is not None else None,
-            ep_group=self.ep_group,
-        )
-
-
-def single_process(device: torch.device) -> ParallelContext:
-    layout = Layout()
-    return ParallelContext(layout, 0, device, None, None, None)
+def single_process(device: torch.device) -> ParallelState:
+    return ParallelState(device=device)
 
 
 def _group_options(device: torch.device):
@@ -115,7 +39,7 @@ def _group_options(device: torch.device):
     return backend, options
 
 
-def build_context(layout: Layout, device: torch.device, *, fake: bool = False) -> ParallelContext:
+def build_context(layout: Layout, device: torch.device, *, fake: bool = False) -> ParallelState:
     """Create the meshes (collective: every rank calls this with the same layout). Every
     group they create has the world group's collective timeout (train.collective_timeout_s).
     ``fake``: the world group is torch's fake process group (the planner's dry run); its groups
@@ -136,4 +60,23 @@ def build_context(layout: Layout, device: torch.device, *, fake: bool = False) -
     dense = mesh((L.pp, L.dp_shard, L.cp, L.tp), ("pp", "dp_shard", "cp", "tp"))
     dp_cp = mesh((L.pp, L.dp_shard * L.cp * L.tp), ("pp", "dp_cp"))
     experts = mesh((L.pp, L.edp, L.ep), ("pp", "edp", "ep"))
-    return ParallelContext(layout, dist.get_rank(), device, dense, dp_cp, experts)
+    return ParallelState(
+        layout=layout,
+        rank=dist.get_rank(),
+        device=device,
+        dense=dense,
+        dp_cp=dp_cp,
+        experts=experts,
+        dp_rank=dense.get_local_rank("dp_shard"),
+        cp_rank=dense.get_local_rank("cp"),
+        ep_rank=experts.get_local_rank("ep"),
+        pp_rank=dense.get_local_rank("pp"),
+        dp_cp_rank=dp_cp.get_local_rank("dp_cp"),
+        edp_rank=experts.get_local_rank("edp"),
+        ep_group=experts.get_group("ep"),
+        cp_group=dense.get_group("cp") if L.cp > 1 else None,
+        pp_group=dense.get_group("pp") if L.pp > 1 else None,
+        dp_group=dense.get_group("dp_shard"),
+        dp_cp_group=dp_cp.get_group("dp_cp"),
+        edp_group=experts.get_group("edp"),
+    )

@@ -8,7 +8,8 @@ RL Engine and the planner, so they cannot disagree about what runs:
 - ``resolve_layout(parallel, world, arch)``: ``dp_shard = "auto"`` resolved and the
   layout checked against a world size (EP folding, divisibility);
 - ``check_run(cfg, world)``: both, plus what the step needs (rows per rank, zigzag
-  chunks, pipeline stages); returns the ``RunPlan`` every builder reads;
+  chunks, pipeline stages, the kernel of each slot); returns the ``RunPlan`` every builder
+  reads;
 - ``load_config(path, overrides)``: parse + ``validate_run`` (``bumblebee.load_config``).
 
 "Layout" means one thing in bumblebee: the sizes of the parallel dimensions.
@@ -16,8 +17,11 @@ RL Engine and the planner, so they cannot disagree about what runs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 import bumblebee.primitives  # noqa: F401  (registers every implementation)
 from bumblebee import registry
@@ -26,40 +30,9 @@ from bumblebee.config_checks import validate
 from bumblebee.config_parse import parse_config
 from bumblebee.errors import gather
 from bumblebee.models import FAMILIES, family_of, resolve_arch
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """The sizes of the parallel dimensions. Ranks are (pp, dp_shard, cp, tp), tp fastest;
-    experts fold ep over the dp_shard x cp x tp ranks of a stage (edp replicas of each)."""
-
-    pp: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp_shard * self.cp * self.tp
-
-    @property
-    def edp(self) -> int:
-        """Replicas of each expert shard (expert data parallel)."""
-        return self.dp_shard * self.cp * self.tp // self.ep
-
-    @property
-    def dp_cp(self) -> int:
-        return self.dp_shard * self.cp
-
-    def short(self) -> str:
-        return f"tp={self.tp} pp={self.pp} ep={self.ep} cp={self.cp} dp_shard={self.dp_shard}"
-
-    def describe(self) -> str:
-        return (
-            f"world={self.world}: pp={self.pp} dp_shard={self.dp_shard} cp={self.cp} tp={self.tp}; "
-            f"experts: ep={self.ep} edp={self.edp}"
-        )
+from bumblebee.primitives import emulation
+from bumblebee.primitives.kernel_choice import Kernel, kernel_table
+from bumblebee.primitives.parallel import Layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,14 +42,41 @@ class RunPlan:
 
     arch: Any  # the model family's arch dataclass
     layout: Layout
-    rows_per_rank: int  # train.global_batch / dp_shard
+    rows_per_rank: int  # train.global_batch / dp_shard, or the Engine's rows
     micro_batches: int  # per step and rank: rows_per_rank / train.micro_batch
     pp_microbatches: int  # micro-batches of one pipeline schedule run (1 without pp)
     balance: str  # the balance-loss definition computed (config.balance_mode)
     # copies of the balance loss the global batch's mean runs over (micro-batches x dp x cp)
     balance_denominator: int
-    tokens_per_step: int  # train.global_batch x train.seq_len
+    tokens_per_step: int  # rows_per_rank x dp_shard x train.seq_len
     mtp_depth: int  # MTP depths trained
+    device: str  # the device kind the kernels are for ("cuda" under train.emulate_cuda)
+    kernels: dict[str, Kernel]  # slot -> the kernel its implementation runs there
+
+    def on_device(self, cfg: Config, device: str) -> RunPlan:
+        """This plan with the kernels of ``device`` (a Trainer given another device's plan)."""
+        if device == self.device:
+            return self
+        return replace(
+            self, device=device, kernels=run_kernels(cfg, self.arch, self.layout, device)
+        )
+
+
+def run_kernels(cfg: Config, arch, layout: Layout, device: str) -> dict[str, Kernel]:
+    """slot -> kernel of the configured implementations on ``device`` for this model (its
+    attention options) and layout (the CP slot), as ``bumblebee primitives`` lists them; under
+    train.emulate_cuda, what the emulated CUDA run executes."""
+    spec = arch.to_spec()
+    options = {"sinks": spec.attn_sinks, "window": any(spec.windows)}
+    emulate = cfg.train.emulate_cuda and not emulation.active()
+    # only the dispatch's switch: no checked communication outside a run
+    with emulation.emulate_cuda(check_comm=False) if emulate else contextlib.nullcontext():
+        return kernel_table(cfg.primitives, device, cfg.train.dtype, cp=layout.cp, **options)
+
+
+def device_kind(cfg: Config) -> str:
+    """The device kind a run of ``cfg`` computes on here: "cuda" under train.emulate_cuda."""
+    return "cuda" if cfg.train.emulate_cuda or torch.cuda.is_available() else "cpu"
 
 
 def resolve_layout(parallel_cfg, world: int, arch) -> Layout:
@@ -168,10 +168,14 @@ def load_config(
     return cfg
 
 
-def check_run(cfg: Config, world: int) -> RunPlan:
+def check_run(
+    cfg: Config, world: int, *, rows_per_rank: int | None = None, device: str | None = None
+) -> RunPlan:
     """Everything about a run on ``world`` ranks that can be rejected before any process
     group exists (the launcher calls this in the parent process); every problem found, a line
-    each. The ``RunPlan`` of what runs."""
+    each. The ``RunPlan`` of what runs. ``rows_per_rank``: a caller that brings each rank's
+    batch (the RL Engine) gives its rows per step instead of train.global_batch; ``device``:
+    the device kind whose kernels the plan lists (default: ``device_kind(cfg)``)."""
     arch = resolve_arch(cfg.model)
     layout = resolve_layout(cfg.parallel, world, arch)
     p, t = cfg.primitives, cfg.train
@@ -202,9 +206,16 @@ def check_run(cfg: Config, world: int) -> RunPlan:
                 f"parallel.cp > 1 is not supported yet for model {cfg.model.name!r}; valid: {able}"
             )
 
-    rows, rem = divmod(t.global_batch, layout.dp_shard)
+    if rows_per_rank is None:
+        rows, rem = divmod(t.global_batch, layout.dp_shard)
+    else:
+        rows, rem = rows_per_rank, 0
 
     def batch():
+        if rows_per_rank is not None and rows % t.micro_batch:
+            raise ConfigError(
+                f"train.micro_batch ({t.micro_batch}) must divide the {rows} rows of each rank"
+            )
         if rem or rows % t.micro_batch:
             unit = layout.dp_shard * t.micro_batch
             raise ConfigError(
@@ -213,8 +224,10 @@ def check_run(cfg: Config, world: int) -> RunPlan:
                 f"--set train.global_batch={unit * max(1, round(t.global_batch / unit))}"
             )
 
-    gather(sharding, moe_comm, cp, batch, lambda: check_pipeline(cfg, layout, arch, rows))
+    hint = rows_per_rank is None  # train.global_batch is what to change
+    gather(sharding, moe_comm, cp, batch, lambda: check_pipeline(cfg, layout, arch, rows, hint))
     micro = rows // t.micro_batch
+    device = device or device_kind(cfg)
     pp_micro = (p.pp_microbatches or micro) if layout.pp > 1 else 1
     return RunPlan(
         arch=arch,
@@ -224,13 +237,16 @@ def check_run(cfg: Config, world: int) -> RunPlan:
         pp_microbatches=pp_micro,
         balance=balance_mode(cfg, layout.pp),
         balance_denominator=(pp_micro if layout.pp > 1 else micro) * layout.dp_shard * layout.cp,
-        tokens_per_step=t.global_batch * t.seq_len,
+        tokens_per_step=rows * layout.dp_shard * t.seq_len,
         mtp_depth=mtp_depth(cfg, arch),
+        device=device,
+        kernels=run_kernels(cfg, arch, layout, device),
     )
 
 
-def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:
-    """Reject pipeline settings that cannot run (one-line ConfigErrors, before any process starts)."""
+def check_pipeline(cfg, layout, arch, rows_per_rank: int, hint: bool = True) -> None:
+    """Reject pipeline settings that cannot run (one-line ConfigErrors, before any process starts);
+    ``hint``: suggest a train.global_batch."""
     p = cfg.primitives
     if p.pp_microbatches < 0 or p.pp_virtual_stages < 1:
         raise ConfigError(
@@ -242,12 +258,12 @@ def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:
             raise ConfigError("primitives.pp_layout and pp_virtual_stages need parallel.pp > 1")
         return
     gather(
-        lambda: _check_schedule(cfg, layout, rows_per_rank),
+        lambda: _check_schedule(cfg, layout, rows_per_rank, hint),
         lambda: _check_stages(cfg, layout, arch),
     )
 
 
-def _check_schedule(cfg, layout, rows_per_rank: int) -> None:
+def _check_schedule(cfg, layout, rows_per_rank: int, hint: bool) -> None:
     p = cfg.primitives
     m = p.pp_microbatches or rows_per_rank // cfg.train.micro_batch
     if rows_per_rank % m:
@@ -257,13 +273,13 @@ def _check_schedule(cfg, layout, rows_per_rank: int) -> None:
         )
     problem = registry.get("pipeline", p.pipeline).factory.check(layout.pp, m, p.pp_virtual_stages)
     if problem:
-        hint = ""
-        if not p.pp_microbatches and cfg.train.micro_batch == 1:
-            hint = (
+        more = ""
+        if hint and not p.pp_microbatches and cfg.train.micro_batch == 1:
+            more = (
                 f" (train.global_batch {cfg.train.global_batch} / dp_shard {layout.dp_shard} rows per "
                 f"pipeline): raise train.global_batch to {layout.dp_shard * layout.pp} or more"
             )
-        raise ConfigError(f"primitives.pipeline = {p.pipeline!r} {problem}{hint}")
+        raise ConfigError(f"primitives.pipeline = {p.pipeline!r} {problem}{more}")
 
 
 def _check_stages(cfg, layout, arch) -> None:

@@ -22,92 +22,32 @@ import time
 import torch
 import torch.distributed as dist
 
-from bumblebee import registry
 from bumblebee.config import Config, ConfigError, eval_interval
 from bumblebee.config_parse import dump_toml
 from bumblebee.data import build_source
 from bumblebee.data.packing import Batch
-from bumblebee.models import build_model, materialize, resolve_arch
 from bumblebee.perf.flops import Throughput, device_peak
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives import emulation
 from bumblebee.primitives.kernel_choice import describe as describe_kernels
-from bumblebee.primitives.kernel_choice import kernel_table
 from bumblebee.primitives.moe.balance import load_summary
-from bumblebee.primitives.parallel import ParallelGroups
+from bumblebee.runtime.build import build_run, check_world, pick_device
 from bumblebee.runtime.checkpoint.checkpointer import Checkpointer
 from bumblebee.runtime.checkpoint.export import export_checkpoint
 from bumblebee.runtime.eval import evaluate
 from bumblebee.runtime.launch.signals import Preempted, Preemption
-from bumblebee.runtime.mesh import ParallelContext, build_context, single_process
 from bumblebee.runtime.metrics import MetricsWriter, wandb_init
-from bumblebee.runtime.optim import build_optimizer, lr_at, static_state_bytes
+from bumblebee.runtime.optim import lr_at, static_state_bytes
 from bumblebee.runtime.pipeline import Pipeline
-from bumblebee.runtime.resolve import RunPlan, check_run
+from bumblebee.runtime.resolve import RunPlan
 from bumblebee.runtime.step import (
     accumulate,
     accumulate_global_balance,
-    autocast_for,
     lm_forward,
     local_batch,
     micro_batches,
     optimizer_tail,
 )
-
-
-def pick_device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=False)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-
-def build_initial_model(
-    cfg: Config, device: torch.device, groups: ParallelGroups | None = None, split=None, arch=None
-):
-    """The model a config describes, holding this rank's share only: built on the meta device,
-    cut by ``split(model) -> model`` while it has no memory (the pipeline keeps this rank's
-    stages, the sharding primitive wraps it: FSDP2 shards, expert slices), then materialized on
-    ``device`` and filled in place: the random init of ``train.seed`` (identical for every
-    layout), or each rank's slices of ``model.hf_path``."""
-    arch = arch or resolve_arch(cfg.model)
-    model = build_model(
-        arch,
-        cfg.primitives,
-        groups or ParallelGroups(),
-        device="meta",
-        lora=cfg.model.lora if cfg.model.lora.rank else None,
-        train_dtype=cfg.train.dtype,
-    )
-    model.set_mtp(
-        cfg.mtp.depth, cfg.mtp.loss_weight
-    )  # before the split: the last pipeline stage runs MTP
-    if split is not None:
-        model = split(model)
-    return materialize(model, device, seed=cfg.train.seed, hf_path=cfg.model.hf_path)
-
-
-def check_world(cfg: Config) -> RunPlan:
-    """The run resolved for the current process group (one process without one)."""
-    return check_run(cfg, dist.get_world_size() if dist.is_initialized() else 1)
-
-
-def build_parallel_context(plan: RunPlan, device: torch.device) -> ParallelContext:
-    """Single process, or the meshes of the current process group."""
-    return single_process(device) if plan.layout.world == 1 else build_context(plan.layout, device)
-
-
-def build_sharding(cfg: Config, ctx: ParallelContext):
-    """The configured sharding primitive over this layout's groups (``wrap(model)`` comes next)."""
-    return registry.get("sharding", cfg.primitives.sharding).factory(ctx.sharding_groups, cfg.train)
 
 
 class Trainer:
@@ -132,35 +72,16 @@ class Trainer:
         self.cfg = cfg
         t = cfg.train
         self.device = device or (torch.device("cpu") if t.emulate_cuda else pick_device())
-        self.plan = plan = plan or check_world(cfg)
-        self.ctx = build_parallel_context(plan, self.device)
-        self.rank = self.ctx.rank
-        self.dp_rank, self.dp_size = self.ctx.dp_rank, plan.layout.dp_shard
+        kind = "cuda" if t.emulate_cuda else self.device.type
+        self.plan = plan = plan.on_device(cfg, kind) if plan else check_world(cfg, device=kind)
+        run = build_run(cfg, plan, self.device, Pipeline, capacity=True)
+        self.ctx = ctx = run.ctx
+        self.rank = ctx.rank
+        self.dp_rank, self.dp_size = ctx.dp_rank, plan.layout.dp_shard
         self.rows_per_rank, self.accum = plan.rows_per_rank, plan.micro_batches
-        seed_everything(t.seed, t.deterministic)
-        ctx = self.ctx
         self.cp, self.cp_rank = ctx.layout.cp, ctx.cp_rank
-        self.autocast = autocast_for(self.device, t.dtype)
-        self.pipeline = None
-        self.sharding = build_sharding(cfg, ctx)
-
-        def split(model):  # on the meta device: nothing allocated yet
-            if (
-                ctx.layout.pp > 1
-            ):  # keep this rank's pipeline stages only; that part is what gets sharded
-                self.pipeline = Pipeline(cfg, plan, ctx, model, self.device, self.autocast)
-            return self.sharding.wrap(model)
-
-        self.model = build_initial_model(
-            cfg,
-            self.device,
-            ctx.model_groups,
-            split,
-            arch=plan.arch,
-        )
-        self.model.set_capacity(cfg.moe.capacity_factor)  # 0: every token reaches its k experts
-        self.sharding.after_load()  # e.g. zero1 takes its fp32 master slices of the weights
-        self.optimizer = build_optimizer(t, self.sharding)
+        self.autocast, self.pipeline, self.sharding = run.autocast, run.pipeline, run.sharding
+        self.model, self.optimizer = run.model, run.optimizer
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)
         self.checkpoint = Checkpointer(
             cfg, ctx, self.model, self.sharding, self.optimizer, stream=stream
@@ -185,12 +106,7 @@ class Trainer:
                 stream.write(
                     f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n"
                 )
-            kind = "cuda" if t.emulate_cuda else self.device.type
-            spec = self.model.arch.to_spec()
-            options = {"sinks": spec.attn_sinks, "window": any(spec.windows)}
-            kernels = describe_kernels(
-                kernel_table(cfg.primitives, kind, t.dtype, cp=ctx.layout.cp, **options)
-            )
+            kernels = describe_kernels(plan.kernels)
             emulated = " (emulated CUDA: CPU tensors, reference kernels, checked communication)"
             stream.write(
                 "bumblebee: kernels " + kernels + (emulated if t.emulate_cuda else "") + "\n"

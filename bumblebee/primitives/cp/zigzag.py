@@ -75,9 +75,13 @@ class CPShards:
         return zigzag_index(self.seq_len, self.size, r, self.index_L.device)
 
 
-def build_cp_shards(position_ids_local_BT: torch.Tensor, group) -> CPShards:
-    """All-gather the local position ids and rebuild the global document layout."""
-    C, r = dist.get_world_size(group), dist.get_rank(group)
+def build_cp_shards(
+    position_ids_local_BT: torch.Tensor, group, size: int | None = None, rank: int | None = None
+) -> CPShards:
+    """All-gather the local position ids and rebuild the global document layout. ``size`` /
+    ``rank``: the group's, when the caller carries them (a model's ``ParallelState``)."""
+    C = dist.get_world_size(group) if size is None else size
+    r = dist.get_rank(group) if rank is None else rank
     parts = [torch.empty_like(position_ids_local_BT) for _ in range(C)]
     dist.all_gather(parts, position_ids_local_BT.contiguous(), group=group)
     global_pos = unshard_sequence(parts)

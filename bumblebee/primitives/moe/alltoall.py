@@ -75,10 +75,10 @@ def regroup_by_expert(recv_RL: torch.Tensor) -> torch.Tensor:
     "moe_comm", "alltoall", summary="uneven all_to_all_single dispatch/combine over the ep group"
 )
 class AllToAllDispatch:
-    def __init__(self, num_experts: int, ep_group=None, **_unused):
+    def __init__(self, num_experts: int, ep_group=None, ep_size: int | None = None, **_unused):
         self.num_experts = num_experts
         self.group = ep_group
-        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep = ep_size or (1 if ep_group is None else dist.get_world_size(ep_group))
         if num_experts % self.ep:
             raise ValueError(
                 f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})"

@@ -288,7 +288,13 @@ class ChunkedDispatch:
     every MoE layer, or one list (2-4 shares) per MoE layer in order (``for_layer``)."""
 
     def __init__(
-        self, num_experts: int, ep_group=None, num_chunks: int = 2, chunk_weights=(), **_unused
+        self,
+        num_experts: int,
+        ep_group=None,
+        num_chunks: int = 2,
+        chunk_weights=(),
+        ep_size: int | None = None,
+        **_unused,
     ):
         from bumblebee.config import ConfigError  # lazily, as registry.get does
 
@@ -311,7 +317,7 @@ class ChunkedDispatch:
                 )
         self.per_layer = [tuple(w) for w in chunk_weights] if per_layer else None
         self.weights = tuple(chunk_weights) if chunk_weights and not per_layer else None
-        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep = ep_size or (1 if ep_group is None else dist.get_world_size(ep_group))
         if num_experts % self.ep:
             raise ValueError(
                 f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})"

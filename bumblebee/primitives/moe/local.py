@@ -53,8 +53,9 @@ def unpermute(y_NH: torch.Tensor, order_N: torch.Tensor, weight_TK: torch.Tensor
     "moe_comm", "local", reference=True, summary="all experts on this rank: permute, FFN, unpermute"
 )
 class LocalDispatch:
-    def __init__(self, num_experts: int, ep_group=None, **_unused):
-        if ep_group is not None and torch.distributed.get_world_size(ep_group) > 1:
+    def __init__(self, num_experts: int, ep_group=None, ep_size: int | None = None, **_unused):
+        ep = ep_size or (1 if ep_group is None else torch.distributed.get_world_size(ep_group))
+        if ep > 1:
             raise ValueError(
                 "moe_comm = 'local' keeps every expert on one rank; with ep > 1 use 'alltoall'"
             )

@@ -1,4 +1,4 @@
-"""What every sharding implementation shares: the groups it shards over, how to tell
+"""What every sharding implementation shares: how to tell
 expert parameters from dense ones, the global gradient norm and clipping.
 
 Gradient convention (all implementations): the training loss on each rank is its
@@ -11,41 +11,26 @@ dense parameters: dp_shard x cp); expert parameters over the ``expert`` group
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-
-@dataclass(frozen=True)
-class ShardingGroups:
-    dense_mesh: object = None  # 1-D DeviceMesh over dp_shard x cp (None: single process)
-    expert_mesh: object = None  # 1-D DeviceMesh over edp
-    ep_group: object = None  # ranks holding different experts of a layer
-
-    @property
-    def dense_group(self):
-        return None if self.dense_mesh is None else self.dense_mesh.get_group()
-
-    @property
-    def expert_group(self):
-        return None if self.expert_mesh is None else self.expert_mesh.get_group()
+from bumblebee.primitives.parallel import ParallelState
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
+def _all_reduce(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    if group is not None and size > 1:
         dist.all_reduce(x, group=group)
     return x
 
 
 def clip_grad_norm(
     named_params,
-    groups: ShardingGroups,
+    groups: ParallelState,
     max_norm: float,
     is_expert_param,
     *,
@@ -72,10 +57,10 @@ def clip_grad_norm(
     dense_sq = torch.zeros((), device=device) if dense_sq is None else dense_sq
     expert_sq = torch.zeros((), device=device) if expert_sq is None else expert_sq
     if dense_sharded:
-        _all_reduce(dense_sq, groups.dense_group)
+        _all_reduce(dense_sq, groups.dense_group, groups.dense_size)
     if expert_sharded:
-        _all_reduce(expert_sq, groups.expert_group)
-    _all_reduce(expert_sq, groups.ep_group)  # different experts on every ep rank
+        _all_reduce(expert_sq, groups.expert_group, groups.expert_size)
+    _all_reduce(expert_sq, groups.ep_group, groups.ep_size)  # different experts on every ep rank
     total = (dense_sq + expert_sq).sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
@@ -100,11 +85,12 @@ def state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
 
 
 @torch.no_grad()
-def full_named_parameters(model: torch.nn.Module, ep_group=None):
+def full_named_parameters(model: torch.nn.Module, ep_group=None, ep: int | None = None):
     """Yield (name, full tensor) for every parameter of a possibly sharded model: FSDP
     shards are all-gathered, and expert tensors (``model.is_expert_param``) are
     concatenated over the ep group. Collective: every rank must iterate it to the end."""
-    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    if ep is None:  # a caller without the parallel state (``ep``: the group's size)
+        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     for name, p in model.named_parameters():
         t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
         if ep > 1 and model.is_expert_param(name):

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from bumblebee.primitives.sharding.common import ShardingGroups, state_bytes
+from bumblebee.primitives.parallel import ParallelState
+from bumblebee.primitives.sharding.common import state_bytes
 from bumblebee.primitives.sharding.costs import ShardingCosts
 from bumblebee.registry import register
 
@@ -47,7 +48,7 @@ COSTS = ShardingCosts(
     "sharding", "none", reference=True, summary="single process: nothing sharded", costs=COSTS
 )
 class NoSharding:
-    def __init__(self, groups: ShardingGroups, train_cfg):
+    def __init__(self, groups: ParallelState, train_cfg):
         self.groups, self.train_cfg = groups, train_cfg
 
     def wrap(self, model):

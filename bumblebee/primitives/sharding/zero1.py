@@ -32,17 +32,16 @@ from bumblebee.registry import register
 class _Slice:
     """One parameter's slice owned by this rank: flat range [lo, hi) of a padded length s*w."""
 
-    def __init__(self, p: torch.Tensor, group):
+    def __init__(self, p: torch.Tensor, group, size: int, rank: int):
         self.p, self.group = p, group
-        self.w = 1 if group is None else dist.get_world_size(group)
-        r = 0 if group is None else dist.get_rank(group)
+        self.w, r = (1, 0) if group is None else (size, rank)
         self.s = math.ceil(p.numel() / self.w)
         self.lo, self.hi = min(p.numel(), r * self.s), min(p.numel(), (r + 1) * self.s)
         self.master = torch.nn.Parameter(p.detach().flatten()[self.lo : self.hi].clone())
 
 
-def _flat_all_reduce(tensors: list[torch.Tensor], group) -> None:
-    if not tensors or group is None or dist.get_world_size(group) == 1:
+def _flat_all_reduce(tensors: list[torch.Tensor], group, size: int) -> None:
+    if not tensors or group is None or size == 1:
         return
     flat = torch.cat([t.flatten() for t in tensors])
     dist.all_reduce(flat, group=group)
@@ -79,7 +78,9 @@ class Zero1(NoSharding):
         g = self.groups
         self.is_expert = model.is_expert_param
         self.slices = {  # trainable parameters only: a frozen one (LoRA base) has no optimizer state
-            name: _Slice(p, g.expert_group if self.is_expert(name) else g.dense_group)
+            name: _Slice(p, g.expert_group, g.expert_size, g.expert_rank)
+            if self.is_expert(name)
+            else _Slice(p, g.dense_group, g.dense_size, g.dense_rank)
             for name, p in self.named
             if p.requires_grad
         }
@@ -116,8 +117,9 @@ class Zero1(NoSharding):
                 p.grad = torch.zeros_like(p)
         dense = [p.grad for n, p in trained if not self.is_expert(n)]
         experts = [p.grad for n, p in trained if self.is_expert(n)]
-        _flat_all_reduce(dense, self.groups.dense_group)
-        _flat_all_reduce(experts, self.groups.expert_group)
+        g = self.groups
+        _flat_all_reduce(dense, g.dense_group, g.dense_size)
+        _flat_all_reduce(experts, g.expert_group, g.expert_size)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(

@@ -27,7 +27,6 @@ def _activations_fit(cfg: Config, layout, arch) -> None:
     """A lower bound only (one layer's input and output for one micro-batch, 2 bytes a value):
     a train.seq_len beyond it never reached step 1 (1e9 tokens: the data plan alone ran for
     hours), so it is refused now. The planner sizes everything else."""
-    import torch
 
     from bumblebee.data.cli import host_memory
 
@@ -92,7 +91,9 @@ def preflight(cfg: Config, world: int):
         check_token_vocab(d.path, d.eval_path, arch.vocab_size, cfg.model)
     if t.resume:
         check_resume(cfg, arch)
-    check_kernels(cfg, arch, cuda=torch.cuda.is_available() and not t.emulate_cuda)
+    check_kernels(
+        cfg, arch, cuda=plan.device == "cuda" and not t.emulate_cuda, kernels=plan.kernels
+    )
     check_out_dir(
         t.out_dir,
         checkpoints=bool(t.save_every or t.export_hf),
@@ -101,13 +102,16 @@ def preflight(cfg: Config, world: int):
     return plan
 
 
-def check_kernels(cfg: Config, arch, cuda: bool) -> None:
+def check_kernels(cfg: Config, arch, cuda: bool, kernels: dict | None = None) -> None:
     """On CUDA, a model with Gated DeltaNet layers and no FLA would run the pure-PyTorch chunk loop
     (thousands of small kernels per layer, ~10x the fused kernel's activation memory): refuse it
-    unless ``primitives.allow_fallback`` says the user wants exactly that."""
+    unless ``primitives.allow_fallback`` says the user wants exactly that. ``kernels``: the run's
+    CUDA kernel table (``RunPlan.kernels``), asked here when not given."""
     if not cuda or cfg.primitives.allow_fallback or "linear_attention" not in arch.optional_slots():
         return
-    kernel = select("linear_attention", cfg.primitives.linear_attention, "cuda", cfg.train.dtype)
+    kernel = (kernels or {}).get("linear_attention") or select(
+        "linear_attention", cfg.primitives.linear_attention, "cuda", cfg.train.dtype
+    )
     if cfg.primitives.linear_attention == "chunked" and not kernel.fused:
         raise ConfigError(
             "Gated DeltaNet on CUDA needs flash-linear-attention's kernel: pip install -e '.[gpu]' "

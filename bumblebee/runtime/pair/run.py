@@ -239,9 +239,11 @@ def measure_row(step, name: str, kind: str, a: float, b: float) -> dict:
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every parameter of the model, unsharded, on every rank (collective). With pp > 1 each
     rank holds its stages' layers only: the pipeline ranks' parameters are gathered (on the host)."""
-    weights = dict(full_named_parameters(trainer.model, trainer.ctx.ep_group))
+    weights = dict(
+        full_named_parameters(trainer.model, trainer.ctx.ep_group, trainer.ctx.layout.ep)
+    )
     if getattr(trainer, "pipeline", None) is not None:
-        parts: list = [None] * dist.get_world_size(trainer.ctx.pp_group)
+        parts: list = [None] * trainer.ctx.layout.pp
         dist.all_gather_object(
             parts, {n: t.cpu() for n, t in weights.items()}, group=trainer.ctx.pp_group
         )
