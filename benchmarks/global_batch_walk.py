@@ -167,7 +167,9 @@ def walk(overrides: list[str] | None = None) -> list[str]:
 
 LAYERS = {  # tests/unit/test_layering.py's order, bottom first (api, plan, cli on top)
     **dict.fromkeys("config config_checks console registry errors report".split(), 0),
-    **dict.fromkeys(["report_inputs", "outputs"], 0),
+    **dict.fromkeys(
+        ["report_inputs", "outputs", "config_parse", "config_aliases", "report_panels"], 0
+    ),
     **dict.fromkeys(["primitives", "data", "perf"], 1),
     "models": 2,
     "runtime": 3,

@@ -1,5 +1,5 @@
 """A run resolved once (issue 36 items 1 and 5): the RL Engine's batch reaches ``check_run``
-without rewriting the config; the ``RunPlan`` lists the kernel of each slot as the dispatch
+without rewriting the config; the ``RunPlan`` lists the kernel of each slot as the kernel-choice
 does; one ``ParallelState`` carries the layout's sizes, so building a model and clipping
 gradients never read a size back from a process group; the walk of ``train.global_batch``
 from the Trainer stays short (``benchmarks/global_batch_walk.py``)."""
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from bumblebee import load_config
 from bumblebee.config import ConfigError
-from bumblebee.primitives import dispatch, emulation
+from bumblebee.primitives import emulation, kernel_choice
 from bumblebee.runtime.resolve import check_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,23 +46,25 @@ def test_engine_batch_needs_no_global_batch(tmp_path):
 
 @pytest.mark.parametrize("model", ["qwen3_5_moe", "gpt_oss"])
 def test_plan_lists_the_dispatch_kernels(model):
-    """RunPlan.kernels is the dispatch's table for the plan's device, the model's attention
+    """RunPlan.kernels is the kernel-choice table for the plan's device, the model's attention
     options (gpt-oss: sinks and windows) and the CP slot; under train.emulate_cuda the CUDA
     column as the emulated run executes it."""
     cfg = load_config(None, [*TINY, f"model.name={model}", "parallel.cp=2"])
     plan = check_run(cfg, 2, device="cuda")
     spec = plan.arch.to_spec()
     options = {"sinks": spec.attn_sinks, "window": any(spec.windows)}
-    want = dispatch.kernel_table(cfg.primitives, "cuda", cfg.train.dtype, cp=2, **options)
-    assert plan.device == "cuda" and plan.kernels == want and "cp" in plan.kernels
+    want = kernel_choice.kernel_table(cfg.primitives, "cuda", cfg.train.dtype, cp=2, **options)
+    assert plan.device == "cuda" and plan.kernels == want and "cp_attention" in plan.kernels
     cpu = plan.on_device(cfg, "cpu")
-    assert cpu.kernels == dispatch.kernel_table(
+    assert cpu.kernels == kernel_choice.kernel_table(
         cfg.primitives, "cpu", cfg.train.dtype, cp=2, **options
     )
     assert dataclasses.replace(cpu, kernels=plan.kernels, device="cuda") == plan
     cfg.train.emulate_cuda = True
     with emulation.emulate_cuda(check_comm=False):
-        emulated = dispatch.kernel_table(cfg.primitives, "cuda", cfg.train.dtype, cp=2, **options)
+        emulated = kernel_choice.kernel_table(
+            cfg.primitives, "cuda", cfg.train.dtype, cp=2, **options
+        )
     assert check_run(cfg, 2, device="cuda").kernels == emulated
 
 
