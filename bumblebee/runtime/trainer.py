@@ -30,6 +30,7 @@ from bumblebee.models import build_model, materialize, resolve_arch
 from bumblebee.perf.flops import Throughput, device_peak
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives import emulation
+from bumblebee.primitives.dispatch import configured as configured_dispatch
 from bumblebee.primitives.dispatch import describe as describe_kernels
 from bumblebee.primitives.dispatch import kernel_table
 from bumblebee.primitives.moe.balance import load_summary
@@ -121,7 +122,7 @@ class Trainer:
         plan: RunPlan | None = None,
     ):
         # emulation: wrapping picks the NCCL forms of FSDP2's collectives
-        with emulation.maybe(cfg.train.emulate_cuda):
+        with emulation.maybe(cfg.train.emulate_cuda), configured_dispatch(cfg.primitives):
             self._build(cfg, stream=stream, device=device, plan=plan)
 
     def _build(self, cfg: Config, *, stream, device: torch.device | None, plan) -> None:
@@ -256,7 +257,10 @@ class Trainer:
         counters are read every step; on CPU live tensors are counted by a dispatch mode around
         every op, which costs step time, so only the first step of a run is measured unless
         ``train.track_memory`` (later steps report that peak)."""
-        with emulation.maybe(self.cfg.train.emulate_cuda):
+        with (
+            emulation.maybe(self.cfg.train.emulate_cuda),
+            configured_dispatch(self.cfg.primitives),
+        ):
             measured = (
                 self.device.type == "cuda" or self.cfg.train.track_memory or self._peak is None
             )
@@ -401,7 +405,10 @@ class Trainer:
         return peak
 
     def run(self) -> dict:
-        with emulation.maybe(self.cfg.train.emulate_cuda):
+        with (
+            emulation.maybe(self.cfg.train.emulate_cuda),
+            configured_dispatch(self.cfg.primitives),
+        ):
             return self._run()
 
     def _run(self) -> dict:
