@@ -25,17 +25,15 @@ Legend: T tokens, H hidden, V vocabulary (this rank's slice), t/v a tile of T/V.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from bumblebee.primitives.kernel_region import kernel as region
+from bumblebee.primitives.fused import compiled_call
 
 TILES = (4096, 16384)  # (token_tile, vocab_tile) of the compiled loop
 # launches of one compiled tile (inductor): forward GEMM + fused statistics / merge (+ a spare
 # for a split reduction); backward logits GEMM, fused dz, the dhidden and dW GEMMs
-FWD = ("linear_ce fwd tile (compiled)", 3)
-BWD = ("linear_ce bwd tile (compiled)", 4)
+FWD = ("linear_ce fwd tile", 3)
+BWD = ("linear_ce bwd tile", 4)
 _FP32_MIN = torch.finfo(torch.float32).min
 
 
@@ -72,18 +70,6 @@ def bwd_tile(h_tH, w_vH, col_t, lse_t, gl_t, ge_t, ent_t, temperature: float, ne
     return (dz_tv @ w_vH if need[0] else None, dz_tv.T @ h_tH if need[1] else None)
 
 
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn, fullgraph=True, dynamic=None)
-
-
-def _call(fn, name_launches, cuda: bool, *args):
-    if cuda:
-        return _compiled(fn)(*args)
-    with region(*name_launches):  # emulated: eager, counted as the compiled kernels
-        return fn(*args)
-
-
 def _columns(local_T, V: int, vocab_tile: int) -> torch.Tensor:
     """[N, T]: each label's column in vocab tile n, -1 where it lies in another tile (or slice)."""
     v0_N = torch.arange(0, V, vocab_tile, device=local_T.device)
@@ -96,7 +82,7 @@ def forward(hidden_TH, weight_VH, local_T, temperature, with_entropy, tiles):
     """(m, s, u or None, target logit) per token over this rank's vocabulary slice."""
     T, V = hidden_TH.shape[0], weight_VH.shape[0]
     token_tile, vocab_tile = tiles
-    cuda, dev = hidden_TH.is_cuda, hidden_TH.device
+    dev = hidden_TH.device
     col_NT = _columns(local_T, V, vocab_tile)
     stats = []
     for t0 in range(0, T, token_tile):
@@ -106,7 +92,7 @@ def forward(hidden_TH, weight_VH, local_T, temperature, with_entropy, tiles):
         for j, v0 in enumerate(range(0, V, vocab_tile)):
             w_vH, col = weight_VH[v0 : v0 + vocab_tile], col_NT[j, t0 : t0 + token_tile]
             args = (h_tH, w_vH, col, m, s, u, pick, temperature, with_entropy)
-            m, s, u, pick = _call(fwd_tile, FWD, cuda, *args)
+            m, s, u, pick = compiled_call(*FWD, fwd_tile, *args)
         stats.append(torch.stack([m, s, u, pick]))
     m_T, s_T, u_T, target_T = (
         torch.cat(stats, 1) if stats else torch.zeros(4, 0, dtype=torch.float32, device=dev)
@@ -120,7 +106,7 @@ def backward(hidden_TH, weight_VH, local_T, lse_T, gl_T, ge_T, entropy_T, need, 
     1/temperature folded in."""
     T, V = hidden_TH.shape[0], weight_VH.shape[0]
     token_tile, vocab_tile = tiles
-    cuda, dev = hidden_TH.is_cuda, hidden_TH.device
+    dev = hidden_TH.device
     col_NT = _columns(local_T, V, vocab_tile)
     gh_TH = torch.zeros(T, hidden_TH.shape[1], dtype=torch.float32, device=dev) if need[0] else None
     gw_VH = torch.empty_like(weight_VH) if need[1] else None
@@ -131,7 +117,7 @@ def backward(hidden_TH, weight_VH, local_T, lse_T, gl_T, ge_T, entropy_T, need, 
             t = slice(t0, t0 + token_tile)
             ge_t, ent_t = (None, None) if ge_T is None else (ge_T[t], entropy_T[t])
             args = (hidden_TH[t], w_vH, col_NT[j, t], lse_T[t], gl_T[t], ge_t, ent_t)
-            dh_tH, dw_vH = _call(bwd_tile, BWD, cuda, *args, temperature, need)
+            dh_tH, dw_vH = compiled_call(*BWD, bwd_tile, *args, temperature, need)
             if need[0]:
                 gh_TH[t].add_(dh_tH)  # (not +=: that copies the slice back onto itself)
             if need[1]:
