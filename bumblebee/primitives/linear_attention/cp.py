@@ -18,9 +18,10 @@ One core call gives all four terms: the ``linear_attention`` slot runs on value 
 [v | 0_K] (W = V + K) from the initial state [0 | I_K]. The first V columns evolve from zero
 (S|0, o|0); the last K start at the identity and receive no writes, so they become M_t, and
 their outputs are e_t. A document start inside a segment resets both parts, so M = 0 and
-e_t = 0 beyond it. Through FLA (CUDA) the two parts run as two calls instead, the probe only
-over each row's first document (``cp_probe.py``): no [v | 0_K] copy, no doubled kernel width. Cost: the core runs with V + K value columns (about 1.5-2x the core's
+e_t = 0 beyond it. Cost: the core runs with V + K value columns (about 1.5-2x the core's
 FLOPs for K = V); the core is a few percent of a GDN layer, whose projections dominate.
+Through FLA (CUDA) the two parts run as two calls instead, the probe only over each row's
+first document (``cp_probe.py``): no [v | 0_K] copy, no kernel of doubled width.
 
 Layout. The residual stream stays zigzag (full attention's load-balanced layout,
 ``cp/layout.py``): rank r holds chunks r and 2C-1-r of the 2C chunks. The scan does not need
