@@ -92,3 +92,15 @@ def test_compiled_tile_functions_match_their_eager_form():
         got = torch.compile(fn, fullgraph=True)(*args)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_note_prints_the_loss_launches():
+    from bumblebee.plan.kernels import kernels_note, measured_per_layer
+    from bumblebee.plan.spec import load_spec
+
+    spec, _ = load_spec("qwen3.5-35b-a3b")
+    note = kernels_note(2, True, spec.family, spec, tokens=32768)
+    fwd, bwd = lt.launches(32768, spec.vocab)
+    assert f"{fwd + bwd} launches per micro-batch of 32768 tokens" in note
+    per_layer = measured_per_layer(spec.family)[0]
+    assert f"~{per_layer * len(spec.mixers) + fwd + bwd:,} launches per micro-batch" in note
