@@ -7,8 +7,9 @@ Here each tile is one ``torch.compile``d function (inductor: the logits GEMM, th
 kernel for the max / sum-exp / entropy / target pick and the online merge into the running
 statistics; backward: the logits GEMM, one fused kernel for ``dz``, the two gradient GEMMs),
 over tiles four times larger: 128 tiles of 4096 x 16384 at the running case. The fused kernels
-keep their fp32 temporaries in registers, so the live tile bytes are the bf16 logits and ``dz``
-(2 x 128 MiB), no more than the eager loop's four fp32 2048 x 8192 tiles.
+keep their fp32 temporaries in registers, so a tile holds its bf16 logits and ``dz`` (2 x 128
+MiB by construction; not measured on a GPU), within the planner's workspace of four fp32
+2048 x 8192 tiles.
 
 Same statistics as the eager loop, merged online per token tile instead of after the loop:
 running max ``m``, ``s = sum exp(z - m)``, ``u = sum exp(z - m)(z - m)`` rebased to each new max,
