@@ -11,7 +11,8 @@ Here the two parts run as two calls of the same core:
 - the probe: zero values of width K from the state I_K, over the tokens of each row's *first
   document* only (its state map is zero past the first document start: e_t = 0 there and M = 0
   for a row with a document start inside). Rows are cut to the longest first document, m1
-  tokens; a row whose first document ends before m then gets M = 0 (``keep``).
+  tokens, and run as one document each (one kernel call, whatever the packing); e past a row's
+  first document and M of a row with a document start inside are then set to zero (masks).
 
 The work is V + K columns over m tokens when one document spans the segments (as before, in two
 calls), V over m plus K over m1 with packed shorter documents. Only the FLA path takes it: the
@@ -29,9 +30,19 @@ from bumblebee.primitives.packed import DocLayout, to_device
 
 
 def _probe_rows(rows: DocLayout) -> DocLayout:
-    """The rows cut to the longest first document (m1 tokens), their document starts kept."""
+    """Each row as one document of m1 tokens, m1 = the longest first document: one kernel call
+    (no edge / middle split); what lies past a row's first document is masked off after."""
     m1 = max(b[1] for b in rows.bounds)
-    return DocLayout(tuple((*[x for x in b[:-1] if x < m1], m1) for b in rows.bounds), m1)
+    return DocLayout(tuple((0, m1) for _ in rows.bounds), m1)
+
+
+def _masks(rows: DocLayout, dev):
+    """(first-document tokens [R, m1], rows whose first document spans the segment [R]) as floats:
+    e is zero past a row's first document start, M is zero for a row with one inside."""
+    m, first = rows.seq_len, [b[1] for b in rows.bounds]
+    m1 = max(first)
+    e_RM = to_device([[float(t < f) for t in range(m1)] for f in first], dev, torch.float32)
+    return e_RM, to_device([float(f == m) for f in first], dev, torch.float32)
 
 
 def split_terms(layer, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, rows: DocLayout):
@@ -43,16 +54,12 @@ def split_terms(layer, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, rows: DocLayout)
     o0_RMHV, S0_RHKV = core(q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, rows, None)
     probe = rows.cached("gdn_cp_probe", "host", lambda: _probe_rows(rows))
     m1 = probe.seq_len
-    # a row with a document start inside the segment carries nothing across it: M = 0
-    keep_R = rows.cached(
-        "gdn_cp_keep",
-        dev,
-        lambda: to_device([float(b[1] == m) for b in rows.bounds], dev, torch.float32),
-    )
+    e_mask_RM, keep_R = rows.cached("gdn_cp_masks", dev, lambda: _masks(rows, dev))
     cut = lambda x: x[:, :m1]  # noqa: E731
     zeros_RMHK = q_RMGK.new_zeros(R, m1, H, K)  # the probe writes nothing
     eye_RHKK = torch.eye(K, dtype=torch.float32, device=dev).expand(R, H, K, K)
     e_RMHK, M_RHKK = core(
         cut(q_RMGK), cut(k_RMGK), zeros_RMHK, cut(g_RMH), cut(beta_RMH), probe, eye_RHKK
     )
+    e_RMHK = e_RMHK * e_mask_RM[:, :, None, None].to(e_RMHK.dtype)
     return o0_RMHV, e_RMHK, S0_RHKV.float(), M_RHKK.float() * keep_R[:, None, None, None]
