@@ -232,11 +232,9 @@ def select(
     if (slot, impl) == ("conv", "causal"):  # Gated DeltaNet's short conv (linear_attention/conv.py)
         if cuda and fla and not unfused:
             return Kernel("fla_causal_conv1d", "fla causal_conv1d (fused, varlen)", True)
+        why = "fused paths off" if fla else "fla not installed (pip install -e '.[gpu]')"
         return Kernel(
-            "conv_blocks",
-            "fp32 channel blocks x taps (PyTorch)",
-            False,
-            "fla not installed (pip install -e '.[gpu]')" if cuda else "",
+            "conv_blocks", "fp32 channel blocks x taps (PyTorch)", False, why if cuda else ""
         )
     if (slot, impl) == ("glue", "fused"):  # norms, gated norm, SwiGLU product, RoPE (fused.py)
         if cuda and not unfused:
