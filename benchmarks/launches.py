@@ -3,6 +3,7 @@
 
     python benchmarks/launches.py                  # both parts
     python benchmarks/launches.py --part mixers    # only the real-width mixers (seconds)
+    python benchmarks/launches.py --part moe       # MoE row writes, before / after (minutes)
 
 Two parts:
 
