@@ -7,6 +7,8 @@ backward, the plain sum over choices through the same gather), recompute none an
 dispatch gather's backward on CUDA (``dispatch_rows``) sums the K choices by a gather, in choice
 order (autograd's scatter-add sums them in expert order): the input gradient to fp32 rounding."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from bumblebee.models.blocks import MoE
 from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.perf.syncs import SyncCounter
 from bumblebee.primitives.emulation import emulate_cuda
+from bumblebee.primitives.moe import local
 from bumblebee.primitives.parallel import ParallelGroups
 
 E, H, FFN, K, T = 8, 32, 16, 3, 40
@@ -68,3 +71,26 @@ def test_fused_combine_equals_the_cpu_path(comm, policy):
         }
     else:
         assert names == {"moe_combine (compiled)", "moe_uncombine (compiled)"}
+
+
+@pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
+)
+def test_compiled_gathers_match_their_eager_form():
+    """What CUDA compiles (inductor; here its CPU code): the combine into a slice of the output
+    (an ``out=`` view), its backward gathers and the dispatch gather's backward."""
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(T * K, H, generator=g)
+    order = torch.randperm(T * K, generator=g)
+    inv = local.inverse(order).view(T, K)
+    w, grad = torch.rand(T, K, generator=g), torch.randn(T, H, generator=g)
+    got, want = torch.zeros(2 * T, H), torch.zeros(2 * T, H)
+    local._combine_into(want[T:], y, inv, w)
+    torch.compile(local._combine_into, fullgraph=True)(got[T:], y, inv, w)
+    torch.testing.assert_close(got, want)
+    for fn, args in (
+        (local._combine_grads, (grad, y, order, inv, w)),
+        (local._gather_sum, (y, inv)),
+    ):
+        for a, b in zip(torch.compile(fn, fullgraph=True)(*args), fn(*args)):
+            torch.testing.assert_close(a, b)
