@@ -3,6 +3,7 @@
 
     python benchmarks/launches.py                  # both parts
     python benchmarks/launches.py --part mixers    # only the real-width mixers (seconds)
+    python benchmarks/launches.py --part moe       # MoE row writes, before / after (minutes)
 
 Two parts:
 
@@ -121,16 +122,130 @@ def mixers(tokens: int, rows: int) -> None:
                 )
 
 
+def _moe_rank(rank, world, comm, before, T, H, F, E, K):
+    """One MoE block (Qwen3-MoE's, ``H`` hidden, ``F`` expert FFN) under full recompute, forward and
+    backward, emulated CUDA: (row writes, by kernel). A row write: a kernel other than a GEMM or a
+    collective that writes at least a chunk's rows (T / 2) of width H (a copy, a gather, a fill,
+    an elementwise product, a sum's output); a compiled function counts once, by its outputs."""
+    import collections
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from bumblebee import registry
+    from bumblebee.config import PrimitivesConfig
+    from bumblebee.models.blocks import MoE
+    from bumblebee.models.qwen3_moe import Qwen3MoeArch
+    from bumblebee.perf.syncs import NO_KERNEL
+    from bumblebee.primitives.emulation import emulate_cuda
+    from bumblebee.primitives.kernel_choice import unfused
+    from bumblebee.primitives.moe import local
+    from bumblebee.primitives.parallel import ParallelGroups
+
+    aten = torch.ops.aten
+    gemms = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._grouped_mm.default}
+
+    rows_min = T // 2  # a chunk's tokens (2 chunks)
+
+    def big(x):
+        return (
+            isinstance(x, torch.Tensor)
+            and x.dim() >= 2
+            and x.shape[-1] == H
+            and x.shape[0] * (x.numel() // (x.shape[0] * H)) >= rows_min
+        )
+
+    class RowWrites(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.by_kernel, self.inside = collections.Counter(), False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            skip = self.inside or func in gemms or func in NO_KERNEL or func.is_view
+            if not skip and func.namespace == "aten" and any(big(x) for x in tree_leaves(out)):
+                self.by_kernel[str(func)] += 1
+            return out
+
+    counter = RowWrites()
+    original = local.compiled_call
+
+    def counted(name, launches, fn, *args):  # a compiled kernel writes its outputs only
+        counter.inside = True
+        try:
+            out = original(name, launches, fn, *args)
+        finally:
+            counter.inside = False
+        written = tree_leaves(out) if out is not None else [args[0]]  # *_into: the out argument
+        if any(big(x) for x in written):
+            counter.by_kernel[f"compiled {name}"] += 1
+        return out
+
+    local.compiled_call = counted  # the benchmark's probe (the package never patches)
+
+    arch = Qwen3MoeArch(
+        vocab_size=97,
+        hidden_size=H,
+        intermediate_size=2 * F,
+        moe_intermediate_size=F,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=E,
+        num_experts_per_tok=K,
+    )
+    group = dist.group.WORLD
+    disp = registry.get("moe_comm", comm).factory(num_experts=E, ep_group=group, num_chunks=2)
+    moe = MoE(arch, PrimitivesConfig(), disp, ParallelGroups(ep_group=group))
+    g = torch.Generator().manual_seed(rank)
+    x_TH = torch.randn(T, H, generator=g).requires_grad_()
+    w_TK = torch.rand(T, K, generator=g).requires_grad_()
+    idx_TK = torch.rand(T, E, generator=g).topk(K, dim=-1).indices
+    probe_TH = torch.randn(T, H, generator=g)
+    rc = registry.get("recompute", "full").factory([])
+    with emulate_cuda(check_comm=False), unfused() if before else contextlib.nullcontext():
+        with counter:
+            y = rc.layer(lambda x, w: moe.dispatch(x, idx_TK, w, moe._run_experts), x_TH, w_TK)
+            torch.autograd.backward(y, probe_TH)
+    local.compiled_call = original
+    return sum(counter.by_kernel.values()), dict(counter.by_kernel)
+
+
+def moe(tokens: int) -> None:
+    from dist_utils import run_distributed
+
+    T, H, F, E, K = tokens, 64, 48, 8, 4
+    print(
+        f"MoE permutation: kernels writing [>= {T // 2}, {H}] rows (not GEMMs, not collectives), one "
+        f"MoE layer, full recompute, forward + backward, ep 2 (gloo), {T} tokens, top-{K} of {E}:"
+    )
+    for comm in ("alltoall", "chunked"):
+        got = {}
+        for before in (True, False):
+            got[before] = run_distributed(_moe_rank, 2, comm, before, T, H, F, E, K)[0]
+        print(f"  {comm}: {got[True][0]} -> {got[False][0]} row writes")
+        for before in (True, False):
+            top = sorted(got[before][1].items(), key=lambda kv: -kv[1])
+            print(
+                f"    {'before' if before else 'after '}: " + ", ".join(f"{k} {n}" for k, n in top)
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--part", choices=("layers", "mixers", "both"), default="both")
+    p.add_argument("--part", choices=("layers", "mixers", "moe", "both"), default="both")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--depths", default="4,8", help="two layer counts (Qwen3.5: multiples of 4)")
     p.add_argument("--tokens", type=int, default=16384, help="mixers: tokens per row")
     p.add_argument("--rows", type=int, default=2, help="mixers: rows per rank")
     a = p.parse_args()
+    if a.part == "moe":
+        moe(256)
     if a.part in ("mixers", "both"):
         mixers(a.tokens, a.rows)
     if a.part in ("layers", "both"):

@@ -90,6 +90,10 @@ class PrimitivesConfig:
     dsa_indexer_loss: float = 1.0  # weight of the indexer KL
     # CUDA without a fused kernel's package (fla for Gated DeltaNet): run the slow PyTorch path instead of refusing
     allow_fallback: bool = False
+    # the fused CUDA paths (FLA's causal conv, the compiled norms / SwiGLU / RoPE, the linear CE's
+    # compiled tiles): "auto" takes them where the dispatch offers them, "off" runs the eager paths
+    # (to rule them out when a GPU run misbehaves; primitives/kernel_choice.py)
+    fused: str = "auto"
 
 
 @dataclass(kw_only=True)

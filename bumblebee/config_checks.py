@@ -203,6 +203,8 @@ def _check_primitives(cfg) -> None:
         raise ConfigError(
             f"primitives.linear_attention_cp must be 'scan' or 'relay', got {pr.linear_attention_cp!r}"
         )
+    if pr.fused not in ("auto", "off"):
+        raise ConfigError(f"primitives.fused must be 'auto' or 'off', got {pr.fused!r}")
     if pr.dsa_stage not in ("sparse", "dense_warmup") or pr.dsa_impl not in (
         "blockwise",
         "reference",

@@ -22,6 +22,7 @@ from bumblebee.plan.cp_rules import text as cp_rules_text
 from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.kernels import assumptions, kernels_note
 from bumblebee.plan.layout import Workload, apply_overrides, check, parse_layout, prims_label
+from bumblebee.plan.memory import local_tokens
 from bumblebee.plan.recipe import Recommendation, evaluate, recipe, recipe_primitives, search
 from bumblebee.plan.runnable import emit_toml, run_config, runtime_problem
 from bumblebee.plan.spec import GDN, load_spec, preset_names
@@ -273,7 +274,15 @@ def run(args: argparse.Namespace) -> int:
         "assumed, decided by the runtime at start: bf16 compute, fp32 master weights; on CPU the "
         "pure-PyTorch paths run"
     )
-    notes.append(kernels_note(rec.candidate.layout.cp, GDN in spec.mixers, spec.family, spec))
+    notes.append(
+        kernels_note(
+            rec.candidate.layout.cp,
+            GDN in spec.mixers,
+            spec.family,
+            spec,
+            tokens=local_tokens(work, rec.candidate.layout),
+        )
+    )
     pure = assumptions(rec.candidate.layout.cp, GDN in spec.mixers, spec)["pure_pytorch_here"]
     if pure and rec.candidate.perf:
         notes.append(

@@ -42,9 +42,12 @@ def assumed_kernels(
     )
 
 
-def kernels_note(cp: int, has_gdn: bool, family: str | None = None, spec=None) -> str:
+def kernels_note(
+    cp: int, has_gdn: bool, family: str | None = None, spec=None, tokens: int = 0
+) -> str:
     """One line for the plan: the kernels its figures assume, the launch / sync counts measured
-    for the family, and warnings when FLA or FA3 is absent here."""
+    for the family (per layer; with ``tokens``, the micro-batch's local tokens, the LM head + loss
+    too and the micro-batch's total), and warnings when FLA or FA3 is absent here."""
     table = assumed_kernels(cp, spec=spec)
     if not has_gdn:
         table.pop("linear_attention")
@@ -57,6 +60,20 @@ def kernels_note(cp: int, has_gdn: bool, family: str | None = None, spec=None) -
             f"; measured per layer per micro-batch with these kernels (emulated CUDA, {layout}, "
             f"benchmarks/launches.py): {launches} kernel launches, {syncs:g} host syncs"
         )
+    if tokens and spec is not None and "loss" in table:
+        from bumblebee.primitives.loss import linear_ce_tiles
+
+        fwd, bwd = linear_ce_tiles.launches(tokens, spec.vocab)
+        line += (
+            f"; LM head + linear CE ({table['loss'].label}): {fwd + bwd} launches per micro-batch of "
+            f"{tokens} tokens (counted from the tile loop, linear_ce_tiles.launches)"
+        )
+        if launches is not None:
+            total = launches * len(spec.mixers) + fwd + bwd
+            line += (
+                f"; {len(spec.mixers)} layers + loss: ~{total:,} launches per micro-batch (without "
+                f"pipeline stages)"
+            )
     if has_gdn and not kernel_choice.package_present("fla"):
         line += (
             "; flash-linear-attention is not installed here: a run with these packages would use the "

@@ -21,7 +21,7 @@ import torch
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.kernel_choice import select
-from bumblebee.primitives.kernel_region import standin
+from bumblebee.primitives.kernel_region import kernel, standin
 
 # launches of one compiled function (inductor): one fused forward kernel; backward one kernel for
 # the input gradients and one reduction for a weight's, when there is a weight
@@ -33,15 +33,27 @@ def _compiled(fn):
     return torch.compile(fn, fullgraph=True, dynamic=None)
 
 
-def fused(name: str, fn, *args, weight: bool = False):
-    """``fn(*args)``: compiled on CUDA, eager elsewhere (counted as compiled when emulated)."""
+def fused(name: str, fn, *args, weight: bool = False, bwd: int | None = None):
+    """``fn(*args)``: compiled on CUDA, eager elsewhere (counted as compiled when emulated; ``bwd``:
+    the backward's launches when not the default's)."""
     x = args[0]
     if select("glue", "fused", emulation.kind(x), x.dtype).name != "compiled":
         return fn(*args)
     if x.is_cuda:
         return _compiled(fn)(*args)
-    bwd = BWD_WEIGHT if weight else BWD
+    bwd = bwd or (BWD_WEIGHT if weight else BWD)
     return standin(fn, (f"{name} fwd (compiled)", FWD), (f"{name} bwd (compiled)", bwd), *args)
+
+
+def compiled_call(name: str, launches: int, fn, *args):
+    """``fn(*args)`` as one compiled function inside code that does its own backward (an
+    ``autograd.Function``'s forward or backward): compiled on CUDA tensors, else eager (under the
+    emulated-CUDA mode inside a kernel region counted as ``launches`` kernels). Callers decide
+    with ``select("glue", "fused", ...)`` whether to fuse at all."""
+    if args[0].is_cuda:
+        return _compiled(fn)(*args)
+    with kernel(f"{name} (compiled)", launches):
+        return fn(*args)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

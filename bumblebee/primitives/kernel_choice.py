@@ -13,6 +13,7 @@ planner (``plan_kernels``), whose efficiencies and activation memory follow it.
 | linear_attention / chunked | FLA ``chunk_gated_delta_rule`` or ``chunk_kda`` (fla), else chunked | same | chunked |
 | conv / causal (GDN conv) | FLA ``causal_conv1d`` (``fla`` imports), else channel blocks | same | blocks |
 | glue / fused (norms, SwiGLU, RoPE) | ``torch.compile`` per function | same | eager ops |
+| loss / linear_ce (LM head + CE tiles) | ``torch.compile`` per 4096 x 16384 tile | same | eager tiles |
 
 ``chunk_kda`` serves the per-channel gates of Kimi Delta Attention (g [B, T, H, K],
 ``linear_attention/fla_kda.py``); the scalar-gate rule takes ``chunk_gated_delta_rule``.
@@ -135,14 +136,21 @@ _UNFUSED = contextvars.ContextVar("bumblebee_unfused", default=False)
 
 @contextlib.contextmanager
 def unfused():
-    """Inside: the glue runs eagerly and the GDN conv in channel blocks on CUDA too (the paths
-    before they were fused): for before/after counts (``benchmarks/launches.py``) and for ruling
-    the fused paths out when a GPU run misbehaves."""
+    """Inside: the glue runs eagerly, the GDN conv in channel blocks and the linear CE in eager
+    tiles on CUDA too (the paths before they were fused): for before/after counts
+    (``benchmarks/launches.py``). Users switch it with ``primitives.fused = "off"`` (``configured``)."""
     token = _UNFUSED.set(True)
     try:
         yield
     finally:
         _UNFUSED.reset(token)
+
+
+def configured(prims):
+    """The dispatch a run's ``primitives.fused`` asks for, entered by the runtime around building
+    and running the model: "off" is ``unfused()`` (rules the fused paths out when a GPU run
+    misbehaves), "auto" changes nothing."""
+    return unfused() if getattr(prims, "fused", "auto") == "off" else contextlib.nullcontext()
 
 
 def _dtype(dtype) -> torch.dtype:
@@ -224,16 +232,18 @@ def select(
     if (slot, impl) == ("conv", "causal"):  # Gated DeltaNet's short conv (linear_attention/conv.py)
         if cuda and fla and not unfused:
             return Kernel("fla_causal_conv1d", "fla causal_conv1d (fused, varlen)", True)
+        why = "fused paths off" if fla else "fla not installed (pip install -e '.[gpu]')"
         return Kernel(
-            "conv_blocks",
-            "fp32 channel blocks x taps (PyTorch)",
-            False,
-            "fla not installed (pip install -e '.[gpu]')" if cuda else "",
+            "conv_blocks", "fp32 channel blocks x taps (PyTorch)", False, why if cuda else ""
         )
     if (slot, impl) == ("glue", "fused"):  # norms, gated norm, SwiGLU product, RoPE (fused.py)
         if cuda and not unfused:
             return Kernel("compiled", "torch.compile per function (inductor)", True)
         return Kernel("eager", "eager PyTorch ops", False)
+    if (slot, impl) == ("loss", "linear_ce"):  # the LM head + CE tile loop (loss/linear_ce*.py)
+        if cuda and not unfused:
+            return Kernel("compiled_tiles", "linear CE, torch.compile per 4096 x 16384 tile", True)
+        return Kernel("eager_tiles", "linear CE, eager ops per tile", False)
     return Kernel(impl, f"{impl} (PyTorch)", False)
 
 
@@ -275,6 +285,8 @@ def kernel_table(
     )
     out["conv"] = select("conv", "causal", device, dtype, fla=fla)  # GDN layers only
     out["glue"] = select("glue", "fused", device, dtype)
+    if prims.loss == "linear_ce":
+        out["loss"] = select("loss", "linear_ce", device, dtype)
     return out
 
 
@@ -295,6 +307,7 @@ def rows(slot: str, impl: str) -> list[tuple[str, str, str]]:
         ("linear_attention", "chunked"),
         ("conv", "causal"),
         ("glue", "fused"),
+        ("loss", "linear_ce"),
     ):
         return []
     out = []

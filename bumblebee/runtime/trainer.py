@@ -29,6 +29,7 @@ from bumblebee.data.packing import Batch
 from bumblebee.perf.flops import Throughput, device_peak
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.primitives import emulation
+from bumblebee.primitives.kernel_choice import configured as configured_dispatch
 from bumblebee.primitives.kernel_choice import describe as describe_kernels
 from bumblebee.primitives.moe.balance import load_summary
 from bumblebee.runtime.build import build_run, check_world, pick_device
@@ -62,7 +63,7 @@ class Trainer:
         plan: RunPlan | None = None,
     ):
         # emulation: wrapping picks the NCCL forms of FSDP2's collectives
-        with emulation.maybe(cfg.train.emulate_cuda):
+        with emulation.maybe(cfg.train.emulate_cuda), configured_dispatch(cfg.primitives):
             self._build(cfg, stream=stream, device=device, plan=plan)
 
     def _build(self, cfg: Config, *, stream, device: torch.device | None, plan) -> None:
@@ -173,7 +174,10 @@ class Trainer:
         counters are read every step; on CPU live tensors are counted by a dispatch mode around
         every op, which costs step time, so only the first step of a run is measured unless
         ``train.track_memory`` (later steps report that peak)."""
-        with emulation.maybe(self.cfg.train.emulate_cuda):
+        with (
+            emulation.maybe(self.cfg.train.emulate_cuda),
+            configured_dispatch(self.cfg.primitives),
+        ):
             measured = (
                 self.device.type == "cuda" or self.cfg.train.track_memory or self._peak is None
             )
@@ -318,7 +322,10 @@ class Trainer:
         return peak
 
     def run(self) -> dict:
-        with emulation.maybe(self.cfg.train.emulate_cuda):
+        with (
+            emulation.maybe(self.cfg.train.emulate_cuda),
+            configured_dispatch(self.cfg.primitives),
+        ):
             return self._run()
 
     def _run(self) -> dict:

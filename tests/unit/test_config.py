@@ -43,6 +43,7 @@ def test_dump_roundtrip(tmp_path):
             ["primitives.linear_attention_cp=probe"],
             "primitives.linear_attention_cp must be 'scan' or 'relay'",
         ),
+        (["primitives.fused=no"], "primitives.fused must be 'auto' or 'off'"),
         (["model.arch.num_key_value_heads=3"], "must be divisible by num_key_value_heads"),
         (["model.preset=huge"], "unknown qwen3_moe preset 'huge'"),
         (["model.name=gpt2"], "unknown model.name"),

@@ -123,6 +123,11 @@ def test_dispatch_table():
     with kernel_choice.unfused():  # the pre-fusion CUDA paths
         assert sel("conv", "causal", "cuda", "bfloat16", fla=True).name == "conv_blocks"
         assert sel("glue", "fused", "cuda", "bfloat16").name == "eager"
+        assert sel("loss", "linear_ce", "cuda", "bfloat16").name == "eager_tiles"
+    assert sel("loss", "linear_ce", "cuda", "bfloat16").name == "compiled_tiles"
+    assert sel("loss", "linear_ce", "cpu", "bfloat16").name == "eager_tiles"
+    with kernel_choice.configured(PrimitivesConfig(fused="off")):  # the user's switch
+        assert sel("glue", "fused", "cuda", "bfloat16").name == "eager"
     fa3 = sel("attention", "varlen", "cuda", "bfloat16", fa3=True)
     assert fa3.name == "varlen_attn" and "FA3" in fa3.label
     table = kernel_choice.kernel_table(
@@ -131,13 +136,15 @@ def test_dispatch_table():
     assert kernel_choice.describe(table) == (
         "attention: varlen_attn (flash, FA2); cp_attention: ring of varlen_attn steps (flash, FA2); "
         "linear_attention: fla chunk_gated_delta_rule; conv: fla causal_conv1d (fused, varlen); "
-        "glue: torch.compile per function (inductor)"
+        "glue: torch.compile per function (inductor); "
+        "loss: linear CE, torch.compile per 4096 x 16384 tile"
     )
     assert set(kernel_choice.kernel_table(PrimitivesConfig(), "cpu", "float32")) == {
         "attention",
         "linear_attention",
         "conv",
         "glue",
+        "loss",
     }
 
 

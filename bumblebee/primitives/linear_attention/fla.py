@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee.primitives.kernel_region import kernel as region
 from bumblebee.primitives.packed import DocLayout, to_device
+from bumblebee.primitives.recompute_scope import in_recompute
 
 # What one call of FLA's chunk_gated_delta_rule (fla-core, use_qk_l2norm_in_kernel, cu_seqlens and
 # chunk_indices given) launches, for the launch counter (primitives/kernel_region.py). Forward:
@@ -154,16 +155,32 @@ def _(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, chunk_idx, scale, fi
     return [torch.empty_like(x) for x in xs]
 
 
-def _setup(ctx, inputs, output):
-    q, k, v, g, beta, h0, cu, chunk_idx, scale, final_state = inputs
+def _save(ctx, q, k, v, g, beta, h0, cu, chunk_idx, scale, final_state, handle):
+    """What the op keeps for backward, the same in the forward and in a checkpoint's recompute
+    (``_Recomputed``): the inputs and a ``handle``, an empty tensor that the recompute's may carry
+    the kernel's own autograd graph on (``bb_graph``)."""
     ctx.has_h0 = h0 is not None
-    ctx.save_for_backward(q, k, v, g, beta, cu, chunk_idx, *([h0] if ctx.has_h0 else []))
+    saved = (q, k, v, g, beta, cu, chunk_idx, *([h0] if ctx.has_h0 else []), handle)
+    ctx.save_for_backward(*saved)
     ctx.scale, ctx.final_state = scale, final_state
 
 
+def _setup(ctx, inputs, output):
+    _save(ctx, *inputs, inputs[0].new_empty(0))
+
+
 def _backward(ctx, do, dht):
-    q, k, v, g, beta, cu, chunk_idx, *h0 = ctx.saved_tensors
+    q, k, v, g, beta, cu, chunk_idx, *h0, handle = ctx.saved_tensors
     h0 = h0[0] if ctx.has_h0 else None
+    graph = getattr(handle, "bb_graph", None)
+    if graph is not None:  # the recompute ran the kernel under autograd: its backward only
+        del handle.bb_graph
+        inputs, outs = graph
+        outs, grads_out = (outs, (do, dht)) if ctx.final_state else (outs[:1], (do,))
+        with region(*FLA_BWD):
+            grads = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
+        grads = [torch.zeros_like(x) if d is None else d for x, d in zip(inputs, grads)]
+        return (*grads[:5], grads[5] if ctx.has_h0 else None, None, None, None, None)
     args = (do.contiguous(), dht.contiguous(), q, k, v, g, beta, h0, cu, chunk_idx)
     args += (ctx.scale, ctx.final_state)
     fake = (
@@ -178,6 +195,43 @@ def _backward(ctx, do, dht):
 
 
 fla_gdn.register_autograd(_backward, setup_context=_setup)
+
+
+class _Recomputed(torch.autograd.Function):
+    """The op inside a checkpoint's recompute (``recompute_scope.in_recompute()``): FLA's forward
+    runs under autograd and its graph rides on the saved handle, so the op's backward runs FLA's
+    backward kernels without a third forward. It saves exactly what the op saves (a non-reentrant
+    checkpoint matches the recompute's saved tensors one by one against the first forward's); the
+    kernel's own saved tensors go through identity hooks, outside the checkpoint's matching."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, cu, chunk_idx, scale, final_state):
+        xs = [q, k, v, g, beta] + ([h0] if h0 is not None else [])
+        inputs = [x.detach().requires_grad_() for x in xs]
+        h0_in = inputs[5] if h0 is not None else None
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with hooks, torch.enable_grad():
+            o, ht = _fla_kernel(*inputs[:5], h0_in, cu, chunk_idx, scale, final_state)
+        handle = q.new_empty(0)
+        handle.bb_graph = (inputs, (o, ht) if final_state else (o,))
+        _save(ctx, q, k, v, g, beta, h0, cu, chunk_idx, scale, final_state, handle)
+        ht = ht if final_state else v.new_empty(0, dtype=torch.float32)
+        return o.detach(), ht.detach()
+
+    @staticmethod
+    def backward(ctx, do, dht):  # never reached: the first forward's graph runs the backward
+        raise RuntimeError("fla_gdn: the recompute's graph is not differentiated")
+
+
+def fla_gdn_op(q, k, v, g, beta, h0, cu, chunk_idx, scale: float, final_state: bool):
+    """``bumblebee::fla_gdn``, or inside a checkpoint's recompute ``_Recomputed`` (FLA forward twice
+    per layer under full recompute: the forward and the recompute; not three times)."""
+    args = (q, k, v, g, beta, h0, cu, chunk_idx, scale, final_state)
+    fake = is_fake(q) or q.device.type == "meta"
+    if in_recompute() and torch.is_grad_enabled() and not fake:
+        return _Recomputed.apply(*args)
+    with region(*FLA_FWD):  # the region around the op: a launch counter does not see inside it
+        return torch.ops.bumblebee.fla_gdn(*args)
 
 
 def _groups(layout: DocLayout):
@@ -222,9 +276,8 @@ def fla_gated_delta_rule(
     ]
 
     def run(xs, h0, cu_t, idx_t, final):
-        if kernel is None:  # the region around the op: a launch counter does not see inside it
-            with region(*FLA_FWD):
-                return torch.ops.bumblebee.fla_gdn(*xs, h0, cu_t, idx_t, K**-0.5, final)
+        if kernel is None:
+            return fla_gdn_op(*xs, h0, cu_t, idx_t, K**-0.5, final)
         return kernel(
             *xs,
             scale=K**-0.5,

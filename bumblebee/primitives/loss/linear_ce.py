@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.primitives import emulation, kernel_choice
+from bumblebee.primitives.loss import linear_ce_tiles
 from bumblebee.primitives.loss.ce import check_loss_args, reduce_loss
 from bumblebee.primitives.loss.costs import LossCosts
 from bumblebee.registry import register
@@ -97,6 +98,40 @@ def _merge_tiles(m_NT, logs_NT, negh_NT):
     return m_T, s_NT.sum(0), None if u_NT is None else u_NT.sum(0)
 
 
+def _eager_stats(hidden_TH, weight_VH, local_T, temperature, with_entropy, token_tile, vocab_tile):
+    """(m, s, u or None, target logit) per token: the eager tile loop (CPU; CUDA unfused)."""
+    T, V = hidden_TH.shape[0], weight_VH.shape[0]
+    N = -(-V // vocab_tile)  # vocab tiles
+    on_slice_T = (local_T >= 0) & (local_T < V)
+    tile_T = torch.where(on_slice_T, local_T // vocab_tile, 0)  # vocab tile holding the label
+    col_T = torch.where(on_slice_T, local_T % vocab_tile, 0)  # its column in that tile
+    # per (vocab tile, token) statistics; merged once after the loop (a few bytes per token and tile)
+    m_NT, logs_NT, pick_NT = (
+        torch.empty(N, T, dtype=torch.float32, device=hidden_TH.device) for _ in "123"
+    )
+    negh_NT = torch.empty_like(m_NT) if with_entropy else None
+    for j, v0 in enumerate(range(0, V, vocab_tile)):
+        w_vH = weight_VH[v0 : v0 + vocab_tile]
+        col_t = col_T.clamp(max=w_vH.shape[0] - 1)[:, None]
+        for t0 in range(0, T, token_tile):
+            t = slice(t0, t0 + token_tile)
+            z_tv = _logits(hidden_TH[t], w_vH, temperature)
+            torch.gather(z_tv, 1, col_t[t], out=pick_NT[j, t, None])
+            m_t, arg_t = z_tv.max(dim=1)
+            m_NT[j, t] = m_t
+            lsm_tv = torch.log_softmax(z_tv, dim=1)  # z - m - log s: one fused pass
+            del z_tv
+            torch.gather(lsm_tv, 1, arg_t[:, None], out=logs_NT[j, t, None])  # = -log s
+            if with_entropy:  # -H of the in-tile softmax
+                negh_NT[j, t] = torch.einsum("tv,tv->t", torch.exp(lsm_tv), lsm_tv)
+    m_T, s_T, u_T = _merge_tiles(m_NT, logs_NT.neg_(), negh_NT)
+    # target logit from the label's tile; 0 where the label is on another rank's slice
+    target_T = (
+        pick_NT.gather(0, tile_T[None]).squeeze(0) * on_slice_T if N else torch.zeros_like(m_T)
+    )
+    return m_T, s_T, u_T, target_T
+
+
 class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -111,39 +146,19 @@ class _LinearCE(torch.autograd.Function):
         group,
         token_tile,
         vocab_tile,
+        compiled,
     ):
-        T, V = hidden_TH.shape[0], weight_VH.shape[0]
-        N = -(-V // vocab_tile)  # vocab tiles
         local_T = torch.where(
             valid_T, labels_T - offset, -1
         )  # label's row in this slice, or out of range
-        on_slice_T = (local_T >= 0) & (local_T < V)
-        tile_T = torch.where(on_slice_T, local_T // vocab_tile, 0)  # vocab tile holding the label
-        col_T = torch.where(on_slice_T, local_T % vocab_tile, 0)  # its column in that tile
-        # per (vocab tile, token) statistics; merged once after the loop (a few bytes per token and tile)
-        m_NT, logs_NT, pick_NT = (
-            torch.empty(N, T, dtype=torch.float32, device=hidden_TH.device) for _ in "123"
-        )
-        negh_NT = torch.empty_like(m_NT) if with_entropy else None
-        for j, v0 in enumerate(range(0, V, vocab_tile)):
-            w_vH = weight_VH[v0 : v0 + vocab_tile]
-            col_t = col_T.clamp(max=w_vH.shape[0] - 1)[:, None]
-            for t0 in range(0, T, token_tile):
-                t = slice(t0, t0 + token_tile)
-                z_tv = _logits(hidden_TH[t], w_vH, temperature)
-                torch.gather(z_tv, 1, col_t[t], out=pick_NT[j, t, None])
-                m_t, arg_t = z_tv.max(dim=1)
-                m_NT[j, t] = m_t
-                lsm_tv = torch.log_softmax(z_tv, dim=1)  # z - m - log s: one fused pass
-                del z_tv
-                torch.gather(lsm_tv, 1, arg_t[:, None], out=logs_NT[j, t, None])  # = -log s
-                if with_entropy:  # -H of the in-tile softmax
-                    negh_NT[j, t] = torch.einsum("tv,tv->t", torch.exp(lsm_tv), lsm_tv)
-        m_T, s_T, u_T = _merge_tiles(m_NT, logs_NT.neg_(), negh_NT)
-        # target logit from the label's tile; 0 where the label is on another rank's slice
-        target_T = (
-            pick_NT.gather(0, tile_T[None]).squeeze(0) * on_slice_T if N else torch.zeros_like(m_T)
-        )
+        if compiled:  # CUDA: fewer, larger tiles, each one compiled function (linear_ce_tiles.py)
+            m_T, s_T, u_T, target_T = linear_ce_tiles.forward(
+                hidden_TH, weight_VH, local_T, temperature, with_entropy, (token_tile, vocab_tile)
+            )
+        else:
+            m_T, s_T, u_T, target_T = _eager_stats(
+                hidden_TH, weight_VH, local_T, temperature, with_entropy, token_tile, vocab_tile
+            )
         if group is not None and dist.get_world_size(group) > 1:
             global_m_T = m_T.clone()
             dist.all_reduce(global_m_T, op=dist.ReduceOp.MAX, group=group)
@@ -158,7 +173,7 @@ class _LinearCE(torch.autograd.Function):
         ctx.save_for_backward(
             hidden_TH, weight_VH, local_T, valid_T, lse_T, entropy_T if with_entropy else lse_T
         )
-        ctx.cfg = (temperature, with_entropy, group, token_tile, vocab_tile)
+        ctx.cfg = (temperature, with_entropy, group, token_tile, vocab_tile, compiled)
         ctx.set_materialize_grads(False)
         return (loss_T, entropy_T) if with_entropy else loss_T
 
@@ -166,10 +181,10 @@ class _LinearCE(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss_T, grad_entropy_T=None):
         hidden_TH, weight_VH, local_T, valid_T, lse_T, entropy_T = ctx.saved_tensors
-        temperature, with_entropy, group, token_tile, vocab_tile = ctx.cfg
+        temperature, with_entropy, group, token_tile, vocab_tile, compiled = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[:2]
         if (grad_loss_T is None and grad_entropy_T is None) or not (need_h or need_w):
-            return (None,) * 10
+            return (None,) * 11
         T, V = hidden_TH.shape[0], weight_VH.shape[0]
         dtype, lowp = hidden_TH.dtype, hidden_TH.dtype != torch.float32
         # dL/dz = gl (p - onehot) - ge p (log p + entropy); 1/temperature (dz/dlogits) folded in
@@ -177,6 +192,20 @@ class _LinearCE(torch.autograd.Function):
             grad_loss_T.float() * valid_T if grad_loss_T is not None else torch.zeros_like(lse_T)
         ) / temperature
         ge_T = grad_entropy_T.float() / temperature if grad_entropy_T is not None else None
+        if compiled:  # dz whole inside each compiled tile (linear_ce_tiles.py)
+            gh_TH, gw_VH = linear_ce_tiles.backward(
+                hidden_TH,
+                weight_VH,
+                local_T,
+                lse_T,
+                gl_T,
+                ge_T,
+                entropy_T if ge_T is not None else None,
+                (need_h, need_w),
+                temperature,
+                (token_tile, vocab_tile),
+            )
+            return _finish_grads(gh_TH, gw_VH, None, group, dtype)
         if ge_T is None:  # dz = gl (p - onehot): keep gl out of the tile, scale [t, H] rows instead
             hs_TH = (hidden_TH * gl_T[:, None]).to(dtype) if need_w else None
             row_T, onehot_T = gl_T, torch.ones_like(gl_T)
@@ -230,13 +259,19 @@ class _LinearCE(torch.autograd.Function):
                         acc_vH += dz_tv.T @ hs_TH[t]
             if acc_vH is not None:
                 gw_vH.copy_(acc_vH)
-        if need_h:
-            if row_T is not None:
-                gh_TH *= row_T[:, None]
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(gh_TH, group=group)  # every vocab slice contributes to dhidden
-            gh_TH = gh_TH.to(dtype)
-        return (gh_TH, gw_VH) + (None,) * 8
+        return _finish_grads(gh_TH, gw_VH, row_T, group, dtype)
+
+
+def _finish_grads(gh_TH, gw_VH, row_T, group, dtype):
+    """The backward's return: fp32 dhidden scaled per row (``row_T``), summed over the vocabulary
+    slices, cast to the input dtype."""
+    if gh_TH is not None:
+        if row_T is not None:
+            gh_TH *= row_T[:, None]
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(gh_TH, group=group)  # every vocab slice contributes to dhidden
+        gh_TH = gh_TH.to(dtype)
+    return (gh_TH, gw_VH) + (None,) * 9
 
 
 # kept for backward per token: the int64 target, the valid flag, the fp32 log-sum-exp; while it
@@ -288,7 +323,11 @@ def linear_cross_entropy(
             f"hidden ({hidden_TH.dtype}) and weight ({weight_VH.dtype}) must have the same dtype "
             "(or run under autocast)"
         )
-    tiles = default_tiles(dev)
+    compiled = (
+        kernel_choice.select("loss", "linear_ce", emulation.kind(hidden_TH), hidden_TH.dtype).name
+        == "compiled_tiles"
+    )
+    tiles = linear_ce_tiles.TILES if compiled else default_tiles(dev)
     token_tile = tiles[0] if token_tile is None else token_tile
     vocab_tile = tiles[1] if vocab_tile is None else vocab_tile
     if token_tile <= 0 or vocab_tile <= 0:
@@ -324,6 +363,7 @@ def linear_cross_entropy(
             vocab_group,
             token_tile,
             vocab_tile,
+            compiled,
         )
     loss_T, entropy_T = out if with_entropy else (out, None)
     loss = reduce_loss(loss_T, valid_T, reduction)

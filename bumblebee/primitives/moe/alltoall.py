@@ -26,7 +26,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bumblebee.primitives.moe.local import ExpertFn, permute, unpermute
+from bumblebee.primitives.moe.local import (
+    ExpertFn,
+    dispatch_rows,
+    fuse_combine,
+    gather_rows,
+    inverse,
+    permute,
+    unpermute,
+)
 from bumblebee.registry import register
 
 
@@ -94,7 +102,7 @@ class AllToAllDispatch:
     ) -> torch.Tensor:
         K = idx_TK.shape[1]
         order_N, counts_E = permute(idx_TK, self.num_experts, drops)  # drops: capacity cut rows
-        x_NH = x_TH[order_N // K]
+        x_NH = dispatch_rows(x_TH, order_N, K)
         if self.ep == 1:
             return unpermute(expert_fn(x_NH, counts_E), order_N, weight_TK)
         recv_RL = exchange_counts(counts_E, self.ep, self.group)
@@ -102,7 +110,14 @@ class AllToAllDispatch:
         recv_splits = recv_RL.sum(1).tolist()
         x_recv = AllToAll.apply(x_NH, send_splits, recv_splits, self.group)
         by_expert = regroup_by_expert(recv_RL)
-        y_sorted = expert_fn(x_recv[by_expert], recv_RL.sum(0))
-        y_recv = torch.empty_like(y_sorted).index_copy_(0, by_expert, y_sorted)
+        if fuse_combine(x_recv, by_expert, x_recv.shape[0]):  # CUDA: gathers both ways
+            back = inverse(by_expert)
+            y_sorted = expert_fn(
+                gather_rows(x_recv, by_expert, back[:, None], True), recv_RL.sum(0)
+            )
+            y_recv = gather_rows(y_sorted, back, by_expert[:, None], True)
+        else:
+            y_sorted = expert_fn(x_recv[by_expert], recv_RL.sum(0))
+            y_recv = torch.empty_like(y_sorted).index_copy_(0, by_expert, y_sorted)
         y_NH = AllToAll.apply(y_recv, recv_splits, send_splits, self.group)
         return unpermute(y_NH, order_N, weight_TK)

@@ -64,7 +64,7 @@ from bumblebee.primitives import emulation
 from bumblebee.primitives.moe.alltoall import regroup_by_expert
 from bumblebee.primitives.moe.chunk_plan import token_bounds
 from bumblebee.primitives.moe.experts import experts_grouped, experts_loop, grouped_mm_supported
-from bumblebee.primitives.moe.local import permute, unsort_rows
+from bumblebee.primitives.moe.local import combine_into, permute, unsort_rows
 from bumblebee.primitives.packed import to_device
 from bumblebee.primitives.recompute_scope import in_recompute
 from bumblebee.registry import register
@@ -222,8 +222,7 @@ class _ChunkedExperts(torch.autograd.Function):
         for i, ((lo, hi, order_N, *_), py) in enumerate(zip(chunks, pending_y)):
             with record_function(f"chunked.fwd.combine_wait{i}"):
                 y_back = py.wait()
-            rows = unsort_rows(y_back, order_N, (hi - lo) * K).view(hi - lo, K, H)
-            torch.sum(rows * weight_TK[lo:hi, :, None].to(rows.dtype), dim=1, out=y_TH[lo:hi])
+            combine_into(y_TH[lo:hi], y_back, order_N, K, weight_TK[lo:hi])
         return y_TH
 
     @staticmethod
@@ -274,9 +273,11 @@ class _ChunkedExperts(torch.autograd.Function):
         for i, ((lo, hi, *_), (order_N, *_), (px, pw)) in enumerate(zip(ctx.meta, per_chunk, back)):
             with record_function(f"chunked.bwd.dispatch_wait{i}"):  # 4. back home, sum over choices
                 dx_N, dw_N = px.wait(), pw.wait()
-            rows = unsort_rows(dx_N, order_N, (hi - lo) * K).view(hi - lo, K, H)
-            torch.sum(rows, dim=1, out=dx_TH[lo:hi])
-            dweight_TK[lo:hi] = unsort_rows(dw_N, order_N, (hi - lo) * K).view(hi - lo, K)
+            inv_N = combine_into(dx_TH[lo:hi], dx_N, order_N, K)  # sum over choices
+            if inv_N is not None:  # the fused path's inverse permutation: a gather, no copy
+                torch.index_select(dw_N, 0, inv_N, out=dweight_TK[lo:hi].view(-1))
+            else:
+                dweight_TK[lo:hi] = unsort_rows(dw_N, order_N, (hi - lo) * K).view(hi - lo, K)
         return (dx_TH if need_x else None, dweight_TK if need_w else None, dw1, dw2, None, None)
 
 
