@@ -158,6 +158,7 @@ class Trainer:
             arch=plan.arch,
         )
         self.model.set_capacity(cfg.moe.capacity_factor)  # 0: every token reaches its k experts
+        self.model.set_step_tokens(plan.tokens_per_step)  # in-forward auxiliary losses' mean
         self.sharding.after_load()  # e.g. zero1 takes its fp32 master slices of the weights
         self.optimizer = build_optimizer(t, self.sharding)
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)

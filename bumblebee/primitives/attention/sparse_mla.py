@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from bumblebee.primitives.attention.dsa import AddLoss, _up, dsa_blockwise, dsa_reference
+from bumblebee.primitives.attention.dsa_cp import dsa_fetched
 from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
 from bumblebee.primitives.cp.allgather import GatherSequence
 from bumblebee.primitives.cp.layout import CPLayout
@@ -99,6 +100,9 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         self.topk, self.stage, self.impl, self.block = index_topk, stage, impl, block
         self.loss_weight = loss_weight
         self.indexer_kl = None  # last forward's mean indexer KL (detached), for logs and tests
+        # tokens of the training step's global batch (``CausalLM.set_step_tokens``); 0: this
+        # forward's tokens
+        self.step_tokens = 0
 
     def forward(self, x_BTH, cos, sin, layout):
         if not isinstance(layout, (CPLayout, DocLayout)):
@@ -115,33 +119,35 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         c_kv, k_rope = self.latents(x_BTH)
         lat = torch.cat((c_kv, self._rope(k_rope, cos, sin)[:, 0]), dim=-1)  # [B, T, C + R]
         qi, ki, w = self.indexer(x_BTH, q_resid, cos, sin)
-        if isinstance(layout, CPLayout):  # local queries, the row's keys in global order
-            lat = GatherSequence.apply(lat[:, None], layout)[:, 0]
-            ki = GatherSequence.apply(ki[:, None], layout)[:, 0]
-            qpos, doc_k, rows = layout.index_L, layout.doc_BT, layout.seq_len
-            doc_q = doc_k[:, qpos]
-        else:
-            qpos, doc_k = torch.arange(T, device=x_BTH.device), layout.doc_ids(x_BTH.device)
-            doc_q, rows = doc_k, T
         w_kvb = self.kv_b_proj.weight.view(N, self.nope + self.v_dim, C)
         w_uk, w_uv = w_kvb.split([self.nope, self.v_dim], dim=1)
         q_abs = torch.cat((torch.einsum("btnd,ndc->btnc", q_nope, w_uk), q_rope), dim=-1)
-        core = dsa_blockwise if self.impl == "blockwise" else dsa_reference
-        core = functools.partial(
-            core,
-            topk=self.topk,
-            scale=self.scale,
-            index_scale=self.indexer.dim**-0.5,
-            dense=self.stage == "dense_warmup",
-            block=self.block,
-            C=C,
-        )
-        args = (q_abs, lat.to(q_abs.dtype), qi, ki, w, qpos, doc_q, doc_k)
+        lat = lat.to(q_abs.dtype)
+        dense = self.stage == "dense_warmup"
+        kw = dict(topk=self.topk, scale=self.scale, index_scale=self.indexer.dim**-0.5)
+        kw.update(block=self.block, C=C)
+        rows = layout.seq_len if isinstance(layout, CPLayout) else T
+        if isinstance(layout, CPLayout):  # local queries, the row's keys in global order
+            ki = GatherSequence.apply(ki[:, None], layout)[:, 0]
+        if isinstance(layout, CPLayout) and not dense and self.impl == "blockwise":
+            # fetch only the selected latents from their owners (dsa_cp.py)
+            core = functools.partial(dsa_fetched, layout=layout, **kw)
+            args = (q_abs, lat, qi, ki, w)
+        else:
+            if isinstance(layout, CPLayout):  # every key is read: all-gather the latents
+                lat = GatherSequence.apply(lat[:, None], layout)[:, 0]
+                qpos, doc_k = layout.index_L, layout.doc_BT
+                doc_q = doc_k[:, qpos]
+            else:
+                qpos, doc_k = torch.arange(T, device=x_BTH.device), layout.doc_ids(x_BTH.device)
+                doc_q = doc_k
+            core = dsa_blockwise if self.impl == "blockwise" else dsa_reference
+            core = functools.partial(core, dense=dense, **kw)
+            args = (q_abs, lat, qi, ki, w, qpos, doc_q, doc_k)
         out = self.recompute.module("attn_core", core, *args)
         o_lat, kl = out[0], out[1]
         o = torch.einsum("btnc,nvc->btnv", o_lat, w_uv).reshape(B, T, N * self.v_dim)
-        loss = kl / (B * rows)
-        self.indexer_kl = loss.detach()
-        if self.loss_weight and loss.requires_grad:
-            o = AddLoss.apply(o, loss * self.loss_weight)
+        self.indexer_kl = (kl / (B * rows)).detach()
+        if self.loss_weight and kl.requires_grad:  # this forward's share of the step's mean
+            o = AddLoss.apply(o, kl * (self.loss_weight / (self.step_tokens or B * rows)))
         return self.o_proj(o)
