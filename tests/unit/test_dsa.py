@@ -192,3 +192,20 @@ def test_planner_terms_follow_the_code():
     lay = Layout()
     (k1, w1, _), (k2, w2, _) = (dsa_bytes(spec, lay, t, 128) for t in (65536, 131072))
     assert k1 == k2 > 0 and 1.9 < w2 / w1 < 2.1
+
+
+def test_fetch_owners_follow_zigzag():
+    """The CP fetch asks each key's latent row of the rank and local row ``zigzag_index`` gave it."""
+    from bumblebee.primitives.attention.dsa_cp import owners
+    from bumblebee.primitives.cp.layout import CPLayout, zigzag_index
+
+    for cp in (2, 3, 4):
+        T, L = 8 * cp, 8
+        layout = CPLayout(None, cp, 0, T, torch.zeros(B, T, dtype=torch.long), torch.arange(L))
+        rank, row = owners(torch.arange(B * T), layout, L)
+        for r in range(cp):
+            for b in range(B):
+                mine = b * T + zigzag_index(T, cp, r)
+                assert (rank[mine] == r).all() and row[mine].tolist() == list(
+                    range(b * L, (b + 1) * L)
+                ), (cp, r, b)
