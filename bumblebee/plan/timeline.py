@@ -39,6 +39,7 @@ from bumblebee.plan.layer_bytes import (
     router_bytes,
     stream_tensors,
 )
+from bumblebee.plan.dsa_terms import dsa_bytes
 from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.memory import (
     ADAM_TEMP_B,
@@ -48,7 +49,6 @@ from bumblebee.plan.memory import (
     GDN_CP_BWD_FACTOR,
     allgather_bytes,
     cp_extra,
-    dsa_bytes,
     expert_grad_bytes,
     gdn_state_bytes,
     in_flight,
@@ -199,6 +199,28 @@ def _layer_moments(
                 f"{name}'s mixer backward (its recompute at the gated norm): "
                 f"{norm_bytes(spec, tp) + h2 + gb['recompute'][0]:.0f} B/token + {gb['recompute'][1] / GB:.3f} GB "
                 f"states",
+            ),
+        ]
+    elif mixer == ATTN and spec.dsa_topk:
+        # DSA's blockwise core (plan/dsa_terms.py): its kept tensors per token, one query block's
+        # transients (fixed); backward: the saved tensors, their gradients, the block twice
+        fwd_live = {"full": h2 + dsa_kept}.get(rc, mk + mc + dsa_kept)
+        mix_live = {"full": mix_saved, "selective": mc}.get(rc, 0.0) + h2 + dsa_kept
+        out = [
+            (
+                "forward:mixer",
+                t * fwd_live,
+                0.0,
+                dsa_ws / 2,
+                f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}) + {dsa_why}",
+            ),
+            (
+                "backward:mixer",
+                t * mix_live,
+                0.0,
+                dsa_ws,
+                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; saved + core gradients) "
+                f"+ {dsa_why}",
             ),
         ]
     elif mixer == ATTN:

@@ -55,13 +55,14 @@ def index_scores(qi_BTHD, ki_BSD, w_BTH, scale: float):
 def selection_scores(qi_BQHD, ki_BSD, w_BQH, scale: float):
     """``index_scores`` without gradient, one indexer head at a time: the transient is two
     [B, Q, S] fp32 buffers (the running sum and one head's products), never [B, Q, Hi, S]
-    (4 GiB at 128 queries x 64 heads x 128K keys; this is 128 MiB)."""
+    (4 GiB at 128 queries x 64 heads x 128K keys; this is 128 MiB: skills/models/dsa.md)."""
     k = _up(ki_BSD).transpose(1, 2)
     acc = None
     for h in range(qi_BQHD.shape[2]):
         s = torch.matmul(_up(qi_BQHD[:, :, h]), k).mul_(scale).relu_()
         s.mul_(_up(w_BQH[:, :, h, None]))
         acc = s if acc is None else acc.add_(s)
+        del s  # before the next head's product: two [B, Q, S] buffers at a time, not three
     return acc
 
 
