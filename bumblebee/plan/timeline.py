@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from bumblebee.config import PrimitivesConfig
+from bumblebee.plan.dsa_terms import dsa_bytes
 from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
 from bumblebee.plan.layer_bytes import (
     attn_core_bytes,
@@ -39,7 +40,6 @@ from bumblebee.plan.layer_bytes import (
     router_bytes,
     stream_tensors,
 )
-from bumblebee.plan.dsa_terms import dsa_bytes
 from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.memory import (
     ADAM_TEMP_B,
