@@ -202,23 +202,26 @@ def _layer_moments(
             ),
         ]
     elif mixer == ATTN and spec.dsa_topk:
-        # DSA's blockwise core (plan/dsa_terms.py): its kept tensors per token, one query block's
-        # transients (fixed); backward: the saved tensors, their gradients, the block twice
-        fwd_live = {"full": h2 + dsa_kept}.get(rc, mk + mc + dsa_kept)
+        # DSA's blockwise core (plan/dsa_terms.py): its kept tensors per token and, forward, the
+        # block outputs beside their concatenation ([N x C] bf16 twice); one query block's
+        # transients (fixed; real tensors, so live, not a kernel workspace); backward: the saved
+        # tensors, their gradients, the block twice (recompute + gradients)
+        cat = spec.n_heads / tp * spec.mla_kv_rank * BF16
+        fwd_live = {"full": h2 + dsa_kept + cat}.get(rc, mk + mc + dsa_kept + cat)
         mix_live = {"full": mix_saved, "selective": mc}.get(rc, 0.0) + h2 + dsa_kept
         out = [
             (
                 "forward:mixer",
-                t * fwd_live,
+                t * fwd_live + dsa_ws / 2,
                 0.0,
-                dsa_ws / 2,
+                0.0,
                 f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}) + {dsa_why}",
             ),
             (
                 "backward:mixer",
-                t * mix_live,
+                t * mix_live + dsa_ws,
                 0.0,
-                dsa_ws,
+                0.0,
                 f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; saved + core gradients) "
                 f"+ {dsa_why}",
             ),
