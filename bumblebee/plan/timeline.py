@@ -151,7 +151,8 @@ def _layer_moments(
     routed = routed_buffers(spec, prims, tp, skew) if mlp == MOE else {}
     ws = t * gdn_state_bytes(spec, tp) if mixer != ATTN else 0.0
     dsa_kept, dsa_ws, dsa_why = dsa_bytes(spec, lay, t, prims.dsa_block)
-    cpk, ws = cpk + dsa_kept, ws + dsa_ws
+    # (DSA's kept set is not added to cpk: at the MoE backward the layer's saved tensors,
+    # mix_saved, already hold what its core keeps, q and latents alike: the dry run's count)
     cp_why = "; ".join(w for w in (cp_why, dsa_why) if w)
     f = BWD_GRAD_FRACTION
     rc = "full" if prims.recompute == "offload" else prims.recompute  # the device side is full's

@@ -26,7 +26,11 @@ Two implementations of the same maths:
   query's position only, takes its top-k, *gathers* the selected latents and attends to them;
   every block runs under activation checkpointing, so what the backward keeps is the inputs
   and the block outputs. Nothing [Tq, S] is ever materialized: the transient is
-  ``block x S`` indexer scores and ``block x topk x (C + R)`` gathered latents.
+  ``block x S`` indexer scores (``selection_scores`` sums the heads one at a time) and
+  ``block x topk x (C + R)`` gathered latents.
+
+``select_keys`` + ``attend_selected`` split a block into its selection and its attention, for
+context parallelism (``dsa_cp.py``: select over the global row, fetch, then attend).
 
 Queries may be a subset of the keys (context parallelism: local zigzag shards against the
 whole row), given by their global positions ``qpos`` and document ids.

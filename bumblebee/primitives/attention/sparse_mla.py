@@ -14,14 +14,17 @@ its parameters learn from the indexer KL loss only, and the main model never fro
 Training stages (``[primitives]``): ``dsa_stage = "dense_warmup"`` attends every allowed key
 and trains the indexer toward the dense attention (the model freezes everything but the
 indexers); ``"sparse"`` attends the top ``index_topk`` keys and trains the indexer over the
-selected set. ``dsa_indexer_loss`` weighs the KL, taken as a mean over the row's query tokens
-(the global row under CP, so the CP ranks' gradients add up to the cp = 1 gradient) and
-entered through ``AddLoss``: it adds a gradient, not a logged loss term (the last value is
-``indexer_kl``). ``dsa_impl``: ``blockwise`` (default) or ``reference`` (dense [T, T]).
+selected set. ``dsa_indexer_loss`` weighs the KL, summed over the forward's query tokens and
+divided by the training step's global tokens (``step_tokens``, set by ``CausalLM.set_step_tokens``;
+0: this forward's tokens, B x the row), as the step divides the LM loss: micro-batches, DP and CP
+ranks each add their share of one mean. It enters through ``AddLoss``: a gradient, not a logged
+loss term (the last per-forward mean is ``indexer_kl``). ``dsa_impl``: ``blockwise`` (default) or
+``reference`` (dense [T, T]).
 
-Under context parallelism the queries stay local and the keys are global: the latents
-[C + R] and the indexer keys [Di] of the row are all-gathered (``GatherSequence``; the
-backward reduce-scatters their gradients); the expanded per-head keys never travel.
+Under context parallelism the queries stay local and the keys are global: the indexer keys [Di]
+of the row are all-gathered (``GatherSequence``), and the sparse stage fetches only the latent
+rows [C + R] its queries selected from their owners (``dsa_cp.py``); the dense warm-up stage and
+the reference core all-gather the latents too. The expanded per-head keys never travel.
 """
 
 from __future__ import annotations
