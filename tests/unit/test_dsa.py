@@ -244,3 +244,19 @@ def test_fetch_owners_follow_zigzag():
                 assert (rank[mine] == r).all() and row[mine].tolist() == list(
                     range(b * L, (b + 1) * L)
                 ), (cp, r, b)
+
+
+def test_selection_buffer_has_no_head_factor():
+    """The selection's live-tensor peak (perf/memory.py) is two fp32 [block, S] buffers whatever
+    the indexer head count (heads summed one at a time), and equals ``index_scores``."""
+    from bumblebee.perf.memory import MemoryTracker
+    from bumblebee.primitives.attention.dsa import index_scores, selection_scores
+
+    g = torch.Generator().manual_seed(0)
+    block, S, hi = 8, 2048, 16
+    qi, ki = torch.randn(1, block, hi, DI, generator=g), torch.randn(1, S, DI, generator=g)
+    w = torch.randn(1, block, hi, generator=g)
+    with torch.no_grad(), MemoryTracker() as mem:
+        got = selection_scores(qi, ki, w, 0.3)
+    assert mem.peak_bytes <= 2 * block * S * 4 + 4096, mem.peak_bytes
+    torch.testing.assert_close(got, index_scores(qi, ki, w, 0.3), rtol=1e-5, atol=1e-5)
