@@ -74,7 +74,7 @@ def _attention_core(kernel_name: str):
 def _build(arch, mixer: str, core, dtype):
     """The layer with fake parameters made directly in ``dtype`` on meta (``Module.to`` cannot swap
     fake parameters), as FSDP's all-gathered compute copy would be."""
-    from bumblebee.models.qwen3_5_moe.model import GatedAttention
+    from bumblebee.models.qwen3_5_moe.model import gated_attention
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -92,7 +92,7 @@ def _build(arch, mixer: str, core, dtype):
                     core,
                     NoRecompute(),
                 )
-            return GatedAttention(arch, core, NoRecompute())
+            return gated_attention(arch, core, NoRecompute())
     finally:
         torch.set_default_dtype(previous)
 

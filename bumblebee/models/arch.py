@@ -12,6 +12,8 @@ import dataclasses
 import math
 from typing import Any
 
+from bumblebee.models.spec import ATTN, DENSE, MOE, ModelSpec
+
 
 class BaseArch:
     """What every family's arch dataclass shares (its fields are HF ``config.json`` keys). The
@@ -31,6 +33,38 @@ class BaseArch:
     def context_parallel_error(self, cp: int, seq_len: int) -> str | None:
         """Why ``seq_len`` tokens cannot be split over ``cp`` zigzag ranks (None: they can)."""
         return None
+
+    @classmethod
+    def from_fields(cls, d: dict[str, Any]):
+        """The arch of ``d``'s keys that are fields (a None value: the default), validated."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        arch = cls(**{k: v for k, v in d.items() if k in names and v is not None})
+        arch.validate()
+        return arch
+
+    def spec(self, name: str, family: str, **fields) -> ModelSpec:
+        """The ``ModelSpec`` of GQA attention + MoE layers (dense where ``is_moe_layer`` says so)
+        read from the names every arch answers; ``fields``: what the family has otherwise."""
+        layers = self.num_hidden_layers
+        common = dict(
+            name=name,
+            family=family,
+            vocab=self.vocab_size,
+            hidden=self.hidden_size,
+            mixers=(ATTN,) * layers,
+            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
+            n_heads=self.num_attention_heads,
+            n_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            attn_gate=False,
+            experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            expert_ffn=self.moe_intermediate_size,
+            shared_ffn=0,
+            dense_ffn=0,
+            tied=self.tie_word_embeddings,
+        )
+        return ModelSpec(**{**common, **fields})
 
 
 class ArchError(ValueError):
@@ -98,3 +132,32 @@ def check_norm_and_rope(eps: float, theta: float) -> None:
         raise ArchError(f"rms_norm_eps must be in (0, 0.01] (typically 1e-6), got {eps}")
     if not theta > 1:
         raise ArchError(f"rope_theta must be > 1 (typically 1e4 to 1e7), got {theta}")
+
+
+def check_positive(arch, *names: str) -> None:
+    for name in names:
+        if getattr(arch, name) <= 0:
+            raise ArchError(f"{name} must be positive, got {getattr(arch, name)}")
+
+
+def check_divisible(arch, name: str, by: str) -> None:
+    """Field ``name`` splits evenly into ``by`` groups (query heads over kv heads, experts over
+    expert groups...)."""
+    if getattr(arch, name) % getattr(arch, by):
+        raise ArchError(
+            f"{name} ({getattr(arch, name)}) must be divisible by {by} ({getattr(arch, by)})"
+        )
+
+
+def check_partial_rotary(arch) -> None:
+    """The rotated dims (``head_dim x partial_rotary_factor``) are a positive even number."""
+    if not 0 < arch.partial_rotary_factor <= 1 or arch.rotary_dim <= 0 or arch.rotary_dim % 2:
+        raise ArchError(
+            f"head_dim * partial_rotary_factor must be a positive even number, got "
+            f"{arch.head_dim} * {arch.partial_rotary_factor}"
+        )
+
+
+def check_silu(arch) -> None:
+    if arch.hidden_act != "silu":
+        raise ArchError(f"hidden_act {arch.hidden_act!r} is not supported; valid: silu")

@@ -1,27 +1,21 @@
-"""The outer causal language model every family shares, and the protocol the runtime uses.
+"""The outer causal language model every family shares (``CausalLM``).
 
-A family (``qwen3_moe.py``, ``qwen3_5_moe.py``) brings a decoder layer, its arch, presets and
-a Hugging Face name map; everything around the layers lives here once:
+A family (``models/<family>/``) brings its decoder layers (``make_layer``, usually the shared
+pre-norm layer of models/blocks.py over its mixer and MLP), its arch, presets and a Hugging
+Face name map; everything around the layers lives here once: construction (the primitives
+the config names: attention or the CP attention when the sequence is split, MoE dispatch,
+recompute policy, loss; the HF-named ``model.{embed_tokens, layers, norm}`` and ``lm_head``)
+and the entry points: ``hidden_states`` (optionally one pipeline stage of it), ``loss_terms``
+(what a training step needs from one micro-batch), ``scores`` (hidden states through the LM
+head with any function of (hidden, head weight): the RL engine's per-token log-probs) and
+``forward`` (the public API). Every reader of the head goes through ``LMHead``'s forward, so
+FSDP2 gathers it just around that call and its backward.
 
-- construction: the primitives named in the config are resolved (attention or the CP
-  attention when the sequence is split, MoE dispatch, recompute policy, loss), the
-  HF-named backbone ``model.{embed_tokens, layers, norm}`` and ``lm_head`` are built, and
-  weights are initialized identically for every layout of a seed (per-block seeded draws,
-  primitives/init.py), also when the model was built on the meta device and split before it
-  got memory (``build_model(..., device="meta")``, then ``materialize``);
-- entry points: ``hidden_states`` (optionally one pipeline stage of it), ``loss_terms``
-  (what a training step needs from one micro-batch), ``scores`` (hidden states through the LM
-  head with any function of (hidden, head weight): the RL engine's per-token log-probs) and
-  ``forward`` (the public API);
-- the LM head is a module whose forward *uses* its weight (``LMHead``): every reader of the
-  head (the loss primitive, log-probs, logits) goes through it, so FSDP2 can make it a unit of
-  its own, gathered just around that call and its backward;
-- the protocol the runtime and the sharding primitives call instead of reaching into
-  attribute paths or parameter names: ``fsdp_units``, ``is_expert_param``, ``keep_stages``
-  (what a pipeline stage holds), ``layer_flops``, and ``new_kv_cache`` / ``forward_cached``
-  (decoding with a K/V cache through the same layers, models/kv_cache.py); the routing and
-  MTP part of it (routers, router-stat rows, balance loss, bias update, MTP depth) is the
-  ``RoutingProtocol`` mixin of models/routing.py.
+The rest is in mixins, one file each: ``WeightInit`` (models/weights.py: layout-independent
+initialization), ``Placement`` (models/placement.py: expert parameters, FSDP units, pipeline
+stages), ``RoutingProtocol`` (models/routing.py: routers, router-stat rows, balance loss, bias
+update, MTP depth) and ``CachedDecoding`` (models/kv_cache.py: decoding with a K/V cache
+through the same layers).
 
 Legend: B batch, T tokens, H hidden, V vocabulary.
 """
@@ -33,20 +27,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee import registry
 from bumblebee.models.head import LMHead, check_token_ids, summed_losses
-from bumblebee.models.kv_cache import KVCache, cache_aware
+from bumblebee.models.kv_cache import CachedDecoding, cache_aware
+from bumblebee.models.placement import Placement
 from bumblebee.models.routing import RoutingProtocol
-from bumblebee.primitives import init
+from bumblebee.models.weights import WeightInit
 from bumblebee.primitives.cp.layout import build_cp_layout
 from bumblebee.primitives.moe import replay as routing_replay
-from bumblebee.primitives.moe.experts import Experts
 from bumblebee.primitives.packed import default_position_ids, doc_layout
 from bumblebee.primitives.parallel import ParallelGroups
-from bumblebee.primitives.rope import rope_cos_sin
-from bumblebee.primitives.sharding.common import row_extent
+from bumblebee.primitives.rope import rope_cos_sin, yarn_inv_freq
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -68,9 +60,8 @@ class LossTerms:
 
     loss_sum: torch.Tensor  # summed token losses over the valid labels of this micro-batch
     num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
-    aux_loss: (
-        torch.Tensor
-    )  # load-balancing loss of the asked definition (0 if none, or "global_batch")
+    # load-balancing loss of the asked definition (0 if none, or "global_batch")
+    aux_loss: torch.Tensor
     router_stats: torch.Tensor | None = (
         None  # [L, 2E + 2] per MoE layer (primitives/moe/balance.py)
     )
@@ -99,22 +90,12 @@ class Backbone(nn.Module):
         self.embed_tokens, self.layers, self.norm = embed_tokens, nn.ModuleList(layers), norm
 
 
-class Elsewhere(nn.Module):
-    """Stands in for a decoder layer that another pipeline stage holds (no parameters)."""
-
-    def __init__(self, index: int):
-        super().__init__()
-        self.index = index
-
-    def forward(self, *args):
-        raise RuntimeError(f"decoder layer {self.index} lives on another pipeline stage")
-
-
-class CausalLM(RoutingProtocol, nn.Module):
+class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module):
     """The public model object: ``model(input_ids, position_ids=None, labels=None)``.
 
     Subclasses set ``family`` and ``norm_cls`` and implement ``make_layer`` (and may
-    override ``rotary_dim``, ``rope_tables`` and ``init_vectors``)."""
+    override ``rotary_dim``, ``rope_tables`` and ``init_vectors``). Parameters are left as
+    constructed: ``build_model`` / ``materialize`` initialize them (``reset_parameters``)."""
 
     family = ""
     norm_cls: type = nn.Module
@@ -154,20 +135,15 @@ class CausalLM(RoutingProtocol, nn.Module):
             if hasattr(dispatch, "for_layer"):  # a dispatcher with per-layer settings
                 layer.mlp.dispatch = dispatch.for_layer(j, self.main_moe_layers)
         self.mtp = self.make_mtp(parts)  # multi-token prediction modules (models/mtp.py) or None
+        # the MTP part's router stats rows follow the decoder's MoE layers
         for k, block in enumerate(self.mtp_moe_blocks()):
-            block.moe_index = (
-                self.main_moe_layers + k
-            )  # router stats rows after the decoder's MoE layers
+            block.moe_index = self.main_moe_layers + k
         # counted once: a pipeline stage without the last layers drops the MTP part (keep_stages)
         self.mtp_held, self.mtp_moe_held = self.mtp_modules(), len(self.mtp_moe_blocks())
         self.mtp_depth = self.mtp_held  # depths trained (``set_mtp``)
         self.mtp_loss_weight = 0.1
-        self.stage_layers: dict[int, list[int]] | None = (
-            None  # pipeline stage -> its layers (keep_stages)
-        )
-        self.num_stages = (
-            1  # parameters are left as constructed: build_model / materialize initialize them
-        )
+        self.stage_layers: dict[int, list[int]] | None = None  # stage -> its layers (keep_stages)
+        self.num_stages = 1
 
     # ------------------------------------------------------------------ family hooks
     def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
@@ -203,59 +179,22 @@ class CausalLM(RoutingProtocol, nn.Module):
     def rotary_dim(self) -> int:
         return self.arch.head_dim
 
-    def init_vectors(self, std: float) -> dict:
-        """Fill rules (primitives/init.py) for what is not a matrix: parameter or buffer name ->
-        ``fill``; may also override a matrix's rule. Default: ones for every 1-D parameter (RMSNorm
-        weights). Buffers without a rule keep their constructor values (zeros after ``materialize``)."""
-        return {name: init.const(1.0) for name, p in self.named_parameters() if p.dim() == 1}
-
     def rope_tables(self, position_ids_BT, dtype):
-        """RoPE (cos, sin) [B, T, rotary_dim] in ``dtype`` (a family with scaled RoPE overrides this)."""
-        return rope_cos_sin(position_ids_BT, self.rotary_dim(), self.arch.rope_theta, dtype)
+        """RoPE (cos, sin) [B, T, rotary_dim] in ``dtype``, YaRN-scaled where the arch keeps HF's
+        ``rope_parameters`` with ``rope_type = "yarn"``."""
+        a, dim, theta = self.arch, self.rotary_dim(), self.arch.rope_theta
+        rope = getattr(a, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") == "default":
+            return rope_cos_sin(position_ids_BT, dim, theta, dtype)
+        if "_yarn" not in self.__dict__:  # host fp32 frequencies, kept out of .to(dtype)
+            self.__dict__["_yarn"] = yarn_inv_freq(dim, theta, rope, a.max_position_embeddings)
+        inv_freq, scale = self.__dict__["_yarn"]
+        return rope_cos_sin(position_ids_BT, dim, theta, dtype, inv_freq=inv_freq, scale=scale)
 
     def layer_flops(self, seq_len: int) -> tuple[list[float], float]:
         """Forward FLOPs of one ``seq_len``-token sequence per decoder layer, and of the LM head:
         the family's ``ModelSpec``, the one source of FLOPs (the planner reads the same)."""
         return self.arch.to_spec().layer_flops(seq_len)
-
-    # ------------------------------------------------------------------ weights
-    def init_rules(self, std: float) -> dict:
-        """How every parameter starts: name -> ``fill(block, generator)``. HF-style: normal(0, std)
-        for matrices, then the family's ``init_vectors``."""
-        rules = {name: init.normal(std) for name, p in self.named_parameters() if p.dim() > 1}
-        rules.update(self.init_vectors(std))
-        from bumblebee.models.lora import lora_init_rules
-
-        rules.update(lora_init_rules(self.named_parameters(), init))
-        return rules
-
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02, seed: int | None = None, only=None) -> None:
-        """Initialize in place, identically for every layout of ``seed``: each value is a function
-        of (seed, tensor name, position) only (primitives/init.py), so an expert slice, an FSDP2
-        shard or a pipeline stage gets exactly its part of the full tensors, generated one block
-        at a time. ``seed=None`` draws one from torch's global generator. Nothing to do on meta.
-        ``only(name) -> bool``: the parameters to fill (the adapters of a model loaded from HF)."""
-        if any(
-            p.is_meta or is_fake(p) for p in self.parameters()
-        ):  # shapes only (meta, or the planner's fakes)
-            return
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        rules = self.init_rules(std)
-        ep, r = self.groups.ep_size, self.groups.ep_rank
-        for name, p in self.named_parameters():
-            if only is not None and not only(name):
-                continue
-            if name not in rules:
-                raise NotImplementedError(
-                    f"{type(self).__name__}: no init rule for {name} (init_vectors)"
-                )
-            shape, lo, part = row_extent(p, self.is_expert_param(name), r, ep)
-            init.fill_rows(part, shape, lo, rules[name], seed, name)
-        for name, b in self.named_buffers():
-            if name in rules and only is None:
-                init.fill_rows(b, tuple(b.shape), 0, rules[name], seed, name)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -270,61 +209,6 @@ class CausalLM(RoutingProtocol, nn.Module):
         if self.lm_head is None:
             return fn(hidden, self.model.embed_tokens.weight, *args, **kwargs)
         return self.lm_head(fn, hidden, *args, **kwargs)
-
-    # ------------------------------------------------------------------ protocol for the runtime
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def expert_modules(self) -> list[nn.Module]:
-        return [m for m in self.modules() if isinstance(m, Experts)]
-
-    def is_expert_param(self, name: str) -> bool:
-        """Whether parameter ``name`` is a routed-expert weight (sharded over ep, reduced over edp)."""
-        names = self.__dict__.get("_expert_names")
-        if names is None:
-            names = {
-                f"{mn}.{pn}"
-                for mn, m in self.named_modules()
-                if isinstance(m, Experts)
-                for pn, _ in m.named_parameters()
-            }
-            self.__dict__["_expert_names"] = names
-        return name in names
-
-    def fsdp_units(self):
-        """(module, "expert" | "dense" | "embedding") in wrapping order: the embedding (when the LM
-        head does not share it; "embedding": dense mesh, and not gathered for its backward, which
-        reads only the token ids), each decoder layer's experts (over the expert mesh), then the
-        layer itself (dense mesh); the MTP part likewise; then the LM head (``LMHead``: gathered
-        around each ``apply_head`` call and its backward). Each of the two [V, H] tables is thus
-        gathered only while it is used, not for the whole step as the parameters of the root
-        unit (the model itself: final norm, and the embedding when tied) are."""
-        if self.model.embed_tokens is not None and self.lm_head is not None:
-            yield self.model.embed_tokens, "embedding"
-        mtp = [] if self.mtp is None else self.mtp_units()
-        for layer in list(self.model.layers) + mtp:
-            for m in layer.modules():
-                if isinstance(m, Experts):
-                    yield m, "expert"
-            yield layer, "dense"
-        if self.lm_head is not None:
-            yield self.lm_head, "dense"
-
-    def keep_stages(self, stage_layers: dict[int, list[int]], num_stages: int) -> None:
-        """Keep only this rank's pipeline stages: their layers (placeholders elsewhere, so
-        parameter names stay global), the embedding with stage 0, the final norm and LM head
-        with the last stage."""
-        kept = {i for layers in stage_layers.values() for i in layers}
-        for i in range(len(self.model.layers)):
-            if i not in kept:
-                self.model.layers[i] = Elsewhere(i)
-        if 0 not in stage_layers:
-            self.model.embed_tokens = None
-        if num_stages - 1 not in stage_layers:
-            self.model.norm = self.lm_head = self.mtp = None
-        self.stage_layers, self.num_stages = stage_layers, num_stages
-        self.__dict__.pop("_expert_names", None)
 
     def layer_context(self, position_ids_BT, dtype):
         """What every decoder layer takes besides its input: RoPE (cos, sin) in ``dtype`` and the
@@ -519,39 +403,3 @@ class CausalLM(RoutingProtocol, nn.Module):
             return self.apply_head(F.linear, h_BTH)
         terms = self.loss_terms(input_ids, labels, position_ids)
         return terms.loss_sum / terms.num_tokens.clamp(min=1)
-
-    # ------------------------------------------------------------------ decoding with a K/V cache
-    def new_kv_cache(self, rows: int, length: int) -> KVCache:
-        """An empty cache for ``rows`` sequences of up to ``length`` tokens (full attention only)."""
-        if any(
-            getattr(layer, "layer_type", "full_attention") != "full_attention"
-            for layer in self.decoder_layers
-        ):
-            raise NotImplementedError(
-                f"{self.family}: K/V-cache decoding needs full attention in every layer "
-                "(linear attention would carry a recurrent state instead)"
-            )
-        a, w = self.arch, self.lm_head_weight
-        return KVCache(
-            len(self.decoder_layers),
-            rows,
-            a.num_key_value_heads,
-            length,
-            a.head_dim,
-            w.dtype,
-            w.device,
-        )
-
-    @torch.no_grad()
-    def forward_cached(
-        self, ids_RT, position_ids_RT, cache: KVCache, start: int, mask_R1TS
-    ) -> torch.Tensor:
-        """Logits [R, T, V] (fp32) of new tokens ``ids_RT`` whose keys/values go to cache slots
-        ``[start, start + T)``; ``mask_R1TS`` says which slots each new token attends."""
-        x = self.model.embed_tokens(ids_RT)
-        cos, sin = self.rope_tables(position_ids_RT, x.dtype)
-        cache.start, cache.mask_R1TS = start, mask_R1TS
-        for i, layer in enumerate(self.decoder_layers):
-            cache.layer = i
-            x, _ = layer(x, cos, sin, cache)
-        return self.apply_head(F.linear, self.model.norm(x)).float()

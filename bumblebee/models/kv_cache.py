@@ -56,3 +56,43 @@ def cache_aware(attend):
         return attend(q, k, v, layout, scale, **options)
 
     return core
+
+
+class CachedDecoding:
+    """The decoding part of ``CausalLM`` (models/base.py): the same layers, the cache in the
+    layout's place. A mixin: it reads the model's ``decoder_layers``, ``arch`` and head."""
+
+    def new_kv_cache(self, rows: int, length: int) -> KVCache:
+        """An empty cache for ``rows`` sequences of up to ``length`` tokens (full attention only)."""
+        if any(
+            getattr(layer, "layer_type", "full_attention") != "full_attention"
+            for layer in self.decoder_layers
+        ):
+            raise NotImplementedError(
+                f"{self.family}: K/V-cache decoding needs full attention in every layer "
+                "(linear attention would carry a recurrent state instead)"
+            )
+        a, w = self.arch, self.lm_head_weight
+        return KVCache(
+            len(self.decoder_layers),
+            rows,
+            a.num_key_value_heads,
+            length,
+            a.head_dim,
+            w.dtype,
+            w.device,
+        )
+
+    @torch.no_grad()
+    def forward_cached(
+        self, ids_RT, position_ids_RT, cache: KVCache, start: int, mask_R1TS
+    ) -> torch.Tensor:
+        """Logits [R, T, V] (fp32) of new tokens ``ids_RT`` whose keys/values go to cache slots
+        ``[start, start + T)``; ``mask_R1TS`` says which slots each new token attends."""
+        x = self.model.embed_tokens(ids_RT)
+        cos, sin = self.rope_tables(position_ids_RT, x.dtype)
+        cache.start, cache.mask_R1TS = start, mask_R1TS
+        for i, layer in enumerate(self.decoder_layers):
+            cache.layer = i
+            x, _ = layer(x, cos, sin, cache)
+        return self.apply_head(F.linear, self.model.norm(x)).float()

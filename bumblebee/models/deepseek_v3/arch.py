@@ -18,8 +18,11 @@ from typing import Any
 from bumblebee.models.arch import (
     ArchError,
     BaseArch,
+    check_divisible,
     check_field_types,
     check_norm_and_rope,
+    check_positive,
+    check_silu,
 )
 
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -89,7 +92,8 @@ class DeepseekV3Arch(BaseArch):
 
     def validate(self) -> None:
         check_field_types(self)
-        positive = (
+        check_positive(
+            self,
             "vocab_size",
             "hidden_size",
             "intermediate_size",
@@ -105,9 +109,6 @@ class DeepseekV3Arch(BaseArch):
             "n_group",
             "topk_group",
         )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
         for name in (
             "q_lora_rank",
             "n_shared_experts",
@@ -125,10 +126,7 @@ class DeepseekV3Arch(BaseArch):
                 f"v_head_dim ({self.v_head_dim}) must be <= qk_nope_head_dim + qk_rope_head_dim "
                 f"({self.head_dim})"
             )
-        if self.n_routed_experts % self.n_group:
-            raise ArchError(
-                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})"
-            )
+        check_divisible(self, "n_routed_experts", "n_group")
         per_group = self.n_routed_experts // self.n_group
         if not 1 <= self.topk_group <= self.n_group or per_group < 2 and self.n_group > 1:
             raise ArchError(
@@ -140,8 +138,7 @@ class DeepseekV3Arch(BaseArch):
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be within 1..topk_group x "
                 f"experts per group ({self.topk_group * per_group})"
             )
-        if self.hidden_act != "silu":
-            raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
+        check_silu(self)
         if self.attention_bias:
             raise ArchError(
                 "attention_bias = true is not supported (DeepSeek-V3 checkpoints have none)"
@@ -181,10 +178,7 @@ class DeepseekV3Arch(BaseArch):
             )
         if d.get("q_lora_rank", 1) is None:
             d["q_lora_rank"] = 0
-        names = {f.name for f in dataclasses.fields(cls)}
-        arch = cls(**{k: v for k, v in d.items() if k in names and v is not None})
-        arch.validate()
-        return arch
+        return cls.from_fields(d)
 
     def to_hf_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -197,27 +191,12 @@ class DeepseekV3Arch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, DENSE, MOE, ModelSpec
-
-        layers = self.num_hidden_layers
-        return ModelSpec(
-            name=name,
-            family="deepseek_v3",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
-            mixers=(ATTN,) * layers,
-            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_attention_heads,
-            head_dim=self.head_dim,
-            attn_gate=False,
-            experts=self.n_routed_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.moe_intermediate_size,
+        return self.spec(
+            name,
+            "deepseek_v3",
             shared_ffn=self.shared_expert_intermediate_size,
             shared_gate=False,
             dense_ffn=self.intermediate_size,
-            tied=self.tie_word_embeddings,
             mla_q_rank=self.q_lora_rank,
             mla_kv_rank=self.kv_lora_rank,
             mla_rope_dim=self.qk_rope_head_dim,

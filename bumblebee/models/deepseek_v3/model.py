@@ -24,45 +24,22 @@ Legend: B batch, T tokens, H hidden, E experts, K experts per token, G expert gr
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
 from torch import nn
 
+from bumblebee.models import blocks
 from bumblebee.models.base import CausalLM, LayerParts
-from bumblebee.models.blocks import MLP, MoE
 from bumblebee.models.deepseek_v3.arch import DeepseekV3Arch
 from bumblebee.models.kv_cache import KVCache
 from bumblebee.models.mtp import combine
 from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
 from bumblebee.primitives.norms import RMSNorm
-from bumblebee.primitives.packed import DocLayout
-from bumblebee.primitives.rope import rope_cos_sin, yarn_inv_freq, yarn_mscale
+from bumblebee.primitives.rope import yarn_mscale
 
 ROUTER = "sigmoid_bias"  # the architecture's router
 
 
-class DeepseekMoE(MoE):
-    """HF ``DeepseekV3MoE``: routed experts (Qwen3-MoE's block) + ungated shared experts. The
-    router is the architecture's: ``sigmoid_bias`` (the default ``softmax_topk`` is replaced)."""
-
-    def __init__(self, arch: DeepseekV3Arch, parts: LayerParts):
-        prims = parts.prims
-        if prims.router == "softmax_topk":
-            prims = dataclasses.replace(prims, router=ROUTER)
-        super().__init__(arch, prims, parts.dispatch, parts.groups)
-        self.shared_experts = (
-            MLP(arch.hidden_size, arch.shared_expert_intermediate_size)
-            if arch.n_shared_experts
-            else None
-        )
-        self.recompute = parts.recompute
-
-    def forward(self, x_BTH):
-        y_BTH, aux = self.recompute.module("moe", super().forward, x_BTH)
-        if self.shared_experts is not None:
-            y_BTH = y_BTH + self.recompute.module("shared_expert", self.shared_experts, x_BTH)
-        return y_BTH, aux
+# the architecture's MoE block (HF ``DeepseekV3MoE``): the router above and ungated shared experts
+MOE_TRAITS = {"router": ROUTER, "shared": "ungated"}
 
 
 def mla_scale(arch: DeepseekV3Arch) -> float:
@@ -92,35 +69,20 @@ def mla_args(arch: DeepseekV3Arch, parts: LayerParts, eps: float | None = None) 
     )
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(blocks.DecoderLayer):
+    """The shared pre-norm layer over MLA and the architecture's MoE (dense SwiGLU on the first
+    ``first_k_dense_replace`` layers; ``moe``: MoE regardless)."""
+
     def __init__(self, arch: DeepseekV3Arch, idx: int, parts: LayerParts, moe: bool | None = None):
-        super().__init__()
-        self.recompute = parts.recompute
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = self.make_attention(arch, parts)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.is_moe = arch.is_moe_layer(idx) if moe is None else moe
-        self.mlp = (
-            DeepseekMoE(arch, parts)
-            if self.is_moe
-            else MLP(arch.hidden_size, arch.intermediate_size)
-        )
+        attention = self.make_attention(arch, parts)
+        mlp = blocks.feed_forward(arch, idx, parts, moe, **MOE_TRAITS)
+        super().__init__(arch, parts, attention, mlp)
 
     def make_attention(self, arch, parts: LayerParts) -> nn.Module:
         """MLA (a family built on DeepSeek-V3's layer swaps in its own attention here)."""
         return MultiHeadLatentAttention(
             arch.hidden_size, arch.num_attention_heads, **mla_args(arch, parts)
         )
-
-    def forward(self, x_BTH, cos, sin, layout: DocLayout):
-        rc = self.recompute
-        h = x_BTH + self.self_attn(rc.module("norm", self.input_layernorm, x_BTH), cos, sin, layout)
-        y_in = rc.module("norm", self.post_attention_layernorm, h)
-        if self.is_moe:
-            y, aux = self.mlp(y_in)
-        else:
-            y, aux = rc.module("mlp", self.mlp, y_in), h.new_zeros((), dtype=torch.float32)
-        return h + y, aux
 
 
 class SharedHead(nn.Module):
@@ -185,19 +147,6 @@ class DeepseekV3ForCausalLM(LayerMTP, CausalLM):
 
     def rotary_dim(self) -> int:
         return self.arch.qk_rope_head_dim
-
-    def rope_tables(self, position_ids_BT, dtype):
-        a = self.arch
-        if a.rope_parameters.get("rope_type", "default") == "default":
-            return super().rope_tables(position_ids_BT, dtype)
-        if "_yarn" not in self.__dict__:  # host fp32 frequencies, kept out of .to(dtype)
-            self.__dict__["_yarn"] = yarn_inv_freq(
-                a.qk_rope_head_dim, a.rope_theta, a.rope_parameters, a.max_position_embeddings
-            )
-        inv_freq, scale = self.__dict__["_yarn"]
-        return rope_cos_sin(
-            position_ids_BT, a.qk_rope_head_dim, a.rope_theta, dtype, inv_freq=inv_freq, scale=scale
-        )
 
     def new_kv_cache(self, rows: int, length: int) -> KVCache:
         """Expanded per-head keys / values (v zero-padded to the q/k head dim, as MLA attends)."""

@@ -13,7 +13,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from bumblebee.models.arch import ArchError, BaseArch, check_field_types, check_norm_and_rope
+from bumblebee.models.arch import (
+    ArchError,
+    BaseArch,
+    check_divisible,
+    check_field_types,
+    check_norm_and_rope,
+    check_partial_rotary,
+    check_positive,
+    check_silu,
+)
 
 
 @dataclass(kw_only=True)
@@ -72,7 +81,8 @@ class Glm4MoeArch(BaseArch):
     def validate(self) -> None:
         check_field_types(self)
         check_norm_and_rope(self.rms_norm_eps, self.rope_theta)
-        positive = (
+        check_positive(
+            self,
             "vocab_size",
             "hidden_size",
             "intermediate_size",
@@ -86,26 +96,12 @@ class Glm4MoeArch(BaseArch):
             "n_group",
             "topk_group",
         )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
             if getattr(self, name) < 0:
                 raise ArchError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ArchError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim <= 0 or self.rotary_dim % 2:
-            raise ArchError(
-                f"head_dim * partial_rotary_factor must be a positive even number, got "
-                f"{self.head_dim} * {self.partial_rotary_factor}"
-            )
-        if self.n_routed_experts % self.n_group:
-            raise ArchError(
-                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})"
-            )
+        check_divisible(self, "num_attention_heads", "num_key_value_heads")
+        check_partial_rotary(self)
+        check_divisible(self, "n_routed_experts", "n_group")
         per_group = self.n_routed_experts // self.n_group
         if not 1 <= self.topk_group <= self.n_group or per_group < 2 and self.n_group > 1:
             raise ArchError(
@@ -117,8 +113,7 @@ class Glm4MoeArch(BaseArch):
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be within 1..topk_group x "
                 f"experts per group ({self.topk_group * per_group})"
             )
-        if self.hidden_act != "silu":
-            raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
+        check_silu(self)
 
     # ------------------------------------------------------------------ HF mapping
     @classmethod
@@ -134,10 +129,7 @@ class Glm4MoeArch(BaseArch):
                 d[key] = rope[key]
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ArchError(f"rope_type {rope.get('rope_type')!r} is not supported; valid: default")
-        names = {f.name for f in dataclasses.fields(cls)}
-        arch = cls(**{k: v for k, v in d.items() if k in names and v is not None})
-        arch.validate()
-        return arch
+        return cls.from_fields(d)
 
     def to_hf_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -154,28 +146,13 @@ class Glm4MoeArch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, DENSE, MOE, ModelSpec
-
-        layers = self.num_hidden_layers
-        return ModelSpec(
-            name=name,
-            family="glm4_moe",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
-            mixers=(ATTN,) * layers,
-            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            attn_gate=False,
+        return self.spec(
+            name,
+            "glm4_moe",
             attn_bias=self.attention_bias,
             qk_norm=self.use_qk_norm,
-            experts=self.n_routed_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.moe_intermediate_size,
             shared_ffn=self.shared_expert_intermediate_size,
             shared_gate=False,
             dense_ffn=self.intermediate_size,
-            tied=self.tie_word_embeddings,
             mtp_depth=self.num_nextn_predict_layers,
         )

@@ -15,84 +15,35 @@ Multi-token prediction: ``num_nextn_predict_layers`` modules (``models/mtp.py``)
 decoder layer of this family plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``,
 stored as ``model.layers.{L + k}`` like DeepSeek-V3's (``transformers`` drops these tensors on
 load; bumblebee trains and exports them).
-
-Legend: B batch, T tokens, H hidden, N query heads, K kv heads, D head dim.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
+from bumblebee.models import blocks
 from bumblebee.models.base import CausalLM, LayerParts
-from bumblebee.models.blocks import MLP
-from bumblebee.models.deepseek_v3.model import ROUTER, DeepseekMoE, LayerMTP, mtp_layer_class
+from bumblebee.models.deepseek_v3.model import MOE_TRAITS, ROUTER, LayerMTP, mtp_layer_class
 from bumblebee.models.glm4_moe.arch import Glm4MoeArch
 from bumblebee.primitives.norms import RMSNorm
-from bumblebee.primitives.packed import DocLayout
-from bumblebee.primitives.rope import apply_rope
 
 __all__ = ["ROUTER", "Glm4MoeForCausalLM"]
 
 
-class Attention(nn.Module):
-    """HF ``Glm4MoeAttention``."""
+class DecoderLayer(blocks.DecoderLayer):
+    """The shared pre-norm layer over GLM's attention (HF ``Glm4MoeAttention``) and DeepSeek-V3's
+    MoE (``moe``: MoE regardless of ``first_k_dense_replace``)."""
 
-    def __init__(self, arch: Glm4MoeArch, attend, recompute):
-        super().__init__()
-        h, d, bias = arch.hidden_size, arch.head_dim, arch.attention_bias
-        self.n_heads, self.n_kv, self.head_dim = (
-            arch.num_attention_heads,
-            arch.num_key_value_heads,
-            d,
-        )
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.n_kv * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.n_kv * d, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
-        if arch.use_qk_norm:
-            self.q_norm = RMSNorm(d, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(d, arch.rms_norm_eps)
-        self.qk_norm = arch.use_qk_norm
-        self.attend, self.recompute = attend, recompute
-
-    def forward(self, x_BTH, cos, sin, layout: DocLayout):
-        B, T, _ = x_BTH.shape
-        q = self.q_proj(x_BTH).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x_BTH).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x_BTH).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        o_BNTD = self.recompute.module(
-            "attn_core", self.attend, q, k, v, layout, self.head_dim**-0.5
-        )
-        return self.o_proj(o_BNTD.transpose(1, 2).reshape(B, T, -1))
-
-
-class DecoderLayer(nn.Module):
     def __init__(self, arch: Glm4MoeArch, idx: int, parts: LayerParts, moe: bool | None = None):
-        super().__init__()
-        self.recompute = parts.recompute
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, parts.attend, parts.recompute)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.is_moe = arch.is_moe_layer(idx) if moe is None else moe
-        self.mlp = (
-            DeepseekMoE(arch, parts)
-            if self.is_moe
-            else MLP(arch.hidden_size, arch.intermediate_size)
+        attention = blocks.Attention(
+            arch,
+            parts.attend,
+            parts.recompute,
+            qk_norm="head" if arch.use_qk_norm else "",
+            bias=arch.attention_bias,
         )
-
-    def forward(self, x_BTH, cos, sin, layout: DocLayout):
-        rc = self.recompute
-        h = x_BTH + self.self_attn(rc.module("norm", self.input_layernorm, x_BTH), cos, sin, layout)
-        y_in = rc.module("norm", self.post_attention_layernorm, h)
-        if self.is_moe:
-            y, aux = self.mlp(y_in)
-        else:
-            y, aux = rc.module("mlp", self.mlp, y_in), h.new_zeros((), dtype=torch.float32)
-        return h + y, aux
+        mlp = blocks.feed_forward(arch, idx, parts, moe, **MOE_TRAITS)
+        super().__init__(arch, parts, attention, mlp)
 
 
 class Glm4MoeForCausalLM(LayerMTP, CausalLM):

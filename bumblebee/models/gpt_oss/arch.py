@@ -15,7 +15,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError, BaseArch, check_field_types, check_norm_and_rope
+from bumblebee.models.arch import (
+    ArchError,
+    BaseArch,
+    check_divisible,
+    check_field_types,
+    check_norm_and_rope,
+    check_positive,
+    check_silu,
+)
 
 _DEFAULT_ROPE = {
     "rope_type": "yarn",
@@ -104,7 +112,8 @@ class GptOssArch(BaseArch):
 
     def validate(self) -> None:
         check_field_types(self)
-        positive = (
+        check_positive(
+            self,
             "vocab_size",
             "hidden_size",
             "intermediate_size",
@@ -116,14 +125,7 @@ class GptOssArch(BaseArch):
             "num_experts_per_tok",
             "sliding_window",
         )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ArchError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        check_divisible(self, "num_attention_heads", "num_key_value_heads")
         if self.head_dim % 2:
             raise ArchError(f"head_dim must be even (rotary halves), got {self.head_dim}")
         if self.num_experts_per_tok > self.num_local_experts:
@@ -149,8 +151,7 @@ class GptOssArch(BaseArch):
         if isinstance(theta, bool) or not isinstance(theta, (int, float)):
             raise ArchError(f"rope_parameters.rope_theta must be a number, got {theta!r}")
         check_norm_and_rope(self.rms_norm_eps, float(theta))
-        if self.hidden_act != "silu":
-            raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
+        check_silu(self)
 
     # ------------------------------------------------------------------ HF mapping
     @classmethod
@@ -172,10 +173,7 @@ class GptOssArch(BaseArch):
         d["rope_parameters"] = rope
         if d.get("sliding_window") is None:
             d.pop("sliding_window", None)
-        names = {f.name for f in dataclasses.fields(cls)}
-        arch = cls(**{k: v for k, v in d.items() if k in names and v is not None})
-        arch.validate()
-        return arch
+        return cls.from_fields(d)
 
     def to_hf_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -187,30 +185,13 @@ class GptOssArch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, MOE, ModelSpec
-
-        layers = self.num_hidden_layers
-        return ModelSpec(
-            name=name,
-            family="gpt_oss",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
-            mixers=(ATTN,) * layers,
-            mlps=(MOE,) * layers,
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            attn_gate=False,
+        return self.spec(
+            name,
+            "gpt_oss",
             attn_bias=self.attention_bias,
             o_bias=self.attention_bias,
             attn_sinks=True,
-            windows=tuple(self.window(i) for i in range(layers)),
+            windows=tuple(self.window(i) for i in range(self.num_hidden_layers)),
             qk_norm=False,
-            experts=self.num_local_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.intermediate_size,
             moe_bias=True,
-            shared_ffn=0,
-            dense_ffn=0,
-            tied=self.tie_word_embeddings,
         )

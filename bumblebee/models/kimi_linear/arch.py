@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError
+from bumblebee.models.arch import ArchError, check_positive
 from bumblebee.models.deepseek_v3.arch import DeepseekV3Arch
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -113,9 +113,7 @@ class KimiLinearArch(DeepseekV3Arch):
                 raise ArchError(
                     f"{name} must list {n} entries from {', '.join(valid)}, got {values}"
                 )
-        for name in ("linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim"):
-            if getattr(self, name) <= 0:
-                raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
+        check_positive(self, "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim")
         if self.tie_word_embeddings:  # HF's KimiLinearForCausalLM ties nothing (no tied keys)
             raise ArchError("tie_word_embeddings = true is not supported for Kimi Linear")
         if self.num_nextn_predict_layers:
@@ -161,14 +159,12 @@ class KimiLinearArch(DeepseekV3Arch):
 
     def to_spec(self, name: str = "custom"):
         """DeepSeek-V3's spec (MLA, its MLPs) with KDA on the linear layers."""
-        from bumblebee.models.spec import ATTN, DENSE, GDN, MOE
+        from bumblebee.models.spec import ATTN, GDN
 
-        layers = self.num_hidden_layers
         return dataclasses.replace(
             super().to_spec(name),
             family="kimi_linear",
             mixers=tuple(GDN if t == LINEAR else ATTN for t in self.layer_types),
-            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
             gdn_k_heads=self.linear_num_heads,
             gdn_v_heads=self.linear_num_heads,
             gdn_k_dim=self.linear_head_dim,

@@ -8,7 +8,7 @@ Decoder layer i: x + Mixer(RMSNorm(x)), then h + MLP(RMSNorm(h)), where
   DeepSeek's Multi-head Latent Attention without RoPE (``use_rope=False``: the decoupled key
   dims are kept, unrotated; softmax scale (Dn + R)^-0.5);
 - the MLP (``arch.mlp_layer_types[i]``) is a dense SwiGLU or DeepSeek-V3's routed experts with
-  the sigmoid-bias router and ungated shared experts (``deepseek_v3/model.py``'s block).
+  the sigmoid-bias router and ungated shared experts (the shared MoE block with DeepSeek-V3's ``MOE_TRAITS``).
 
 Both mixers sit at ``self_attn`` and both MLPs at ``mlp``, as in HF's modules; checkpoints store
 the MLPs under ``block_sparse_moe`` with experts' ``w1`` / ``w3`` / ``w2`` (``names.py``).
@@ -17,93 +17,50 @@ No multi-token prediction.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from bumblebee import registry
 from bumblebee.models.base import CausalLM, LayerParts
-from bumblebee.models.blocks import MLP
-from bumblebee.models.deepseek_v3.model import DeepseekMoE, mla_scale
-from bumblebee.models.kimi_linear.arch import LINEAR, KimiLinearArch
+from bumblebee.models.blocks import DecoderLayer, feed_forward
+from bumblebee.models.deepseek_v3.model import MOE_TRAITS, mla_args
+from bumblebee.models.kimi_linear.arch import LINEAR
 from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
 from bumblebee.primitives.linear_attention.kda import KimiDeltaAttention
 from bumblebee.primitives.norms import RMSNorm
-from bumblebee.primitives.packed import DocLayout
 
 # HF's KimiLinearAttention builds its latent RMSNorms with the norm's default eps, not
 # rms_norm_eps (1e-5): a 1e-4 relative gradient difference if taken from the config
 LATENT_NORM_EPS = 1e-6
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, arch: KimiLinearArch, idx: int, parts: LayerParts, linear_core):
-        super().__init__()
-        self.recompute = rc = parts.recompute
-        self.linear = arch.layer_types[idx] == LINEAR
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        if self.linear:
-            self.self_attn = KimiDeltaAttention(
-                arch.hidden_size,
-                arch.linear_num_heads,
-                arch.linear_head_dim,
-                arch.linear_conv_kernel_dim,
-                arch.rms_norm_eps,
-                linear_core,
-                rc,
-                cp_carry=parts.prims.linear_attention_cp,
-            )
-        else:
-            self.self_attn = MultiHeadLatentAttention(
-                arch.hidden_size,
-                arch.num_attention_heads,
-                q_lora_rank=arch.q_lora_rank,
-                kv_lora_rank=arch.kv_lora_rank,
-                qk_nope_head_dim=arch.qk_nope_head_dim,
-                qk_rope_head_dim=arch.qk_rope_head_dim,
-                v_head_dim=arch.v_head_dim,
-                eps=LATENT_NORM_EPS,
-                scale=mla_scale(arch),
-                rope_interleave=False,
-                attend=parts.attend,
-                recompute=rc,
-                cp_latents=parts.prims.cp
-                if parts.groups.cp_size > 1 and parts.prims.cp in ("allgather", "ring")
-                else "",
-                use_rope=False,
-            )
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.is_moe = arch.is_moe_layer(idx)
-        self.mlp = (
-            DeepseekMoE(arch, parts)
-            if self.is_moe
-            else MLP(arch.hidden_size, arch.intermediate_size)
-        )
-
-    def forward(self, x_BTD, cos, sin, layout: DocLayout):
-        rc = self.recompute
-        h_in = rc.module("norm", self.input_layernorm, x_BTD)
-        if self.linear:
-            mixed, _state = self.self_attn(h_in, layout)
-        else:
-            mixed = self.self_attn(h_in, cos, sin, layout)
-        h = x_BTD + mixed
-        y_in = rc.module("norm", self.post_attention_layernorm, h)
-        if self.is_moe:
-            y, aux = self.mlp(y_in)
-        else:
-            y, aux = rc.module("mlp", self.mlp, y_in), h.new_zeros((), dtype=torch.float32)
-        return h + y, aux
-
-
 class KimiLinearForCausalLM(CausalLM):
-    """Kimi Linear: the shared causal LM (models/base.py) over KDA / MLA + MoE decoder layers."""
+    """Kimi Linear: the shared causal LM (models/base.py) over the shared pre-norm layer with a
+    KDA or MLA mixer and DeepSeek-V3's MLPs."""
 
     family = "kimi_linear"
     norm_cls = RMSNorm
 
     def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
-        linear_core = registry.get("linear_attention", parts.prims.linear_attention).factory
-        return DecoderLayer(self.arch, index, parts, linear_core)
+        a, kind = self.arch, self.arch.layer_types[index]
+        if kind == LINEAR:
+            mixer = KimiDeltaAttention(
+                a.hidden_size,
+                a.linear_num_heads,
+                a.linear_head_dim,
+                a.linear_conv_kernel_dim,
+                a.rms_norm_eps,
+                registry.get("linear_attention", parts.prims.linear_attention).factory,
+                parts.recompute,
+                cp_carry=parts.prims.linear_attention_cp,
+            )
+        else:
+            args = dict(mla_args(a, parts, eps=LATENT_NORM_EPS), rope_interleave=False)
+            mixer = MultiHeadLatentAttention(
+                a.hidden_size, a.num_attention_heads, use_rope=False, **args
+            )
+        mlp = feed_forward(a, index, parts, **MOE_TRAITS)
+        # the mixer's input and output stay alive through the MLP, as this layer always kept them
+        return DecoderLayer(a, parts, mixer, mlp, layer_type=kind, keep_mixer_io=True)
 
     def rotary_dim(self) -> int:
         return self.arch.qk_rope_head_dim  # tables built by the shared code, read by no layer

@@ -17,7 +17,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from bumblebee.models.arch import ArchError, BaseArch, check_field_types, check_norm_and_rope
+from bumblebee.models.arch import (
+    ArchError,
+    BaseArch,
+    check_divisible,
+    check_field_types,
+    check_norm_and_rope,
+    check_partial_rotary,
+    check_positive,
+)
 
 
 @dataclass(kw_only=True)
@@ -85,7 +93,8 @@ class MiniMaxM2Arch(BaseArch):
     def validate(self) -> None:
         check_field_types(self)
         check_norm_and_rope(self.rms_norm_eps, self.rope_theta)
-        positive = (
+        check_positive(
+            self,
             "vocab_size",
             "hidden_size",
             "intermediate_size",
@@ -96,19 +105,8 @@ class MiniMaxM2Arch(BaseArch):
             "num_local_experts",
             "num_experts_per_tok",
         )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ArchError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim <= 0 or self.rotary_dim % 2:
-            raise ArchError(
-                f"head_dim * partial_rotary_factor must be a positive even number, got "
-                f"{self.head_dim} * {self.partial_rotary_factor}"
-            )
+        check_divisible(self, "num_attention_heads", "num_key_value_heads")
+        check_partial_rotary(self)
         if self.num_experts_per_tok > self.num_local_experts:
             raise ArchError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_local_experts "
@@ -143,10 +141,7 @@ class MiniMaxM2Arch(BaseArch):
         head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
         if "partial_rotary_factor" not in d and d.get("rotary_dim") is not None:
             d["partial_rotary_factor"] = d["rotary_dim"] / head_dim  # HF's rule for the legacy key
-        names = {f.name for f in dataclasses.fields(cls)}
-        arch = cls(**{k: v for k, v in d.items() if k in names and v is not None})
-        arch.validate()
-        return arch
+        return cls.from_fields(d)
 
     def to_hf_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -162,25 +157,4 @@ class MiniMaxM2Arch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, MOE, ModelSpec
-
-        layers = self.num_hidden_layers
-        return ModelSpec(
-            name=name,
-            family="minimax_m2",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
-            mixers=(ATTN,) * layers,
-            mlps=(MOE,) * layers,
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            attn_gate=False,
-            qk_norm_all_heads=True,
-            experts=self.num_local_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.intermediate_size,
-            shared_ffn=0,
-            dense_ffn=0,
-            tied=self.tie_word_embeddings,
-        )
+        return self.spec(name, "minimax_m2", qk_norm_all_heads=True)

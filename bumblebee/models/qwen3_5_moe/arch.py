@@ -19,8 +19,12 @@ from typing import Any
 from bumblebee.models.arch import (
     ArchError,
     BaseArch,
+    check_divisible,
     check_field_types,
     check_norm_and_rope,
+    check_partial_rotary,
+    check_positive,
+    check_silu,
     replace_fields,
 )
 
@@ -95,7 +99,8 @@ class Qwen3_5MoeArch(BaseArch):
     def validate(self) -> None:
         check_field_types(self)
         check_norm_and_rope(self.rms_norm_eps, self.rope_theta)
-        positive = (
+        check_positive(
+            self,
             "vocab_size",
             "hidden_size",
             "num_hidden_layers",
@@ -111,9 +116,6 @@ class Qwen3_5MoeArch(BaseArch):
             "shared_expert_intermediate_size",
             "num_experts",
         )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ArchError(
                 f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
@@ -122,28 +124,15 @@ class Qwen3_5MoeArch(BaseArch):
         bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
         if bad:
             raise ArchError(f"unknown layer_types {bad}; valid: {', '.join(LAYER_TYPES)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ArchError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ArchError(
-                f"linear_num_value_heads ({self.linear_num_value_heads}) must be divisible by "
-                f"linear_num_key_heads ({self.linear_num_key_heads})"
-            )
-        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim <= 0 or self.rotary_dim % 2:
-            raise ArchError(
-                f"head_dim * partial_rotary_factor must be a positive even number, got "
-                f"{self.head_dim} * {self.partial_rotary_factor}"
-            )
+        check_divisible(self, "num_attention_heads", "num_key_value_heads")
+        check_divisible(self, "linear_num_value_heads", "linear_num_key_heads")
+        check_partial_rotary(self)
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ArchError(
                 f"need 1 <= num_experts_per_tok <= num_experts, got "
                 f"{self.num_experts_per_tok} and {self.num_experts}"
             )
-        if self.hidden_act != "silu":
-            raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
+        check_silu(self)
         if self.attention_bias:
             raise ArchError(
                 "attention_bias = true is not supported (Qwen3.5 checkpoints have none)"
@@ -208,31 +197,20 @@ class Qwen3_5MoeArch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, GDN, MOE, ModelSpec
+        from bumblebee.models.spec import ATTN, GDN
 
-        return ModelSpec(
-            name=name,
-            family="qwen3_5_moe",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
+        return self.spec(
+            name,
+            "qwen3_5_moe",
             mixers=tuple(ATTN if t == "full_attention" else GDN for t in self.layer_types),
-            mlps=(MOE,) * self.num_hidden_layers,
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
             attn_gate=True,
             gdn_k_heads=self.linear_num_key_heads,
             gdn_v_heads=self.linear_num_value_heads,
             gdn_k_dim=self.linear_key_head_dim,
             gdn_v_dim=self.linear_value_head_dim,
             gdn_conv=self.linear_conv_kernel_dim,
-            experts=self.num_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.moe_intermediate_size,
             shared_ffn=self.shared_expert_intermediate_size,
-            dense_ffn=0,
-            tied=self.tie_word_embeddings,
             mtp_depth=self.mtp_num_hidden_layers,
             fp32_norm=True,  # ZeroCenteredRMSNorm
-            stream_tensors=4,  # the decoder layer keeps h_in and mixed (model.py)
+            stream_tensors=4,  # the decoder layer keeps the mixer's input and output (model.py)
         )

@@ -9,8 +9,11 @@ from typing import Any
 from bumblebee.models.arch import (
     ArchError,
     BaseArch,
+    check_divisible,
     check_field_types,
     check_norm_and_rope,
+    check_positive,
+    check_silu,
 )
 
 
@@ -48,7 +51,8 @@ class Qwen3MoeArch(BaseArch):
 
     def validate(self) -> None:
         check_field_types(self)
-        positive = (
+        check_positive(
+            self,
             "vocab_size",
             "hidden_size",
             "moe_intermediate_size",
@@ -58,14 +62,7 @@ class Qwen3MoeArch(BaseArch):
             "head_dim",
             "decoder_sparse_step",
         )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ArchError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ArchError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        check_divisible(self, "num_attention_heads", "num_key_value_heads")
         if self.head_dim % 2:
             raise ArchError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if (
@@ -81,8 +78,7 @@ class Qwen3MoeArch(BaseArch):
                 f"{self.num_experts_per_tok} and {self.num_experts}"
             )
         check_norm_and_rope(self.rms_norm_eps, self.rope_theta)
-        if self.hidden_act != "silu":
-            raise ArchError(f"hidden_act {self.hidden_act!r} is not supported; valid: silu")
+        check_silu(self)
         if self.attention_bias:
             raise ArchError("attention_bias = true is not supported (Qwen3 checkpoints have none)")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
@@ -128,24 +124,4 @@ class Qwen3MoeArch(BaseArch):
     # ------------------------------------------------------------------ arithmetic
     def to_spec(self, name: str = "custom"):
         """Parameters, shapes and FLOPs for the planner (models/spec.py)."""
-        from bumblebee.models.spec import ATTN, DENSE, MOE, ModelSpec
-
-        layers = self.num_hidden_layers
-        return ModelSpec(
-            name=name,
-            family="qwen3_moe",
-            vocab=self.vocab_size,
-            hidden=self.hidden_size,
-            mixers=(ATTN,) * layers,
-            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
-            n_heads=self.num_attention_heads,
-            n_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            attn_gate=False,
-            experts=self.num_experts,
-            top_k=self.num_experts_per_tok,
-            expert_ffn=self.moe_intermediate_size,
-            shared_ffn=0,
-            dense_ffn=self.intermediate_size,
-            tied=self.tie_word_embeddings,
-        )
+        return self.spec(name, "qwen3_moe", dense_ffn=self.intermediate_size)

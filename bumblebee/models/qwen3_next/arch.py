@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from bumblebee.models.arch import ArchError
+from bumblebee.models.arch import ArchError, check_positive
 from bumblebee.models.qwen3_5_moe.arch import Qwen3_5MoeArch, default_layer_types
 
 
@@ -38,8 +38,7 @@ class Qwen3NextArch(Qwen3_5MoeArch):
 
     def validate(self) -> None:
         super().validate()
-        if self.decoder_sparse_step <= 0:
-            raise ArchError(f"decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
+        check_positive(self, "decoder_sparse_step")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ArchError(f"mlp_only_layers {bad} out of range 0..{self.num_hidden_layers - 1}")
@@ -64,12 +63,5 @@ class Qwen3NextArch(Qwen3_5MoeArch):
     def to_spec(self, name: str = "custom"):
         """Qwen3.5's spec (same mixers, same parameter counts: the fused GDN projections hold the
         same weights) with this family's dense layers."""
-        from bumblebee.models.spec import DENSE, MOE
-
-        layers = self.num_hidden_layers
-        return dataclasses.replace(
-            super().to_spec(name),
-            family="qwen3_next",
-            mlps=tuple(MOE if self.is_moe_layer(i) else DENSE for i in range(layers)),
-            dense_ffn=self.intermediate_size,
-        )
+        spec = super().to_spec(name)
+        return dataclasses.replace(spec, family="qwen3_next", dense_ffn=self.intermediate_size)

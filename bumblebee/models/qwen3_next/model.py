@@ -22,20 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bumblebee import registry
-from bumblebee.models.base import LayerParts
-from bumblebee.models.blocks import MLP
-from bumblebee.models.qwen3_5_moe.model import (
-    GatedAttention,
-    MultiTokenPredictor,
-    Qwen3_5MoeForCausalLM,
-    SharedExpertMoE,
-)
-from bumblebee.models.qwen3_next.arch import Qwen3NextArch
+from bumblebee.models.qwen3_5_moe.model import Qwen3_5MoeForCausalLM
 from bumblebee.primitives import init
 from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
-from bumblebee.primitives.norms import ZeroCenteredRMSNorm
-from bumblebee.primitives.packed import DocLayout
 
 _SPLIT_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
@@ -85,62 +74,8 @@ class FusedGatedDeltaNet(GatedDeltaNet):
         return qkv_pre_BTC, z.reshape(B, T, H, V), beta_BTH, g_BTH
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, arch: Qwen3NextArch, idx: int, parts: LayerParts, linear_core):
-        super().__init__()
-        self.recompute = rc = parts.recompute
-        self.layer_type = arch.layer_types[idx]
-        self.input_layernorm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        if self.layer_type == "linear_attention":
-            self.linear_attn = FusedGatedDeltaNet(
-                arch.hidden_size,
-                arch.linear_num_key_heads,
-                arch.linear_num_value_heads,
-                arch.linear_key_head_dim,
-                arch.linear_value_head_dim,
-                arch.linear_conv_kernel_dim,
-                arch.rms_norm_eps,
-                linear_core,
-                rc,
-                cp_carry=parts.prims.linear_attention_cp,
-            )
-        else:
-            self.self_attn = GatedAttention(arch, parts.attend, rc)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.is_moe = arch.is_moe_layer(idx)
-        self.mlp = (
-            SharedExpertMoE(arch, parts.prims, parts.dispatch, rc, parts.groups)
-            if self.is_moe
-            else MLP(arch.hidden_size, arch.intermediate_size)
-        )
-
-    def forward(self, x_BTD, cos, sin, layout: DocLayout):
-        rc = self.recompute
-        h_in = rc.module("norm", self.input_layernorm, x_BTD)
-        if self.layer_type == "linear_attention":
-            mixed, _state = self.linear_attn(h_in, layout)
-        else:
-            mixed = self.self_attn(h_in, cos, sin, layout)
-        h = x_BTD + mixed
-        y_in = rc.module("norm", self.post_attention_layernorm, h)
-        if self.is_moe:
-            y, aux = self.mlp(y_in)
-        else:
-            y, aux = rc.module("mlp", self.mlp, y_in), h.new_zeros((), dtype=torch.float32)
-        return h + y, aux
-
-
 class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
-    """Qwen3-Next: the shared causal LM (models/base.py) over this family's hybrid layer."""
+    """Qwen3-Next: Qwen3.5's causal LM with the fused-projection Gated DeltaNet."""
 
     family = "qwen3_next"
-
-    def make_layer(self, index: int, parts: LayerParts) -> nn.Module:
-        linear_core = registry.get("linear_attention", parts.prims.linear_attention).factory
-        return DecoderLayer(self.arch, index, parts, linear_core)
-
-    def make_mtp(self, parts: LayerParts):
-        if not self.arch.mtp_num_hidden_layers:
-            return None
-        linear_core = registry.get("linear_attention", parts.prims.linear_attention).factory
-        return MultiTokenPredictor(self.arch, parts, linear_core)
+    linear_mixer = FusedGatedDeltaNet
