@@ -152,7 +152,7 @@ def main():
                 union.append(rows / (args.cp - 1))
     u = sum(union) / len(union)
     print(
-        f"  union fraction (remote rows fetched / visible): {', '.join(f'{x:.3f}' for x in union)}"
+        f"  union fraction (remote rows fetched / an all-gather's): {', '.join(f'{x:.3f}' for x in union)}"
     )
     formula_rows(1.0)
     formula_rows(u)
