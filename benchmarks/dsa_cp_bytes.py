@@ -12,7 +12,7 @@ all-reduce on gloo: counted as the reduce-scatter it stands for, (cp - 1) / cp o
 Two runs: ``dsa_impl = blockwise`` (fetch only the selected latents, ``dsa_cp.py``) and
 ``dsa_impl = reference`` (all-gathers the row's latents and indexer keys, the path before the
 fetch; also the dense warm-up stage's). The union fraction is the remote rows fetched over the
-remote rows visible ((cp - 1) x local tokens).
+remote rows an all-gather brings ((cp - 1) x local tokens).
 
 Formula (``plan/dsa_terms.py::dsa_cp_traffic``), per local token, at union 1 (the planner's
 bound) and at the measured union: fetch, all-gather, MLA's latent ring (C + R per hop), and the
