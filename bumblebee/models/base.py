@@ -168,6 +168,15 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
         """The modules whose forward runs the MTP depths (FSDP units)."""
         return []
 
+    def set_step_tokens(self, tokens: int) -> None:
+        """Tokens of a training step's global batch (every micro-batch of every data-parallel
+        rank): a module injecting a per-token auxiliary loss in its forward (``step_tokens``,
+        e.g. DSA's indexer KL) takes its share of the mean over them, as the step divides the LM
+        loss by the global batch's tokens; 0 (default) takes the mean over each forward's own."""
+        for m in self.modules():
+            if hasattr(m, "step_tokens"):
+                m.step_tokens = int(tokens)
+
     def rotary_dim(self) -> int:
         return self.arch.head_dim
 

@@ -186,8 +186,10 @@ def _seams(stack: ExitStack, docs, run: FakeRun) -> None:
     import torch.nn.attention.varlen  # noqa: F401  (registers the flash ops' fake kernels)
 
     from bumblebee.primitives import kernel_choice, packed, recompute
+    from bumblebee.primitives.attention import dsa_cp
 
     stack.enter_context(kernel_choice.assume("cuda", fla=True))
+    stack.enter_context(dsa_cp.assume_every_key())  # DSA's CP fetch: no selection values
     stack.enter_context(packed.assume_documents(docs))
     stack.enter_context(recompute.observe(lambda: _recompute_scope(run)))
 

@@ -112,19 +112,19 @@ def apply_overrides(prims: PrimitivesConfig, items: list[str]) -> tuple[Primitiv
         if len(keys) != 2 or keys[0] != "primitives":
             raise ConfigError(
                 f"--set {item!r}: the planner takes primitives.KEY=VALUE "
-                f"(KEY: {', '.join([*choices, 'moe_chunks'])})"
+                f"(KEY: {', '.join([*choices, 'moe_chunks', 'dsa_block'])})"
             )
         key, value = canonical("primitives", keys[1], value)
-        if key == "moe_chunks":
+        if key in ("moe_chunks", "dsa_block"):  # dsa_block: DSA's query block (its buffers)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"--set {item!r}: moe_chunks must be a positive integer")
+                raise ConfigError(f"--set {item!r}: {key} must be a positive integer")
         elif key in choices:
             if value not in choices[key]:
                 raise ConfigError(f"--set {item!r}: {key} must be one of {', '.join(choices[key])}")
         else:
             raise ConfigError(
                 f"--set {item!r}: unknown planner primitive {key!r}; "
-                f"valid: {', '.join([*choices, 'moe_chunks'])}"
+                f"valid: {', '.join([*choices, 'moe_chunks', 'dsa_block'])}"
             )
         changes[key] = value
     return dataclasses.replace(prims, **changes), set(changes)

@@ -231,6 +231,8 @@ def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str
     if lay.cp == 1:
         return 0.0, 0.0, ""
     tp = lay.tp
+    if kind == ATTN and spec.dsa_topk:  # DSA fetches its keys: plan/dsa_terms.py
+        return 0.0, 0.0, ""
     if kind == ATTN and spec.mla:  # MLA's latent ring (primitives/cp/ring_latent.py)
         x = spec.mla_kv_rank + spec.mla_rope_dim
         nd = spec.n_heads * spec.head_dim / tp
@@ -270,31 +272,6 @@ def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str
             f"2x{hv:.0f}x{w}x4 + 3x{hv:.0f}x{v}x4"
         ),
     )
-
-
-def dsa_bytes(spec: ModelSpec, lay: Layout, t: int, block: int) -> tuple[float, float, str]:
-    """DeepSeek Sparse Attention's blockwise core (``primitives/attention/dsa.py``), written from its
-    code, not checked by a dry run: (bytes per local token kept for backward, fixed transient bytes
-    of one query block, formula). Kept: the indexer's q [Hi x Di], key [Di] and fp32 head weights
-    [Hi], the absorbed queries [N x (C + R)] and latent outputs [N x C] (bf16), and the row's
-    gathered latents + indexer keys (cp x (C + R + Di) per local token). One block (``block``
-    queries against S = t x cp keys): the fp32 per-head indexer products [block, Hi, S], the summed
-    and masked scores, the stable sort's values and int64 indices, the gathered latents
-    [block, K, C + R] and fp32 scores / probabilities [block, N, K]; twice in backward (recompute +
-    gradients)."""
-    if not spec.dsa_topk:
-        return 0.0, 0.0, ""
-    n, c, r = spec.n_heads / lay.tp, spec.mla_kv_rank, spec.mla_rope_dim
-    hi, di, k, S = spec.dsa_heads, spec.dsa_dim, spec.dsa_topk, t * lay.cp
-    kept = (hi * di + di + n * (2 * c + r)) * BF16 + hi * FP32 + lay.cp * (c + r + di) * BF16
-    k = min(k, S)
-    one = block * (hi * S * FP32 + 2 * S * FP32 + S * (FP32 + 8) + k * (c + r) * BF16)
-    one += block * n * k * 2 * FP32
-    why = (
-        f"DSA: kept {kept:.0f} B/token (indexer q/k/w, absorbed q, latent out, gathered row); "
-        f"block of {block} queries x {S} keys: {2 * one / 2**30:.2f} GiB in backward"
-    )
-    return kept, 2 * one, why
 
 
 def gdn_state_bytes(spec: ModelSpec, tp: int, chunk: int = 64) -> float:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bumblebee.config import PrimitivesConfig
+from bumblebee.plan.dsa_terms import COLLECTIVES, dsa_cp_traffic
 from bumblebee.plan.hardware import GPU, Efficiency
 from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.memory import (
@@ -203,7 +204,11 @@ def _layer_time(
     # context parallel
     if lay.cp > 1:
         bw = _link(lay.cp, lay.tp, gpu) * 1e9 * eff.collective
-        if mixer == ATTN:
+        if mixer == ATTN and spec.dsa_topk:  # DSA fetches the selected latents (dsa_terms.py)
+            moved = dsa_cp_traffic(spec, lay, t)
+            comm = (moved["forward"] * fwd_passes + moved["backward"]) / bw
+            clock.add("cp_comm", comm + (fwd_passes + 1) * COLLECTIVES * P2P_LATENCY_S)
+        elif mixer == ATTN:
             if spec.mla:  # MLA's ring (ring_latent.py): latent + rope key per token and hop
                 kv = (lay.cp - 1) * t * (spec.mla_kv_rank + spec.mla_rope_dim) * BF16 / bw
                 # ... and kv_b_proj over the cp - 1 received blocks per forward pass; backward re-expands

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from bumblebee.config import PrimitivesConfig
+from bumblebee.plan.dsa_terms import dsa_bytes
 from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
 from bumblebee.plan.layer_bytes import (
     attn_core_bytes,
@@ -48,7 +49,6 @@ from bumblebee.plan.memory import (
     GDN_CP_BWD_FACTOR,
     allgather_bytes,
     cp_extra,
-    dsa_bytes,
     expert_grad_bytes,
     gdn_state_bytes,
     in_flight,
@@ -151,7 +151,8 @@ def _layer_moments(
     routed = routed_buffers(spec, prims, tp, skew) if mlp == MOE else {}
     ws = t * gdn_state_bytes(spec, tp) if mixer != ATTN else 0.0
     dsa_kept, dsa_ws, dsa_why = dsa_bytes(spec, lay, t, prims.dsa_block)
-    cpk, ws = cpk + dsa_kept, ws + dsa_ws
+    # (DSA's kept set is not added to cpk: at the MoE backward the layer's saved tensors,
+    # mix_saved, already hold what its core keeps, q and latents alike: the dry run's count)
     cp_why = "; ".join(w for w in (cp_why, dsa_why) if w)
     f = BWD_GRAD_FRACTION
     rc = "full" if prims.recompute == "offload" else prims.recompute  # the device side is full's
@@ -199,6 +200,31 @@ def _layer_moments(
                 f"{name}'s mixer backward (its recompute at the gated norm): "
                 f"{norm_bytes(spec, tp) + h2 + gb['recompute'][0]:.0f} B/token + {gb['recompute'][1] / GB:.3f} GB "
                 f"states",
+            ),
+        ]
+    elif mixer == ATTN and spec.dsa_topk:
+        # DSA's blockwise core (plan/dsa_terms.py): its kept tensors per token and, forward, the
+        # block outputs beside their concatenation ([N x C] bf16 twice); one query block's
+        # transients (fixed; real tensors, so live, not a kernel workspace); backward: the saved
+        # tensors, their gradients, the block twice (recompute + gradients)
+        cat = spec.n_heads / tp * spec.mla_kv_rank * BF16
+        fwd_live = {"full": h2 + dsa_kept + cat}.get(rc, mk + mc + dsa_kept + cat)
+        mix_live = {"full": mix_saved, "selective": mc}.get(rc, 0.0) + h2 + dsa_kept
+        out = [
+            (
+                "forward:mixer",
+                t * fwd_live + dsa_ws / 2,
+                0.0,
+                0.0,
+                f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}) + {dsa_why}",
+            ),
+            (
+                "backward:mixer",
+                t * mix_live + dsa_ws,
+                0.0,
+                0.0,
+                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; saved + core gradients) "
+                f"+ {dsa_why}",
             ),
         ]
     elif mixer == ATTN:

@@ -83,6 +83,7 @@ class Trainer:
         self.cp, self.cp_rank = ctx.layout.cp, ctx.cp_rank
         self.autocast, self.pipeline, self.sharding = run.autocast, run.pipeline, run.sharding
         self.model, self.optimizer = run.model, run.optimizer
+        self.model.set_step_tokens(plan.tokens_per_step)  # in-forward auxiliary losses' mean
         self.source = build_source(cfg.data, t, self.model.arch.vocab_size)
         self.checkpoint = Checkpointer(
             cfg, ctx, self.model, self.sharding, self.optimizer, stream=stream

@@ -178,10 +178,11 @@ def test_bad_dsa_settings_are_refused(override):
 
 def test_planner_terms_follow_the_code():
     """The spec's keys per query beyond topk tokens are the mean of min(topk, t + 1) over a causal
-    row's queries (what the blockwise core reads), its parameters count the indexer, and the planner's DSA buffers keep
-    a constant per-token part and one block growing with the row, never [T, T]."""
+    row's queries (what the blockwise core reads), its parameters count the indexer, and the
+    planner's DSA buffers keep a constant per-token part and one block growing with the row (the
+    selection: block x S x (2 fp32 + 2 bool), no indexer-head factor), never [T, T]."""
+    from bumblebee.plan.dsa_terms import dsa_bytes
     from bumblebee.plan.layout import Layout
-    from bumblebee.plan.memory import dsa_bytes
 
     model = tiny()
     spec = model.arch.to_spec()
@@ -189,6 +190,73 @@ def test_planner_terms_follow_the_code():
     for seq in (40, 100):  # (up to topk keys: seq / 2, the dense convention of attn_core_flops)
         mean = sum(min(spec.dsa_topk, t + 1) for t in range(seq)) / seq
         assert spec.dsa_keys(seq) == pytest.approx(mean, rel=1e-12), seq
+    big = arch_from_hf_dict(PRESETS["deepseek-v3.2"]).to_spec()
     lay = Layout()
-    (k1, w1, _), (k2, w2, _) = (dsa_bytes(spec, lay, t, 128) for t in (65536, 131072))
-    assert k1 == k2 > 0 and 1.9 < w2 / w1 < 2.1
+    (k1, w1, _), (k2, w2, why) = (dsa_bytes(big, lay, t, 128) for t in (65536, 131072))
+    assert k1 == k2 > 0 and w2 - w1 == 2 * 128 * (131072 - 65536) * 10  # fwd + bwd
+    assert "selection 160 MiB" in why  # 128 x 131072 x 10 B (measured: skills/models/dsa.md)
+
+
+def test_planner_prices_the_cp_fetch():
+    """Under CP a DSA layer is priced by what it moves (indexer keys all-gathered, the fetched
+    latent rows and their int32 ids; no MLA ring re-expansion), its memory keeps the fetched row
+    and the int32 top-k slots, and the MLA ring's transients are not charged."""
+    from bumblebee.config import PrimitivesConfig
+    from bumblebee.plan import perf
+    from bumblebee.plan.dsa_terms import COLLECTIVES, dsa_bytes, dsa_cp_traffic
+    from bumblebee.plan.hardware import GPUS, Efficiency
+    from bumblebee.plan.layout import Layout, Workload
+    from bumblebee.plan.memory import cp_extra
+    from bumblebee.plan.spec import ATTN, MOE
+
+    spec = arch_from_hf_dict(PRESETS["deepseek-v3.2"]).to_spec()
+    lay, t = Layout(cp=8, ep=8, dp_shard=1), 131072 // 8
+    m = dsa_cp_traffic(spec, lay, t)
+    remote, lat, di = 7 * t, 576, 128
+    assert m["forward"] == remote * (di * 2 + lat * 2 + 4)  # ids: 4 B per fetched row
+    assert m["backward"] == remote * (di + lat) * 2 == m["allgather"]
+    assert dsa_cp_traffic(spec, lay, t, union=0.25)["forward"] < 0.4 * m["forward"]
+    assert cp_extra(spec, ATTN, lay) == (0.0, 0.0, "")
+    k8, _, _ = dsa_bytes(spec, lay, t, 128)
+    k1, _, _ = dsa_bytes(spec, Layout(), t, 128)
+    assert k8 - k1 == 7 * (lat + di) * 2 + 2048 * 4
+    gpu, eff, prims = GPUS["h200"], Efficiency(), PrimitivesConfig(recompute="full")
+    clock = perf._Clock()
+    work = Workload(seq=131072, global_batch=1)
+    perf._layer_time(spec, (ATTN, MOE), lay, prims, work, gpu, eff, clock)
+    bw = perf._link(8, 1, gpu) * 1e9 * eff.collective
+    want = (2 * m["forward"] + m["backward"]) / bw + 3 * COLLECTIVES * perf.P2P_LATENCY_S
+    assert clock.parts["cp_comm"] == pytest.approx(want, rel=1e-12)
+
+
+def test_fetch_owners_follow_zigzag():
+    """The CP fetch asks each key's latent row of the rank and local row ``zigzag_index`` gave it."""
+    from bumblebee.primitives.attention.dsa_cp import owners
+    from bumblebee.primitives.cp.zigzag import CPShards, zigzag_index
+
+    for cp in (2, 3, 4):
+        T, L = 8 * cp, 8
+        layout = CPShards(None, cp, 0, T, torch.zeros(B, T, dtype=torch.long), torch.arange(L))
+        rank, row = owners(torch.arange(B * T), layout, L)
+        for r in range(cp):
+            for b in range(B):
+                mine = b * T + zigzag_index(T, cp, r)
+                assert (rank[mine] == r).all() and row[mine].tolist() == list(
+                    range(b * L, (b + 1) * L)
+                ), (cp, r, b)
+
+
+def test_selection_buffer_has_no_head_factor():
+    """The selection's live-tensor peak (perf/memory.py) is two fp32 [block, S] buffers whatever
+    the indexer head count (heads summed one at a time), and equals ``index_scores``."""
+    from bumblebee.perf.memory import MemoryTracker
+    from bumblebee.primitives.attention.dsa import index_scores, selection_scores
+
+    g = torch.Generator().manual_seed(0)
+    block, S, hi = 8, 2048, 16
+    qi, ki = torch.randn(1, block, hi, DI, generator=g), torch.randn(1, S, DI, generator=g)
+    w = torch.randn(1, block, hi, generator=g)
+    with torch.no_grad(), MemoryTracker() as mem:
+        got = selection_scores(qi, ki, w, 0.3)
+    assert mem.peak_bytes <= 2 * block * S * 4 + 4096, mem.peak_bytes
+    torch.testing.assert_close(got, index_scores(qi, ki, w, 0.3), rtol=1e-5, atol=1e-5)

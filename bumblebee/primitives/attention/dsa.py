@@ -26,7 +26,11 @@ Two implementations of the same maths:
   query's position only, takes its top-k, *gathers* the selected latents and attends to them;
   every block runs under activation checkpointing, so what the backward keeps is the inputs
   and the block outputs. Nothing [Tq, S] is ever materialized: the transient is
-  ``block x S`` indexer scores and ``block x topk x (C + R)`` gathered latents.
+  ``block x S`` indexer scores (``selection_scores`` sums the heads one at a time) and
+  ``block x topk x (C + R)`` gathered latents.
+
+``select_keys`` + ``attend_selected`` split a block into its selection and its attention, for
+context parallelism (``dsa_cp.py``: select over the global row, fetch, then attend).
 
 Queries may be a subset of the keys (context parallelism: local zigzag shards against the
 whole row), given by their global positions ``qpos`` and document ids.
@@ -50,6 +54,20 @@ def index_scores(qi_BTHD, ki_BSD, w_BTH, scale: float):
     """Indexer scores [B, Tq, S] (at least fp32)."""
     s = torch.einsum("bthd,bsd->bths", _up(qi_BTHD), _up(ki_BSD)) * scale
     return torch.einsum("bth,bths->bts", _up(w_BTH), torch.relu(s))
+
+
+def selection_scores(qi_BQHD, ki_BSD, w_BQH, scale: float):
+    """``index_scores`` without gradient, one indexer head at a time: the transient is two
+    [B, Q, S] fp32 buffers (the running sum and one head's products), never [B, Q, Hi, S]
+    (4 GiB at 128 queries x 64 heads x 128K keys; this is 128 MiB: skills/models/dsa.md)."""
+    k = _up(ki_BSD).transpose(1, 2)
+    acc = None
+    for h in range(qi_BQHD.shape[2]):
+        s = torch.matmul(_up(qi_BQHD[:, :, h]), k).mul_(scale).relu_()
+        s.mul_(_up(w_BQH[:, :, h, None]))
+        acc = s if acc is None else acc.add_(s)
+        del s  # before the next head's product: two [B, Q, S] buffers at a time, not three
+    return acc
 
 
 def allowed(qpos_T, doc_q_BT, doc_k_BS, end: int):
@@ -112,17 +130,16 @@ def _block(q_abs, lat, qi, ki, w, qpos, doc_q, doc_k, topk, scale, index_scale, 
         o, p = _attend(q_abs, lat[:, :end], ok, scale, C)
         return o, _kl(p, scores, ok)
     with torch.no_grad():  # the selection: no gradient, so nothing [block, S] is kept for backward
-        scores = index_scores(qi, ki[:, :end], w, index_scale).masked_fill(~ok, float("-inf"))
+        scores = selection_scores(qi, ki[:, :end], w, index_scale).masked_fill_(~ok, float("-inf"))
         indices = select_top(scores, min(topk, end))
         valid = ok.gather(-1, indices)
     B, Q, K = indices.shape
     flat = indices.reshape(B, Q * K, 1)
     lat_sel = lat.gather(1, flat.expand(-1, -1, lat.shape[-1])).view(B, Q, K, lat.shape[-1])
     ki_sel = ki.gather(1, flat.expand(-1, -1, ki.shape[-1])).view(B, Q, K, ki.shape[-1])
-    o, p = _attend(q_abs, lat_sel, valid, scale, C)
-    s = torch.einsum("bqhd,bqkd->bqhk", _up(qi), _up(ki_sel)) * index_scale  # the selected keys'
-    i_sel = torch.einsum("bqh,bqhk->bqk", _up(w), torch.relu(s))  # indexer scores, with gradient
-    return o, _kl(p, i_sel, valid)
+    return attend_selected(
+        q_abs, lat_sel, ki_sel, qi, w, valid, scale=scale, index_scale=index_scale, C=C
+    )
 
 
 def dsa_blockwise(
@@ -142,6 +159,34 @@ def dsa_blockwise(
         outs.append(o)
         kl = kl + k
     return torch.cat(outs, dim=1), kl
+
+
+@torch.no_grad()
+def select_keys(qi, ki, w, qpos, doc_q, doc_k, *, topk: int, index_scale: float, block: int):
+    """Every query's top-k keys at once, by query blocks: global key positions [B, Tq, K]
+    (K = min(topk, S)), -1 where a block sees fewer than K allowed keys. The same choice as
+    ``_block``'s (same scores, same tie rule), made before the main attention so that the keys
+    can be fetched (context parallelism: ``dsa_cp.py``)."""
+    B, Tq = qi.shape[:2]
+    K = min(topk, ki.shape[1])
+    out = torch.full((B, Tq, K), -1, dtype=torch.long, device=qi.device)
+    for i in range(0, Tq, block):
+        j = min(i + block, Tq)
+        end = int(qpos[j - 1]) + 1
+        ok = allowed(qpos[i:j], doc_q[:, i:j], doc_k, end)
+        scores = selection_scores(qi[:, i:j], ki[:, :end], w[:, i:j], index_scale)
+        idx = select_top(scores.masked_fill_(~ok, float("-inf")), min(K, end))
+        out[:, i:j, : idx.shape[-1]] = torch.where(ok.gather(-1, idx), idx, -1)
+    return out
+
+
+def attend_selected(q_abs, lat_sel, ki_sel, qi, w, valid, *, scale, index_scale, C):
+    """(o_lat, summed KL) of queries against their selected keys, given gathered: latents
+    [B, Q, K, C + R] and indexer keys [B, Q, K, Di] (what ``_block`` computes after its gather)."""
+    o, p = _attend(q_abs, lat_sel, valid, scale, C)
+    s = torch.einsum("bqhd,bqkd->bqhk", _up(qi), _up(ki_sel)) * index_scale
+    i_sel = torch.einsum("bqh,bqhk->bqk", _up(w), torch.relu(s))
+    return o, _kl(p, i_sel, valid)
 
 
 class AddLoss(torch.autograd.Function):

@@ -14,14 +14,17 @@ its parameters learn from the indexer KL loss only, and the main model never fro
 Training stages (``[primitives]``): ``dsa_stage = "dense_warmup"`` attends every allowed key
 and trains the indexer toward the dense attention (the model freezes everything but the
 indexers); ``"sparse"`` attends the top ``index_topk`` keys and trains the indexer over the
-selected set. ``dsa_indexer_loss`` weighs the KL, taken as a mean over the row's query tokens
-(the global row under CP, so the CP ranks' gradients add up to the cp = 1 gradient) and
-entered through ``AddLoss``: it adds a gradient, not a logged loss term (the last value is
-``indexer_kl``). ``dsa_impl``: ``blockwise`` (default) or ``reference`` (dense [T, T]).
+selected set. ``dsa_indexer_loss`` weighs the KL, summed over the forward's query tokens and
+divided by the training step's global tokens (``step_tokens``, set by ``CausalLM.set_step_tokens``;
+0: this forward's tokens, B x the row), as the step divides the LM loss: micro-batches, DP and CP
+ranks each add their share of one mean. It enters through ``AddLoss``: a gradient, not a logged
+loss term (the last per-forward mean is ``indexer_kl``). ``dsa_impl``: ``blockwise`` (default) or
+``reference`` (dense [T, T]).
 
-Under context parallelism the queries stay local and the keys are global: the latents
-[C + R] and the indexer keys [Di] of the row are all-gathered (``GatherSequence``; the
-backward reduce-scatters their gradients); the expanded per-head keys never travel.
+Under context parallelism the queries stay local and the keys are global: the indexer keys [Di]
+of the row are all-gathered (``GatherSequence``), and the sparse stage fetches only the latent
+rows [C + R] its queries selected from their owners (``dsa_cp.py``); the dense warm-up stage and
+the reference core all-gather the latents too. The expanded per-head keys never travel.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from bumblebee.primitives.attention.dsa import AddLoss, _up, dsa_blockwise, dsa_reference
+from bumblebee.primitives.attention.dsa_cp import dsa_fetched
 from bumblebee.primitives.attention.mla import MultiHeadLatentAttention
 from bumblebee.primitives.cp.allgather import GatherSequence
 from bumblebee.primitives.cp.zigzag import CPShards
@@ -99,6 +103,9 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         self.topk, self.stage, self.impl, self.block = index_topk, stage, impl, block
         self.loss_weight = loss_weight
         self.indexer_kl = None  # last forward's mean indexer KL (detached), for logs and tests
+        # tokens of the training step's global batch (``CausalLM.set_step_tokens``); 0: this
+        # forward's tokens
+        self.step_tokens = 0
 
     def forward(self, x_BTH, cos, sin, layout):
         if not isinstance(layout, (CPShards, DocLayout)):
@@ -115,33 +122,35 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         c_kv, k_rope = self.latents(x_BTH)
         lat = torch.cat((c_kv, self._rope(k_rope, cos, sin)[:, 0]), dim=-1)  # [B, T, C + R]
         qi, ki, w = self.indexer(x_BTH, q_resid, cos, sin)
-        if isinstance(layout, CPShards):  # local queries, the row's keys in global order
-            lat = GatherSequence.apply(lat[:, None], layout)[:, 0]
-            ki = GatherSequence.apply(ki[:, None], layout)[:, 0]
-            qpos, doc_k, rows = layout.index_L, layout.doc_BT, layout.seq_len
-            doc_q = doc_k[:, qpos]
-        else:
-            qpos, doc_k = torch.arange(T, device=x_BTH.device), layout.doc_ids(x_BTH.device)
-            doc_q, rows = doc_k, T
         w_kvb = self.kv_b_proj.weight.view(N, self.nope + self.v_dim, C)
         w_uk, w_uv = w_kvb.split([self.nope, self.v_dim], dim=1)
         q_abs = torch.cat((torch.einsum("btnd,ndc->btnc", q_nope, w_uk), q_rope), dim=-1)
-        core = dsa_blockwise if self.impl == "blockwise" else dsa_reference
-        core = functools.partial(
-            core,
-            topk=self.topk,
-            scale=self.scale,
-            index_scale=self.indexer.dim**-0.5,
-            dense=self.stage == "dense_warmup",
-            block=self.block,
-            C=C,
-        )
-        args = (q_abs, lat.to(q_abs.dtype), qi, ki, w, qpos, doc_q, doc_k)
+        lat = lat.to(q_abs.dtype)
+        dense = self.stage == "dense_warmup"
+        kw = dict(topk=self.topk, scale=self.scale, index_scale=self.indexer.dim**-0.5)
+        kw.update(block=self.block, C=C)
+        rows = layout.seq_len if isinstance(layout, CPShards) else T
+        if isinstance(layout, CPShards):  # local queries, the row's keys in global order
+            ki = GatherSequence.apply(ki[:, None], layout)[:, 0]
+        if isinstance(layout, CPShards) and not dense and self.impl == "blockwise":
+            # fetch only the selected latents from their owners (dsa_cp.py)
+            core = functools.partial(dsa_fetched, layout=layout, **kw)
+            args = (q_abs, lat, qi, ki, w)
+        else:
+            if isinstance(layout, CPShards):  # every key is read: all-gather the latents
+                lat = GatherSequence.apply(lat[:, None], layout)[:, 0]
+                qpos, doc_k = layout.index_L, layout.doc_BT
+                doc_q = doc_k[:, qpos]
+            else:
+                qpos, doc_k = torch.arange(T, device=x_BTH.device), layout.doc_ids(x_BTH.device)
+                doc_q = doc_k
+            core = dsa_blockwise if self.impl == "blockwise" else dsa_reference
+            core = functools.partial(core, dense=dense, **kw)
+            args = (q_abs, lat, qi, ki, w, qpos, doc_q, doc_k)
         out = self.recompute.module("attn_core", core, *args)
         o_lat, kl = out[0], out[1]
         o = torch.einsum("btnc,nvc->btnv", o_lat, w_uv).reshape(B, T, N * self.v_dim)
-        loss = kl / (B * rows)
-        self.indexer_kl = loss.detach()
-        if self.loss_weight and loss.requires_grad:
-            o = AddLoss.apply(o, loss * self.loss_weight)
+        self.indexer_kl = (kl / (B * rows)).detach()
+        if self.loss_weight and kl.requires_grad:  # this forward's share of the step's mean
+            o = AddLoss.apply(o, kl * (self.loss_weight / (self.step_tokens or B * rows)))
         return self.o_proj(o)
