@@ -76,6 +76,9 @@ class RunPlan:
     balance_denominator: int
     tokens_per_step: int  # train.global_batch x train.seq_len
     mtp_depth: int  # MTP depths trained
+    # micro-batches run two at a time, each one's all-to-alls under the other's compute
+    # (moe_comm = overlap_mb: runtime/step.py run_micro_batches)
+    paired: bool = False
 
 
 def resolve_layout(parallel_cfg, world: int, arch) -> Layout:
@@ -188,6 +191,8 @@ def check_run(cfg: Config, world: int) -> RunPlan:
                 "primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use "
                 "'alltoall'"
             )
+        if p.moe_comm == "overlap_mb":
+            check_paired(p, layout, micro)
 
     def cp():
         if layout.cp > 1 and t.seq_len % (2 * layout.cp):
@@ -202,6 +207,7 @@ def check_run(cfg: Config, world: int) -> RunPlan:
             )
 
     rows, rem = divmod(t.global_batch, layout.dp_shard)
+    micro = rows // t.micro_batch
 
     def batch():
         if rem or rows % t.micro_batch:
@@ -213,7 +219,6 @@ def check_run(cfg: Config, world: int) -> RunPlan:
             )
 
     gather(sharding, moe_comm, cp, batch, lambda: check_pipeline(cfg, layout, arch, rows))
-    micro = rows // t.micro_batch
     pp_micro = (p.pp_microbatches or micro) if layout.pp > 1 else 1
     return RunPlan(
         arch=arch,
@@ -225,7 +230,31 @@ def check_run(cfg: Config, world: int) -> RunPlan:
         balance_denominator=(pp_micro if layout.pp > 1 else micro) * layout.dp_shard * layout.cp,
         tokens_per_step=t.global_batch * t.seq_len,
         mtp_depth=mtp_depth(cfg, arch),
+        paired=p.moe_comm == "overlap_mb",
     )
+
+
+def check_paired(p, layout, micro: int) -> None:
+    """Where two micro-batches in flight (moe_comm = overlap_mb) cannot run: one line why."""
+    why = None
+    if layout.pp > 1:
+        why = (
+            "pp = 1 only (with pp > 1 the pipeline schedule already keeps micro-batches in flight)"
+        )
+    elif layout.ep == 1:
+        why = "parallel.ep > 1 (with ep = 1 there is no all-to-all to hide; use 'local')"
+    elif micro % 2:
+        why = (
+            f"an even number of micro-batches per rank and step (got {micro}: "
+            "train.global_batch / (dp_shard x train.micro_batch))"
+        )
+    elif p.sharding == "fsdp2":
+        why = (
+            "sharding = 'zero1' (FSDP2 reshards a layer when one micro-batch leaves it, under the "
+            "other one still inside it)"
+        )
+    if why:
+        raise ConfigError(f"primitives.moe_comm = 'overlap_mb' needs {why}")
 
 
 def check_pipeline(cfg, layout, arch, rows_per_rank: int) -> None:

@@ -1,0 +1,179 @@
+"""Expert-parallel all-to-all hidden under another micro-batch (slot ``moe_comm``, ``overlap_mb``).
+
+``chunked`` hides one micro-batch's exchanges under its own expert GEMMs. ``overlap_mb`` keeps
+the maths of ``alltoall`` (same ops, same order: gradients and losses are bit-identical) and
+hides each exchange under the compute of a *second* micro-batch in flight on the same rank.
+
+Two micro-batches A and B run on two threads of one rank, exactly one of them running at any
+time (``Pair``: a baton passed at fixed points, so the order of every collective is the same on
+every rank). Every dispatch / combine all-to-all of this primitive, forward and backward, is
+issued asynchronously, then the baton goes to the partner, then the issuer waits
+(``_Exchange``). One MoE layer j, forward, in the steady state (A ahead of B by one exchange):
+
+    A: ... attn j, router, counts | dispatch issue -> B
+    B: (A's dispatch in flight) attn j, router, counts | dispatch issue -> A
+    A: dispatch wait, expert GEMMs | combine issue -> B
+    B: (A's combine in flight) dispatch wait, expert GEMMs | combine issue -> A
+    A: combine wait, weighted sum, residual, attn j+1 ... -> B
+    B: (B's combine was in flight under A's tail) combine wait ...
+
+Backward is the mirror: combine-backward issued, partner runs (its layer tail backward or its
+expert backward), wait, expert backward, dispatch-backward issued, partner runs, wait, router and
+attention backward. Under full recompute the checkpoint re-runs layer j inside its backward; that
+re-run's exchanges switch too, so they hide under the partner's backward. The count exchange (E
+integers) stays blocking: its result is needed on the host right away.
+
+On CUDA the exchanges run on a side stream (``chunked._Comm``); autograd runs CUDA backward on its
+own device thread, where no switch happens (backwards then run one after the other).
+Outside a ``Pair`` (one micro-batch, eval, the RL engine) a switch does nothing: the primitive
+is ``alltoall`` with asynchronous waits.
+
+Legend: T tokens, H hidden, K choices per token, N = T*K rows, E experts, R ep ranks.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+
+import torch
+import torch.distributed as dist
+
+from bumblebee.primitives import emulation
+from bumblebee.primitives.moe.alltoall import exchange_counts, regroup_by_expert
+from bumblebee.primitives.moe.chunked import _Comm
+from bumblebee.primitives.moe.local import ExpertFn, permute, unpermute
+from bumblebee.registry import register
+
+# Dynamic scope, not configuration: (pair, slot, thread id) on a thread a ``Pair`` runs.
+_SLOT = contextvars.ContextVar("bumblebee_mb_pair_slot", default=None)
+
+
+class Pair:
+    """Runs two functions on two threads, one at a time; ``switch()`` hands over.
+
+    Only the holder of the baton runs Python (and issues collectives); it passes the baton at a
+    switch point, and for good when its function returns. Both functions see the caller's
+    context variables and grad mode. ``switches`` counts the hand-overs (tests check it)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._turn, self._done = 0, [False, False]
+        self.switches = 0
+
+    def run(self, first, second) -> list:
+        results, errors = [None, None], [None, None]
+        grad = torch.is_grad_enabled()
+
+        def body(slot, fn):
+            _SLOT.set((self, slot, threading.get_ident()))
+            with self._cv:
+                self._cv.wait_for(lambda: self._turn == slot)
+            try:
+                with torch.set_grad_enabled(grad):
+                    results[slot] = fn()
+            except BaseException as e:  # re-raised on the caller's thread
+                errors[slot] = e
+            finally:
+                with self._cv:
+                    self._done[slot], self._turn = True, 1 - slot
+                    self._cv.notify_all()
+
+        threads = [
+            threading.Thread(target=contextvars.copy_context().run, args=(body, s, f))
+            for s, f in enumerate((first, second))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in errors:
+            if e is not None:
+                raise e
+        return results
+
+    def _switch(self, slot: int) -> None:
+        with self._cv:
+            if self._done[1 - slot]:
+                return
+            self._turn, self.switches = 1 - slot, self.switches + 1
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._turn == slot)
+
+
+def switch() -> None:
+    """Hand the rank to the partner micro-batch until it reaches its own switch (no-op outside a
+    ``Pair``, and on threads a ``Pair`` did not start, e.g. autograd's CUDA device thread)."""
+    slot = _SLOT.get()
+    if slot is not None and slot[2] == threading.get_ident():
+        slot[0]._switch(slot[1])
+
+
+def exchange(comm: _Comm, x: torch.Tensor, send, recv) -> torch.Tensor:
+    """Issue the all-to-all, let the partner run, then wait for it."""
+    pending = comm.a2a(x, send, recv)
+    switch()
+    return pending.wait()
+
+
+class _Exchange(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; forward and backward both switch while in flight."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], comm: _Comm):
+        ctx.args = (send, recv, comm)
+        return exchange(comm, x, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        send, recv, comm = ctx.args
+        return exchange(comm, grad_out.contiguous(), recv, send), None, None, None
+
+
+@register(
+    "moe_comm",
+    "overlap_mb",
+    summary="alltoall with each exchange hidden under a second micro-batch (pairs, pp = 1)",
+)
+class OverlapMBDispatch:
+    def __init__(self, num_experts: int, ep_group=None, **_unused):
+        self.num_experts, self.group = num_experts, ep_group
+        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        if num_experts % self.ep:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})"
+            )
+        self._streams = {}  # device -> CUDA communication stream
+
+    def _comm(self, x: torch.Tensor) -> _Comm:
+        stream = None
+        if emulation.kind(x) == "cuda":
+            if x.device not in self._streams:
+                self._streams[x.device] = emulation.side_stream(x.device)
+            stream = self._streams[x.device]
+        return _Comm(self.group, self.ep, stream)
+
+    def __call__(
+        self,
+        x_TH: torch.Tensor,
+        idx_TK: torch.Tensor,
+        weight_TK: torch.Tensor,
+        expert_fn: ExpertFn,
+        drops: bool = False,
+    ) -> torch.Tensor:
+        # the ops of alltoall.AllToAllDispatch, in its order: only the waits moved
+        K = idx_TK.shape[1]
+        order_N, counts_E = permute(idx_TK, self.num_experts, drops)
+        x_NH = x_TH[order_N // K]
+        if self.ep == 1:
+            return unpermute(expert_fn(x_NH, counts_E), order_N, weight_TK)
+        comm = self._comm(x_TH)
+        recv_RL = exchange_counts(counts_E, self.ep, self.group)
+        send_splits = counts_E.view(self.ep, -1).sum(1).tolist()
+        recv_splits = recv_RL.sum(1).tolist()
+        x_recv = _Exchange.apply(x_NH, send_splits, recv_splits, comm)
+        by_expert = regroup_by_expert(recv_RL)
+        y_sorted = expert_fn(x_recv[by_expert], recv_RL.sum(0))
+        y_recv = torch.empty_like(y_sorted).index_copy_(0, by_expert, y_sorted)
+        y_NH = _Exchange.apply(y_recv, recv_splits, send_splits, comm)
+        return unpermute(y_NH, order_N, weight_TK)
