@@ -33,11 +33,13 @@ Legend: T tokens, H hidden, K choices per token, N = T*K rows, E experts, R ep r
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.moe.alltoall import exchange_counts, regroup_by_expert
@@ -54,7 +56,8 @@ class Pair:
 
     Only the holder of the baton runs Python (and issues collectives); it passes the baton at a
     switch point, and for good when its function returns. Both functions see the caller's
-    context variables and grad mode. ``switches`` counts the hand-overs (tests check it)."""
+    context variables, grad mode and Python dispatch modes (the CPU memory tracker is one:
+    without them it would not see the threads' tensors). ``switches`` counts the hand-overs."""
 
     def __init__(self):
         self._cv = threading.Condition()
@@ -63,14 +66,16 @@ class Pair:
 
     def run(self, first, second) -> list:
         results, errors = [None, None], [None, None]
-        grad = torch.is_grad_enabled()
+        grad, modes = torch.is_grad_enabled(), _get_current_dispatch_mode_stack()
 
         def body(slot, fn):
             _SLOT.set((self, slot, threading.get_ident()))
             with self._cv:
                 self._cv.wait_for(lambda: self._turn == slot)
             try:
-                with torch.set_grad_enabled(grad):
+                with torch.set_grad_enabled(grad), contextlib.ExitStack() as stack:
+                    for mode in modes:
+                        stack.enter_context(mode)
                     results[slot] = fn()
             except BaseException as e:  # re-raised on the caller's thread
                 errors[slot] = e
