@@ -37,7 +37,7 @@ from bumblebee.data import Batch
 from bumblebee.primitives.cp.layout import shard_sequence
 from bumblebee.primitives.moe import balance
 from bumblebee.primitives.moe.balance import split_stats
-from bumblebee.primitives.moe.overlap_mb import Pair
+from bumblebee.primitives.moe.overlap_mb import Pair, forward_done
 from bumblebee.runtime.nonfinite import check_finite
 from bumblebee.runtime.optim import lr_at, set_lr
 
@@ -95,11 +95,18 @@ def add_stat(sums: dict, name: str, value: torch.Tensor) -> None:
         sums[name] = torch.maximum(sums[name], v) if name.endswith("_max") else sums[name] + v
 
 
-def run_micro_batches(fns: list, sharding=None, paired: bool = False) -> list:
+def run_micro_batches(fns: list, sharding=None, paired: bool = False, chain: bool = False) -> list:
     """Call ``fns`` (one per micro-batch) in order, or with ``paired`` two at a time on a
-    ``Pair`` (moe_comm = overlap_mb: each one's all-to-alls hide under the other's compute,
-    runtime/mb_pairs.py); their results in order. ``sharding``: tell it which call (or pair)
-    holds the last backward (``set_grad_sync``)."""
+    ``Pair`` (moe_comm = overlap_mb: each one's all-to-alls hide under the other's compute);
+    with ``chain`` too, all on one chained ``Pair`` (1F1B: micro-batch k's forward beside k - 1's
+    backward; each fn calls ``forward_done()`` between them). Their results in order.
+    ``sharding``: tell it which call (or pair) holds the last backward (``set_grad_sync``; a
+    chain is one group: overlap_mb runs with zero1, whose gradients sync after the step's
+    micro-batches anyway)."""
+    if paired and chain:
+        if sharding is not None:
+            sharding.set_grad_sync(True)
+        return Pair().run(*fns, chain=True)
     out, step = [], 2 if paired else 1
     for i in range(0, len(fns), step):
         if sharding is not None:
@@ -113,15 +120,17 @@ def accumulate(parts: list, sharding, forward, paired: bool = False) -> dict[str
     last (FSDP2 reduce-scatters every one unless ``train.grad_accum = "unsharded"``).
     ``forward(part) -> (loss to differentiate, {name: detached stat})``;
     returns each stat summed over the micro-batches (fp32; ``_max`` names: their maximum).
-    ``paired``: two micro-batches in flight (``run_micro_batches``)."""
+    ``paired``: two micro-batches in flight, 1F1B (``run_micro_batches`` with ``chain``)."""
 
     def one(part):
         loss, stats = forward(part)
+        forward_done()
         loss.backward()
         return stats
 
+    fns = [lambda p=p: one(p) for p in parts]
     sums: dict[str, torch.Tensor] = {}
-    for stats in run_micro_batches([lambda p=p: one(p) for p in parts], sharding, paired):
+    for stats in run_micro_batches(fns, sharding, paired, chain=True):
         for k, v in stats.items():
             add_stat(sums, k, v)
     return sums

@@ -52,20 +52,26 @@ _SLOT = contextvars.ContextVar("bumblebee_mb_pair_slot", default=None)
 
 
 class Pair:
-    """Runs two functions on two threads, one at a time; ``switch()`` hands over.
+    """Runs functions on threads, at most two in flight, exactly one running at any time;
+    ``switch()`` hands over to the other one in flight.
 
     Only the holder of the baton runs Python (and issues collectives); it passes the baton at a
-    switch point, and for good when its function returns. Both functions see the caller's
-    context variables, grad mode and Python dispatch modes (the CPU memory tracker is one:
-    without them it would not see the threads' tensors). ``switches`` counts the hand-overs."""
+    switch point, and for good when its function returns. ``run(a, b)``: both in flight from the
+    start. ``run(*fns, chain=True)`` (1F1B): function k starts once k - 1 has called
+    ``forward_done()`` and k - 2 has returned, so micro-batch k's forward runs beside k - 1's
+    backward. Every function sees the caller's context variables, grad mode and Python dispatch
+    modes (the CPU memory tracker is one: without them it would not see the threads' tensors).
+    ``switches`` counts the hand-overs."""
 
     def __init__(self):
         self._cv = threading.Condition()
-        self._turn, self._done = 0, [False, False]
-        self.switches = 0
+        self._turn, self._n, self.switches = 0, 0, 0
+        self._started, self._marked, self._done = set(), set(), set()
 
-    def run(self, first, second) -> list:
-        results, errors = [None, None], [None, None]
+    def run(self, *fns, chain: bool = False) -> list:
+        n = self._n = len(fns)
+        results, errors = [None] * n, [None] * n
+        self._started = {0} if chain else set(range(n))
         grad, modes = torch.is_grad_enabled(), _get_current_dispatch_mode_stack()
 
         def body(slot, fn):
@@ -81,12 +87,14 @@ class Pair:
                 errors[slot] = e
             finally:
                 with self._cv:
-                    self._done[slot], self._turn = True, 1 - slot
+                    self._done.add(slot)
+                    self._admit()
+                    self._turn = self._other(slot)
                     self._cv.notify_all()
 
         threads = [
             threading.Thread(target=contextvars.copy_context().run, args=(body, s, f))
-            for s, f in enumerate((first, second))
+            for s, f in enumerate(fns)
         ]
         for t in threads:
             t.start()
@@ -97,13 +105,29 @@ class Pair:
                 raise e
         return results
 
+    def _admit(self) -> None:
+        k = max(self._started) + 1
+        if k < self._n and (k - 1 in self._marked | self._done) and (k < 2 or k - 2 in self._done):
+            self._started.add(k)
+
+    def _other(self, slot: int):
+        """The other function in flight (started, not returned), or None."""
+        live = sorted(self._started - self._done - {slot})
+        return live[0] if live else None
+
     def _switch(self, slot: int) -> None:
         with self._cv:
-            if self._done[1 - slot]:
+            other = self._other(slot)
+            if other is None:
                 return
-            self._turn, self.switches = 1 - slot, self.switches + 1
+            self._turn, self.switches = other, self.switches + 1
             self._cv.notify_all()
             self._cv.wait_for(lambda: self._turn == slot)
+
+    def _forward_done(self, slot: int) -> None:
+        with self._cv:
+            self._marked.add(slot)
+            self._admit()
 
 
 def switch() -> None:
@@ -112,6 +136,13 @@ def switch() -> None:
     slot = _SLOT.get()
     if slot is not None and slot[2] == threading.get_ident():
         slot[0]._switch(slot[1])
+
+
+def forward_done() -> None:
+    """Tell a chained ``Pair`` that this micro-batch's forward is over (the next may start)."""
+    slot = _SLOT.get()
+    if slot is not None and slot[2] == threading.get_ident():
+        slot[0]._forward_done(slot[1])
 
 
 def exchange(comm: _Comm, x: torch.Tensor, send, recv) -> torch.Tensor:
