@@ -4,7 +4,7 @@ One spawn, ep = 2, zero1, two micro-batches per rank and step (one pair). Each r
 steps; ``alltoall`` and ``overlap_mb`` must give bit-identical loss and grad-norm traces, the
 same gradients of every parameter in step 1 and the same parameters after step 3, with recompute
 none and full (global-batch balance loss: forwards paired, then backwards paired) and with the
-micro-batch balance loss (forward + backward of each micro-batch on its thread). overlap_mb keeps
+micro-batch balance loss (the 1F1B chain: B's forward beside A's backward). overlap_mb keeps
 alltoall's ops and their order; a sum of two micro-batches' gradients does not depend on which
 lands first, so nothing is allowed to differ.
 
@@ -91,11 +91,13 @@ def _train(rank, out_dir, comm, rc, balance, lazy):
         step(optimizer)
 
     trainer.sharding.step = snapshot
-    calls = {"fwd": 0, "bwd": 0}
+    calls = {"fwd": 0, "bwd": 0, "fwd_handed": 0, "bwd_handed": 0}
     real = overlap_mb.Pair._switch
 
-    def counted(self, slot):
-        calls["bwd" if torch._C._current_graph_task_id() != -1 else "fwd"] += 1
+    def counted(self, slot):  # every switch point, and those with a partner in flight to run
+        phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+        calls[phase] += 1
+        calls[f"{phase}_handed"] += self._other(slot) is not None
         real(self, slot)
 
     overlap_mb.Pair._switch, chunked._Comm.a2a_real = counted, chunked._Comm.a2a
@@ -127,12 +129,16 @@ def test_pairs_equal_alltoall(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1])), f"{case}: step-1 grads"
             assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2])), f"{case}: params"
             assert ref[0][-1][0] < ref[0][0][0], f"{case}: does not train"
-            assert ref[3] == {"fwd": 0, "bwd": 0}, f"{case}: alltoall switched"
+            assert not any(ref[3].values()), f"{case}: alltoall switched"
             # per step: 2 micro-batches x 1 MoE layer x (dispatch + combine); the recompute forward
             # repeats both inside backward. The last exchange of a pair has no partner left.
             fwd = 2 * 2 * STEPS
             assert got[3]["fwd"] == fwd, (case, got[3])
             assert got[3]["bwd"] >= (2 if rc == "full" else 1) * fwd - STEPS, (case, got[3])
+            # the micro-batches really ran beside each other: pairs forward beside forward and
+            # backward beside backward, the 1F1B chain (micro-batch balance) B's forward beside
+            # A's backward
+            assert got[3]["fwd_handed"] > 0 and got[3]["bwd_handed"] > 0, (case, got[3])
 
 
 @pytest.mark.parametrize(
