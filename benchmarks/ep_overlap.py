@@ -79,6 +79,7 @@ class ExposedComm:
 
     def __init__(self):
         self.seconds, self.force_sync = 0.0, False
+        self.count_seconds = 0.0  # of which blocking count exchanges (integer tensors)
         a2a, wait = dist.all_to_all_single, chunked._Pending.wait
 
         def blocking_a2a(*args, async_op=False, **kwargs):
@@ -87,6 +88,8 @@ class ExposedComm:
             t0 = time.perf_counter()
             out = a2a(*args, **kwargs)
             self.seconds += time.perf_counter() - t0
+            if not args[0].is_floating_point():
+                self.count_seconds += time.perf_counter() - t0
             return _Done() if async_op else out
 
         def timed_wait(pending):
@@ -250,21 +253,25 @@ def worker(args):
             out[(seq, label, "peak")] = mem.peak_bytes
         times = {label: [] for label in moes}
         comm = {label: [] for label in moes}
+        counts = {label: [] for label in moes}
         for _ in range(args.repeats):
             for label, moe in moes.items():
                 dist.barrier()
                 exposed.force_sync = label.endswith("-sync")
-                exposed.seconds, t0 = 0.0, time.perf_counter()
+                exposed.seconds, exposed.count_seconds, t0 = 0.0, 0.0, time.perf_counter()
                 step(moe, xs, probe_BTH, recompute, label == "overlap_mb")
                 elapsed = torch.tensor(
-                    [time.perf_counter() - t0, exposed.seconds], dtype=torch.float64
+                    [time.perf_counter() - t0, exposed.seconds, exposed.count_seconds],
+                    dtype=torch.float64,
                 )
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[label].append(elapsed[0].item())
                 comm[label].append(elapsed[1].item())
+                counts[label].append(elapsed[2].item())
         for label in moes:
             out[(seq, label, "time")] = statistics.median(times[label])
             out[(seq, label, "comm")] = statistics.median(comm[label])
+            out[(seq, label, "counts")] = statistics.median(counts[label])
         if args.profile_dir:
             os.makedirs(args.profile_dir, exist_ok=True)
             for label, moe in moes.items():
@@ -374,7 +381,8 @@ def main(argv=None) -> None:
         f"{args.micro_batches} micro-batch(es)/step, {args.layers} layer(s), dense ffn {args.dense}"
     )
     head = (
-        f"{'local seq':>9} {'config':<15} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} | "
+        f"{'local seq':>9} {'config':<15} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} "
+        f"{'counts s':>8} | "
         f"{'peak MiB':>9} {'vs no-chunk':>11}"
     )
     print(head)
@@ -396,7 +404,8 @@ def main(argv=None) -> None:
                 res[(seq, label, "peak")],
             )
             print(
-                f"{seq:>9} {label:<15} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} | {m / 2**20:>9.1f} "
+                f"{seq:>9} {label:<15} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} "
+                f"{res[(seq, label, 'counts')]:>8.3f} | {m / 2**20:>9.1f} "
                 f"{m / base_m:>11.2f}"
             )
     for seq in args.seqs:  # the schedule's timeline fed this machine's measured no-chunk phases
@@ -425,7 +434,8 @@ def main(argv=None) -> None:
                     f"{seq:>9} {label:<11} | all_to_all {total:>8.1f} ms | under expert GEMMs {under:>8.1f} ms"
                 )
     print(
-        "step s: slowest rank; exposed comm: time blocked on all-to-alls (max over ranks); peak: rank 0's\n"
+        "step s: slowest rank; exposed comm: time blocked on all-to-alls (max over ranks), counts s: the\n"
+        "part of it in blocking count exchanges (max over ranks); peak: rank 0's\n"
         "live tensor bytes (MemoryTracker). On a CPU the ranks and gloo's transfer threads share the same\n"
         "cores, so communication can only hide under compute where a core is idle."
     )

@@ -10,8 +10,10 @@ every rank). Every dispatch / combine all-to-all of this primitive, forward and 
 issued asynchronously, then the baton goes to the partner, then the issuer waits
 (``_Exchange``). One MoE layer j, forward, in the steady state (A ahead of B by one exchange):
 
-    A: ... attn j, router, counts | dispatch issue -> B
-    B: (A's dispatch in flight) attn j, router, counts | dispatch issue -> A
+    A: ... attn j, router | counts issue -> B
+    B: (A's counts in flight) attn j, router | counts issue -> A
+    A: counts wait | dispatch issue -> B
+    B: counts wait | dispatch issue -> A
     A: dispatch wait, expert GEMMs | combine issue -> B
     B: (A's combine in flight) dispatch wait, expert GEMMs | combine issue -> A
     A: combine wait, weighted sum, residual, attn j+1 ... -> B
@@ -21,7 +23,7 @@ Backward is the mirror: combine-backward issued, partner runs (its layer tail ba
 expert backward), wait, expert backward, dispatch-backward issued, partner runs, wait, router and
 attention backward. Under full recompute the checkpoint re-runs layer j inside its backward; that
 re-run's exchanges switch too, so they hide under the partner's backward. The count exchange (E
-integers) stays blocking: its result is needed on the host right away.
+integers) switches as well: blocking, it would absorb the peer rank's drift.
 
 On CUDA the exchanges run on a side stream (``chunked._Comm``); autograd runs CUDA backward on its
 own device thread, where no switch happens (backwards then run one after the other).
@@ -42,7 +44,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.moe.alltoall import exchange_counts, regroup_by_expert
+from bumblebee.primitives.moe.alltoall import regroup_by_expert
 from bumblebee.primitives.moe.chunked import _Comm
 from bumblebee.primitives.moe.local import ExpertFn, permute, unpermute
 from bumblebee.registry import register
@@ -204,7 +206,8 @@ class OverlapMBDispatch:
         if self.ep == 1:
             return unpermute(expert_fn(x_NH, counts_E), order_N, weight_TK)
         comm = self._comm(x_TH)
-        recv_RL = exchange_counts(counts_E, self.ep, self.group)
+        # the counts too: a blocking exchange would wait out the peer rank's drift, exposed
+        recv_RL = exchange(comm, counts_E, None, None).view(self.ep, -1)
         send_splits = counts_E.view(self.ep, -1).sum(1).tolist()
         recv_splits = recv_RL.sum(1).tolist()
         x_recv = _Exchange.apply(x_NH, send_splits, recv_splits, comm)
