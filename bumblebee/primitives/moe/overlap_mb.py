@@ -4,7 +4,7 @@
 the maths of ``alltoall`` (same ops, same order: gradients and losses are bit-identical) and
 hides each exchange under the compute of a *second* micro-batch in flight on the same rank.
 
-Two micro-batches A and B run on two threads of one rank, exactly one of them running at any
+Two micro-batches A and B in flight run on two threads of one rank, exactly one of them running at any
 time (``Pair``: a baton passed at fixed points, so the order of every collective is the same on
 every rank). Every dispatch / combine all-to-all of this primitive, forward and backward, is
 issued asynchronously, then the baton goes to the partner, then the issuer waits
@@ -18,6 +18,10 @@ issued asynchronously, then the baton goes to the partner, then the issuer waits
     B: (A's combine in flight) dispatch wait, expert GEMMs | combine issue -> A
     A: combine wait, weighted sum, residual, attn j+1 ... -> B
     B: (B's combine was in flight under A's tail) combine wait ...
+
+The step (runtime/step.py ``run_micro_batches``) runs pairs (forwards side by side, then
+backwards: the global-batch balance loss needs every forward first) or a 1F1B chain (micro-batch
+k's forward beside k - 1's backward) for the per-micro-batch balance losses.
 
 Backward is the mirror: combine-backward issued, partner runs (its layer tail backward or its
 expert backward), wait, expert backward, dispatch-backward issued, partner runs, wait, router and
