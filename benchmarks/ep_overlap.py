@@ -19,6 +19,15 @@ rank's (a constant input feature and a router bias on rank 0's experts, tuned be
 measured share is printed). ``--weights 0.15,0.6,0.25`` (repeatable) adds chunked runs with those
 uneven token shares (``primitives.moe_chunk_weights``; ``bumblebee plan --skew F`` chooses them).
 
+``--micro-batches 2`` runs every configuration on two micro-batches of ``seq`` local tokens per
+step (one after the other) and adds ``overlap_mb``: the same two as a ``Pair`` (moe_comm =
+overlap_mb, each exchange hidden under the other micro-batch's compute). ``--dense F`` puts a
+dense SwiGLU block of FFN F before the MoE block (a stand-in for the attention of a decoder
+layer: the compute a partner micro-batch's exchange can hide under), ``--layers N`` stacks N
+such layers. For overlap_mb the exposed comm is the time blocked in a wait *after* the partner
+ran (plus the blocking count exchanges); the time a thread waits for the baton is the partner's
+compute, not communication.
+
 ``--recompute full`` wraps the layer in the full-recompute policy's checkpoint, so
 the backward includes the recompute forward (where chunked skips fc2 and the combine).
 ``--profile-dir DIR`` also writes a ``torch.profiler`` Chrome trace of one forward +
@@ -49,11 +58,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from bumblebee import registry
 from bumblebee.config import PrimitivesConfig
-from bumblebee.models.blocks import MoE
+from bumblebee.models.blocks import MLP, MoE
 from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.perf.memory import MemoryTracker
 from bumblebee.plan.perf import chunk_phases
 from bumblebee.primitives.moe import chunk_plan, chunked
+from bumblebee.primitives.moe.overlap_mb import Pair
 from bumblebee.primitives.parallel import ParallelGroups
 
 
@@ -69,6 +79,7 @@ class ExposedComm:
 
     def __init__(self):
         self.seconds, self.force_sync = 0.0, False
+        self.count_seconds = 0.0  # of which blocking count exchanges (integer tensors)
         a2a, wait = dist.all_to_all_single, chunked._Pending.wait
 
         def blocking_a2a(*args, async_op=False, **kwargs):
@@ -77,6 +88,8 @@ class ExposedComm:
             t0 = time.perf_counter()
             out = a2a(*args, **kwargs)
             self.seconds += time.perf_counter() - t0
+            if not args[0].is_floating_point():
+                self.count_seconds += time.perf_counter() - t0
             return _Done() if async_op else out
 
         def timed_wait(pending):
@@ -88,8 +101,46 @@ class ExposedComm:
         dist.all_to_all_single, chunked._Pending.wait = blocking_a2a, timed_wait
 
 
+class Layer(torch.nn.Module):
+    """Optional dense SwiGLU (the stand-in for attention), then the MoE block; both residual."""
+
+    def __init__(self, dense, moe):
+        super().__init__()
+        self.dense, self.moe = dense, moe
+
+    def forward(self, x):
+        if self.dense is not None:
+            x = x + self.dense(x)
+        y, stats = self.moe(x)
+        return x + y, stats
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+        self.gate = layers[0].moe.gate  # rank0_share / the skew bias read the first router
+
+    def forward(self, x, recompute):
+        for layer in self.layers:
+            x, _stats = recompute.layer(layer, x)  # router stats: not a loss here
+        return x
+
+
 def build(args, k):
-    """k: 0 (alltoall), a chunk count, or a tuple of chunk weights."""
+    """k: 0 (alltoall), "overlap_mb", a chunk count, or a tuple of chunk weights."""
+    torch.manual_seed(0)  # same weights for every configuration (each rank its own experts)
+    layers = [
+        Layer(
+            MLP(args.hidden, args.dense) if args.dense else None,
+            build_moe(args, k),
+        )
+        for _ in range(args.layers)
+    ]
+    return Stack(layers)
+
+
+def build_moe(args, k):
     arch = Qwen3MoeArch(
         vocab_size=256,
         hidden_size=args.hidden,
@@ -102,29 +153,31 @@ def build(args, k):
         num_experts=args.experts,
         num_experts_per_tok=args.topk,
     )
-    comm = "alltoall" if k == 0 else "chunked"
+    comm = "alltoall" if k == 0 else k if isinstance(k, str) else "chunked"
     weights = k if isinstance(k, tuple) else ()
     dispatch = registry.get("moe_comm", comm).factory(
         num_experts=args.experts,
         ep_group=dist.group.WORLD,
-        num_chunks=len(weights) or k or 2,
+        num_chunks=len(weights) or (k if isinstance(k, int) else 0) or 2,
         chunk_weights=weights,
     )
-    torch.manual_seed(0)  # same weights for every configuration (each rank its own experts)
-    moe = MoE(
+    return MoE(
         arch,
         PrimitivesConfig(experts=args.experts_impl),
         dispatch,
         ParallelGroups(ep_group=dist.group.WORLD),
     )
-    for p in moe.parameters():
+
+
+def init_weights(stack, args):
+    for p in stack.parameters():
         torch.nn.init.normal_(p, std=0.02)
     if args.skew_bias:  # feature 0 of the input is constant 1: a bias on rank 0's experts
         with torch.no_grad():
-            w = next(moe.gate.parameters())
+            w = next(stack.gate.parameters())
             w[:, 0] = 0.0
             w[: args.experts // dist.get_world_size(), 0] = args.skew_bias
-    return moe
+    return stack
 
 
 def rank0_share(args, moe, x_BTH) -> float:
@@ -145,18 +198,27 @@ def tune_skew(args, x_BTH) -> float:
     lo, hi = 0.0, 50.0
     for _ in range(30):
         args.skew_bias = (lo + hi) / 2
-        if rank0_share(args, build(args, 0), x_BTH) < target:
+        if rank0_share(args, init_weights(build(args, 0), args), x_BTH) < target:
             lo = args.skew_bias
         else:
             hi = args.skew_bias
     return args.skew_bias
 
 
-def step(moe, x_BTH, probe_BTH, recompute):
-    x = x_BTH.detach().requires_grad_()
-    y, _stats = recompute.layer(moe, x)  # router stats: the balance loss's input, not a loss
-    (y * probe_BTH).sum().backward()
-    moe.zero_grad(set_to_none=True)
+def step(model, xs, probe_BTH, recompute, paired):
+    """Forward + backward of every micro-batch in ``xs``: one after the other, or as a Pair."""
+
+    def one(x_BTH):
+        x = x_BTH.detach().requires_grad_()
+        (model(x, recompute) * probe_BTH).sum().backward()
+
+    fns = [lambda x=x: one(x) for x in xs]
+    if paired:
+        Pair().run(*fns)
+    else:
+        for fn in fns:
+            fn()
+    model.zero_grad(set_to_none=True)
 
 
 def worker(args):
@@ -166,43 +228,50 @@ def worker(args):
     configs = [("no-chunk", 0)] + [(f"chunk{k}", k) for k in args.chunks]
     configs += [(f"chunk{k}-sync", k) for k in args.chunks] if args.sync_control else []
     configs += [(weights_label(w), w) for w in args.weights]
+    configs += [("overlap_mb", "overlap_mb")] if args.micro_batches == 2 else []
     recompute = registry.get("recompute", args.recompute).factory([])
     exposed = ExposedComm()
     out = {}
     for seq in args.seqs:
         g = torch.Generator().manual_seed(rank)
-        x_BTH = torch.randn(1, seq, args.hidden, generator=g)
+        xs = [torch.randn(1, seq, args.hidden, generator=g) for _ in range(args.micro_batches)]
+        x_BTH = xs[0]
         probe_BTH = torch.randn(1, seq, args.hidden, generator=g)
         args.skew_bias = 0.0
         if args.skew > 1:
-            x_BTH[..., 0] = 1.0
+            for x in xs:
+                x[..., 0] = 1.0
             tune_skew(args, x_BTH)
-            share = rank0_share(args, build(args, 0), x_BTH)
+            share = rank0_share(args, init_weights(build(args, 0), args), x_BTH)
             R = dist.get_world_size()
             out[(seq, "skew")] = share * (R - 1) / (1 - share)  # rank 0 over each other rank
-        moes = {label: build(args, k) for label, k in configs}
+        moes = {label: init_weights(build(args, k), args) for label, k in configs}
         for label, moe in moes.items():  # warm-up, tracked: peak live bytes
             exposed.force_sync = label.endswith("-sync")
             with MemoryTracker("cpu", model=moe) as mem:
-                step(moe, x_BTH, probe_BTH, recompute)
+                step(moe, xs, probe_BTH, recompute, label == "overlap_mb")
             out[(seq, label, "peak")] = mem.peak_bytes
         times = {label: [] for label in moes}
         comm = {label: [] for label in moes}
+        counts = {label: [] for label in moes}
         for _ in range(args.repeats):
             for label, moe in moes.items():
                 dist.barrier()
                 exposed.force_sync = label.endswith("-sync")
-                exposed.seconds, t0 = 0.0, time.perf_counter()
-                step(moe, x_BTH, probe_BTH, recompute)
+                exposed.seconds, exposed.count_seconds, t0 = 0.0, 0.0, time.perf_counter()
+                step(moe, xs, probe_BTH, recompute, label == "overlap_mb")
                 elapsed = torch.tensor(
-                    [time.perf_counter() - t0, exposed.seconds], dtype=torch.float64
+                    [time.perf_counter() - t0, exposed.seconds, exposed.count_seconds],
+                    dtype=torch.float64,
                 )
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[label].append(elapsed[0].item())
                 comm[label].append(elapsed[1].item())
+                counts[label].append(elapsed[2].item())
         for label in moes:
             out[(seq, label, "time")] = statistics.median(times[label])
             out[(seq, label, "comm")] = statistics.median(comm[label])
+            out[(seq, label, "counts")] = statistics.median(counts[label])
         if args.profile_dir:
             os.makedirs(args.profile_dir, exist_ok=True)
             for label, moe in moes.items():
@@ -211,7 +280,7 @@ def worker(args):
                 with torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU]
                 ) as prof:
-                    step(moe, x_BTH, probe_BTH, recompute)
+                    step(moe, xs, probe_BTH, recompute, label == "overlap_mb")
                 prof.export_chrome_trace(
                     os.path.join(args.profile_dir, f"ep_overlap_{seq}_{label}_rank{rank}.json")
                 )
@@ -276,6 +345,15 @@ def main(argv=None) -> None:
         default=[],
         help="uneven chunk weights, e.g. 0.15,0.6,0.25 (repeatable)",
     )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="micro-batches of --seqs tokens per step (2: also run overlap_mb)",
+    )
+    p.add_argument("--dense", type=int, default=0, help="dense SwiGLU FFN before each MoE block")
+    p.add_argument("--layers", type=int, default=1, help="layers (dense + MoE) stacked")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--profile-dir", default="", help="write torch.profiler Chrome traces here")
     p.add_argument(
@@ -299,10 +377,12 @@ def main(argv=None) -> None:
     print(
         f"one MoE layer fwd+bwd, ep={args.nproc} gloo ranks on {os.cpu_count()} cores, hidden {args.hidden}, "
         f"expert ffn {args.ffn}, {args.experts} experts top-{args.topk}, experts={args.experts_impl}, "
-        f"recompute={args.recompute}, fp32, {args.threads} thread(s)/rank, median of {args.repeats}"
+        f"recompute={args.recompute}, fp32, {args.threads} thread(s)/rank, median of {args.repeats}, "
+        f"{args.micro_batches} micro-batch(es)/step, {args.layers} layer(s), dense ffn {args.dense}"
     )
     head = (
-        f"{'local seq':>9} {'config':<15} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} | "
+        f"{'local seq':>9} {'config':<15} | {'step s':>7} {'vs no-chunk':>11} | {'exposed comm s':>14} "
+        f"{'counts s':>8} | "
         f"{'peak MiB':>9} {'vs no-chunk':>11}"
     )
     print(head)
@@ -310,6 +390,7 @@ def main(argv=None) -> None:
     labels = ["no-chunk"] + [f"chunk{k}" for k in args.chunks]
     labels += [f"chunk{k}-sync" for k in args.chunks] if args.sync_control else []
     labels += [weights_label(w) for w in args.weights]
+    labels += ["overlap_mb"] if args.micro_batches == 2 else []
     for seq in args.seqs:
         if (seq, "skew") in res:
             print(
@@ -323,7 +404,8 @@ def main(argv=None) -> None:
                 res[(seq, label, "peak")],
             )
             print(
-                f"{seq:>9} {label:<15} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} | {m / 2**20:>9.1f} "
+                f"{seq:>9} {label:<15} | {t:>7.3f} {t / base_t:>11.2f} | {c:>14.3f} "
+                f"{res[(seq, label, 'counts')]:>8.3f} | {m / 2**20:>9.1f} "
                 f"{m / base_m:>11.2f}"
             )
     for seq in args.seqs:  # the schedule's timeline fed this machine's measured no-chunk phases
@@ -352,7 +434,8 @@ def main(argv=None) -> None:
                     f"{seq:>9} {label:<11} | all_to_all {total:>8.1f} ms | under expert GEMMs {under:>8.1f} ms"
                 )
     print(
-        "step s: slowest rank; exposed comm: time blocked on all-to-alls (max over ranks); peak: rank 0's\n"
+        "step s: slowest rank; exposed comm: time blocked on all-to-alls (max over ranks), counts s: the\n"
+        "part of it in blocking count exchanges (max over ranks); peak: rank 0's\n"
         "live tensor bytes (MemoryTracker). On a CPU the ranks and gloo's transfer threads share the same\n"
         "cores, so communication can only hide under compute where a core is idle."
     )

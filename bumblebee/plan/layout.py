@@ -25,7 +25,7 @@ from bumblebee.runtime.resolve import Layout  # noqa: F401  (one meaning of "lay
 
 # the recompute policies and MoE exchanges the planner models (by name: plan/memory.py, perf.py)
 RECOMPUTE = ("none", "selective", "full", "offload")
-MOE_COMM = ("local", "alltoall", "chunked")
+MOE_COMM = ("local", "alltoall", "chunked", "overlap_mb")
 
 
 def planned_choices() -> dict[str, tuple[str, ...]]:

@@ -35,7 +35,8 @@ everything by tp):
   (balanced routing: this rank's experts receive k*t rows). Counted from the code of each
   ``moe_comm`` (Python locals keep a tensor alive until the function returns):
     local     fwd max(2X+4A, 3X)   recompute (4-e)X+4A   backward 4X+5A
-    alltoall  fwd max(4X+4A, 7X)   recompute (8-e)X+4A   backward 4X+5A
+    alltoall  fwd max(4X+4A, 7X)   recompute (8-e)X+4A   backward 4X+5A   (overlap_mb: alike,
+              for each of the two micro-batches inside a layer at once, ``pair_factor``)
     chunked   fwd 3X+2A+3X/c       recompute 2X+2A/c     backward 4X+4A+(X+5A)/c, or 4X+4A+2A/c
   (split into home-side and expert-side tensors; skewed routing scales the expert side)
   plus, in backward, the experts' weight gradients (``expert_grad_bytes``). alltoall's
@@ -110,14 +111,23 @@ def micro_batches(work: Workload, lay: Layout) -> int:
     return max(1, work.global_batch // (lay.dp_shard * work.micro_batch))
 
 
-def in_flight(work: Workload, lay: Layout, stage: int) -> int:
+def in_flight(
+    work: Workload, lay: Layout, stage: int, prims: PrimitivesConfig | None = None
+) -> int:
     """Micro-batches whose saved inputs are alive at once on ``stage``: 1F1B's ``min(pp - s, m)``;
     at pp = 1 the step balance loss (``train.balance`` "auto" or "step") runs every
-    micro-batch's forward before the first backward (runtime/step.py), so all ``m`` are."""
+    micro-batch's forward before the first backward (runtime/step.py), so all ``m`` are; with
+    ``moe_comm = overlap_mb`` two run at once (``pair_factor``), so at least two are."""
     m = micro_batches(work, lay)
     if lay.pp == 1 and work.balance in ("auto", "step"):
         return m
-    return min(lay.pp - stage, m)
+    return max(min(lay.pp - stage, m), min(pair_factor(prims), m))
+
+
+def pair_factor(prims: PrimitivesConfig | None) -> int:
+    """Micro-batches inside a layer at once: 2 under ``moe_comm = overlap_mb`` (each one's
+    all-to-alls run under the other's compute, so both hold a layer's working set), else 1."""
+    return 2 if prims is not None and prims.moe_comm == "overlap_mb" else 1
 
 
 # ------------------------------------------------------------------------ static state (bytes)
@@ -341,7 +351,7 @@ def routed_buffers(
             "bwd": ((1, 0), (3 + 1 / c, 4 + 5 / c)),
             "bwd_wgrad": ((1, 0), (3, 4 + 2 / c)),
         },
-    }[prims.moe_comm]
+    }["alltoall" if prims.moe_comm == "overlap_mb" else prims.moe_comm]  # the same ops
     out = {}
     for phase, ((hx, ha), (ex, ea)) in table.items():
         v = hx * X + ha * A + f * (ex * X + ea * A)

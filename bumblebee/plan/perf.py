@@ -12,7 +12,8 @@ One micro-batch on one GPU of pipeline stage s costs, per decoder layer:
 - exposed communication: tensor-parallel all-gather/reduce-scatter (sequence
   parallel), CP K/V exchange or DeltaNet state hand-off, EP all-to-all (fully
   exposed for ``alltoall``; ``chunked`` pipelines c chunks of dispatch/combine
-  against the expert GEMMs: max(comm, gemm) + min(comm, gemm) / c), FSDP2
+  against the expert GEMMs: max(comm, gemm) + min(comm, gemm) / c; ``overlap_mb`` runs them
+  under the other micro-batch of a pair: what the partner's layer pass does not cover), FSDP2
   all-gather/reduce-scatter beyond what prefetch hides under the layer's compute.
 
 Backward is 2x the forward GEMM work (attention 2.5x); ``full`` recompute adds a
@@ -176,6 +177,14 @@ def _layer_time(
                     clock.add(
                         "launch", (n - 1) * KERNELS["chunk"] * eff.kernel_us * 1e-6 / len(weights)
                     )
+        elif prims.moe_comm == "overlap_mb" and a2a > 0:
+            # each exchange runs under the partner micro-batch's compute of the same pass: what
+            # that whole layer pass (mixer, dense GEMMs, experts) cannot cover stays exposed
+            others = {1.0: proj + dense + core, 2.0: 2 * (proj + dense) + core_b}
+            for gemm_mult, n_a2a in passes:
+                clock.add("experts", experts * gemm_mult)
+                partner = others[gemm_mult] + experts * gemm_mult
+                clock.add("ep_comm", max(0.0, a2a * n_a2a - partner))
         else:
             for gemm_mult, n_a2a in passes:
                 clock.add("experts", experts * gemm_mult)

@@ -58,6 +58,7 @@ from bumblebee.plan.memory import (
     loss_kept,
     mixer_act,
     mlp_act,
+    pair_factor,
     routed_buffers,
     routed_saved,
     sharding_costs,
@@ -348,7 +349,7 @@ def stage_timeline(
         params, grads, optim, updated, static_why = static_bytes(
             spec, lay, prims, layers, first, last
         )
-        inflight = in_flight(work, lay, s)
+        inflight, pair = in_flight(work, lay, s, prims), pair_factor(prims)
         kinds = stage_kinds(spec, layers)
         per_kind = {
             k: _layer_moments(spec, k, lay, prims, t, skew, work.micro_batch) for k in kinds
@@ -412,16 +413,18 @@ def stage_timeline(
                     cands, key=lambda v: v[0][1] + sum(v[1][1:4])
                 )
                 kept = min((inflight - 1) * t * saved_mb + own, on_device)
-                mem = moment(
+                mem = moment(  # overlap_mb: the partner micro-batch is inside a layer too
                     name,
                     saved_inputs=kept,
-                    live_layer=live,
-                    moe_buffers=routed,
+                    live_layer=pair * live,
+                    moe_buffers=pair * routed,
                     workspace=ws,
                     allgather=ag,
                     loss=others_loss,
                 )
-                mem.why["live_layer"] = why
+                mem.why["live_layer"] = why + (
+                    " (x2: two micro-batches in a layer)" if pair > 1 else ""
+                )
                 mem.why["saved_inputs"] = (
                     _offloaded(host, kept)
                     if host

@@ -52,6 +52,9 @@ class RunPlan:
     mtp_depth: int  # MTP depths trained
     device: str  # the device kind the kernels are for ("cuda" under train.emulate_cuda)
     kernels: dict[str, Kernel]  # slot -> the kernel its implementation runs there
+    # micro-batches run two at a time, each one's all-to-alls under the other's compute
+    # (moe_comm = overlap_mb: runtime/step.py run_micro_batches)
+    paired: bool = False
 
     def on_device(self, cfg: Config, device: str) -> RunPlan:
         """This plan with the kernels of ``device`` (a Trainer given another device's plan)."""
@@ -193,6 +196,8 @@ def check_run(
                 "primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use "
                 "'alltoall'"
             )
+        if p.moe_comm == "overlap_mb":
+            check_paired(p, layout, micro)
 
     def cp():
         if layout.cp > 1 and t.seq_len % (2 * layout.cp):
@@ -210,6 +215,7 @@ def check_run(
         rows, rem = divmod(t.global_batch, layout.dp_shard)
     else:
         rows, rem = rows_per_rank, 0
+    micro = rows // t.micro_batch
 
     def batch():
         if rows_per_rank is not None and rows % t.micro_batch:
@@ -226,7 +232,6 @@ def check_run(
 
     hint = rows_per_rank is None  # train.global_batch is what to change
     gather(sharding, moe_comm, cp, batch, lambda: check_pipeline(cfg, layout, arch, rows, hint))
-    micro = rows // t.micro_batch
     device = device or device_kind(cfg)
     pp_micro = (p.pp_microbatches or micro) if layout.pp > 1 else 1
     return RunPlan(
@@ -241,7 +246,31 @@ def check_run(
         mtp_depth=mtp_depth(cfg, arch),
         device=device,
         kernels=run_kernels(cfg, arch, layout, device),
+        paired=p.moe_comm == "overlap_mb",
     )
+
+
+def check_paired(p, layout, micro: int) -> None:
+    """Where two micro-batches in flight (moe_comm = overlap_mb) cannot run: one line why."""
+    why = None
+    if layout.pp > 1:
+        why = (
+            "pp = 1 only (with pp > 1 the pipeline schedule already keeps micro-batches in flight)"
+        )
+    elif layout.ep == 1:
+        why = "parallel.ep > 1 (with ep = 1 there is no all-to-all to hide; use 'local')"
+    elif micro % 2:
+        why = (
+            f"an even number of micro-batches per rank and step (got {micro}: "
+            "train.global_batch / (dp_shard x train.micro_batch))"
+        )
+    elif p.sharding == "fsdp2":
+        why = (
+            "sharding = 'zero1' (FSDP2 reshards a layer when one micro-batch leaves it, under the "
+            "other one still inside it)"
+        )
+    if why:
+        raise ConfigError(f"primitives.moe_comm = 'overlap_mb' needs {why}")
 
 
 def check_pipeline(cfg, layout, arch, rows_per_rank: int, hint: bool = True) -> None:

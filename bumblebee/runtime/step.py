@@ -37,6 +37,7 @@ from bumblebee.data import Batch
 from bumblebee.primitives.cp.zigzag import shard_sequence
 from bumblebee.primitives.moe import balance
 from bumblebee.primitives.moe.balance import split_stats
+from bumblebee.primitives.moe.overlap_mb import Pair, forward_done
 from bumblebee.runtime.nonfinite import check_finite
 from bumblebee.runtime.optim import lr_at, set_lr
 
@@ -94,16 +95,42 @@ def add_stat(sums: dict, name: str, value: torch.Tensor) -> None:
         sums[name] = torch.maximum(sums[name], v) if name.endswith("_max") else sums[name] + v
 
 
-def accumulate(parts: list, sharding, forward) -> dict[str, torch.Tensor]:
+def run_micro_batches(fns: list, sharding=None, paired: bool = False, chain: bool = False) -> list:
+    """Call ``fns`` (one per micro-batch) in order, or with ``paired`` two at a time on a
+    ``Pair`` (moe_comm = overlap_mb: each one's all-to-alls hide under the other's compute);
+    with ``chain`` too, all on one chained ``Pair`` (1F1B: micro-batch k's forward beside k - 1's
+    backward; each fn calls ``forward_done()`` between them). Their results in order.
+    ``sharding``: tell it which call (or pair) holds the last backward (``set_grad_sync``; a
+    chain is one group: overlap_mb runs with zero1, whose gradients sync after the step's
+    micro-batches anyway)."""
+    if paired and chain:
+        if sharding is not None:
+            sharding.set_grad_sync(True)
+        return Pair().run(*fns, chain=True)
+    out, step = [], 2 if paired else 1
+    for i in range(0, len(fns), step):
+        if sharding is not None:
+            sharding.set_grad_sync(i + step >= len(fns))
+        out += Pair().run(*fns[i : i + 2]) if paired else [fns[i]()]
+    return out
+
+
+def accumulate(parts: list, sharding, forward, paired: bool = False) -> dict[str, torch.Tensor]:
     """Forward and backward over micro-batches ``parts``; ``set_grad_sync`` says which is the
     last (FSDP2 reduce-scatters every one unless ``train.grad_accum = "unsharded"``).
     ``forward(part) -> (loss to differentiate, {name: detached stat})``;
-    returns each stat summed over the micro-batches (fp32; ``_max`` names: their maximum)."""
-    sums: dict[str, torch.Tensor] = {}
-    for i, part in enumerate(parts):
-        sharding.set_grad_sync(i == len(parts) - 1)
+    returns each stat summed over the micro-batches (fp32; ``_max`` names: their maximum).
+    ``paired``: two micro-batches in flight, 1F1B (``run_micro_batches`` with ``chain``)."""
+
+    def one(part):
         loss, stats = forward(part)
+        forward_done()
         loss.backward()
+        return stats
+
+    fns = [lambda p=p: one(p) for p in parts]
+    sums: dict[str, torch.Tensor] = {}
+    for stats in run_micro_batches(fns, sharding, paired, chain=True):
         for k, v in stats.items():
             add_stat(sums, k, v)
     return sums
@@ -147,37 +174,47 @@ def lm_forward(
 
 
 def accumulate_global_balance(
-    parts: list, sharding, model, global_tokens: int, balance_coef: float, autocast, group
+    parts: list,
+    sharding,
+    model,
+    global_tokens: int,
+    balance_coef: float,
+    autocast,
+    group,
+    paired: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``accumulate`` with the global-batch balance loss: forward every micro-batch of ``parts``,
     sum their router stats and all-reduce them over ``group`` (the dp x cp ranks: every token of
     the global batch), then backward each micro-batch's token-loss share plus its share of the
     global balance loss (``balance.step_loss_share``). Returns ``loss_sum`` (this rank's),
     ``aux`` (the global balance loss, identical on every rank), ``router_counts`` (this
-    rank's counts [L, E], summed over its micro-batches) and ``router_dropped``."""
-    kept = []
-    for part in parts:
+    rank's counts [L, E], summed over its micro-batches) and ``router_dropped``. ``paired``:
+    the forwards two at a time, then the backwards two at a time (``run_micro_batches``)."""
+
+    def terms(part):
         with autocast:
-            kept.append(
-                model.loss_terms(part.input_ids, part.labels, part.position_ids, balance="step")
+            return model.loss_terms(
+                part.input_ids, part.labels, part.position_ids, balance="step"
             )
+
+    kept = run_micro_batches([lambda p=p: terms(p) for p in parts], paired=paired)
     stats = [t.router_stats for t in kept if t.router_stats is not None]
     loss_sum = sum(t.loss_sum.detach().float() for t in kept)
     if not stats:  # no MoE layer: plain accumulation
-        for i, t in enumerate(kept):
-            sharding.set_grad_sync(i == len(kept) - 1)
-            (t.loss_sum / global_tokens).backward()
+        run_micro_batches(
+            [lambda t=t: (t.loss_sum / global_tokens).backward() for t in kept], sharding, paired
+        )
         return {"loss_sum": loss_sum, "aux": torch.zeros_like(loss_sum)}
     local_LS = torch.stack([s.detach() for s in stats]).sum(0)
     global_LS = local_LS.clone()
     if group is not None:
         dist.all_reduce(global_LS, group=group)
-    for i, t in enumerate(kept):
-        sharding.set_grad_sync(i == len(kept) - 1)
-        loss = t.loss_sum / global_tokens + balance_coef * balance.step_loss_share(
-            t.router_stats, global_LS
-        )
-        loss.backward()
+
+    def backward(t):
+        share = balance.step_loss_share(t.router_stats, global_LS)
+        (t.loss_sum / global_tokens + balance_coef * share).backward()
+
+    run_micro_batches([lambda t=t: backward(t) for t in kept], sharding, paired)
     kept.clear()
     return {
         "loss_sum": loss_sum,

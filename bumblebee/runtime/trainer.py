@@ -232,6 +232,7 @@ class Trainer:
                     coef,
                     self.autocast,
                     self.ctx.dp_cp_group,
+                    paired=self.plan.paired,
                 )
             else:
                 forward = lm_forward(
@@ -244,7 +245,7 @@ class Trainer:
                     self.autocast,
                     balance=self.plan.balance,
                 )
-                sums = accumulate(parts, self.sharding, forward)
+                sums = accumulate(parts, self.sharding, forward, paired=self.plan.paired)
             loss_sum, aux = sums["loss_sum"], sums["aux"] / (self.dp_size * self.cp)
             counts, dropped = sums.get("router_counts"), sums.get("router_dropped")
         if (

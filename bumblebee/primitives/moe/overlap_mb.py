@@ -1,0 +1,222 @@
+"""Expert-parallel all-to-all hidden under another micro-batch (slot ``moe_comm``, ``overlap_mb``).
+
+``chunked`` hides one micro-batch's exchanges under its own expert GEMMs. ``overlap_mb`` keeps
+the maths of ``alltoall`` (same ops, same order: gradients and losses are bit-identical) and
+hides each exchange under the compute of a *second* micro-batch in flight on the same rank.
+
+Two micro-batches A and B in flight run on two threads of one rank, exactly one of them running at any
+time (``Pair``: a baton passed at fixed points, so the order of every collective is the same on
+every rank). Every dispatch / combine all-to-all of this primitive, forward and backward, is
+issued asynchronously, then the baton goes to the partner, then the issuer waits
+(``_Exchange``). One MoE layer j, forward, in the steady state (A ahead of B by one exchange):
+
+    A: ... attn j, router | counts issue -> B
+    B: (A's counts in flight) attn j, router | counts issue -> A
+    A: counts wait | dispatch issue -> B
+    B: counts wait | dispatch issue -> A
+    A: dispatch wait, expert GEMMs | combine issue -> B
+    B: (A's combine in flight) dispatch wait, expert GEMMs | combine issue -> A
+    A: combine wait, weighted sum, residual, attn j+1 ... -> B
+    B: (B's combine was in flight under A's tail) combine wait ...
+
+The step (runtime/step.py ``run_micro_batches``) runs pairs (forwards side by side, then
+backwards: the global-batch balance loss needs every forward first) or a 1F1B chain (micro-batch
+k's forward beside k - 1's backward) for the per-micro-batch balance losses.
+
+Backward is the mirror: combine-backward issued, partner runs (its layer tail backward or its
+expert backward), wait, expert backward, dispatch-backward issued, partner runs, wait, router and
+attention backward. Under full recompute the checkpoint re-runs layer j inside its backward; that
+re-run's exchanges switch too, so they hide under the partner's backward. The count exchange (E
+integers) switches as well: blocking, it would absorb the peer rank's drift.
+
+On CUDA the exchanges run on a side stream (``chunked._Comm``); autograd runs CUDA backward on its
+own device thread, where no switch happens (backwards then run one after the other).
+Outside a ``Pair`` (one micro-batch, eval, the RL engine) a switch does nothing: the primitive
+is ``alltoall`` with asynchronous waits.
+
+Legend: T tokens, H hidden, K choices per token, N = T*K rows, E experts, R ep ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from bumblebee.primitives import emulation
+from bumblebee.primitives.moe.alltoall import regroup_by_expert
+from bumblebee.primitives.moe.chunked import _Comm
+from bumblebee.primitives.moe.local import ExpertFn, permute, unpermute
+from bumblebee.registry import register
+
+# Dynamic scope, not configuration: (pair, slot, thread id) on a thread a ``Pair`` runs.
+_SLOT = contextvars.ContextVar("bumblebee_mb_pair_slot", default=None)
+
+
+class Pair:
+    """Runs functions on threads, at most two in flight, exactly one running at any time;
+    ``switch()`` hands over to the other one in flight.
+
+    Only the holder of the baton runs Python (and issues collectives); it passes the baton at a
+    switch point, and for good when its function returns. ``run(a, b)``: both in flight from the
+    start. ``run(*fns, chain=True)`` (1F1B): function k starts once k - 1 has called
+    ``forward_done()`` and k - 2 has returned, so micro-batch k's forward runs beside k - 1's
+    backward. Every function sees the caller's context variables, grad mode and Python dispatch
+    modes (the CPU memory tracker is one: without them it would not see the threads' tensors).
+    ``switches`` counts the hand-overs."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._turn, self._n, self.switches = 0, 0, 0
+        self._started, self._marked, self._done = set(), set(), set()
+
+    def run(self, *fns, chain: bool = False) -> list:
+        n = self._n = len(fns)
+        results, errors = [None] * n, [None] * n
+        self._started = {0} if chain else set(range(n))
+        grad, modes = torch.is_grad_enabled(), _get_current_dispatch_mode_stack()
+
+        def body(slot, fn):
+            _SLOT.set((self, slot, threading.get_ident()))
+            with self._cv:
+                self._cv.wait_for(lambda: self._turn == slot)
+            try:
+                with torch.set_grad_enabled(grad), contextlib.ExitStack() as stack:
+                    for mode in modes:
+                        stack.enter_context(mode)
+                    results[slot] = fn()
+            except BaseException as e:  # re-raised on the caller's thread
+                errors[slot] = e
+            finally:
+                with self._cv:
+                    self._done.add(slot)
+                    self._admit()
+                    self._turn = self._other(slot)
+                    self._cv.notify_all()
+
+        threads = [
+            threading.Thread(target=contextvars.copy_context().run, args=(body, s, f))
+            for s, f in enumerate(fns)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in errors:
+            if e is not None:
+                raise e
+        return results
+
+    def _admit(self) -> None:
+        k = max(self._started) + 1
+        if k < self._n and (k - 1 in self._marked | self._done) and (k < 2 or k - 2 in self._done):
+            self._started.add(k)
+
+    def _other(self, slot: int):
+        """The other function in flight (started, not returned), or None."""
+        live = sorted(self._started - self._done - {slot})
+        return live[0] if live else None
+
+    def _switch(self, slot: int) -> None:
+        with self._cv:
+            other = self._other(slot)
+            if other is None:
+                return
+            self._turn, self.switches = other, self.switches + 1
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._turn == slot)
+
+    def _forward_done(self, slot: int) -> None:
+        with self._cv:
+            self._marked.add(slot)
+            self._admit()
+
+
+def switch() -> None:
+    """Hand the rank to the partner micro-batch until it reaches its own switch (no-op outside a
+    ``Pair``, and on threads a ``Pair`` did not start, e.g. autograd's CUDA device thread)."""
+    slot = _SLOT.get()
+    if slot is not None and slot[2] == threading.get_ident():
+        slot[0]._switch(slot[1])
+
+
+def forward_done() -> None:
+    """Tell a chained ``Pair`` that this micro-batch's forward is over (the next may start)."""
+    slot = _SLOT.get()
+    if slot is not None and slot[2] == threading.get_ident():
+        slot[0]._forward_done(slot[1])
+
+
+def exchange(comm: _Comm, x: torch.Tensor, send, recv) -> torch.Tensor:
+    """Issue the all-to-all, let the partner run, then wait for it."""
+    pending = comm.a2a(x, send, recv)
+    switch()
+    return pending.wait()
+
+
+class _Exchange(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; forward and backward both switch while in flight."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], comm: _Comm):
+        ctx.args = (send, recv, comm)
+        return exchange(comm, x, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        send, recv, comm = ctx.args
+        return exchange(comm, grad_out.contiguous(), recv, send), None, None, None
+
+
+@register(
+    "moe_comm",
+    "overlap_mb",
+    summary="alltoall with each exchange hidden under a second micro-batch (pairs, pp = 1)",
+)
+class OverlapMBDispatch:
+    def __init__(self, num_experts: int, ep_group=None, **_unused):
+        self.num_experts, self.group = num_experts, ep_group
+        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        if num_experts % self.ep:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})"
+            )
+        self._streams = {}  # device -> CUDA communication stream
+
+    def _comm(self, x: torch.Tensor) -> _Comm:
+        stream = None
+        if emulation.kind(x) == "cuda":
+            if x.device not in self._streams:
+                self._streams[x.device] = emulation.side_stream(x.device)
+            stream = self._streams[x.device]
+        return _Comm(self.group, self.ep, stream)
+
+    def __call__(
+        self,
+        x_TH: torch.Tensor,
+        idx_TK: torch.Tensor,
+        weight_TK: torch.Tensor,
+        expert_fn: ExpertFn,
+        drops: bool = False,
+    ) -> torch.Tensor:
+        # the ops of alltoall.AllToAllDispatch, in its order: only the waits moved
+        K = idx_TK.shape[1]
+        order_N, counts_E = permute(idx_TK, self.num_experts, drops)
+        x_NH = x_TH[order_N // K]
+        if self.ep == 1:
+            return unpermute(expert_fn(x_NH, counts_E), order_N, weight_TK)
+        comm = self._comm(x_TH)
+        # the counts too: a blocking exchange would wait out the peer rank's drift, exposed
+        recv_RL = exchange(comm, counts_E, None, None).view(self.ep, -1)
+        send_splits = counts_E.view(self.ep, -1).sum(1).tolist()
+        recv_splits = recv_RL.sum(1).tolist()
+        x_recv = _Exchange.apply(x_NH, send_splits, recv_splits, comm)
+        by_expert = regroup_by_expert(recv_RL)
+        y_sorted = expert_fn(x_recv[by_expert], recv_RL.sum(0))
+        y_recv = torch.empty_like(y_sorted).index_copy_(0, by_expert, y_sorted)
+        y_NH = _Exchange.apply(y_recv, recv_splits, send_splits, comm)
+        return unpermute(y_NH, order_N, weight_TK)
