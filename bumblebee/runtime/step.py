@@ -193,9 +193,7 @@ def accumulate_global_balance(
 
     def terms(part):
         with autocast:
-            return model.loss_terms(
-                part.input_ids, part.labels, part.position_ids, balance="step"
-            )
+            return model.loss_terms(part.input_ids, part.labels, part.position_ids, balance="step")
 
     kept = run_micro_batches([lambda p=p: terms(p) for p in parts], paired=paired)
     stats = [t.router_stats for t in kept if t.router_stats is not None]

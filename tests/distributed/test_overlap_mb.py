@@ -52,8 +52,8 @@ BASE = [
     "primitives.sharding=zero1",
 ]
 # (recompute, balance, lazy comm)
-RUNS = [("none", "global_batch", False), ("full", "global_batch", False)]
-RUNS += [("full", "micro_batch", False), ("full", "global_batch", True)]
+RUNS = [("none", "step", False), ("full", "step", False)]
+RUNS += [("full", "micro_batch", False), ("full", "step", True)]
 
 
 class _Lazy:

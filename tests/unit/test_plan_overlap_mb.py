@@ -63,7 +63,7 @@ def test_memory_two_in_a_layer(spec):
     assert mb.saved_inputs > a2a.saved_inputs  # the partner's saved layer inputs
     assert mb.total > a2a.total
     # the global-batch balance loss keeps every micro-batch in flight already
-    glob = dataclasses.replace(work, balance="global_batch")
+    glob = dataclasses.replace(work, balance="step")
     assert in_flight(glob, LAY, 0, prims("overlap_mb")) == in_flight(
         glob, LAY, 0, prims("alltoall")
     )
