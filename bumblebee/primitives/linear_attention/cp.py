@@ -20,8 +20,6 @@ One core call gives all four terms: the ``linear_attention`` slot runs on value 
 their outputs are e_t. A document start inside a segment resets both parts, so M = 0 and
 e_t = 0 beyond it. Cost: the core runs with V + K value columns (about 1.5-2x the core's
 FLOPs for K = V); the core is a few percent of a GDN layer, whose projections dominate.
-Through FLA (CUDA) the two parts run as two calls instead, the probe only over each row's
-first document (``cp_probe.py``): no [v | 0_K] copy, no kernel of doubled width.
 
 Layout. The residual stream stays zigzag (full attention's load-balanced layout,
 ``cp/zigzag.py``): rank r holds chunks r and 2C-1-r of the 2C chunks. The scan does not need
@@ -80,8 +78,6 @@ from bumblebee.primitives.cp.relayout import (
     zigzag_to_contiguous,
 )
 from bumblebee.primitives.cp.zigzag import CPShards
-from bumblebee.primitives.kernel_choice import select
-from bumblebee.primitives.linear_attention.cp_probe import split_terms
 from bumblebee.primitives.linear_attention.cp_relay import relay_core
 from bumblebee.primitives.packed import DocLayout
 
@@ -293,25 +289,23 @@ def gated_delta_net_cp(
         y_BLD = layer.finish(o_RMHV.reshape(B, L * m, H, V), z_BLHV)
         return contiguous_to_zigzag(y_BLD, layout) if relayout else y_BLD
 
-    g_RMH, beta_RMH = as_rows(g_BLH), as_rows(beta_BLH)
+    # The extended core: values [v | 0_K] from the state [0 | I_K] (see the module docstring).
     dt = torch.float64 if v_RMHV.dtype == torch.float64 else torch.float32
-    if (
-        select("linear_attention", "chunked", emulation.kind(q_RMGK), q_RMGK.dtype).name
-        == "fla_chunk"
-    ):
-        # FLA: the values and the state probe as two calls, no [v | 0_K] (cp_probe.py)
-        o0_RMHV, e_RMHK, S0_RHKV, M_RHKK = split_terms(
-            layer, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, rows
-        )
-        final_RHKW = torch.cat([S0_RHKV, M_RHKK], dim=-1)
-    else:  # the extended core: values [v | 0_K] from the state [0 | I_K] (module docstring)
-        v_ext = torch.cat([v_RMHV.to(dt), v_RMHV.new_zeros((R, m, H, K), dtype=dt)], dim=-1)
-        eye_KK = torch.eye(K, dtype=dt, device=v_ext.device)
-        init_RHKW = torch.cat([v_ext.new_zeros(R, H, K, V), eye_KK.expand(R, H, K, K)], dim=-1)
-        o_ext, final_RHKW = layer.recompute.module(
-            "linear_attn_core", layer.core, q_RMGK, k_RMGK, v_ext, g_RMH, beta_RMH, rows, init_RHKW
-        )
-        o0_RMHV, e_RMHK = o_ext.to(dt).split([V, K], dim=-1)
+    v_ext = torch.cat([v_RMHV.to(dt), v_RMHV.new_zeros((R, m, H, K), dtype=dt)], dim=-1)
+    eye_KK = torch.eye(K, dtype=dt, device=v_ext.device)
+    init_RHKW = torch.cat([v_ext.new_zeros(R, H, K, V), eye_KK.expand(R, H, K, K)], dim=-1)
+    o_ext, final_RHKW = layer.recompute.module(
+        "linear_attn_core",
+        layer.core,
+        q_RMGK,
+        k_RMGK,
+        v_ext,
+        as_rows(g_BLH),
+        as_rows(beta_BLH),
+        rows,
+        init_RHKW,
+    )
+    o0_RMHV, e_RMHK = o_ext.to(dt).split([V, K], dim=-1)
 
     with torch.autocast(x_BLD.device.type, enabled=False):  # the carried state stays in fp32
         trans_CLBHKW = GatherTransitions.apply(
@@ -319,12 +313,6 @@ def gated_delta_net_cp(
         )
         S_in_LBHKV = incoming_states(trans_CLBHKW, segs, cont_BS, layout.size, V)
         S_in_RHKV = S_in_LBHKV.transpose(0, 1).reshape(R, H, K, V)
-        m1 = e_RMHK.shape[1]  # the probe's tokens (all m on the CPU path)
-        corr_RMHV = torch.einsum("rmhk,rhkv->rmhv", e_RMHK.to(dt), S_in_RHKV)
-        o_RMHV = (
-            o0_RMHV.to(dt) + corr_RMHV
-            if m1 == m
-            else torch.cat([o0_RMHV[:, :m1].to(dt) + corr_RMHV, o0_RMHV[:, m1:].to(dt)], dim=1)
-        )
+        o_RMHV = o0_RMHV + torch.einsum("rmhk,rhkv->rmhv", e_RMHK, S_in_RHKV)
     y_BLD = layer.finish(o_RMHV.to(v_RMHV.dtype).reshape(B, L * m, H, V), z_BLHV)
     return contiguous_to_zigzag(y_BLD, layout) if relayout else y_BLD
