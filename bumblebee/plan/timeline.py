@@ -31,42 +31,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from bumblebee.config import PrimitivesConfig
-from bumblebee.plan.dsa_terms import dsa_bytes
 from bumblebee.plan.hardware import FIXED_OVERHEAD_GB, FRAGMENTATION, GB
-from bumblebee.plan.layer_bytes import (
-    attn_core_bytes,
-    gdn_cp_bytes,
-    norm_bytes,
-    router_bytes,
-    stream_tensors,
-)
+from bumblebee.plan.layer_moments import layer_moments
 from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.memory import (
     ADAM_TEMP_B,
     BF16,
-    BWD_GRAD_FRACTION,
-    FP32,
-    GDN_CP_BWD_FACTOR,
     allgather_bytes,
-    cp_extra,
-    expert_grad_bytes,
-    gdn_state_bytes,
     in_flight,
     local_tokens,
     loss_bytes,
     loss_costs,
     loss_kept,
-    mixer_act,
-    mlp_act,
     pair_factor,
-    routed_buffers,
-    routed_saved,
     sharding_costs,
     stage_kinds,
     stage_layers,
     static_bytes,
 )
-from bumblebee.plan.spec import ATTN, MOE, ModelSpec
+from bumblebee.plan.spec import ModelSpec
 
 MOMENTS = ("forward", "backward", "loss", "optimizer", "eval")
 STATIC = ("parameters", "gradients", "optimizer")
@@ -132,205 +115,6 @@ class StageMemory:
         }
 
 
-def _layer_moments(
-    spec: ModelSpec,
-    kind: tuple[str, str],
-    lay: Layout,
-    prims: PrimitivesConfig,
-    t: int,
-    skew: float = 1.0,
-    mb: int = 1,
-):
-    """Bytes per micro-batch saved by one layer of ``kind``, and its candidate moments:
-    (moment, live_layer, moe_buffers, workspace, why) in bytes for t local tokens."""
-    mixer, mlp = kind
-    tp, h = lay.tp, spec.hidden
-    h2 = h / tp * BF16  # one bf16 [t, H] tensor per token
-    mk, mc = mixer_act(spec, mixer, tp)
-    fk, fc = mlp_act(spec, mlp, tp)
-    cpk, cpm, cp_why = cp_extra(spec, mixer, lay)
-    routed = routed_buffers(spec, prims, tp, skew) if mlp == MOE else {}
-    ws = t * gdn_state_bytes(spec, tp) if mixer != ATTN else 0.0
-    dsa_kept, dsa_ws, dsa_why = dsa_bytes(spec, lay, t, prims.dsa_block)
-    # (DSA's kept set is not added to cpk: at the MoE backward the layer's saved tensors,
-    # mix_saved, already hold what its core keeps, q and latents alike: the dry run's count)
-    cp_why = "; ".join(w for w in (cp_why, dsa_why) if w)
-    f = BWD_GRAD_FRACTION
-    rc = "full" if prims.recompute == "offload" else prims.recompute  # the device side is full's
-    rsaved = routed_saved(spec, prims, tp) if mlp == MOE else 0.0
-    saved = {"full": h2, "selective": mk + fk + rsaved, "none": mk + mc + fk + fc + rsaved}[rc]
-    # the mixer's saved tensors with its input norm counted from the code (mixer_act's count of it is
-    # the throughput model's elementwise bytes: 6H, 8H for attention)
-    mix_saved = (
-        mk + mc + norm_bytes(spec, tp) - (BF16 + FP32 + (BF16 if mixer == ATTN else 0)) * h / tp
-    )
-    # the MLP block's side of a recomputed layer at its backward: its input norm, the router, the
-    # gradients in flight (the layer output's; with a shared expert, its input gradient waiting for
-    # the routed one); the shared expert's own tensors are gone (its backward runs first)
-    in_flight = 2 if spec.shared_ffn else 1
-    moe_side = norm_bytes(spec, tp) + router_bytes(spec, tp) + in_flight * h2
-    # live bytes beside the MoE's routed peak (the whole layer's saved tensors under full recompute)
-    moe_live = (
-        t
-        * {"full": mix_saved + cpk + moe_side, "selective": mc + fc + cpk, "none": f * (fk + fc)}[
-            rc
-        ]
-    )
-    name = f"a {mixer}/{mlp} layer"
-    cp_note = f" + {cp_why}" if cp_why else ""
-    gdn_cp = mixer != ATTN and lay.cp > 1 and rc == "full"
-    if gdn_cp:  # Gated DeltaNet's CP scan, counted from its code (gdn_cp_bytes)
-        gb = gdn_cp_bytes(spec, lay, mb, tokens=t)
-        moe_live = t * (gb["saved"][0] + norm_bytes(spec, tp) + moe_side) + gb["saved"][1]
-        fwd_b = t * (h2 + gb["fwd"][0]) + gb["fwd"][1]
-        bwd_b = t * (norm_bytes(spec, tp) + h2 + gb["recompute"][0]) + gb["recompute"][1]
-        out = [
-            (
-                "forward:mixer",
-                fwd_b,
-                0.0,
-                0.0,
-                f"{name}'s mixer forward: {h2 + gb['fwd'][0]:.0f} B/token + {gb['fwd'][1] / GB:.3f} GB states "
-                f"(GDN CP scan, full recompute)",
-            ),
-            (
-                "backward:mixer",
-                bwd_b,
-                0.0,
-                ws,
-                f"{name}'s mixer backward (its recompute at the gated norm): "
-                f"{norm_bytes(spec, tp) + h2 + gb['recompute'][0]:.0f} B/token + {gb['recompute'][1] / GB:.3f} GB "
-                f"states",
-            ),
-        ]
-    elif mixer == ATTN and spec.dsa_topk:
-        # DSA's blockwise core (plan/dsa_terms.py): its kept tensors per token and, forward, the
-        # block outputs beside their concatenation ([N x C] bf16 twice); one query block's
-        # transients (fixed; real tensors, so live, not a kernel workspace); backward: the saved
-        # tensors, their gradients, the block twice (recompute + gradients)
-        cat = spec.n_heads / tp * spec.mla_kv_rank * BF16
-        fwd_live = {"full": h2 + dsa_kept + cat}.get(rc, mk + mc + dsa_kept + cat)
-        mix_live = {"full": mix_saved, "selective": mc}.get(rc, 0.0) + h2 + dsa_kept
-        out = [
-            (
-                "forward:mixer",
-                t * fwd_live + dsa_ws / 2,
-                0.0,
-                0.0,
-                f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}) + {dsa_why}",
-            ),
-            (
-                "backward:mixer",
-                t * mix_live + dsa_ws,
-                0.0,
-                0.0,
-                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; saved + core gradients) "
-                f"+ {dsa_why}",
-            ),
-        ]
-    elif mixer == ATTN:
-        # attention: inputs of the core + its transients (attn_core_bytes); backward: the saved tensors,
-        # the layer output's gradient, the core output's (+ the gate's) and the core's backward buffers
-        afwd, abwd, awhy = attn_core_bytes(spec, lay)
-        g = 1 if spec.attn_gate else 0
-        nd = spec.n_heads * spec.head_dim / tp
-        kvd = max(1.0, spec.n_kv_heads / tp) * spec.head_dim
-        core_in = (
-            nd * BF16 * (1 + 2 * g) + 2 * kvd * BF16
-        )  # roped q (+ q_proj's [q | gate]), roped k, v
-        fwd_live = {"full": h2 + core_in + afwd}.get(rc, mk + mc + afwd)
-        mix_live = (
-            {"full": mix_saved, "selective": mc}.get(rc, 0.0) + h2 + nd * BF16 * (1 + g) + abwd
-        )
-        out = [
-            (
-                "forward:mixer",
-                t * fwd_live,
-                0.0,
-                0.0,
-                f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}; core inputs + {awhy})",
-            ),
-            (
-                "backward:mixer",
-                t * mix_live,
-                0.0,
-                0.0,
-                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; saved + gradients + {awhy})",
-            ),
-        ]
-    else:
-        # mixer backward: its saved tensors, their gradients, the CP scan's fp32 gradients, and the bf16
-        # gradients of the mixer's weights before accumulation
-        cp_bwd = cpk * (1 + GDN_CP_BWD_FACTOR)
-        wgrad = spec.mixer_params(mixer) / tp * BF16
-        mix_live = {"full": (mk + mc) * (1 + f), "selective": mc + mk * f, "none": (mk + mc) * f}[
-            rc
-        ] + cp_bwd
-        out = [
-            (
-                "forward:mixer",
-                t * (mk + mc + cpm),
-                0.0,
-                0.0,
-                f"{name}'s mixer forward: {mk + mc + cpm:.0f} B/token",
-            ),
-            (
-                "backward:mixer",
-                t * mix_live + wgrad,
-                0.0,
-                ws,
-                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; grads {f} x saved){cp_note}; weight "
-                f"gradients {wgrad / GB:.2f} GB",
-            ),
-        ]
-    if routed:
-        # forward: the layer's bf16 stream tensors and the router beside the routed buffers (full
-        # recompute keeps nothing else); the block's output [t, H]
-        fwd_live = {"full": stream_tensors(spec) * h2 + router_bytes(spec, tp)}.get(rc, fk + fc)
-        out.append(
-            (
-                "forward:moe",
-                t * fwd_live,
-                t * (routed["fwd"][0] + h2),
-                0.0,
-                f"{name}'s MoE forward: {fwd_live:.0f} B/token + routed {routed['fwd'][1]} + output",
-            )
-        )
-        cands = [
-            (
-                moe_live,
-                t * routed[ph][0] + expert_grad_bytes(spec, lay, prims, ph),
-                routed[ph][1]
-                + f" + expert grads {expert_grad_bytes(spec, lay, prims, ph) / GB:.2f} GB",
-            )
-            for ph in ("bwd", "bwd_wgrad")
-            if ph in routed
-        ]
-        if (
-            rc == "full"
-        ):  # the recompute forward: the layer's residual h is still a local of its forward
-            cands.append(
-                (
-                    moe_live + t * h2,
-                    t * routed["recompute"][0],
-                    routed["recompute"][1] + " (recompute forward)",
-                )
-            )
-        live, rb, rwhy = max(cands, key=lambda v: v[0] + v[1])
-        out.append(
-            (
-                "backward:moe",
-                live,
-                rb,
-                0.0,
-                f"{name}'s MoE backward: {live / t:.0f} B/token of the layer's saved tensors; routed {rwhy}",
-            )
-        )
-    else:
-        out.append(("forward:mlp", t * (fk + fc), 0.0, 0.0, f"{name}'s MLP forward"))
-    return saved, out
-
-
 def _offloaded(host: float, device: float) -> str:
     return (
         f"offload recompute: {host / GB:.2f} GB of layer inputs in host memory; on the device "
@@ -351,9 +135,7 @@ def stage_timeline(
         )
         inflight, pair = in_flight(work, lay, s, prims), pair_factor(prims)
         kinds = stage_kinds(spec, layers)
-        per_kind = {
-            k: _layer_moments(spec, k, lay, prims, t, skew, work.micro_batch) for k in kinds
-        }
+        per_kind = {k: layer_moments(spec, k, lay, prims, t, skew, work.micro_batch) for k in kinds}
         saved_mb = sum(n * per_kind[k][0] for k, n in kinds.items())
         # offload: every layer input waits in host memory; the device holds the one being
         # recomputed and the one prefetched
