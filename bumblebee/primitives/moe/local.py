@@ -140,7 +140,7 @@ def combine_into(out_TH, y_NH, order_N, K: int, weight_TK=None):
         else:
             compiled_call("moe_combine", 1, _combine_into, out_TH, y_NH, inv_TK, weight_TK)
         return inv_TK.flatten()
-    rows_TKH = unsort_rows(y_NH, order_N, T * K).view(T, K, -1)
+    rows_TKH = unsort_rows(y_NH, order_N, T * K).view(T, K, y_NH.shape[-1])
     if weight_TK is None:
         torch.sum(rows_TKH, dim=1, out=out_TH)
     else:
@@ -164,7 +164,7 @@ def unpermute(y_NH: torch.Tensor, order_N: torch.Tensor, weight_TK: torch.Tensor
         inv_TK = inverse(order_N).view(T, K)
         return _Combine.apply(y_NH, order_N, inv_TK, weight_TK)
     y_unsorted = unsort_rows(y_NH, order_N, T * K)
-    return (y_unsorted.view(T, K, -1) * weight_TK[..., None].to(y_NH.dtype)).sum(dim=1)
+    return (y_unsorted.view(T, K, y_NH.shape[-1]) * weight_TK[..., None].to(y_NH.dtype)).sum(dim=1)
 
 
 @register(
