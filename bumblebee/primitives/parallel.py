@@ -8,6 +8,7 @@ this axis".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -88,12 +89,13 @@ class ParallelState:
         return self.layout.cp
 
     # what a sharding primitive shards over: dense parameters over dp_shard x cp (x tp),
-    # expert parameters over edp, different experts over ep
-    @property
+    # expert parameters over edp, different experts over ep. Sliced once: slicing a mesh reads
+    # its rank tensor on the host, and the step asks for these every step.
+    @cached_property
     def dense_mesh(self):
         return None if self.dp_cp is None else self.dp_cp["dp_cp"]
 
-    @property
+    @cached_property
     def expert_mesh(self):
         return None if self.experts is None else self.experts["edp"]
 
