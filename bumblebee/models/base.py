@@ -34,6 +34,7 @@ from bumblebee.models.kv_cache import CachedDecoding, cache_aware
 from bumblebee.models.placement import Placement
 from bumblebee.models.routing import RoutingProtocol
 from bumblebee.models.weights import WeightInit
+from bumblebee.primitives import layer_tape
 from bumblebee.primitives.cp.zigzag import build_cp_shards
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.packed import default_position_ids, doc_layout
@@ -275,7 +276,7 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
         layer_ids = range(len(self.model.layers)) if stage is None else self.stage_layers[stage]
         H, embs = self.arch.hidden_size, None
         if first:
-            x = self.model.embed_tokens(inputs)
+            (x,) = layer_tape.cut(self.model.embed_tokens(inputs))
         elif carry:
             x, embs = inputs.split([H, inputs.shape[-1] - H], dim=-1)
             x = x.contiguous()
@@ -305,7 +306,10 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
         for i in layer_ids:
             x, s = self.recompute.decoder_layer(self.model.layers[i], x, cos, sin, layout)
             if s.dim() == 1:  # dense layers return a 0-d zero
+                x, s = layer_tape.cut(x, s)
                 stats.append(s)
+            else:
+                (x,) = layer_tape.cut(x)
         stats = torch.stack(stats) if stats else None
         if last:
             return self.model.norm(x), stats

@@ -35,9 +35,10 @@ import torch.distributed as dist
 
 from bumblebee.data import Batch
 from bumblebee.primitives.cp.zigzag import shard_sequence
+from bumblebee.primitives.layer_tape import LayerTape, recording
 from bumblebee.primitives.moe import balance
 from bumblebee.primitives.moe.balance import split_stats
-from bumblebee.primitives.moe.overlap_mb import Pair, forward_done
+from bumblebee.primitives.moe.overlap_mb import Pair, SlotStreams, backward_part, forward_done
 from bumblebee.runtime.nonfinite import check_finite
 from bumblebee.runtime.optim import lr_at, set_lr
 
@@ -95,24 +96,44 @@ def add_stat(sums: dict, name: str, value: torch.Tensor) -> None:
         sums[name] = torch.maximum(sums[name], v) if name.endswith("_max") else sums[name] + v
 
 
-def run_micro_batches(fns: list, sharding=None, paired: bool = False, chain: bool = False) -> list:
+def run_micro_batches(
+    fns: list, sharding=None, paired: bool = False, chain: bool = False, streams=None
+) -> list:
     """Call ``fns`` (one per micro-batch) in order, or with ``paired`` two at a time on a
     ``Pair`` (moe_comm = overlap_mb: each one's all-to-alls hide under the other's compute);
     with ``chain`` too, all on one chained ``Pair`` (1F1B: micro-batch k's forward beside k - 1's
     backward; each fn calls ``forward_done()`` between them). Their results in order.
     ``sharding``: tell it which call (or pair) holds the last backward (``set_grad_sync``; a
     chain is one group: overlap_mb runs with zero1, whose gradients sync after the step's
-    micro-batches anyway)."""
+    micro-batches anyway). ``streams``: the step's ``SlotStreams`` (CUDA) for the pairs."""
     if paired and chain:
         if sharding is not None:
             sharding.set_grad_sync(True)
-        return Pair().run(*fns, chain=True)
+        return Pair(streams).run(*fns, chain=True)
     out, step = [], 2 if paired else 1
     for i in range(0, len(fns), step):
         if sharding is not None:
             sharding.set_grad_sync(i + step >= len(fns))
-        out += Pair().run(*fns[i : i + 2]) if paired else [fns[i]()]
+        out += Pair(streams).run(*fns[i : i + 2]) if paired else [fns[i]()]
     return out
+
+
+def _tape(paired: bool) -> LayerTape | None:
+    """Paired micro-batches cut their forward at every layer and run the backward layer by layer,
+    handing over between layers: on CUDA autograd's device thread runs each backward call, where
+    no hand-over can happen (primitives/layer_tape.py)."""
+    return LayerTape() if paired else None
+
+
+def _backward(loss: torch.Tensor, tape: LayerTape | None) -> None:
+    if tape is None:
+        loss.backward()
+    else:
+        tape.backward(loss, backward_part)
+
+
+def _streams(parts: list, paired: bool):
+    return SlotStreams.for_device(parts[0].input_ids.device) if paired and parts else None
 
 
 def accumulate(parts: list, sharding, forward, paired: bool = False) -> dict[str, torch.Tensor]:
@@ -123,14 +144,16 @@ def accumulate(parts: list, sharding, forward, paired: bool = False) -> dict[str
     ``paired``: two micro-batches in flight, 1F1B (``run_micro_batches`` with ``chain``)."""
 
     def one(part):
-        loss, stats = forward(part)
+        with recording(_tape(paired)) as tape:
+            loss, stats = forward(part)
         forward_done()
-        loss.backward()
+        _backward(loss, tape)
         return stats
 
     fns = [lambda p=p: one(p) for p in parts]
     sums: dict[str, torch.Tensor] = {}
-    for stats in run_micro_batches(fns, sharding, paired, chain=True):
+    streams = _streams(parts, paired)
+    for stats in run_micro_batches(fns, sharding, paired, chain=True, streams=streams):
         for k, v in stats.items():
             add_stat(sums, k, v)
     return sums
@@ -191,16 +214,26 @@ def accumulate_global_balance(
     rank's counts [L, E], summed over its micro-batches) and ``router_dropped``. ``paired``:
     the forwards two at a time, then the backwards two at a time (``run_micro_batches``)."""
 
-    def terms(part):
-        with autocast:
+    tapes = [_tape(paired) for _ in parts]
+    streams = _streams(parts, paired)
+
+    def terms(part, tape):
+        with autocast, recording(tape):
             return model.loss_terms(part.input_ids, part.labels, part.position_ids, balance="step")
 
-    kept = run_micro_batches([lambda p=p: terms(p) for p in parts], paired=paired)
+    fns = [lambda p=p, tape=tape: terms(p, tape) for p, tape in zip(parts, tapes)]
+    kept = run_micro_batches(fns, paired=paired, streams=streams)
     stats = [t.router_stats for t in kept if t.router_stats is not None]
     loss_sum = sum(t.loss_sum.detach().float() for t in kept)
     if not stats:  # no MoE layer: plain accumulation
         run_micro_batches(
-            [lambda t=t: (t.loss_sum / global_tokens).backward() for t in kept], sharding, paired
+            [
+                lambda t=t, tape=tape: _backward(t.loss_sum / global_tokens, tape)
+                for t, tape in zip(kept, tapes)
+            ],
+            sharding,
+            paired,
+            streams=streams,
         )
         return {"loss_sum": loss_sum, "aux": torch.zeros_like(loss_sum)}
     local_LS = torch.stack([s.detach() for s in stats]).sum(0)
@@ -208,11 +241,12 @@ def accumulate_global_balance(
     if group is not None:
         dist.all_reduce(global_LS, group=group)
 
-    def backward(t):
+    def backward(t, tape):
         share = balance.step_loss_share(t.router_stats, global_LS)
-        (t.loss_sum / global_tokens + balance_coef * share).backward()
+        _backward(t.loss_sum / global_tokens + balance_coef * share, tape)
 
-    run_micro_batches([lambda t=t: backward(t) for t in kept], sharding, paired)
+    fns = [lambda t=t, tape=tape: backward(t, tape) for t, tape in zip(kept, tapes)]
+    run_micro_batches(fns, sharding, paired, streams=streams)
     kept.clear()
     return {
         "loss_sum": loss_sum,

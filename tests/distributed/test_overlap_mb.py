@@ -20,6 +20,7 @@ Plus the one-line refusals (pp > 1, ep = 1, odd micro-batch count, fsdp2), witho
 """
 
 import io
+import sys
 
 import pytest
 import torch
@@ -51,9 +52,10 @@ BASE = [
     "parallel.ep=2",
     "primitives.sharding=zero1",
 ]
-# (recompute, balance, lazy comm)
-RUNS = [("none", "step", False), ("full", "step", False)]
-RUNS += [("full", "micro_batch", False), ("full", "step", True)]
+# (recompute, balance, lazy comm, as on CUDA: emulated, no hand-over inside a backward call)
+RUNS = [("none", "step", False, False), ("full", "step", False, False)]
+RUNS += [("full", "micro_batch", False, False), ("full", "step", True, False)]
+RUNS += [("full", "step", False, True)]
 
 
 class _Lazy:
@@ -72,7 +74,7 @@ def lazy_a2a(self, x, send=None, recv=None):
     return _Lazy(torch.full_like(data, poison), data)
 
 
-def _train(rank, out_dir, comm, rc, balance, lazy):
+def _train(rank, out_dir, comm, rc, balance, lazy, cuda):
     cfg = load_config(
         None,
         BASE
@@ -80,7 +82,8 @@ def _train(rank, out_dir, comm, rc, balance, lazy):
             f"primitives.moe_comm={comm}",
             f"primitives.recompute={rc}",
             f"train.balance={balance}",
-            f"train.out_dir={out_dir}/{comm}{rc}{balance}{lazy}/{rank}",
+            f"train.emulate_cuda={str(cuda).lower()}",
+            f"train.out_dir={out_dir}/{comm}{rc}{balance}{lazy}{cuda}/{rank}",
         ],
     )
     trainer = Trainer(cfg, stream=io.StringIO())
@@ -92,11 +95,16 @@ def _train(rank, out_dir, comm, rc, balance, lazy):
         step(optimizer)
 
     trainer.sharding.step = snapshot
-    calls = {"fwd": 0, "bwd": 0, "fwd_handed": 0, "bwd_handed": 0}
+    calls = {k: 0 for k in ("fwd", "bwd", "part", "fwd_handed", "bwd_handed", "part_handed")}
     real = overlap_mb.Pair._switch
 
     def counted(self, slot):  # every switch point, and those with a partner in flight to run
-        phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+        if sys._getframe(1).f_code.co_name == "_part":
+            phase = "part"  # between two layers' backward calls (layer_tape)
+        else:
+            phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+        if phase == "bwd" and cuda:  # autograd's CUDA device thread: no hand-over possible
+            return
         calls[phase] += 1
         calls[f"{phase}_handed"] += self._other(slot) is not None
         real(self, slot)
@@ -114,38 +122,41 @@ def _train(rank, out_dir, comm, rc, balance, lazy):
 
 def _ranks(rank, world, out_dir):
     out = {}
-    for (
-        rc,
-        balance,
-        lazy,
-    ) in RUNS:  # the lazy comm changes overlap_mb only: alltoall's run is shared
+    for rc, balance, lazy, cuda in RUNS:
+        # the lazy comm changes overlap_mb only: alltoall's run is shared
         ref = (
-            out[(rc, balance, False)][0]
+            out[(rc, balance, False, cuda)][0]
             if lazy
-            else _train(rank, out_dir, "alltoall", rc, balance, False)
+            else _train(rank, out_dir, "alltoall", rc, balance, False, cuda)
         )
-        out[(rc, balance, lazy)] = [ref, _train(rank, out_dir, "overlap_mb", rc, balance, lazy)]
+        got = _train(rank, out_dir, "overlap_mb", rc, balance, lazy, cuda)
+        out[(rc, balance, lazy, cuda)] = [ref, got]
     return out
 
 
 def test_pairs_equal_alltoall(tmp_path):
     results = run_distributed(_ranks, 2, str(tmp_path))
     for rank, per_run in enumerate(results):
-        for (rc, balance, lazy), (ref, got) in per_run.items():
-            case = f"rank {rank} recompute={rc} balance={balance} lazy={lazy}"
+        for (rc, balance, lazy, cuda), (ref, got) in per_run.items():
+            case = f"rank {rank} recompute={rc} balance={balance} lazy={lazy} cuda={cuda}"
             assert got[0] == ref[0], f"{case}: loss / grad-norm trace {got[0]} vs {ref[0]}"
             assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1])), f"{case}: step-1 grads"
             assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2])), f"{case}: params"
             assert ref[0][-1][0] < ref[0][0][0], f"{case}: does not train"
             assert not any(ref[3].values()), f"{case}: alltoall switched"
             # per step: 2 micro-batches x 1 MoE layer x (counts + dispatch + combine) forward,
-            # (combine + dispatch) backward, and the recompute forward's three inside backward
+            # (combine + dispatch) backward, and the recompute forward's three inside backward;
+            # 4 backward parts per micro-batch (the loss, 2 layers, the embedding)
             assert got[3]["fwd"] == 3 * 2 * STEPS, (case, got[3])
-            assert got[3]["bwd"] == (5 if rc == "full" else 2) * 2 * STEPS, (case, got[3])
+            inside = 0 if cuda else (5 if rc == "full" else 2) * 2 * STEPS
+            assert got[3]["bwd"] == inside, (case, got[3])
+            assert got[3]["part"] == 4 * 2 * STEPS, (case, got[3])
             # the micro-batches really ran beside each other: pairs forward beside forward and
-            # backward beside backward, the 1F1B chain (micro-batch balance) B's forward beside
+            # backward beside backward (between layers even where no hand-over can happen
+            # inside a backward call), the 1F1B chain (micro-batch balance) B's forward beside
             # A's backward
-            assert got[3]["fwd_handed"] > 0 and got[3]["bwd_handed"] > 0, (case, got[3])
+            assert got[3]["fwd_handed"] > 0 and got[3]["part_handed"] > 0, (case, got[3])
+            assert cuda or got[3]["bwd_handed"] > 0, (case, got[3])
 
 
 @pytest.mark.parametrize(

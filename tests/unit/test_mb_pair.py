@@ -12,7 +12,13 @@ import threading
 import pytest
 import torch
 
-from bumblebee.primitives.moe.overlap_mb import Pair, forward_done, switch
+from bumblebee.primitives.moe.overlap_mb import (
+    Pair,
+    SlotStreams,
+    backward_part,
+    forward_done,
+    switch,
+)
 
 
 def micro_batch(k, log, chained, backward="abc"):
@@ -74,3 +80,61 @@ def test_grad_mode_follows_the_caller():
     with torch.no_grad():
         assert Pair().run(torch.is_grad_enabled, torch.is_grad_enabled) == [False, False]
     assert Pair().run(torch.is_grad_enabled, torch.is_grad_enabled) == [True, True]
+
+
+class _Stream:
+    """A CUDA stream stand-in logging what it is asked to wait for."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits {other.name}")
+
+    def wait_event(self, event):
+        self.log.append(f"{self.name} waits {event}")
+
+
+def test_backward_parts_order_gradient_writes_across_streams():
+    """Two micro-batches on two streams write the same ``.grad`` tensors: every backward part of
+    a key waits for the last part of that key on the other stream (the loss's and the
+    embedding's parts share one key, "ends")."""
+    log = []
+    streams = SlotStreams(torch.device("cpu"))
+    streams.streams = (_Stream("s0", log), _Stream("s1", log))
+    events = iter(range(100))
+
+    def record(stream):
+        name = f"e{next(events)}@{stream.name}"
+        log.append(f"{stream.name} records {name}")
+        return name
+
+    streams.record = record
+
+    def micro_batch(k):
+        def fn():
+            for key in ("ends", ("layer", 2), ("layer", 1), "ends"):
+                with backward_part(key):
+                    log.append(f"B{k} {key}")
+
+        return fn
+
+    Pair(streams).run(micro_batch(0), micro_batch(1))
+    expected = [
+        "s1 waits s0",  # slot 1's stream: after the caller's work (its inputs)
+        "B0 ends", "s0 records e0@s0",
+        "s1 waits e0@s0", "B1 ends", "s1 records e1@s1",
+        "B0 ('layer', 2)", "s0 records e2@s0",
+        "s1 waits e2@s0", "B1 ('layer', 2)", "s1 records e3@s1",
+        "B0 ('layer', 1)", "s0 records e4@s0",
+        "s1 waits e4@s0", "B1 ('layer', 1)", "s1 records e5@s1",
+        "s0 waits e1@s1", "B0 ends", "s0 records e6@s0",  # the embedding after B's loss part
+        "s1 waits e6@s0", "B1 ends", "s1 records e7@s1",
+        "s0 waits s1",  # join: the caller's stream after both
+    ]  # fmt: skip
+    assert log == expected
+
+
+def test_backward_part_outside_a_pair_does_nothing():
+    with backward_part("ends"):
+        pass

@@ -105,10 +105,10 @@ class AllToAllDispatch:
         x_NH = dispatch_rows(x_TH, order_N, K)
         if self.ep == 1:
             return unpermute(expert_fn(x_NH, counts_E), order_N, weight_TK)
-        recv_RL = exchange_counts(counts_E, self.ep, self.group)
+        recv_RL = self.exchange_counts(counts_E)
         send_splits = counts_E.view(self.ep, -1).sum(1).tolist()
         recv_splits = recv_RL.sum(1).tolist()
-        x_recv = AllToAll.apply(x_NH, send_splits, recv_splits, self.group)
+        x_recv = self.exchange_rows(x_NH, send_splits, recv_splits)
         by_expert = regroup_by_expert(recv_RL)
         if fuse_combine(x_recv, by_expert, x_recv.shape[0]):  # CUDA: gathers both ways
             back = inverse(by_expert)
@@ -119,5 +119,12 @@ class AllToAllDispatch:
         else:
             y_sorted = expert_fn(x_recv[by_expert], recv_RL.sum(0))
             y_recv = torch.empty_like(y_sorted).index_copy_(0, by_expert, y_sorted)
-        y_NH = AllToAll.apply(y_recv, recv_splits, send_splits, self.group)
+        y_NH = self.exchange_rows(y_recv, recv_splits, send_splits)
         return unpermute(y_NH, order_N, weight_TK)
+
+    # the two exchanges, overridden by schedules that only move the waits (overlap_mb)
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        return exchange_counts(counts_E, self.ep, self.group)
+
+    def exchange_rows(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        return AllToAll.apply(x, send, recv, self.group)

@@ -29,9 +29,14 @@ attention backward. Under full recompute the checkpoint re-runs layer j inside i
 re-run's exchanges switch too, so they hide under the partner's backward. The count exchange (E
 integers) switches as well: blocking, it would absorb the peer rank's drift.
 
-On CUDA the exchanges run on a side stream (``chunked._Comm``); autograd runs CUDA backward on its
-own device thread, where no switch happens (backwards then run one after the other).
-Outside a ``Pair`` (one micro-batch, eval, the RL engine) a switch does nothing: the primitive
+The step cuts each micro-batch's forward at every decoder layer (``layer_tape``) and runs its
+backward one layer at a time, handing over between the layers (``backward_part``): autograd runs
+a CUDA backward on its own device thread, where a switch inside the backward cannot happen (it
+is a no-op there). On CUDA the two micro-batches also run on two compute streams
+(``SlotStreams``): a layer's backward call queues its kernels, exchange waits included, on its
+own stream, so the partner's kernels queued beside it run while an exchange stalls it; each
+backward part first waits for the partner's last part writing the same gradients. The exchanges
+run on a side stream (``chunked._Comm``). Outside a ``Pair`` (one micro-batch, eval, the RL engine) a switch does nothing: the primitive
 is ``alltoall`` with asynchronous waits.
 
 Legend: T tokens, H hidden, K choices per token, N = T*K rows, E experts, R ep ranks.
@@ -44,13 +49,11 @@ import contextvars
 import threading
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.moe.alltoall import regroup_by_expert
+from bumblebee.primitives.moe.alltoall import AllToAllDispatch
 from bumblebee.primitives.moe.chunked import _Comm
-from bumblebee.primitives.moe.local import ExpertFn, permute, unpermute
 from bumblebee.registry import register
 
 # Dynamic scope, not configuration: (pair, slot, thread id) on a thread a ``Pair`` runs.
@@ -69,10 +72,12 @@ class Pair:
     modes (the CPU memory tracker is one: without them it would not see the threads' tensors).
     ``switches`` counts the hand-overs."""
 
-    def __init__(self):
+    def __init__(self, streams: SlotStreams | None = None):
         self._cv = threading.Condition()
         self._turn, self._n, self.switches = 0, 0, 0
         self._started, self._marked, self._done = set(), set(), set()
+        self.streams = streams
+        self._last = {}  # gradient key -> (stream, event) of the last backward part writing it
 
     def run(self, *fns, chain: bool = False) -> list:
         n = self._n = len(fns)
@@ -88,6 +93,8 @@ class Pair:
                 with torch.set_grad_enabled(grad), contextlib.ExitStack() as stack:
                     for mode in modes:
                         stack.enter_context(mode)
+                    if self.streams is not None:
+                        stack.enter_context(self.streams.entered(slot))
                     results[slot] = fn()
             except BaseException as e:  # re-raised on the caller's thread
                 errors[slot] = e
@@ -106,6 +113,8 @@ class Pair:
             t.start()
         for t in threads:
             t.join()
+        if self.streams is not None:
+            self.streams.join()
         for e in errors:
             if e is not None:
                 raise e
@@ -135,6 +144,57 @@ class Pair:
             self._marked.add(slot)
             self._admit()
 
+    @contextlib.contextmanager
+    def _part(self, slot: int, key):
+        """One backward part of micro-batch ``slot`` writing the gradients of ``key``: handed over
+        before it; on CUDA its stream first waits for the last part that wrote ``key`` on
+        another stream (two micro-batches' accumulations into one ``.grad`` are ordered)."""
+        self._switch(slot)
+        stream = None if self.streams is None else self.streams.of(slot)
+        last = self._last.get(key)
+        if stream is not None and last is not None and last[0] is not stream:
+            stream.wait_event(last[1])
+        yield
+        if stream is not None:
+            self._last[key] = (stream, self.streams.record(stream))
+
+
+class SlotStreams:
+    """The compute streams of a ``Pair`` on CUDA: even slots on the caller's current stream, odd
+    ones on a second stream, so that one micro-batch's kernels queue beside the other's while an
+    exchange stalls it. A slot's stream first waits for the caller's work (its inputs);
+    ``join()`` makes the caller's stream wait for both. Under emulation the stand-ins of
+    ``emulation`` take the same calls. Keep one for a step: a micro-batch's backward runs on the
+    stream of its forward."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.streams = (emulation.current_stream(device), emulation.side_stream(device))
+
+    def of(self, slot: int):
+        return self.streams[slot % 2]
+
+    @contextlib.contextmanager
+    def entered(self, slot: int):
+        stream = self.of(slot)
+        if stream is not self.streams[0]:
+            stream.wait_stream(self.streams[0])
+        with emulation.use_stream(stream):
+            yield
+
+    def record(self, stream):
+        event = emulation.new_event(self.device)
+        event.record(stream)
+        return event
+
+    def join(self) -> None:
+        self.streams[0].wait_stream(self.streams[1])
+
+    @staticmethod
+    def for_device(device: torch.device) -> SlotStreams | None:
+        """Streams on CUDA and under emulation; None on CPU (nothing to order)."""
+        return SlotStreams(device) if device.type == "cuda" or emulation.active() else None
+
 
 def switch() -> None:
     """Hand the rank to the partner micro-batch until it reaches its own switch (no-op outside a
@@ -142,6 +202,15 @@ def switch() -> None:
     slot = _SLOT.get()
     if slot is not None and slot[2] == threading.get_ident():
         slot[0]._switch(slot[1])
+
+
+def backward_part(key):
+    """Context of one backward part of a layer-cut forward (``layer_tape``): a hand-over to the
+    partner, then stream order for the gradients of ``key``; nothing outside a ``Pair``."""
+    slot = _SLOT.get()
+    if slot is not None and slot[2] == threading.get_ident():
+        return slot[0]._part(slot[1], key)
+    return contextlib.nullcontext()
 
 
 def forward_done() -> None:
@@ -177,14 +246,12 @@ class _Exchange(torch.autograd.Function):
     "overlap_mb",
     summary="alltoall with each exchange hidden under a second micro-batch (pairs, pp = 1)",
 )
-class OverlapMBDispatch:
-    def __init__(self, num_experts: int, ep_group=None, **_unused):
-        self.num_experts, self.group = num_experts, ep_group
-        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
-        if num_experts % self.ep:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by the ep group size ({self.ep})"
-            )
+class OverlapMBDispatch(AllToAllDispatch):
+    """``alltoall``'s ops in its order (its ``__call__``); only the two exchanges differ: issued
+    asynchronously, the partner runs, then the wait."""
+
+    def __init__(self, num_experts: int, ep_group=None, ep_size: int | None = None, **_unused):
+        super().__init__(num_experts, ep_group, ep_size)
         self._streams = {}  # device -> CUDA communication stream
 
     def _comm(self, x: torch.Tensor) -> _Comm:
@@ -195,28 +262,9 @@ class OverlapMBDispatch:
             stream = self._streams[x.device]
         return _Comm(self.group, self.ep, stream)
 
-    def __call__(
-        self,
-        x_TH: torch.Tensor,
-        idx_TK: torch.Tensor,
-        weight_TK: torch.Tensor,
-        expert_fn: ExpertFn,
-        drops: bool = False,
-    ) -> torch.Tensor:
-        # the ops of alltoall.AllToAllDispatch, in its order: only the waits moved
-        K = idx_TK.shape[1]
-        order_N, counts_E = permute(idx_TK, self.num_experts, drops)
-        x_NH = x_TH[order_N // K]
-        if self.ep == 1:
-            return unpermute(expert_fn(x_NH, counts_E), order_N, weight_TK)
-        comm = self._comm(x_TH)
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         # the counts too: a blocking exchange would wait out the peer rank's drift, exposed
-        recv_RL = exchange(comm, counts_E, None, None).view(self.ep, -1)
-        send_splits = counts_E.view(self.ep, -1).sum(1).tolist()
-        recv_splits = recv_RL.sum(1).tolist()
-        x_recv = _Exchange.apply(x_NH, send_splits, recv_splits, comm)
-        by_expert = regroup_by_expert(recv_RL)
-        y_sorted = expert_fn(x_recv[by_expert], recv_RL.sum(0))
-        y_recv = torch.empty_like(y_sorted).index_copy_(0, by_expert, y_sorted)
-        y_NH = _Exchange.apply(y_recv, recv_splits, send_splits, comm)
-        return unpermute(y_NH, order_N, weight_TK)
+        return exchange(self._comm(counts_E), counts_E, None, None).view(self.ep, -1)
+
+    def exchange_rows(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        return _Exchange.apply(x, send, recv, self._comm(x))
