@@ -36,8 +36,8 @@ is a no-op there). On CUDA the two micro-batches also run on two compute streams
 (``SlotStreams``): a layer's backward call queues its kernels, exchange waits included, on its
 own stream, so the partner's kernels queued beside it run while an exchange stalls it; each
 backward part first waits for the partner's last part writing the same gradients. The exchanges
-run on a side stream (``chunked._Comm``). Outside a ``Pair`` (one micro-batch, eval, the RL engine) a switch does nothing: the primitive
-is ``alltoall`` with asynchronous waits.
+run on a side stream (``chunked._Comm``). Outside a ``Pair`` (one micro-batch, eval, the RL
+engine) a switch does nothing: the primitive is ``alltoall`` with asynchronous waits.
 
 Legend: T tokens, H hidden, K choices per token, N = T*K rows, E experts, R ep ranks.
 """
