@@ -670,6 +670,40 @@ def case_mla(ck: Check):
     }
 
 
+def case_mb_pair(ck: Check):
+    """moe_comm = overlap_mb's pair on one GPU (ep = 1: no exchange): two micro-batches' forwards
+    on two threads and two CUDA streams, their backwards layer by layer (layer_tape), against the
+    same micro-batches one after the other. What it checks is the stream order of the gradient
+    writes (a race shows as a mismatch) and the layer-by-layer backward on autograd's device
+    thread; fp32."""
+    from bumblebee.config import PrimitivesConfig
+    from bumblebee.data import Batch
+    from bumblebee.models import arch_from_hf_dict, build_model
+    from bumblebee.models.presets import PRESETS
+    from bumblebee.runtime.step import accumulate_global_balance
+
+    arch = arch_from_hf_dict(PRESETS["qwen3_moe"]["tiny"])
+    T = 256 if ck.smoke else 4096
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, arch.vocab_size, (4, T), generator=g)
+    pos = torch.arange(T).repeat(4, 1) % (T // 4)
+    parts = [Batch(ids[i : i + 1], ids[i : i + 1], pos[i : i + 1]).to(ck.device) for i in range(4)]
+    out = []
+    for paired in (False, True):
+        model = build_model(arch, PrimitivesConfig(recompute="full"), seed=0, device=ck.device)
+        with ck.emulated():
+            accumulate_global_balance(
+                parts, None, model, 4 * T, 0.01, contextlib.nullcontext(), None, paired
+            )
+        out.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    names = list(out[0])
+    tensors = [compare("d" + n, out[1][n], out[0][n], 1e-5) for n in names]
+    return {
+        "shape": f"4 micro-batches x {T} tokens, qwen3_moe tiny, full recompute",
+        "tensors": tensors,
+    }
+
+
 def section_numerics(ck: Check, out: dict):
     for name, N, K, D in attn_shapes(ck):
         ck.case(out, f"varlen attention {name}", lambda s=(N, K, D): case_attention(ck, *s))
@@ -683,6 +717,7 @@ def section_numerics(ck: Check, out: dict):
     ck.case(out, "linear CE vs materialized CE", lambda: case_linear_ce(ck))
     ck.case(out, "grouped-GEMM experts vs loop", lambda: case_experts(ck))
     ck.case(out, "MLA (varlen core) vs MLA (sdpa reference)", lambda: case_mla(ck))
+    ck.case(out, "overlap_mb pair on two streams vs one by one", lambda: case_mb_pair(ck))
 
 
 # ----------------------------------------------------------------------------- 3. speed
