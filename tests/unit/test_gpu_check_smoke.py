@@ -34,7 +34,7 @@ def test_gpu_check_smoke(tmp_path):
 
     numerics = secs["numerics"]
     assert numerics["status"] == "ok", numerics
-    assert len(numerics["cases"]) == 10
+    assert len(numerics["cases"]) == 11
     for case in numerics["cases"]:
         assert case["status"] == "pass", case
         assert case["tensors"], case
