@@ -22,14 +22,14 @@ Legend: B batch, T tokens, H hidden, V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bumblebee import registry
-from bumblebee.models.head import LMHead, check_token_ids, summed_losses
+from bumblebee.models.head import LMHead, LossTerms, check_token_ids, summed_losses
 from bumblebee.models.kv_cache import CachedDecoding, cache_aware
 from bumblebee.models.placement import Placement
 from bumblebee.models.routing import RoutingProtocol
@@ -53,22 +53,6 @@ def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         for bn, b in m.named_buffers(recurse=False)
         if b is not None and bn not in m._non_persistent_buffers_set
     ]
-
-
-@dataclass
-class LossTerms:
-    """What a training step needs from one micro-batch's forward."""
-
-    loss_sum: torch.Tensor  # summed token losses over the valid labels of this micro-batch
-    num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
-    aux_loss: torch.Tensor  # load-balancing loss of the asked definition (0 if none, or "step")
-    router_stats: torch.Tensor | None = (
-        None  # [L, 2E + 2] per MoE layer (primitives/moe/balance.py)
-    )
-    # multi-token prediction (models/mtp.py), already weighted into loss_sum: per-depth summed
-    # token losses (detached, for logs) and valid-label counts; empty without MTP
-    mtp_sums: list = field(default_factory=list)
-    mtp_tokens: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

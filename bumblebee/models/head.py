@@ -13,6 +13,8 @@ Legend: T tokens, H hidden, V vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
@@ -66,3 +68,19 @@ def check_token_ids(ids, vocab_size: int, name: str = "input_ids") -> None:
                 f"{name}: token id {lo if lo < 0 else hi} is outside the vocabulary "
                 f"[0, {vocab_size}) (arch.vocab_size)"
             )
+
+
+@dataclass
+class LossTerms:
+    """What a training step needs from one micro-batch's forward."""
+
+    loss_sum: torch.Tensor  # summed token losses over the valid labels of this micro-batch
+    num_tokens: torch.Tensor  # number of valid labels (int64 scalar)
+    aux_loss: torch.Tensor  # load-balancing loss of the asked definition (0 if none, or "step")
+    router_stats: torch.Tensor | None = (
+        None  # [L, 2E + 2] per MoE layer (primitives/moe/balance.py)
+    )
+    # multi-token prediction (models/mtp.py), already weighted into loss_sum: per-depth summed
+    # token losses (detached, for logs) and valid-label counts; empty without MTP
+    mtp_sums: list = field(default_factory=list)
+    mtp_tokens: list = field(default_factory=list)
