@@ -259,9 +259,9 @@ def check_paired(p, layout, micro: int) -> None:
         )
     elif layout.ep == 1:
         why = "parallel.ep > 1 (with ep = 1 there is no all-to-all to hide; use 'local')"
-    elif micro % 2:
+    elif micro < 2:
         why = (
-            f"an even number of micro-batches per rank and step (got {micro}: "
+            f"at least two micro-batches per rank and step (got {micro}: "
             "train.global_batch / (dp_shard x train.micro_batch))"
         )
     elif p.sharding == "fsdp2":
