@@ -57,7 +57,7 @@ def _rank(rank, world, sets, out_dir, before):
     return c.launches, c.syncs, trainer.accum
 
 
-def layers(seq: int, depths: tuple[int, int]) -> None:
+def layers(seq: int, depths: tuple[int, int], case: str = "", after_only: bool = False) -> None:
     from dist_utils import run_distributed
     from host_syncs import CASES
 
@@ -73,8 +73,10 @@ def layers(seq: int, depths: tuple[int, int]) -> None:
         f"layers {lo} -> {hi} (difference / {hi - lo} layers / micro-batches)"
     )
     for name, sets in CASES.items():
-        per = {}
-        for before in (True, False):
+        if case not in name:
+            continue
+        per = {True: (float("nan"),) * 2}
+        for before in (False,) if after_only else (True, False):
             got = {}
             for n in depths:
                 got[n] = run_distributed(
@@ -243,6 +245,8 @@ def main() -> None:
     p.add_argument("--depths", default="4,8", help="two layer counts (Qwen3.5: multiples of 4)")
     p.add_argument("--tokens", type=int, default=16384, help="mixers: tokens per row")
     p.add_argument("--rows", type=int, default=2, help="mixers: rows per rank")
+    p.add_argument("--case", default="", help="layers: only the cases whose name contains this")
+    p.add_argument("--after-only", action="store_true", help="layers: skip the unfused 'before'")
     a = p.parse_args()
     if a.part == "moe":
         moe(256)
@@ -250,7 +254,7 @@ def main() -> None:
         mixers(a.tokens, a.rows)
     if a.part in ("layers", "both"):
         lo, hi = (int(x) for x in a.depths.split(","))
-        layers(a.seq, (lo, hi))
+        layers(a.seq, (lo, hi), a.case, a.after_only)
 
 
 if __name__ == "__main__":
