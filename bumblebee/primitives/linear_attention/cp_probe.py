@@ -65,9 +65,9 @@ def split_terms(layer, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, rows: DocLayout)
         return layer.recompute.module("linear_attn_core", layer.core, *xs)
 
     o0_RMHV, S0_RHKV = core(q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, rows, None)
-    # bytes per probe token: e (fp32, what the correction keeps), and when cut the copies of q, k,
-    # the gates
-    e_bytes = H * K * 4
+    # bytes kept per probe token: e (as the core returns it, in q's dtype: StateCorrection keeps
+    # it), and when cut the copies of q, k and the gates
+    e_bytes = H * K * q_RMGK.element_size()
     cut_bytes = e_bytes + 2 * q_RMGK[0, 0].numel() * q_RMGK.element_size()
     cut_bytes += g_RMH[0, 0].numel() * g_RMH.element_size() + H * beta_RMH.element_size()
     probe = rows.cached(
