@@ -4,6 +4,7 @@
     python benchmarks/launches.py                  # both parts
     python benchmarks/launches.py --part mixers    # only the real-width mixers (seconds)
     python benchmarks/launches.py --part moe       # MoE row writes, before / after (minutes)
+    python benchmarks/launches.py --part probe     # one GDN CP layer: extended call vs two calls
 
 Two parts:
 
@@ -38,7 +39,7 @@ sys.path.insert(0, HERE)
 
 
 def _rank(rank, world, sets, out_dir, before):
-    """One counted step (after a first, uncounted one) -> (launches, syncs, micro-batches)."""
+    """One counted step -> (launches, syncs, micro-batches)."""
     from bumblebee import load_config
     from bumblebee.perf.syncs import SyncCounter
     from bumblebee.primitives.emulation import emulate_cuda
@@ -57,7 +58,7 @@ def _rank(rank, world, sets, out_dir, before):
     return c.launches, c.syncs, trainer.accum
 
 
-def layers(seq: int, depths: tuple[int, int]) -> None:
+def layers(seq: int, depths: tuple[int, int], case: str = "", after_only: bool = False) -> None:
     from dist_utils import run_distributed
     from host_syncs import CASES
 
@@ -73,8 +74,10 @@ def layers(seq: int, depths: tuple[int, int]) -> None:
         f"layers {lo} -> {hi} (difference / {hi - lo} layers / micro-batches)"
     )
     for name, sets in CASES.items():
-        per = {}
-        for before in (True, False):
+        if case not in name:
+            continue
+        per = {True: (float("nan"),) * 2}
+        for before in (False,) if after_only else (True, False):
             got = {}
             for n in depths:
                 got[n] = run_distributed(
@@ -234,23 +237,75 @@ def moe(tokens: int) -> None:
             )
 
 
+def _probe_rank(rank, world, docs):
+    """One GDN layer through the CP scan (this one-rank group: two zigzag segments), forward, full
+    recompute and backward, emulated CUDA, bf16, counted after a first uncounted pass: launches of
+    the extended call and of the two-call form (cp_probe.py), and the call sites that differ."""
+    import torch
+    import torch.distributed as dist
+
+    from bumblebee import registry
+    from bumblebee.perf.syncs import SyncCounter
+    from bumblebee.primitives.cp.zigzag import build_cp_shards, shard_sequence
+    from bumblebee.primitives.emulation import emulate_cuda
+    from bumblebee.primitives.linear_attention import cp
+    from bumblebee.primitives.linear_attention.gated_delta_rule import gated_delta_rule_chunked
+    from bumblebee.primitives.linear_attention.gdn import GatedDeltaNet
+    from bumblebee.primitives.recompute import NoRecompute
+
+    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    got, probe = {}, cp.takes_probe
+    for two_calls in (False, True):
+        torch.manual_seed(0)  # the tiny preset's mixer: hidden 128, 2 x 32 key, 4 x 32 value heads
+        layer = GatedDeltaNet(128, 2, 4, 32, 32, 4, 1e-6, gated_delta_rule_chunked, NoRecompute())
+        layer = layer.to(torch.bfloat16)
+        x = torch.randn(1, pos.shape[1], 128, dtype=torch.bfloat16, requires_grad=True)
+        rc = registry.get("recompute", "full").factory([])
+        cp.takes_probe = probe if two_calls else (lambda q: False)  # the benchmark's switch
+        with emulate_cuda(check_comm=False):
+            layout = build_cp_shards(shard_sequence(pos, world, rank), dist.group.WORLD)
+            for _ in range(2):  # the first pass builds the layout caches
+                with SyncCounter(launch_sites=True) as c:
+                    y = rc.layer(lambda x: cp.gated_delta_net_cp(layer, x, layout), x)
+                    y.float().sum().backward()
+        cp.takes_probe = probe
+        got[two_calls] = (c.launches, c.by_launch_site)
+    return got
+
+
+def probe(tokens: int) -> None:
+    from dist_utils import run_distributed
+
+    print(f"one GDN CP layer ({tokens} tokens, 1 rank, 2 segments), fwd + full recompute + bwd:")
+    for name, docs in (("one document", [tokens]), ("16-token documents", [16] * (tokens // 16))):
+        got = run_distributed(_probe_rank, 1, docs)[0]
+        (a, sa), (b, sb) = got[False], got[True]
+        diff = sorted(set(sa) | set(sb), key=lambda k: -abs(sb[k] - sa[k]))
+        print(f"  {name}: extended call {a} -> two calls {b} launches ({b - a:+d}); by site: "
+              + ", ".join(f"{k} {sa[k]}->{sb[k]}" for k in diff[:6] if sa[k] != sb[k]))  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--part", choices=("layers", "mixers", "moe", "both"), default="both")
+    p.add_argument("--part", choices=("layers", "mixers", "moe", "probe", "both"), default="both")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--depths", default="4,8", help="two layer counts (Qwen3.5: multiples of 4)")
     p.add_argument("--tokens", type=int, default=16384, help="mixers: tokens per row")
     p.add_argument("--rows", type=int, default=2, help="mixers: rows per rank")
+    p.add_argument("--case", default="", help="layers: only the cases whose name contains this")
+    p.add_argument("--after-only", action="store_true", help="layers: skip the unfused 'before'")
     a = p.parse_args()
     if a.part == "moe":
         moe(256)
+    if a.part == "probe":
+        probe(128)
     if a.part in ("mixers", "both"):
         mixers(a.tokens, a.rows)
     if a.part in ("layers", "both"):
         lo, hi = (int(x) for x in a.depths.split(","))
-        layers(a.seq, (lo, hi))
+        layers(a.seq, (lo, hi), a.case, a.after_only)
 
 
 if __name__ == "__main__":

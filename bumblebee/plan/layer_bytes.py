@@ -82,47 +82,83 @@ def gdn_cp_bytes(
     spec: ModelSpec, lay: Layout, micro_batch: int = 1, tokens: int = 0
 ) -> dict[str, tuple[float, float]]:
     """A Gated DeltaNet (or KDA: same scan, per-channel fp32 gate) layer under context parallelism
-    with full recompute, counted from its code
-    (``linear_attention/gdn.py``, ``cp.py``, ``fla.py``): phase -> (bytes per token, fixed bytes).
+    with full recompute, counted from the code CUDA runs (``linear_attention/gdn.py``, ``cp.py``, the
+    two-call form of ``cp_probe.py``, ``fla.py``): phase -> (bytes per token, fixed bytes), at
+    ``tokens`` (the rank's tokens of one micro-batch, all rows) where a phase has two candidate
+    peaks. The probe is counted over whole segments (p = m, each row's first document spanning it):
+    a cut probe keeps less (``cp_probe.probe_rows`` cuts only then).
 
-    Per token (kd = Gk*K, vd = Hv*V, Hv*W with W = V+K: the extended core's value width):
+    Per token (kd = Gk*K, vd = Hv*V, hk = Hv*K):
     - "saved" (the layer's tensors after its recompute, at the MoE backward): bf16 pre-conv qkv and
-      conv output 2 x 2(2kd+vd), z 2vd, fp32 beta/g/a 12Hv, the core's bf16 [v | 0] 2Hv*W, the fp32
-      state correction 4vd, the corrected bf16 output 2vd, the gated norm's bf16 output 2vd;
-    - "fwd" (first forward, at the gated norm): the same bf16 tensors, the fp32 [v | 0] and the core's
-      fp32 output 2 x 4Hv*W, the fp32 correction 4vd, and the gated norm's fp32 input, silu(z) and
-      product 12vd (autograd keeps nothing);
-    - "recompute" (the recompute inside backward, at the gated norm): "saved" plus the fp32 [v | 0]
-      and core output 2 x 4Hv*W, a second fp32 correction 4vd and the gated norm's fp32 12vd.
-    Fixed (independent of t; R = 2 zigzag segments x micro-batch rows, C = cp): fp32 states
-    [R, Hv, K, W] (initial, final, FLA's h0), the gathered transitions [C, R, Hv, K, W], the incoming
-    states [R, Hv, K, V] and the scan's carried states. Checked: dry run of Qwen3.5-35B-A3B's shapes
-    (ep 4, cp 2, 4K local tokens) within 1% per phase.
-
-    The gated norm's fp32 12vd: a call over more than 2 x NORM_BLOCK tokens (``tokens``: the rank's
-    tokens of one micro-batch, all rows) runs in blocks of NORM_BLOCK tokens (gdn.py), so the term
-    is 12vd x NORM_BLOCK bytes, fixed, in "fwd" and "recompute" (checked at full size: Qwen3.5-35B-A3B,
-    cp 4, 32K local tokens, where the per-token count over-predicted both moments by 20-27%)."""
+      conv output 2 x 2(2kd+vd), z 2vd, the scan's output 2vd (the gated norm's input), fp32
+      beta/g/a 12Hv, the probe's bf16 output e 2hk (``StateCorrection`` keeps it; the two FLA calls
+      keep views of the conv output and a stride-0 zero), the gated norm's bf16 output 2vd;
+    - "fwd" (first forward; autograd keeps nothing), the larger of: at the gated norm, the bf16
+      tensors and its fp32 input, silu(z) and product 12vd plus a bf16 2vd; inside
+      ``StateCorrection`` at its GEMM, the bf16 tensors but the scan's output, o|0 2vd, e 2hk, its
+      fp32 copy 4hk and the fp32 product 4vd (the larger one at 32K tokens, where the norm is blocked);
+    - "recompute" (the mixer's backward, after its recompute), the larger of: the gated norm's
+      backward, "saved" less its output plus the norm's recomputed fp32 input, z and silu(z), two bf16
+      products and two fp32 gradients 24vd; ``StateCorrection``'s backward, the bf16 tensors less
+      z and the output, e, the bf16 gradients of the norm's inputs 4vd, the fp32 output gradient 4vd,
+      e's bf16 gradient 2hk and the fp32 e 4hk.
+    Fixed (R = 2 zigzag segments x micro-batch rows, C = cp; fp32 [R, Hv, K, X] states
+    state_X): the gathered transitions C state_(V+K) and the scan's carried states 2 state_V / R
+    (kept by the scan's products), the probe's I_K state_K (kept by its FLA call), S_in state_V (kept
+    by ``StateCorrection``); its backward adds dS_in state_V, its forward holds S_in only.
+    "fla_bwd": the values call's FLA backward, the one moment FLA's chunk-state workspace is alive
+    (``layer_moments`` adds it there, not at the two peaks above).
+    Above 2 x NORM_BLOCK tokens the gated norm runs in blocks (gdn.py): its fp32 terms are fixed,
+    12vd x NORM_BLOCK forward and 28vd x NORM_BLOCK in backward (one more fp32 gradient than
+    unblocked), and each block's bf16 input gradients 4vd per token wait for the split's backward.
+    Checked: dry run of Qwen3.5-35B-A3B's shapes (ep 4, cp 2) at 2K-32K local tokens (skills/plan/memory.md)."""
     tp = lay.tp
     kd = spec.gdn_k_heads * spec.gdn_k_dim / tp
     vd = spec.gdn_v_heads * spec.gdn_v_dim / tp
     hv, k, v = spec.gdn_v_heads / tp, spec.gdn_k_dim, spec.gdn_v_dim
-    hw = hv * (v + k)
-    bf16 = 4 * (2 * kd + vd) + 2 * vd + 2 * vd  # pre-conv qkv, conv output, z, corrected output
+    hk = hv * k
+    bf16 = 4 * (2 * kd + vd) + 2 * vd + 2 * vd  # pre-conv qkv, conv output, z, the scan's output
     # fp32 gates: beta, g, a [Hv] each; KDA's decay is per key channel [Gk*K], kept three times
     # (f + dt_bias and softplus(.) for autograd, g for the core), plus beta [Hv]
     gates = 12 * kd + 4 * hv if spec.kda_gate_rank else 12 * hv
-    saved = bf16 + gates + 2 * hw + 4 * vd + 2 * vd
+    saved = bf16 + gates + 2 * hk + 2 * vd
     blocked = tokens > 2 * NORM_BLOCK
-    norm_t, norm_fixed = (0.0, 12 * vd * NORM_BLOCK) if blocked else (12 * vd, 0.0)
+    nb = NORM_BLOCK if blocked else 0
     # KDA's separate q / k / v projections before their concat, transient
     proj = 2 * (2 * kd + vd) if spec.kda_gate_rank else 0.0
-    fwd = bf16 + gates + 8 * hw + 4 * vd + norm_t + 2 * vd + proj
-    recompute = saved + 8 * hw + 4 * vd + norm_t + proj
     r, c = 2 * micro_batch, lay.cp
-    state_w, state_v = r * hv * k * (v + k) * FP32, r * hv * k * v * FP32
-    return {
-        "saved": (saved, (1 + c) * state_w + state_v + 2 * state_v / r),
-        "fwd": (fwd, (2 + c) * state_w + state_v + norm_fixed),
-        "recompute": (recompute, (3 + c) * state_w + state_v + 2 * state_v / r + norm_fixed),
-    }
+    state_w, state_v, state_k = (r * hv * k * x * FP32 for x in (v + k, v, k))
+    kept = c * state_w + 2 * state_v / r + state_k + state_v
+
+    def larger(*cands):  # (per token, fixed) of the candidate peak largest at `tokens`
+        return max(cands, key=lambda pf: pf[0] * max(tokens, 1) + pf[1])
+
+    fwd = larger(
+        (bf16 + gates + (0 if blocked else 12 * vd) + 2 * vd + proj, 12 * vd * nb),
+        (bf16 + gates + 6 * hk + 4 * vd, state_v),
+    )
+    recompute = larger(
+        (saved - 2 * vd + (4 * vd if blocked else 24 * vd) + proj, kept + 28 * vd * nb),
+        (bf16 - 4 * vd + gates + 2 * hk + 8 * vd + 6 * hk, kept + state_v),
+    )
+    # the values call's FLA backward (the probe's has run): the bf16 tensors less z and the output,
+    # the norm inputs' gradients 4vd, the probe's dq, dk 4kd and dense dv 2hk, the call's own dq, dk,
+    # dv 2(2kd+vd); FLA's chunk-state workspace is alive only here (layer_moments adds it)
+    fla_bwd = (bf16 - 4 * vd + gates + 4 * vd + 4 * kd + 2 * hk + 2 * (2 * kd + vd), kept)
+    return {"saved": (saved, kept), "fwd": fwd, "recompute": recompute, "fla_bwd": fla_bwd}
+
+
+def gdn_cp_backward(spec: ModelSpec, lay: Layout) -> float:
+    """Per-token bytes of the GDN CP scan's backward (``cp.StateCorrection``): its kept e, the fp32
+    output gradient, e's fp32 copy and its bf16 gradient (0 without CP)."""
+    if lay.cp == 1:
+        return 0.0
+    hv, v, k = spec.gdn_v_heads / lay.tp, spec.gdn_v_dim, spec.gdn_k_dim
+    return hv * k * BF16 + hv * v * FP32 + hv * k * (FP32 + BF16)
+
+
+def gdn_state_bytes(spec: ModelSpec, tp: int, chunk: int = 64) -> float:
+    """Chunk states h [t/C, Hv, Dk, Dv] recomputed in backward, and their gradient (bf16). KDA's
+    state is the same [Hv, Dk, Dv] (its per-channel decay changes the transition, not the state);
+    FLA's chunk_kda also uses 64-token chunks."""
+    return 2 * BF16 * spec.gdn_v_heads / tp * spec.gdn_k_dim * spec.gdn_v_dim / chunk

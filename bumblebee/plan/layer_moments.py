@@ -9,7 +9,9 @@ from bumblebee.plan.dsa_terms import dsa_bytes
 from bumblebee.plan.hardware import GB
 from bumblebee.plan.layer_bytes import (
     attn_core_bytes,
+    gdn_cp_backward,
     gdn_cp_bytes,
+    gdn_state_bytes,
     norm_bytes,
     router_bytes,
     stream_tensors,
@@ -19,10 +21,8 @@ from bumblebee.plan.memory import (
     BF16,
     BWD_GRAD_FRACTION,
     FP32,
-    GDN_CP_BWD_FACTOR,
     cp_extra,
     expert_grad_bytes,
-    gdn_state_bytes,
     mixer_act,
     mlp_act,
     routed_buffers,
@@ -63,6 +63,10 @@ def layer_moments(
     mix_saved = (
         mk + mc + norm_bytes(spec, tp) - (BF16 + FP32 + (BF16 if mixer == ATTN else 0)) * h / tp
     )
+    gate_nd = spec.n_heads * spec.head_dim / tp if mixer == ATTN and spec.attn_gate else 0.0
+    # gated attention (models/blocks.py): q_proj's [q | gate] output is kept by no op (q_norm keeps
+    # its fp32 input, sigmoid its output); mixer_act counts it for selective recompute
+    mix_saved -= 2 * gate_nd * BF16
     # the MLP block's side of a recomputed layer at its backward: its input norm, the router, the
     # gradients in flight (the layer output's; with a shared expert, its input gradient waiting for
     # the routed one); the shared expert's own tensors are gone (its backward runs first)
@@ -83,6 +87,7 @@ def layer_moments(
         moe_live = t * (gb["saved"][0] + norm_bytes(spec, tp) + moe_side) + gb["saved"][1]
         fwd_b = t * (h2 + gb["fwd"][0]) + gb["fwd"][1]
         bwd_b = t * (norm_bytes(spec, tp) + h2 + gb["recompute"][0]) + gb["recompute"][1]
+        fla_b = t * (norm_bytes(spec, tp) + h2 + gb["fla_bwd"][0]) + gb["fla_bwd"][1]
         out = [
             (
                 "forward:mixer",
@@ -96,10 +101,19 @@ def layer_moments(
                 "backward:mixer",
                 bwd_b,
                 0.0,
+                0.0,
+                f"{name}'s mixer backward (its gated norm's or state correction's, after the "
+                f"recompute): {norm_bytes(spec, tp) + h2 + gb['recompute'][0]:.0f} B/token + "
+                f"{gb['recompute'][1] / GB:.3f} GB states",
+            ),
+            (  # the one moment FLA's chunk-state workspace is alive
+                "backward:mixer",
+                fla_b,
+                0.0,
                 ws,
-                f"{name}'s mixer backward (its recompute at the gated norm): "
-                f"{norm_bytes(spec, tp) + h2 + gb['recompute'][0]:.0f} B/token + {gb['recompute'][1] / GB:.3f} GB "
-                f"states",
+                f"{name}'s mixer backward (FLA's backward, its chunk states): "
+                f"{norm_bytes(spec, tp) + h2 + gb['fla_bwd'][0]:.0f} B/token + "
+                f"{gb['fla_bwd'][1] / GB:.3f} GB states",
             ),
         ]
     elif mixer == ATTN and spec.dsa_topk:
@@ -138,8 +152,13 @@ def layer_moments(
             nd * BF16 * (1 + 2 * g) + 2 * kvd * BF16
         )  # roped q (+ q_proj's [q | gate]), roped k, v
         fwd_live = {"full": h2 + core_in + afwd}.get(rc, mk + mc + afwd)
+        # full: by the core's backward the output gate's product has run its own, releasing
+        # sigmoid(gate) and the core's output it kept (mixer_act's 2nd x g)
         mix_live = (
-            {"full": mix_saved, "selective": mc}.get(rc, 0.0) + h2 + nd * BF16 * (1 + g) + abwd
+            {"full": mix_saved - 2 * gate_nd * BF16, "selective": mc}.get(rc, 0.0)
+            + h2
+            + nd * BF16 * (1 + g)
+            + abwd
         )
         out = [
             (
@@ -160,7 +179,7 @@ def layer_moments(
     else:
         # mixer backward: its saved tensors, their gradients, the CP scan's fp32 gradients, and the bf16
         # gradients of the mixer's weights before accumulation
-        cp_bwd = cpk * (1 + GDN_CP_BWD_FACTOR)
+        cp_bwd = gdn_cp_backward(spec, lay)
         wgrad = spec.mixer_params(mixer) / tp * BF16
         mix_live = {"full": (mk + mc) * (1 + f), "selective": mc + mk * f, "none": (mk + mc) * f}[
             rc

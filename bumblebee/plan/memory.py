@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from bumblebee import registry
 from bumblebee.config import PrimitivesConfig
-from bumblebee.plan.layer_bytes import norm_bytes
+from bumblebee.plan.layer_bytes import gdn_cp_backward, norm_bytes
 from bumblebee.plan.layout import Layout, Workload
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 from bumblebee.primitives import loss as _losses  # noqa: F401  (registers their costs)
@@ -229,12 +229,6 @@ def mixer_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
     return kept * BF16 + 2 * vh * FP32 + h / tp * BF16, cheap * BF16 + (h / tp + vd) * FP32
 
 
-# GDN CP scan, mixer backward: the fp32 gradients in flight relative to the fp32 tensors the scan
-# keeps. READ OFF THE DRY RUN (fake tensors, Qwen3.5 shapes, 2K-32K local tokens: 1.3-1.6), not
-# derived: the gradient of v_ext and of the correction path, part of [o|0, e]'s.
-GDN_CP_BWD_FACTOR = 1.5
-
-
 def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str]:
     """Per-token bytes a layer adds under context parallelism: (kept for backward, transient in a
     forward or backward of the mixer), and the formula."""
@@ -267,28 +261,17 @@ def cp_extra(spec: ModelSpec, kind: str, lay: Layout) -> tuple[float, float, str
             b,
             f"ring K/V 4x{kvd:.0f}x2 + fp32 o/dq 2x{nd:.0f}x4 + fp32 dk/dv 4x{kvd:.0f}x4 (mixer only)",
         )
-    # Gated DeltaNet CP scan (linear_attention/cp.py): the core runs on fp32 values [v | 0_K] (kept by
-    # the core) and returns fp32 [o|0, e]; the state correction e S_in and the sum are fp32 [t, Hv, V]
-    hv, v, w = spec.gdn_v_heads / tp, spec.gdn_v_dim, spec.gdn_v_dim + spec.gdn_k_dim
-    kept = hv * w * FP32 + hv * v * FP32
-    # forward: v_ext and [o|0, e] (fp32, V+K wide), the fp32 cast of v beside v_ext's cat, the
-    # correction e S_in and the corrected output (fp32, V wide)
-    moving = 2 * hv * w * FP32 + 3 * hv * v * FP32
+    # Gated DeltaNet CP scan on FLA (linear_attention/cp.py, cp_probe.py): kept, the probe's bf16 e
+    # (StateCorrection); forward, o|0 beside the output, e's fp32 copy and the fp32 product; backward
+    # (gdn_cp_backward), e and the fp32 output gradient, e's fp32 copy and bf16 gradient
+    hv, v, k = spec.gdn_v_heads / tp, spec.gdn_v_dim, spec.gdn_k_dim
+    moving = hv * v * BF16 + hv * k * FP32 + hv * v * FP32
     return (
-        kept,
+        hv * k * BF16,
         moving,
-        (
-            f"GDN CP scan: kept fp32 v_ext {hv:.0f}x{w}x4 + fp32 {hv:.0f}x{v}x4; forward "
-            f"2x{hv:.0f}x{w}x4 + 3x{hv:.0f}x{v}x4"
-        ),
+        f"GDN CP scan: kept bf16 e {hv:.0f}x{k}x2; forward {moving:.0f} B/token; backward "
+        f"{gdn_cp_backward(spec, lay):.0f} B/token",
     )
-
-
-def gdn_state_bytes(spec: ModelSpec, tp: int, chunk: int = 64) -> float:
-    """Chunk states h [t/C, Hv, Dk, Dv] recomputed in backward, and their gradient (bf16). KDA's
-    state is the same [Hv, Dk, Dv] (its per-channel decay changes the transition, not the state);
-    FLA's chunk_kda also uses 64-token chunks."""
-    return 2 * BF16 * spec.gdn_v_heads / tp * spec.gdn_k_dim * spec.gdn_v_dim / chunk
 
 
 def mlp_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:

@@ -20,6 +20,8 @@ One core call gives all four terms: the ``linear_attention`` slot runs on value 
 their outputs are e_t. A document start inside a segment resets both parts, so M = 0 and
 e_t = 0 beyond it. Cost: the core runs with V + K value columns (about 1.5-2x the core's
 FLOPs for K = V); the core is a few percent of a GDN layer, whose projections dominate.
+Through FLA (CUDA) the two parts run as two calls instead, the values at width V and a width-K
+probe over each row's first document (``cp_probe.py``): no widened copies around the kernel.
 
 Layout. The residual stream stays zigzag (full attention's load-balanced layout,
 ``cp/zigzag.py``): rank r holds chunks r and 2C-1-r of the 2C chunks. The scan does not need
@@ -78,6 +80,7 @@ from bumblebee.primitives.cp.relayout import (
     zigzag_to_contiguous,
 )
 from bumblebee.primitives.cp.zigzag import CPShards
+from bumblebee.primitives.linear_attention.cp_probe import split_terms, takes_probe
 from bumblebee.primitives.linear_attention.cp_relay import relay_core
 from bumblebee.primitives.packed import DocLayout
 
@@ -289,6 +292,14 @@ def gated_delta_net_cp(
         y_BLD = layer.finish(o_RMHV.reshape(B, L * m, H, V), z_BLHV)
         return contiguous_to_zigzag(y_BLD, layout) if relayout else y_BLD
 
+    if takes_probe(q_RMGK):  # FLA: values and state probe as two calls, no [v | 0_K] (cp_probe.py)
+        o_RMHV = _probe_scan(
+            layer, q_RMGK, k_RMGK, v_RMHV, as_rows(g_BLH), as_rows(beta_BLH), rows, layout, segs,
+            cont_BS, B,
+        )  # fmt: skip
+        y_BLD = layer.finish(o_RMHV.reshape(B, L * m, H, V), z_BLHV)
+        return contiguous_to_zigzag(y_BLD, layout) if relayout else y_BLD
+
     # The extended core: values [v | 0_K] from the state [0 | I_K] (see the module docstring).
     dt = torch.float64 if v_RMHV.dtype == torch.float64 else torch.float32
     v_ext = torch.cat([v_RMHV.to(dt), v_RMHV.new_zeros((R, m, H, K), dtype=dt)], dim=-1)
@@ -316,3 +327,57 @@ def gated_delta_net_cp(
         o_RMHV = o0_RMHV + torch.einsum("rmhk,rhkv->rmhv", e_RMHK, S_in_RHKV)
     y_BLD = layer.finish(o_RMHV.to(v_RMHV.dtype).reshape(B, L * m, H, V), z_BLHV)
     return contiguous_to_zigzag(y_BLD, layout) if relayout else y_BLD
+
+
+class StateCorrection(torch.autograd.Function):
+    """o = o|0 + e S_in [R, m, H, V] in o|0's dtype: the product in fp32 over the probe's p tokens
+    (e is zero past them), the sum rounded once. Keeps e as the core returned it (no fp32 copy)
+    and S_in; the gradient of o|0 is the output's (o|0 + c rounded from fp32: the identity)."""
+
+    @staticmethod
+    def forward(ctx, o0_RMHV, e_RPHK, S_in_RHKV):
+        ctx.save_for_backward(e_RPHK, S_in_RHKV)
+        m, p, dt = o0_RMHV.shape[1], e_RPHK.shape[1], S_in_RHKV.dtype
+        # [R, H, p, K] @ [R, H, K, V]: one batched GEMM; o|0 added in place, in the GEMM's layout
+        o_RHMV = e_RPHK.transpose(1, 2).to(dt, memory_format=torch.contiguous_format) @ S_in_RHKV
+        if p < m:
+            o_RHMV = F.pad(o_RHMV, (0, 0, 0, m - p))
+        o_RHMV.add_(o0_RMHV.transpose(1, 2))
+        return o_RHMV.transpose(1, 2).to(o0_RMHV.dtype, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, do_RMHV):
+        e_RPHK, S_in_RHKV = ctx.saved_tensors
+        p, dt = e_RPHK.shape[1], S_in_RHKV.dtype
+        do_RHPV = do_RMHV[:, :p].transpose(1, 2).to(dt, memory_format=torch.contiguous_format)
+        de_RHPK = do_RHPV @ S_in_RHKV.transpose(-1, -2)
+        de_RPHK = de_RHPK.transpose(1, 2).to(e_RPHK.dtype, memory_format=torch.contiguous_format)
+        del de_RHPK
+        e_RHKP = e_RPHK.permute(0, 2, 3, 1).to(dt, memory_format=torch.contiguous_format)
+        return do_RMHV, de_RPHK, e_RHKP @ do_RHPV
+
+
+def _probe_scan(layer, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, rows, layout, segs, cont_BS, B):
+    """The scan's output o [R, m, H, V] in v's dtype from the two-call terms (``cp_probe.py``). Its
+    fp32 temporaries are locals here or inside ``StateCorrection``: none is alive while the gated
+    norm runs."""
+    R, m, H, V = v_RMHV.shape
+    K, L = q_RMGK.shape[-1], R // B
+    o0_RMHV, e_RPHK, S0_RHKV, M_RHKK = split_terms(
+        layer, q_RMGK, k_RMGK, v_RMHV, g_RMH, beta_RMH, rows
+    )
+    dt = torch.float64 if v_RMHV.dtype == torch.float64 else torch.float32
+    with torch.autocast(q_RMGK.device.type, enabled=False):  # the carried state stays in fp32
+        # (S_out|0, M) laid out in the gather's [L, B] order by the cat itself (no copy to gather)
+        parts = [x.reshape(B, L, H, K, -1).transpose(0, 1) for x in (S0_RHKV, M_RHKK)]
+        del S0_RHKV, M_RHKK
+        trans_CLBHKW = GatherTransitions.apply(torch.cat(parts, -1), layout)
+        del parts
+        S_in_RHKV = (
+            incoming_states(trans_CLBHKW, segs, cont_BS, layout.size, V)
+            .transpose(0, 1)
+            .reshape(R, H, K, V)
+            .to(dt)
+        )
+        del trans_CLBHKW
+        return StateCorrection.apply(o0_RMHV, e_RPHK, S_in_RHKV)

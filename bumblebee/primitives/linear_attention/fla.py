@@ -288,8 +288,10 @@ def fla_gated_delta_rule(
             chunk_indices=idx_t,
         )
 
-    h0 = None
-    if initial_state is not None:
+    h0, one_doc = None, plan.edge_docs == B  # one_doc: each row one document, states as given
+    if initial_state is not None and one_doc:
+        h0 = initial_state.float().contiguous()
+    elif initial_state is not None:
         h0 = torch.zeros(plan.edge_docs, H, K, V, dtype=torch.float32, device=dev)
         h0 = h0.index_copy(0, plan.first, initial_state.float())
     if plan.mid is None:  # every document is an edge document: one call in token order
@@ -300,7 +302,7 @@ def fla_gated_delta_rule(
         mid = [x.index_select(1, plan.mid) for x in xs]
         o_mid, _ = run(mid, None, plan.mid_cu, plan.mid_idx, False)
         o = torch.cat([o_edge, o_mid], 1).index_select(1, plan.order)
-    return o.reshape(B, T, H, V).to(v_BTHV.dtype), ht[plan.last].float()
+    return o.reshape(B, T, H, V).to(v_BTHV.dtype), (ht if one_doc else ht[plan.last]).float()
 
 
 class _DevicePlan:

@@ -112,8 +112,10 @@ def fla_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, layout: DocLayout, initial
             return kernel(*xs, scale=K**-0.5, initial_state=h0, output_final_state=final,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # fmt: skip
 
-    h0 = None
-    if initial_state is not None:
+    h0, one_doc = None, plan.edge_docs == B  # one_doc: each row one document, states as given
+    if initial_state is not None and one_doc:
+        h0 = initial_state.float().contiguous()
+    elif initial_state is not None:
         h0 = torch.zeros(plan.edge_docs, H, K, V, dtype=torch.float32, device=dev)
         h0 = h0.index_copy(0, plan.first, initial_state.float())
     if plan.mid is None:  # every document is an edge document: one call in token order
@@ -124,7 +126,7 @@ def fla_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, layout: DocLayout, initial
         o_mid, _ = run([x.index_select(1, plan.mid) for x in xs], None, plan.mid_cu,
                        plan.mid_cu_cpu, False)  # fmt: skip
         o = torch.cat([o_edge, o_mid], 1).index_select(1, plan.order)
-    return o.reshape(B, T, H, V).to(v_BTHV.dtype), ht[plan.last].float()
+    return o.reshape(B, T, H, V).to(v_BTHV.dtype), (ht if one_doc else ht[plan.last]).float()
 
 
 def reference_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
