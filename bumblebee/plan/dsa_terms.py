@@ -28,6 +28,7 @@ from bumblebee.plan.spec import ModelSpec
 
 DSA_UNION = 1.0  # fraction of the visible remote keys a rank fetches (the most: an all-gather's)
 COLLECTIVES = 4  # per forward pass: indexer-key all-gather, counts, row ids, rows
+DENSE_FWD, DENSE_BWD = 29, 30  # bytes x block x S of a dense warm-up block (dsa_bytes)
 
 
 def dsa_cp_traffic(spec: ModelSpec, lay: Layout, t: int, union: float = DSA_UNION) -> dict:
@@ -60,7 +61,7 @@ class DSABytes(NamedTuple):
     why: str
 
 
-def dsa_bytes(spec: ModelSpec, lay: Layout, t: int, block: int) -> DSABytes:
+def dsa_bytes(spec: ModelSpec, lay: Layout, t: int, block: int, dense: bool = False) -> DSABytes:
     """A DSA layer's memory from its code (``primitives/attention/sparse_mla.py``, ``dsa.py``,
     ``dsa_cp.py``; bf16 compute), ``t`` local tokens, ``block`` queries per block, S = t x cp keys.
 
@@ -80,13 +81,23 @@ def dsa_bytes(spec: ModelSpec, lay: Layout, t: int, block: int) -> DSABytes:
     (below: its recomputed gathered latents, their gradients, the probabilities). The selection
     is gone by then (a local of the recompute at cp = 1; outside the block under CP), and the
     indexer's fp32 [block, Hi, K] products are freed first (its backward runs before the main
-    attention's)."""
+    attention's).
+
+    ``dense`` (``primitives.dsa_stage = "dense_warmup"``): every allowed key, the latents
+    all-gathered under CP (no slots), and a block of [block, S] buffers only, the heads of both
+    the indexer and the main attention taken one at a time (``dsa.IndexScores``,
+    ``_attend_dense``): forward the selection mask, the indexer's running sum and one head's
+    products, one main head's scores / masked scores / probabilities (fp32) and their bf16
+    casts, the heads' mean and the KL's log-softmax and target terms, 29 B x block x S
+    (MemoryTracker, three dim sets: 29.0), beside the block's latent output [block, N, C] bf16;
+    backward (the recompute and the indexer's gradient, head by head) 30 B x block x S beside
+    the same output (measured 30.0)."""
     if not spec.dsa_topk:
         return DSABytes(0.0, 0.0, 0.0, 0.0, 0.0, "")
     n, c, r = spec.n_heads / lay.tp, spec.mla_kv_rank, spec.mla_rope_dim
     hi, di, S = spec.dsa_heads, spec.dsa_dim, t * lay.cp
     k = min(spec.dsa_topk, S)
-    slots = k * 4 if lay.cp > 1 else 0.0
+    slots = k * 4 if lay.cp > 1 and not dense else 0.0
     row = lay.cp * (c + r + di) * BF16  # the row's latents and indexer keys (gathered / fetched)
     kept = (hi * di + di + n * (2 * c + r)) * BF16 + hi * FP32 + row + slots
     select = block * S * (2 * FP32 + 2)
@@ -113,11 +124,15 @@ def dsa_bytes(spec: ModelSpec, lay: Layout, t: int, block: int) -> DSABytes:
         qk * (2 * lat + di) * BF16 + qnk * 3 * FP32,
         qk * (3 * lat + di) * BF16 + qnk * BF16 + block * (n * lat + hi * di) * BF16,
     )
+    if dense:  # [block, S] buffers, no head factor (docstring)
+        select = block * S * DENSE_FWD
+        one, bwd = select + block * n * c * BF16, (block * S * DENSE_BWD + block * n * c * BF16)
+    stage, buffers = (" dense warm-up", "[block, S] buffers") if dense else ("", "selection")
+    slot_note = ", int32 top-k slots" if slots else ""
     why = (
-        f"DSA: kept {kept:.0f} B/token (indexer q/k/w, absorbed q, latent out, the row's latents "
-        f"and indexer keys{', int32 top-k slots' if lay.cp > 1 else ''}); block of {block} queries "
-        f"x {S} keys: selection {select / 2**20:.0f} MiB, {one / 2**30:.2f} GiB in forward; "
-        f"backward: {bwd_saved:.0f} B/token read + {bwd_grads:.0f} B/token gradients + "
-        f"{bwd / 2**30:.2f} GiB of the block"
+        f"DSA{stage}: kept {kept:.0f} B/token (indexer q/k/w, absorbed q, latent out, the row's "
+        f"latents and indexer keys{slot_note}); block of {block} queries x {S} keys: {buffers} "
+        f"{select / 2**20:.0f} MiB, {one / 2**30:.2f} GiB in forward; backward: {bwd_saved:.0f} "
+        f"B/token read + {bwd_grads:.0f} B/token gradients + {bwd / 2**30:.2f} GiB of the block"
     )
     return DSABytes(kept, one, bwd_saved, bwd_grads, bwd, why)

@@ -50,7 +50,7 @@ def layer_moments(
     cpk, cpm, cp_why = cp_extra(spec, mixer, lay)
     routed = routed_buffers(spec, prims, tp, skew) if mlp == MOE else {}
     ws = t * gdn_state_bytes(spec, tp) if mixer != ATTN else 0.0
-    dsa = dsa_bytes(spec, lay, t, prims.dsa_block)
+    dsa = dsa_bytes(spec, lay, t, prims.dsa_block, dense=prims.dsa_stage == "dense_warmup")
     dsa_kept, dsa_why = dsa.kept, dsa.why
     # (DSA's kept set is not added to cpk: at the MoE backward the layer's saved tensors,
     # mix_saved, already hold what its core keeps, q and latents alike: the dry run's count)

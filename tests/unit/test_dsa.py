@@ -305,3 +305,98 @@ def test_block_backward_term_is_measured(cp, heads):
     with MemoryTracker() as mem:
         torch.autograd.backward([o, kl], [grad_o, torch.ones_like(kl)])
     assert want <= mem.peak_bytes <= 1.03 * want, (mem.peak_bytes, want)
+
+
+def _previous_dense_block(q_abs, lat, qi, ki, w, qpos, doc_q, doc_k, scale, index_scale, C):
+    """The dense warm-up block before the head loops: [Q, Hi, S] and [Q, N, S] in one go."""
+    from bumblebee.primitives.attention.dsa import _attend, _kl, allowed, index_scores
+
+    end = int(qpos[-1]) + 1
+    ok = allowed(qpos, doc_q, doc_k, end)
+    scores = index_scores(qi, ki[:, :end], w, index_scale)
+    o, p = _attend(q_abs, lat[:, :end], ok, scale, C)
+    return o, _kl(p, scores, ok)
+
+
+def test_dense_block_equals_the_previous_code_in_fp32():
+    """The dense warm-up block with its heads looped (indexer and main attention) gives the
+    previous one-einsum block's output, KL and input gradients in fp32 (packed documents)."""
+    from bumblebee.primitives.attention.dsa import _block
+
+    g = torch.Generator().manual_seed(0)
+    Q, T = 16, 512
+    args = [
+        torch.randn(*s, generator=g).requires_grad_()
+        for s in ((1, Q, N, C + R), (1, T, C + R), (1, Q, HI, DI), (1, T, DI), (1, Q, HI))
+    ]
+    qpos, doc = torch.arange(T - Q, T), torch.tensor([[0] * 200 + [1] * 312])
+    rest = (qpos, doc[:, qpos], doc)
+    o, kl = _block(*args, *rest, 0, 0.3, DI**-0.5, True, C)
+    o_ref, kl_ref = _previous_dense_block(*args, *rest, 0.3, DI**-0.5, C)
+    torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(kl, kl_ref, rtol=1e-6, atol=0)
+    grads = torch.autograd.grad((o**2).sum() + kl, args)
+    for x, got, want in zip(
+        "q_abs lat qi ki w".split(), grads, torch.autograd.grad((o_ref**2).sum() + kl_ref, args)
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()), msg=x)
+
+
+@pytest.mark.parametrize("heads, index_heads", [(16, 8), (64, 32)])
+def test_dense_block_memory_is_bounded_and_planned(heads, index_heads):
+    """A dense warm-up block as the stage runs it (bf16, the main attention frozen, the indexer
+    trained, under its checkpoint) holds [block, S] buffers only: its forward and backward
+    live-tensor peaks (perf/memory.py) are the planner's ``dsa_bytes(dense=True)`` block terms
+    (95-102%) whatever the head counts (4x the heads here: the same bytes per block x S)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from bumblebee.perf.memory import MemoryTracker
+    from bumblebee.plan.dsa_terms import dsa_bytes
+    from bumblebee.plan.layout import Layout
+    from bumblebee.primitives.attention.dsa import _block
+
+    Q, T, C_, R_, DI_ = 32, 512, 64, 16, 32
+    spec = dataclasses.replace(
+        arch_from_hf_dict(PRESETS["deepseek-v3.2"]).to_spec(),
+        n_heads=heads,
+        mla_kv_rank=C_,
+        mla_rope_dim=R_,
+        dsa_heads=index_heads,
+        dsa_dim=DI_,
+    )
+    plan = dsa_bytes(spec, Layout(), T, Q, dense=True)
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, grad=True, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+
+    frozen = (r(1, Q, heads, C_ + R_, grad=False), r(1, T, C_ + R_, grad=False))
+    trained = (r(1, Q, index_heads, DI_), r(1, T, DI_), r(1, Q, index_heads, dtype=torch.float32))
+    qpos, doc = torch.arange(T - Q, T), torch.zeros(1, T, dtype=torch.long)
+    args = (*frozen, trained[0], trained[1], trained[2], qpos, doc[:, qpos], doc)
+    with MemoryTracker() as fwd:
+        o, kl = checkpoint(_block, *args, 0, 0.2, DI_**-0.5, True, C_, use_reentrant=False)
+    with MemoryTracker() as bwd:
+        kl.backward()
+    for mem, want in ((fwd, plan.fwd_block), (bwd, plan.bwd_block)):
+        assert 0.95 * want <= mem.peak_bytes <= 1.02 * want, (mem.peak_bytes, want)
+
+
+def test_dense_warmup_detaches_the_frozen_main_attention():
+    """In the warm-up stage the dense core's main attention runs without a graph (its inputs
+    require grad through the residual stream and AddLoss, but no parameter uses that gradient):
+    every indexer gradient equals the one with the graph kept."""
+    model = tiny(dsa_stage="dense_warmup", recompute="none")
+    attn = [m for m in model.modules() if isinstance(m, SparseLatentAttention)]
+    assert attn and all(m.main_frozen for m in attn)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for frozen in (True, False):
+        for m in attn:
+            m.main_frozen = frozen
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][n], rtol=0, atol=0, msg=n)
