@@ -50,7 +50,8 @@ def layer_moments(
     cpk, cpm, cp_why = cp_extra(spec, mixer, lay)
     routed = routed_buffers(spec, prims, tp, skew) if mlp == MOE else {}
     ws = t * gdn_state_bytes(spec, tp) if mixer != ATTN else 0.0
-    dsa_kept, dsa_ws, dsa_why = dsa_bytes(spec, lay, t, prims.dsa_block)
+    dsa = dsa_bytes(spec, lay, t, prims.dsa_block, dense=prims.dsa_stage == "dense_warmup")
+    dsa_kept, dsa_why = dsa.kept, dsa.why
     # (DSA's kept set is not added to cpk: at the MoE backward the layer's saved tensors,
     # mix_saved, already hold what its core keeps, q and latents alike: the dry run's count)
     cp_why = "; ".join(w for w in (cp_why, dsa_why) if w)
@@ -119,25 +120,27 @@ def layer_moments(
     elif mixer == ATTN and spec.dsa_topk:
         # DSA's blockwise core (plan/dsa_terms.py): its kept tensors per token and, forward, the
         # block outputs beside their concatenation ([N x C] bf16 twice); one query block's
-        # transients (fixed; real tensors, so live, not a kernel workspace); backward: the saved
-        # tensors, their gradients, the block twice (recompute + gradients)
+        # transients (fixed; real tensors, so live, not a kernel workspace); backward: the tensors
+        # its core reads (recomputed under full, with the layer's input norm), its input
+        # gradients, the layer output's gradient and one block's backward transients
         cat = spec.n_heads / tp * spec.mla_kv_rank * BF16
         fwd_live = {"full": h2 + dsa_kept + cat}.get(rc, mk + mc + dsa_kept + cat)
-        mix_live = {"full": mix_saved, "selective": mc}.get(rc, 0.0) + h2 + dsa_kept
+        read = {"full": norm_bytes(spec, tp) + dsa.bwd_saved, "selective": mc}.get(rc, 0.0)
+        mix_live = read + h2 + dsa.bwd_grads
         out = [
             (
                 "forward:mixer",
-                t * fwd_live + dsa_ws / 2,
+                t * fwd_live + dsa.fwd_block,
                 0.0,
                 0.0,
                 f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}) + {dsa_why}",
             ),
             (
                 "backward:mixer",
-                t * mix_live + dsa_ws,
+                t * mix_live + max(dsa.bwd_block, dsa.fwd_block),
                 0.0,
                 0.0,
-                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; saved + core gradients) "
+                f"{name}'s mixer backward: {mix_live:.0f} B/token ({rc}; read + core gradients) "
                 f"+ {dsa_why}",
             ),
         ]

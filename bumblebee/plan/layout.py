@@ -112,19 +112,22 @@ def apply_overrides(prims: PrimitivesConfig, items: list[str]) -> tuple[Primitiv
         if len(keys) != 2 or keys[0] != "primitives":
             raise ConfigError(
                 f"--set {item!r}: the planner takes primitives.KEY=VALUE "
-                f"(KEY: {', '.join([*choices, 'moe_chunks', 'dsa_block'])})"
+                f"(KEY: {', '.join([*choices, 'moe_chunks', 'dsa_block', 'dsa_stage'])})"
             )
         key, value = canonical("primitives", keys[1], value)
         if key in ("moe_chunks", "dsa_block"):  # dsa_block: DSA's query block (its buffers)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"--set {item!r}: {key} must be a positive integer")
+        elif key == "dsa_stage":  # DSA's training stage (its block's buffers differ)
+            if value not in ("sparse", "dense_warmup"):
+                raise ConfigError(f"--set {item!r}: dsa_stage must be sparse or dense_warmup")
         elif key in choices:
             if value not in choices[key]:
                 raise ConfigError(f"--set {item!r}: {key} must be one of {', '.join(choices[key])}")
         else:
             raise ConfigError(
                 f"--set {item!r}: unknown planner primitive {key!r}; "
-                f"valid: {', '.join([*choices, 'moe_chunks', 'dsa_block'])}"
+                f"valid: {', '.join([*choices, 'moe_chunks', 'dsa_block', 'dsa_stage'])}"
             )
         changes[key] = value
     return dataclasses.replace(prims, **changes), set(changes)

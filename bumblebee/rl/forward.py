@@ -204,8 +204,24 @@ class EngineForward:
                     for k, v in forward(mb)[1].items():
                         add_stat(sums, k, v)
         else:
-            sums = accumulate(shards, self.sharding, forward)
+            with self._step_tokens(sum(mb["input_ids"].numel() for mb in shards)):
+                sums = accumulate(shards, self.sharding, forward)
         return self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
+
+    @contextlib.contextmanager
+    def _step_tokens(self, local: int):
+        """Inside, a module injecting a per-token loss in its forward (DSA's indexer KL) divides by
+        the tokens every forward of this step runs over all dp ranks (``local``: this rank's, cp
+        shards; x cp = whole rows), as the Trainer's ``set_step_tokens`` does; 0 again after."""
+        if not any(hasattr(m, "step_tokens") for m in self.model.modules()):
+            yield  # no such module: no collective
+            return
+        n = self._dp_sum(torch.tensor([local * self.ctx.layout.cp], device=self.device))
+        self.model.set_step_tokens(int(n))
+        try:
+            yield
+        finally:
+            self.model.set_step_tokens(0)
 
     def _finish(self, batch, sums, totals, loss_fn, forward_only, kept, entropy) -> ForwardOutput:
         out = self._aggregate(

@@ -192,9 +192,10 @@ def test_planner_terms_follow_the_code():
         assert spec.dsa_keys(seq) == pytest.approx(mean, rel=1e-12), seq
     big = arch_from_hf_dict(PRESETS["deepseek-v3.2"]).to_spec()
     lay = Layout()
-    (k1, w1, _), (k2, w2, why) = (dsa_bytes(big, lay, t, 128) for t in (65536, 131072))
-    assert k1 == k2 > 0 and w2 - w1 == 2 * 128 * (131072 - 65536) * 10  # fwd + bwd
-    assert "selection 160 MiB" in why  # 128 x 131072 x 10 B (measured: skills/models/dsa.md)
+    a, b = (dsa_bytes(big, lay, t, 128) for t in (65536, 131072))
+    assert a.kept == b.kept > 0 and b.fwd_block - a.fwd_block == 128 * (131072 - 65536) * 10
+    assert a.bwd_block == b.bwd_block  # the selection is gone at the block's backward peak
+    assert "selection 160 MiB" in b.why  # 128 x 131072 x 10 B (measured: skills/models/dsa.md)
 
 
 def test_planner_prices_the_cp_fetch():
@@ -217,8 +218,7 @@ def test_planner_prices_the_cp_fetch():
     assert m["backward"] == remote * (di + lat) * 2 == m["allgather"]
     assert dsa_cp_traffic(spec, lay, t, union=0.25)["forward"] < 0.4 * m["forward"]
     assert cp_extra(spec, ATTN, lay) == (0.0, 0.0, "")
-    k8, _, _ = dsa_bytes(spec, lay, t, 128)
-    k1, _, _ = dsa_bytes(spec, Layout(), t, 128)
+    k8, k1 = dsa_bytes(spec, lay, t, 128).kept, dsa_bytes(spec, Layout(), t, 128).kept
     assert k8 - k1 == 7 * (lat + di) * 2 + 2048 * 4
     gpu, eff, prims = GPUS["h200"], Efficiency(), PrimitivesConfig(recompute="full")
     clock = perf._Clock()
@@ -260,3 +260,143 @@ def test_selection_buffer_has_no_head_factor():
         got = selection_scores(qi, ki, w, 0.3)
     assert mem.peak_bytes <= 2 * block * S * 4 + 4096, mem.peak_bytes
     torch.testing.assert_close(got, index_scores(qi, ki, w, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("heads", [16, 64])
+def test_block_backward_term_is_measured(cp, heads):
+    """The planner's transient of one query block's backward (``dsa_bytes().bwd_block``) is the
+    live-tensor peak (perf/memory.py) of that backward, bf16 as on the GPU: the blockwise core's
+    block (cp 1, its selection recomputed inside) and the fetched core's (cp 2), at two head
+    counts (the peak's moment changes with N); what the term leaves out (int64 indices) is < 3%."""
+    from torch.utils.checkpoint import checkpoint
+
+    from bumblebee.perf.memory import MemoryTracker
+    from bumblebee.plan.dsa_terms import dsa_bytes
+    from bumblebee.plan.layout import Layout
+    from bumblebee.primitives.attention import dsa, dsa_cp
+
+    Q, T, K, C_, R_, HI_, DI_ = 32, 256, 64, 64, 16, 8, 32
+    spec = dataclasses.replace(
+        arch_from_hf_dict(PRESETS["deepseek-v3.2"]).to_spec(),
+        n_heads=heads,
+        mla_kv_rank=C_,
+        mla_rope_dim=R_,
+        dsa_heads=HI_,
+        dsa_dim=DI_,
+        dsa_topk=K,
+    )
+    want = dsa_bytes(spec, Layout(cp=cp), T // cp, Q).bwd_block
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+
+    q_abs, qi, w = r(1, Q, heads, C_ + R_), r(1, Q, HI_, DI_), r(1, Q, HI_, dtype=torch.float32)
+    if cp > 1:  # Q queries against the rows they selected, fetched (dsa_cp.py)
+        slot = torch.randint(0, T, (1, Q, K), generator=g, dtype=torch.int32)
+        args = (dsa_cp._block, q_abs, r(T, C_ + R_), r(T, DI_), slot, qi, w, 0.1, 0.1, C_)
+    else:  # the last Q queries of a row of T (dsa.py's block: select, gather, attend)
+        qpos, doc = torch.arange(T - Q, T), torch.zeros(1, T, dtype=torch.long)
+        lat, ki = r(1, T, C_ + R_), r(1, T, DI_)
+        args = (dsa._block, q_abs, lat, qi, ki, w, qpos, doc[:, qpos], doc, K, 0.1, 0.1, False, C_)
+    o, kl = checkpoint(*args, use_reentrant=False)
+    grad_o = torch.randn(o.shape, generator=g).to(o.dtype)
+    with MemoryTracker() as mem:
+        torch.autograd.backward([o, kl], [grad_o, torch.ones_like(kl)])
+    assert want <= mem.peak_bytes <= 1.03 * want, (mem.peak_bytes, want)
+
+
+def _previous_dense_block(q_abs, lat, qi, ki, w, qpos, doc_q, doc_k, scale, index_scale, C):
+    """The dense warm-up block before the head loops: [Q, Hi, S] and [Q, N, S] in one go."""
+    from bumblebee.primitives.attention.dsa import _attend, _kl, allowed, index_scores
+
+    end = int(qpos[-1]) + 1
+    ok = allowed(qpos, doc_q, doc_k, end)
+    scores = index_scores(qi, ki[:, :end], w, index_scale)
+    o, p = _attend(q_abs, lat[:, :end], ok, scale, C)
+    return o, _kl(p, scores, ok)
+
+
+def test_dense_block_equals_the_previous_code_in_fp32():
+    """The dense warm-up block with its heads looped (indexer and main attention) gives the
+    previous one-einsum block's output, KL and input gradients in fp32 (packed documents)."""
+    from bumblebee.primitives.attention.dsa import _block
+
+    g = torch.Generator().manual_seed(0)
+    Q, T = 16, 512
+    args = [
+        torch.randn(*s, generator=g).requires_grad_()
+        for s in ((1, Q, N, C + R), (1, T, C + R), (1, Q, HI, DI), (1, T, DI), (1, Q, HI))
+    ]
+    qpos, doc = torch.arange(T - Q, T), torch.tensor([[0] * 200 + [1] * 312])
+    rest = (qpos, doc[:, qpos], doc)
+    o, kl = _block(*args, *rest, 0, 0.3, DI**-0.5, True, C)
+    o_ref, kl_ref = _previous_dense_block(*args, *rest, 0.3, DI**-0.5, C)
+    torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(kl, kl_ref, rtol=1e-6, atol=0)
+    grads = torch.autograd.grad((o**2).sum() + kl, args)
+    for x, got, want in zip(
+        "q_abs lat qi ki w".split(), grads, torch.autograd.grad((o_ref**2).sum() + kl_ref, args)
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()), msg=x)
+
+
+@pytest.mark.parametrize("heads, index_heads", [(16, 8), (64, 32)])
+def test_dense_block_memory_is_bounded_and_planned(heads, index_heads):
+    """A dense warm-up block as the stage runs it (bf16, the main attention frozen, the indexer
+    trained, under its checkpoint) holds [block, S] buffers only: its forward and backward
+    live-tensor peaks (perf/memory.py) are the planner's ``dsa_bytes(dense=True)`` block terms
+    (95-102%) whatever the head counts (4x the heads here: the same bytes per block x S)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from bumblebee.perf.memory import MemoryTracker
+    from bumblebee.plan.dsa_terms import dsa_bytes
+    from bumblebee.plan.layout import Layout
+    from bumblebee.primitives.attention.dsa import _block
+
+    Q, T, C_, R_, DI_ = 32, 512, 64, 16, 32
+    spec = dataclasses.replace(
+        arch_from_hf_dict(PRESETS["deepseek-v3.2"]).to_spec(),
+        n_heads=heads,
+        mla_kv_rank=C_,
+        mla_rope_dim=R_,
+        dsa_heads=index_heads,
+        dsa_dim=DI_,
+    )
+    plan = dsa_bytes(spec, Layout(), T, Q, dense=True)
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, grad=True, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+
+    frozen = (r(1, Q, heads, C_ + R_, grad=False), r(1, T, C_ + R_, grad=False))
+    trained = (r(1, Q, index_heads, DI_), r(1, T, DI_), r(1, Q, index_heads, dtype=torch.float32))
+    qpos, doc = torch.arange(T - Q, T), torch.zeros(1, T, dtype=torch.long)
+    args = (*frozen, trained[0], trained[1], trained[2], qpos, doc[:, qpos], doc)
+    with MemoryTracker() as fwd:
+        o, kl = checkpoint(_block, *args, 0, 0.2, DI_**-0.5, True, C_, use_reentrant=False)
+    with MemoryTracker() as bwd:
+        kl.backward()
+    for mem, want in ((fwd, plan.fwd_block), (bwd, plan.bwd_block)):
+        assert 0.95 * want <= mem.peak_bytes <= 1.02 * want, (mem.peak_bytes, want)
+
+
+def test_dense_warmup_detaches_the_frozen_main_attention():
+    """In the warm-up stage the dense core's main attention runs without a graph (its inputs
+    require grad through the residual stream and AddLoss, but no parameter uses that gradient):
+    every indexer gradient equals the one with the graph kept."""
+    model = tiny(dsa_stage="dense_warmup", recompute="none")
+    attn = [m for m in model.modules() if isinstance(m, SparseLatentAttention)]
+    assert attn and all(m.main_frozen for m in attn)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for frozen in (True, False):
+        for m in attn:
+            m.main_frozen = frozen
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][n], rtol=0, atol=0, msg=n)

@@ -54,6 +54,9 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         if self.prims.dsa_stage == "dense_warmup":  # only the indexers learn
             for name, p in self.named_parameters():
                 p.requires_grad_(".indexer." in name)
+            for m in self.modules():  # so no gradient needs the main attention's graph
+                if isinstance(m, SparseLatentAttention):
+                    m.main_frozen = True
 
     def make_layer(self, index: int, parts: LayerParts, moe: bool | None = None) -> nn.Module:
         return SparseDecoderLayer(self.arch, index, parts, moe)

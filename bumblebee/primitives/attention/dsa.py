@@ -70,6 +70,37 @@ def selection_scores(qi_BQHD, ki_BSD, w_BQH, scale: float):
     return acc
 
 
+class IndexScores(torch.autograd.Function):
+    """``index_scores`` with gradient, one indexer head at a time both ways (the dense warm-up
+    stage trains the indexer over every allowed key): forward is ``selection_scores``; backward
+    recomputes each head's products from the saved inputs. Transient: a few [B, Q, S] fp32
+    buffers, never [B, Q, Hi, S]."""
+
+    @staticmethod
+    def forward(ctx, qi_BQHD, ki_BSD, w_BQH, scale: float):
+        ctx.save_for_backward(qi_BQHD, ki_BSD, w_BQH)
+        ctx.scale = scale
+        return selection_scores(qi_BQHD, ki_BSD, w_BQH, scale)
+
+    @staticmethod
+    def backward(ctx, g_BQS):
+        qi, ki, w = ctx.saved_tensors
+        k, g = _up(ki), _up(g_BQS)
+        gq = torch.empty(qi.shape, dtype=k.dtype, device=k.device)
+        gk, gw = torch.zeros_like(k), torch.empty(w.shape, dtype=k.dtype, device=k.device)
+        for h in range(qi.shape[2]):
+            q = _up(qi[:, :, h])
+            r = torch.matmul(q, k.transpose(1, 2)).mul_(ctx.scale).relu_()  # this head's products
+            gw[:, :, h] = torch.matmul(g[:, :, None, :], r[..., None])[..., 0, 0]
+            # d relu(s) = g x w_h where s > 0; d s = that x scale
+            ds = torch.where(r > 0, g, 0.0).mul_(_up(w[:, :, h, None]) * ctx.scale)
+            del r
+            gq[:, :, h] = torch.matmul(ds, k)
+            gk.baddbmm_(ds.transpose(1, 2), q)
+            del ds
+        return gq.to(qi.dtype), gk.to(ki.dtype), gw.to(w.dtype), None
+
+
 def allowed(qpos_T, doc_q_BT, doc_k_BS, end: int):
     """[B, Tq, end]: key s visible to query t (causal, same document)."""
     kpos = torch.arange(end, device=qpos_T.device)
@@ -97,9 +128,30 @@ def _attend(q_abs, lat_sel, valid, scale, C):
     return torch.einsum(eo, p.to(lat_sel.dtype), lat_sel[..., :C]), p
 
 
+def _attend_dense(q_abs, lat_BSF, ok_BQS, scale, C):
+    """``_attend`` over shared keys, one head at a time: (o_lat [B, Q, N, C], the heads' mean
+    distribution [B, Q, S], detached). Without gradient (the warm-up stage: the main attention is
+    frozen) the transient is a few [B, Q, S] buffers, not [B, Q, N, S]; with it autograd keeps
+    each head's probabilities, as ``_attend``."""
+    B, Q, N = q_abs.shape[:3]
+    o, acc = lat_BSF.new_empty(B, Q, N, C), None  # filled head by head: no list + stack copy
+    for n in range(N):
+        s = _up(torch.matmul(q_abs[:, :, n], lat_BSF.transpose(1, 2))) * scale
+        p = torch.softmax(s.masked_fill(~ok_BQS, float("-inf")), dim=-1)
+        del s
+        o[:, :, n] = torch.matmul(p.to(lat_BSF.dtype), lat_BSF[..., :C])
+        acc = p.detach().clone() if acc is None else acc.add_(p.detach())
+        del p
+    return o, acc / N
+
+
 def _kl(p_BQNK, i_BQK, valid):
     """Sum over queries of KL(mean-over-heads main distribution || softmax(indexer scores))."""
-    target = p_BQNK.detach().mean(dim=2)
+    return _kl_to(p_BQNK.detach().mean(dim=2), i_BQK, valid)
+
+
+def _kl_to(target, i_BQK, valid):
+    """``_kl`` given the target distribution [B, Q, K] (the heads' mean)."""
     log_q = torch.log_softmax(i_BQK.masked_fill(~valid, float("-inf")), dim=-1)
     t = torch.where(valid, target, 0.0)
     log_t = torch.where(t > 0, t, 1.0).log()
@@ -125,10 +177,10 @@ def dsa_reference(
 def _block(q_abs, lat, qi, ki, w, qpos, doc_q, doc_k, topk, scale, index_scale, dense, C):
     end = int(qpos[-1]) + 1  # causality: later keys are never seen by this block
     ok = allowed(qpos, doc_q, doc_k, end)
-    if dense:
-        scores = index_scores(qi, ki[:, :end], w, index_scale)
-        o, p = _attend(q_abs, lat[:, :end], ok, scale, C)
-        return o, _kl(p, scores, ok)
+    if dense:  # every allowed key, heads one at a time (no [block, Hi, S] or [block, N, S])
+        scores = IndexScores.apply(qi, ki[:, :end], w, index_scale)
+        o, target = _attend_dense(q_abs, lat[:, :end], ok, scale, C)
+        return o, _kl_to(target, scores, ok)
     with torch.no_grad():  # the selection: no gradient, so nothing [block, S] is kept for backward
         scores = selection_scores(qi, ki[:, :end], w, index_scale).masked_fill_(~ok, float("-inf"))
         indices = select_top(scores, min(topk, end))

@@ -103,6 +103,11 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         self.topk, self.stage, self.impl, self.block = index_topk, stage, impl, block
         self.loss_weight = loss_weight
         self.indexer_kl = None  # last forward's mean indexer KL (detached), for logs and tests
+        # set by a model that freezes everything but the indexers (the dense warm-up stage): the
+        # dense core's main attention then runs without a graph (the residual stream still
+        # requires grad through AddLoss, and its per-head probabilities would be kept for a
+        # gradient no parameter uses)
+        self.main_frozen = False
         # tokens of the training step's global batch (``CausalLM.set_step_tokens``); 0: this
         # forward's tokens
         self.step_tokens = 0
@@ -127,6 +132,8 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         q_abs = torch.cat((torch.einsum("btnd,ndc->btnc", q_nope, w_uk), q_rope), dim=-1)
         lat = lat.to(q_abs.dtype)
         dense = self.stage == "dense_warmup"
+        if dense and self.main_frozen:
+            q_abs, lat = q_abs.detach(), lat.detach()
         kw = dict(topk=self.topk, scale=self.scale, index_scale=self.indexer.dim**-0.5)
         kw.update(block=self.block, C=C)
         rows = layout.seq_len if isinstance(layout, CPShards) else T
