@@ -21,13 +21,11 @@ from bumblebee.plan.memory import (
     FP32,
     GDN_CP_BWD_FACTOR,
     cp_extra,
-    expert_grad_bytes,
     gdn_state_bytes,
     mixer_act,
     mlp_act,
-    routed_buffers,
-    routed_saved,
 )
+from bumblebee.plan.routed_bytes import expert_grad_bytes, routed_buffers, routed_saved
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 
