@@ -85,16 +85,18 @@ def renamed_grads(bb, hf, to_bumblebee_name):
 def assert_logits_and_grads(bb, hf, T: int, grads, before_hf_backward=None) -> None:
     """Logits of a random batch against HF's, then one backward of the same loss on each;
     ``grads(bb, hf)`` pairs the gradients (``renamed_grads``) for ``assert_grads_close``.
-    ``before_hf_backward`` runs between the two backwards (e.g. to swap HF's kernel)."""
+    ``before_hf_backward`` runs between the two backwards (e.g. to swap HF's kernel: HF then
+    runs its forward again); without it one HF forward serves the logits and the backward."""
     ids, labels = batch(T)
-    with torch.no_grad():
+    with torch.set_grad_enabled(before_hf_backward is None):
         ref = hf(ids).logits
     logits = bb(ids)
-    assert_logits_close(logits, ref)
+    assert_logits_close(logits, ref.detach())
     loss_of(logits, labels).backward()
     if before_hf_backward is not None:
         before_hf_backward()
-    loss_of(hf(ids).logits, labels).backward()
+        ref = hf(ids).logits
+    loss_of(ref, labels).backward()
     assert_grads_close(grads(bb, hf))
 
 
