@@ -61,7 +61,7 @@ from bumblebee.config import PrimitivesConfig
 from bumblebee.models.blocks import MLP, MoE
 from bumblebee.models.qwen3_moe import Qwen3MoeArch
 from bumblebee.perf.memory import MemoryTracker
-from bumblebee.plan.perf import chunk_phases
+from bumblebee.plan.perf_layer import chunk_phases
 from bumblebee.primitives.moe import chunk_plan, chunked
 from bumblebee.primitives.moe.overlap_mb import Pair
 from bumblebee.primitives.parallel import ParallelGroups

@@ -9,12 +9,12 @@ holding such a value. A Trainer is built and runs one step (single process, the 
 model, 2 layers, 64 tokens); the walk is the sequence of bumblebee files those lines are in,
 in execution order, repeats in a row merged. ``files``: the distinct files; ``climbs``: calls
 on the way to a touching line that go *up* -- into a higher layer (core < primitives, data,
-perf < models < runtime < rl), or within a layer into a module whose module-level imports reach
-the caller's -- and into a file the call stack did not come through, counted once per (caller
-file, callee file) pair. ``returns`` (reported, not a goal): how often the walk comes
-back to a file it had left; the Trainer handing the batch size to the data source and asking it
-for rows each step is one. The operations' values are those of a plain int: nothing the run
-computes changes.
+perf < models < runtime < rl: the layering test's rules, ``tests/layering_rules.py``), or
+within a layer into a module whose module-level imports reach the caller's -- and into a file
+the call stack did not come through, counted once per (caller file, callee file) pair.
+``returns`` (reported, not a goal): how often the walk comes back to a file it had left; the
+Trainer handing the batch size to the data source and asking it for rows each step is one.
+The operations' values are those of a plain int: nothing the run computes changes.
 
     python benchmarks/global_batch_walk.py   # prints the walk, then files and climbs
 """
@@ -31,6 +31,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "bumblebee") + os.sep
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the layering rules the layering test checks
+from layering_rules import LAYER_OF, rank  # noqa: E402
 
 _SEEN: list[tuple[str, int]] = []  # (file under bumblebee/, line) of each operation
 _STACKS: set[tuple[str, ...]] = set()  # the bumblebee files on the call stack of each touch
@@ -165,21 +167,9 @@ def walk(overrides: list[str] | None = None) -> list[str]:
     return files
 
 
-LAYERS = {  # tests/unit/test_layering.py's order, bottom first (api, plan, cli on top)
-    **dict.fromkeys("config config_checks console registry errors report".split(), 0),
-    **dict.fromkeys(
-        ["report_inputs", "outputs", "config_parse", "config_aliases", "report_panels"], 0
-    ),
-    **dict.fromkeys(["primitives", "data", "perf"], 1),
-    "models": 2,
-    "runtime": 3,
-    "rl": 4,
-}
-
-
 def _layer(rel: str) -> int:
-    first = rel.split(os.sep)[1].removesuffix(".py")
-    return LAYERS.get(first, 5)
+    """Height of the layer of ``bumblebee/<first>/...`` by the test suite's layering rules."""
+    return rank(LAYER_OF[rel.split(os.sep)[1].removesuffix(".py")])
 
 
 def _file_of(module: str) -> str | None:

@@ -1,5 +1,7 @@
 """Shared driver of the per-family layout tests (tests/distributed/test_<family>_layouts.py): a
-tiny model trained a few steps on packed documents, per layout, against the single process."""
+tiny model trained a few steps on packed documents, per layout, against the single process
+(``check_layouts``), and a tiny ``transformers`` checkpoint trained from its HF directory and
+exported back (``train_from_hf_and_export``)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,13 @@ import json
 
 import pytest
 import torch
+from dist_utils import run_distributed
+from safetensors.torch import load_file
 
+import bumblebee
 from bumblebee import load_config
+from bumblebee.models.base import persistent_buffers
+from bumblebee.runtime.checkpoint.export import export_checkpoint
 from bumblebee.runtime.trainer import Trainer
 
 T = 128
@@ -49,8 +56,6 @@ def run(base, overrides, data, out_dir, steps, save=False):
     trace = [(r["loss"], r["grad_norm"]) for r in (trainer.train_step() for _ in range(steps))]
     if not save:
         return trace
-    from bumblebee.models.base import persistent_buffers
-
     state = {n: t.detach().clone() for n, t in trainer.model.named_parameters()}
     state.update((n, b.detach().clone()) for n, b in persistent_buffers(trainer.model))
     return trace, trainer.checkpoint.save(trainer.step), state
@@ -67,3 +72,42 @@ def check(trace, ref, what, step1=1e-5, later=1e-4):
     for i, ((loss, gnorm), (ref_loss, ref_gnorm)) in enumerate(zip(trace, ref)):
         assert loss == pytest.approx(ref_loss, rel=step1 if i == 0 else later), (what, i)
         assert gnorm == pytest.approx(ref_gnorm, rel=5e-5 if i == 0 else 2e-3), (what, i)
+
+
+def check_layouts(tmp_path, base, cases, steps, **tolerances):
+    """Every layout of ``cases`` (one 2-rank spawn runs them all) against the single process
+    (no sharding, local MoE): each rank's trace within ``check``'s ``tolerances``."""
+    data = write_data(tmp_path / "docs.jsonl")
+    ref = run(base, ["primitives.sharding=none", "primitives.moe_comm=local"], data,
+              str(tmp_path / "ref"), steps)  # fmt: skip
+    per_rank = run_distributed(ranks, 2, base, cases, data, str(tmp_path / "runs"), steps)
+    for i, ov in enumerate(cases):
+        for trace in [r[i] for r in per_rank]:  # (pipeline: the loss on every rank)
+            check(trace, ref, " ".join(ov), **tolerances)
+
+
+def train_from_hf_and_export(tmp_path, model_cls, config, family: str, eager: bool = False):
+    """A bf16 ``model_cls(config)`` checkpoint: bumblebee reads and writes it back bit for bit;
+    it trains 2 steps from its HF directory; the checkpoint exports (fp32) to the trained
+    parameters and persistent buffers exactly, and ``transformers`` loads the export with equal
+    logits (``eager``: HF's eager attention). Returns (trace, the source's tensors, the export)."""
+    torch.manual_seed(0)
+    model_cls(config).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    # bf16 in, bf16 out: every tensor bit for bit
+    bumblebee.to_hf(bumblebee.from_hf(str(tmp_path / "src"), torch.bfloat16), str(tmp_path / "rt"))
+    src, rt = (load_file(tmp_path / d / "model.safetensors") for d in ("src", "rt"))
+    assert set(src) == set(rt) and all(torch.equal(src[n], rt[n]) for n in src)
+    data = write_data(tmp_path / "docs.jsonl")
+    over = [f"model.hf_path={tmp_path / 'src'}", "primitives.sharding=none", "primitives.moe_comm=local"]  # fmt: skip
+    trace, saved, state = run([f"model.name={family}"], over, data, str(tmp_path / "run"), 2, True)
+    export_checkpoint(saved, str(tmp_path / "out"), dtype="float32")
+    out = bumblebee.from_hf(str(tmp_path / "out"))
+    for name, t in list(out.named_parameters()) + persistent_buffers(out):
+        assert torch.equal(t, state[name]), name
+    back = model_cls.from_pretrained(tmp_path / "out").float().eval()
+    if eager:
+        back.config._attn_implementation = "eager"
+    ids = torch.randint(0, 256, (1, 32))
+    with torch.no_grad():
+        assert (back(ids).logits - out(ids)).abs().max().item() < 1e-4
+    return trace, src, out

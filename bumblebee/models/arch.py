@@ -161,3 +161,47 @@ def check_partial_rotary(arch) -> None:
 def check_silu(arch) -> None:
     if arch.hidden_act != "silu":
         raise ArchError(f"hidden_act {arch.hidden_act!r} is not supported; valid: silu")
+
+
+def hf_rope(d: dict[str, Any], default: dict | None = None, theta: float | None = None) -> dict:
+    """HF config ``d``'s RoPE dict, a copy: ``rope_parameters``, else the older ``rope_scaling``
+    (its ``type`` read as ``rope_type``), else ``default`` or {}; ``rope_type`` absent or None is
+    ``default``; with ``theta``, ``rope_theta`` falls back to ``d``'s top-level key, then it."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling")
+    rope = dict(default or {}) if rope is None else dict(rope)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    if rope.get("rope_type") is None:
+        rope["rope_type"] = "default"
+    if theta is not None:
+        rope.setdefault("rope_theta", d.get("rope_theta", theta))
+    return rope
+
+
+def check_rope_type(rope: dict, allowed: tuple[str, ...]) -> None:
+    """The RoPE kind is one the family implements (``allowed``); YaRN names the context length
+    its frequencies were stretched from."""
+    kind = rope.get("rope_type", "default")
+    if kind not in allowed:
+        raise ArchError(f"rope_type {kind!r} is not supported; valid: {', '.join(allowed)}")
+    if kind == "yarn" and not rope.get("original_max_position_embeddings"):
+        raise ArchError("yarn rope_parameters need original_max_position_embeddings")
+
+
+def flatten_rope(d: dict[str, Any], allowed: tuple[str, ...] = ("default",)) -> None:
+    """For a family whose arch keeps RoPE as flat fields: HF's RoPE dict in ``d`` (checked
+    against ``allowed``) lends ``rope_theta`` and ``partial_rotary_factor`` to ``d`` where ``d``
+    has no such top-level key."""
+    rope = hf_rope(d)
+    check_rope_type(rope, allowed)
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key not in d and key in rope:
+            d[key] = rope[key]
+
+
+def rope_theta_of(rope: dict, default: float) -> float:
+    """``rope_theta`` of a RoPE dict (``default`` when absent): a finite number."""
+    theta = rope.get("rope_theta", default)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
+        raise ArchError(f"rope_parameters.rope_theta must be a finite number, got {theta!r}")
+    return float(theta)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from bumblebee.config import ConfigError
 from bumblebee.plan.hardware import GPU, Efficiency
 from bumblebee.plan.layout import Layout, Workload
-from bumblebee.plan.perf import KERNELS, P2P_LATENCY_S, chunk_phases, moe_times
+from bumblebee.plan.perf_layer import KERNELS, P2P_LATENCY_S, chunk_phases, moe_times
 from bumblebee.plan.spec import MOE, ModelSpec
 from bumblebee.primitives.moe import chunk_plan
 

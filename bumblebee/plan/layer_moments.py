@@ -22,12 +22,10 @@ from bumblebee.plan.memory import (
     BWD_GRAD_FRACTION,
     FP32,
     cp_extra,
-    expert_grad_bytes,
     mixer_act,
     mlp_act,
-    routed_buffers,
-    routed_saved,
 )
+from bumblebee.plan.routed_bytes import expert_grad_bytes, routed_buffers, routed_saved
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 
 

@@ -23,7 +23,7 @@ from bumblebee.primitives import loss as _loss  # noqa: F401  (registers the los
 from bumblebee.primitives import sharding as _sharding  # noqa: F401  (and the shardings)
 from bumblebee.runtime.resolve import Layout  # noqa: F401  (one meaning of "layout" in bumblebee)
 
-# the recompute policies and MoE exchanges the planner models (by name: plan/memory.py, perf.py)
+# the recompute policies and MoE exchanges the planner models (by name: plan/memory.py, routed_bytes.py, perf_layer.py)
 RECOMPUTE = ("none", "selective", "full", "offload")
 MOE_COMM = ("local", "alltoall", "chunked", "overlap_mb")
 

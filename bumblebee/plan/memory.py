@@ -31,22 +31,8 @@ everything by tp):
   Other recompute policies keep the older estimate (saved tensors, ``BWD_GRAD_FRACTION`` of
   them as gradients in flight, the CP buffers of ``cp_extra``), not checked by a dry run;
 - MoE routed buffers: every [k*t, .] tensor of the dispatch / expert / combine code at its
-  largest moment, in units X = one bf16 [k*t, H] row tensor and A = one bf16 [k*t, F]
-  (balanced routing: this rank's experts receive k*t rows). Counted from the code of each
-  ``moe_comm`` (Python locals keep a tensor alive until the function returns):
-    local     fwd max(2X+4A, 3X)   recompute (4-e)X+4A   backward 4X+5A
-    alltoall  fwd max(4X+4A, 7X)   recompute (8-e)X+4A   backward 4X+5A   (overlap_mb: alike,
-              for each of the two micro-batches inside a layer at once, ``pair_factor``)
-    chunked   fwd 3X+2A+3X/c       recompute 2X+2A/c     backward 4X+4A+(X+5A)/c, or 4X+4A+2A/c
-  (split into home-side and expert-side tensors; skewed routing scales the expert side)
-  plus, in backward, the experts' weight gradients (``expert_grad_bytes``). alltoall's
-  combine path holds send, receive, regrouped, expert output, returned and unpermuted
-  copies at once; a recompute stops before allocating the output of the layer's last op
-  that saves (torch's early stop): without a shared expert (e = 1) that is the combine's
-  weighted product; chunked issues every chunk's dispatch up front, its recompute skips fc2
-  and the combine, and its backward peaks at the first delayed wgrad (every chunk's output
-  gradient and dh, the last chunk's dgrad locals, dx sent and received, fc1's weight
-  gradient) or at the second (fc1's gradients summed beside fc2's);
+  largest moment, counted per ``moe_comm`` in ``routed_bytes.py``, plus, in backward, the
+  experts' weight gradients;
 - loss: ``ce`` keeps bf16 logits and one fp32 working copy that softmax and its gradient
   reuse in place (6 B per logit of the [t, V/tp] block; ``primitives/loss/ce.py``) beside
   the final norm's saved tensors; ``linear_ce`` the head's bf16 gradient, the final norm, an
@@ -54,7 +40,7 @@ everything by tp):
 - optimizer temporaries: torch's foreach AdamW allocates one fp32 tensor per parameter it
   updates (``sqrt(v)``), 4 B per local (sharded) parameter.
 
-Legend: t local tokens, H hidden, k experts per token, F expert FFN, V vocabulary, X, A above.
+Legend: t local tokens, H hidden, V vocabulary (k, F, X, A: ``routed_bytes.py``).
 """
 
 from __future__ import annotations
@@ -287,81 +273,6 @@ def mlp_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
         kept += (2 * fs + h) * BF16
         cheap += fs * BF16
     return kept / tp, cheap / tp
-
-
-def routed_units(spec: ModelSpec, tp: int) -> tuple[float, float]:
-    """(X, A): bytes per local token of one bf16 [k*t, H] and one bf16 [k*t, F] routed tensor."""
-    return spec.top_k * spec.hidden * BF16 / tp, spec.top_k * spec.expert_ffn * BF16 / tp
-
-
-def routed_buffers(
-    spec: ModelSpec, prims: PrimitivesConfig, tp: int, skew: float = 1.0
-) -> dict[str, tuple[float, str]]:
-    """Per-token bytes of the routed [k*t, .] tensors alive at the MoE block's largest moment of
-    each phase: "fwd" (a forward whose tensors autograd does not keep: full recompute's first
-    pass), "recompute" (the forward again, inside backward, saving) and "bwd". Each count is
-    split into home-side tensors (this rank's own k*t rows: permuted, sent, returned) and
-    expert-side ones (rows this rank's experts receive), which ``skew`` scales: with skewed
-    routing this rank's experts receive ``skew`` x the balanced k*t rows."""
-    X, A = routed_units(spec, tp)
-    c = max(1, prims.moe_chunks)
-    # a recompute stops at the layer's last op that saves a tensor (torch's early stop), before that op
-    # allocates its output: without a shared expert after it, the combine's weighted product is never made
-    last = 0 if spec.shared_ffn else 1
-    f = skew if prims.moe_comm != "local" else 1.0
-    # phase -> (home, expert side), in units of X and A: (x, a) pairs
-    table = {
-        "local": {
-            "fwd": max(((0, 0), (2, 4)), ((0, 0), (3, 0)), key=lambda v: v[1][0] * X + v[1][1] * A),
-            "recompute": ((0, 0), (4 - last, 4)),
-            "bwd": ((0, 0), (4, 5)),
-        },
-        "alltoall": {
-            "fwd": max(
-                ((1, 0), (3, 4)),
-                ((4, 0), (3, 0)),
-                key=lambda v: (v[0][0] + v[1][0]) * X + v[1][1] * A,
-            ),
-            "recompute": ((4 - last, 0), (4, 4)),
-            "bwd": ((2, 0), (2, 5)),
-        },
-        # backward: its peak is the first delayed wgrad (every chunk's g and dh, the last chunk's dgrad
-        # locals, dx sent and received; fc1's weight gradient); "bwd_wgrad": the second one (the first
-        # chunk's g and dh freed; fc1's gradient summed: dw1 + new -> sum, fc2's)
-        "chunked": {
-            "fwd": ((1 + 1 / c, 0), (2 + 2 / c, 2)),
-            "recompute": ((1, 0), (1, 2 / c)),
-            "bwd": ((1, 0), (3 + 1 / c, 4 + 5 / c)),
-            "bwd_wgrad": ((1, 0), (3, 4 + 2 / c)),
-        },
-    }["alltoall" if prims.moe_comm == "overlap_mb" else prims.moe_comm]  # the same ops
-    out = {}
-    for phase, ((hx, ha), (ex, ea)) in table.items():
-        v = hx * X + ha * A + f * (ex * X + ea * A)
-        out[phase] = (
-            v,
-            f"home {hx:g}X+{ha:g}A + {f:g} x expert side {ex:g}X+{ea:g}A, X={X:.0f}, A={A:.0f} B/token",
-        )
-    return out
-
-
-def expert_grad_bytes(
-    spec: ModelSpec, lay: Layout, prims: PrimitivesConfig, phase: str = "bwd"
-) -> float:
-    """Bytes of the local experts' weight gradients (bf16, the compute dtype) alive at a MoE
-    backward's ``phase``: chunked's first delayed wgrad holds fc1's; its second sums fc1's over
-    chunks (dw + new -> sum: 3 x fc1) beside fc2's; the others fc1's and fc2's."""
-    w1 = spec.experts / lay.ep * 2 * spec.expert_ffn * spec.hidden * BF16
-    w2 = spec.experts / lay.ep * spec.expert_ffn * spec.hidden * BF16
-    if prims.moe_comm == "chunked":
-        return w1 if phase == "bwd" else 3 * w1 + w2
-    return w1 + w2
-
-
-def routed_saved(spec: ModelSpec, prims: PrimitivesConfig, tp: int) -> float:
-    """Routed bytes per token one micro-batch keeps to its backward without full recompute."""
-    X, A = routed_units(spec, tp)
-    return 2 * X + (4 * A if prims.recompute == "none" else 2 * A)
 
 
 # ------------------------------------------------------------------------------------ loss (bytes)

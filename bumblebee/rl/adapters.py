@@ -27,16 +27,12 @@ class EngineAdapters:
         out = family.hf_name_out
         if self.ctx.pp_group is None:  # the factors only, never the frozen base
             factors = (
-                (n, _gather(self.model, n, p, self.ctx.ep_group, None))
+                (n, _gather(self.model, n, p, self.ctx, None))
                 for n, p in self.model.named_parameters()
                 if is_lora_name(n)
             )
         else:  # every stage's tensors, in the stages' order
-            factors = (
-                (n, t)
-                for n, t in gathered(self.model, self.ctx.ep_group, None, self.ctx.pp_group)
-                if is_lora_name(n)
-            )
+            factors = ((n, t) for n, t in gathered(self.model, self.ctx, None) if is_lora_name(n))
         if self.ctx.rank == 0:
             write_peft_adapter(
                 out_dir,

@@ -79,15 +79,17 @@ def checkpoint_names(path: str) -> list[str]:
 
 
 @torch.no_grad()
-def gathered(model, ep_group, dtype: torch.dtype | None, pp_group=None):
+def gathered(model, ctx, dtype: torch.dtype | None):
     """(name, full tensor in ``dtype``) per parameter, gathered when it is reached: the local
-    shard is cast first, then FSDP shards and expert slices are gathered. With pipeline stages
-    (``pp_group``) every stage's tensors are broadcast from the rank holding them, stage by
-    stage, so every rank iterates the same sequence. Collective."""
+    shard is cast first, then FSDP shards and expert slices are gathered (over ``ctx``, the
+    rank's ``ParallelState``). With pipeline stages (``ctx.pp_group``) every stage's tensors are
+    broadcast from the rank holding them, stage by stage, so every rank iterates the same
+    sequence. Collective."""
+    pp_group = ctx.pp_group
     if pp_group is None:
-        yield from _gathered_here(model, ep_group, dtype)
+        yield from _gathered_here(model, ctx, dtype)
         return
-    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    ep = ctx.ep_size
     mine = [
         (
             n,
@@ -100,9 +102,9 @@ def gathered(model, ep_group, dtype: torch.dtype | None, pp_group=None):
         )
         for n, p in _state(model)
     ]
-    every = [None] * dist.get_world_size(pp_group)
+    every = [None] * ctx.layout.pp
     dist.all_gather_object(every, mine, group=pp_group)
-    here, me = _gathered_here(model, ep_group, dtype), dist.get_rank(pp_group)
+    here, me = _gathered_here(model, ctx, dtype), ctx.pp_rank
     device = next(model.parameters()).device
     for params in (
         True,
@@ -135,13 +137,13 @@ def _state(model) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters()) + persistent_buffers(model)
 
 
-def _gathered_here(model, ep_group, dtype):
+def _gathered_here(model, ctx, dtype):
     for name, p in _state(model):
-        yield name, _gather(model, name, p, ep_group, dtype)
+        yield name, _gather(model, name, p, ctx, dtype)
 
 
 @torch.no_grad()
-def _gather(model, name: str, p, ep_group, dtype) -> torch.Tensor:
+def _gather(model, name: str, p, ctx, dtype) -> torch.Tensor:
     """The full tensor of parameter ``p`` in ``dtype``: this rank's shard cast, FSDP shards gathered,
     expert slices concatenated over the ep group; a buffer as it is (replicated; kept in its own dtype,
     e.g. an fp32 router bias). Collective."""
@@ -150,35 +152,37 @@ def _gather(model, name: str, p, ep_group, dtype) -> torch.Tensor:
         t = t.to(dtype)
     if isinstance(t, DTensor):
         t = t.full_tensor()
-    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    ep = ctx.ep_size
     if ep > 1 and model.is_expert_param(name):
         full = torch.empty((ep * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_gather(list(full.chunk(ep)), t.contiguous(), group=ep_group)
+        dist.all_gather(list(full.chunk(ep)), t.contiguous(), group=ctx.ep_group)
         t = full
     return t
 
 
 @torch.no_grad()
-def expert_pieces(p, ep_group, dtype: torch.dtype | None, piece_bytes: int):
+def expert_pieces(p, ctx, dtype: torch.dtype | None, piece_bytes: int):
     """(first global expert, tensor [n, ...]) pieces of a stacked expert parameter ``p``, each at most
     ``piece_bytes`` after the ep gather (at least one expert), so a large [E, 2F, H] stack is never
     whole on a rank. FSDP2 shards (dim 0, ``torch.chunk`` over the edp mesh) are broadcast from the
     rank holding them piece by piece, then each piece is all-gathered over the ep group (expert
-    ``q * E_local + i`` lives on ep rank ``q``). Collective; every rank yields the same sequence."""
-    local, group = p.detach(), None
+    ``q * E_local + i`` lives on ep rank ``q``; ``ctx``: the rank's ``ParallelState``). Collective;
+    every rank yields the same sequence."""
+    local, mesh = p.detach(), None
     if isinstance(local, DTensor):
-        group, local = local.device_mesh.get_group(), local.to_local()
+        mesh, local = local.device_mesh, local.to_local()
+    group = None if mesh is None else mesh.get_group()
     if dtype is not None and local.dtype != dtype:
         local = local.to(dtype)
-    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    ep, ep_group = ctx.ep_size, ctx.ep_group
     e_local, row_shape = p.shape[0], tuple(p.shape[1:])
     row_bytes = torch.Size(row_shape).numel() * local.element_size()
     per_piece = max(1, piece_bytes // (row_bytes * ep))
-    world = 1 if group is None else dist.get_world_size(group)
+    world = 1 if mesh is None else mesh.size()  # the shards' mesh carries its size and our place
     sizes = [len(c) for c in torch.arange(e_local).chunk(world)]
     sizes += [0] * (world - len(sizes))
     offsets = [sum(sizes[:r]) for r in range(world)]
-    me = 0 if group is None else dist.get_rank(group)
+    me = 0 if mesh is None else mesh.get_local_rank()
     for r in range(world):
         for i in range(0, sizes[r], per_piece):
             n = min(per_piece, sizes[r] - i)
@@ -241,7 +245,7 @@ class EngineWeights:
         Collective: every rank iterates to the end. A tensor may share storage with the live
         parameter (replicated layouts): copy what you keep across an update."""
         self.offloader.require("params")
-        named = gathered(self.model, self.ctx.ep_group, dtype, self.ctx.pp_group)
+        named = gathered(self.model, self.ctx, dtype)
         if self._lora is not None and merged:
             named = merged_stream(named, self._lora.scale, dtype)
         return self._hf_named(named) if hf_names else named
@@ -253,8 +257,7 @@ class EngineWeights:
             yield from self.named_weights(dtype=dtype)
             return
         self.offloader.require("params")
-        F, ep_group = self.arch.moe_intermediate_size, self.ctx.ep_group
-        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        F, ep = self.arch.moe_intermediate_size, self.ctx.ep_size
         from bumblebee.models import family_of
 
         stored = family_of(self.arch).hf_stored  # declared layouts: converted whole
@@ -268,13 +271,13 @@ class EngineWeights:
             ab = factor_names(name) if lora is not None else None
             ab = ab if ab is not None and ab[0] in params else None
             # the factors are small: gathered whole (every rank, same order), merged per piece
-            a, b = [_gather(self.model, n, params[n], ep_group, None) for n in ab] if ab else (0, 0)
+            a, b = [_gather(self.model, n, params[n], self.ctx, None) for n in ab] if ab else (0, 0)
             if (
                 name.endswith(("experts.w_gate_up", "experts.w_down"))
                 and not stored_entry(stored, name)
                 and p.numel() * ep * (dtype or p.dtype).itemsize > piece_bytes
             ):
-                for first, piece in expert_pieces(p, ep_group, None if ab else dtype, piece_bytes):
+                for first, piece in expert_pieces(p, self.ctx, None if ab else dtype, piece_bytes):
                     if ab:
                         n = piece.shape[0]
                         piece = merge(
@@ -283,7 +286,7 @@ class EngineWeights:
                     split = hf_expert_names(name, first, piece, F)
                     yield from self._renamed((out(self.arch, n), t) for n, t in split)
             else:
-                t = _gather(self.model, name, p, ep_group, dtype)
+                t = _gather(self.model, name, p, self.ctx, dtype)
                 yield from self._hf_named([(name, merge(t, a, b, lora.scale, dtype) if ab else t)])
 
     def weight_buckets(

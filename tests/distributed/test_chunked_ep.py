@@ -32,8 +32,7 @@ from bumblebee.config import PrimitivesConfig
 from bumblebee.models import build_model, resolve_arch
 from bumblebee.models.blocks import MoE
 from bumblebee.models.qwen3_moe import Qwen3MoeArch
-from bumblebee.primitives.moe import chunked
-from bumblebee.primitives.moe.experts import Experts
+from bumblebee.primitives.moe.experts import Experts, GroupedGemms
 from bumblebee.primitives.parallel import ParallelGroups
 from bumblebee.runtime.trainer import Trainer
 
@@ -110,7 +109,7 @@ def layer(rank, world, comm, k, policy, kind, K, T):
 def counting(fn):
     """Run fn counting all-to-alls and fc2-or-fc1 forward GEMMs of the chunked layer."""
     calls = {"a2a": 0, "gemm_fwd": 0}
-    a2a, fwd = dist.all_to_all_single, chunked._Gemm.fwd
+    a2a, fwd = dist.all_to_all_single, GroupedGemms.fwd
 
     def count_a2a(*args, **kwargs):
         calls["a2a"] += 1
@@ -120,11 +119,11 @@ def counting(fn):
         calls["gemm_fwd"] += 1
         return fwd(self, *args)
 
-    dist.all_to_all_single, chunked._Gemm.fwd = count_a2a, count_fwd
+    dist.all_to_all_single, GroupedGemms.fwd = count_a2a, count_fwd
     try:
         return fn(), calls
     finally:
-        dist.all_to_all_single, chunked._Gemm.fwd = a2a, fwd
+        dist.all_to_all_single, GroupedGemms.fwd = a2a, fwd
 
 
 LAYER_NAMES = ["output", "input grad", "router-weight grad", "w_gate_up grad", "w_down grad"]

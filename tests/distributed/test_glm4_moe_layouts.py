@@ -5,15 +5,8 @@ head whole on every rank, MTP's targets shifted on the global row) and pipeline 
 stage). One spawn runs every layout. A tiny ``transformers`` checkpoint trains from its HF
 directory and exports back bit for bit."""
 
-import torch
 import transformers
-from dist_utils import run_distributed
-from family_layouts import check, ranks, run, write_data
-from safetensors.torch import load_file
-
-import bumblebee
-from bumblebee.models.base import persistent_buffers
-from bumblebee.runtime.checkpoint.export import export_checkpoint
+from family_layouts import check_layouts, train_from_hf_and_export
 
 BASE = [
     "model.name=glm4_moe",
@@ -43,39 +36,18 @@ CASES = [
 
 
 def test_two_ranks_match_single_process(tmp_path):
-    data = write_data(tmp_path / "docs.jsonl")
-    ref = run(BASE, ["primitives.sharding=none", "primitives.moe_comm=local"], data,
-              str(tmp_path / "ref"), STEPS)  # fmt: skip
-    per_rank = run_distributed(ranks, 2, BASE, CASES, data, str(tmp_path / "runs"), STEPS)
-    for i, ov in enumerate(CASES):
-        for trace in [r[i] for r in per_rank]:  # (pipeline: the loss on every rank)
-            check(trace, ref, " ".join(ov))
+    check_layouts(tmp_path, BASE, CASES, STEPS)
 
 
 def test_train_from_hf_directory_and_export_bit_exact(tmp_path):
-    torch.manual_seed(0)
     cfg = transformers.Glm4MoeConfig(
         vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2,
         n_group=2, topk_group=1, routed_scaling_factor=2.5, num_mtp_layers=0,
     )  # fmt: skip
-    transformers.Glm4MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "src")
-    # bf16 in, bf16 out: every tensor bit for bit
-    bumblebee.to_hf(bumblebee.from_hf(str(tmp_path / "src"), torch.bfloat16), str(tmp_path / "rt"))
-    src, rt = (load_file(tmp_path / d / "model.safetensors") for d in ("src", "rt"))
-    assert set(src) == set(rt) and all(torch.equal(src[n], rt[n]) for n in src)
-    # trains from the directory; the checkpoint exports to the trained parameters exactly
-    data = write_data(tmp_path / "docs.jsonl")
-    over = [f"model.hf_path={tmp_path / 'src'}", "primitives.sharding=none", "primitives.moe_comm=local"]  # fmt: skip
-    trace, saved, state = run(["model.name=glm4_moe"], over, data, str(tmp_path / "run"), 2, True)
+    trace, _, out = train_from_hf_and_export(
+        tmp_path, transformers.Glm4MoeForCausalLM, cfg, "glm4_moe"
+    )
     assert trace[1][0] < trace[0][0] + 1.0
-    export_checkpoint(saved, str(tmp_path / "out"), dtype="float32")
-    out = bumblebee.from_hf(str(tmp_path / "out"))
     assert out.mtp is None
-    for name, t in list(out.named_parameters()) + persistent_buffers(out):
-        assert torch.equal(t, state[name]), name
-    back = transformers.Glm4MoeForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    ids = torch.randint(0, 256, (1, 32))
-    with torch.no_grad():
-        assert (back(ids).logits - out(ids)).abs().max().item() < 1e-4

@@ -5,15 +5,9 @@ same global batch: per-step loss and grad norm for fsdp2 + EP all-to-all, zero1 
 layout. A tiny ``transformers`` checkpoint (the released names) trains from its HF directory and
 exports back bit for bit."""
 
-import torch
 import transformers
-from dist_utils import run_distributed
-from family_layouts import check, ranks, run, write_data
+from family_layouts import check_layouts, train_from_hf_and_export
 from safetensors.torch import load_file
-
-import bumblebee
-from bumblebee.models.base import persistent_buffers
-from bumblebee.runtime.checkpoint.export import export_checkpoint
 
 BASE = [
     "model.name=minimax_m2",
@@ -35,38 +29,17 @@ CASES = [
 
 
 def test_two_ranks_match_single_process(tmp_path):
-    data = write_data(tmp_path / "docs.jsonl")
-    ref = run(BASE, ["primitives.sharding=none", "primitives.moe_comm=local"], data,
-              str(tmp_path / "ref"), STEPS)  # fmt: skip
-    per_rank = run_distributed(ranks, 2, BASE, CASES, data, str(tmp_path / "runs"), STEPS)
-    for i, ov in enumerate(CASES):
-        for trace in [r[i] for r in per_rank]:  # (pipeline: the loss on every rank)
-            check(trace, ref, " ".join(ov), step1=1e-6, later=1e-6)
+    check_layouts(tmp_path, BASE, CASES, STEPS, step1=1e-6, later=1e-6)
 
 
 def test_train_from_hf_directory_and_export_bit_exact(tmp_path):
-    torch.manual_seed(0)
     cfg = transformers.MiniMaxM2Config(
         vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rotary_dim=8,
         num_local_experts=8, num_experts_per_tok=2, bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
-    transformers.MiniMaxM2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "src")
-    # bf16 in, bf16 out: every tensor bit for bit, under the released names
-    bumblebee.to_hf(bumblebee.from_hf(str(tmp_path / "src"), torch.bfloat16), str(tmp_path / "rt"))
-    src, rt = (load_file(tmp_path / d / "model.safetensors") for d in ("src", "rt"))
-    assert set(src) == set(rt) and all(torch.equal(src[n], rt[n]) for n in src)
-    # trains from the directory; the checkpoint exports to the trained parameters exactly
-    data = write_data(tmp_path / "docs.jsonl")
-    over = [f"model.hf_path={tmp_path / 'src'}", "primitives.sharding=none", "primitives.moe_comm=local"]  # fmt: skip
-    trace, saved, state = run(["model.name=minimax_m2"], over, data, str(tmp_path / "run"), 2, True)
+    trace, src, _ = train_from_hf_and_export(
+        tmp_path, transformers.MiniMaxM2ForCausalLM, cfg, "minimax_m2"
+    )
     assert trace[1][0] < trace[0][0]
-    export_checkpoint(saved, str(tmp_path / "out"), dtype="float32")
-    out = bumblebee.from_hf(str(tmp_path / "out"))
-    for name, t in list(out.named_parameters()) + persistent_buffers(out):
-        assert torch.equal(t, state[name]), name
     assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(src)
-    back = transformers.MiniMaxM2ForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    ids = torch.randint(0, 256, (1, 32))
-    with torch.no_grad():
-        assert (back(ids).logits - out(ids)).abs().max().item() < 1e-4

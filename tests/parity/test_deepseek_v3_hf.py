@@ -15,14 +15,11 @@ selection bias are perturbed so a wrong convention cannot hide behind an init.
 
 from __future__ import annotations
 
+import parity_utils as pu
 import pytest
-import torch
-import torch.nn.functional as F
 import transformers
 
-import bumblebee
-
-VOCAB, T = 97, 40
+VOCAB, T = pu.VOCAB, 40
 BASE = dict(
     vocab_size=VOCAB,
     hidden_size=48,
@@ -93,16 +90,8 @@ CONFIGS = {
 
 
 def hf_model(seed: int, **overrides):
-    torch.manual_seed(seed)
-    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**BASE, **overrides}))
-    with torch.no_grad():
-        for _, p in hf.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.2 * torch.randn_like(p))
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    return hf.float().eval()
+    config = transformers.DeepseekV3Config(**{**BASE, **overrides})
+    return pu.hf_model(transformers.DeepseekV3ForCausalLM, config, seed)
 
 
 def to_bumblebee_name(hf_name: str) -> str:
@@ -111,56 +100,26 @@ def to_bumblebee_name(hf_name: str) -> str:
     )
 
 
-def loss_of(logits, labels):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+def grads(bb, hf):
+    return pu.renamed_grads(bb, hf, to_bumblebee_name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_and_grads_match_hf(name, tmp_path):
     hf = hf_model(0, **CONFIGS[name])
-    hf.save_pretrained(tmp_path)
-    bb = bumblebee.from_hf(str(tmp_path))
-    assert bb.family == "deepseek_v3"
-    assert bb.arch.num_params()["total"] == sum(p.numel() for p in hf.parameters())
-    ids, labels = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        ref = hf(ids).logits
-    logits = bb(ids)
-    assert (logits - ref).abs().max().item() < 1e-4
-
-    loss_of(logits, labels).backward()
-    loss_of(hf(ids).logits, labels).backward()
-    bb_params, hf_params = dict(bb.named_parameters()), dict(hf.named_parameters())
-    assert {to_bumblebee_name(n) for n in hf_params} == set(bb_params)
-    for hf_name, p in hf_params.items():
-        g_ref, g = p.grad, bb_params[to_bumblebee_name(hf_name)].grad
-        scale = g_ref.abs().max().clamp_min(1e-12)
-        assert ((g - g_ref).abs().max() / scale).item() < 1e-4, hf_name
+    bb = pu.load(hf, tmp_path, "deepseek_v3")
+    pu.assert_logits_and_grads(bb, hf, T, grads)
 
 
 def test_to_hf_round_trip(tmp_path):
     hf = hf_model(1, **CONFIGS["groups8of3_yarn_mscale"])
-    hf.save_pretrained(tmp_path / "src")
-    bb = bumblebee.from_hf(str(tmp_path / "src"))
-    bumblebee.to_hf(bb, str(tmp_path / "out"))
-    back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    ids = torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        assert (back(ids).logits - bb(ids)).abs().max().item() < 1e-4
-    reloaded = bumblebee.from_hf(str(tmp_path / "out"))
-    for (n, a), (_, b) in zip(bb.state_dict().items(), reloaded.state_dict().items()):
-        assert torch.equal(a, b), n
+    bb = pu.load(hf, tmp_path / "src", "deepseek_v3")
+    out = tmp_path / "out"
+    reloaded = pu.assert_to_hf_loads(bb, transformers.DeepseekV3ForCausalLM, out, T, "state_dict")
     assert reloaded.state_dict()["model.layers.1.mlp.gate.e_score_correction_bias"].abs().sum() > 0
 
 
 def test_packed_row_equals_hf_documents(tmp_path):
     hf = hf_model(2, **CONFIGS["no_qlora_yarn_plain_rope"])
-    hf.save_pretrained(tmp_path)
-    bb = bumblebee.from_hf(str(tmp_path))
-    lengths = [11, 30, 1, 18]
-    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = bb(ids, position_ids=pos)
-        ref = torch.cat([hf(doc).logits for doc in ids.split(lengths, dim=1)], dim=1)
-    assert (packed - ref).abs().max().item() < 1e-4
+    bb = pu.load(hf, tmp_path, "deepseek_v3")
+    pu.assert_packed_rows(bb, hf, [11, 30, 1, 18])

@@ -16,6 +16,7 @@ embeddings. Every 1-D parameter (norms, biases) and the router's selection bias 
 
 from __future__ import annotations
 
+import parity_utils as pu
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from transformers.modeling_layers import MtpModel
 
 import bumblebee
 
-VOCAB, T = 97, 40
+VOCAB, T = pu.VOCAB, 40
 BASE = dict(
     vocab_size=VOCAB,
     hidden_size=48,
@@ -74,22 +75,9 @@ CONFIGS = {
 }
 
 
-def perturb(*models):
-    with torch.no_grad():
-        for m in models:
-            for _, p in m.named_parameters():
-                if p.dim() == 1:
-                    p.add_(0.2 * torch.randn_like(p))
-            for name, b in m.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    b.copy_(0.05 * torch.randn_like(b))
-
-
 def hf_model(seed: int, **overrides):
-    torch.manual_seed(seed)
-    hf = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**{**BASE, **overrides}))
-    perturb(hf)
-    return hf.float().eval()
+    config = transformers.Glm4MoeConfig(**{**BASE, **overrides})
+    return pu.hf_model(transformers.Glm4MoeForCausalLM, config, seed)
 
 
 def hf_name(name: str) -> str:
@@ -98,59 +86,31 @@ def hf_name(name: str) -> str:
     )
 
 
-def loss_of(logits, labels):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-
-
-def assert_grads_close(bb, hf_grads):
+def checkpoint_grads(bb, hf_grads):
+    """(name, bumblebee's gradient, the one in ``hf_grads``: checkpoint name -> gradient)."""
     grads = {n: p.grad for n, p in bb.named_parameters()}
     out = bumblebee.models.family_of(bb.arch).hf_name_out
     assert {hf_name(out(bb.arch, n)) for n in grads} == set(hf_grads)
-    worst = 0.0
-    for name, g in grads.items():
-        g_ref = hf_grads[hf_name(out(bb.arch, name))]
-        err = ((g - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-12)).item()
-        assert err < 1e-4, name
-        worst = max(worst, err)
-    return worst
+    return [(n, g, hf_grads[hf_name(out(bb.arch, n))]) for n, g in grads.items()]
+
+
+def grads(bb, hf):
+    return checkpoint_grads(bb, {n: p.grad for n, p in hf.named_parameters()})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_and_grads_match_hf(name, tmp_path):
     hf = hf_model(0, **CONFIGS[name])
-    hf.save_pretrained(tmp_path)
-    bb = bumblebee.from_hf(str(tmp_path))
-    assert bb.family == "glm4_moe" and bb.mtp is None
-    assert bb.arch.num_params()["total"] == sum(p.numel() for p in hf.parameters())
-    ids, labels = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        ref = hf(ids).logits
-    logits = bb(ids)
-    assert (logits - ref).abs().max().item() < 1e-4
-    loss_of(logits, labels).backward()
-    loss_of(hf(ids).logits, labels).backward()
-    assert_grads_close(bb, {n: p.grad for n, p in hf.named_parameters()})
+    bb = pu.load(hf, tmp_path, "glm4_moe")
+    assert bb.mtp is None
+    pu.assert_logits_and_grads(bb, hf, T, grads)
 
 
 def test_to_hf_round_trip_and_packed_rows(tmp_path):
     hf = hf_model(1, **CONFIGS["air_noqknorm_dense2_shared2_tied"])
-    hf.save_pretrained(tmp_path / "src")
-    bb = bumblebee.from_hf(str(tmp_path / "src"))
-    bumblebee.to_hf(bb, str(tmp_path / "out"))
-    back = transformers.Glm4MoeForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    ids = torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        assert (back(ids).logits - bb(ids)).abs().max().item() < 1e-4
-    reloaded = bumblebee.from_hf(str(tmp_path / "out"))
-    for (n, a), (_, b) in zip(bb.state_dict().items(), reloaded.state_dict().items()):
-        assert torch.equal(a, b), n
-    lengths = [13, 20, 2, 5]
-    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = bb(ids, position_ids=pos)
-        ref = torch.cat([hf(doc).logits for doc in ids.split(lengths, dim=1)], dim=1)
-    assert (packed - ref).abs().max().item() < 1e-4
+    bb = pu.load(hf, tmp_path / "src", "glm4_moe")
+    pu.assert_to_hf_loads(bb, transformers.Glm4MoeForCausalLM, tmp_path / "out", T, "state_dict")
+    pu.assert_packed_rows(bb, hf, [13, 20, 2, 5])
 
 
 def build_with_mtp(path, depth: int, seed: int = 0):
@@ -165,7 +125,7 @@ def build_with_mtp(path, depth: int, seed: int = 0):
         for _, p in mtp.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.02)
-    perturb(main, mtp)
+    pu.perturb(main, mtp)
     main, mtp = main.float().eval(), mtp.float().eval()
     main.save_pretrained(path)
     tensors, L = load_file(path / "model.safetensors"), cfg.num_hidden_layers
@@ -236,7 +196,7 @@ def test_mtp_loss_grads_and_round_trip(tmp_path):
     L = main.config.num_hidden_layers
     hf_grads = {n: p.grad for n, p in main.named_parameters()}
     hf_grads.update({mtp_name(L, n): p.grad for n, p in mtp.named_parameters() if mtp_name(L, n)})
-    assert_grads_close(bb, hf_grads)
+    pu.assert_grads_close(checkpoint_grads(bb, hf_grads))
     bumblebee.to_hf(bb, str(tmp_path / "out"))
     src, out = (load_file(tmp_path / d / "model.safetensors") for d in ("src", "out"))
     assert set(src) == set(out) and all(torch.equal(src[n], out[n]) for n in src)

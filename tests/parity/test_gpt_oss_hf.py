@@ -16,17 +16,16 @@ are perturbed so that none sits at its init.
 
 from __future__ import annotations
 
+import parity_utils as pu
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
-from safetensors.torch import load_file
 
 import bumblebee
 from bumblebee.config import PrimitivesConfig
 from bumblebee.models.hf_stored import stored_entry
 
-VOCAB, T = 97, 40
+VOCAB, T = pu.VOCAB, 40
 BASE = dict(
     vocab_size=VOCAB,
     hidden_size=48,
@@ -74,20 +73,13 @@ def perturb(model):
 
 
 def hf_model(seed: int, **overrides):
-    torch.manual_seed(seed)
     cfg = transformers.GptOssConfig(**{**BASE, **overrides})
     cfg._attn_implementation = "eager"
-    hf = transformers.GptOssForCausalLM(cfg)
-    perturb(hf)
-    return hf.float().eval()
+    return pu.hf_model(transformers.GptOssForCausalLM, cfg, seed, perturb)
 
 
-def loss_of(logits, labels):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-
-
-def hf_grads_of(bb, hf):
-    """bumblebee name -> HF's gradient in bumblebee's layout."""
+def grads(bb, hf):
+    """(name, bumblebee's gradient, HF's in bumblebee's layout) of every parameter."""
     stored = bumblebee.models.family_of(bb.arch).hf_stored
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     out = {}
@@ -99,51 +91,26 @@ def hf_grads_of(bb, hf):
             else hf_grads[name]
         )
     assert len(out) == len(hf_grads)
-    return out
+    return [(n, p.grad, out[n]) for n, p in bb.named_parameters()]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_and_grads_match_hf(name, tmp_path):
     hf = hf_model(0, **CONFIGS[name])
-    hf.save_pretrained(tmp_path)
-    bb = bumblebee.from_hf(str(tmp_path))
-    assert bb.family == "gpt_oss"
-    assert bb.arch.num_params()["total"] == sum(p.numel() for p in hf.parameters())
+    bb = pu.load(hf, tmp_path, "gpt_oss")
     windows = [layer.self_attn.window for layer in bb.model.layers]
     W = hf.config.sliding_window
     assert windows == [W if t == "sliding_attention" else 0 for t in hf.config.layer_types]
-    ids, labels = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        ref = hf(ids).logits
-    logits = bb(ids)
-    assert (logits - ref).abs().max().item() < 1e-4
-    loss_of(logits, labels).backward()
-    loss_of(hf(ids).logits, labels).backward()
-    ref_grads = hf_grads_of(bb, hf)
-    for n, p in bb.named_parameters():
-        g_ref = ref_grads[n]
-        err = ((p.grad - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-12)).item()
-        assert err < 1e-4, n
+    pu.assert_logits_and_grads(bb, hf, T, grads)
 
 
 def test_to_hf_round_trip_and_packed_rows(tmp_path):
     hf = hf_model(1)
-    hf.save_pretrained(tmp_path / "src")
-    bb = bumblebee.from_hf(str(tmp_path / "src"), prims=PrimitivesConfig(attention="varlen"))
-    bumblebee.to_hf(bb, str(tmp_path / "out"))
-    src, out = (load_file(tmp_path / d / "model.safetensors") for d in ("src", "out"))
-    assert set(src) == set(out) and all(torch.equal(src[n], out[n]) for n in src)
-    back = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    ids = torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        assert (back(ids).logits - bb(ids)).abs().max().item() < 1e-4
-    lengths = [13, 20, 2, 5]
-    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = bb(ids, position_ids=pos)
-        ref = torch.cat([hf(doc).logits for doc in ids.split(lengths, dim=1)], dim=1)
-    assert (packed - ref).abs().max().item() < 1e-4
+    prims = PrimitivesConfig(attention="varlen")
+    bb = pu.load(hf, tmp_path / "src", "gpt_oss", prims=prims)
+    model_cls = transformers.GptOssForCausalLM
+    pu.assert_to_hf_loads(bb, model_cls, tmp_path / "out", T, src=tmp_path / "src")
+    pu.assert_packed_rows(bb, hf, [13, 20, 2, 5])
 
 
 def test_mxfp4_checkpoint_is_refused(tmp_path):

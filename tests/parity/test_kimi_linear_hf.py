@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import re
 
+import parity_utils as pu
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 
-import bumblebee
-
-VOCAB, T = 97, 40  # T > 16: the chunked KDA core (16-token chunks) crosses chunk boundaries
+VOCAB, T = pu.VOCAB, 40  # T > 16: the chunked KDA core (16-token chunks) crosses chunk boundaries
 LIN, FULL = "linear_attention", "full_attention"
 BASE = dict(
     vocab_size=VOCAB, hidden_size=48, intermediate_size=56, moe_intermediate_size=24,
@@ -52,16 +50,12 @@ CONFIGS = {
 
 
 def hf_model(seed, **overrides):
-    torch.manual_seed(seed)
-    hf = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**{**BASE, **overrides}))
-    with torch.no_grad():
-        for _, p in hf.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.2 * torch.randn_like(p))
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.add_(0.05 * torch.randn_like(b))
-    return hf.float().eval()
+    config = transformers.KimiLinearConfig(**{**BASE, **overrides})
+    return pu.hf_model(transformers.KimiLinearForCausalLM, config, seed, add_bias)
+
+
+def add_bias(hf):
+    pu.perturb(hf, bias="add")
 
 
 def to_bumblebee_name(hf_name: str) -> str:
@@ -70,59 +64,37 @@ def to_bumblebee_name(hf_name: str) -> str:
     return hf_name.replace("forget_gate.", "")
 
 
-def loss_of(logits, labels):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_logits_and_grads_match_hf(name, tmp_path):
-    hf = hf_model(0, **CONFIGS[name])
-    hf.save_pretrained(tmp_path)
-    bb = bumblebee.from_hf(str(tmp_path))
-    assert bb.family == "kimi_linear"
-    assert bb.arch.num_params()["total"] == sum(p.numel() for p in hf.parameters())
-    ids, labels = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
-    ref_logits = hf(ids).logits
-    logits = bb(ids)
-    assert (logits - ref_logits).abs().max().item() < 1e-4
-
-    loss_of(logits, labels).backward()
-    loss_of(ref_logits, labels).backward()
+def grads(bb, hf):
+    """Every HF parameter's gradient and bumblebee's: HF runs one conv over [q | k | v], so its
+    gradient is compared with bumblebee's three convs' concatenated."""
     bb_params, hf_params = dict(bb.named_parameters()), dict(hf.named_parameters())
     conv_names = {n for n in bb_params if "_conv1d." in n}
     assert {to_bumblebee_name(n) for n in hf_params if "conv1d" not in n} == set(
         bb_params
     ) - conv_names
+    out = []
     for hf_name, p in hf_params.items():
-        if "conv1d" in hf_name:  # HF runs one conv over [q | k | v]: compare its three parts
+        if "conv1d" in hf_name:
             base = to_bumblebee_name(hf_name).rsplit(".conv1d", 1)[0]
             g = torch.cat([bb_params[f"{base}.{x}_conv1d.weight"].grad for x in "qkv"])
         else:
             g = bb_params[to_bumblebee_name(hf_name)].grad
-        g_ref = p.grad
-        scale = g_ref.abs().max().clamp_min(1e-12)
-        assert ((g - g_ref).abs().max() / scale).item() < 1e-4, hf_name
+        out.append((hf_name, g, p.grad))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_and_grads_match_hf(name, tmp_path):
+    hf = hf_model(0, **CONFIGS[name])
+    bb = pu.load(hf, tmp_path, "kimi_linear")
+    pu.assert_logits_and_grads(bb, hf, T, grads)
 
 
 def test_to_hf_round_trip_and_packed_rows(tmp_path):
     hf = hf_model(1, **CONFIGS["l-f-l-l_dense1"])
-    hf.save_pretrained(tmp_path / "src")
-    bb = bumblebee.from_hf(str(tmp_path / "src"))
-    bumblebee.to_hf(bb, str(tmp_path / "out"))
-    back = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    ids = torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        assert (back(ids).logits - bb(ids)).abs().max().item() < 1e-4
-    reloaded = bumblebee.from_hf(str(tmp_path / "out"))
-    for (n, a), (_, b) in zip(bb.state_dict().items(), reloaded.state_dict().items()):
-        assert torch.equal(a, b), n
-    lengths = [13, 20, 2, 9]  # a 2-token document is shorter than the conv window
-    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = bb(ids, position_ids=pos)
-        ref = torch.cat([hf(doc).logits for doc in ids.split(lengths, dim=1)], dim=1)
-    assert (packed - ref).abs().max().item() < 1e-4
+    bb = pu.load(hf, tmp_path / "src", "kimi_linear")
+    pu.assert_to_hf_loads(bb, transformers.KimiLinearForCausalLM, tmp_path / "out", T, "state_dict")
+    pu.assert_packed_rows(bb, hf, [13, 20, 2, 9])  # a 2-token document is shorter than the conv
 
 
 def test_release_preset_counts_transformers_parameters():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 
+import parity_utils as pu
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from bumblebee.errors import ConfigError
 from bumblebee.models import arch_from_hf_dict
 from bumblebee.models.minimax_m2.presets import PRESETS
 
-VOCAB, T = 97, 40
+VOCAB, T = pu.VOCAB, 40
 BASE = dict(
     vocab_size=VOCAB,
     hidden_size=48,
@@ -64,72 +65,37 @@ CONFIGS = {
 
 
 def hf_model(seed: int, **overrides):
-    torch.manual_seed(seed)
     cfg = {k: v for k, v in {**BASE, **overrides}.items() if v is not None}
-    hf = transformers.MiniMaxM2ForCausalLM(transformers.MiniMaxM2Config(**cfg))
-    with torch.no_grad():
-        for _, p in hf.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.2 * torch.randn_like(p))
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    return hf.float().eval()
+    return pu.hf_model(transformers.MiniMaxM2ForCausalLM, transformers.MiniMaxM2Config(**cfg), seed)
 
 
-def hf_name(name: str) -> str:
-    """bumblebee name -> transformers' in-memory name."""
-    return name.replace("mlp.experts.w_gate_up", "mlp.experts.gate_up_proj").replace(
-        "mlp.experts.w_down", "mlp.experts.down_proj"
+def to_bumblebee_name(name: str) -> str:
+    """transformers' in-memory name -> bumblebee's."""
+    return name.replace("mlp.experts.gate_up_proj", "mlp.experts.w_gate_up").replace(
+        "mlp.experts.down_proj", "mlp.experts.w_down"
     )
 
 
-def loss_of(logits, labels):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+def grads(bb, hf):
+    return pu.renamed_grads(bb, hf, to_bumblebee_name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_and_grads_match_hf(name, tmp_path):
     hf = hf_model(0, **CONFIGS[name])
-    hf.save_pretrained(tmp_path)
-    bb = bumblebee.from_hf(str(tmp_path))
-    assert bb.family == "minimax_m2"
-    assert bb.arch.num_params()["total"] == sum(p.numel() for p in hf.parameters())
-    ids, labels = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        ref = hf(ids).logits
-    logits = bb(ids)
-    assert (logits - ref).abs().max().item() < 1e-4
-    loss_of(logits, labels).backward()
-    loss_of(hf(ids).logits, labels).backward()
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-    grads = {hf_name(n): p.grad for n, p in bb.named_parameters()}
-    assert set(grads) == set(hf_grads)
-    for n, g in grads.items():
-        err = (g - hf_grads[n]).abs().max() / hf_grads[n].abs().max().clamp_min(1e-12)
-        assert err.item() < 1e-4, n
+    bb = pu.load(hf, tmp_path, "minimax_m2")
+    pu.assert_logits_and_grads(bb, hf, T, grads)
 
 
 def test_to_hf_released_names_round_trip_and_packed_rows(tmp_path):
     hf = hf_model(1)
-    hf.save_pretrained(tmp_path / "src")
-    bb = bumblebee.from_hf(str(tmp_path / "src"))
-    bumblebee.to_hf(bb, str(tmp_path / "out"))
-    src, out = (load_file(tmp_path / d / "model.safetensors") for d in ("src", "out"))
+    bb = pu.load(hf, tmp_path / "src", "minimax_m2")
+    model_cls = transformers.MiniMaxM2ForCausalLM
+    pu.assert_to_hf_loads(bb, model_cls, tmp_path / "out", T, src=tmp_path / "src")
+    out = load_file(tmp_path / "out" / "model.safetensors")
     assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in out
     assert "model.layers.0.block_sparse_moe.e_score_correction_bias" in out
-    assert set(src) == set(out) and all(torch.equal(src[n], out[n]) for n in src)
-    back = transformers.MiniMaxM2ForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    ids = torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        assert (back(ids).logits - bb(ids)).abs().max().item() < 1e-4
-    lengths = [13, 20, 2, 5]
-    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = bb(ids, position_ids=pos)
-        ref = torch.cat([hf(doc).logits for doc in ids.split(lengths, dim=1)], dim=1)
-    assert (packed - ref).abs().max().item() < 1e-4
+    pu.assert_packed_rows(bb, hf, [13, 20, 2, 5])
 
 
 def test_block_fp8_directory_loads_dequantized(tmp_path):

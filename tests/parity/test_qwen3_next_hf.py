@@ -15,15 +15,12 @@ tied embeddings. Every 1-D parameter is perturbed so a wrong norm convention can
 
 from __future__ import annotations
 
+import parity_utils as pu
 import pytest
-import torch
-import torch.nn.functional as F
 import transformers
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_mod
 
-import bumblebee
-
-VOCAB, T = 97, 80  # T > 64: the chunked GDN crosses a chunk boundary
+VOCAB, T = pu.VOCAB, 80  # T > 64: the chunked GDN crosses a chunk boundary
 LIN, FULL = "linear_attention", "full_attention"
 BASE = dict(
     vocab_size=VOCAB,
@@ -63,19 +60,18 @@ CONFIGS = {
 
 
 def hf_model(seed, **overrides):
-    torch.manual_seed(seed)
-    hf = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**BASE, **overrides}))
-    with torch.no_grad():
-        for _, p in hf.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.2 * torch.randn_like(p))
-    return hf.float().eval()
+    config = transformers.Qwen3NextConfig(**{**BASE, **overrides})
+    return pu.hf_model(transformers.Qwen3NextForCausalLM, config, seed)
 
 
 def to_bumblebee_name(hf_name: str) -> str:
     return hf_name.replace("experts.gate_up_proj", "experts.w_gate_up").replace(
         "experts.down_proj", "experts.w_down"
     )
+
+
+def grads(bb, hf):
+    return pu.renamed_grads(bb, hf, to_bumblebee_name)
 
 
 def hf_recurrent_gdn(query, key, value, g, beta, initial_state=None, output_final_state=False,
@@ -86,50 +82,20 @@ def hf_recurrent_gdn(query, key, value, g, beta, initial_state=None, output_fina
     )  # fmt: skip
 
 
-def loss_of(logits, labels):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_and_grads_match_hf(name, tmp_path, monkeypatch):
     hf = hf_model(0, **CONFIGS[name])
-    hf.save_pretrained(tmp_path)
-    bb = bumblebee.from_hf(str(tmp_path))
-    assert bb.family == "qwen3_next"
-    assert bb.arch.num_params()["total"] == sum(p.numel() for p in hf.parameters())
-    ids, labels = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        ref = hf(ids).logits
-    logits = bb(ids)
-    assert (logits - ref).abs().max().item() < 1e-4
+    bb = pu.load(hf, tmp_path, "qwen3_next")
 
-    loss_of(logits, labels).backward()
-    monkeypatch.setattr(hf_mod, "torch_chunk_gated_delta_rule", hf_recurrent_gdn)
-    loss_of(hf(ids).logits, labels).backward()
-    bb_params, hf_params = dict(bb.named_parameters()), dict(hf.named_parameters())
-    assert {to_bumblebee_name(n) for n in hf_params} == set(bb_params)
-    for hf_name, p in hf_params.items():
-        g_ref, g = p.grad, bb_params[to_bumblebee_name(hf_name)].grad
-        scale = g_ref.abs().max().clamp_min(1e-12)
-        assert ((g - g_ref).abs().max() / scale).item() < 1e-4, hf_name
+    def recurrent():  # HF's backward through its recurrent rule, not the chunked one
+        monkeypatch.setattr(hf_mod, "torch_chunk_gated_delta_rule", hf_recurrent_gdn)
+
+    pu.assert_logits_and_grads(bb, hf, T, grads, before_hf_backward=recurrent)
 
 
 def test_to_hf_round_trip_and_packed_rows(tmp_path):
     hf = hf_model(1, **CONFIGS["l-f-l_gva3_dense1_tied"])
-    hf.save_pretrained(tmp_path / "src")
-    bb = bumblebee.from_hf(str(tmp_path / "src"))
-    bumblebee.to_hf(bb, str(tmp_path / "out"))
-    back = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    ids = torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        assert (back(ids).logits - bb(ids)).abs().max().item() < 1e-4
-    reloaded = bumblebee.from_hf(str(tmp_path / "out"))
-    for (n, a), (_, b) in zip(bb.named_parameters(), reloaded.named_parameters()):
-        assert torch.equal(a, b), n
-    lengths = [23, 40, 2, 15]  # a 2-token document is shorter than the conv window
-    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = bb(ids, position_ids=pos)
-        ref = torch.cat([hf(doc).logits for doc in ids.split(lengths, dim=1)], dim=1)
-    assert (packed - ref).abs().max().item() < 1e-4
+    bb = pu.load(hf, tmp_path / "src", "qwen3_next")
+    model_cls = transformers.Qwen3NextForCausalLM
+    pu.assert_to_hf_loads(bb, model_cls, tmp_path / "out", T, "parameters")
+    pu.assert_packed_rows(bb, hf, [23, 40, 2, 15])  # a 2-token document is shorter than the conv

@@ -203,7 +203,7 @@ def test_planner_prices_the_cp_fetch():
     latent rows and their int32 ids; no MLA ring re-expansion), its memory keeps the fetched row
     and the int32 top-k slots, and the MLA ring's transients are not charged."""
     from bumblebee.config import PrimitivesConfig
-    from bumblebee.plan import perf
+    from bumblebee.plan import perf_layer as perf
     from bumblebee.plan.dsa_terms import COLLECTIVES, dsa_bytes, dsa_cp_traffic
     from bumblebee.plan.hardware import GPUS, Efficiency
     from bumblebee.plan.layout import Layout, Workload
@@ -221,10 +221,10 @@ def test_planner_prices_the_cp_fetch():
     k8, k1 = dsa_bytes(spec, lay, t, 128).kept, dsa_bytes(spec, Layout(), t, 128).kept
     assert k8 - k1 == 7 * (lat + di) * 2 + 2048 * 4
     gpu, eff, prims = GPUS["h200"], Efficiency(), PrimitivesConfig(recompute="full")
-    clock = perf._Clock()
+    clock = perf.Clock()
     work = Workload(seq=131072, global_batch=1)
-    perf._layer_time(spec, (ATTN, MOE), lay, prims, work, gpu, eff, clock)
-    bw = perf._link(8, 1, gpu) * 1e9 * eff.collective
+    perf.layer_time(spec, (ATTN, MOE), lay, prims, work, gpu, eff, clock)
+    bw = perf.link_gbps(8, 1, gpu) * 1e9 * eff.collective
     want = (2 * m["forward"] + m["backward"]) / bw + 3 * COLLECTIVES * perf.P2P_LATENCY_S
     assert clock.parts["cp_comm"] == pytest.approx(want, rel=1e-12)
 

@@ -1,6 +1,6 @@
 """The planner's terms for ``moe_comm = overlap_mb`` (two micro-batches in flight, pp = 1).
 
-Time (plan/perf.py): every all-to-all runs under the partner micro-batch's compute of the same
+Time (plan/perf_layer.py): every all-to-all runs under the partner micro-batch's compute of the same
 pass, so the exposed all-to-all is what that pass cannot cover: none where the layer's compute
 outlasts its exchanges, the excess where it does not. Never more than ``alltoall``'s (fully
 exposed), and the expert GEMMs are unchanged. Memory (plan/memory.py, timeline.py): both

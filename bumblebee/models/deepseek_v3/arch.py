@@ -11,7 +11,6 @@ holds (``models/mtp.py``; a checkpoint without their tensors loads with 0).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +21,13 @@ from bumblebee.models.arch import (
     check_field_types,
     check_norm_and_rope,
     check_positive,
+    check_rope_type,
     check_silu,
+    hf_rope,
+    rope_theta_of,
 )
+
+ROPE_TYPES = ("default", "yarn")  # the RoPE kinds this family implements
 
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
@@ -143,19 +147,8 @@ class DeepseekV3Arch(BaseArch):
             raise ArchError(
                 "attention_bias = true is not supported (DeepSeek-V3 checkpoints have none)"
             )
-        kind = self.rope_parameters.get("rope_type", "default")
-        if kind not in ("default", "yarn"):
-            raise ArchError(f"rope_type {kind!r} is not supported; valid: default, yarn")
-        if kind == "yarn" and not self.rope_parameters.get("original_max_position_embeddings"):
-            raise ArchError("yarn rope_parameters need original_max_position_embeddings")
-        theta = self.rope_parameters.get("rope_theta", 10000.0)
-        if (
-            isinstance(theta, bool)
-            or not isinstance(theta, (int, float))
-            or not math.isfinite(theta)
-        ):
-            raise ArchError(f"rope_parameters.rope_theta must be a finite number, got {theta!r}")
-        check_norm_and_rope(self.rms_norm_eps, float(theta))
+        check_rope_type(self.rope_parameters, ROPE_TYPES)
+        check_norm_and_rope(self.rms_norm_eps, rope_theta_of(self.rope_parameters, 10000.0))
 
     # ------------------------------------------------------------------ HF mapping
     @classmethod
@@ -165,12 +158,7 @@ class DeepseekV3Arch(BaseArch):
             d["num_nextn_predict_layers"] = d["num_mtp_layers"]
         if "num_local_experts" in d and "n_routed_experts" not in d:
             d["n_routed_experts"] = d["num_local_experts"]
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        rope.setdefault("rope_type", "default")
-        rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-        d["rope_parameters"] = rope
+        d["rope_parameters"] = hf_rope(d, theta=10000.0)
         heads, kv_heads = d.get("num_attention_heads"), d.get("num_key_value_heads")
         if kv_heads is not None and heads is not None and kv_heads != heads:
             raise ArchError(

@@ -22,7 +22,10 @@ from bumblebee.models.arch import (
     check_partial_rotary,
     check_positive,
     check_silu,
+    flatten_rope,
 )
+
+ROPE_TYPES = ("default",)  # the RoPE kinds this family implements
 
 
 @dataclass(kw_only=True)
@@ -123,12 +126,7 @@ class Glm4MoeArch(BaseArch):
             d["num_nextn_predict_layers"] = d["num_mtp_layers"]
         if "num_local_experts" in d and "n_routed_experts" not in d:
             d["n_routed_experts"] = d["num_local_experts"]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        for key in ("rope_theta", "partial_rotary_factor"):
-            if key not in d and key in rope:
-                d[key] = rope[key]
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ArchError(f"rope_type {rope.get('rope_type')!r} is not supported; valid: default")
+        flatten_rope(d, ROPE_TYPES)
         return cls.from_fields(d)
 
     def to_hf_dict(self) -> dict[str, Any]:

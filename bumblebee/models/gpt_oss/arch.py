@@ -22,8 +22,13 @@ from bumblebee.models.arch import (
     check_field_types,
     check_norm_and_rope,
     check_positive,
+    check_rope_type,
     check_silu,
+    hf_rope,
+    rope_theta_of,
 )
+
+ROPE_TYPES = ("default", "yarn")  # the RoPE kinds this family implements
 
 _DEFAULT_ROPE = {
     "rope_type": "yarn",
@@ -142,15 +147,8 @@ class GptOssArch(BaseArch):
             )
         if self.swiglu_limit <= 0 or self.swiglu_alpha <= 0:
             raise ArchError("swiglu_alpha and swiglu_limit must be positive")
-        kind = self.rope_parameters.get("rope_type", "default")
-        if kind not in ("default", "yarn"):
-            raise ArchError(f"rope_type {kind!r} is not supported; valid: default, yarn")
-        if kind == "yarn" and not self.rope_parameters.get("original_max_position_embeddings"):
-            raise ArchError("yarn rope_parameters need original_max_position_embeddings")
-        theta = self.rope_parameters.get("rope_theta", 150000.0)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-            raise ArchError(f"rope_parameters.rope_theta must be a number, got {theta!r}")
-        check_norm_and_rope(self.rms_norm_eps, float(theta))
+        check_rope_type(self.rope_parameters, ROPE_TYPES)
+        check_norm_and_rope(self.rms_norm_eps, rope_theta_of(self.rope_parameters, 150000.0))
         check_silu(self)
 
     # ------------------------------------------------------------------ HF mapping
@@ -164,13 +162,7 @@ class GptOssArch(BaseArch):
             )
         if "num_experts" in d and "num_local_experts" not in d:
             d["num_local_experts"] = d["num_experts"]
-        rope = d.get("rope_parameters") or d.get("rope_scaling")
-        rope = dict(_DEFAULT_ROPE if rope is None else rope)
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        rope.setdefault("rope_type", "default")
-        rope.setdefault("rope_theta", d.get("rope_theta", 150000.0))
-        d["rope_parameters"] = rope
+        d["rope_parameters"] = hf_rope(d, _DEFAULT_ROPE, theta=150000.0)
         if d.get("sliding_window") is None:
             d.pop("sliding_window", None)
         return cls.from_fields(d)

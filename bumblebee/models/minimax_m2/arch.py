@@ -25,7 +25,10 @@ from bumblebee.models.arch import (
     check_norm_and_rope,
     check_partial_rotary,
     check_positive,
+    flatten_rope,
 )
+
+ROPE_TYPES = ("default",)  # the RoPE kinds this family implements
 
 
 @dataclass(kw_only=True)
@@ -132,12 +135,7 @@ class MiniMaxM2Arch(BaseArch):
         d = dict(d)
         if any(t != 1 for t in d.get("attn_type_list") or []):
             raise ArchError("attn_type_list: only full attention (1) in every layer is supported")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ArchError(f"rope_type {rope.get('rope_type')!r} is not supported; valid: default")
-        for key in ("rope_theta", "partial_rotary_factor"):
-            if key not in d and key in rope:
-                d[key] = rope[key]
+        flatten_rope(d, ROPE_TYPES)
         head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
         if "partial_rotary_factor" not in d and d.get("rotary_dim") is not None:
             d["partial_rotary_factor"] = d["rotary_dim"] / head_dim  # HF's rule for the legacy key

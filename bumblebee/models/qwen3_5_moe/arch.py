@@ -25,8 +25,11 @@ from bumblebee.models.arch import (
     check_partial_rotary,
     check_positive,
     check_silu,
+    flatten_rope,
     replace_fields,
 )
+
+ROPE_TYPES = ("default",)  # the RoPE kinds this family implements
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -153,12 +156,7 @@ class Qwen3_5MoeArch(BaseArch):
             if "tie_word_embeddings" in top:
                 d["tie_word_embeddings"] = top["tie_word_embeddings"]
         d = dict(d)
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        for key in ("rope_theta", "partial_rotary_factor"):
-            if key not in d and key in rope:
-                d[key] = rope[key]
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise ArchError(f"rope_type {rope['rope_type']!r} is not supported; valid: default")
+        flatten_rope(d, ROPE_TYPES)
         if d.get("mtp_use_dedicated_embeddings"):
             raise ArchError(
                 "mtp_use_dedicated_embeddings = true is not supported (the MTP head shares the embedding)"

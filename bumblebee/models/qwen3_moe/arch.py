@@ -14,7 +14,10 @@ from bumblebee.models.arch import (
     check_norm_and_rope,
     check_positive,
     check_silu,
+    flatten_rope,
 )
+
+ROPE_TYPES = ("default",)  # the RoPE kinds this family implements
 
 
 @dataclass(kw_only=True)
@@ -96,11 +99,7 @@ class Qwen3MoeArch(BaseArch):
         d = dict(d)
         if "num_local_experts" in d and "num_experts" not in d:
             d["num_experts"] = d["num_local_experts"]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if "rope_theta" not in d and "rope_theta" in rope:
-            d["rope_theta"] = rope["rope_theta"]
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise ArchError(f"rope_type {rope['rope_type']!r} is not supported; valid: default")
+        flatten_rope(d, ROPE_TYPES)
         if d.get("use_sliding_window"):
             raise ArchError("use_sliding_window = true is not supported")
         names = {f.name for f in dataclasses.fields(cls)}

@@ -28,11 +28,14 @@ import torch.distributed as dist
 from bumblebee.primitives.cp.zigzag import CPShards
 
 
-def exchange(group, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+def exchange(
+    group, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], rank: int | None = None
+) -> None:
     """Send ``sends[p]`` to group rank p and receive into the buffer ``recvs[p]`` from p, all
     at once (batched isend/irecv), and wait. At most one message per direction and peer;
-    the caller keeps messages to itself local."""
-    me = dist.get_rank(group)
+    the caller keeps messages to itself local. ``rank``: this rank's place in ``group`` as the
+    caller carries it (``CPShards.rank``); read from the group when not given."""
+    me = dist.get_rank(group) if rank is None else rank
     assert me not in sends and me not in recvs, "exchange: local moves are the caller's"
     ops = [
         dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group) for p, t in sends.items()
@@ -86,7 +89,7 @@ def _move(x_BL, layout: CPShards, src, dst) -> torch.Tensor:
     }
     shape = lambda k: (x_BL.shape[0], k * n) + tuple(x_BL.shape[2:])  # noqa: E731
     recvs = {p: x_BL.new_empty(shape(len(js))) for p, js in incoming.items()}
-    exchange(layout.group, sends, recvs)
+    exchange(layout.group, sends, recvs, layout.rank)
     for p, js in incoming.items():
         for j, part in zip(js, recvs[p].split(n, dim=1)):
             out[dst(j, C)[1]] = part

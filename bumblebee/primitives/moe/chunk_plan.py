@@ -123,3 +123,13 @@ def token_bounds(T: int, weights) -> list[tuple[int, int]]:
         bounds.append(min(T, max(bounds[-1], round(T * acc / total))))
     bounds.append(T)
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def chunk_bounds(T: int, k: int, weights=None) -> list[tuple[int, int]]:
+    """[lo, hi) of each of ``k`` chunks of ``T`` tokens: ``token_bounds`` of ``weights``, or, without
+    weights, an even split (the first ``T % k`` chunks one token longer)."""
+    if weights is not None:
+        return token_bounds(T, weights)
+    sizes = [T // k + (i < T % k) for i in range(k)]
+    starts = [sum(sizes[:i]) for i in range(k)]
+    return [(s, s + n) for s, n in zip(starts, sizes)]

@@ -62,8 +62,13 @@ from torch.profiler import record_function
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.moe.alltoall import regroup_by_expert
-from bumblebee.primitives.moe.chunk_plan import token_bounds
-from bumblebee.primitives.moe.experts import experts_grouped, experts_loop, grouped_mm_supported
+from bumblebee.primitives.moe.chunk_plan import chunk_bounds
+from bumblebee.primitives.moe.experts import (
+    GroupedGemms,
+    experts_grouped,
+    experts_loop,
+    grouped_mm_supported,
+)
 from bumblebee.primitives.moe.local import combine_into, permute, unsort_rows
 from bumblebee.primitives.packed import to_device
 from bumblebee.primitives.recompute_scope import in_recompute
@@ -116,42 +121,6 @@ class _Comm:
         return _Pending(out, event=event, keep=x)
 
 
-class _Gemm:
-    """Expert GEMMs on rows grouped by local expert (``counts`` rows each)."""
-
-    def __init__(self, counts: list[int], grouped: bool, device):
-        self.counts, self.grouped = counts, grouped
-        if grouped:
-            self.offs = to_device(counts, device, torch.int32).cumsum(0, dtype=torch.int32)
-
-    def _loop(self, x, width, fn):
-        parts, start = [], 0
-        for e, n in enumerate(self.counts):
-            if n:
-                parts.append(fn(e, x[start : start + n]))
-                start += n
-        return torch.cat(parts) if parts else x.new_zeros(0, width)
-
-    def fwd(self, x_MI, w_EOI):  # y_m = W_e x_m -> [M, O]
-        if self.grouped:
-            return torch._grouped_mm(x_MI, w_EOI.transpose(-2, -1), offs=self.offs)
-        return self._loop(x_MI, w_EOI.shape[1], lambda e, x: F.linear(x, w_EOI[e]))
-
-    def dgrad(self, g_MO, w_EOI):  # dx_m = W_e^T g_m -> [M, I]
-        if self.grouped:
-            return torch._grouped_mm(g_MO, w_EOI, offs=self.offs)
-        return self._loop(g_MO, w_EOI.shape[2], lambda e, g: g @ w_EOI[e])
-
-    def wgrad(self, g_MO, x_MI):  # dW_e = sum_m g_m x_m^T -> [E, O, I]
-        if self.grouped:
-            return torch._grouped_mm(g_MO.t(), x_MI, offs=self.offs)
-        out, start = g_MO.new_zeros(len(self.counts), g_MO.shape[1], x_MI.shape[1]), 0
-        for e, n in enumerate(self.counts):
-            out[e] = g_MO[start : start + n].t() @ x_MI[start : start + n]
-            start += n
-        return out
-
-
 @dataclass
 class _Setup:
     num_experts: int
@@ -163,14 +132,6 @@ class _Setup:
     weights: tuple | None = None  # token share of each chunk (chunk_plan.py); None: even
 
 
-def _bounds(T: int, k: int, weights=None):
-    if weights is not None:
-        return token_bounds(T, weights)
-    sizes = [T // k + (i < T % k) for i in range(k)]
-    starts = [sum(sizes[:i]) for i in range(k)]
-    return [(s, s + n) for s, n in zip(starts, sizes)]
-
-
 class _ChunkedExperts(torch.autograd.Function):
     """x_TH, weight_TK, W_gate_up, W_down -> y_TH for one MoE layer, in k chunks."""
 
@@ -178,7 +139,7 @@ class _ChunkedExperts(torch.autograd.Function):
     def forward(ctx, x_TH, weight_TK, w1_EGH, w2_EHF, idx_TK, s: _Setup):
         (T, K), H, ep = idx_TK.shape, x_TH.shape[1], s.comm.ep
         chunks = []  # per chunk: [lo, hi, order_N, send, recv, local, by_expert]
-        for lo, hi in _bounds(T, s.num_chunks, s.weights):
+        for lo, hi in chunk_bounds(T, s.num_chunks, s.weights):
             order_N, counts_E = permute(idx_TK[lo:hi], s.num_experts, s.drops)
             chunks.append([lo, hi, order_N, counts_E])
         # every chunk's counts in one exchange and one device-to-host read (a read per chunk would
@@ -203,7 +164,7 @@ class _ChunkedExperts(torch.autograd.Function):
             with record_function(f"chunked.fwd.dispatch_wait{i}"):
                 x_recv = px.wait()
             with record_function(f"chunked.fwd.gemm{i}"):
-                gemm = _Gemm(local, s.grouped, x_TH.device)
+                gemm = GroupedGemms(local, s.grouped, x_TH.device)
                 x_MH = x_recv[by_expert]
                 h_MG = gemm.fwd(x_MH, w1_EGH)
                 saved += [order_N, by_expert, x_MH, h_MG]
@@ -247,7 +208,7 @@ class _ChunkedExperts(torch.autograd.Function):
             with record_function(f"chunked.bwd.combine_wait{i}"):
                 g_MH, w_M = pg.wait()[by_expert], pw.wait()[by_expert, None]
             with record_function(f"chunked.bwd.dgrad{i}"):  # 2. expert dgrad of chunk i
-                gemm = _Gemm(local, s.grouped, g_TH.device)
+                gemm = GroupedGemms(local, s.grouped, g_TH.device)
                 gate, up = h_MG.chunk(2, dim=-1)
                 sig, silu = torch.sigmoid(gate), F.silu(gate)
                 dA_MF = gemm.dgrad(g_MH, w2_EHF)  # unweighted: g W_down

@@ -33,6 +33,7 @@ from torch import nn
 
 from bumblebee.primitives import kernel_choice
 from bumblebee.primitives.fused import clamped_swiglu_halves, swiglu_halves
+from bumblebee.primitives.packed import to_device
 from bumblebee.registry import register
 
 
@@ -214,3 +215,41 @@ def _aligned_rank(a_ERI: torch.Tensor, b_EOR: torch.Tensor):
     if pad == 0:
         return a_ERI, b_EOR
     return F.pad(a_ERI, (0, 0, 0, pad)), F.pad(b_EOR, (0, pad))
+
+
+class GroupedGemms:
+    """Expert GEMMs on rows grouped by local expert (``counts`` rows each), the forward, the
+    data gradient and the weight gradient called separately (chunked.py runs its own backward
+    and delays the weight gradients)."""
+
+    def __init__(self, counts: list[int], grouped: bool, device):
+        self.counts, self.grouped = counts, grouped
+        if grouped:
+            self.offs = to_device(counts, device, torch.int32).cumsum(0, dtype=torch.int32)
+
+    def _loop(self, x, width, fn):
+        parts, start = [], 0
+        for e, n in enumerate(self.counts):
+            if n:
+                parts.append(fn(e, x[start : start + n]))
+                start += n
+        return torch.cat(parts) if parts else x.new_zeros(0, width)
+
+    def fwd(self, x_MI, w_EOI):  # y_m = W_e x_m -> [M, O]
+        if self.grouped:
+            return torch._grouped_mm(x_MI, w_EOI.transpose(-2, -1), offs=self.offs)
+        return self._loop(x_MI, w_EOI.shape[1], lambda e, x: F.linear(x, w_EOI[e]))
+
+    def dgrad(self, g_MO, w_EOI):  # dx_m = W_e^T g_m -> [M, I]
+        if self.grouped:
+            return torch._grouped_mm(g_MO, w_EOI, offs=self.offs)
+        return self._loop(g_MO, w_EOI.shape[2], lambda e, g: g @ w_EOI[e])
+
+    def wgrad(self, g_MO, x_MI):  # dW_e = sum_m g_m x_m^T -> [E, O, I]
+        if self.grouped:
+            return torch._grouped_mm(g_MO.t(), x_MI, offs=self.offs)
+        out, start = g_MO.new_zeros(len(self.counts), g_MO.shape[1], x_MI.shape[1]), 0
+        for e, n in enumerate(self.counts):
+            out[e] = g_MO[start : start + n].t() @ x_MI[start : start + n]
+            start += n
+        return out

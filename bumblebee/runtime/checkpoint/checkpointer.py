@@ -101,6 +101,7 @@ class Checkpointer:
         self.sharding, self.optimizer = sharding, optimizer
         self.root = checkpoint_root(cfg.train.out_dir)
         self.group = dist.group.WORLD if ctx.distributed else None  # every rank saves its part
+        self._share = (ctx.rank, ctx.layout.world)  # this rank's place in the group (checksums)
         self.last_saved, self.last_path = -1, ""  # the newest checkpoint of this run
 
     def _say(self, text: str) -> None:
@@ -156,7 +157,7 @@ class Checkpointer:
 
     def load(self, path: str) -> int:
         info = read_marker(path)
-        verify_checksums(path, info, self.group)  # every rank checks a share of the files
+        verify_checksums(path, info, self.group, *self._share)  # every rank checks a share
         md = read_dcp_metadata(path)
         pieces = self._pieces()
         check_fits(path, info, md, pieces, whole=self.ctx.layout.pp == 1)
@@ -235,10 +236,10 @@ class Checkpointer:
         if (
             self.group is not None
         ):  # every rank has written its files; pipeline stages hold different layers
-            every = [None] * dist.get_world_size(self.group)
+            every = [None] * self.ctx.layout.world
             dist.all_gather_object(every, shapes, group=self.group)
             shapes = {k: v for d in every for k, v in d.items()}
-        sums = checksum_files(tmp, sorted(os.listdir(tmp)), self.group)  # each rank hashes a share
+        sums = checksum_files(tmp, sorted(os.listdir(tmp)), self.group, *self._share)
         if self.ctx.rank == 0:
             self._publish(tmp, final, step, shapes, sums)
 

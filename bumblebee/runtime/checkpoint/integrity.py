@@ -39,11 +39,11 @@ def _share(names: list[str], rank: int, world: int) -> list[str]:
     return sorted(names)[rank::world]
 
 
-def checksum_files(path: str, names: list[str], group=None) -> dict[str, str]:
-    """CRC-32 of ``names`` in ``path``; collective over ``group`` (each rank hashes a share)."""
-    rank, world = (
-        (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    )
+def checksum_files(
+    path: str, names: list[str], group=None, rank: int = 0, world: int = 1
+) -> dict[str, str]:
+    """CRC-32 of ``names`` in ``path``; collective over ``group`` (each rank hashes a share:
+    ``rank`` of ``world``, this rank's place in ``group``, which the caller carries)."""
     mine = {n: file_checksum(os.path.join(path, n)) for n in _share(names, rank, world)}
     if group is None:
         return mine
@@ -64,9 +64,10 @@ def _errors(path: str, info: dict, names: list[str]) -> list[str]:
     return out
 
 
-def verify_checksums(path: str, info: dict, group=None) -> None:
+def verify_checksums(path: str, info: dict, group=None, rank: int = 0, world: int = 1) -> None:
     """Raise a one-line ``CheckpointError`` naming the first corrupt file (collective over
-    ``group``). Markers written before checksums existed are accepted as they are."""
+    ``group``, this rank ``rank`` of its ``world``). Markers written before checksums existed are
+    accepted as they are."""
     names = sorted(info.get("checksums", {}))
     if not names:
         return
@@ -74,9 +75,6 @@ def verify_checksums(path: str, info: dict, group=None) -> None:
         raise CheckpointError(
             f"{path}: checksums use {info.get('hash')!r}; this bumblebee knows {HASH}"
         )
-    rank, world = (
-        (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    )
     errors = _errors(path, info, _share(names, rank, world))
     if group is not None:
         every = [None] * world
