@@ -198,7 +198,7 @@ def test_explain_prints_every_term_with_its_formula(capsys):
         "moe_buffers",
         "X=32768",
         "overhead",
-        "1.0 GB fixed",
+        "1.6 GB fixed",
         "zero1:",
         "expert side 3.5X+6.5A",
         "expert grads",
