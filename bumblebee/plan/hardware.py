@@ -93,10 +93,9 @@ class Efficiency:
 # moment's transient bytes (activations, MoE and all-gather buffers; the few huge loss
 # blocks fragment little). FITTED: these two are the only memory constants tuned to the
 # two published Qwen3.5-35B-A3B peaks (32 x H100, 128K; tests/unit/test_plan_calibration.py):
-# re-fitted (a grid over 0-3 GB and 0-30%, minimizing the larger residual) after the GDN CP terms
-# were counted from the two-call scan: 1.6 GB + 7% of the transient bytes puts stage 0 at 43.97
-# GB (published 42.91, TP2/PP4) and 54.54 GB (published 55.91, TP1/PP2), within 2.5%
-# (1.0 GB + 5% had been within 3.1% before, 4.2% after). Both values sit inside what is commonly seen when the peak is read from the caching
+# 1.6 GB + 7% of the transient bytes (a grid minimizing the larger residual) puts stage 0 at
+# 43.97 GB (published 42.91, TP2/PP4) and 54.54 GB (published 55.91, TP1/PP2), within 2.5%.
+# Both values sit inside what is commonly seen when the peak is read from the caching
 # allocator (the CUDA context, ~0.5 GB, is outside it): workspaces + NCCL ~0.5-2 GB,
 # fragmentation ~0-30% (lower with expandable segments). No layout is special-cased.
 # A candidate fits when its peak is at most (1 - MEMORY_MARGIN) x the spec-sheet HBM
