@@ -16,6 +16,14 @@ from bumblebee.models import FAMILIES, arch_from_hf_dict
 from bumblebee.models.spec import ATTN, DENSE, GDN, MOE, ModelSpec  # noqa: F401  (re-exported for the planner)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSpec(ModelSpec):
+    """A ``ModelSpec`` whose last ``mtp_layers`` layers are multi-token-prediction modules (the
+    planner's memory terms that only MTP has: ``timeline.py``)."""
+
+    mtp_layers: int = 0
+
+
 def spec_from_hf_dict(d: dict, name: str = "custom") -> ModelSpec:
     """A ``ModelSpec`` from a Hugging Face config dict of any registered family. Multi-token
     prediction modules are planned as that many more (attention, MoE) layers after the last
@@ -28,9 +36,9 @@ def spec_from_hf_dict(d: dict, name: str = "custom") -> ModelSpec:
     spec = arch.to_spec(name)
     if spec.mtp_depth:
         d_ = spec.mtp_depth
-        spec = dataclasses.replace(
-            spec, mixers=spec.mixers + (ATTN,) * d_, mlps=spec.mlps + (MOE,) * d_, mtp_depth=0
-        )
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        fields.update(mixers=spec.mixers + (ATTN,) * d_, mlps=spec.mlps + (MOE,) * d_, mtp_depth=0)
+        spec = PlanSpec(**fields, mtp_layers=d_)
     return spec
 
 
