@@ -154,7 +154,8 @@ def layer_moments(
         )  # roped q (+ q_proj's [q | gate]), roped k, v
         # partial RoPE: the ring's flat [t, N, D] q and k are copies of the head-major roped ones
         # (both alive through the ring; measured by the dry run, skills/plan/memory.md)
-        flat = (nd + kvd) * BF16 if lay.cp > 1 and getattr(spec, "partial_rope", False) else 0.0
+        ring = lay.cp > 1 and not spec.mla  # MLA's CP is the latent ring (cp_extra), no flat q/k
+        flat = (nd + kvd) * BF16 if ring and getattr(spec, "partial_rope", False) else 0.0
         fwd_live = {"full": h2 + core_in + afwd + flat}.get(rc, mk + mc + afwd + flat)
         # full: by the core's backward the output gate's product has run its own, releasing
         # sigmoid(gate) and the core's output it kept (mixer_act's 2nd x g)
