@@ -152,7 +152,11 @@ def layer_moments(
         core_in = (
             nd * BF16 * (1 + 2 * g) + 2 * kvd * BF16
         )  # roped q (+ q_proj's [q | gate]), roped k, v
-        fwd_live = {"full": h2 + core_in + afwd}.get(rc, mk + mc + afwd)
+        # partial RoPE: the ring's flat [t, N, D] q and k are copies of the head-major roped ones
+        # (both alive through the ring; measured by the dry run, skills/plan/memory.md)
+        ring = lay.cp > 1 and not spec.mla  # MLA's CP is the latent ring (cp_extra), no flat q/k
+        flat = (nd + kvd) * BF16 if ring and getattr(spec, "partial_rope", False) else 0.0
+        fwd_live = {"full": h2 + core_in + afwd + flat}.get(rc, mk + mc + afwd + flat)
         # full: by the core's backward the output gate's product has run its own, releasing
         # sigmoid(gate) and the core's output it kept (mixer_act's 2nd x g)
         mix_live = (
@@ -167,7 +171,9 @@ def layer_moments(
                 t * fwd_live,
                 0.0,
                 0.0,
-                f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}; core inputs + {awhy})",
+                f"{name}'s mixer forward: {fwd_live:.0f} B/token ({rc}; core inputs + {awhy}"
+                + (" + flat q/k copies (partial RoPE)" if flat else "")
+                + ")",
             ),
             (
                 "backward:mixer",

@@ -16,6 +16,17 @@ from bumblebee.models import FAMILIES, arch_from_hf_dict
 from bumblebee.models.spec import ATTN, DENSE, GDN, MOE, ModelSpec  # noqa: F401  (re-exported for the planner)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSpec(ModelSpec):
+    """A ``ModelSpec`` with what only the planner's memory terms read: ``mtp_layers``, the last
+    layers that are multi-token-prediction modules (``timeline.py``); ``partial_rope``, RoPE on
+    part of each head (its concatenated output is head-major, so the CP ring's flat copies of q
+    and k are real copies: ``layer_moments.py``)."""
+
+    mtp_layers: int = 0
+    partial_rope: bool = False
+
+
 def spec_from_hf_dict(d: dict, name: str = "custom") -> ModelSpec:
     """A ``ModelSpec`` from a Hugging Face config dict of any registered family. Multi-token
     prediction modules are planned as that many more (attention, MoE) layers after the last
@@ -26,12 +37,12 @@ def spec_from_hf_dict(d: dict, name: str = "custom") -> ModelSpec:
     except ConfigError as e:
         raise ConfigError(f"model {name}: {e}") from None
     spec = arch.to_spec(name)
-    if spec.mtp_depth:
-        d_ = spec.mtp_depth
-        spec = dataclasses.replace(
-            spec, mixers=spec.mixers + (ATTN,) * d_, mlps=spec.mlps + (MOE,) * d_, mtp_depth=0
-        )
-    return spec
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    d_ = spec.mtp_depth
+    if d_:
+        fields.update(mixers=spec.mixers + (ATTN,) * d_, mlps=spec.mlps + (MOE,) * d_, mtp_depth=0)
+    partial = getattr(arch, "partial_rotary_factor", 1.0) < 1.0
+    return PlanSpec(**fields, mtp_layers=d_, partial_rope=partial)
 
 
 def preset_names() -> dict[str, str]:

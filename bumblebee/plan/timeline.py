@@ -137,6 +137,15 @@ def stage_timeline(
         kinds = stage_kinds(spec, layers)
         per_kind = {k: layer_moments(spec, k, lay, prims, t, skew, work.micro_batch) for k in kinds}
         saved_mb = sum(n * per_kind[k][0] for k, n in kinds.items())
+        # MTP beside the embedding (pp = 1): the MTP modules embed their shifted tokens with the one
+        # embedding, so its bf16 [V/tp, H] weight gradient, made as the backward leaves the MTP part
+        # (first), stays alive through every decoder layer's backward until the embedding's own
+        # (models/mtp.py); under pp, stage 0 embeds them and runs both backwards at its end
+        mtp_grad = (
+            spec.embed_params / lay.tp * BF16
+            if first and last and getattr(spec, "mtp_layers", 0)
+            else 0.0
+        )
         # offload: every layer input waits in host memory; the device holds the one being
         # recomputed and the one prefetched
         host = inflight * t * saved_mb if prims.recompute == "offload" else 0.0
@@ -198,14 +207,20 @@ def stage_timeline(
                 mem = moment(  # overlap_mb: the partner micro-batch is inside a layer too
                     name,
                     saved_inputs=kept,
-                    live_layer=pair * live,
+                    live_layer=pair * live + (mtp_grad if name == "backward" else 0.0),
                     moe_buffers=pair * routed,
                     workspace=ws,
                     allgather=ag,
                     loss=others_loss,
                 )
-                mem.why["live_layer"] = why + (
-                    " (x2: two micro-batches in a layer)" if pair > 1 else ""
+                mem.why["live_layer"] = (
+                    why
+                    + (" (x2: two micro-batches in a layer)" if pair > 1 else "")
+                    + (
+                        f" + the MTP embeddings' weight gradient {mtp_grad / GB:.2f} GB"
+                        if mtp_grad and name == "backward"
+                        else ""
+                    )
                 )
                 mem.why["saved_inputs"] = (
                     _offloaded(host, kept)
