@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.offload import LayerInputStore
-from bumblebee.primitives.recompute_scope import _RECOMPUTING
+from bumblebee.primitives.recompute_scope import _RECOMPUTING, HostReads, host_reads
 from bumblebee.registry import register
 
 # Sub-computations a model exposes to ``module``; selective recompute may name these.
@@ -64,12 +64,12 @@ def observe(scope: Callable[[], contextlib.AbstractContextManager]):
 
 
 @contextlib.contextmanager
-def _recomputing(routing_scope):
+def _recomputing(routing_scope, reads: HostReads):
     observer = _OBSERVER.get()
     with observer() if observer is not None else contextlib.nullcontext():
         token = _RECOMPUTING.set(True)
         try:
-            with routing_replay.entered(routing_scope):
+            with routing_replay.entered(routing_scope), host_reads("replay", reads):
                 yield
         finally:
             _RECOMPUTING.reset(token)
@@ -91,12 +91,12 @@ def _checkpoint(fn: Callable, *args):
     """Non-reentrant ``checkpoint`` whose recompute forward sees ``in_recompute() == True`` and the
     routing scope the original forward ran under (primitives/moe/replay.py: it routes alike)."""
     scope = routing_replay.current()
-    return checkpoint(
-        fn,
-        *args,
-        use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), _recomputing(scope)),
-    )
+
+    def contexts():  # one HostReads per checkpointed call, filled by its forward
+        reads = HostReads()
+        return host_reads("record", reads), _recomputing(scope, reads)
+
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
 
 
 def lean(fn: Callable, *args):

@@ -6,7 +6,9 @@ what only the discarded output needs) can ask without importing the policies.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+from collections.abc import Callable
 
 # Dynamic scope, not configuration: True only on the thread re-running a checkpointed function.
 _RECOMPUTING = contextvars.ContextVar("bumblebee_recomputing", default=False)
@@ -15,3 +17,44 @@ _RECOMPUTING = contextvars.ContextVar("bumblebee_recomputing", default=False)
 def in_recompute() -> bool:
     """True inside the recompute forward of a checkpoint taken by a policy."""
     return _RECOMPUTING.get()
+
+
+class HostReads:
+    """The device-to-host reads of one checkpointed forward, in order, for its recompute: the
+    re-run routes alike (a checkpoint already requires it: its saved tensors' shapes follow the
+    routing), so it takes the forward's values instead of draining the stream again."""
+
+    def __init__(self):
+        self.values: list = []
+        self.next = 0
+
+
+# Dynamic scope, not configuration: ("record" | "replay", HostReads) inside a policy's checkpoint.
+_HOST_READS = contextvars.ContextVar("bumblebee_host_reads", default=None)
+
+
+@contextlib.contextmanager
+def host_reads(mode: str, reads: HostReads):
+    """Record (the checkpointed forward) or replay (its recompute) the host reads of ``host_read``."""
+    reads.next = 0
+    token = _HOST_READS.set((mode, reads))
+    try:
+        yield
+    finally:
+        _HOST_READS.reset(token)
+
+
+def host_read(read: Callable):
+    """``read()`` (a device-to-host read: MoE split sizes); inside a checkpointed forward its
+    value is kept, and inside the recompute of that forward the kept value is returned instead."""
+    scope = _HOST_READS.get()
+    if scope is None:
+        return read()
+    mode, reads = scope
+    if mode == "record":
+        value = read()
+        reads.values.append(value)
+        return value
+    value = reads.values[reads.next]
+    reads.next += 1
+    return value

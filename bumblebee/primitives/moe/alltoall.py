@@ -35,6 +35,7 @@ from bumblebee.primitives.moe.local import (
     permute,
     unpermute,
 )
+from bumblebee.primitives.recompute_scope import host_read
 from bumblebee.registry import register
 
 
@@ -66,15 +67,16 @@ def exchange_counts(counts_E: torch.Tensor, ep: int, group) -> torch.Tensor:
     return recv.view(ep, -1)
 
 
-def regroup_by_expert(recv_RL: torch.Tensor) -> torch.Tensor:
-    """Permutation taking rows in (source, local expert) order to (local expert, source) order."""
+def regroup_by_expert(recv_RL: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Permutation taking rows in (source, local expert) order to (local expert, source) order.
+    ``total``: the rows received, when the caller knows it on the host (else read from the device)."""
     R, L = recv_RL.shape
     starts = torch.cumsum(recv_RL.flatten(), 0) - recv_RL.flatten()  # start of each (s, j) block
     starts_LR = starts.view(R, L).t().flatten()
     counts_LR = recv_RL.t().flatten()
     block_of_row = torch.repeat_interleave(torch.arange(R * L, device=recv_RL.device), counts_LR)
     offset_in_block = torch.arange(
-        int(counts_LR.sum()), device=recv_RL.device
+        int(counts_LR.sum()) if total is None else total, device=recv_RL.device
     ) - torch.repeat_interleave(torch.cumsum(counts_LR, 0) - counts_LR, counts_LR)
     return starts_LR[block_of_row] + offset_in_block
 
@@ -106,10 +108,13 @@ class AllToAllDispatch:
         if self.ep == 1:
             return unpermute(expert_fn(x_NH, counts_E), order_N, weight_TK)
         recv_RL = self.exchange_counts(counts_E)
-        send_splits = counts_E.view(self.ep, -1).sum(1).tolist()
-        recv_splits = recv_RL.sum(1).tolist()
+        # one device-to-host read for both split lists; the recompute takes the forward's
+        host = host_read(
+            lambda: torch.cat([counts_E.view(self.ep, -1).sum(1), recv_RL.sum(1)]).cpu()
+        )
+        send_splits, recv_splits = host[: self.ep].tolist(), host[self.ep :].tolist()
         x_recv = self.exchange_rows(x_NH, send_splits, recv_splits)
-        by_expert = regroup_by_expert(recv_RL)
+        by_expert = regroup_by_expert(recv_RL, sum(recv_splits))
         if fuse_combine(x_recv, by_expert, x_recv.shape[0]):  # CUDA: gathers both ways
             back = inverse(by_expert)
             y_sorted = expert_fn(

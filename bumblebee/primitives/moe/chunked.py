@@ -71,7 +71,7 @@ from bumblebee.primitives.moe.experts import (
 )
 from bumblebee.primitives.moe.local import combine_into, permute, unsort_rows
 from bumblebee.primitives.packed import to_device
-from bumblebee.primitives.recompute_scope import in_recompute
+from bumblebee.primitives.recompute_scope import host_read, in_recompute
 from bumblebee.registry import register
 
 CHUNKS = (2, 3, 4)
@@ -147,7 +147,8 @@ class _ChunkedExperts(torch.autograd.Function):
         n, L = len(chunks), s.num_experts // ep
         sent_CRL = torch.stack([c[3] for c in chunks]).view(n, ep, L)
         recv_RCL = s.comm.a2a(sent_CRL.transpose(0, 1).reshape(ep * n, L)).wait()
-        host = torch.cat([sent_CRL.flatten(), recv_RCL.flatten()]).cpu()
+        # the recompute takes the forward's read (recompute_scope.host_read): one sync per layer
+        host = host_read(lambda: torch.cat([sent_CRL.flatten(), recv_RCL.flatten()]).cpu())
         sent_CRL, recv_RCL = host[: n * ep * L].view(n, ep, L), host[n * ep * L :].view(ep, n, L)
         pending_x = []
         for i, c in enumerate(chunks):  # host-side splits of chunk i, then issue its dispatch
