@@ -1,7 +1,7 @@
 """Host syncs, staged host-to-device copies and kernel launches of one training step, by call
 site, counted in the emulated-CUDA mode (``bumblebee/perf/syncs.py``) on 2 gloo ranks.
 
-    python benchmarks/host_syncs.py                 # Qwen3.5 cp2, Qwen3-MoE ep2 chunked, DeepSeek-V3 cp2 ep2
+    python benchmarks/host_syncs.py                 # Qwen3.5 cp2 (and ep2), Qwen3-MoE ep2, DeepSeek-V3 cp2 ep2
     python benchmarks/host_syncs.py --seq 2048 --layers 8
 
 The models are the tiny presets with the layer patterns of the real families (the counts per
@@ -22,6 +22,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 CASES = {
     "qwen3_5_moe cp2 ring": ["model.name=qwen3_5_moe", "model.preset=tiny", "parallel.cp=2"],
+    "qwen3_5_moe cp2 ep2 chunked (the running case's layout)": [
+        "model.name=qwen3_5_moe",
+        "model.preset=tiny",
+        "parallel.cp=2",
+        "parallel.ep=2",
+        "primitives.moe_comm=chunked",
+    ],
     "qwen3_moe ep2 chunked": [
         "model.name=qwen3_moe",
         "model.preset=tiny",
