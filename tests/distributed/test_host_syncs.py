@@ -1,7 +1,7 @@
 """Host syncs per training step, counted in the emulated-CUDA mode (``perf/syncs.py``): with expert
-parallelism one count read per MoE layer and micro-batch (the forward's; the recompute takes its value:
-``recompute_scope.host_read``), chunked and alltoall alike, none in any other layer, one per micro-batch (its document layout) and a few per step (logging, the
-finite check). Before the
+parallelism one count read per MoE layer and micro-batch (the forward's; the recompute takes its
+value: ``recompute_scope.host_read``), chunked and alltoall alike, none in any other layer, one per
+micro-batch (its document layout) and a few per step (logging, the finite check). Before the
 document layouts cached their device tensors and the chunked EP read every chunk's counts at once,
 Qwen3.5 with cp = 2 took 237 per step here, Qwen3-MoE with chunked EP 175. Planted: one
 ``.item()`` per decoder layer forward -> over budget."""
