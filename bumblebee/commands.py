@@ -83,8 +83,13 @@ def train_run(args) -> int:
         if launch.started_by_torchrun():
             import torch.distributed as dist
 
+            from bumblebee.runtime.launch.rank_logs import rank_log
+
             launch.init_distributed(cfg.train.collective_timeout_s)
-            with distributed_lock(cfg.train.out_dir, lambda: checks(dist.get_world_size())):
+            with (
+                rank_log(launch.rank_log_dir(cfg), dist.get_rank(), launch.restart_count()),
+                distributed_lock(cfg.train.out_dir, lambda: checks(dist.get_world_size())),
+            ):
                 launch.train_worker(cfg)
             return 0
         plan = checks(args.nproc)  # reject bad input before any process starts

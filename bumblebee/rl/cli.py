@@ -179,8 +179,13 @@ def run(args) -> int:
     if args.plot:
         pyplot()  # fail before training, not after
     if launch.started_by_torchrun():
+        import torch.distributed as dist
+
+        from bumblebee.runtime.launch.rank_logs import rank_log
+
         launch.init_distributed()
-        _run_and_plot(cfg, rl, args.plot)
+        with rank_log(launch.rank_log_dir(cfg), dist.get_rank(), launch.restart_count()):
+            _run_and_plot(cfg, rl, args.plot)
         return 0
     check_run(cfg, args.nproc)
     if args.threads < 1:
@@ -188,7 +193,9 @@ def run(args) -> int:
     check_out_dir(cfg.train.out_dir, checkpoints=False)
     with OutDirLock(cfg.train.out_dir):  # one run per out_dir
         if args.nproc > 1:
-            return launch.launch_local((cfg, rl, args.plot), args.nproc, worker=_worker)
+            return launch.launch_local(
+                (cfg, rl, args.plot), args.nproc, worker=_worker, log_dir=launch.rank_log_dir(cfg)
+            )
         torch.set_num_threads(args.threads)
         with interrupt_once():
             _run_and_plot(cfg, rl, args.plot)

@@ -23,6 +23,8 @@ import os
 import signal
 import time
 
+from bumblebee.runtime.launch.rank_logs import recorded_failure, tail
+
 # substrings of errors that a rank sees because *another* rank died or stalled
 _PEER_LOSS = (
     "connection closed by peer",
@@ -60,15 +62,20 @@ def classify(exc: BaseException) -> str:
     return "error"
 
 
-def write_report(report_dir: str, attempt: int, rank: int, exc: BaseException) -> str:
+def write_report(
+    report_dir: str, attempt: int, rank: int, exc: BaseException, log: str | None = None
+) -> str:
     """Record this rank's failure (called from the worker's ``except``, before teardown);
-    returns its kind."""
+    returns its kind. ``log``: the rank's full-traceback file, when one is written; without
+    one the report keeps the traceback's last lines for the launcher to print."""
     report = {
         "rank": rank,
         "attempt": attempt,
         "time_ns": time.time_ns(),
         "kind": classify(exc),
         "error": f"{type(exc).__name__}: {_first_line(str(exc)) or 'no message'}",
+        "log": log,
+        "tail": [] if log else tail(exc),
     }
     tmp = os.path.join(report_dir, f".a{attempt}_r{rank}.json")
     with open(tmp, "w") as f:
@@ -120,16 +127,38 @@ def first_failure(failures: dict) -> tuple[int, object]:
 
 
 def diagnose(
-    reports: dict[int, dict], world: int, seen: tuple[int, int | None] | None = None
+    reports: dict[int, dict],
+    world: int,
+    seen: tuple[int, int | None] | None = None,
+    log_dir: str | None = None,
 ) -> str:
     """One line naming the root cause among ``world`` ranks. ``seen`` is the (rank,
-    exit code) the elastic agent reported, used for a rank that left no report."""
+    exit code) the elastic agent reported, used for a rank that left no report; ``log_dir``:
+    where the ranks' full tracebacks are (rank_logs.py), named for the rank that failed first."""
+    rank, line = _diagnose(reports, world, seen)
+    if rank is not None and (path := recorded_failure(log_dir, rank)):
+        line += f"; full traceback in {path}"
+    return line
+
+
+def failing_tail(reports: dict[int, dict], world: int, seen=None) -> list[str]:
+    """The traceback's last lines of the rank ``diagnose`` names, when it wrote no log file."""
+    rank, _ = _diagnose(reports, world, seen)
+    report = reports.get(rank) if rank is not None else None
+    return list(report.get("tail") or []) if report else []
+
+
+def _diagnose(
+    reports: dict[int, dict], world: int, seen: tuple[int, int | None] | None
+) -> tuple[int | None, str]:
+    """(the rank that failed first or None, the line)."""
     roots = sorted(
         (r for r in reports.values() if r["kind"] == "error"), key=lambda r: r["time_ns"]
     )
     if roots:
         first = roots[0]
-        return f"rank {first['rank']} failed first (exit 1): {first['error']}; {_others(world - 1)}"
+        line = f"rank {first['rank']} failed first (exit 1): {first['error']}; {_others(world - 1)}"
+        return first["rank"], line
     silent = [r for r in range(world) if r not in reports]
     waited = sorted(reports.values(), key=lambda r: r["time_ns"])
     seen_text = ""
@@ -137,7 +166,7 @@ def diagnose(
         seen_text = f" ({_exit_text(seen[1])})"
     if silent and any(r["kind"] == "timeout" for r in waited):
         t = next(r for r in waited if r["kind"] == "timeout")
-        return (
+        return silent[0] if len(silent) == 1 else None, (
             f"{_ranks(silent)} did not arrive at a collective within train.collective_timeout_s "
             f"(hung or stuck): rank {t['rank']} gave up waiting: {t['error']}"
         )
@@ -154,8 +183,9 @@ def diagnose(
         line = f"{_ranks(silent)} failed first ({what})"
         if waited:
             line += f"; rank {waited[0]['rank']} then saw: {waited[0]['error']}"
-        return line
+        return silent[0] if len(silent) == 1 else None, line
     if waited:
         first = waited[0]
-        return f"rank {first['rank']} failed first (exit 1): {first['error']}; {_others(world - 1)}"
-    return "the job failed without a report from any rank"
+        line = f"rank {first['rank']} failed first (exit 1): {first['error']}; {_others(world - 1)}"
+        return first["rank"], line
+    return None, "the job failed without a report from any rank"

@@ -40,8 +40,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from bumblebee.runtime.launch.failures import diagnose, first_failure, read_reports, write_report
+from bumblebee.runtime.launch.failures import (
+    diagnose,
+    failing_tail,
+    first_failure,
+    read_reports,
+    write_report,
+)
 from bumblebee.runtime.launch.outdir import remove_partial_saves
+from bumblebee.runtime.launch.rank_logs import LOGS, rank_log
 from bumblebee.runtime.launch.signals import PREEMPT_SIGNALS, Preempted
 
 PREEMPTED = "preempted.json"
@@ -121,34 +128,43 @@ def train_worker(cfg) -> None:
         Trainer(cfg).run()
 
 
+def rank_log_dir(cfg) -> str | None:
+    """``out_dir/logs`` of a run config (None for a worker argument without one)."""
+    out_dir = getattr(getattr(cfg, "train", None), "out_dir", None)
+    return os.path.join(out_dir, LOGS) if isinstance(out_dir, str) and out_dir else None
+
+
 @record  # also writes torch elastic's own error file for the agent's log
-def _entry(worker, report_dir: str, world: int, max_restarts: int, cfg) -> None:
+def _entry(
+    worker, report_dir: str, world: int, max_restarts: int, cfg, log_dir: str | None = None
+) -> None:
     rank, attempt = int(os.environ["RANK"]), restart_count()
     if attempt and rank == 0:
-        cause = diagnose(read_reports(report_dir, attempt - 1), world)
+        cause = diagnose(read_reports(report_dir, attempt - 1), world, log_dir=log_dir)
         print(
             f"bumblebee: restart {attempt}/{max_restarts} after: {cause}",
             file=sys.stderr,
             flush=True,
         )
-    try:
-        worker(cfg)
-    except (
-        Preempted
-    ) as p:  # a clean stop: exit 0 so the agent does not restart, the parent reports it
-        if rank == 0:
-            with open(os.path.join(report_dir, PREEMPTED), "w") as f:
-                json.dump({"message": str(p), "exit_code": p.exit_code}, f)
-    except BaseException as e:  # noqa: BLE001 - recorded, then re-raised
-        # before the group is torn down, so a cause is stamped before its echoes on other ranks
-        if write_report(report_dir, attempt, rank, e) != "error":
-            time.sleep(
-                1.0
-            )  # an echo lingers: the agent then sees (and gives the exit code of) the cause's death first
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with rank_log(log_dir, rank, attempt) as log:
+        try:
+            worker(cfg)
+        except (
+            Preempted
+        ) as p:  # a clean stop: exit 0 so the agent does not restart, the parent reports it
+            if rank == 0:
+                with open(os.path.join(report_dir, PREEMPTED), "w") as f:
+                    json.dump({"message": str(p), "exit_code": p.exit_code}, f)
+        except BaseException as e:  # noqa: BLE001 - recorded, then re-raised
+            # before the group is torn down, so a cause is stamped before its echoes on other ranks
+            if write_report(report_dir, attempt, rank, e, log=log) != "error":
+                time.sleep(
+                    1.0
+                )  # an echo lingers: the agent then sees (and gives the exit code of) the cause's death first
+            raise
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _worker_pids_catching(signum: int) -> list[int]:
@@ -215,10 +231,13 @@ class _ForwardPreemption:
         timer.start()
 
 
-def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
+def launch_local(
+    cfg, nproc: int, worker=None, max_restarts: int = 0, log_dir: str | None = None
+) -> int:
     """Run ``worker(cfg)`` (default: join the group and train) on ``nproc`` local ranks,
     restarting all of them up to ``max_restarts`` times after a failure. Returns the exit
-    code; a failure prints one line naming the rank that failed first."""
+    code; a failure prints one line naming the rank that failed first and the file holding
+    its full traceback (``log_dir``, default ``cfg.train.out_dir/logs``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -241,13 +260,14 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
     )
     report_dir = tempfile.mkdtemp(prefix="bumblebee-ranks-")
+    log_dir = log_dir or rank_log_dir(cfg)
     try:
         with (
             _ForwardPreemption(),
             rank_errors.quiet_elastic(),
         ):  # our one line replaces elastic's logs
             elastic_launch(config, _entry)(
-                worker or train_worker, report_dir, nproc, max_restarts, cfg
+                worker or train_worker, report_dir, nproc, max_restarts, cfg, log_dir
             )
         preempted = os.path.join(report_dir, PREEMPTED)
         if os.path.exists(preempted):
@@ -260,9 +280,11 @@ def launch_local(cfg, nproc: int, worker=None, max_restarts: int = 0) -> int:
         if (message := rank_errors.config_error(e.failures)) is not None:
             raise ConfigError(message) from None  # bad input found by a rank: one line, exit 2
         rank, failure = first_failure(e.failures)
-        cause = diagnose(
-            read_reports(report_dir, max_restarts), nproc, (rank, failure.exitcode)
-        )  # the last attempt
+        reports = read_reports(report_dir, max_restarts)  # the last attempt
+        seen = (rank, failure.exitcode)
+        cause = diagnose(reports, nproc, seen, log_dir=log_dir)
+        for line in failing_tail(reports, nproc, seen):  # no log file: keep the traceback's end
+            print(f"  {line}", file=sys.stderr)
         print(
             f"bumblebee: {cause}" + (f" (after {max_restarts} restarts)" if max_restarts else ""),
             file=sys.stderr,
