@@ -5,9 +5,12 @@ slice beside the planner, several ranks on one GPU. One JSON and one markdown ta
     python benchmarks/gpu_check.py --smoke --out /tmp/gc     # CPU, tiny shapes, < 1 minute
 
 Sections (each guarded: an exception becomes ``"status": "error"`` with its one-line message
-and the next section runs; past ``--budget-s`` the rest is ``"skipped: time budget"``):
+and the next section runs; a case past ``--case-cap-s`` stops with an error and the next case
+runs; past ``--budget-s`` the rest is ``"skipped: time budget"``):
 
-1. ``env``: torch / CUDA / Triton / fla versions, device, a bf16 8192^3 matmul (the roofline).
+1. ``env``: torch / CUDA / Triton / fla versions, device, the flash kernel torch will run (FA2 /
+   FA3), the allocator setting (the one every run uses), a trivial Triton compile (a missing
+   compiler is one line here, not an error deep in a case), a bf16 8192^3 matmul (the roofline).
 2. ``numerics``: each CUDA kernel path of the project in bf16 against the project's own
    reference in fp32 on upcast inputs, same device: varlen flash attention (Qwen3.5 and Qwen3
    heads, GQA, packed documents) forward and backward; the CP ring's block kernel and LSE merge
@@ -23,13 +26,16 @@ and the next section runs; past ``--budget-s`` the rest is ``"skipped: time budg
    kernel beside the pure-PyTorch path it replaces.
 4. ``slice``: Qwen3.5-35B-A3B and Qwen3-30B-A3B at real width (preset's hidden, heads, experts,
    vocabulary; the first n layers of the preset's layer pattern), the real ``Trainer`` (bf16,
-   full recompute, linear CE, one rank) at 32K and 128K tokens per step, two depths chosen by
-   the planner's memory prediction; step time, tokens/s, model TFLOP/s, peak memory, host syncs
-   per step, the per-layer time (difference of the two depths), the planner's prediction for
-   the same slice and the ratio. ``--smoke`` runs the tiny presets at 256 tokens.
-5. ``multirank``: two ranks on one GPU over gloo with CUDA tensors: the CP ring
+   full recompute, linear CE, one rank, one document per row so that the model FLOPs' causal
+   attention over the whole row is the work done, weights drawn on the device) at 32K and 128K
+   tokens per step, two depths chosen by the planner's memory prediction; step time, tokens/s,
+   model TFLOP/s, peak memory, host syncs per step, the per-layer time (difference of the two
+   depths), the planner's prediction for the same slice (attention efficiency of the flash kernel
+   that ran) and the ratio. ``--smoke`` runs the tiny presets at 256 tokens.
+5. ``multirank``: two ranks over gloo on CPU tensors inside ``emulate_cuda()``: the CP ring
    (``ring_flash_attention`` with its real ring passes) and the EP all-to-all against one rank.
-   Under ``--smoke``: the same on CPU tensors inside ``emulate_cuda()``.
+   On a GPU it is skipped with the reason (one device holds one NCCL rank, and gloo takes no
+   CUDA tensors in all_to_all or point-to-point calls).
 
 Run order: env, numerics, speed, multirank, slice (the slices take what budget is left).
 It never passes or fails on a timing (the project's testing rule); numerics carry pass/fail.
@@ -46,9 +52,11 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -78,8 +86,15 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed repeats (default 5; smoke 1)")
     p.add_argument("--only", default="", help="comma list of sections to run (env always runs)")
     p.add_argument("--gpu", default=None, help="planner GPU name (default: from the device)")
+    p.add_argument(
+        "--case-cap-s",
+        type=float,
+        default=None,
+        help="time cap of one case (default 150; smoke: the budget)",
+    )
     args = p.parse_args(argv)
     args.budget_s = args.budget_s or (90.0 if args.smoke else 450.0)
+    args.case_cap_s = args.case_cap_s or (args.budget_s if args.smoke else 150.0)
     args.reps = args.reps or (1 if args.smoke else 5)
     args.only = {s for s in args.only.split(",") if s}
     return args
@@ -210,7 +225,8 @@ class Check:
             return
         t = time.monotonic()
         try:
-            c.update(fn() or {})
+            with time_cap(min(self.left(), self.args.case_cap_s)):
+                c.update(fn() or {})
             if "status" not in c:
                 rows = c.get("tensors", [])
                 c["status"] = "pass" if all(r["pass"] for r in rows) else "fail"
@@ -222,6 +238,31 @@ class Check:
             if self.cuda:
                 gc.collect()
                 torch.cuda.empty_cache()
+
+
+class CaseTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_cap(seconds: float):
+    """Raise ``CaseTimeout`` in the main thread after ``seconds`` (a case that would eat the rest
+    of the budget stops; the next case runs). Python code is interrupted between bytecodes, so a
+    kernel running on the device finishes first."""
+    if threading.current_thread() is not threading.main_thread() or seconds <= 0:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CaseTimeout(f"over its time cap of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _status(cases) -> str:
@@ -236,6 +277,27 @@ def _status(cases) -> str:
 
 
 # ----------------------------------------------------------------------------- 1. environment
+def triton_compiles() -> str:
+    """ "ok", or one line saying why a trivial Triton kernel cannot be compiled and run here
+    (Triton compiles with the host C compiler and Python.h at first launch: without them every
+    FLA kernel fails later, deep inside a case)."""
+    try:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def add_one(x_ptr, n, BLOCK: tl.constexpr):
+            i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+        x = torch.zeros(100, device="cuda")
+        add_one[(1,)](x, 100, BLOCK=128)
+        torch.cuda.synchronize()
+        return "ok" if bool((x == 1).all()) else "error: the trivial kernel computed wrong values"
+    except Exception as e:
+        return f"error: {one_line(e)}"
+
+
 def section_env(ck: Check, out: dict):
     from bumblebee.primitives import kernel_choice
 
@@ -263,6 +325,10 @@ def section_env(ck: Check, out: dict):
         except Exception as e:  # absent (fla travels as a wheel) or broken
             env[mod] = f"absent ({one_line(e)})"
     env["fla_present"] = kernel_choice.package_present("fla")
+    env["flash_impl"] = kernel_choice.flash_impl()  # what torch's flash ops will run here
+    env["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    env["triton_compile"] = triton_compiles() if ck.cuda else SKIP_NO_CUDA
+    print(f"[gpu_check] triton compile: {env['triton_compile']}", flush=True)
     if ck.cuda:
         props = torch.cuda.get_device_properties(0)
         env["sm"] = f"{props.major}.{props.minor}"
@@ -904,10 +970,11 @@ def planner_gpu(ck: Check) -> str:
 def slice_prediction(ck: Check, preset: str, layers: int, seq: int) -> dict:
     """The planner's evaluation of the same slice on one GPU (same layers, no parallelism)."""
     from bumblebee.config import PrimitivesConfig
-    from bumblebee.plan.hardware import get_gpu
+    from bumblebee.plan.hardware import Efficiency, get_gpu
     from bumblebee.plan.layout import Layout, Workload
     from bumblebee.plan.recipe import evaluate
     from bumblebee.plan.spec import load_spec, spec_from_hf_dict
+    from bumblebee.primitives import kernel_choice
 
     _, d = load_spec(preset)
     d = dict(d, num_hidden_layers=layers)
@@ -915,7 +982,10 @@ def slice_prediction(ck: Check, preset: str, layers: int, seq: int) -> dict:
         d["layer_types"] = list(d["layer_types"])[:layers]
     spec = spec_from_hf_dict(d, f"{preset}[:{layers}]")
     prims = PrimitivesConfig(sharding="none", loss="linear_ce", recompute="full", moe_comm="local")
-    c = evaluate(spec, Layout(), prims, Workload(seq=seq, global_batch=1), get_gpu(planner_gpu(ck)))
+    # the attention efficiency of the flash kernel torch will run here (FA2 unless FA3 is present)
+    eff = Efficiency().for_flash(kernel_choice.flash_impl())
+    work = Workload(seq=seq, global_batch=1)
+    c = evaluate(spec, Layout(), prims, work, get_gpu(planner_gpu(ck)), eff)
     return {
         "step_s": c.perf.step_s if c.perf else None,
         "tflops": c.perf.tflops_per_gpu if c.perf else None,
@@ -959,6 +1029,12 @@ def run_slice(ck: Check, preset: str, family: str, layers: int, seq: int, steps:
         "primitives.recompute=full",
         "primitives.loss=linear_ce",
         "primitives.sharding=none",
+        # one document per row: the model FLOPs count causal attention over the whole row
+        f"data.min_doc_len={seq}",
+        f"data.max_doc_len={seq}",
+        "data.ramp_steps=0",
+        # the random init drawn on the GPU: at real width a CPU draw takes minutes of the budget
+        "train.init_device=device",
         f"train.out_dir={tempfile.mkdtemp(prefix='gpu_check_slice_')}",  # not under --out
     ]
     t0 = time.monotonic()
@@ -1024,6 +1100,8 @@ def case_slice(ck: Check, preset: str, family: str, seq: int):
             continue
         try:
             r = run_slice(ck, preset, family, n, seq, steps)
+        except CaseTimeout:
+            raise
         except Exception as e:  # an OOM at one depth keeps the other's figures
             runs.append({"layers": n, "status": "error", "error": one_line(e), "predicted": pred})
             continue
@@ -1073,7 +1151,7 @@ def section_slice(ck: Check, out: dict):
 
 
 # ----------------------------------------------------------------------------- 5. several ranks
-def _multirank(rank, world, use_cuda: bool, shapes):
+def _multirank(rank, world, shapes):
     """Rank ``rank`` of ``world`` on one device: the CP ring over its real ring passes and the EP
     all-to-all; returns what rank 0 compares with a one-rank run."""
     import torch.distributed as dist
@@ -1083,7 +1161,7 @@ def _multirank(rank, world, use_cuda: bool, shapes):
     from bumblebee.primitives.emulation import emulate_cuda
     from bumblebee.primitives.moe.alltoall import AllToAll
 
-    dev = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    dev = torch.device("cpu")
     rows, N, K, D = shapes
     pos = packed_positions(rows, dev)
     B, T = pos.shape
@@ -1092,8 +1170,7 @@ def _multirank(rank, world, use_cuda: bool, shapes):
         torch.randn(B, h, T, D, device=dev, generator=g).bfloat16() for h in (N, K, K, N)
     )
     shard = lambda x: shard_sequence(x.transpose(1, 2), world, rank).transpose(1, 2).contiguous()  # noqa: E731
-    ctx = contextlib.nullcontext() if use_cuda else emulate_cuda(check_comm=False)
-    with ctx:
+    with emulate_cuda(check_comm=False):
         layout = build_cp_shards(shard_sequence(pos, world, rank), dist.group.WORLD)
         xs = [shard(x).requires_grad_() for x in (q, k, v)]
         o = ring_flash_attention(*xs, layout, D**-0.5)
@@ -1121,10 +1198,22 @@ def section_multirank(ck: Check, out: dict):
     world = 2
     rows = doc_rows(ck)
     _, N, K, D = attn_shapes(ck)[0]
+    if ck.cuda:
+        # NCCL refuses two ranks on one device, and gloo takes no CUDA tensors in all_to_all or
+        # point-to-point calls; staging every exchange through host memory would test a path no
+        # run takes. The ring and the all-to-all run across ranks in the suite (emulated CUDA).
+        out["cases"].append(
+            {
+                "case": f"cp ring + ep all-to-all, {world} ranks on one device",
+                "status": "skipped: one device cannot hold two NCCL ranks, and gloo takes no "
+                "CUDA tensors in all_to_all / send / recv",
+            }
+        )
+        return None
 
     def run():
         per_rank = run_distributed(
-            _multirank, world, ck.cuda, (rows, N, K, D), timeout=min(120.0, max(30.0, ck.left()))
+            _multirank, world, (rows, N, K, D), timeout=min(120.0, max(30.0, ck.left()))
         )
         dev = ck.device
         pos = packed_positions(rows, dev)
@@ -1153,7 +1242,7 @@ def section_multirank(ck: Check, out: dict):
             for r, (_, ey, eg) in enumerate(per_rank)
         ]
         return {
-            "backend": "gloo over CUDA tensors" if ck.cuda else "gloo, CPU tensors, emulated CUDA",
+            "backend": "gloo, CPU tensors, emulated CUDA",
             "tensors": tensors + a2a,
         }
 
@@ -1237,6 +1326,9 @@ def _detail(c: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from bumblebee.cli import use_run_allocator
+
+    use_run_allocator()  # before CUDA's first allocation, as every run does
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)

@@ -113,11 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def use_run_allocator() -> str:
+    """The CUDA allocator setting every run uses (a user's own setting wins); returns it. CUDA's
+    caching allocator then grows segments in place instead of keeping one per size class: less
+    fragmentation at long context. Read when CUDA first allocates, so set before any command runs
+    (and inherited by the ranks --nproc starts)."""
+    return os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def _main(argv: list[str] | None) -> int:
-    # CUDA's caching allocator grows segments in place instead of keeping one per size class: less
-    # fragmentation at long context. Read when CUDA first allocates, so set before any command runs
-    # (and inherited by the ranks --nproc starts); a user's own setting wins.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    use_run_allocator()
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command(argv)
     parser = build_parser(only=command or "")  # no subcommand: list them, import none

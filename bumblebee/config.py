@@ -122,6 +122,9 @@ class TrainConfig:
         "float32"  # fsdp2 with dtype = bfloat16: gradient reduce-scatter in float32 | bfloat16
     )
     seed: int = 0
+    # where the random initial values are drawn: "cpu" (the same weights on every device and layout)
+    # | "device" (on the training device: fast at real width; the same for every layout of one device type)
+    init_device: str = "cpu"
     deterministic: bool = False
     out_dir: str = "runs/default"
     log_every: int = 1

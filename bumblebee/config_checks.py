@@ -125,6 +125,8 @@ def _check_train(t) -> None:
         raise ConfigError(
             f"train.collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s}"
         )
+    if t.init_device not in ("cpu", "device"):
+        raise ConfigError(f"train.init_device must be 'cpu' or 'device', got {t.init_device!r}")
     if t.adamw not in ("fused", "foreach", "loop"):
         raise ConfigError(f"train.adamw must be 'fused', 'foreach' or 'loop', got {t.adamw!r}")
     if t.on_nonfinite not in ("stop", "skip"):

@@ -139,11 +139,20 @@ def build_model(
 
 
 @torch.no_grad()
-def materialize(model, device, *, seed: int | None = None, hf_path: str = "", dtype=None):
+def materialize(
+    model,
+    device,
+    *,
+    seed: int | None = None,
+    hf_path: str = "",
+    dtype=None,
+    init_on_device: bool = False,
+):
     """Give a model built on the meta device (and possibly split since: a pipeline stage, an
     expert slice, FSDP2 shards) memory on ``device`` for its own share only, then fill it in
     place: from the Hugging Face checkpoint at ``hf_path`` (each rank reads only its slices,
-    models/hf.py), else the layout-independent random init of ``seed``."""
+    models/hf.py), else the layout-independent random init of ``seed`` (drawn on ``device``
+    with ``init_on_device``, on the CPU otherwise)."""
     if dtype is not None:
         model.to(dtype)
     model.to_empty(device=device)
@@ -157,7 +166,7 @@ def materialize(model, device, *, seed: int | None = None, hf_path: str = "", dt
         if getattr(model, "lora_info", None) is not None:  # adapters are not in the checkpoint
             from bumblebee.models.lora import is_lora_name
 
-            model.reset_parameters(seed=seed, only=is_lora_name)
+            model.reset_parameters(seed=seed, only=is_lora_name, on_device=init_on_device)
     else:
-        model.reset_parameters(seed=seed)
+        model.reset_parameters(seed=seed, on_device=init_on_device)
     return model

@@ -36,12 +36,15 @@ class WeightInit:
         return rules
 
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02, seed: int | None = None, only=None) -> None:
+    def reset_parameters(
+        self, std: float = 0.02, seed: int | None = None, only=None, on_device: bool = False
+    ) -> None:
         """Initialize in place, identically for every layout of ``seed``: each value is a function
         of (seed, tensor name, position) only (primitives/init.py), so an expert slice, an FSDP2
         shard or a pipeline stage gets exactly its part of the full tensors, generated one block
         at a time. ``seed=None`` draws one from torch's global generator. Nothing to do on meta.
-        ``only(name) -> bool``: the parameters to fill (the adapters of a model loaded from HF)."""
+        ``only(name) -> bool``: the parameters to fill (the adapters of a model loaded from HF).
+        ``on_device``: draw on each tensor's device (init.fill_rows)."""
         if any(p.is_meta or is_fake(p) for p in self.parameters()):  # shapes only (or fakes)
             return
         if seed is None:
@@ -56,7 +59,7 @@ class WeightInit:
                     f"{type(self).__name__}: no init rule for {name} (init_vectors)"
                 )
             shape, lo, part = row_extent(p, self.is_expert_param(name), r, ep)
-            init.fill_rows(part, shape, lo, rules[name], seed, name)
+            init.fill_rows(part, shape, lo, rules[name], seed, name, on_device=on_device)
         for name, b in self.named_buffers():
             if name in rules and only is None:
-                init.fill_rows(b, tuple(b.shape), 0, rules[name], seed, name)
+                init.fill_rows(b, tuple(b.shape), 0, rules[name], seed, name, on_device=on_device)

@@ -9,7 +9,7 @@ figure beside it. The throughput model (``perf.py``) and the memory model
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bumblebee.config import ConfigError
 
@@ -85,6 +85,23 @@ class Efficiency:
     ce_bytes_per_logit: float = 48.0
     # published: a chunked linear CE made the loss layer ~1.3x slower in one GPU implementation.
     linear_ce_slowdown: float = 1.3
+
+    def for_flash(self, impl: str) -> Efficiency:
+        """These efficiencies for the flash kernel that will run: ``attn_fwd`` / ``attn_bwd`` above
+        are FA3-class; "FA2" scales them by ``FA2_OVER_FA3``."""
+        if impl == "FA3":
+            return self
+        if impl != "FA2":
+            raise ValueError(f"flash kernel must be 'FA2' or 'FA3', got {impl!r}")
+        return replace(
+            self, attn_fwd=self.attn_fwd * FA2_OVER_FA3, attn_bwd=self.attn_bwd * FA2_OVER_FA3
+        )
+
+
+# FlashAttention-2's attention throughput over FlashAttention-3's on H100 in bf16: FA3 runs ~1.5-2x
+# FA2 (Shah et al. 2024, "FlashAttention-3", figures for head dims 64-256, causal); 1/1.6 is the
+# middle of that range, to be re-fitted by a GPU run that measures the kernel torch really runs.
+FA2_OVER_FA3 = 1 / 1.6
 
 
 # Allocator / framework overhead added to every moment of the timeline (timeline.py):

@@ -66,22 +66,32 @@ def block_seed(seed: int, name: str, block: int) -> int:
 
 @torch.no_grad()
 def fill_rows(
-    local: torch.Tensor, shape: tuple[int, ...], lo: int, fill, seed: int, name: str
+    local: torch.Tensor,
+    shape: tuple[int, ...],
+    lo: int,
+    fill,
+    seed: int,
+    name: str,
+    *,
+    on_device: bool = False,
 ) -> None:
     """Write rows [lo, lo + local.shape[0]) of the global tensor ``name`` (global ``shape``) into
-    ``local``, each block of rows drawn from its own generator (see the module docstring)."""
+    ``local``, each block of rows drawn from its own generator (see the module docstring).
+    ``on_device``: draw on ``local``'s device (another device's generator gives other values, so
+    only runs initialized on one device type share weights; a real-width CPU draw takes minutes)."""
     if local.numel() == 0:
         return
+    dev = local.device if on_device else torch.device("cpu")
     if len(shape) == 0:  # a scalar: one block of one element
-        block = torch.empty((), dtype=torch.float32)
-        fill(block, torch.Generator().manual_seed(block_seed(seed, name, 0)))
+        block = torch.empty((), dtype=torch.float32, device=dev)
+        fill(block, torch.Generator(device=dev).manual_seed(block_seed(seed, name, 0)))
         local.copy_(block)
         return
     hi = lo + local.shape[0]
     per = rows_per_block(shape)
     for b in range(lo // per, (hi - 1) // per + 1):
         b_lo, b_hi = b * per, min((b + 1) * per, shape[0])
-        block = torch.empty((b_hi - b_lo, *shape[1:]), dtype=torch.float32)
-        fill(block, torch.Generator().manual_seed(block_seed(seed, name, b)))
+        block = torch.empty((b_hi - b_lo, *shape[1:]), dtype=torch.float32, device=dev)
+        fill(block, torch.Generator(device=dev).manual_seed(block_seed(seed, name, b)))
         s, e = max(lo, b_lo), min(hi, b_hi)
         local[s - lo : e - lo].copy_(block[s - b_lo : e - b_lo])

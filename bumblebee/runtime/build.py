@@ -67,7 +67,13 @@ def build_initial_model(
     model.set_mtp(cfg.mtp.depth, cfg.mtp.loss_weight)
     if split is not None:
         model = split(model)
-    return materialize(model, device, seed=cfg.train.seed, hf_path=cfg.model.hf_path)
+    return materialize(
+        model,
+        device,
+        seed=cfg.train.seed,
+        hf_path=cfg.model.hf_path,
+        init_on_device=cfg.train.init_device == "device",
+    )
 
 
 @dataclass

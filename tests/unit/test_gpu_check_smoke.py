@@ -30,6 +30,10 @@ def test_gpu_check_smoke(tmp_path):
     secs = result["sections"]
     assert tuple(secs) == SECTIONS
     assert result["env"]["torch"] and result["env"]["smoke"] is True
+    # what a real run uses, and what the planner's attention efficiency follows
+    assert result["env"]["alloc_conf"] == "expandable_segments:True"
+    assert result["env"]["flash_impl"] in ("FA2", "FA3")
+    assert result["env"]["triton_compile"] == "skipped: no CUDA"
     assert result["wall_s"] < result["env"]["budget_s"]
 
     numerics = secs["numerics"]
@@ -57,3 +61,21 @@ def test_gpu_check_smoke(tmp_path):
     (multi,) = secs["multirank"]["cases"]
     assert multi["status"] == "pass", multi
     assert len(multi["tensors"]) == 2 * 4 + 2  # o, dq, dk, dv per rank; all-to-all per rank
+
+
+def test_a_case_over_its_time_cap_stops_and_the_next_runs():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import time
+
+    import gpu_check
+
+    ck = gpu_check.Check(
+        gpu_check.parse_args(["--smoke", "--out", "unused", "--case-cap-s", "0.5"])
+    )
+    out = {"cases": []}
+    ck.case(out, "slow", lambda: time.sleep(30))
+    ck.case(out, "quick", lambda: {"status": "pass"})
+    slow, quick = out["cases"]
+    assert slow["status"] == "error" and "time cap" in slow["error"], slow
+    assert slow["seconds"] < 10
+    assert quick["status"] == "pass"

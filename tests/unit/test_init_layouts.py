@@ -75,3 +75,29 @@ def test_seed_none_follows_the_global_generator():
     c = bumblebee.build_model(arch)
     assert torch.equal(a.lm_head.weight, b.lm_head.weight)
     assert not torch.equal(b.lm_head.weight, c.lm_head.weight)
+
+
+def test_init_device_reaches_every_tensor_and_keeps_cpu_values(monkeypatch):
+    """``train.init_device = "device"`` draws each tensor on its own device (a GPU run's real-width
+    init in seconds); on the CPU that is the CPU draw, so the weights are the same either way."""
+    arch = resolve_arch(ModelConfig(name="qwen3_5_moe"))
+    ref = materialize(build_model(arch, device="meta"), torch.device("cpu"), seed=5)
+    flags = []
+    real = init.fill_rows
+
+    def spy(*args, on_device=False, **kw):
+        flags.append(on_device)
+        return real(*args, on_device=on_device, **kw)
+
+    monkeypatch.setattr(init, "fill_rows", spy)
+    dev = materialize(
+        build_model(arch, device="meta"), torch.device("cpu"), seed=5, init_on_device=True
+    )
+    assert flags and all(flags)
+    for (name, a), b in zip(ref.state_dict().items(), dev.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_init_device_is_validated():
+    with pytest.raises(bumblebee.ConfigError, match="train.init_device must be 'cpu' or 'device'"):
+        bumblebee.load_config(None, ["train.init_device=gpu"])
