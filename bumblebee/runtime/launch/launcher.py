@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from bumblebee.config import ConfigError
 from bumblebee.runtime.launch.failures import (
     diagnose,
     failing_tail,
@@ -47,6 +48,7 @@ from bumblebee.runtime.launch.failures import (
     read_reports,
     write_report,
 )
+from bumblebee.runtime.launch.launch_env import check_launch_env, port_in_use
 from bumblebee.runtime.launch.outdir import remove_partial_saves
 from bumblebee.runtime.launch.rank_logs import LOGS, rank_log
 from bumblebee.runtime.launch.signals import PREEMPT_SIGNALS, Preempted
@@ -55,7 +57,9 @@ PREEMPTED = "preempted.json"
 
 
 def started_by_torchrun() -> bool:
-    """True inside a worker that torchrun / elastic started (its environment protocol)."""
+    """True inside a worker that torchrun / elastic started (its environment protocol); a
+    malformed or partial set of torchrun's variables is a ``ConfigError`` naming the variable."""
+    check_launch_env()
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ
     )
@@ -70,6 +74,7 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     """Join the process group (NCCL with CUDA, gloo otherwise); returns this rank's device.
     ``timeout_s`` bounds every collective of the world group (mesh.py gives the same
     bound to every sub-group)."""
+    check_launch_env()  # before any collective: a bad variable is one line, not a hang
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if torch.cuda.is_available():
@@ -101,7 +106,16 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
             timeout=timeout,
         )
     else:
-        dist.init_process_group(backend, timeout=timeout)
+        try:
+            dist.init_process_group(backend, timeout=timeout)
+        except (RuntimeError, OSError) as e:
+            if not port_in_use(e):
+                raise
+            raise ConfigError(
+                f"MASTER_PORT={os.environ.get('MASTER_PORT')} is already in use on "
+                f"{os.environ.get('MASTER_ADDR')}: another job holds it; choose a free port "
+                "(torchrun --master-port) or stop that job"
+            ) from None
     return device
 
 
