@@ -40,6 +40,12 @@ OPTIONAL = (
 )  # per-token loss inputs
 # what a loss sees per token: OPTIONAL, then values prediction_view derives from the whole batch
 LOSS_INPUTS = OPTIONAL + ("rollout_seq_log_ratio",)
+INTEGER_FIELDS = ("input_ids", "position_ids", "seq_index", "routing", "attach")
+
+
+def _first(where_BT: torch.Tensor) -> tuple[int, ...]:
+    """The first (row, column) index where ``where_BT`` holds."""
+    return tuple(int(i) for i in where_BT.nonzero()[0])
 
 
 @dataclass
@@ -78,7 +84,26 @@ class RLBatch:
                     f"RLBatch.{f.name} has shape {tuple(t.shape)}, expected {tuple(shape)} "
                     "(every per-token tensor is aligned to input_ids)"
                 )
+        for name in INTEGER_FIELDS:
+            t = getattr(self, name)
+            if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex):
+                raise TypeError(
+                    f"RLBatch.{name} must be an integer tensor, got {t.dtype} "
+                    "(float ids would be truncated)"
+                )
+        if self.position_ids.numel() and int(self.position_ids.min()) < 0:
+            at = _first(self.position_ids < 0)
+            raise ValueError(f"RLBatch.position_ids must be >= 0, got a negative value at {at}")
         self.loss_mask = self.loss_mask.bool()
+        for name in OPTIONAL:
+            t = getattr(self, name)
+            # only where the update reads them: a log-prob of -inf at an untrained token is harmless
+            if t is not None and t.numel() and not bool(torch.isfinite(t[self.loss_mask]).all()):
+                at = _first(~torch.isfinite(t) & self.loss_mask)
+                raise ValueError(
+                    f"RLBatch.{name} is not finite at trained token {at} (value {float(t[at])}): "
+                    "the loss of the step would be NaN / inf"
+                )
 
     @property
     def rows(self) -> int:
@@ -119,6 +144,8 @@ def pack_sequences(
     sequence; ``old_logprobs`` / ``ref_logprobs`` / ``rollout_logprobs``: one list per
     sequence (token-aligned)."""
     n = len(tokens)
+    if n == 0:
+        raise ValueError("pack_sequences needs at least one sequence, got none")
     if len(loss_masks) != n:
         raise ValueError(f"{n} sequences but {len(loss_masks)} loss masks")
     for i, (t, m) in enumerate(zip(tokens, loss_masks)):
@@ -126,6 +153,15 @@ def pack_sequences(
             raise ValueError(
                 f"sequence {i}: length {len(t)} (mask {len(m)}) must be in 1..seq_len={seq_len}"
             )
+    given = {
+        "advantages": advantages,
+        "old_logprobs": old_logprobs,
+        "ref_logprobs": ref_logprobs,
+        "rollout_logprobs": rollout_logprobs,
+    }
+    for name, values in given.items():
+        if values is not None:
+            _check_per_sequence(name, values, tokens, scalar_ok=name == "advantages")
     rows: list[list[int]] = []  # sequence indices per row
     free: list[int] = []
     for i, t in enumerate(tokens):
@@ -141,19 +177,20 @@ def pack_sequences(
     pos = torch.zeros(B, seq_len, dtype=torch.long)
     mask = torch.zeros(B, seq_len, dtype=torch.bool)
     index = torch.full((B, seq_len), -1, dtype=torch.long)
-    fields = {
-        "advantages": advantages,
-        "old_logprobs": old_logprobs,
-        "ref_logprobs": ref_logprobs,
-        "rollout_logprobs": rollout_logprobs,
-    }
+    fields = given
     out = {k: None if v is None else torch.zeros(B, seq_len) for k, v in fields.items()}
     for b, members in enumerate(rows):
         at = 0
         for i in members:
             L = len(tokens[i])
             s = slice(at, at + L)
-            ids[b, s] = torch.as_tensor(tokens[i], dtype=torch.long)
+            seq = torch.as_tensor(tokens[i])
+            if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
+                raise TypeError(
+                    f"sequence {i}: token ids must be integers, got {seq.dtype} "
+                    "(float ids would be truncated)"
+                )
+            ids[b, s] = seq.long()
             pos[b, s] = torch.arange(L)
             mask[b, s] = torch.as_tensor(loss_masks[i], dtype=torch.bool)
             index[b, s] = i
@@ -163,6 +200,27 @@ def pack_sequences(
             at += L
         pos[b, at:] = torch.arange(seq_len - at)  # padding: its own pseudo-sequence
     return RLBatch(ids, pos, mask, seq_index=index, **out)
+
+
+def _check_per_sequence(name: str, values, tokens, *, scalar_ok: bool) -> None:
+    """``values``: one entry per sequence, each a list as long as the sequence (or, with
+    ``scalar_ok``, one number broadcast over it)."""
+    if len(values) != len(tokens):
+        raise ValueError(f"{name}: {len(values)} entries for {len(tokens)} sequences")
+    for i, v in enumerate(values):
+        if torch.is_tensor(v):
+            n = v.numel() if v.dim() else None
+        else:
+            n = len(v) if hasattr(v, "__len__") else None
+        if n is None:
+            if not scalar_ok:
+                raise ValueError(
+                    f"{name}[{i}]: one value per token expected ({len(tokens[i])}), got a number"
+                )
+        elif n != len(tokens[i]):
+            raise ValueError(
+                f"{name}[{i}] has {n} values for a sequence of {len(tokens[i])} tokens"
+            )
 
 
 # ------------------------------------------------------------------------------ alignment helpers

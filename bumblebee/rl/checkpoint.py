@@ -32,6 +32,8 @@ class EngineCheckpoints:
         the engine's step count); ``keep``: keep the newest ``keep`` checkpoints there (0: all;
         default ``train.keep_last``). Returns the directory. Collective."""
         self.offloader.require("params", "optimizer")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ConfigError(f"step must be an integer >= 0, got {step!r}")
         if keep is not None and keep < 0:
             raise ConfigError(f"keep must be >= 0, got {keep}")
         return self._checkpointer(path, keep).save(self.step if step is None else step)

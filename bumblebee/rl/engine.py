@@ -132,6 +132,9 @@ class Engine(EngineForward, EngineSplitBatch, EngineWeights, EngineAdapters, Eng
         self.model, self.optimizer, self.autocast = run.model, run.optimizer, run.autocast
         self.arch = self.model.arch
         self.step = 0
+        # the losses of the forward_backward calls since the last optimizer_step (global, identical
+        # on every rank): a non-finite one stops or skips the update as train.on_nonfinite says
+        self.step_loss = 0.0
         self.weight_version = 0  # bumped by every applied optimizer step (rl/weights.py)
         self.offloader = Offloader(self)
         self.expert_load = ExpertLoad(
@@ -188,9 +191,11 @@ class Engine(EngineForward, EngineSplitBatch, EngineWeights, EngineAdapters, Eng
             self.cfg.train,
             self.step,
             lr=lr,
+            loss=self.step_loss,
             pp_group=self.ctx.pp_group if pp else None,
             params=self.model.parameters() if pp else None,
         )
+        self.step_loss = 0.0
         # routers with a selection bias move it by the step's global expert load (as the Trainer)
         self.expert_load.update_bias(
             self.cfg.moe.bias_update_rate,
@@ -205,6 +210,7 @@ class Engine(EngineForward, EngineSplitBatch, EngineWeights, EngineAdapters, Eng
 
     def zero_grad(self) -> None:
         self.sharding.zero_grad(self.optimizer)
+        self.step_loss = 0.0
         self.expert_load.counts = None  # the expert load of the dropped gradients goes with them
 
     # ------------------------------------------------------------------ memory

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from bumblebee.models.head import check_token_ids
 from bumblebee.primitives.cp.zigzag import shard_sequence, unshard_sequence
-from bumblebee.primitives.moe.replay import RoutingScope
+from bumblebee.primitives.moe.replay import RoutingScope, check_routing
 from bumblebee.primitives.packed import assume_documents
 from bumblebee.primitives.prefix_tree import tree_layout
 from bumblebee.rl import microbatch as mbs
@@ -33,7 +33,13 @@ from bumblebee.rl.batch import (
     shift_right,
     trained_tokens,
 )
-from bumblebee.rl.losses import PolicyInputs, PolicyLoss, aggregation_totals, token_logprobs
+from bumblebee.rl.losses import (
+    PolicyInputs,
+    PolicyLoss,
+    aggregation_totals,
+    call_loss,
+    token_logprobs,
+)
 from bumblebee.rl.shared_prefix import check_tree_batch
 from bumblebee.rl.split_batch import _all_gather
 from bumblebee.runtime.step import accumulate, add_stat, balance_denominator
@@ -128,7 +134,20 @@ class EngineForward:
         token was routed to, [B, T, L, K]). A batch carrying ``routing`` is run with those experts
         (routing replay, primitives/moe/replay.py). A batch carrying ``attach`` is a shared-prefix
         tree (rl/shared_prefix.py: cp = 1, pp = 1, row micro-batches). Collective over all ranks."""
+        if not isinstance(batch, RLBatch):
+            raise TypeError(f"batch must be an RLBatch, got {type(batch).__name__}")
+        if batch.input_ids.numel() == 0:
+            raise ValueError(
+                f"batch has no tokens (input_ids shape {tuple(batch.input_ids.shape)})"
+            )
         check_token_ids(batch.input_ids, self.arch.vocab_size, "batch.input_ids")
+        if batch.routing is not None:
+            check_routing(
+                batch.routing,
+                self.model.main_moe_layers,
+                self.arch.num_experts_per_tok,
+                self.arch.num_experts,
+            )
         if forward_only:
             self.offloader.require("params")
         else:
@@ -163,12 +182,16 @@ class EngineForward:
                 self.arch.router_aux_loss_coef,
                 None if forward_only else self.expert_load,
             )
-            return self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
+            out = self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
+            if not forward_only:
+                self.step_loss += out.loss
+            return out
         parts = self._micro_batches(P, batch.seq_index, budget)
         aux_scale = self.arch.router_aux_loss_coef / balance_denominator(
             len(parts), self._dp, self.ctx.layout.cp
         )
         kept: list[tuple] = []
+        seen: list = []  # the loss's metric names, per micro-batch
 
         def forward(mb):
             scope = None
@@ -193,7 +216,7 @@ class EngineForward:
             x = PolicyInputs(
                 logp, ent, mb["mask"], mb["weights"], *(mb.get(k) for k in LOSS_INPUTS)
             )
-            loss, stats = loss_fn(x)
+            loss, stats = call_loss(loss_fn, x, seen)
             return loss + aux_scale * aux, {"loss": loss, **stats}
 
         shards = [self._cp_share(mb) for mb in parts]
@@ -206,7 +229,10 @@ class EngineForward:
         else:
             with self._step_tokens(sum(mb["input_ids"].numel() for mb in shards)):
                 sums = accumulate(shards, self.sharding, forward)
-        return self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
+        out = self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
+        if not forward_only:  # checked with the gradients at the next optimizer_step
+            self.step_loss += out.loss
+        return out
 
     @contextlib.contextmanager
     def _step_tokens(self, local: int):

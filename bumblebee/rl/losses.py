@@ -130,6 +130,11 @@ def grpo_advantages(rewards_N, group_size: int, *, scale_by_std: bool = True, ep
     """Group-normalized advantages [N]; rollouts of one prompt are consecutive (groups of
     ``group_size``). ``scale_by_std=False`` only centers (the "Dr. GRPO" variant)."""
     rewards_N = torch.as_tensor(rewards_N, dtype=torch.float32)
+    if rewards_N.numel() and not bool(torch.isfinite(rewards_N).all()):
+        bad = torch.nonzero(~torch.isfinite(rewards_N.reshape(-1)))[:, 0].tolist()
+        raise ValueError(
+            f"rewards must be finite; not finite at {bad[:8]} (of {rewards_N.numel()})"
+        )
     if group_size < 1 or rewards_N.numel() % group_size:
         raise ValueError(f"{rewards_N.numel()} rewards do not split into groups of {group_size}")
     r_PG = rewards_N.view(-1, group_size)
@@ -247,6 +252,10 @@ class PolicyLoss:
     is_level: str = "token"  # token | sequence
 
     def __post_init__(self):
+        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"PolicyLoss.{name} must be a finite number, got {value!r}")
         if self.clip_low < 0 or self.clip_high < 0:
             raise ValueError(
                 f"clip_low/clip_high must be >= 0, got {self.clip_low}, {self.clip_high}"
@@ -337,6 +346,31 @@ class TokenNLL:
         return aggregate(-x.logprobs, x.weights), {}
 
 
+def call_loss(loss_fn, x: PolicyInputs, seen: list) -> tuple[torch.Tensor, dict]:
+    """``loss_fn(x)``, checked: a (0-d loss tensor, {name: tensor}) pair whose metric names are
+    those of the earlier calls of the same step (``seen``, appended to): a renamed metric would
+    otherwise come out as a mean over only some micro-batches."""
+    out = loss_fn(x)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"loss_fn must return (loss, metrics), got {type(out).__name__}")
+    loss, stats = out
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        what = (
+            f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        )
+        raise TypeError(f"loss_fn's loss must be a 0-d tensor (to differentiate), got {what}")
+    if not isinstance(stats, dict) or not all(isinstance(v, torch.Tensor) for v in stats.values()):
+        raise TypeError("loss_fn's metrics must be a dict of name -> tensor (sums over the tokens)")
+    names = frozenset(stats)
+    if seen and names != seen[0]:
+        raise ValueError(
+            f"loss_fn returned metrics {sorted(names)} for micro-batch {len(seen)} but "
+            f"{sorted(seen[0])} for micro-batch 0: return the same names on every call"
+        )
+    seen.append(names)
+    return loss, stats
+
+
 def fused_policy_loss(
     hidden_TH,
     weight_VH,
@@ -375,5 +409,5 @@ def fused_policy_loss(
         rollout_logprobs_T,
         rollout_seq_log_ratio_T,
     )
-    loss, stats = loss_fn(x)
+    loss, stats = call_loss(loss_fn, x, [])
     return loss, stats, logp_T, entropy_T

@@ -76,3 +76,21 @@ def entered(scope: RoutingScope | None):
         yield
     finally:
         _SCOPE.reset(token)
+
+
+def check_routing(routing_BTLK: torch.Tensor, layers: int, top_k: int, experts: int) -> None:
+    """A replayed routing's one-line ``ValueError`` / ``TypeError`` at the API boundary: integer
+    ids, one [L, K] block per token for the model's ``layers`` MoE layers and ``top_k`` experts,
+    every id in [0, experts). A wrong K or L would otherwise train on other experts silently."""
+    if routing_BTLK.dtype.is_floating_point or routing_BTLK.dtype == torch.bool:
+        raise TypeError(f"routing must hold integer expert ids, got {routing_BTLK.dtype}")
+    L, K = routing_BTLK.shape[2:]
+    if (L, K) != (layers, top_k):
+        raise ValueError(
+            f"routing has {L} MoE layers x {K} experts per token; this model has {layers} MoE "
+            f"layers with top-{top_k} routing ([rows, tokens, {layers}, {top_k}])"
+        )
+    if routing_BTLK.numel():
+        lo, hi = int(routing_BTLK.min()), int(routing_BTLK.max())
+        if lo < 0 or hi >= experts:
+            raise ValueError(f"routing holds expert ids in [{lo}, {hi}]; valid: 0..{experts - 1}")
