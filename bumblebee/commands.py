@@ -75,7 +75,10 @@ def train_run(args) -> int:
             raise ConfigError("\n".join(errors))
         plan = preflight(cfg, world)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy of each warning
-            for warning in config_warnings(cfg):
+            from bumblebee.data.synthetic import eval_distance_warning
+
+            distance = eval_distance_warning(cfg.data, cfg.train.seq_len)
+            for warning in config_warnings(cfg) + ([distance] if distance else []):
                 print(f"bumblebee: warning: {warning}", file=sys.stderr)
         return plan
 

@@ -188,6 +188,11 @@ def _check_synthetic(cfg) -> None:
     for name in ("ramp_steps", "eval_min_distance"):
         if getattr(d, name) < 0:
             raise ConfigError(f"data.{name} must be >= 0, got {getattr(d, name)}")
+    if d.min_doc_len > d.max_doc_len:
+        raise ConfigError(
+            f"data.min_doc_len = {d.min_doc_len} > data.max_doc_len = {d.max_doc_len}; "
+            "the shortest document must not be longer than the longest"
+        )
 
 
 def _check_primitives(cfg) -> None:

@@ -58,6 +58,9 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
             return float(value)
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if hint is str:
+        if isinstance(value, str) and "\x00" in value:
+            # no path, name or template may hold one: the OS refuses it deep inside a write
+            raise ConfigError(f"{where}: {value!r} holds a NUL character")
         if isinstance(value, str):
             return value
         raise ConfigError(f"{where}: expected a string, got {value!r}")
@@ -115,6 +118,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected section.key=value")
     key, raw = item.split("=", 1)
+    if "\n" in raw or "\r" in raw:
+        # TOML would read the text after the line break as more keys and drop it silently
+        raise ConfigError(f"--set {key}: the value holds a line break; give one value per --set")
     path = key.strip().split(".")
     if len(path) < 2 or not all(path):
         raise ConfigError(f"--set {item!r}: expected section.key=value")

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import random
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -47,6 +47,23 @@ KEYS = string.ascii_uppercase
 def min_doc_len(n_records: int, value_len: int) -> int:
     """Tokens of the shortest document: BOS, the records " K123;" and the queries "?K123\\n"."""
     return 1 + n_records * 2 * (value_len + 3)
+
+
+def eval_distance_warning(data_cfg, seq_len: int) -> str | None:
+    """A warning when a set ``eval_min_distance`` is more than rows of ``seq_len`` tokens hold
+    (the held-out queries then ask at the largest distance the rows allow); None when it is met
+    or is the default, which adapts to short rows by design."""
+    default = next(f.default for f in fields(data_cfg) if f.name == "eval_min_distance")
+    if data_cfg.source != "synthetic" or data_cfg.eval_min_distance == default:
+        return None
+    room = max(seq_len - min_doc_len(data_cfg.max_records, data_cfg.value_len), 0)
+    if data_cfg.eval_min_distance <= room:
+        return None
+    return (
+        f"data.eval_min_distance = {data_cfg.eval_min_distance} cannot be met in rows of "
+        f"train.seq_len = {seq_len} tokens: held-out queries ask at distance >= {room}; raise "
+        "train.seq_len or lower data.eval_min_distance"
+    )
 
 
 @dataclass

@@ -29,7 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from bumblebee import registry
-from bumblebee.models.head import LMHead, LossTerms, check_token_ids, summed_losses
+from bumblebee.models.head import (
+    LMHead,
+    LossTerms,
+    check_forward_inputs,
+    summed_losses,
+)
 from bumblebee.models.kv_cache import CachedDecoding, cache_aware
 from bumblebee.models.placement import Placement
 from bumblebee.models.routing import RoutingProtocol
@@ -386,7 +391,7 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
     def forward(self, input_ids, position_ids=None, labels=None):
         """Logits [B, T, V] without labels; with labels (already shifted, -100 ignored)
         the mean cross-entropy through the configured loss primitive."""
-        check_token_ids(input_ids, self.arch.vocab_size)
+        check_forward_inputs(self, input_ids, position_ids, labels)
         if labels is None:
             h_BTH, _ = self.routed_hidden_states(input_ids, position_ids)
             return self.apply_head(F.linear, h_BTH)

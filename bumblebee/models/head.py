@@ -70,6 +70,43 @@ def check_token_ids(ids, vocab_size: int, name: str = "input_ids") -> None:
             )
 
 
+def check_forward_inputs(model, input_ids, position_ids=None, labels=None) -> None:
+    """The public forward's arguments, checked before anything runs: ids [B, T] in the model's
+    vocabulary, ``position_ids`` / ``labels`` integer tensors of the same shape (positions >= 0),
+    and a model whose parameters have memory (not still on the meta device)."""
+    check_token_ids(input_ids, model.arch.vocab_size)
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}"
+            + (" (add the batch dim: input_ids[None])" if input_ids.dim() == 1 else "")
+        )
+    for name, t in (("position_ids", position_ids), ("labels", labels)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
+            what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be an integer tensor, got {what}")
+        if t.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, expected {tuple(input_ids.shape)} "
+                "(the shape of input_ids)"
+            )
+    if (
+        position_ids is not None
+        and position_ids.numel()
+        and not is_fake(position_ids)
+        and position_ids.device.type != "meta"
+        and int(position_ids.min()) < 0
+    ):
+        raise ValueError("position_ids must be >= 0 (they restart at 0 per packed document)")
+    p = next(model.parameters(), None)
+    if p is not None and p.is_meta and input_ids.device.type != "meta" and not is_fake(input_ids):
+        raise ValueError(
+            "the model's parameters are on the meta device (built with device='meta'): give them "
+            "memory first (bumblebee.models.materialize), or build it on a real device"
+        )
+
+
 @dataclass
 class LossTerms:
     """What a training step needs from one micro-batch's forward."""

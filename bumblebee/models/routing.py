@@ -106,6 +106,9 @@ class RoutingProtocol:
     def record_routing(self, input_ids, position_ids=None) -> torch.Tensor:
         """The experts every MoE layer chooses for ``input_ids`` [B, T]: ids [B, T, L, K] (L MoE
         layers in order), from a no-grad forward; feed them back as ``RoutingScope(replay_BTLK=...)``."""
+        from bumblebee.models.head import check_forward_inputs
+
+        check_forward_inputs(self, input_ids, position_ids)
         scope = routing_replay.RoutingScope(record={})
         self.hidden_states(input_ids, position_ids, routing=scope)
         return scope.recorded()

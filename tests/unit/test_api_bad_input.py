@@ -1,0 +1,73 @@
+"""Caller mistakes are one-line errors naming the argument: the model's public forward and
+record_routing (1-D ids, position_ids / labels of another shape or dtype, negative positions, a
+model still on the meta device), and config values (a NUL in a string, a --set value holding a
+line break, min_doc_len > max_doc_len, an eval distance the rows cannot hold)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bumblebee import ConfigError, load_config
+from bumblebee.config import ModelConfig
+from bumblebee.config_parse import parse_override
+from bumblebee.data.synthetic import eval_distance_warning
+from bumblebee.models import build_model, resolve_arch
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return build_model(resolve_arch(ModelConfig(name="qwen3_moe")), seed=0)
+
+
+def test_one_dimensional_ids_name_the_fix(model):
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq_len\], got shape \(5,\)"):
+        model(torch.arange(5))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"position_ids": torch.arange(4)[None]}, r"position_ids has shape \(1, 4\), expected"),
+        ({"position_ids": torch.zeros(1, 6)}, "position_ids must be an integer tensor"),
+        ({"position_ids": torch.tensor([[0, 1, -1, 2, 3, 4]])}, "position_ids must be >= 0"),
+        ({"labels": torch.zeros(1, 5, dtype=torch.long)}, r"labels has shape \(1, 5\)"),
+    ],
+)
+def test_forward_arguments_of_another_shape_or_dtype(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        model(torch.arange(6)[None], **kwargs)
+
+
+def test_record_routing_checks_its_ids(model):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.record_routing(torch.tensor([[1, 2, model.arch.vocab_size]]))
+
+
+def test_a_model_on_the_meta_device_says_materialize():
+    meta = build_model(resolve_arch(ModelConfig(name="qwen3_moe")), device="meta")
+    with pytest.raises(ValueError, match="on the meta device"):
+        meta(torch.arange(6)[None])
+
+
+def test_nul_in_a_config_string_is_one_line():
+    with pytest.raises(ConfigError, match="train.out_dir: .* holds a NUL character"):
+        load_config(None, ['train.out_dir="runs/a\\u0000b"'])
+
+
+def test_set_value_with_a_line_break_is_refused():
+    with pytest.raises(ConfigError, match="the value holds a line break"):
+        parse_override("train.steps=5\ntrain.lr=1")
+
+
+def test_min_doc_len_above_max_doc_len():
+    with pytest.raises(ConfigError, match="data.min_doc_len = 600 > data.max_doc_len = 500"):
+        load_config(None, ["data.min_doc_len=600", "data.max_doc_len=500"])
+
+
+def test_an_eval_distance_the_rows_cannot_hold_is_warned():
+    cfg = load_config(None, ["data.eval_min_distance=100000"])
+    warning = eval_distance_warning(cfg.data, cfg.train.seq_len)
+    assert warning and "cannot be met in rows of train.seq_len = 2048" in warning
+    assert eval_distance_warning(load_config(None, []).data, 2048) is None  # the default adapts
