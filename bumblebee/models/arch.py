@@ -93,6 +93,28 @@ def replace_fields(arch, overrides: dict[str, Any]):
     return new
 
 
+# bounds no model anyone trains comes near (the largest have ~100-200 layers); a config past them
+# is a typo or a crafted file, and would otherwise hang in a loop over its layers or fail in the
+# allocator long after start
+MAX_LAYERS = 10_000
+MAX_PARAMETERS = 10**15
+
+
+def check_size(arch) -> None:
+    """The model's depth and a lower bound on its parameter count (the embedding plus one
+    hidden x hidden projection per layer) within ``MAX_LAYERS`` / ``MAX_PARAMETERS``."""
+    layers = getattr(arch, "num_hidden_layers", 0)
+    if layers > MAX_LAYERS:
+        raise ArchError(f"num_hidden_layers = {layers} is beyond any model (at most {MAX_LAYERS})")
+    hidden, vocab = getattr(arch, "hidden_size", 0), getattr(arch, "vocab_size", 0)
+    lower = vocab * hidden + layers * hidden * hidden
+    if lower > MAX_PARAMETERS:
+        raise ArchError(
+            f"vocab_size = {vocab}, hidden_size = {hidden}, num_hidden_layers = {layers}: at least "
+            f"{lower:.3g} parameters, beyond any model (at most {MAX_PARAMETERS:.0e})"
+        )
+
+
 def check_field_types(arch) -> None:
     """Every field holds a value of its annotated type (an int is taken for a float), so a
     string, a float size or a string for a bool names its key instead of failing deep inside."""
@@ -121,6 +143,7 @@ def check_field_types(arch) -> None:
             raise ArchError(
                 f"{f.name} must be a list of {'integers' if item is int else 'strings'}, got {value!r}"
             )
+    check_size(arch)
 
 
 def check_norm_and_rope(eps: float, theta: float) -> None:

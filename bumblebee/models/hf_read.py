@@ -178,7 +178,14 @@ class HFCheckpoint:
                 if (
                     ours
                 ):  # "": a copy of a shared tensor (DeepSeek's per-MTP-module embedding / head)
-                    (self.scales if scale else self.where)[ours] = (handle, stored, file)
+                    table = self.scales if scale else self.where
+                    if ours in table:  # which copy a load took would depend on the file order
+                        self._stack.close()
+                        raise CheckpointError(
+                            f"{self.path}: tensor {stored} is stored twice, in "
+                            f"{os.path.basename(table[ours][2])} and {os.path.basename(file)}"
+                        )
+                    table[ours] = (handle, stored, file)
         return self
 
     def __exit__(self, *exc):
@@ -200,7 +207,17 @@ class HFCheckpoint:
 
     def rows(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Rows [lo, hi) of dim 0 (all of it by default): only those bytes are read. A block-FP8
-        weight comes dequantized (fp32), reading only the scale blocks of those rows."""
+        weight comes dequantized (fp32), reading only the scale blocks of those rows. NaN / inf
+        values are a ``CheckpointError`` naming the tensor (bad input, not a failed step)."""
+        t = self._rows(name, lo, hi)
+        if t.is_floating_point() and t.dtype.itemsize > 1 and not bool(torch.isfinite(t).all()):
+            _, stored, file = self.where[name]
+            raise CheckpointError(
+                f"{file}: tensor {stored} holds NaN or infinite values; the checkpoint is damaged"
+            )
+        return t
+
+    def _rows(self, name: str, lo: int | None, hi: int | None) -> torch.Tensor:
         handle, stored, file = self.where[name]
         try:
             sl = handle.get_slice(stored)

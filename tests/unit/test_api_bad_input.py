@@ -71,3 +71,61 @@ def test_an_eval_distance_the_rows_cannot_hold_is_warned():
     warning = eval_distance_warning(cfg.data, cfg.train.seq_len)
     assert warning and "cannot be met in rows of train.seq_len = 2048" in warning
     assert eval_distance_warning(load_config(None, []).data, 2048) is None  # the default adapts
+
+
+def test_absurd_depth_is_refused_at_once():
+    with pytest.raises(ConfigError, match="num_hidden_layers = 1000000000000 is beyond any model"):
+        load_config(None, ["model.arch.num_hidden_layers=1000000000000"])
+
+
+def test_a_vocabulary_no_memory_holds_is_refused_before_start():
+    from bumblebee.runtime.launch.preflight import preflight
+
+    cfg = load_config(None, ["model.arch.vocab_size=1000000000000"])
+    with pytest.raises(ConfigError, match="for its fp32 weights alone"):
+        preflight(cfg, 1)
+
+
+def _exported(model, tmp_path):
+    import bumblebee
+
+    out = tmp_path / "hf"
+    bumblebee.to_hf(model, str(out))
+    (file,) = sorted(out.glob("*.safetensors"))
+    return out, file
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_a_damaged_checkpoint(model, tmp_path, value):
+    from safetensors.torch import load_file, save_file
+
+    import bumblebee
+    from bumblebee.errors import CheckpointError
+
+    out, file = _exported(model, tmp_path)
+    tensors = load_file(str(file))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone().flatten().index_fill_(0, torch.tensor([0]), value)
+    tensors[name] = tensors[name].view(load_file(str(file))[name].shape)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor {name} holds NaN or infinite values"):
+        bumblebee.from_hf(str(out))
+
+
+def test_a_tensor_stored_in_two_shards_is_refused(model, tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    import bumblebee
+    from bumblebee.errors import CheckpointError
+
+    out, file = _exported(model, tmp_path)
+    tensors = load_file(str(file))
+    name = sorted(tensors)[0]
+    save_file({name: tensors[name]}, str(out / "extra.safetensors"), metadata={"format": "pt"})
+    # an index naming both shards, each holding the tensor
+    weight_map = {n: file.name for n in tensors} | {name: "extra.safetensors"}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=f"tensor {name} is stored twice"):
+        bumblebee.from_hf(str(out))

@@ -43,6 +43,26 @@ def _activations_fit(cfg: Config, layout, arch) -> None:
         )
 
 
+def _parameters_fit(cfg: Config, layout, arch) -> None:
+    """A lower bound only (fp32 master weights of the embedding and one hidden x hidden
+    projection per layer, spread over every rank): a model past it fails in the allocator
+    after minutes of start-up (model.arch.vocab_size = 1e12), so it is refused now."""
+    from bumblebee.data.cli import host_memory
+
+    hidden = arch.hidden_size
+    params = arch.vocab_size * hidden + arch.num_hidden_layers * hidden * hidden
+    need = 4 * params / max(layout.world, 1)
+    cuda = torch.cuda.is_available()
+    have = torch.cuda.get_device_properties(0).total_memory if cuda else host_memory()
+    if need > have:
+        raise ConfigError(
+            f"the model (vocab_size {arch.vocab_size}, hidden_size {hidden}, "
+            f"{arch.num_hidden_layers} layers) needs >= {need / 2**30:.3g} GiB per rank for its fp32 "
+            f"weights alone, more than the {have / 2**30:.0f} GiB of {'GPU' if cuda else 'host'} "
+            "memory; check model.arch, or spread it over more ranks"
+        )
+
+
 def preflight(cfg: Config, world: int):
     """Everything about the run on ``world`` ranks that can be rejected before launch;
     returns the ``RunPlan``. Raises ``ConfigError`` (one line)."""
@@ -61,6 +81,7 @@ def preflight(cfg: Config, world: int):
             )
     plan = check_run(cfg, world)
     layout, arch = plan.layout, plan.arch
+    _parameters_fit(cfg, layout, arch)
     _activations_fit(cfg, layout, arch)
     if (
         t.wandb
