@@ -35,7 +35,7 @@ import re
 
 import numpy as np
 
-from bumblebee.data.errors import BadRecord
+from bumblebee.data.errors import BadRecord, DataError
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -125,12 +125,30 @@ def _unrendered_calls(msgs: list[dict], full: str) -> bool:
     return False
 
 
+def _template_text(tok) -> str:
+    """The tokenizer's chat template as text ("" for none); a template that is not text, or a
+    set of named templates without a "default", is a ``DataError`` (the template is input)."""
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, dict):
+        if "default" not in template:
+            raise DataError(
+                f"the tokenizer has named chat templates {sorted(map(str, template))} and none is "
+                "called 'default'; name one 'default' in its tokenizer_config.json"
+            )
+        template = template["default"]
+    if template is not None and not isinstance(template, str):
+        raise DataError(
+            f"the tokenizer's chat_template must be a string, got {type(template).__name__}"
+        )
+    return template or ""
+
+
 class ChatRenderer:
     """Applies one tokenizer's chat template to records (module docstring)."""
 
     def __init__(self, tok, chat_loss: str, tools: list | None, template_kwargs: dict):
         self.tok, self.chat_loss, self.tools, self.kwargs = tok, chat_loss, tools, template_kwargs
-        self.generation = bool(GENERATION.search(tok.chat_template or ""))
+        self.generation = bool(GENERATION.search(_template_text(tok)))
 
     def documents(self, rec: dict) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
         """([(ids, mask)], notes to count) for one record."""
@@ -161,6 +179,11 @@ class ChatRenderer:
         try:
             return self.tok.apply_chat_template(msgs, tools=tools, **kw, **self.kwargs)
         except Exception as e:  # a template's raise_exception() or a jinja error: this record
+            if type(e).__name__ == "SecurityError":  # jinja2.sandbox: the template, not the record
+                raise DataError(
+                    f"the chat template tried something Jinja's sandbox refuses ({_first_line(e)}); "
+                    "templates are rendered sandboxed because they come from elsewhere"
+                ) from None
             raise BadRecord(f"chat template failed: {_first_line(e)}") from None
 
     def _render(self, msgs, tools, gen: bool = False) -> str:

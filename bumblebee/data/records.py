@@ -211,8 +211,22 @@ def parse_line(line: bytes):
     if not line.strip():
         return None
     try:
-        return json.loads(line)
+        rec = json.loads(line)
     except UnicodeDecodeError:
         raise BadRecord("not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise BadRecord(f"not valid JSON ({e.msg})") from None
+    # JSON's \uD800-\uDFFF escapes decode to lone surrogates, which no tokenizer can encode
+    if b"\\u" in line and _lone_surrogate(rec):
+        raise BadRecord(
+            "a string holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape): not text"
+        )
+    return rec
+
+
+def _lone_surrogate(obj) -> bool:
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

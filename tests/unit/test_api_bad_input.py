@@ -129,3 +129,29 @@ def test_a_tensor_stored_in_two_shards_is_refused(model, tmp_path):
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match=f"tensor {name} is stored twice"):
         bumblebee.from_hf(str(out))
+
+
+def test_a_lone_surrogate_in_a_jsonl_record_is_a_bad_record():
+    from bumblebee.data.errors import BadRecord
+    from bumblebee.data.records import parse_line
+
+    assert parse_line(b'{"text": "caf\\u00e9"}') == {"text": "caf\u00e9"}
+    with pytest.raises(BadRecord, match="lone UTF-16 surrogate"):
+        parse_line(b'{"text": "bad \\ud800 half"}')
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ({"tool_use": "{{ messages }}"}, "none is called 'default'"),
+        (42, "chat_template must be a string, got int"),
+    ],
+)
+def test_a_chat_template_that_is_not_text_is_a_data_error(template, message):
+    from types import SimpleNamespace
+
+    from bumblebee.data.chat import ChatRenderer
+    from bumblebee.data.errors import DataError
+
+    with pytest.raises(DataError, match=message):
+        ChatRenderer(SimpleNamespace(chat_template=template), "assistant", None, {})
