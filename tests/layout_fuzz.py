@@ -19,6 +19,7 @@ bf16 budget. The emulated run checks every collective and point-to-point call (`
     python -m tests.layout_fuzz --seed 7 --case 12     # one case (what a failure prints)
     python -m tests.layout_fuzz --cases 50 --start 100 --where model.name=qwen3_5_moe
     python -m tests.layout_fuzz --cases 20 --list      # the cases only, nothing run
+    python -m tests.layout_fuzz --cases 8 --pin model.name=qwen3_5_moe --pin parallel.cp=2
 
 A failure prints the one command that reproduces it; the sweep ends with the failures grouped by
 kind (the exception and where it was raised, or which figure disagreed)."""
@@ -42,7 +43,7 @@ STEPS = 2
 # each other by seconds, never by minutes)
 COLLECTIVE_TIMEOUT_S = 180.0
 TAIL = 16  # traceback lines a failure prints
-BATCH = 20  # cases per spawn at most (a spawn's process groups and memory grow with them)
+BATCH = 24  # consecutive cases run together: one spawn per world size among them
 # relative bounds, (loss, grad norm): fp32 is the two paths' rounding (reference kernels in
 # another summation order; step 2 after one AdamW update at lr 3e-3); bf16 is bf16 noise
 # (7 mantissa bits: ~4e-3 per rounding, through a few layers and one update)
@@ -127,9 +128,11 @@ class Case:
     world: int
     overrides: tuple[str, ...]
     redraws: int  # draws the launch checks refused before this one
+    pins: tuple[str, ...] = ()
 
     def command(self) -> str:
-        return f"python -m tests.layout_fuzz --seed {self.seed} --case {self.index}"
+        pins = "".join(f" --pin {p}" for p in self.pins)
+        return f"python -m tests.layout_fuzz --seed {self.seed} --case {self.index}{pins}"
 
     def value(self, key: str) -> str | None:
         for item in self.overrides:
@@ -151,56 +154,67 @@ def _choices(slot: str) -> list[str]:
     return list(registry.implementations(slot))
 
 
-def _draw(rng: random.Random) -> tuple[int, list[str]]:
-    """One raw draw (not yet checked): the world size and the overrides."""
+def _draw(rng: random.Random, pins: dict[str, str]) -> tuple[int, list[str]]:
+    """One raw draw (not yet checked): the world size and the overrides. ``pins``: key -> value
+    taken instead of the draw (the stream draws it all the same, so the other keys are those of
+    the unpinned case)."""
     from bumblebee.models import FAMILIES
     from bumblebee.primitives.recompute import MODULE_NAMES
 
-    family = rng.choice(sorted(FAMILIES))
-    layers = rng.choice([2, 2, 2, 4])
+    def pick(key: str, options: list):
+        drawn = rng.choice(options)
+        if key not in pins:
+            return drawn
+        return next((o for o in options if str(o) == pins[key]), type(drawn)(pins[key]))
+
+    family = pick("model.name", sorted(FAMILIES))
+    layers = pick("layers", [2, 2, 2, 4])
     arch = (LAYERS_2[family] if layers == 2 else []) + NARROW[family]
-    cp, ep, pp, dp = (rng.choice([1, 2]) for _ in range(4))
+    cp, ep, pp, dp = (pick(f"parallel.{k}", [1, 2]) for k in ("cp", "ep", "pp", "dp_shard"))
+    if cp * pp * dp > 4:  # the machine's budget: at most 4 ranks
+        if "parallel.cp" not in pins:
+            cp = 1
+        elif "parallel.dp_shard" not in pins:
+            dp = 1
+        else:
+            pp = 1
     world = cp * pp * dp
-    if world > 4:  # the machine's budget: at most 4 ranks
-        cp = 1
-        world = pp * dp
-    micro_batch = rng.choice([1, 1, 2])
-    per_rank = rng.choice([1, 2, 3])  # micro-batches per rank and step
-    seq = rng.choice([64, 128, 256]) if micro_batch == 1 else rng.choice([64, 128])
+    micro_batch = pick("train.micro_batch", [1, 1, 2])
+    per_rank = pick("micro_batches", [1, 2, 3])  # micro-batches per rank and step
+    seq = pick("train.seq_len", [64, 128, 256] if micro_batch == 1 else [64, 128])
     lo = rng.choice([16, 16, 32, seq // 2, seq])  # 16 tokens each ... one document per row
     hi = rng.choice([d for d in (lo, 2 * lo, seq) if lo <= d <= seq])
     out = [f"model.name={family}", *(f"model.arch.{a}" for a in arch)]
-    out += [
-        f"parallel.cp={cp}",
-        f"parallel.ep={ep}",
-        f"parallel.pp={pp}",
-        f"parallel.dp_shard={dp}",
-    ]
-    out += [f"train.seq_len={seq}", f"train.micro_batch={micro_batch}"]
+    out += [f"parallel.cp={cp}", f"parallel.ep={ep}", f"parallel.pp={pp}"]
+    out += [f"parallel.dp_shard={dp}", f"train.seq_len={seq}", f"train.micro_batch={micro_batch}"]
     out += [f"train.global_batch={dp * micro_batch * per_rank}"]
-    out += [f"train.dtype={rng.choice(['float32', 'bfloat16'])}"]
+    out += [f"train.dtype={pick('train.dtype', ['float32', 'bfloat16'])}"]
     out += [f"data.min_doc_len={lo}", f"data.max_doc_len={hi}"]
-    out += [f"primitives.sharding={rng.choice(_choices('sharding'))}"]
+    out += [f"primitives.sharding={pick('primitives.sharding', _choices('sharding'))}"]
     if cp > 1:
-        out += [f"primitives.cp_attention={rng.choice(_choices('cp_attention'))}"]
+        out += [
+            f"primitives.cp_attention={pick('primitives.cp_attention', _choices('cp_attention'))}"
+        ]
         if family in HYBRID:  # the GDN / KDA state across the CP ranks
-            out += [f"primitives.linear_attention_cp={rng.choice(['scan', 'relay'])}"]
-    comm = rng.choice([c for c in _choices("moe_comm") if c != "local"] if ep > 1 else ["local"])
+            carry = pick("primitives.linear_attention_cp", ["scan", "relay"])
+            out += [f"primitives.linear_attention_cp={carry}"]
+    comms = [c for c in _choices("moe_comm") if c != "local"] if ep > 1 else ["local"]
+    comm = pick("primitives.moe_comm", comms)
     out += [f"primitives.moe_comm={comm}"]
     if comm == "chunked":
-        out += [f"primitives.moe_chunks={rng.choice([1, 2, 3, 4])}"]
+        out += [f"primitives.moe_chunks={pick('primitives.moe_chunks', [1, 2, 3, 4])}"]
     if pp > 1:
-        schedule = rng.choice(_choices("pipeline"))
+        schedule = pick("primitives.pipeline", _choices("pipeline"))
         out += [f"primitives.pipeline={schedule}"]
         if schedule == "interleaved_1f1b":
             out += ["primitives.pp_virtual_stages=2"]
-    recompute = rng.choice(_choices("recompute"))
+    recompute = pick("primitives.recompute", _choices("recompute"))
     out += [f"primitives.recompute={recompute}"]
     if recompute == "selective":
         modules = rng.sample(MODULE_NAMES, rng.randint(1, 3))
         out += [f"primitives.recompute_modules={modules}"]
-    out += [f"train.balance={rng.choice(['auto', 'step', 'micro_batch', 'hf'])}"]
-    out += [f"primitives.fused={rng.choice(['auto', 'off'])}"]
+    out += [f"train.balance={pick('train.balance', ['auto', 'step', 'micro_batch', 'hf'])}"]
+    out += [f"primitives.fused={pick('primitives.fused', ['auto', 'off'])}"]
     # the other slots: mostly the defaults (what a run takes), now and then another registered one
     for slot in ("attention", "experts", "loss"):
         if rng.random() < 0.25:
@@ -223,14 +237,16 @@ def accepted(world: int, overrides: list[str], out_dir: str) -> bool:
     return True
 
 
-def case(seed: int, index: int) -> Case:
-    """The ``index``-th case of ``seed`` (its own random stream: independent of the others)."""
+def case(seed: int, index: int, pins: tuple[str, ...] = ()) -> Case:
+    """The ``index``-th case of ``seed`` (its own random stream: independent of the others);
+    ``pins``: ``KEY=VALUE`` settings taken instead of drawn (``_draw``)."""
     rng = random.Random(f"layout_fuzz/{seed}/{index}")
+    pinned = dict(p.split("=", 1) for p in pins)
     probe = os.path.join(tempfile.gettempdir(), "layout_fuzz_probe")
     for redraws in range(10_000):
-        world, overrides = _draw(rng)
+        world, overrides = _draw(rng, pinned)
         if accepted(world, overrides, probe):
-            return Case(seed, index, world, tuple(overrides), redraws)
+            return Case(seed, index, world, tuple(overrides), redraws, tuple(pins))
     raise RuntimeError(f"no accepted draw for seed {seed} case {index}")
 
 
@@ -406,18 +422,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--where", action="append", default=[], help="KEY=VALUE: only cases drawn with it"
     )
+    parser.add_argument(
+        "--pin", action="append", default=[], help="KEY=VALUE: take it instead of drawing it"
+    )
     parser.add_argument("--list", action="store_true", help="print the cases, run nothing")
     parser.add_argument("--out", default="", help="directory for the runs (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    indices = [args.case] if args.case is not None else range(args.start, args.start + args.cases)
+    indices = (
+        [args.case] if args.case is not None else list(range(args.start, args.start + args.cases))
+    )
     out_root = args.out or tempfile.mkdtemp(prefix="layout_fuzz_")
     print(f"layout fuzz: seed {args.seed}, cases {indices[0]}..{indices[-1]}", flush=True)
-    cases = [c for c in (case(args.seed, k) for k in indices) if _matches(c, args.where)]
     if args.list:
-        for c in cases:
-            print(f"case {c.index}: {c.describe()}", flush=True)
+        for c in (case(args.seed, k, tuple(args.pin)) for k in indices):
+            if _matches(c, args.where):
+                print(f"case {c.index}: {c.describe()}", flush=True)
         return 0
     failures: dict[str, list[Outcome]] = {}
     t0 = time.perf_counter()
@@ -432,10 +453,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  reproduce: {o.case.command()}\n  " + tail.replace("\n", "\n  "), flush=True)
 
     outcomes = []
-    for world in sorted({c.world for c in cases}):  # one spawn per world size, as far as it goes
-        group = [c for c in cases if c.world == world]
-        for i in range(0, len(group), BATCH):
-            outcomes += run_cases(group[i : i + BATCH], out_root, args.timeout, report)
+    # windows of consecutive cases, each window's cases one spawn per world size (as far as no
+    # case fails): every world size is reached early in a long sweep
+    for w in range(0, len(indices), BATCH):
+        cases = [case(args.seed, k, tuple(args.pin)) for k in indices[w : w + BATCH]]
+        cases = [c for c in cases if _matches(c, args.where)]
+        for world in sorted({c.world for c in cases}):
+            group = [c for c in cases if c.world == world]
+            outcomes += run_cases(group, out_root, args.timeout, report)
     ran, passed = len(outcomes), sum(o.ok for o in outcomes)
     minutes = (time.perf_counter() - t0) / 60
     rate = ran / minutes if minutes else 0.0
