@@ -169,7 +169,10 @@ def _draw(rng: random.Random, pins: dict[str, str]) -> tuple[int, list[str]]:
 
     family = pick("model.name", sorted(FAMILIES))
     layers = pick("layers", [2, 2, 2, 4])
-    arch = (LAYERS_2[family] if layers == 2 else []) + NARROW[family]
+    # the preset's width only when pinned (``--pin width=preset``): drawing it would cost a sweep
+    # its speed
+    narrow = NARROW[family] if pins.get("width", "narrow") == "narrow" else []
+    arch = (LAYERS_2[family] if layers == 2 else []) + narrow
     cp, ep, pp, dp = (pick(f"parallel.{k}", [1, 2]) for k in ("cp", "ep", "pp", "dp_shard"))
     if cp * pp * dp > 4:  # the machine's budget: at most 4 ranks
         if "parallel.cp" not in pins:
