@@ -8,7 +8,8 @@ with every registered schedule; dp 1/2; at most 4 ranks), the dtype, the micro-b
 list), the balance-loss definition, fused paths on or off, the other slots' implementations from
 the registry, and the synthetic task's document lengths (16 tokens each up to one document per
 row). Draws the launch checks refuse (``preflight``: ``check_run`` and what needs more than the
-config) are drawn again, from the same stream: a case is a pure function of (seed, k).
+config) are drawn again, from the same stream: a case is a pure function of (seed, k). Half the
+cases (``fuzz.memory=on``) count the first step's live tensors as a CPU run does.
 
 ``run_case`` trains the case 2 steps plain and 2 steps emulated inside one spawn of its ranks and
 compares each rank's loss and grad norm per step (``TOLERANCE``): fp32 near-exact (the emulation
@@ -42,6 +43,10 @@ STEPS = 2
 # a rank whose peers died raises after this, so the spawn ends (CPU ranks on a busy machine lag
 # each other by seconds, never by minutes)
 COLLECTIVE_TIMEOUT_S = 180.0
+# keys of the harness among a case's overrides: fuzz.memory=on measures the first step's live
+# tensors as a run does (the Trainer's memory tracker), off skips it
+HARNESS = "fuzz."
+MEMORY_ON = "fuzz.memory=on"
 TAIL = 16  # traceback lines a failure prints
 BATCH = 24  # consecutive cases run together: one spawn per world size among them
 # relative bounds, (loss, grad norm): fp32 is the two paths' rounding (reference kernels in
@@ -185,8 +190,8 @@ def _draw(rng: random.Random, pins: dict[str, str]) -> tuple[int, list[str]]:
     micro_batch = pick("train.micro_batch", [1, 1, 2])
     per_rank = pick("micro_batches", [1, 2, 3])  # micro-batches per rank and step
     seq = pick("train.seq_len", [64, 128, 256] if micro_batch == 1 else [64, 128])
-    lo = rng.choice([16, 16, 32, seq // 2, seq])  # 16 tokens each ... one document per row
-    hi = rng.choice([d for d in (lo, 2 * lo, seq) if lo <= d <= seq])
+    lo = pick("data.min_doc_len", [16, 16, 32, seq // 2, seq])  # 16 tokens ... one per row
+    hi = pick("data.max_doc_len", [d for d in (lo, 2 * lo, seq) if lo <= d <= seq])
     out = [f"model.name={family}", *(f"model.arch.{a}" for a in arch)]
     out += [f"parallel.cp={cp}", f"parallel.ep={ep}", f"parallel.pp={pp}"]
     out += [f"parallel.dp_shard={dp}", f"train.seq_len={seq}", f"train.micro_batch={micro_batch}"]
@@ -249,11 +254,15 @@ def case(seed: int, index: int, pins: tuple[str, ...] = ()) -> Case:
     for redraws in range(10_000):
         world, overrides = _draw(rng, pinned)
         if accepted(world, overrides, probe):
+            # the harness's own key, from a stream of its own (the config draws stay as they were)
+            on = random.Random(f"layout_fuzz/{seed}/{index}/memory").random() < 0.5
+            memory = pinned.get("memory", "on" if on else "off")
+            overrides.append(f"{HARNESS}memory={memory}")
             return Case(seed, index, world, tuple(overrides), redraws, tuple(pins))
     raise RuntimeError(f"no accepted draw for seed {seed} case {index}")
 
 
-def _train(overrides: list[str], out_dir: str) -> list[tuple[float, float]]:
+def _train(overrides: list[str], out_dir: str, memory: bool) -> list[tuple[float, float]]:
     import io
 
     from bumblebee.runtime.resolve import load_config
@@ -261,18 +270,22 @@ def _train(overrides: list[str], out_dir: str) -> list[tuple[float, float]]:
 
     cfg = load_config(None, overrides + [f"train.out_dir={out_dir}", f"train.steps={STEPS}"])
     trainer = Trainer(cfg, stream=io.StringIO())
-    # no live-tensor count on the first step: on CPU it is a dispatch mode around every op (about
-    # 5x the step) and measures memory, which the fuzz does not compare
-    trainer._peak = 0
+    if not memory:
+        # no live-tensor count on the first step (what a CPU run does): a dispatch mode around
+        # every op, about 5x the step, and a path of its own (ops under a mode run their bodies
+        # with autocast excluded), so half the cases take it
+        trainer._peak = 0
     return [(r["loss"], r["grad_norm"]) for r in (trainer.train_step() for _ in range(STEPS))]
 
 
 def _one(rank: int, overrides: list[str], out_dir: str) -> dict:
     """Plain then emulated on this rank; an exception is kept as its traceback."""
+    memory = MEMORY_ON in overrides
+    overrides = [o for o in overrides if not o.startswith(HARNESS)]
     out = {}
     for mode, extra in (("plain", []), ("emulated", ["train.emulate_cuda=true"])):
         try:
-            out[mode] = _train(overrides + COMMON + extra, f"{out_dir}/{mode}/{rank}")
+            out[mode] = _train(overrides + COMMON + extra, f"{out_dir}/{mode}/{rank}", memory)
         except Exception:
             out[mode] = traceback.format_exc()
             break
@@ -313,6 +326,9 @@ class Outcome:
     seconds: float
 
 
+WRAPPERS = ("/primitives/comm_check.py", "/perf/memory.py")
+
+
 def _crash_kind(mode: str, tb: str) -> str:
     """``<mode> crash: <exception type> at <file>:<function>`` (the innermost bumblebee frame)."""
     lines = tb.strip().splitlines()
@@ -320,8 +336,8 @@ def _crash_kind(mode: str, tb: str) -> str:
     where = "?"
     for line in lines:
         s = line.strip()
-        # the checked collective's wrapper is where every communication error surfaces: its caller
-        if s.startswith('File "') and "/bumblebee/" in s and "/comm_check.py" not in s:
+        # the checked collectives and the memory tracker wrap every call and op: their caller
+        if s.startswith('File "') and "/bumblebee/" in s and not any(w in s for w in WRAPPERS):
             path = s.split('"')[1]
             func = s.rsplit(" in ", 1)[-1]
             where = f"{path.split('/bumblebee/', 1)[1]}:{func}"
