@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 HOST = "127.0.0.1"
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, collective_timeout):
     os.environ.update(
         MASTER_ADDR=HOST,
         MASTER_PORT=str(port),
@@ -43,7 +43,12 @@ def _worker(rank, world_size, port, fn, args, queue):
         store = dist.TCPStore(
             HOST, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=120)
         )
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        kw = (
+            {"timeout": datetime.timedelta(seconds=collective_timeout)}
+            if collective_timeout
+            else {}
+        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **kw)
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()  # by value: shared-memory tensors would die with this process
         torch.save(result, buf)
@@ -55,7 +60,11 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
+def run_distributed(
+    fn, world_size: int, *args, timeout: float = 300.0, collective_timeout: float | None = None
+):
+    """``collective_timeout``: seconds a rank's collective waits for the others (the process
+    group's timeout; torch's default when None): a rank whose peers died raises after it."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     # the parent owns the store (and so the port) until every rank has finished
@@ -68,7 +77,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
         timeout=datetime.timedelta(seconds=timeout),
     )
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, store.port, fn, args, queue))
+        ctx.Process(
+            target=_worker, args=(r, world_size, store.port, fn, args, queue, collective_timeout)
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -51,7 +51,9 @@ class GatherSequence(torch.autograd.Function):
         ).contiguous()
         if _supports_reduce_scatter(L.group):
             mine = torch.empty_like(per_rank[0])
-            dist.reduce_scatter_single(mine, per_rank, group=L.group)
+            # the ranks' parts one after another along dim 0: the input shape gloo checks
+            # against the output's ([C x B, ...] for [B, ...]); NCCL reads the same bytes
+            dist.reduce_scatter_single(mine, per_rank.flatten(0, 1), group=L.group)
         else:
             dist.all_reduce(per_rank, group=L.group)
             mine = per_rank[L.rank]
