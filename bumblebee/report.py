@@ -45,6 +45,23 @@ def pyplot():
     return plt
 
 
+def check_plot_target(path: str, what: str) -> None:
+    """Before the work whose figure it holds: ``path`` can be written as a file (outputs.
+    check_target) in an image format matplotlib writes; one line naming ``what`` otherwise."""
+    from bumblebee.outputs import check_target
+
+    plt = pyplot()
+    kinds = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if ext not in kinds:
+        raise ConfigError(
+            f"{what} {path}: not an image format matplotlib writes (.{ext or '?'}); valid: "
+            + ", ".join(f".{k}" for k in sorted(kinds))
+        )
+    check_target(path, what, kind="file")
+
+
 def save(fig, path: str) -> None:
     """Write a figure as PNG (its directory is created) and free it."""
     plt = pyplot()

@@ -316,6 +316,9 @@ def run(args: argparse.Namespace) -> int:
             )
         dry = dry_run(spec, hf, rec.candidate, work, skew=args.skew, doc_len=args.doc_len)
     if args.plot:
+        from bumblebee.report import check_plot_target
+
+        check_plot_target(args.plot, "--plot")
         shown = [rec.candidate] + [c for c in cands if c.feasible and c is not rec.candidate]
         report.plot(args.plot, shown)
         notes.append(f"plot written to {args.plot}")

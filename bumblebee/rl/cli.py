@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from bumblebee.config import ConfigError
 from bumblebee.config_parse import parse_override, read_toml
 from bumblebee.console import SetOverride
-from bumblebee.report import plot_rewards, pyplot
+from bumblebee.report import check_plot_target, plot_rewards
 from bumblebee.rl.rl_config import RLConfig
 from bumblebee.rl.run import run as run_rl
 from bumblebee.runtime.resolve import load_config
@@ -176,8 +176,8 @@ def run(args) -> int:
     cfg, rl = configs_from_args(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.plot:
-        pyplot()  # fail before training, not after
+    if args.plot:  # fail before training, not after
+        check_plot_target(args.plot, "--plot")
     if launch.started_by_torchrun():
         import torch.distributed as dist
 

@@ -155,3 +155,17 @@ def test_a_chat_template_that_is_not_text_is_a_data_error(template, message):
 
     with pytest.raises(DataError, match=message):
         ChatRenderer(SimpleNamespace(chat_template=template), "assistant", None, {})
+
+
+def test_plot_and_json_targets_are_checked_before_the_work(tmp_path):
+    from bumblebee.outputs import check_target
+    from bumblebee.report import check_plot_target
+
+    (tmp_path / "f.txt").write_text("a file")
+    with pytest.raises(ConfigError, match="not an image format matplotlib writes"):
+        check_plot_target(str(tmp_path / "out.txt"), "--plot")
+    with pytest.raises(ConfigError, match="--plot"):
+        check_plot_target(str(tmp_path / "f.txt" / "x.png"), "--plot")
+    with pytest.raises(ConfigError, match="--json"):
+        check_target(str(tmp_path), "--json", kind="file")
+    check_plot_target(str(tmp_path / "ok.png"), "--plot")

@@ -308,6 +308,10 @@ def run(args, stream: IO | None = None) -> int:
 
     torchrun = launch.started_by_torchrun()
     rank0 = not torchrun or os.environ.get("RANK", "0") == "0"
+    if args.json:  # before the runs: a directory or an unwritable place is one line now
+        from bumblebee.outputs import check_target
+
+        check_target(args.json, "--json", kind="file")
     out = (stream or sys.stdout) if rank0 else io.StringIO()
     cfg_a, cfg_b, notes = build_pair(args)
     diff = config_diff(cfg_a, cfg_b)
