@@ -44,6 +44,7 @@ class TokenStore:
     offsets: np.ndarray  # int64 [D + 1]
     doc_loss: np.ndarray  # int64 [D]
     meta: dict
+    location: str = ""  # the prepared directory it was opened from ("" in memory)
 
     @property
     def num_docs(self) -> int:
@@ -231,7 +232,7 @@ def open_store(path: str) -> TokenStore:
             )
         n = size // item
         arrays[key] = np.memmap(p, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
-    store = TokenStore(meta=meta, **arrays)
+    store = TokenStore(meta=meta, location=path, **arrays)
     if (
         len(store.offsets) < 1
         or store.num_docs != meta["documents"]

@@ -111,9 +111,16 @@ class TokenSource:
     ):
         for s in (store, eval_store):
             if s is not None and s.meta.get("max_token_id", -1) >= vocab_size:
+                # the prepared directory holds the id; its source file is only where it came from
+                where = s.location or s.meta.get("source", "data")
+                origin = (
+                    f" (prepared from {s.meta['source']})"
+                    if s.location and "source" in s.meta
+                    else ""
+                )
                 raise DataError(
-                    f"{s.meta.get('source', 'data')}: token id {s.meta['max_token_id']} outside the "
-                    f"model's vocabulary [0, {vocab_size}); the tokenizer does not match the model"
+                    f"{where}{origin}: token id {s.meta['max_token_id']} outside the model's "
+                    f"vocabulary [0, {vocab_size}); the tokenizer does not match the model"
                 )
         self.global_batch, self.seed, self.eval_batches = global_batch, seed, eval_batches
         self.vocab_size, self.name = vocab_size, store.meta.get("source", "data")

@@ -169,3 +169,17 @@ def test_plot_and_json_targets_are_checked_before_the_work(tmp_path):
     with pytest.raises(ConfigError, match="--json"):
         check_target(str(tmp_path), "--json", kind="file")
     check_plot_target(str(tmp_path / "ok.png"), "--plot")
+
+
+def test_a_bad_id_in_a_prepared_directory_names_that_directory():
+    import dataclasses
+
+    from bumblebee.data.errors import DataError
+    from bumblebee.data.store import from_documents
+    from bumblebee.data.stream import TokenSource
+
+    store = from_documents([([1, 2, 300], [0, 1, 1])], {"source": "chats.jsonl"})
+    store.meta["max_token_id"] = 300
+    store = dataclasses.replace(store, location="runs/prep")
+    with pytest.raises(DataError, match=r"^runs/prep \(prepared from chats.jsonl\): token id 300"):
+        TokenSource(store, seq_len=8, global_batch=1, seed=0, vocab_size=272)
