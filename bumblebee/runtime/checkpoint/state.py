@@ -272,7 +272,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _SAFE_GLOBALS or dtype:
             return super().find_class(module, name)
         raise CheckpointError(
-            f"refusing to load {module}.{name} from checkpoint metadata (not a DCP metadata type)"
+            f"refusing to load {module}.{name} from .metadata (not a DCP metadata type)"
         )
 
 
