@@ -421,3 +421,46 @@ def test_engine_load_refuses_crafted_checkpoints(tmp_path):
         assert "\n" not in str(e.value) and str(d) in str(e.value), e.value
         assert not [p for p in opened if p.startswith(str(outside)) or p == "/dev/zero"]
     assert engine.load(str(src)) == 0
+
+
+def _rewrite_config(d, **values):
+    """The checkpoint's config.toml with ``key = "value"`` lines replaced, re-signed."""
+    text = (d / "config.toml").read_text()
+    for key, value in values.items():
+        assert f'\n{key} = ""\n' in text, key
+        text = text.replace(f'\n{key} = ""\n', f"\n{key} = {json.dumps(value)}\n", 1)
+    (d / "config.toml").write_text(text)
+    info = _marker(d)
+    _resign(d, info, "config.toml")
+    _write_marker(d, info)
+
+
+def test_convert_copies_only_what_the_user_names(saved, tmp_path, capsys):
+    """A checkpoint whose config.toml names a Hugging Face directory (``model.hf_path``) and a
+    tokenizer (``data.tokenizer``) the user never pointed at: ``convert`` reads neither (a note
+    says how to include them); with ``--source`` / ``--tokenizer`` the user's own choice is
+    carried over."""
+    from data_helpers import make_tokenizer
+
+    import bumblebee
+    from bumblebee.runtime.checkpoint.checkpointer import load_model
+
+    victim = tmp_path / "victim"
+    bumblebee.to_hf(load_model(str(saved)), str(victim))
+    (victim / "secret.txt").write_text("not for the export")
+    tok = make_tokenizer(tmp_path / "victim_tok", vocab_size=272)
+    d = tmp_path / "c" / "step_00000001"
+    shutil.copytree(saved, d)
+    _rewrite_config(d, hf_path=str(victim), tokenizer=str(tok))
+    with _watched() as opened:
+        assert main(["convert", "--to", "hf", str(d), str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert not [p for p in opened if p.startswith((str(victim), str(tok)))]
+    assert "pass --source DIR" in err and "pass --tokenizer DIR" in err, err
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    argv = ["convert", "--to", "hf", str(d), str(tmp_path / "hf2")]
+    assert main(argv + ["--source", str(victim), "--tokenizer", str(tok)]) == 0
+    got = set(os.listdir(tmp_path / "hf2"))
+    assert {"secret.txt", "tokenizer.json", "generation_config.json"} <= got, got
+    assert main(argv + ["--source", str(tmp_path / "nothing")]) == 2
+    assert "--source" in capsys.readouterr().err
