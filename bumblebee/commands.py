@@ -202,13 +202,40 @@ def convert_args(p: argparse.ArgumentParser) -> None:
         help="dtype of the exported weights (default: bfloat16 for a checkpoint of a train.dtype = "
         "bfloat16 run, float32 otherwise); written one tensor at a time",
     )
+    p.add_argument(
+        "--source",
+        default="",
+        metavar="HF_DIR",
+        help="the Hugging Face directory the run started from (its model.hf_path): its tensors "
+        "outside the language model (vision tower, MTP) and its non-weight files are carried over "
+        "(a path inside the checkpoint is never followed)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="DIR",
+        help="a tokenizer directory to export beside the weights, its token ids in the configs",
+    )
 
 
 def convert_run(args) -> int:
+    from bumblebee.errors import ConfigError
     from bumblebee.runtime.checkpoint.export import export_checkpoint
 
+    for flag, where, needs in (
+        ("--source", args.source, "config.json"),
+        ("--tokenizer", args.tokenizer, "tokenizer.json"),
+    ):
+        if where and not os.path.isfile(os.path.join(where, needs)):
+            raise ConfigError(f"{flag} {where}: no {needs} there")
     path = export_checkpoint(
-        args.ckpt_dir, args.out_dir, args.max_shard_bytes, args.overwrite, dtype=args.dtype
+        args.ckpt_dir,
+        args.out_dir,
+        args.max_shard_bytes,
+        args.overwrite,
+        dtype=args.dtype,
+        source=args.source,
+        tokenizer=args.tokenizer,
     )
     print(f"bumblebee: wrote {args.out_dir} from {path}")
     return 0

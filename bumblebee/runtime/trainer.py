@@ -34,7 +34,7 @@ from bumblebee.primitives.kernel_choice import describe as describe_kernels
 from bumblebee.primitives.moe.balance import load_summary
 from bumblebee.runtime.build import build_run, check_world, pick_device
 from bumblebee.runtime.checkpoint.checkpointer import Checkpointer
-from bumblebee.runtime.checkpoint.export import export_checkpoint
+from bumblebee.runtime.checkpoint.export import export_checkpoint, run_tokenizer
 from bumblebee.runtime.eval import evaluate
 from bumblebee.runtime.launch.signals import Preempted, Preemption
 from bumblebee.runtime.metrics import MetricsWriter, wandb_init
@@ -350,9 +350,16 @@ class Trainer:
         self.checkpoint.on_end(self.step)  # final save
         if t.export_hf and self.rank == 0:  # the other ranks are done
             out = os.path.join(t.out_dir, "hf")
+            # the run's own export directory; the paths it names are this run's config's
+            tok, chat = run_tokenizer(dataclasses.asdict(self.cfg.data))
             export_checkpoint(
-                self.checkpoint.last_path, out, overwrite=True
-            )  # the run's own export directory
+                self.checkpoint.last_path,
+                out,
+                overwrite=True,
+                source=self.cfg.model.hf_path,
+                tokenizer=tok,
+                chat=chat,
+            )
             self.checkpoint._say(
                 f"exported {self.checkpoint.last_path} as a Hugging Face model to {out}"
             )

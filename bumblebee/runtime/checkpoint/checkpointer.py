@@ -17,7 +17,8 @@ all have their recorded sizes. The marker also records a CRC-32 per file
 (integrity.py); loading verifies them and refuses a corrupt file by name.
 
 Safety: the config is TOML, the marker JSON, DCP's metadata goes through an
-allow-list unpickler and tensors load with ``weights_only`` (checkpoint_state.py).
+allow-list unpickler and tensors load with ``weights_only`` (state.py); every name and size
+inside a checkpoint is untrusted and every file is opened through reader.py.
 
 Stored: fp32 parameters, optimizer state, the step (which is also the data position
 and the LR-schedule position: both are pure functions of seed and step), each
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.config import PrimitivesConfig
-from bumblebee.config_parse import dump_toml, tomllib
+from bumblebee.config_parse import dump_toml
 from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
@@ -49,6 +50,7 @@ from bumblebee.runtime.checkpoint.directory import (
     checkpoint_root,
     find_checkpoint,
     read_marker,
+    saved_config,
 )
 from bumblebee.runtime.checkpoint.integrity import (
     HASH,
@@ -56,6 +58,7 @@ from bumblebee.runtime.checkpoint.integrity import (
     file_checksum,
     verify_checksums,
 )
+from bumblebee.runtime.checkpoint.reader import shown
 from bumblebee.runtime.checkpoint.record import set_aside
 from bumblebee.runtime.checkpoint.state import (
     Piece,
@@ -158,7 +161,7 @@ class Checkpointer:
     def load(self, path: str) -> int:
         info = read_marker(path)
         verify_checksums(path, info, self.group, *self._share)  # every rank checks a share
-        md = read_dcp_metadata(path)
+        md = read_dcp_metadata(path, info)
         pieces = self._pieces()
         check_fits(path, info, md, pieces, whole=self.ctx.layout.pp == 1)
         rng = {
@@ -166,24 +169,22 @@ class Checkpointer:
             for k, s in md.state_dict_metadata.items()
             if k.startswith(f"rng/{self.ctx.rank}/")
         }
-        load_pieces(path, {**pieces, **rng}, self.group)
+        load_pieces(path, {**pieces, **rng}, self.group, info)
         self.sharding.after_load()  # e.g. zero1 refreshes its fp32 masters from the parameters
         set_rng_states({k: p.local for k, p in rng.items()})
-        self._note_changes(path)
+        self._note_changes(path, info)
         return int(info["step"])
 
-    def _note_changes(self, path: str) -> None:
-        try:
-            with open(os.path.join(path, "config.toml"), "rb") as f:
-                saved = tomllib.load(f)
-        except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, malformed TOML
+    def _note_changes(self, path: str, info: dict) -> None:
+        saved = saved_config(path, info)
+        if not saved:
             return
         now = self.cfg.to_dict()
         keys = _STREAM_KEYS + [("data", k) for k in now["data"]]
         changed = [
-            f"{s}.{k} {saved.get(s, {}).get(k)!r} -> {now[s][k]!r}"
+            f"{s}.{k} {shown(_get(saved, s, k))} -> {now[s][k]!r}"
             for s, k in keys
-            if saved.get(s, {}).get(k) != now[s][k]
+            if _get(saved, s, k) != now[s][k]
         ]
         if changed:
             self._say(
@@ -298,17 +299,19 @@ class Checkpointer:
             self.save(step)
 
 
-def saved_lora(path: str):
-    """The ``model.lora`` (a ``LoraConfig``) of the run that wrote checkpoint ``path``, from the
-    config.toml saved in it; None without adapters (or without a readable config)."""
-    from bumblebee.config import LoraConfig
-    from bumblebee.config_parse import coerce, tomllib
+def _get(table: dict, section: str, key: str):
+    part = table.get(section, {})
+    return part.get(key) if isinstance(part, dict) else None
 
-    try:
-        with open(os.path.join(path, "config.toml"), "rb") as f:
-            table = tomllib.load(f).get("model", {}).get("lora", {})
-    except (OSError, ValueError, RecursionError):
-        return None
+
+def saved_lora(path: str, info: dict | None = None):
+    """The ``model.lora`` (a ``LoraConfig``) of the run that wrote checkpoint ``path`` (``info``:
+    its marker, read when None), from the config.toml saved in it; None without adapters (or
+    without a readable config)."""
+    from bumblebee.config import LoraConfig
+    from bumblebee.config_parse import coerce
+
+    table = _get(saved_config(path, read_marker(path) if info is None else info), "model", "lora")
     if not isinstance(table, dict) or not table.get("rank"):
         return None
     return coerce(table, LoraConfig, f"{path}/config.toml: model.lora")
@@ -323,10 +326,10 @@ def load_model(path: str) -> torch.nn.Module:
     model = build_model(
         arch_from_hf_dict(info["arch"]),
         PrimitivesConfig(router="sigmoid_bias") if biased else None,
-        lora=saved_lora(path),
+        lora=saved_lora(path, info),
     )
     named = list(model.named_parameters()) + persistent_buffers(model)
     pieces = {f"model/{n}": Piece(p.detach().view(-1), 0, tuple(p.shape)) for n, p in named}
-    check_fits(path, info, read_dcp_metadata(path), pieces)
-    load_pieces(path, pieces)
+    check_fits(path, info, read_dcp_metadata(path, info), pieces)
+    load_pieces(path, pieces, info=info)
     return model

@@ -1,6 +1,7 @@
 """Where checkpoints are and whether one is whole: the ``step_<N>`` directories of a run, their
 ``complete.json`` marker (format, step, shapes, the size of every file), the newest complete one,
 the directory a ``train.resume`` value names, and whether a checkpoint's tensors fit a model.
+Every name and size in a marker is untrusted: files are checked and read through reader.py.
 Writing them is checkpointer.py's."""
 
 from __future__ import annotations
@@ -11,12 +12,22 @@ import re
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from bumblebee.config_parse import tomllib
 from bumblebee.models.hf import CheckpointError
+from bumblebee.runtime.checkpoint.reader import (
+    check_name,
+    read_file,
+    shown,
+    stat_file,
+    subdirectory,
+)
 from bumblebee.runtime.checkpoint.state import Piece
 
 FORMAT, VERSION = "bumblebee-checkpoint", 1
 MARKER = "complete.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
+MARKER_BYTES = 64 * 2**20  # far above any marker (one line per file and per parameter)
+CONFIG_BYTES = 16 * 2**20
 
 
 def checkpoint_root(out_dir: str) -> str:
@@ -29,7 +40,7 @@ def read_marker(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     marker = os.path.join(path, MARKER)
-    if not os.path.isfile(marker):
+    if not os.path.lexists(marker):
         if os.path.isfile(os.path.join(path, ".metadata")) or os.path.basename(path).startswith(
             ".tmp-"
         ):
@@ -42,16 +53,16 @@ def read_marker(path: str) -> dict:
                 "(start a run from it with model.hf_path)"
             )
         raise CheckpointError(f"{path}: not a bumblebee checkpoint (no {MARKER})")
+    raw = read_file(path, MARKER, None, "the checkpoint", MARKER_BYTES)
     try:
-        with open(marker) as f:
-            info = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        info = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: unreadable {MARKER} ({e})") from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise CheckpointError(f"{path}: {MARKER} does not describe a bumblebee checkpoint")
     if info.get("version") != VERSION:
         raise CheckpointError(
-            f"{path}: checkpoint format version {info.get('version')!r}; "
+            f"{path}: checkpoint format version {shown(info.get('version'))}; "
             f"this bumblebee reads {VERSION}"
         )
     step, files, arch, shapes = (
@@ -61,7 +72,9 @@ def read_marker(path: str) -> dict:
         info.get("shapes", {}),
     )
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"{path}: {MARKER}: 'step' must be an integer >= 0, got {step!r}")
+        raise CheckpointError(
+            f"{path}: {MARKER}: 'step' must be an integer >= 0, got {shown(step)}"
+        )
     if not isinstance(files, dict) or not all(
         isinstance(n, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
         for n, v in files.items()
@@ -70,30 +83,53 @@ def read_marker(path: str) -> dict:
     if not isinstance(arch, dict) or not isinstance(shapes, dict):
         raise CheckpointError(f"{path}: {MARKER}: 'arch' and 'shapes' must be objects")
     for name, size in files.items():
-        file = os.path.join(path, name)
-        if os.path.basename(name) != name:
-            raise CheckpointError(f"{path}: {MARKER} names a file outside the checkpoint: {name!r}")
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{path}: truncated checkpoint: {name} is missing")
-        if os.path.getsize(file) != size:
+        stat_file(path, name, size, f"{MARKER} 'files'")
+    sums = info.get("checksums", {})
+    if not isinstance(sums, dict) or not all(
+        isinstance(n, str) and isinstance(v, str) for n, v in sums.items()
+    ):
+        raise CheckpointError(f"{path}: {MARKER}: 'checksums' must map file names to checksums")
+    for name in sums:
+        check_name(path, name, f"{MARKER} 'checksums'")
+        if name not in files:
             raise CheckpointError(
-                f"{path}: truncated checkpoint: {name} has {os.path.getsize(file)} bytes, "
-                f"{size} expected"
+                f"{path}: {MARKER}: 'checksums' names {shown(name)}, which its 'files' does not "
+                "list (a checkpoint's files are listed with their sizes)"
             )
     return info
 
 
-def newest_complete(root: str, notify=None) -> str | None:
-    """The newest valid ``step_<N>`` under ``root`` (None if none); others are reported."""
-    steps = (
+def saved_config(path: str, info: dict) -> dict:
+    """The ``config.toml`` of checkpoint ``path`` (``info``: its marker) as a table; {} when the
+    marker lists none or it does not parse. Its paths are the saved run's, not the reader's:
+    nothing here follows them."""
+    size = info.get("files", {}).get("config.toml")
+    if size is None:
+        return {}
+    try:
+        raw = read_file(path, "config.toml", size, f"{MARKER} 'files'", CONFIG_BYTES)
+        table = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # not UTF-8, malformed TOML
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _step_dirs(root: str) -> list[tuple[int, str]]:
+    return (
         sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := STEP_DIR.match(n)))
         if os.path.isdir(root)
         else []
     )
-    for _, name in reversed(steps):
+
+
+def newest_complete(root: str, notify=None) -> str | None:
+    """The newest valid ``step_<N>`` under ``root`` (None if none); others are reported."""
+    for _, name in reversed(_step_dirs(root)):
         try:
-            read_marker(os.path.join(root, name))
-            return os.path.join(root, name)
+            path = subdirectory(root, name)
+            if path is not None:
+                read_marker(path)
+                return path
         except CheckpointError as e:
             if notify:
                 notify(f"skipping {e}")
@@ -104,20 +140,32 @@ def find_checkpoint(spec: str, out_dir: str, notify=None) -> str | None:
     """The directory a ``train.resume`` value names: ``auto`` = the newest complete checkpoint
     of the run in ``out_dir`` (None if there is none yet), else ``named_checkpoint(spec)``."""
     if spec == "auto":
-        return newest_complete(checkpoint_root(out_dir), notify)
+        root = subdirectory(out_dir, "checkpoints") if os.path.isdir(out_dir) else None
+        return newest_complete(root, notify) if root else None
     return named_checkpoint(spec, notify)
+
+
+def checkpoints_in(spec: str) -> str | None:
+    """The directory of ``step_<N>`` checkpoints ``spec`` names: ``spec`` itself, or its
+    ``checkpoints`` (a run directory; a real directory, not a link); None for neither."""
+    if os.path.isdir(spec) and any(STEP_DIR.match(n) for n in os.listdir(spec)):
+        return spec
+    root = subdirectory(spec, "checkpoints") if os.path.isdir(spec) else None
+    if root and os.path.isdir(root) and any(STEP_DIR.match(n) for n in os.listdir(root)):
+        return root
+    return None
 
 
 def named_checkpoint(spec: str, notify=None) -> str:
     """A checkpoint directory as is, or the newest complete checkpoint of a run directory
     (or of its ``checkpoints`` directory); validated."""
-    if not os.path.isfile(os.path.join(spec, MARKER)):
-        for root in (spec, checkpoint_root(spec)):
-            if os.path.isdir(root) and any(STEP_DIR.match(n) for n in os.listdir(root)):
-                found = newest_complete(root, notify)
-                if found is None:
-                    raise CheckpointError(f"{root}: no complete checkpoint")
-                return found
+    if not os.path.lexists(os.path.join(spec, MARKER)):
+        root = checkpoints_in(spec)
+        if root is not None:
+            found = newest_complete(root, notify)
+            if found is None:
+                raise CheckpointError(f"{root}: no complete checkpoint")
+            return found
     read_marker(spec)
     return spec
 

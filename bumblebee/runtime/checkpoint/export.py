@@ -3,11 +3,15 @@
 Streaming: the checkpoint is read in buckets of whole tensors (at most ``BUCKET_BYTES``, or
 one tensor if larger; one ``torch.distributed.checkpoint`` load per bucket) and each tensor is
 written as soon as it is read (models/hf_write.py),
-so the export holds a bucket and one converted tensor, never the model. When the run started
-from a Hugging Face directory (``model.hf_path`` in the checkpoint's config) that still exists,
-the tensors it holds outside the language model (vision tower, MTP head) and its non-weight
-files are carried over, so the export is again a complete checkpoint. A run trained with
-``data.tokenizer`` exports that tokenizer and its token ids (models/hf_tokenizer.py).
+so the export holds a bucket and one converted tensor, never the model. Given the Hugging Face
+directory the run started from (``source``: ``convert --source``, or the trainer's own
+``model.hf_path``), the tensors it holds outside the language model (vision tower, MTP head) and
+its non-weight files are carried over, so the export is again a complete checkpoint; given a
+tokenizer (``convert --tokenizer``, or the trainer's own ``data.tokenizer``), its files and token
+ids are exported too (models/hf_tokenizer.py). A path written inside the checkpoint (its
+config.toml's ``model.hf_path``, ``data.tokenizer``, ``data.path``) is never followed: a checkpoint
+from elsewhere cannot make the export copy files the user did not name; a note says what the
+run used and how to include it.
 
 The export is written beside the target (a hidden temporary directory) and moved in
 when complete, so an interrupted export leaves no half-written model where a loader
@@ -30,7 +34,6 @@ import torch
 
 import bumblebee.outputs as outputs
 from bumblebee.config import PrimitivesConfig
-from bumblebee.config_parse import tomllib
 from bumblebee.console import Progress
 from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
@@ -46,8 +49,10 @@ from bumblebee.runtime.checkpoint.directory import (
     check_fits,
     named_checkpoint,
     read_marker,
+    saved_config,
 )
 from bumblebee.runtime.checkpoint.integrity import verify_checksums
+from bumblebee.runtime.checkpoint.reader import shown
 from bumblebee.runtime.checkpoint.state import Piece, load_pieces, read_dcp_metadata
 
 BUCKET_BYTES = 64 * 2**20
@@ -59,11 +64,18 @@ def export_checkpoint(
     max_shard_bytes: int = HF_SHARD_BYTES,
     overwrite: bool = False,
     dtype: str | None = None,
+    *,
+    source: str = "",
+    tokenizer: str = "",
+    chat: bool | None = None,
 ) -> str:
     """``bumblebee convert --to hf``: the parameters of a checkpoint (or the newest complete
     one under a run / checkpoints directory) as a HF directory, in ``dtype`` ("bfloat16" |
-    "float32"; default the run's ``train.dtype``, bfloat16 for a run from a block-FP8
-    ``model.hf_path``); one process. Returns the checkpoint used.
+    "float32"; default the run's ``train.dtype``, bfloat16 for a block-FP8 ``source``); one
+    process. Returns the checkpoint used. ``source``: the HF directory the run started from,
+    whose other tensors and files are carried over; ``tokenizer``: a tokenizer directory to
+    export beside the weights (``chat``: with the end-of-turn token as an eos; default: the run
+    was a chat run). Both are the caller's, never read from the checkpoint.
     ``out_dir`` must be new or empty, or an earlier export with ``overwrite`` (its files are
     replaced, so two exports never mix); never a checkpoint or run directory."""
     if max_shard_bytes < 1:
@@ -72,8 +84,12 @@ def export_checkpoint(
     old = export_target_files(out_dir, overwrite)
     path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
     arch, named_shapes, tensors = stream_checkpoint(path)  # checksums verified
-    saved = _saved_config(path)
-    source = saved.get("model", {}).get("hf_path", "")
+    saved = saved_config(path, read_marker(path))
+    named = _table(saved, "model").get("hf_path", "")
+    # --overwrite would replace the run's own starting model (a path compared, nothing read)
+    for start in {source, named if isinstance(named, str) and "\0" not in named else ""} - {""}:
+        check_export_target(out_dir, start)
+    _note_unfollowed(saved, source, tokenizer)
     if source and not os.path.isfile(os.path.join(source, "config.json")):
         print(
             f"bumblebee: {source} (the run's model.hf_path) is gone: exporting the language model only",
@@ -82,7 +98,7 @@ def export_checkpoint(
         source = ""
     fp8 = bool(source) and checkpoint_block_size(source) is not None
     dtype = dtype or (
-        "bfloat16" if fp8 or saved.get("train", {}).get("dtype") == "bfloat16" else "float32"
+        "bfloat16" if fp8 or _table(saved, "train").get("dtype") == "bfloat16" else "float32"
     )
     if fp8:  # never re-quantized: say so, since the export is about twice the source's size
         print(
@@ -90,7 +106,6 @@ def export_checkpoint(
             "_scale_inv tensors, config.json without quantization_config)",
             file=sys.stderr,
         )
-    check_export_target(out_dir, source)  # --overwrite would replace the run's own starting model
     parent, base = os.path.split(os.path.abspath(out_dir))
     tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
     try:
@@ -105,7 +120,11 @@ def export_checkpoint(
                 max_shard_bytes=max_shard_bytes,
                 source=source,
             )  # written beside the target, then moved in
-        _export_tokenizer(tmp, saved.get("data", {}))
+        if tokenizer:
+            from bumblebee.models.hf_tokenizer import add_tokenizer
+
+            is_chat = _table(saved, "data").get("source") == "chat" if chat is None else chat
+            add_tokenizer(tmp, tokenizer, chat=is_chat)
         if os.path.isdir(out_dir) and not os.listdir(out_dir):
             os.rmdir(out_dir)
         if not os.path.exists(out_dir):
@@ -128,9 +147,11 @@ def export_checkpoint(
     return path
 
 
-def _export_tokenizer(out_dir: str, data: dict) -> None:
-    """The run's ``data.tokenizer`` (or the one its prepared ``tokens`` directory was made with) beside the
-    weights, its token ids in the configs (models/hf_tokenizer.py)."""
+def run_tokenizer(data: dict) -> tuple[str, bool]:
+    """The tokenizer directory a run's own ``data`` config trained with (``data.tokenizer``, or the
+    one its prepared ``tokens`` directory was made with) and whether it was a chat run; ("", False)
+    for none, or when the directory is gone (said on stderr). For the trainer's own config only:
+    ``convert`` never follows the paths inside a checkpoint."""
     tok, kind = data.get("tokenizer", ""), data.get("source")
     if not tok and kind == "tokens":  # a prepared directory names the tokenizer it was made with
         try:
@@ -138,18 +159,46 @@ def _export_tokenizer(out_dir: str, data: dict) -> None:
                 meta = json.load(f)
             tok, kind = meta.get("tokenizer", ""), meta.get("kind")
         except (OSError, ValueError):
-            return
+            return "", False
     if not tok:
-        return
+        return "", False
     if not os.path.isfile(os.path.join(tok, "tokenizer.json")):
         print(
             f"bumblebee: {tok} (the run's data.tokenizer) is gone: exporting without tokenizer files",
             file=sys.stderr,
         )
-        return
-    from bumblebee.models.hf_tokenizer import add_tokenizer
+        return "", False
+    return tok, kind == "chat"
 
-    add_tokenizer(out_dir, tok, chat=kind == "chat")
+
+def _table(saved: dict, name: str) -> dict:
+    part = saved.get(name, {})
+    return part if isinstance(part, dict) else {}
+
+
+def _note_unfollowed(saved: dict, source: str, tokenizer: str) -> None:
+    """Say which paths the checkpoint's config names that this export did not read, and how to
+    include them (the checkpoint's own word is not enough to read a path)."""
+    model, data = _table(saved, "model"), _table(saved, "data")
+    hf = model.get("hf_path", "")
+    if hf and not source:
+        print(
+            f"bumblebee: note: the run started from {shown(hf)} (model.hf_path in the checkpoint's "
+            "config.toml); paths inside a checkpoint are not followed: pass --source DIR to carry "
+            "over that model's other tensors (vision tower, MTP) and files",
+            file=sys.stderr,
+        )
+    tok = data.get("tokenizer", "") or (
+        data.get("path", "") if data.get("source") == "tokens" else ""
+    )
+    if tok and not tokenizer:
+        what = "data.tokenizer" if data.get("tokenizer") else "data.path, prepared with a tokenizer"
+        print(
+            f"bumblebee: note: the run trained with {shown(tok)} ({what} in the checkpoint's "
+            "config.toml); paths inside a checkpoint are not followed: pass --tokenizer DIR to "
+            "export a tokenizer beside the weights",
+            file=sys.stderr,
+        )
 
 
 def _counted(items, progress):
@@ -157,14 +206,6 @@ def _counted(items, progress):
     for item in items:
         progress.update()
         yield item
-
-
-def _saved_config(path: str) -> dict:
-    try:
-        with open(os.path.join(path, "config.toml"), "rb") as f:
-            return tomllib.load(f)
-    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, malformed TOML
-        return {}
 
 
 def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
@@ -175,7 +216,7 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
     arch = arch_from_hf_dict(info["arch"])
     # a router with a selection bias saved its buffer: build that router to receive it
     biased = any(k.endswith("mlp.gate.e_score_correction_bias") for k in info.get("shapes", {}))
-    lora = saved_lora(path)
+    lora = saved_lora(path, info)
     whole = build_model(
         arch,
         PrimitivesConfig(router="sigmoid_bias") if biased else None,
@@ -186,7 +227,7 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
         (n, tuple(p.shape)) for n, p in list(whole.named_parameters()) + persistent_buffers(whole)
     ]
     meta = {f"model/{n}": Piece(torch.empty(0, device="meta"), 0, s) for n, s in named_shapes}
-    check_fits(path, info, read_dcp_metadata(path), meta)
+    check_fits(path, info, read_dcp_metadata(path, info), meta)
 
     def tensors():
         bucket, size = [], 0
@@ -199,6 +240,7 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
                 load_pieces(
                     path,
                     {f"model/{n}": Piece(t.view(-1), 0, tuple(t.shape)) for n, t in full.items()},
+                    info=info,
                 )
                 for n, _ in bucket:
                     yield n, full.pop(n)

@@ -11,20 +11,24 @@ checkpoints are loaded without unpickling arbitrary objects (checkpoint/state.py
 The work is spread over the ranks: on save each rank hashes every ``world``-th file
 of the directory (sorted names) and rank 0 merges the results into the marker; on
 load each rank verifies its share and the ranks agree on the verdict, so a corrupt
-file fails every rank with the same one line.
+file fails every rank with the same one line. A checksum's file name is untrusted: it is read
+through reader.py (a listed regular file directly in the checkpoint, of its recorded size).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import zlib
 
 import torch.distributed as dist
 
 from bumblebee.models.hf import CheckpointError
+from bumblebee.runtime.checkpoint.reader import open_file, shown
 
 HASH = "crc32"
 _CHUNK = 16 * 2**20
+_HEX = re.compile(r"[0-9a-f]{8}")
 
 
 def file_checksum(path: str) -> str:
@@ -32,6 +36,18 @@ def file_checksum(path: str) -> str:
     with open(path, "rb") as f:
         while block := f.read(_CHUNK):
             crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def member_checksum(path: str, name: str, size: int | None) -> str:
+    """CRC-32 of file ``name`` of checkpoint ``path`` (``size``: the bytes its marker records, None:
+    unrecorded), opened through reader.py and read no further than its size."""
+    crc = 0
+    with open_file(path, name, size, "the marker's 'checksums'") as f:
+        left = os.fstat(f.fileno()).st_size
+        while left > 0 and (block := f.read(min(_CHUNK, left))):
+            crc = zlib.crc32(block, crc)
+            left -= len(block)
     return f"{crc:08x}"
 
 
@@ -53,13 +69,18 @@ def checksum_files(
 
 
 def _errors(path: str, info: dict, names: list[str]) -> list[str]:
-    sums = info.get("checksums", {})
+    sums, sizes = info.get("checksums", {}), info.get("files", {})
     out = []
     for n in names:
-        got = file_checksum(os.path.join(path, n))
+        try:
+            got = member_checksum(path, n, sizes.get(n))
+        except CheckpointError as e:  # reported with the others: every rank reaches the gather
+            out.append(str(e))
+            continue
         if got != sums[n]:
+            recorded = sums[n] if _HEX.fullmatch(sums[n]) else shown(sums[n])
             out.append(
-                f"{path}: corrupt checkpoint: {n} has {HASH} {got}, the marker records {sums[n]}"
+                f"{path}: corrupt checkpoint: {n} has {HASH} {got}, the marker records {recorded}"
             )
     return out
 

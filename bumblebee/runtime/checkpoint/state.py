@@ -16,7 +16,10 @@ slices of the parameters.
 
 Safety. DCP's reader would unpickle ``.metadata`` and byte items; here the metadata
 goes through an allow-list unpickler (DCP's metadata classes, torch sizes and
-dtypes), byte items are refused, and tensors load with ``weights_only=True``.
+dtypes), byte items are refused, and tensors load with ``weights_only=True``. What the
+metadata says is checked before DCP acts on it (``check_metadata``): every chunk is stored in a
+file the marker lists, inside that file's size, without a stream transform; and DCP opens every
+file through reader.py (a plain name inside the checkpoint, a regular file of its size).
 
 Keys: ``model/<param>`` (and ``model/<buffer>`` for persistent buffers such as the
 ``sigmoid_bias`` router's bias, replicated on every rank), ``optim/<param>/<state>``,
@@ -30,6 +33,7 @@ import os
 import pickle
 import random
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -38,12 +42,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
     TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
@@ -58,6 +65,7 @@ from torch.distributed.tensor import DTensor, Shard
 from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
+from bumblebee.runtime.checkpoint.reader import check_name, open_file, shown
 
 
 # ------------------------------------------------------------------------------ what a rank owns
@@ -250,6 +258,9 @@ _SAFE_GLOBALS = {
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),
     ("pathlib", "WindowsPath"),
+    ("pathlib._local", "PosixPath"),  # Python >= 3.13 pickles paths from here
+    ("pathlib._local", "PurePosixPath"),
+    ("pathlib._local", "WindowsPath"),
 }
 
 
@@ -261,29 +272,138 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _SAFE_GLOBALS or dtype:
             return super().find_class(module, name)
         raise CheckpointError(
-            f"refusing to load {module}.{name} from checkpoint metadata (not a DCP metadata type)"
+            f"refusing to load {module}.{name} from .metadata (not a DCP metadata type)"
         )
 
 
-def read_dcp_metadata(path: str) -> Metadata:
-    """The DCP ``.metadata`` of checkpoint directory ``path``, through the allow-list unpickler."""
+def read_dcp_metadata(path: str, info: dict | None = None) -> Metadata:
+    """The DCP ``.metadata`` of checkpoint directory ``path`` (``info``: its marker, read here when
+    None), through the allow-list unpickler, checked by ``check_metadata``."""
+    if info is None:
+        from bumblebee.runtime.checkpoint.directory import read_marker
+
+        info = read_marker(path)
+    files = info.get("files", {})
+    if ".metadata" not in files:
+        raise CheckpointError(f"{path}: its marker does not list .metadata (not a DCP checkpoint)")
     try:
-        with open(os.path.join(path, ".metadata"), "rb") as f:
+        with open_file(path, ".metadata", files[".metadata"], "the checkpoint") as f:
             md = _MetadataUnpickler(f).load()
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
-        if isinstance(e, CheckpointError):
-            raise CheckpointError(f"{path}: {e}") from None
-        raise CheckpointError(f"{path}: unreadable .metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(md, Metadata):
-        raise CheckpointError(f"{path}: .metadata is not DCP metadata")
+        check_metadata(path, md, files)
+    except CheckpointError as e:
+        text = str(e)
+        raise CheckpointError(text if text.startswith(path) else f"{path}: {text}") from None
+    # what an allow-listed constructor makes of crafted arguments, or a field missing from them
+    except Exception as e:
+        raise CheckpointError(
+            f"{path}: unreadable .metadata ({type(e).__name__}: {shown(str(e))})"
+        ) from None
     return md
 
 
+def _size(value: object) -> bool:
+    return isinstance(value, torch.Size) and all(isinstance(n, int) and n >= 0 for n in value)
+
+
+def check_metadata(path: str, md: object, files: dict[str, int]) -> None:
+    """``md`` (unpickled from ``path``'s ``.metadata``) is DCP metadata whose every tensor chunk
+    lies inside its tensor and is stored, untransformed, inside a file of ``files`` (the marker's
+    names and sizes); a one-line ``CheckpointError`` otherwise. DCP trusts all of this."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: malformed .metadata ({what})")
+
+    if type(md) is not Metadata:
+        raise CheckpointError(f"{path}: .metadata is not DCP metadata")
+    tensors, storage = md.state_dict_metadata, md.storage_data
+    if not isinstance(tensors, dict) or not isinstance(storage, dict):
+        raise bad("no tensor or storage table")
+    for index, where in storage.items():
+        if type(index) is not MetadataIndex or not isinstance(index.fqn, str):
+            raise bad(f"a storage key {shown(index)}")
+        if type(where) is not _StorageInfo:
+            raise bad(f"the storage of {shown(index.fqn)}")
+        name = check_name(
+            path, where.relative_path, f".metadata (the storage of {shown(index.fqn)})"
+        )
+        if name not in files:
+            raise CheckpointError(
+                f"{path}: .metadata stores {shown(index.fqn)} in {shown(name)}, a file its marker "
+                "does not list"
+            )
+        start, length = where.offset, where.length
+        if not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (start, length)
+        ):
+            raise bad(f"the byte range of {shown(index.fqn)}")
+        if start + length > files[name]:
+            raise CheckpointError(
+                f"{path}: truncated checkpoint: .metadata places {shown(index.fqn)} at bytes "
+                f"[{start}, {start + length}) of {name}, which has {files[name]}"
+            )
+        if getattr(where, "transform_descriptors", None):  # bumblebee writes plain files only
+            raise bad(f"{shown(index.fqn)} is stored through a stream transform")
+    for key, entry in tensors.items():
+        if not isinstance(key, str):
+            raise bad(f"a tensor name {shown(key)}")
+        if type(entry) is BytesStorageMetadata:
+            continue  # never loaded: the load planner refuses byte items
+        if type(entry) is not TensorStorageMetadata or not _size(entry.size):
+            raise bad(f"the entry of {shown(key)}")
+        props = entry.properties
+        if type(props) is not TensorProperties or not isinstance(props.dtype, torch.dtype):
+            raise bad(f"the dtype of {shown(key)}")
+        if not isinstance(entry.chunks, list):
+            raise bad(f"the chunks of {shown(key)}")
+        for chunk in entry.chunks:
+            if (
+                type(chunk) is not ChunkStorageMetadata
+                or not _size(chunk.offsets)
+                or not _size(chunk.sizes)
+                or not len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
+                or any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size))
+            ):
+                raise bad(f"a chunk of {shown(key)} outside the tensor")
+            if MetadataIndex(key, chunk.offsets) not in storage:
+                raise bad(f"a chunk of {shown(key)} is stored nowhere")
+
+
+class _CheckpointFiles(FileSystem):
+    """DCP's file access confined to one checkpoint: a path DCP builds from a storage entry's
+    name is opened through reader.py (a listed regular file of its size, no link followed)."""
+
+    def __init__(self, path: str, files: dict[str, int]):
+        super().__init__()
+        self.root, self.files = path, files
+
+    def concat_path(self, path, suffix: str):
+        name = check_name(self.root, suffix, ".metadata")
+        if name not in self.files:
+            raise CheckpointError(
+                f"{self.root}: .metadata names {shown(name)}, a file its marker does not list"
+            )
+        return os.path.join(self.root, name)
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator:
+        if mode != "rb":
+            raise CheckpointError(f"{self.root}: a checkpoint is opened for reading only")
+        name = os.path.basename(os.fspath(path))
+        with open_file(self.root, name, self.files.get(name), ".metadata") as f:
+            yield f
+
+
 class _SafeReader(FileSystemReader):
-    """DCP's file reader with the metadata read through the allow-list unpickler."""
+    """DCP's file reader with the metadata read through the allow-list unpickler and checked,
+    and every data file opened through reader.py."""
+
+    def __init__(self, path: str, info: dict):
+        super().__init__(path)
+        self.info = info
+        self.fs = _CheckpointFiles(path, info.get("files", {}))
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        md = read_dcp_metadata(str(self.path))
+        md = read_dcp_metadata(str(self.path), self.info)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -296,7 +416,7 @@ def _unwrapped(path: str, doing: str):
     """DCP wraps every rank's exception, even ``KeyboardInterrupt``, in a ``CheckpointException``
     (a ``BaseException`` with a multi-rank traceback as its text). Raise what happened instead:
     Ctrl-C as ``KeyboardInterrupt``, bad input as itself, a full disk or another filesystem error
-    as one line."""
+    as one line; on a read, anything else is the checkpoint's data not decoding (one line)."""
     try:
         yield
     except CheckpointException as e:
@@ -313,6 +433,12 @@ def _unwrapped(path: str, doing: str):
                 raise CheckpointError(
                     f"{path}: cannot {doing} the checkpoint ({exc.strerror or exc})"
                 ) from None
+        if doing == "read" and errors:
+            exc = errors[0]
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise CheckpointError(
+                f"{path}: unreadable tensor data ({type(exc).__name__}: {shown(first)})"
+            ) from None
         raise
 
 
@@ -330,14 +456,20 @@ def save_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None
         )
 
 
-def load_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None:
+def load_pieces(
+    path: str, pieces: dict[str, Piece], process_group=None, info: dict | None = None
+) -> None:
     """Fill ``pieces`` in place from checkpoint ``path`` (collective over ``process_group``;
-    ``None`` with no process group: this process alone)."""
+    ``None`` with no process group: this process alone); ``info``: its marker (read when None)."""
+    if info is None:
+        from bumblebee.runtime.checkpoint.directory import read_marker
+
+        info = read_marker(path)
     with warnings.catch_warnings(), _unwrapped(path, "read"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(
             {k: p.local for k, p in pieces.items()},
-            storage_reader=_SafeReader(path),
+            storage_reader=_SafeReader(path, info),
             planner=_LoadPlanner(pieces),
             process_group=process_group,
             no_dist=process_group is None,

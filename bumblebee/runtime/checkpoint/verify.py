@@ -1,5 +1,7 @@
 """``bumblebee checkpoint verify DIR``: check every checkpoint under a directory without loading it
-(markers, sizes and the per-file checksums of runtime/checkpoint/integrity.py)."""
+(markers, sizes, the per-file checksums of runtime/checkpoint/integrity.py, and that DCP's
+``.metadata`` keeps every tensor inside the checkpoint's files: state.py ``check_metadata``).
+Every file is opened through reader.py, like a resume's."""
 
 from __future__ import annotations
 
@@ -7,33 +9,31 @@ import os
 import sys
 
 from bumblebee.errors import CheckpointError
-from bumblebee.runtime.checkpoint.directory import MARKER, STEP_DIR, checkpoint_root, read_marker
+from bumblebee.runtime.checkpoint.directory import MARKER, STEP_DIR, checkpoints_in, read_marker
 from bumblebee.runtime.checkpoint.integrity import HASH, verify_checksums
+from bumblebee.runtime.checkpoint.reader import subdirectory
+from bumblebee.runtime.checkpoint.state import read_dcp_metadata
 
 
 def verify_command(spec: str) -> int:
     """``bumblebee checkpoint verify DIR``: 0 if every checkpoint under DIR is intact, 1 if
     one is corrupt or incomplete, or cannot be verified (files without a checksum in its marker):
     each printed on one line."""
-    if os.path.isfile(os.path.join(spec, MARKER)):
+    if os.path.lexists(os.path.join(spec, MARKER)):
         dirs = [spec]
     else:
-        root = next(
-            (
-                r
-                for r in (spec, checkpoint_root(spec))
-                if os.path.isdir(r) and any(STEP_DIR.match(n) for n in os.listdir(r))
-            ),
-            None,
-        )
+        root = checkpoints_in(spec)
         if root is None:
             read_marker(spec)  # raises the one-line reason (missing, not a checkpoint, ...)
         dirs = [os.path.join(root, n) for n in sorted(os.listdir(root)) if STEP_DIR.match(n)]
     bad = 0
     for d in dirs:
         try:
+            if d != spec:
+                subdirectory(os.path.dirname(d), os.path.basename(d))  # not a link
             info = read_marker(d)
             verify_checksums(d, info)
+            read_dcp_metadata(d, info)
         except CheckpointError as e:
             print(f"bumblebee: FAILED {e}", file=sys.stderr)
             bad += 1
