@@ -22,9 +22,11 @@ plotting command fails up front with one line naming the extra.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 
+from bumblebee import safe_write
 from bumblebee.config import ConfigError
 from bumblebee.report_panels import diff_panel, rl_panels, train_panels
 
@@ -46,12 +48,24 @@ def pyplot():
 
 
 def save(fig, path: str) -> None:
-    """Write a figure as PNG (its directory is created) and free it."""
+    """Write a figure as an image in the format its suffix names (PNG without one; its
+    directory is created) and free it; drawn in memory, then written by ``safe_write``."""
     plt = pyplot()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fmt = os.path.splitext(path)[1][1:].lower() or "png"
+        formats = fig.canvas.get_supported_filetypes()
+        if fmt not in formats:
+            raise ConfigError(
+                f"{path}: .{fmt} is not an image format matplotlib writes; use one of "
+                + ", ".join(f".{f}" for f in sorted(formats))
+            )
+        fig.tight_layout()
+        image = io.BytesIO()
+        fig.savefig(image, format=fmt, dpi=120)
+        safe_write.make_dirs(os.path.dirname(os.path.abspath(path)))
+        safe_write.write_file(path, image.getvalue(), doing="write the image", durable=False)
+    finally:
+        plt.close(fig)
 
 
 def read_metrics(run_dir: str) -> list[dict]:

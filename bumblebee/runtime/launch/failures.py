@@ -23,6 +23,9 @@ import os
 import signal
 import time
 
+from bumblebee import safe_write
+from bumblebee.errors import ConfigError
+
 # substrings of errors that a rank sees because *another* rank died or stalled
 _PEER_LOSS = (
     "connection closed by peer",
@@ -70,10 +73,12 @@ def write_report(report_dir: str, attempt: int, rank: int, exc: BaseException) -
         "kind": classify(exc),
         "error": f"{type(exc).__name__}: {_first_line(str(exc)) or 'no message'}",
     }
-    tmp = os.path.join(report_dir, f".a{attempt}_r{rank}.json")
-    with open(tmp, "w") as f:
-        json.dump(report, f)
-    os.replace(tmp, os.path.join(report_dir, f"a{attempt}_r{rank}.json"))
+    try:
+        safe_write.write_file(
+            os.path.join(report_dir, f"a{attempt}_r{rank}.json"), json.dumps(report), durable=False
+        )
+    except ConfigError:  # e.g. a full disk: the diagnosis goes without it, the cause stays raised
+        pass
     return report["kind"]
 
 
