@@ -56,9 +56,12 @@ def check_target(
     # "x": created here (O_EXCL), never a planted file or link written through
     probe = os.path.join(parent, f".bumblebee-write-test-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        with open(probe, "x") as f:
-            f.write("ok")
-        os.remove(probe)
+        try:
+            with open(probe, "x") as f:
+                f.write("ok")
+        finally:
+            if os.path.lexists(probe):
+                os.remove(probe)
     except OSError as e:
         if out_of_room(e):
             raise disk_full(parent, f"write {what}", e) from None

@@ -86,6 +86,8 @@ class StoreWriter:
     link in ``out_dir`` written through)."""
 
     def __init__(self, out_dir: str):
+        # a link planted for any name written is refused before the work, not at its end
+        safe_write.refuse_links(*(os.path.join(out_dir, n) for n in NAMES))
         if os.path.exists(os.path.join(out_dir, "meta.json")):
             raise DataError(
                 f"{out_dir} already holds prepared data (meta.json); choose a new directory"
@@ -93,8 +95,6 @@ class StoreWriter:
         self._created = not os.path.isdir(out_dir)
         safe_write.make_dirs(out_dir)
         self.out_dir = out_dir
-        # a link planted for any name written is refused before the work, not at its end
-        safe_write.refuse_links(*(os.path.join(out_dir, n) for n in NAMES))
         self._tokens = self._mask = None
         self._tokens = self._file("tokens")
         self._mask = self._file("mask")

@@ -107,11 +107,16 @@ def set_aside(
     while os.path.exists(aside):  # a second set-aside by this process within the same second
         n += 1
         aside = f"{base}-{n}"
+    fresh = not os.path.lexists(os.path.join(out_dir, PREVIOUS))
     safe_write.make_dirs(os.path.join(aside, "checkpoints"), root=out_dir)
-    for rel in copies:
-        src, dst = os.path.join(out_dir, rel), os.path.join(aside, rel)
-        safe_write.copy_file(src, dst, doing="set the earlier record aside")
-        shutil.copystat(src, dst, follow_symlinks=False)
+    try:
+        for rel in copies:
+            src, dst = os.path.join(out_dir, rel), os.path.join(aside, rel)
+            safe_write.copy_file(src, dst, doing="set the earlier record aside")
+            shutil.copystat(src, dst, follow_symlinks=False)
+    except BaseException:  # e.g. a full disk: nothing has moved yet, the half-made aside goes
+        shutil.rmtree(os.path.join(out_dir, PREVIOUS) if fresh else aside, ignore_errors=True)
+        raise
     for rel in moves:
         os.rename(
             os.path.join(out_dir, rel), os.path.join(aside, rel)

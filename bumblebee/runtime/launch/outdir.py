@@ -61,9 +61,12 @@ def check_out_dir(out_dir: str, *, checkpoints: bool, inputs=()) -> None:
         try:
             safe_write.make_dirs(d, root=path if d != path else None)
             probe = os.path.join(d, f".write-test-{os.getpid()}-{secrets.token_hex(4)}")
-            with open(probe, "x") as f:  # O_EXCL: never a planted file or link written through
-                f.write("ok")
-            os.remove(probe)
+            try:
+                with open(probe, "x") as f:  # O_EXCL: never a planted file or link written through
+                    f.write("ok")
+            finally:
+                if os.path.lexists(probe):
+                    os.remove(probe)
         except OSError as e:
             raise ConfigError(f"train.out_dir: cannot write to {d} ({e.strerror or e})") from None
 
