@@ -47,18 +47,28 @@ def pyplot():
     return plt
 
 
+def image_format(path: str) -> str:
+    """The image format ``path``'s suffix names (png without one), or one line naming those
+    matplotlib writes: a command checks its output name before it works, not after."""
+    pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmt = os.path.splitext(path)[1][1:].lower() or "png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in formats:
+        raise ConfigError(
+            f"{path}: .{fmt} is not an image format matplotlib writes; use one of "
+            + ", ".join(f".{f}" for f in sorted(formats))
+        )
+    return fmt
+
+
 def save(fig, path: str) -> None:
     """Write a figure as an image in the format its suffix names (PNG without one; its
     directory is created) and free it; drawn in memory, then written by ``safe_write``."""
     plt = pyplot()
     try:
-        fmt = os.path.splitext(path)[1][1:].lower() or "png"
-        formats = fig.canvas.get_supported_filetypes()
-        if fmt not in formats:
-            raise ConfigError(
-                f"{path}: .{fmt} is not an image format matplotlib writes; use one of "
-                + ", ".join(f".{f}" for f in sorted(formats))
-            )
+        fmt = image_format(path)
         fig.tight_layout()
         image = io.BytesIO()
         fig.savefig(image, format=fmt, dpi=120)

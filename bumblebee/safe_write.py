@@ -287,8 +287,9 @@ class RecordFile:
             _write_all(self._fd, data)
             os.fsync(self._fd)
         except OSError as e:
-            try:
+            try:  # the torn part goes, and the next line starts where it started
                 os.ftruncate(self._fd, self.size)
+                os.lseek(self._fd, self.size, os.SEEK_SET)
             except OSError:
                 pass
             raise _error(self.path, self.doing, e) from None

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from bumblebee.config import ConfigError
 from bumblebee.config_parse import parse_override, read_toml
 from bumblebee.console import SetOverride
-from bumblebee.report import plot_rewards, pyplot
+from bumblebee.report import image_format, plot_rewards
 from bumblebee.rl.rl_config import RLConfig
 from bumblebee.rl.run import run as run_rl
 from bumblebee.runtime.resolve import load_config
@@ -177,7 +177,7 @@ def run(args) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     if args.plot:
-        pyplot()  # fail before training, not after
+        image_format(args.plot)  # fail before training, not after (matplotlib, the format)
     if launch.started_by_torchrun():
         launch.init_distributed()
         _run_and_plot(cfg, rl, args.plot)

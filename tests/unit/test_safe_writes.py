@@ -501,3 +501,105 @@ def test_a_full_disk_leaves_the_previous_output(table, tmp_path, capsys, writer,
         assert all(isinstance(json.loads(line), dict) for line in text.splitlines())
         before.pop(w.record, None)
     assert after == before, sorted(set(after) ^ set(before)) or "a file changed"
+
+
+# ------------------------------------------------------------------------------ single cases
+def test_a_prepared_output_deleted_during_data_prepare_is_one_line(tmp_path, capsys, monkeypatch):
+    """The probe's case: OUT removed while the corpus is written (a FileNotFoundError traceback
+    at the end, before)."""
+    from bumblebee.data import store
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": [3, 4, 5, 6]}) + "\n" for _ in range(50)))
+    out = tmp_path / "out"
+    append = store.StoreWriter.append
+
+    def append_then_delete(self, *args):
+        append(self, *args)
+        shutil.rmtree(self.out_dir)
+
+    monkeypatch.setattr(store.StoreWriter, "append", append_then_delete)
+    error = attempt(lambda: prepare_argv(src, out), capsys)
+    assert error is not None and "removed" in error and str(out) in error, error
+    assert not out.exists()
+
+
+def prepare_argv(src, out):
+    return main(["data", "prepare", str(src), str(out), "--source", "tokens", "--no-progress"])
+
+
+def test_a_full_disk_mid_append_cuts_the_record_back(tmp_path, monkeypatch):
+    """ENOSPC after part of a line was written (what RLIMIT_FSIZE never does: it fails whole
+    writes at a boundary): the record keeps its whole lines, the next append lands whole."""
+    from bumblebee import safe_write
+    from bumblebee.errors import DiskFullError
+
+    log = safe_write.RecordFile(str(tmp_path / "m.jsonl"), initial='{"step": 0}\n')
+    real = safe_write._write_all
+
+    def half_then_full(fd, data):
+        real(fd, bytes(data)[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safe_write, "_write_all", half_then_full)
+    with pytest.raises(DiskFullError, match="no room"):
+        log.append('{"step": 1, "loss": 1.5}\n')
+    monkeypatch.setattr(safe_write, "_write_all", real)
+    log.append('{"step": 1, "loss": 1.25}\n')
+    log.close()
+    assert (tmp_path / "m.jsonl").read_text() == '{"step": 0}\n{"step": 1, "loss": 1.25}\n'
+
+
+def test_a_link_swapped_in_while_writing_is_not_followed(tmp_path):
+    """The checks and the write use one directory descriptor: a link planted after the file was
+    opened (the race a predictable temporary lost) is refused at the rename, never written
+    through, and the temporary goes; a directory in the file's place is one line too."""
+    from bumblebee import safe_write
+
+    victim = tmp_path / "victim"
+    victim.write_text("outside")
+    target = tmp_path / "d" / "config.toml"
+    target.parent.mkdir()
+    with pytest.raises(ConfigError, match="symbolic link"):
+        with safe_write.AtomicFile(str(target)) as f:
+            f.write("new")
+            os.symlink(victim, target)
+    assert victim.read_text() == "outside"
+    assert os.listdir(target.parent) == ["config.toml"] and target.is_symlink()
+    os.remove(target)
+    target.mkdir()
+    with pytest.raises(ConfigError, match="is a directory; give a file name"):
+        safe_write.write_file(str(target), "x")
+    assert os.listdir(target.parent) == ["config.toml"]
+
+
+def test_links_above_the_root_are_the_users(tmp_path):
+    """A run directory on a linked scratch disk is written as before; a link below it is not."""
+    from bumblebee import safe_write
+
+    real = tmp_path / "scratch"
+    real.mkdir()
+    os.symlink(real, tmp_path / "runs")
+    safe_write.make_dirs(str(tmp_path / "runs" / "a" / "checkpoints"), root=str(tmp_path / "runs"))
+    safe_write.write_file(str(tmp_path / "runs" / "a" / "config.toml"), "x")
+    assert (real / "a" / "config.toml").read_text() == "x"
+    os.symlink(tmp_path, real / "b")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        safe_write.make_dirs(str(tmp_path / "runs" / "b" / "x"), root=str(tmp_path / "runs"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_file_where_a_directory_goes_is_one_line(tmp_path, capsys):
+    """``plan --plot f.txt/x.png`` (a traceback before); ``pair --json DIR`` and an image
+    format matplotlib cannot write go through the same helper."""
+    (tmp_path / "f.txt").write_text("x")
+    argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--seq", "4096", "--layout", "ep=8"]
+    error = attempt(lambda: main(argv + ["--plot", str(tmp_path / "f.txt" / "x.png")]), capsys)
+    assert error is not None and "is a file, not a directory" in error, error
+    error = attempt(lambda: main(argv + ["--plot", str(tmp_path / "plan.txt")]), capsys)
+    assert error is not None and "not an image format" in error, error
+    from bumblebee import safe_write
+
+    with pytest.raises(ConfigError, match="is a directory"):
+        safe_write.write_file(str(tmp_path), "{}")
+    assert sorted(os.listdir(tmp_path)) == ["f.txt"]
