@@ -286,18 +286,13 @@ def data_run(args) -> int:
     # one writer per output directory, as a training run holds its out_dir: two prepares into one
     # OUT would leave a corpus equal to neither
     import bumblebee.outputs as outputs
-    from bumblebee.config import ConfigError
+    from bumblebee import safe_write
     from bumblebee.runtime.launch.outdir import OutDirLock
 
     outputs.check_target(args.out, "data prepare OUT", kind="dir", inputs=[args.input])
     created = not os.path.isdir(args.out)
     done = False
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(
-            f"data prepare OUT: cannot create {args.out} ({e.strerror or e})"
-        ) from None
+    safe_write.make_dirs(args.out)
     try:  # on a full disk the writer has removed its files; the guard's line says so
         with outputs.writing(args.out, "write the prepared data"):
             with OutDirLock(args.out, what="data prepare OUT"):

@@ -13,6 +13,7 @@ Whatever a command adds on top (convert's "an earlier export", train's lock) sta
 from __future__ import annotations
 
 import os
+import secrets
 from contextlib import contextmanager
 
 from bumblebee.errors import ConfigError, disk_full, out_of_room
@@ -52,11 +53,15 @@ def check_target(
         raise ConfigError(f"{label}: {parent} is a file, not a directory")
     if os.path.exists(real) and kind == "file" and not os.access(real, os.W_OK):
         raise ConfigError(f"{label}: not writable")
-    probe = os.path.join(parent, f".bumblebee-write-test-{os.getpid()}")
+    # "x": created here (O_EXCL), never a planted file or link written through
+    probe = os.path.join(parent, f".bumblebee-write-test-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        try:
+            with open(probe, "x") as f:
+                f.write("ok")
+        finally:
+            if os.path.lexists(probe):
+                os.remove(probe)
     except OSError as e:
         if out_of_room(e):
             raise disk_full(parent, f"write {what}", e) from None

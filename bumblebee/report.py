@@ -22,9 +22,11 @@ plotting command fails up front with one line naming the extra.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 
+from bumblebee import safe_write
 from bumblebee.config import ConfigError
 from bumblebee.report_panels import diff_panel, rl_panels, train_panels
 
@@ -45,30 +47,44 @@ def pyplot():
     return plt
 
 
+def image_format(path: str) -> str:
+    """The image format ``path``'s suffix names (png without one), or one line naming those
+    matplotlib writes: a command checks its output name before it works, not after."""
+    pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmt = os.path.splitext(path)[1][1:].lower() or "png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in formats:
+        raise ConfigError(
+            f"{path}: .{fmt} is not an image format matplotlib writes; use one of "
+            + ", ".join(f".{f}" for f in sorted(formats))
+        )
+    return fmt
+
+
 def check_plot_target(path: str, what: str) -> None:
-    """Before the work whose figure it holds: ``path`` can be written as a file (outputs.
-    check_target) in an image format matplotlib writes; one line naming ``what`` otherwise."""
+    """Before the work whose figure it holds: ``path`` names an image format matplotlib writes
+    and can be written as a file (outputs.check_target); one line naming ``what`` otherwise."""
     from bumblebee.outputs import check_target
 
-    plt = pyplot()
-    kinds = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
-    ext = os.path.splitext(path)[1].lower().lstrip(".")
-    if ext not in kinds:
-        raise ConfigError(
-            f"{what} {path}: not an image format matplotlib writes (.{ext or '?'}); valid: "
-            + ", ".join(f".{k}" for k in sorted(kinds))
-        )
+    image_format(path)
     check_target(path, what, kind="file")
 
 
 def save(fig, path: str) -> None:
-    """Write a figure as PNG (its directory is created) and free it."""
+    """Write a figure as an image in the format its suffix names (PNG without one; its
+    directory is created) and free it; drawn in memory, then written by ``safe_write``."""
     plt = pyplot()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fmt = image_format(path)
+        fig.tight_layout()
+        image = io.BytesIO()
+        fig.savefig(image, format=fmt, dpi=120)
+        safe_write.make_dirs(os.path.dirname(os.path.abspath(path)))
+        safe_write.write_file(path, image.getvalue(), doing="write the image", durable=False)
+    finally:
+        plt.close(fig)
 
 
 def read_metrics(run_dir: str) -> list[dict]:

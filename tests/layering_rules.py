@@ -18,6 +18,7 @@ LAYER_OF = {
     "report_inputs": "core",
     "report_panels": "core",
     "outputs": "core",
+    "safe_write": "core",
     "__init__": "api",
     "primitives": "primitives",
     "models": "models",

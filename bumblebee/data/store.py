@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bumblebee import safe_write
 from bumblebee.data.errors import DataError
 
 FORMAT = "bumblebee-tokens"
@@ -32,6 +33,7 @@ FILES = {
     "offsets": ("offsets.i64", np.int64),
     "doc_loss": ("doc_loss.i64", np.int64),
 }
+NAMES = [name for name, _ in FILES.values()] + ["meta.json"]
 
 
 @dataclass
@@ -80,22 +82,33 @@ def from_documents(docs: list[tuple[list[int], list[int]]], meta: dict) -> Token
 
 
 class StoreWriter:
-    """Appends documents chunk by chunk; ``close`` writes the offsets and meta.json."""
+    """Appends documents chunk by chunk; ``close`` writes the offsets and meta.json. Every file
+    goes through ``safe_write`` (hidden temporaries renamed in when complete, meta.json last, no
+    link in ``out_dir`` written through)."""
 
     def __init__(self, out_dir: str):
+        # a link planted for any name written is refused before the work, not at its end
+        safe_write.refuse_links(*(os.path.join(out_dir, n) for n in NAMES))
         if os.path.exists(os.path.join(out_dir, "meta.json")):
             raise DataError(
                 f"{out_dir} already holds prepared data (meta.json); choose a new directory"
             )
         self._created = not os.path.isdir(out_dir)
-        os.makedirs(out_dir, exist_ok=True)
+        safe_write.make_dirs(out_dir)
         self.out_dir = out_dir
-        self._tokens = open(os.path.join(out_dir, FILES["tokens"][0]), "wb")
-        self._mask = open(os.path.join(out_dir, FILES["mask"][0]), "wb")
+        self._tokens = self._mask = None
+        self._tokens = self._file("tokens")
+        self._mask = self._file("mask")
+        self._done: list[str] = []  # files already renamed in
         self._lengths: list[np.ndarray] = []
         self._doc_loss: list[np.ndarray] = []
         self.num_tokens = 0
         self.loss_tokens = 0
+
+    def _file(self, key: str) -> safe_write.AtomicFile:
+        return safe_write.AtomicFile(
+            os.path.join(self.out_dir, FILES[key][0]), doing="write the prepared data"
+        )
 
     def append(self, tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> None:
         assert (
@@ -103,8 +116,8 @@ class StoreWriter:
             and mask.dtype == np.uint8
             and len(tokens) == int(lengths.sum())
         )
-        self._tokens.write(tokens.tobytes())
-        self._mask.write(mask.tobytes())
+        self._tokens.write(np.ascontiguousarray(tokens))
+        self._mask.write(np.ascontiguousarray(mask))
         self._lengths.append(lengths.astype(np.int64))
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self._doc_loss.append(doc_loss_counts(mask, offsets))
@@ -112,24 +125,37 @@ class StoreWriter:
         self.loss_tokens += int(self._doc_loss[-1].sum())
 
     def abort(self) -> None:
-        """Remove what was written (a failed prepare leaves no half-written directory behind)."""
-        self._tokens.close()
-        self._mask.close()
-        for name in [n for n, _ in FILES.values()] + ["meta.json.tmp", "meta.json"]:
-            p = os.path.join(self.out_dir, name)
-            if os.path.exists(p):
-                os.remove(p)
-        if self._created and not os.listdir(self.out_dir):
-            os.rmdir(self.out_dir)
+        """Remove what was written (a failed prepare leaves no half-written directory behind;
+        a directory removed meanwhile is no error)."""
+        for f in (self._tokens, self._mask):
+            if f is not None:
+                f.discard()
+        for name in self._done:
+            try:
+                os.remove(os.path.join(self.out_dir, name))
+            except FileNotFoundError:
+                pass
+        try:
+            if self._created and not os.listdir(self.out_dir):
+                os.rmdir(self.out_dir)
+        except FileNotFoundError:
+            pass
+
+    def _write(self, name: str, data) -> None:
+        safe_write.write_file(
+            os.path.join(self.out_dir, name), data, doing="write the prepared data"
+        )
+        self._done.append(name)
 
     def close(self, meta: dict) -> dict:
-        self._tokens.close()
-        self._mask.close()
+        for f in (self._tokens, self._mask):
+            f.commit()
+            self._done.append(os.path.basename(f.path))
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        offsets.tofile(os.path.join(self.out_dir, FILES["offsets"][0]))
+        self._write(FILES["offsets"][0], offsets.astype("<i8"))
         doc_loss = np.concatenate(self._doc_loss) if self._doc_loss else np.zeros(0, np.int64)
-        doc_loss.tofile(os.path.join(self.out_dir, FILES["doc_loss"][0]))
+        self._write(FILES["doc_loss"][0], doc_loss.astype("<i8"))
         meta = {
             "format": FORMAT,
             "version": VERSION,
@@ -138,10 +164,7 @@ class StoreWriter:
             "loss_tokens": self.loss_tokens,
             **meta,
         }
-        tmp = os.path.join(self.out_dir, "meta.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(tmp, os.path.join(self.out_dir, "meta.json"))
+        self._write("meta.json", json.dumps(meta, indent=1))  # last: marks it complete
         return meta
 
 

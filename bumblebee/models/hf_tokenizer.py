@@ -25,7 +25,8 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import shutil
+
+from bumblebee import safe_write
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -116,20 +117,20 @@ def add_tokenizer(out_dir: str, tok_dir: str, *, chat: bool) -> dict:
     """Copy ``tok_dir``'s tokenizer files into the export ``out_dir`` and write the token ids into its
     config.json and generation_config.json; returns the generation config written."""
     for name in tokenizer_files(tok_dir):
-        shutil.copyfile(os.path.join(tok_dir, name), os.path.join(out_dir, name))
+        safe_write.copy_file(
+            os.path.join(tok_dir, name), os.path.join(out_dir, name), doing="write the export"
+        )
     ids = special_ids(tok_dir)
     cfg_path = os.path.join(out_dir, "config.json")
     cfg = _read(cfg_path)
     cfg.update(ids)
     if isinstance(cfg.get("text_config"), dict):  # the multimodal wrapper: its language model too
         cfg["text_config"].update(ids)
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2)
+    safe_write.write_file(cfg_path, json.dumps(cfg, indent=2), doing="write the export")
     gen_path = os.path.join(out_dir, "generation_config.json")
     gen = {**_read(gen_path), **ids}
     eot = end_of_turn_id(tok_dir) if chat else None
     if eot is not None and eot != ids.get("eos_token_id"):
         gen["eos_token_id"] = [eot] + ([ids["eos_token_id"]] if "eos_token_id" in ids else [])
-    with open(gen_path, "w") as f:
-        json.dump(gen, f, indent=2)
+    safe_write.write_file(gen_path, json.dumps(gen, indent=2), doing="write the export")
     return gen

@@ -29,11 +29,12 @@ import json
 import math
 import os
 import re
-import shutil
 import struct
 
 import torch
 
+from bumblebee import safe_write
+from bumblebee.errors import DiskFullError, disk_full
 from bumblebee.models.family import family_of_model_type
 from bumblebee.models.hf_read import HFCheckpoint
 from bumblebee.models.hf_stored import stored_entry
@@ -165,7 +166,10 @@ class _Source:
         return name
 
 
-@torch.no_grad()
+# the files a loader starts from: moved into an existing directory after the rest
+ENTRY_FILES = ("model.safetensors", "model.safetensors.index.json", "config.json")
+
+
 def write_hf(
     out_dir: str,
     arch,
@@ -175,11 +179,47 @@ def write_hf(
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
     source: str = "",
+    root: str | None = None,
 ) -> None:
     """Write ``out_dir``: config.json and safetensors in ``dtype``. ``named_shapes``: (bumblebee
     name, global shape) of every parameter in the order ``tensors`` yields (name, full tensor);
-    ``source``: the HF directory the model came from, whose extra tensors are carried over."""
+    ``source``: the HF directory the model came from, whose extra tensors are carried over.
+    The files are written beside ``out_dir`` and moved in when all are complete
+    (``safe_write.staged_dir``; ``root``: the directory of the caller's below which no link is
+    followed), replacing an earlier export's weight files: a failure leaves it as it was."""
     check_export_target(out_dir, source)
+    try:
+        with safe_write.staged_dir(
+            out_dir, doing="write the export", root=root, last=ENTRY_FILES
+        ) as stage:
+            written = write_hf_files(
+                stage.path,
+                arch,
+                named_shapes,
+                tensors,
+                dtype=dtype,
+                max_shard_bytes=max_shard_bytes,
+                source=source,
+            )
+            if os.path.isdir(out_dir):
+                stage.remove(stale_weight_files(out_dir, written))
+    except DiskFullError as e:  # name the export, not its staging directory
+        raise disk_full(out_dir, "write the export", getattr(e, "cause", e)) from None
+
+
+@torch.no_grad()
+def write_hf_files(
+    out_dir: str,
+    arch,
+    named_shapes,
+    tensors,
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 2**30,
+    source: str = "",
+) -> list[str]:
+    """``write_hf``'s files, written into ``out_dir`` (a new directory: ``staged_dir``'s);
+    returns the weight files written."""
     F = arch.moe_intermediate_size
     family = family_of_model_type(arch.model_type)
     src = _Source(source, family, arch) if source else None
@@ -207,7 +247,6 @@ def write_hf(
     carried = [
         _entry(n, s, d or dtype) for n, s, d in (src.carried if src else []) if n not in written
     ]  # never twice
-    os.makedirs(out_dir, exist_ok=True)
     shards = _plan(entries, max_shard_bytes)
     extra = _plan(carried, max_shard_bytes) if carried else []
     total = len(shards) + len(extra)
@@ -218,7 +257,7 @@ def write_hf(
     )
     parts = _parts(layout, tensors)
     for fname, shard in zip(names, shards):
-        with open(os.path.join(out_dir, fname), "wb") as f:
+        with safe_write.AtomicFile(os.path.join(out_dir, fname), doing="write the export") as f:
             f.write(_header(shard))
             for _ in shard:
                 f.write(_raw(next(parts).to(dtype)))
@@ -228,13 +267,14 @@ def write_hf(
     if total > 1:
         weight_map = {e[0]: fname for fname, shard in zip(names, shards + extra) for e in shard}
         nbytes = sum(e[2] for shard in shards + extra for e in shard)
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, f, indent=2)
+        index = {"metadata": {"total_size": nbytes}, "weight_map": weight_map}
+        safe_write.write_file(
+            os.path.join(out_dir, "model.safetensors.index.json"),
+            json.dumps(index, indent=2),
+            doing="write the export",
+        )
     _config(out_dir, arch, dtype, src)
-    for name in stale_weight_files(
-        out_dir, names + (["model.safetensors.index.json"] if total > 1 else [])
-    ):
-        os.remove(os.path.join(out_dir, name))
+    return names + (["model.safetensors.index.json"] if total > 1 else [])
 
 
 def _parts(layout, tensors):
@@ -254,7 +294,7 @@ def _parts(layout, tensors):
 def _carry(src: _Source, out_dir: str, fnames: list[str], shards) -> None:
     with HFCheckpoint(src.path, {}, ()) as ckpt:
         for fname, shard in zip(fnames, shards):
-            with open(os.path.join(out_dir, fname), "wb") as f:
+            with safe_write.AtomicFile(os.path.join(out_dir, fname), doing="write the export") as f:
                 f.write(_header(shard))
                 for name, _, _, st_dtype in shard:
                     f.write(_raw(ckpt.rows(name).to(_FROM_ST[st_dtype])))
@@ -282,6 +322,7 @@ def _config(out_dir: str, arch, dtype: torch.dtype, src: _Source | None) -> None
                 and not name.endswith(".safetensors")
                 and name != "model.safetensors.index.json"
             ):
-                shutil.copyfile(path, os.path.join(out_dir, name))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+                safe_write.copy_file(path, os.path.join(out_dir, name), doing="write the export")
+    safe_write.write_file(
+        os.path.join(out_dir, "config.json"), json.dumps(cfg, indent=2), doing="write the export"
+    )

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bumblebee.errors import ConfigError
+from bumblebee import safe_write
+from bumblebee.errors import ConfigError, DiskFullError, disk_full
 from bumblebee.primitives.moe.experts import Experts
 
 # a base parameter's leaf name -> the suffix of its factors' names
@@ -246,13 +247,20 @@ def peft_config(info: LoraInfo, base_model: str = "") -> dict:
 
 def write_peft_adapter(out_dir: str, info: LoraInfo, factors, hf_name_out=None, base_model=""):
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` from (name, full factor)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {}
     for name, t in factors:
         for key, v in peft_tensors(name, t.detach().cpu(), hf_name_out):
             tensors[key] = v
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), {"format": "pt"})
-    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump(peft_config(info, base_model), f, indent=2)
+    # the adapter is small: its bytes in memory, both files moved in together when complete
+    data = save(tensors, {"format": "pt"})
+    try:
+        with safe_write.staged_dir(out_dir, doing="write the adapter") as stage:
+            safe_write.write_file(os.path.join(stage.path, "adapter_model.safetensors"), data)
+            safe_write.write_file(
+                os.path.join(stage.path, "adapter_config.json"),
+                json.dumps(peft_config(info, base_model), indent=2),
+            )
+    except DiskFullError as e:  # name the adapter directory, not its staging directory
+        raise disk_full(out_dir, "write the adapter", getattr(e, "cause", e)) from None

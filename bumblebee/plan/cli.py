@@ -26,6 +26,7 @@ from bumblebee.plan.memory import local_tokens
 from bumblebee.plan.recipe import Recommendation, evaluate, recipe, recipe_primitives, search
 from bumblebee.plan.runnable import emit_toml, run_config, runtime_problem
 from bumblebee.plan.spec import GDN, load_spec, preset_names
+from bumblebee.report import image_format
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -177,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seq must be >= 1, got {args.seq}")
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
+    if args.plot:
+        image_format(args.plot)  # matplotlib and the format, before the search
     spec, hf = load_spec(args.model)
     gpu = get_gpu(args.gpu)
     batch = args.global_batch if args.global_batch is not None else args.gpus

@@ -32,6 +32,7 @@ from typing import IO
 import torch
 import torch.distributed as dist
 
+from bumblebee import safe_write
 from bumblebee.config import Config, LoraConfig
 from bumblebee.config_parse import dump_toml
 from bumblebee.models import build_model
@@ -52,16 +53,15 @@ class _Log:
     def __init__(self, out_dir: str, active: bool, stream: IO):
         self.active, self.stream, self.records = active, stream, []
         if active:
-            os.makedirs(out_dir, exist_ok=True)
+            safe_write.make_dirs(out_dir)
             self.path = os.path.join(out_dir, "metrics.jsonl")
-            self.file = open(self.path, "w")
+            self.file = safe_write.RecordFile(self.path, doing="write the metrics")
 
     def __call__(self, record: dict, line: str | None = None) -> None:
         if not self.active:
             return
         self.records.append(record)
-        self.file.write(json_line(record) + "\n")
-        self.file.flush()
+        self.file.append(json_line(record) + "\n")
         if line:
             self.stream.write(line + "\n")
             self.stream.flush()
@@ -202,12 +202,13 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
     ctx, out_dir = engine.ctx, cfg.train.out_dir
     log = _Log(out_dir, ctx.rank == 0, stream)
     if ctx.rank == 0:
-        with open(os.path.join(out_dir, "config.toml"), "w") as f:
-            f.write(
-                dump_toml(cfg)
-                + "[rl]\n"
-                + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataclasses.asdict(rl).items())
-            )
+        safe_write.write_file(
+            os.path.join(out_dir, "config.toml"),
+            dump_toml(cfg)
+            + "[rl]\n"
+            + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataclasses.asdict(rl).items()),
+            doing="write the config",
+        )
     task = make_task(rl.task, rl.digits, rl.partial)
     g = torch.Generator().manual_seed(rl.seed)
     eval_set = task.sample(rl.eval_problems, torch.Generator().manual_seed(rl.seed + 1_000_003))

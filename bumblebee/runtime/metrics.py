@@ -1,8 +1,9 @@
 """Per-step metrics (``metrics.jsonl``), the live progress line, and the run summary.
 
 Only the writer on rank 0 is active; other ranks get a writer that drops
-everything. Each metrics line is flushed as it is written, so a crash loses at
-most the step in flight.
+everything. ``metrics.jsonl`` is a ``safe_write.RecordFile``: each line lands whole and
+fsynced as it is written (a crash loses at most the step in flight, a full disk is one line
+and leaves no torn line), and no link planted in out_dir is written through.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import time
 from typing import IO
 
+from bumblebee import safe_write
 from bumblebee.console import hms
 
 
@@ -42,7 +44,7 @@ class MetricsWriter:
         self.resumed: dict = {}
         self._file = None
         if self.active:
-            os.makedirs(out_dir, exist_ok=True)
+            safe_write.make_dirs(out_dir)
             self.path = os.path.join(out_dir, "metrics.jsonl")
             # a resumed run keeps the lines of the steps it continues from, and drops any
             # lines past the checkpoint (steps that will be recomputed)
@@ -50,9 +52,9 @@ class MetricsWriter:
             self.resumed = (
                 json.loads(kept[-1]) if kept else {}
             )  # the record of the step resumed from
-            self._file = open(self.path, "w")
-            self._file.writelines(kept)
-            self._file.flush()
+            self._file = safe_write.RecordFile(
+                self.path, doing="write the metrics", initial="".join(kept)
+            )
         # the same scalars as TensorBoard events (train.tensorboard; the [data] extra)
         self._tb = (
             tensorboard_writer(os.path.join(out_dir, "tensorboard"))
@@ -73,8 +75,7 @@ class MetricsWriter:
                 self.routing.ceiling
             )  # E / K: the report draws it as a reference line
         self.history.append(record)
-        self._file.write(json_line(record) + "\n")
-        self._file.flush()
+        self._file.append(json_line(record) + "\n")
         scalars = {
             k: v
             for k, v in record.items()

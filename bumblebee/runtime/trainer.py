@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from bumblebee import safe_write
 from bumblebee.config import Config, ConfigError, eval_interval
 from bumblebee.config_parse import dump_toml
 from bumblebee.data import build_source
@@ -101,9 +102,10 @@ class Trainer:
                 f"the checkpoint is at train.steps = {t.steps} already: nothing to train"
             )
         if self.rank == 0:
-            os.makedirs(t.out_dir, exist_ok=True)
-            with open(os.path.join(t.out_dir, "config.toml"), "w") as f:
-                f.write(dump_toml(cfg))
+            safe_write.make_dirs(t.out_dir)
+            safe_write.write_file(
+                os.path.join(t.out_dir, "config.toml"), dump_toml(cfg), doing="write the config"
+            )
             if ctx.distributed:
                 stream.write(
                     f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n"
@@ -359,6 +361,7 @@ class Trainer:
                 source=self.cfg.model.hf_path,
                 tokenizer=tok,
                 chat=chat,
+                root=t.out_dir,
             )
             self.checkpoint._say(
                 f"exported {self.checkpoint.last_path} as a Hugging Face model to {out}"

@@ -84,10 +84,16 @@ def test_an_interrupt_while_the_output_is_closed_leaves_nothing(tmp_path, monkey
     src = tmp_path / "a.jsonl"
     src.write_text("".join(json.dumps({"input_ids": [1, 2, 3]}) + "\n" for _ in range(5)))
 
-    def interrupted(*args, **kwargs):  # Ctrl-C after the offsets, while meta.json is written
-        raise KeyboardInterrupt
+    from bumblebee import safe_write
 
-    monkeypatch.setattr("bumblebee.data.store.json.dump", interrupted)
+    write_file = safe_write.write_file
+
+    def interrupted(path, *args, **kwargs):  # Ctrl-C after the offsets, while meta.json is written
+        if path.endswith("meta.json"):
+            raise KeyboardInterrupt
+        write_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(safe_write, "write_file", interrupted)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         prepare(str(src), str(out), Encoder("tokens", ""), progress=False)

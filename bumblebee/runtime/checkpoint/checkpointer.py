@@ -35,6 +35,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from bumblebee import safe_write
 from bumblebee.config import PrimitivesConfig
 from bumblebee.config_parse import dump_toml
 from bumblebee.errors import disk_full, out_of_room
@@ -74,10 +75,7 @@ HF_SHARD_BYTES = 5 * 2**30
 
 
 def _write_durably(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    safe_write.write_file(path, text, doing=f"write {os.path.basename(path)}")
 
 
 def _fsync_dir(path: str) -> None:
@@ -198,6 +196,9 @@ class Checkpointer:
         name = f"step_{step:08d}"
         final, tmp = os.path.join(self.root, name), os.path.join(self.root, f".tmp-{name}")
         if self.ctx.rank == 0:
+            # a link planted for checkpoints/ or the step would take the save (and pruning) outside
+            safe_write.make_dirs(self.root, root=self.cfg.train.out_dir)
+            safe_write.refuse_links(tmp, final)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
             try:
                 os.makedirs(tmp)
@@ -247,6 +248,8 @@ class Checkpointer:
     def _publish(
         self, tmp: str, final: str, step: int, shapes: dict[str, list[int]], sums: dict[str, str]
     ) -> None:
+        # torch's writer opened its files by name: none may have been a link
+        safe_write.refuse_links(*(os.path.join(tmp, n) for n in os.listdir(tmp)))
         _write_durably(os.path.join(tmp, "config.toml"), dump_toml(self.cfg))
         sums = {**sums, "config.toml": file_checksum(os.path.join(tmp, "config.toml"))}
         info = {

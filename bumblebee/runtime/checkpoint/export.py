@@ -27,20 +27,20 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 
 import torch
 
 import bumblebee.outputs as outputs
+from bumblebee import safe_write
 from bumblebee.config import PrimitivesConfig
 from bumblebee.console import Progress
-from bumblebee.errors import disk_full, out_of_room
+from bumblebee.errors import DiskFullError, disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 from bumblebee.models.hf_read import checkpoint_block_size
-from bumblebee.models.hf_write import check_export_target, write_hf
+from bumblebee.models.hf_write import ENTRY_FILES, check_export_target, write_hf_files
 from bumblebee.models.lora import is_lora_name, merged_stream
 from bumblebee.runtime.checkpoint.checkpointer import HF_SHARD_BYTES, saved_lora
 from bumblebee.runtime.checkpoint.directory import (
@@ -68,6 +68,7 @@ def export_checkpoint(
     source: str = "",
     tokenizer: str = "",
     chat: bool | None = None,
+    root: str | None = None,
 ) -> str:
     """``bumblebee convert --to hf``: the parameters of a checkpoint (or the newest complete
     one under a run / checkpoints directory) as a HF directory, in ``dtype`` ("bfloat16" |
@@ -77,7 +78,9 @@ def export_checkpoint(
     export beside the weights (``chat``: with the end-of-turn token as an eos; default: the run
     was a chat run). Both are the caller's, never read from the checkpoint.
     ``out_dir`` must be new or empty, or an earlier export with ``overwrite`` (its files are
-    replaced, so two exports never mix); never a checkpoint or run directory."""
+    replaced, so two exports never mix); never a checkpoint or run directory. ``root``: a
+    directory above ``out_dir`` below which no link is followed (``safe_write``; the trainer's
+    out_dir for its ``hf/``)."""
     if max_shard_bytes < 1:
         raise CheckpointError(f"--max-shard-bytes must be >= 1, got {max_shard_bytes}")
     outputs.check_target(out_dir, "convert OUT_DIR", kind="dir", inputs=[spec], nested=False)
@@ -106,44 +109,34 @@ def export_checkpoint(
             "_scale_inv tensors, config.json without quantization_config)",
             file=sys.stderr,
         )
-    parent, base = os.path.split(os.path.abspath(out_dir))
-    tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        with Progress(f"convert {path}: tensors written", total=len(named_shapes)) as progress:
-            write_hf(
-                tmp,
-                arch,
-                named_shapes,
-                _counted(tensors, progress),
-                dtype=getattr(torch, dtype),
-                max_shard_bytes=max_shard_bytes,
-                source=source,
-            )  # written beside the target, then moved in
-        if tokenizer:
-            from bumblebee.models.hf_tokenizer import add_tokenizer
+        with safe_write.staged_dir(
+            out_dir, doing="write the export", root=root, last=ENTRY_FILES
+        ) as stage:  # written beside the target, then moved in
+            with Progress(f"convert {path}: tensors written", total=len(named_shapes)) as progress:
+                write_hf_files(
+                    stage.path,
+                    arch,
+                    named_shapes,
+                    _counted(tensors, progress),
+                    dtype=getattr(torch, dtype),
+                    max_shard_bytes=max_shard_bytes,
+                    source=source,
+                )
+            if tokenizer:
+                from bumblebee.models.hf_tokenizer import add_tokenizer
 
-            is_chat = _table(saved, "data").get("source") == "chat" if chat is None else chat
-            add_tokenizer(tmp, tokenizer, chat=is_chat)
-        if os.path.isdir(out_dir) and not os.listdir(out_dir):
-            os.rmdir(out_dir)
-        if not os.path.exists(out_dir):
-            os.rename(tmp, out_dir)
-        else:
-            for name in old:  # the earlier export's files (--overwrite)
-                os.remove(os.path.join(out_dir, name))
-            for name in sorted(os.listdir(tmp), key=lambda n: n.startswith("model.safetensors")):
-                os.rename(
-                    os.path.join(tmp, name), os.path.join(out_dir, name)
-                )  # the entry point last
+                is_chat = _table(saved, "data").get("source") == "chat" if chat is None else chat
+                add_tokenizer(stage.path, tokenizer, chat=is_chat)
+            stage.remove(old)  # the earlier export's files (--overwrite)
+    except DiskFullError as e:  # the partial export (beside the target) is removed
+        raise disk_full(out_dir, "write the export", getattr(e, "cause", e)) from None
     except (OSError, RuntimeError) as e:
-        if out_of_room(e):  # the partial export (beside the target) is removed below
+        if out_of_room(e):
             raise disk_full(out_dir, "write the export", e) from None
         if isinstance(e, RuntimeError):
             raise
         raise CheckpointError(f"{out_dir}: cannot write the export ({e.strerror or e})") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

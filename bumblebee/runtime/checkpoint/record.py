@@ -26,9 +26,12 @@ import re
 import shutil
 import time
 
+from bumblebee import safe_write
+
 PREVIOUS = "previous"
 FILES = ("metrics.jsonl", "config.toml")  # rewritten by every run
 DIRS = ("tensorboard", "hf")  # written into by a run (hf: replaced by the export at its end)
+RECORD = FILES + DIRS + ("checkpoints",)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -76,6 +79,8 @@ def set_aside(
     ``config_text``: the ``config.toml`` the run will write. Returns (the directory the old
     record went to, what went there), or None when nothing had to move."""
     root = os.path.join(out_dir, "checkpoints")
+    # a planted link would make the moves below take (or put) files outside out_dir
+    safe_write.refuse_links(*(os.path.join(out_dir, n) for n in RECORD + (PREVIOUS,)))
     moves, copies = [], []
     for step, name in _steps(root):
         if continues_from is None or step > continues_from:
@@ -102,9 +107,16 @@ def set_aside(
     while os.path.exists(aside):  # a second set-aside by this process within the same second
         n += 1
         aside = f"{base}-{n}"
-    os.makedirs(os.path.join(aside, "checkpoints"))
-    for rel in copies:
-        shutil.copy2(os.path.join(out_dir, rel), os.path.join(aside, rel))
+    fresh = not os.path.lexists(os.path.join(out_dir, PREVIOUS))
+    safe_write.make_dirs(os.path.join(aside, "checkpoints"), root=out_dir)
+    try:
+        for rel in copies:
+            src, dst = os.path.join(out_dir, rel), os.path.join(aside, rel)
+            safe_write.copy_file(src, dst, doing="set the earlier record aside")
+            shutil.copystat(src, dst, follow_symlinks=False)
+    except BaseException:  # e.g. a full disk: nothing has moved yet, the half-made aside goes
+        shutil.rmtree(os.path.join(out_dir, PREVIOUS) if fresh else aside, ignore_errors=True)
+        raise
     for rel in moves:
         os.rename(
             os.path.join(out_dir, rel), os.path.join(aside, rel)

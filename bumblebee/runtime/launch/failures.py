@@ -23,6 +23,8 @@ import os
 import signal
 import time
 
+from bumblebee import safe_write
+from bumblebee.errors import ConfigError
 from bumblebee.runtime.launch.rank_logs import recorded_failure, tail
 
 # substrings of errors that a rank sees because *another* rank died or stalled
@@ -77,10 +79,12 @@ def write_report(
         "log": log,
         "tail": [] if log else tail(exc),
     }
-    tmp = os.path.join(report_dir, f".a{attempt}_r{rank}.json")
-    with open(tmp, "w") as f:
-        json.dump(report, f)
-    os.replace(tmp, os.path.join(report_dir, f"a{attempt}_r{rank}.json"))
+    try:
+        safe_write.write_file(
+            os.path.join(report_dir, f"a{attempt}_r{rank}.json"), json.dumps(report), durable=False
+        )
+    except ConfigError:  # e.g. a full disk: the diagnosis goes without it, the cause stays raised
+        pass
     return report["kind"]
 
 

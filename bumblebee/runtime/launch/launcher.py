@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from bumblebee import safe_write
 from bumblebee.config import ConfigError
 from bumblebee.runtime.launch.failures import (
     diagnose,
@@ -167,8 +168,11 @@ def _entry(
             Preempted
         ) as p:  # a clean stop: exit 0 so the agent does not restart, the parent reports it
             if rank == 0:
-                with open(os.path.join(report_dir, PREEMPTED), "w") as f:
-                    json.dump({"message": str(p), "exit_code": p.exit_code}, f)
+                safe_write.write_file(
+                    os.path.join(report_dir, PREEMPTED),
+                    json.dumps({"message": str(p), "exit_code": p.exit_code}),
+                    durable=False,
+                )
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised
             # before the group is torn down, so a cause is stamped before its echoes on other ranks
             if write_report(report_dir, attempt, rank, e, log=log) != "error":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -28,7 +29,9 @@ import time
 from contextlib import contextmanager
 
 import bumblebee.outputs as outputs
+from bumblebee import safe_write
 from bumblebee.config import ConfigError
+from bumblebee.runtime.checkpoint.record import PREVIOUS, RECORD
 
 LOCK_NAME = "bumblebee.lock"
 
@@ -49,16 +52,21 @@ def check_out_dir(out_dir: str, *, checkpoints: bool, inputs=()) -> None:
             else "path too long"
         )
         raise ConfigError(f"train.out_dir: {what}")
+    # what a run writes in out_dir: a link planted for any of them is refused before the run
+    safe_write.refuse_links(*(os.path.join(path, n) for n in RECORD + (PREVIOUS, LOCK_NAME)))
     dirs = [path] + ([os.path.join(path, "checkpoints")] if checkpoints else [])
     for d in dirs:
         if os.path.exists(d) and not os.path.isdir(d):
             raise ConfigError(f"train.out_dir: {d} exists and is not a directory")
         try:
-            os.makedirs(d, exist_ok=True)
-            probe = os.path.join(d, f".write-test-{os.getpid()}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
+            safe_write.make_dirs(d, root=path if d != path else None)
+            probe = os.path.join(d, f".write-test-{os.getpid()}-{secrets.token_hex(4)}")
+            try:
+                with open(probe, "x") as f:  # O_EXCL: never a planted file or link written through
+                    f.write("ok")
+            finally:
+                if os.path.lexists(probe):
+                    os.remove(probe)
         except OSError as e:
             raise ConfigError(f"train.out_dir: cannot write to {d} ({e.strerror or e})") from None
 

@@ -42,7 +42,7 @@ import os
 import sys
 from typing import IO, Any
 
-from bumblebee import registry
+from bumblebee import registry, safe_write
 from bumblebee.config import Config, ConfigError, validate
 from bumblebee.config_aliases import canonical_key
 from bumblebee.config_parse import parse_override
@@ -356,8 +356,9 @@ def run(args, stream: IO | None = None) -> int:
             if result is None:
                 return 1
     if args.json and rank0:
-        with open(args.json, "w") as f:
-            json.dump(
-                strict(result), f, indent=1, allow_nan=False
-            )  # a diverged side is null, not NaN
+        safe_write.write_file(
+            args.json,
+            json.dumps(strict(result), indent=1, allow_nan=False),  # a diverged side is null
+            doing="write the result",
+        )
     return 0 if result["passed"] else 1

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from bumblebee import safe_write
 from bumblebee.config import Config, ConfigError
 from bumblebee.data import Batch
 from bumblebee.models import build_model, resolve_arch
@@ -368,8 +369,7 @@ def execute(job: PairJob, stream: IO) -> dict:
     ta.metrics.close()
     tb.metrics.close()
     if ta.rank == 0 and job.result_path:
-        with open(job.result_path, "w") as f:
-            json.dump(result, f)
+        safe_write.write_file(job.result_path, json.dumps(result), durable=False)
     return result
 
 
