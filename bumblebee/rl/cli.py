@@ -186,9 +186,11 @@ def run(args) -> int:
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     check_out_dir(cfg.train.out_dir, checkpoints=False)
-    with OutDirLock(cfg.train.out_dir):  # one run per out_dir
+    with OutDirLock(cfg.train.out_dir) as held:  # one run per out_dir
         if args.nproc > 1:
-            return launch.launch_local((cfg, rl, args.plot), args.nproc, worker=_worker)
+            return launch.launch_local(
+                (cfg, rl, args.plot), args.nproc, worker=_worker, lock=held.path
+            )
         torch.set_num_threads(args.threads)
         with interrupt_once():
             _run_and_plot(cfg, rl, args.plot)

@@ -43,6 +43,7 @@ from bumblebee.rl.losses import (
 from bumblebee.rl.rl_config import RLConfig
 from bumblebee.rl.sampler import Sampler
 from bumblebee.rl.toy import EOS, make_task, rollout_batch, supervised_batch
+from bumblebee.runtime.launch.outdir import LockWatch
 from bumblebee.runtime.metrics import json_line
 
 
@@ -51,6 +52,8 @@ class _Log:
 
     def __init__(self, out_dir: str, active: bool, stream: IO):
         self.active, self.stream, self.records = active, stream, []
+        # the run stops if its out_dir lock vanishes (the directory deleted, maybe reused)
+        self.watch = LockWatch(out_dir) if active else None
         if active:
             os.makedirs(out_dir, exist_ok=True)
             self.path = os.path.join(out_dir, "metrics.jsonl")
@@ -59,6 +62,7 @@ class _Log:
     def __call__(self, record: dict, line: str | None = None) -> None:
         if not self.active:
             return
+        self.watch.check(record.get("step", 0))
         self.records.append(record)
         self.file.write(json_line(record) + "\n")
         self.file.flush()

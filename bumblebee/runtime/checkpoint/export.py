@@ -10,11 +10,11 @@ files are carried over, so the export is again a complete checkpoint. A run trai
 ``data.tokenizer`` exports that tokenizer and its token ids (models/hf_tokenizer.py).
 
 The export is written beside the target (a hidden temporary directory) and moved in
-when complete, so an interrupted export leaves no half-written model where a loader
-would look. The target must be new or empty; a directory holding an earlier export
-is replaced only with ``overwrite`` (its files are removed first, so an old index and
-its shards never mix with a new single file), and a checkpoint or run directory is
-never written into.
+when complete, one export at a time per target (export_dir.py), so an interrupted or killed
+export leaves no half-written model where a loader would look and blocks no re-run, and two
+exports into one target never mix. The target must be new or empty; a directory holding an
+earlier export is replaced only with ``overwrite`` (as a whole, so an old index and its shards
+never mix with a new single file), and a checkpoint or run directory is never written into.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import sys
 
@@ -47,8 +46,15 @@ from bumblebee.runtime.checkpoint.directory import (
     named_checkpoint,
     read_marker,
 )
+from bumblebee.runtime.checkpoint.export_dir import (
+    EXPORT_FILE,
+    export_lock,
+    publish_export,
+    temporary,
+)
 from bumblebee.runtime.checkpoint.integrity import verify_checksums
 from bumblebee.runtime.checkpoint.state import Piece, load_pieces, read_dcp_metadata
+from bumblebee.runtime.launch.interrupts import stop_signal
 
 BUCKET_BYTES = 64 * 2**20
 
@@ -69,7 +75,12 @@ def export_checkpoint(
     if max_shard_bytes < 1:
         raise CheckpointError(f"--max-shard-bytes must be >= 1, got {max_shard_bytes}")
     outputs.check_target(out_dir, "convert OUT_DIR", kind="dir", inputs=[spec], nested=False)
-    old = export_target_files(out_dir, overwrite)
+    with export_lock(out_dir):  # the target's checks and its writing, one export at a time
+        return _export(spec, out_dir, max_shard_bytes, overwrite, dtype)
+
+
+def _export(spec: str, out_dir: str, max_shard_bytes: int, overwrite: bool, dtype) -> str:
+    export_target_files(out_dir, overwrite)
     path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
     arch, named_shapes, tensors = stream_checkpoint(path)  # checksums verified
     saved = _saved_config(path)
@@ -91,8 +102,7 @@ def export_checkpoint(
             file=sys.stderr,
         )
     check_export_target(out_dir, source)  # --overwrite would replace the run's own starting model
-    parent, base = os.path.split(os.path.abspath(out_dir))
-    tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}")
+    tmp = temporary(out_dir)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         with Progress(f"convert {path}: tensors written", total=len(named_shapes)) as progress:
@@ -106,18 +116,10 @@ def export_checkpoint(
                 source=source,
             )  # written beside the target, then moved in
         _export_tokenizer(tmp, saved.get("data", {}))
-        if os.path.isdir(out_dir) and not os.listdir(out_dir):
-            os.rmdir(out_dir)
-        if not os.path.exists(out_dir):
-            os.rename(tmp, out_dir)
-        else:
-            for name in old:  # the earlier export's files (--overwrite)
-                os.remove(os.path.join(out_dir, name))
-            for name in sorted(os.listdir(tmp), key=lambda n: n.startswith("model.safetensors")):
-                os.rename(
-                    os.path.join(tmp, name), os.path.join(out_dir, name)
-                )  # the entry point last
+        publish_export(tmp, out_dir)  # an earlier export (--overwrite) is replaced as a whole
     except (OSError, RuntimeError) as e:
+        if (stop := stop_signal(e)) is not None:  # Ctrl-C inside torch's reader, not an error
+            raise stop.with_traceback(None) from None
         if out_of_room(e):  # the partial export (beside the target) is removed below
             raise disk_full(out_dir, "write the export", e) from None
         if isinstance(e, RuntimeError):
@@ -211,12 +213,6 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
     return arch, base, merged_stream(tensors(), lora.alpha / lora.rank, torch.float32)
 
 
-# what an export writes itself (models/hf_write.py WEIGHT_FILE, and config.json)
-_EXPORT_FILE = re.compile(
-    r"^(config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$"
-)
-
-
 def export_target_files(out_dir: str, overwrite: bool) -> list[str]:
     """Check that a HF export may go to ``out_dir``; returns the files of an earlier export
     there that ``overwrite`` replaces. Refuses a file, a checkpoint or run directory, and a
@@ -247,7 +243,7 @@ def export_target_files(out_dir: str, overwrite: bool) -> list[str]:
             "--overwrite to replace the Hugging Face export in it"
         )
     old = sorted(
-        n for n in names if _EXPORT_FILE.match(n) and os.path.isfile(os.path.join(out_dir, n))
+        n for n in names if EXPORT_FILE.match(n) and os.path.isfile(os.path.join(out_dir, n))
     )
     if "config.json" not in old:
         raise CheckpointError(
