@@ -12,6 +12,7 @@ Whatever a command adds on top (convert's "an earlier export", train's lock) sta
 
 from __future__ import annotations
 
+import errno
 import os
 from contextlib import contextmanager
 
@@ -52,15 +53,35 @@ def check_target(
         raise ConfigError(f"{label}: {parent} is a file, not a directory")
     if os.path.exists(real) and kind == "file" and not os.access(real, os.W_OK):
         raise ConfigError(f"{label}: not writable")
-    probe = os.path.join(parent, f".bumblebee-write-test-{os.getpid()}")
     try:
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        probe_write(parent)
     except OSError as e:
         if out_of_room(e):
             raise disk_full(parent, f"write {what}", e) from None
         raise ConfigError(f"{label}: not writable ({parent}: {e.strerror or e})") from None
+
+
+def probe_write(directory: str) -> None:
+    """Write a few bytes into ``directory`` (raises the OSError a real write would) without
+    leaving a name there even if the process is killed meanwhile: an unnamed file (Linux
+    ``O_TMPFILE``) where the filesystem has them, else a probe file removed at once."""
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            fd = os.open(directory, tmpfile | os.O_WRONLY, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+        else:
+            try:
+                os.write(fd, b"ok")
+            finally:
+                os.close(fd)
+            return
+    probe = os.path.join(directory, f".bumblebee-write-test-{os.getpid()}")
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
 
 
 @contextmanager

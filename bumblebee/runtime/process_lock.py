@@ -15,6 +15,8 @@ from __future__ import annotations
 import errno
 import os
 
+from bumblebee.runtime.launch.interrupts import signals_held
+
 try:
     import fcntl
 except ImportError:  # not POSIX: no advisory locks
@@ -69,11 +71,12 @@ class ProcessLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            try:
-                os.unlink(self.path)  # while still held: nobody can have locked it since
-            except FileNotFoundError:
-                pass
-            os.close(self._fd)
+            with signals_held():  # a Ctrl-C here must not leave the file behind
+                try:
+                    os.unlink(self.path)  # while still held: nobody can have locked it since
+                except FileNotFoundError:
+                    pass
+                os.close(self._fd)
         self._fd, self.held = None, False
 
     def __enter__(self) -> ProcessLock:

@@ -2,10 +2,12 @@
 
 An export (``bumblebee convert``, ``train.export_hf``, ``Engine.export_hf``) is written into a
 hidden temporary directory beside its target, ``.<name>.tmp-<pid>``, and moved in by renames:
-a new target by one rename; an earlier export by moving it aside (``.<name>.replaced-<pid>``),
-renaming the new one in, and carrying over what the earlier directory held besides the export
-itself (other files a user put there), then deleting the earlier export. A reader of the target
-sees the earlier export or the new one, never a mix.
+a new target by one rename; an earlier export by first giving the new one what the earlier
+directory holds besides the export itself (other files a user put there, as hard links: no
+copy, and the originals stay where they are until the swap), then moving the earlier export
+aside (``.<name>.replaced-<pid>``), renaming the new one in, and deleting the earlier one. A
+reader of the target sees the earlier export or the new one, never a mix, and the user's files
+are in the target at every moment.
 
 One export at a time per target: the writer holds a kernel lock beside it
 (``.<name>.lock``, process_lock.py), which dies with the writer, so a second export into the
@@ -64,12 +66,26 @@ def export_lock(out_dir: str):
         lock.release()
 
 
-def _extras(old: str, new: str) -> None:
-    """Move what ``old`` (an earlier export) holds besides an export and ``new`` lacks into
-    ``new``."""
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:  # no hard links here (or a special file): a copy
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _extras(old: str, new: str, move: bool = False) -> None:
+    """Give ``new`` what ``old`` (an earlier export) holds besides an export and ``new`` lacks:
+    hard links (a tree of them for a directory), or with ``move`` the entries themselves."""
     for name in sorted(os.listdir(old)):
-        if not EXPORT_FILE.match(name) and not os.path.lexists(os.path.join(new, name)):
-            os.rename(os.path.join(old, name), os.path.join(new, name))
+        src, dst = os.path.join(old, name), os.path.join(new, name)
+        if EXPORT_FILE.match(name) or os.path.lexists(dst):
+            continue
+        if move:
+            os.rename(src, dst)
+        elif os.path.isdir(src) and not os.path.islink(src):
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, dst)
 
 
 def _tidy(out_dir: str) -> None:
@@ -83,7 +99,7 @@ def _tidy(out_dir: str) -> None:
             if not os.path.lexists(out_dir):
                 os.rename(path, out_dir)  # its replacement never appeared
             else:
-                _extras(path, out_dir)
+                _extras(path, out_dir, move=True)
                 shutil.rmtree(path, ignore_errors=True)
 
 
@@ -95,8 +111,8 @@ def publish_export(tmp: str, out_dir: str) -> None:
     if not os.path.lexists(out_dir):
         os.rename(tmp, out_dir)
         return
+    _extras(out_dir, tmp)
     old = f"{_beside(out_dir, 'replaced')}-{os.getpid()}"
     os.rename(out_dir, old)
     os.rename(tmp, out_dir)
-    _extras(old, out_dir)
     shutil.rmtree(old, ignore_errors=True)

@@ -59,17 +59,25 @@ def exit_code_of(exc: BaseException) -> int:
 
 @contextmanager
 def signals_held():
-    """SIGINT and SIGTERM are held back (blocked, then delivered) within the block: for a few
-    renames that must happen all or not at all (moving an earlier run's record aside). A no-op
-    off the main thread."""
+    """SIGINT and SIGTERM are held back within the block and delivered at its end (to the
+    handlers in place before it): for a few renames that must happen all or not at all (moving
+    an earlier run's record aside, releasing a lock). Python-level: blocking them with a signal
+    mask would only hold them off this thread, and any other thread of the process (torch's)
+    takes a process-directed signal instead. A no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+    held: list[int] = []
+    previous = {
+        s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in STOP_SIGNALS
+    }
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 @contextmanager

@@ -64,10 +64,7 @@ def check_out_dir(out_dir: str, *, checkpoints: bool, inputs=()) -> None:
             raise ConfigError(f"train.out_dir: {d} exists and is not a directory")
         try:
             os.makedirs(d, exist_ok=True)
-            probe = os.path.join(d, f".write-test-{os.getpid()}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
+            outputs.probe_write(d)  # leaves no name behind, even if killed
         except OSError as e:
             raise ConfigError(f"train.out_dir: cannot write to {d} ({e.strerror or e})") from None
 
