@@ -89,27 +89,35 @@ def _command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; ``argv`` None: the program itself (``bumblebee ...``), whose exit code
-    is final once decided, so a late Ctrl-C is ignored rather than turned into a traceback from
-    the interpreter's shutdown or a death by SIGINT after the work is done."""
+    is final once decided, so a late Ctrl-C or SIGTERM is ignored rather than turned into a
+    traceback from the interpreter's shutdown or a death by signal after the work is done.
+    Ctrl-C exits 130 and SIGTERM (outside a training loop, where it means preemption) 143, in
+    whatever phase they land: the command's cleanup has run."""
     import signal
+
+    from bumblebee.runtime.launch.interrupts import (
+        Terminated,
+        defer_during_imports,
+        exit_code_of,
+        reported,
+    )
 
     program = argv is None
     try:
         if program:
-            from bumblebee.runtime.launch.interrupts import defer_during_imports
-
             defer_during_imports()
         code = _main(argv)
-    except KeyboardInterrupt:  # anywhere, imports included (torch takes seconds to import)
+    except (KeyboardInterrupt, Terminated) as e:  # anywhere, imports included
         if program:
-            from bumblebee.runtime.launch.interrupts import reported
-
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
             reported()
-        print("bumblebee: interrupted", file=sys.stderr)
-        return 130
+        if isinstance(e, Terminated):
+            print(f"bumblebee: {e}", file=sys.stderr)
+        else:
+            print("bumblebee: interrupted", file=sys.stderr)
+        return exit_code_of(e)
     if program:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
     return code
 
 

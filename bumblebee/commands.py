@@ -96,9 +96,11 @@ def train_run(args) -> int:
                 launch.train_worker(cfg)
             return 0
         plan = checks(args.nproc)  # reject bad input before any process starts
-        with OutDirLock(cfg.train.out_dir):  # one run per out_dir, for the run's lifetime
+        with OutDirLock(cfg.train.out_dir) as held:  # one run per out_dir, for the run's lifetime
             if args.nproc > 1:
-                return launch.launch_local(cfg, args.nproc, max_restarts=cfg.train.max_restarts)
+                return launch.launch_local(
+                    cfg, args.nproc, max_restarts=cfg.train.max_restarts, lock=held.path
+                )
             with interrupt_once():
                 Trainer(cfg, plan=plan).run()
     except Preempted as p:

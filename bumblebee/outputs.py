@@ -12,6 +12,7 @@ Whatever a command adds on top (convert's "an earlier export", train's lock) sta
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from contextlib import contextmanager
@@ -53,19 +54,39 @@ def check_target(
         raise ConfigError(f"{label}: {parent} is a file, not a directory")
     if os.path.exists(real) and kind == "file" and not os.access(real, os.W_OK):
         raise ConfigError(f"{label}: not writable")
-    # "x": created here (O_EXCL), never a planted file or link written through
-    probe = os.path.join(parent, f".bumblebee-write-test-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        try:
-            with open(probe, "x") as f:
-                f.write("ok")
-        finally:
-            if os.path.lexists(probe):
-                os.remove(probe)
+        probe_write(parent)
     except OSError as e:
         if out_of_room(e):
             raise disk_full(parent, f"write {what}", e) from None
         raise ConfigError(f"{label}: not writable ({parent}: {e.strerror or e})") from None
+
+
+def probe_write(directory: str) -> None:
+    """Write a few bytes into ``directory`` (raises the OSError a real write would) without
+    leaving a name there even if the process is killed meanwhile: an unnamed file (Linux
+    ``O_TMPFILE``) where the filesystem has them, else a probe file removed at once."""
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            fd = os.open(directory, tmpfile | os.O_WRONLY, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+        else:
+            try:
+                os.write(fd, b"ok")
+            finally:
+                os.close(fd)
+            return
+    # "x": created here (O_EXCL), never a planted file or link written through
+    probe = os.path.join(directory, f".bumblebee-write-test-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(probe, "x") as f:
+            f.write("ok")
+    finally:
+        if os.path.lexists(probe):
+            os.remove(probe)
 
 
 @contextmanager

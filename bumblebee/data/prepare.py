@@ -118,6 +118,8 @@ def _pool_init(enc: Encoder) -> None:
     # worker that died of it mid-task left imap waiting forever, and printed its traceback. SIGINT
     # is blocked from before the fork (see _pool): ignore it, then let other signals through.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the parent's SIGTERM handler raises (bumblebee ...): a worker dies of it, as Pool.terminate wants
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _WORKER["enc"] = enc
 
@@ -141,16 +143,18 @@ def _pool(workers: int, enc: Encoder):
 
 @contextmanager
 def no_interrupts():
-    """SIGINT ignored within the block (cleanup after the first Ctrl-C: a second one must not cut
-    a pool's termination or the removal of a partial output short); a no-op off the main thread."""
+    """SIGINT and SIGTERM ignored within the block (cleanup after the first Ctrl-C or SIGTERM: a
+    second one must not cut a pool's termination or the removal of a partial output short); a
+    no-op off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _pool_encode(args) -> dict:

@@ -191,10 +191,14 @@ def run(args) -> int:
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     check_out_dir(cfg.train.out_dir, checkpoints=False)
-    with OutDirLock(cfg.train.out_dir):  # one run per out_dir
+    with OutDirLock(cfg.train.out_dir) as held:  # one run per out_dir
         if args.nproc > 1:
             return launch.launch_local(
-                (cfg, rl, args.plot), args.nproc, worker=_worker, log_dir=launch.rank_log_dir(cfg)
+                (cfg, rl, args.plot),
+                args.nproc,
+                worker=_worker,
+                lock=held.path,
+                log_dir=launch.rank_log_dir(cfg),
             )
         torch.set_num_threads(args.threads)
         with interrupt_once():

@@ -44,6 +44,7 @@ from bumblebee.rl.losses import (
 from bumblebee.rl.rl_config import RLConfig
 from bumblebee.rl.sampler import Sampler
 from bumblebee.rl.toy import EOS, make_task, rollout_batch, supervised_batch
+from bumblebee.runtime.launch.outdir import LockWatch
 from bumblebee.runtime.metrics import json_line
 
 
@@ -52,6 +53,8 @@ class _Log:
 
     def __init__(self, out_dir: str, active: bool, stream: IO):
         self.active, self.stream, self.records = active, stream, []
+        # the run stops if its out_dir lock vanishes (the directory deleted, maybe reused)
+        self.watch = LockWatch(out_dir) if active else None
         if active:
             safe_write.make_dirs(out_dir)
             self.path = os.path.join(out_dir, "metrics.jsonl")
@@ -60,6 +63,7 @@ class _Log:
     def __call__(self, record: dict, line: str | None = None) -> None:
         if not self.active:
             return
+        self.watch.check(record.get("step", 0))
         self.records.append(record)
         self.file.append(json_line(record) + "\n")
         if line:

@@ -37,6 +37,7 @@ from bumblebee.runtime.build import build_run, check_world, pick_device
 from bumblebee.runtime.checkpoint.checkpointer import Checkpointer
 from bumblebee.runtime.checkpoint.export import export_checkpoint, run_tokenizer
 from bumblebee.runtime.eval import evaluate
+from bumblebee.runtime.launch.outdir import LockWatch
 from bumblebee.runtime.launch.signals import Preempted, Preemption
 from bumblebee.runtime.metrics import MetricsWriter, wandb_init
 from bumblebee.runtime.optim import lr_at, static_state_bytes
@@ -138,6 +139,8 @@ class Trainer:
             "skipped_steps", 0
         )  # non-finite steps skipped so far
         self.stream = stream
+        # rank 0 stops if the out_dir lock it runs under vanishes (the directory deleted)
+        self.lock_watch = LockWatch(t.out_dir) if self.rank == 0 else None
         self._peak = None  # peak live bytes of the last measured step
         self._eval_peak = None  # ... and of the last measured evaluation
         self.eval_every = eval_interval(
@@ -335,11 +338,15 @@ class Trainer:
     def _run(self) -> dict:
         t = self.cfg.train
         world = dist.group.WORLD if self.ctx.distributed else None
-        with Preemption() as preemption:  # SIGTERM / SIGUSR1: stop at the next step boundary
+        # SIGTERM / SIGUSR1: stop at the next step boundary; one during the final save or the
+        # export lets them finish and still ends the run as preempted (exit 128 + signal)
+        with Preemption() as preemption:
             while self.step < t.steps:
                 record = self.train_step()
                 if self.eval_every and (self.step % self.eval_every == 0 or self.step == t.steps):
                     record.update(self.evaluate())
+                if self.lock_watch is not None:  # before anything of this step is written
+                    self.lock_watch.check(self.step)
                 self.metrics.log(record)
                 self.checkpoint.on_step(self.step)  # saves every train.save_every steps
                 if self.step < t.steps and (signum := preemption.requested(world, self.device)):
@@ -349,23 +356,27 @@ class Trainer:
                         else self.checkpoint.last_path
                     )
                     raise Preempted(self.step, path, signum)
-        self.checkpoint.on_end(self.step)  # final save
-        if t.export_hf and self.rank == 0:  # the other ranks are done
-            out = os.path.join(t.out_dir, "hf")
-            # the run's own export directory; the paths it names are this run's config's
-            tok, chat = run_tokenizer(dataclasses.asdict(self.cfg.data))
-            export_checkpoint(
-                self.checkpoint.last_path,
-                out,
-                overwrite=True,
-                source=self.cfg.model.hf_path,
-                tokenizer=tok,
-                chat=chat,
-                root=t.out_dir,
-            )
-            self.checkpoint._say(
-                f"exported {self.checkpoint.last_path} as a Hugging Face model to {out}"
-            )
+            self.checkpoint.on_end(self.step)  # final save
+            signum = preemption.requested(world, self.device)  # before rank 0 exports alone
+            if t.export_hf and self.rank == 0:  # the other ranks are done
+                out = os.path.join(t.out_dir, "hf")
+                # the run's own export directory; the paths it names are this run's config's
+                tok, chat = run_tokenizer(dataclasses.asdict(self.cfg.data))
+                export_checkpoint(
+                    self.checkpoint.last_path,
+                    out,
+                    overwrite=True,
+                    source=self.cfg.model.hf_path,
+                    tokenizer=tok,
+                    chat=chat,
+                    root=t.out_dir,
+                )
+                self.checkpoint._say(
+                    f"exported {self.checkpoint.last_path} as a Hugging Face model to {out}"
+                )
+            if signum := signum or preemption.requested():
+                self.metrics.close()
+                raise Preempted(self.step, self.checkpoint.last_path, signum, finished=True)
         summary = self.metrics.close()
         if self.source.stats:  # documents, rows, skipped / truncated / dropped records
             summary["data"] = self.source.stats

@@ -11,10 +11,13 @@ checkpoint saved on one layout loads into any other (checkpoint_state.py says ho
 Crash safety. Ranks write into ``.tmp-step_<N>``; once every rank has written (a
 collective), rank 0 writes ``complete.json`` (step, model shapes, the size of every
 file) and renames the directory to ``step_<N>`` (atomic on POSIX), then prunes to
-``keep_last``. A crash at any point leaves earlier checkpoints untouched, and
+``keep_last``; a published checkpoint is never modified, pruning and replacing move it out
+of sight before deleting it (publish.py), and rank 0 holds the directory's save lock for the
+whole save. A kill at any point leaves earlier checkpoints untouched, and
 ``resume = "auto"`` takes the newest directory whose marker exists and whose files
 all have their recorded sizes. The marker also records a CRC-32 per file
-(integrity.py); loading verifies them and refuses a corrupt file by name.
+(integrity.py); loading verifies them and refuses a corrupt file by name. A Ctrl-C or SIGTERM
+during a save is reported as such, never as the write error it caused inside torch.
 
 Safety: the config is TOML, the marker JSON, DCP's metadata goes through an
 allow-list unpickler and tensors load with ``weights_only`` (state.py); every name and size
@@ -59,8 +62,9 @@ from bumblebee.runtime.checkpoint.integrity import (
     file_checksum,
     verify_checksums,
 )
+from bumblebee.runtime.checkpoint.publish import discard, publish, save_lock, sweep
 from bumblebee.runtime.checkpoint.reader import shown
-from bumblebee.runtime.checkpoint.record import set_aside
+from bumblebee.runtime.checkpoint.record import restore_set_aside, set_aside
 from bumblebee.runtime.checkpoint.state import (
     Piece,
     load_pieces,
@@ -70,20 +74,13 @@ from bumblebee.runtime.checkpoint.state import (
     set_rng_states,
     state_pieces,
 )
+from bumblebee.runtime.launch.interrupts import signals_held, stop_signal
 
 HF_SHARD_BYTES = 5 * 2**30
 
 
 def _write_durably(path: str, text: str) -> None:
     safe_write.write_file(path, text, doing=f"write {os.path.basename(path)}")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------ the trainer's hook
@@ -126,6 +123,8 @@ class Checkpointer:
     # -------------------------------------------------------------------- resume
     def resume(self, spec: str) -> int:
         """Load what ``train.resume`` names ("" = nothing); returns the step to continue from."""
+        if spec:
+            self._tidy(restore=spec == "auto")
         path = find_checkpoint(spec, self.cfg.train.out_dir, self._say) if spec else None
         if spec and path is None:
             self._say(f"no complete checkpoint in {self.root}; starting at step 0")
@@ -138,16 +137,47 @@ class Checkpointer:
         self._set_aside(step if own else None)
         return step
 
+    def _tidy(self, restore: bool) -> None:
+        """Before a resume looks for checkpoints: what killed saves left is tidied (publish.py),
+        and with ``restore`` (``--resume auto``) a record that a run stopped before its first save
+        had set aside is moved back (record.py). Rank 0; collective."""
+        if self.ctx.rank == 0 and os.path.isdir(self.root):
+            with save_lock(self.root), signals_held():
+                sweep(self.root)
+                back = (
+                    restore_set_aside(self.cfg.train.out_dir, self._same_run) if restore else None
+                )
+            if back:
+                self._say(
+                    f"{self.cfg.train.out_dir} held no complete checkpoint: continuing the record "
+                    f"set aside in {back[0]} (the run that set it aside stopped before its first "
+                    f"save; its record is in {back[1]})"
+                )
+        self._barrier()
+
+    def _same_run(self, path: str) -> bool:
+        """Whether checkpoint ``path`` is of this run: the same model, and the same data and
+        schedule but for ``train.steps`` (continuing it is then what this run would compute)."""
+        try:
+            if read_marker(path)["arch"] != self.model.arch.to_hf_dict():
+                return False
+        except CheckpointError:
+            return False
+        changed = self._changes(path)
+        return changed is not None and all(c.startswith("train.steps ") for c in changed)
+
     def _set_aside(self, continues_from: int | None) -> None:
         """Before this run writes anything: an earlier run's record in out_dir (metrics, config,
         checkpoints, export) is moved to ``out_dir/previous/`` unless this run continues it, and
-        then what the continuation replaces is (runtime/checkpoint/record.py). Rank 0; collective."""
+        then what the continuation replaces is (runtime/checkpoint/record.py). Rank 0; collective.
+        Ctrl-C / SIGTERM wait for the moves: the record is moved whole or not at all."""
         if self.ctx.rank == 0:
-            moved = set_aside(
-                self.cfg.train.out_dir,
-                continues_from=continues_from,
-                config_text=dump_toml(self.cfg),
-            )
+            with signals_held():
+                moved = set_aside(
+                    self.cfg.train.out_dir,
+                    continues_from=continues_from,
+                    config_text=dump_toml(self.cfg),
+                )
             if moved:
                 aside, names = moved
                 self._say(
@@ -173,17 +203,25 @@ class Checkpointer:
         self._note_changes(path, info)
         return int(info["step"])
 
-    def _note_changes(self, path: str, info: dict) -> None:
-        saved = saved_config(path, info)
+    def _changes(self, path: str, info: dict | None = None) -> list[str] | None:
+        """What differs between checkpoint ``path``'s config and this run's in the keys that
+        fix the data stream and the schedule; None if its config cannot be read."""
+        try:
+            saved = saved_config(path, info if info is not None else read_marker(path))
+        except CheckpointError:
+            return None
         if not saved:
-            return
+            return None
         now = self.cfg.to_dict()
         keys = _STREAM_KEYS + [("data", k) for k in now["data"]]
-        changed = [
+        return [
             f"{s}.{k} {shown(_get(saved, s, k))} -> {now[s][k]!r}"
             for s, k in keys
             if _get(saved, s, k) != now[s][k]
         ]
+
+    def _note_changes(self, path: str, info: dict | None = None) -> None:
+        changed = self._changes(path, info)
         if changed:
             self._say(
                 f"note: resuming with changed {', '.join(changed)}: "
@@ -195,38 +233,44 @@ class Checkpointer:
         """Write ``step_<step>``: every rank its pieces, then rank 0 publishes atomically."""
         name = f"step_{step:08d}"
         final, tmp = os.path.join(self.root, name), os.path.join(self.root, f".tmp-{name}")
-        if self.ctx.rank == 0:
-            # a link planted for checkpoints/ or the step would take the save (and pruning) outside
-            safe_write.make_dirs(self.root, root=self.cfg.train.out_dir)
-            safe_write.refuse_links(tmp, final)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
-            try:
-                os.makedirs(tmp)
-            except OSError as e:  # e.g. checkpoints/ became unwritable during the run
-                raise CheckpointError(
-                    f"{self.root}: cannot write a checkpoint ({e.strerror or e})"
-                ) from None
+        lock, created = save_lock(self.root), False
         try:
-            self._write(tmp, final, step)
-        except (
-            BaseException
-        ) as e:  # Ctrl-C or a write error at any point before publication: no partial save
             if self.ctx.rank == 0:
+                try:
+                    # a link planted for checkpoints/ or the step would take the save outside
+                    safe_write.make_dirs(self.root, root=self.cfg.train.out_dir)
+                    safe_write.refuse_links(tmp, final)
+                    lock.acquire()  # another process saving here: wait for it to finish
+                    sweep(self.root)  # left by a killed save (nobody else is saving now)
+                    os.makedirs(tmp)
+                    created = True
+                except OSError as e:  # e.g. checkpoints/ became unwritable during the run
+                    if out_of_room(e):
+                        raise disk_full(self.root, f"write checkpoint {name}", e) from None
+                    raise CheckpointError(
+                        f"{self.root}: cannot write a checkpoint ({e.strerror or e})"
+                    ) from None
+            self._write(tmp, name, step)
+        except BaseException as e:  # Ctrl-C or a write error before publication: no partial save
+            if created:
                 shutil.rmtree(tmp, ignore_errors=True)  # a no-op once published (renamed)
-            cause = getattr(
-                e, "cause", e
-            )  # DCP's writes say the temporary directory; name the checkpoints'
+            if (stop := stop_signal(e)) is not None and stop is not e:
+                raise stop.with_traceback(None) from None  # not the write error it caused
+            # DCP's writes say the temporary directory; name the checkpoints'
+            cause = getattr(e, "cause", e)
             if out_of_room(
                 cause
             ):  # also the marker or config.toml; earlier checkpoints are untouched
                 raise disk_full(self.root, f"write checkpoint {name}", cause) from None
             raise
+        finally:
+            lock.release()  # a no-op where not taken (the other ranks)
         self._barrier()  # nobody moves on before the checkpoint is published
         self.last_saved, self.last_path = step, final
         self._say(f"saved checkpoint {final} (step {step})")
         return final
 
-    def _write(self, tmp: str, final: str, step: int) -> None:
+    def _write(self, tmp: str, name: str, step: int) -> None:
         """Every rank writes its pieces into ``tmp`` and hashes a share; rank 0 publishes."""
         self._barrier()
         pieces = self._pieces()
@@ -243,10 +287,10 @@ class Checkpointer:
             shapes = {k: v for d in every for k, v in d.items()}
         sums = checksum_files(tmp, sorted(os.listdir(tmp)), self.group, *self._share)
         if self.ctx.rank == 0:
-            self._publish(tmp, final, step, shapes, sums)
+            self._publish(tmp, name, step, shapes, sums)
 
     def _publish(
-        self, tmp: str, final: str, step: int, shapes: dict[str, list[int]], sums: dict[str, str]
+        self, tmp: str, name: str, step: int, shapes: dict[str, list[int]], sums: dict[str, str]
     ) -> None:
         # torch's writer opened its files by name: none may have been a link
         safe_write.refuse_links(*(os.path.join(tmp, n) for n in os.listdir(tmp)))
@@ -265,18 +309,12 @@ class Checkpointer:
             "checksums": dict(sorted(sums.items())),
         }
         _write_durably(os.path.join(tmp, MARKER), json.dumps(info, indent=1))
-        if os.path.exists(final):  # an older save of this step (a run resumed from before it)
-            shutil.rmtree(final)
-        os.rename(tmp, final)  # the publication: atomic within one filesystem
-        _fsync_dir(self.root)
-        self._prune(os.path.basename(final))
+        publish(self.root, tmp, name)  # an older save of this step (a resumed run) is replaced
+        self._prune(name)
 
     def _prune(self, written: str) -> None:
         """Keep the newest ``keep_last`` complete checkpoints (0: all), never the one just
-        ``written``; drop stale temporaries."""
-        for name in os.listdir(self.root):
-            if name.startswith(".tmp-"):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        ``written``."""
         keep = self.cfg.train.keep_last
         if keep:
             done = sorted(
@@ -286,7 +324,7 @@ class Checkpointer:
             )
             for _, name in done[:-keep]:
                 if name != written:
-                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                    discard(self.root, name)
 
     # -------------------------------------------------------------------- run hooks, export
     def on_step(self, step: int) -> None:

@@ -14,11 +14,11 @@ from elsewhere cannot make the export copy files the user did not name; a note s
 run used and how to include it.
 
 The export is written beside the target (a hidden temporary directory) and moved in
-when complete, so an interrupted export leaves no half-written model where a loader
-would look. The target must be new or empty; a directory holding an earlier export
-is replaced only with ``overwrite`` (its files are removed first, so an old index and
-its shards never mix with a new single file), and a checkpoint or run directory is
-never written into.
+when complete, one export at a time per target (export_dir.py), so an interrupted or killed
+export leaves no half-written model where a loader would look and blocks no re-run, and two
+exports into one target never mix. The target must be new or empty; a directory holding an
+earlier export is replaced only with ``overwrite`` (as a whole, so an old index and its shards
+never mix with a new single file), and a checkpoint or run directory is never written into.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 
 import torch
@@ -51,9 +50,14 @@ from bumblebee.runtime.checkpoint.directory import (
     read_marker,
     saved_config,
 )
+from bumblebee.runtime.checkpoint.export_dir import (
+    EXPORT_FILE,
+    export_lock,
+)
 from bumblebee.runtime.checkpoint.integrity import verify_checksums
 from bumblebee.runtime.checkpoint.reader import shown
 from bumblebee.runtime.checkpoint.state import Piece, load_pieces, read_dcp_metadata
+from bumblebee.runtime.launch.interrupts import stop_signal
 
 BUCKET_BYTES = 64 * 2**20
 
@@ -84,6 +88,32 @@ def export_checkpoint(
     if max_shard_bytes < 1:
         raise CheckpointError(f"--max-shard-bytes must be >= 1, got {max_shard_bytes}")
     outputs.check_target(out_dir, "convert OUT_DIR", kind="dir", inputs=[spec], nested=False)
+    with export_lock(out_dir):  # the target's checks and its writing, one export at a time
+        return _export(
+            spec,
+            out_dir,
+            max_shard_bytes,
+            overwrite,
+            dtype,
+            source=source,
+            tokenizer=tokenizer,
+            chat=chat,
+            root=root,
+        )
+
+
+def _export(
+    spec: str,
+    out_dir: str,
+    max_shard_bytes: int,
+    overwrite: bool,
+    dtype,
+    *,
+    source: str,
+    tokenizer: str,
+    chat: bool | None,
+    root: str | None,
+) -> str:
     old = export_target_files(out_dir, overwrite)
     path = named_checkpoint(spec, notify=lambda text: print(f"bumblebee: {text}", file=sys.stderr))
     arch, named_shapes, tensors = stream_checkpoint(path)  # checksums verified
@@ -132,6 +162,8 @@ def export_checkpoint(
     except DiskFullError as e:  # the partial export (beside the target) is removed
         raise disk_full(out_dir, "write the export", getattr(e, "cause", e)) from None
     except (OSError, RuntimeError) as e:
+        if (stop := stop_signal(e)) is not None:  # Ctrl-C inside torch's reader, not an error
+            raise stop.with_traceback(None) from None
         if out_of_room(e):
             raise disk_full(out_dir, "write the export", e) from None
         if isinstance(e, RuntimeError):
@@ -246,12 +278,6 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
     return arch, base, merged_stream(tensors(), lora.alpha / lora.rank, torch.float32)
 
 
-# what an export writes itself (models/hf_write.py WEIGHT_FILE, and config.json)
-_EXPORT_FILE = re.compile(
-    r"^(config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$"
-)
-
-
 def export_target_files(out_dir: str, overwrite: bool) -> list[str]:
     """Check that a HF export may go to ``out_dir``; returns the files of an earlier export
     there that ``overwrite`` replaces. Refuses a file, a checkpoint or run directory, and a
@@ -282,7 +308,7 @@ def export_target_files(out_dir: str, overwrite: bool) -> list[str]:
             "--overwrite to replace the Hugging Face export in it"
         )
     old = sorted(
-        n for n in names if _EXPORT_FILE.match(n) and os.path.isfile(os.path.join(out_dir, n))
+        n for n in names if EXPORT_FILE.match(n) and os.path.isfile(os.path.join(out_dir, n))
     )
     if "config.json" not in old:
         raise CheckpointError(

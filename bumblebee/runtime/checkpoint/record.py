@@ -15,7 +15,13 @@ run must never destroy another run's record. The rule (the README says why):
 
 "Aside" is ``out_dir/previous/<time>-<pid>/``, with the record's own layout (so
 ``bumblebee report`` and ``--resume`` take it as a run directory); nothing is deleted, and
-neither ``--resume auto``, nor pruning, nor ``convert`` of ``out_dir`` sees it again.
+neither pruning nor ``convert`` of ``out_dir`` sees it again.
+
+One exception, so that a run stopped before its first save (a full disk, Ctrl-C, a kill) costs
+nothing: ``--resume auto`` in an ``out_dir`` without a complete checkpoint, whose newest
+set-aside record holds one of the same run (same model, data and schedule but for
+``train.steps``), moves that record back (``restore_set_aside``; the stopped run's own record
+goes aside in its place) and continues it.
 """
 
 from __future__ import annotations
@@ -69,6 +75,48 @@ def _same_text(path: str, text: str) -> bool:
             return f.read() == text
     except (OSError, UnicodeDecodeError):
         return False
+
+
+def _newest_checkpoint(root: str) -> str | None:
+    from bumblebee.runtime.checkpoint.directory import newest_complete
+
+    return newest_complete(root)
+
+
+def restore_set_aside(out_dir: str, same_run) -> tuple[str, str] | None:
+    """The exception of the module doc: when ``out_dir/checkpoints`` holds no complete checkpoint
+    and the newest record in ``out_dir/previous/`` that holds one passes ``same_run(checkpoint)``,
+    set the current record aside and move that one back. Returns (the record restored, where the
+    current one went), or None when nothing moved."""
+    if _newest_checkpoint(os.path.join(out_dir, "checkpoints")) is not None:
+        return None
+    previous = os.path.join(out_dir, PREVIOUS)
+    stamps = sorted(os.listdir(previous), reverse=True) if os.path.isdir(previous) else []
+    for stamp in stamps:
+        record = os.path.join(previous, stamp)
+        found = _newest_checkpoint(os.path.join(record, "checkpoints"))
+        if found is None:
+            continue
+        if not same_run(found):
+            return None
+        moved = set_aside(out_dir, continues_from=None, config_text="")
+        entries = [n for n in FILES + DIRS if os.path.lexists(os.path.join(record, n))]
+        for name in entries:
+            os.rename(os.path.join(record, name), os.path.join(out_dir, name))
+        # the checkpoints last: a restore cut short is found again by the next --resume auto
+        os.makedirs(os.path.join(out_dir, "checkpoints"), exist_ok=True)
+        for _, name in _steps(os.path.join(record, "checkpoints")):
+            os.rename(
+                os.path.join(record, "checkpoints", name),
+                os.path.join(out_dir, "checkpoints", name),
+            )
+        for leftover in (os.path.join(record, "checkpoints"), record):
+            try:
+                os.rmdir(leftover)
+            except OSError:  # something else in it: it stays in previous/
+                pass
+        return record, moved[0] if moved else ""
+    return None
 
 
 def set_aside(

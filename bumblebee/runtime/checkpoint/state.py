@@ -66,6 +66,7 @@ from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.checkpoint.reader import check_name, open_file, shown
+from bumblebee.runtime.launch.interrupts import stop_signal
 
 
 # ------------------------------------------------------------------------------ what a rank owns
@@ -415,13 +416,17 @@ class _SafeReader(FileSystemReader):
 def _unwrapped(path: str, doing: str):
     """DCP wraps every rank's exception, even ``KeyboardInterrupt``, in a ``CheckpointException``
     (a ``BaseException`` with a multi-rank traceback as its text). Raise what happened instead:
-    Ctrl-C as ``KeyboardInterrupt``, bad input as itself, a full disk or another filesystem error
-    as one line; on a read, anything else is the checkpoint's data not decoding (one line)."""
+    Ctrl-C as ``KeyboardInterrupt`` and SIGTERM as ``Terminated`` (also when torch's writer
+    turned them into a write error), bad input as itself, a full disk or another filesystem
+    error as one line; on a read, anything else is the checkpoint's data not decoding (one line)."""
     try:
         yield
     except CheckpointException as e:
         errors = [exc for exc, _ in e.failures.values()]
-        for kind in (KeyboardInterrupt, CheckpointError):
+        for exc in errors:
+            if (stop := stop_signal(exc)) is not None:
+                raise stop.with_traceback(None) from None
+        for kind in (CheckpointError,):
             for exc in errors:
                 if isinstance(exc, kind):
                     raise exc.with_traceback(None) from None

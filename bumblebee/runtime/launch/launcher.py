@@ -17,7 +17,14 @@ caused the restart.
 Preemption. Workers stop at a step boundary on SIGTERM / SIGUSR1 (signals.py). The
 parent does not let torch elastic turn SIGTERM into "kill the workers": it forwards
 the signal to workers that have not received it themselves (a scheduler often
-signals every process), and a second signal stops everything at once.
+signals every process), and a second signal stops everything at once. Outside the
+training loop a worker stops at once on it (interrupts.py ``Terminated``); the launch
+exits 128 + signal either way.
+
+Lifetime. The workers die with the launcher: each asks the kernel for SIGKILL when its
+parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``), so a launcher killed by SIGKILL or the
+OOM killer leaves no rank running and writing; and each adds itself to the out_dir lock the
+launcher holds (outdir.py ``join``), so the lock stays live while any of them is.
 
 Under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set by it), ``bumblebee
 train`` joins the process group directly; that is the multi-node path.
@@ -25,6 +32,7 @@ train`` joins the process group directly; that is the multi-node path.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -49,8 +57,9 @@ from bumblebee.runtime.launch.failures import (
     read_reports,
     write_report,
 )
+from bumblebee.runtime.launch.interrupts import Terminated, exit_code_of, terminate_raises
 from bumblebee.runtime.launch.launch_env import check_launch_env, port_in_use
-from bumblebee.runtime.launch.outdir import remove_partial_saves
+from bumblebee.runtime.launch.outdir import join, remove_partial_saves
 from bumblebee.runtime.launch.rank_logs import LOGS, rank_log
 from bumblebee.runtime.launch.signals import PREEMPT_SIGNALS, Preempted
 
@@ -149,11 +158,48 @@ def rank_log_dir(cfg) -> str | None:
     return os.path.join(out_dir, LOGS) if isinstance(out_dir, str) and out_dir else None
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """This process gets SIGKILL when its parent dies (Linux; elsewhere nothing). If the parent
+    ``parent`` is already gone (it died before the request), now."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _stopped(report_dir: str, message: str, exit_code: int) -> None:
+    """Record the first rank's clean stop (preemption, SIGTERM, Ctrl-C) for the launcher."""
+    try:
+        fd = os.open(os.path.join(report_dir, PREEMPTED), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        json.dump({"message": message, "exit_code": exit_code}, f)
+
+
 @record  # also writes torch elastic's own error file for the agent's log
 def _entry(
-    worker, report_dir: str, world: int, max_restarts: int, cfg, log_dir: str | None = None
+    worker,
+    report_dir: str,
+    world: int,
+    max_restarts: int,
+    cfg,
+    launcher: int,
+    lock: str,
+    log_dir: str | None = None,
 ) -> None:
+    die_with_parent(launcher)
+    terminate_raises()  # a forwarded SIGTERM before or after the training loop ends the rank
     rank, attempt = int(os.environ["RANK"]), restart_count()
+    if lock:
+        join(lock, rank)
     if attempt and rank == 0:
         cause = diagnose(read_reports(report_dir, attempt - 1), world, log_dir=log_dir)
         print(
@@ -173,6 +219,8 @@ def _entry(
                     json.dumps({"message": str(p), "exit_code": p.exit_code}),
                     durable=False,
                 )
+        except (KeyboardInterrupt, Terminated) as e:  # stopped by a signal: exits 128 + it
+            _stopped(report_dir, f"{e or 'interrupted'} (rank {rank})", exit_code_of(e))
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised
             # before the group is torn down, so a cause is stamped before its echoes on other ranks
             if write_report(report_dir, attempt, rank, e, log=log) != "error":
@@ -249,13 +297,33 @@ class _ForwardPreemption:
         timer.start()
 
 
+def _report_stop(report_dir: str) -> int:
+    """The exit code of a recorded clean stop (its line printed; Ctrl-C raised as
+    ``KeyboardInterrupt`` for the CLI's own line), 0 if none."""
+    preempted = os.path.join(report_dir, PREEMPTED)
+    if not os.path.exists(preempted):
+        return 0
+    with open(preempted) as f:
+        info = json.load(f)
+    if int(info["exit_code"]) == 128 + signal.SIGINT:
+        raise KeyboardInterrupt
+    print(f"bumblebee: {info['message']}", file=sys.stderr)
+    return int(info["exit_code"])
+
+
 def launch_local(
-    cfg, nproc: int, worker=None, max_restarts: int = 0, log_dir: str | None = None
+    cfg,
+    nproc: int,
+    worker=None,
+    max_restarts: int = 0,
+    lock: str = "",
+    log_dir: str | None = None,
 ) -> int:
     """Run ``worker(cfg)`` (default: join the group and train) on ``nproc`` local ranks,
     restarting all of them up to ``max_restarts`` times after a failure. Returns the exit
     code; a failure prints one line naming the rank that failed first and the file holding
-    its full traceback (``log_dir``, default ``cfg.train.out_dir/logs``)."""
+    its full traceback (``log_dir``, default ``cfg.train.out_dir/logs``). ``lock``: the out_dir
+    lock file the caller holds, which every rank joins."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -279,22 +347,31 @@ def launch_local(
     )
     report_dir = tempfile.mkdtemp(prefix="bumblebee-ranks-")
     log_dir = log_dir or rank_log_dir(cfg)
+    forward = _ForwardPreemption()
     try:
         with (
-            _ForwardPreemption(),
+            forward,
             rank_errors.quiet_elastic(),
         ):  # our one line replaces elastic's logs
             elastic_launch(config, _entry)(
-                worker or train_worker, report_dir, nproc, max_restarts, cfg, log_dir
+                worker or train_worker,
+                report_dir,
+                nproc,
+                max_restarts,
+                cfg,
+                os.getpid(),
+                lock,
+                log_dir,
             )
-        preempted = os.path.join(report_dir, PREEMPTED)
-        if os.path.exists(preempted):
-            with open(preempted) as f:
-                info = json.load(f)
-            print(f"bumblebee: {info['message']}", file=sys.stderr)
-            return int(info["exit_code"])
-        return 0
+        return _report_stop(report_dir) or 0
     except ChildFailedError as e:
+        # a rank stopped by a signal (the others then failed for its absence), or the launcher
+        # was: 128 + the signal, not a failure
+        if code := _report_stop(report_dir):
+            return code
+        if forward.signum:
+            print(f"bumblebee: stopped by {signal.Signals(forward.signum).name}", file=sys.stderr)
+            return 128 + forward.signum
         if (message := rank_errors.config_error(e.failures)) is not None:
             raise ConfigError(message) from None  # bad input found by a rank: one line, exit 2
         rank, failure = first_failure(e.failures)

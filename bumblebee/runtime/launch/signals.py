@@ -26,13 +26,14 @@ PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Preempted(Exception):
     """Raised by the training loop after it saved on a preemption signal."""
 
-    def __init__(self, step: int, path: str, signum: int):
+    def __init__(self, step: int, path: str, signum: int, finished: bool = False):
         self.step, self.path, self.signum = step, path, signum
-        saved = (
-            f"saved {path}; resume with --resume auto"
-            if path
-            else "nothing saved (train.out_dir not writable?)"
-        )
+        if finished:  # the signal came during the final save or export, which completed
+            saved = f"saved {path}; training is complete" if path else "training is complete"
+        elif path:
+            saved = f"saved {path}; resume with --resume auto"
+        else:
+            saved = "nothing saved (train.out_dir not writable?)"
         super().__init__(f"preempted at step {step} ({signal.Signals(signum).name}); {saved}")
 
     @property
