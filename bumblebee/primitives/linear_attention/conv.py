@@ -163,7 +163,7 @@ def fla_causal_conv1d(x_BTC, weight_CW, layout: DocLayout, initial_BPC, activati
             h0,
         )
     else:
-        from fla.modules import causal_conv1d as fla_conv
+        from fla.modules.causal_conv1d import causal_conv1d as fla_conv
 
         y, hT = fla_conv(x, weight_CW, **args)
     return y.view(B, T, C), hT.index_select(0, last)[:, :, 1:].transpose(1, 2)
