@@ -16,7 +16,8 @@ placed on its first document, the final state of its last document picked out, a
 documents that need no state run in a second call without any (no per-document [H, K, V]
 fp32 state for many short documents). FLA's chunk_kda is an ``autograd.Function`` and is
 called directly (no custom op around it: fake-tensor rehearsals of this path are not
-supported). In the emulated-CUDA mode (``primitives/emulation.py``) the reference stands in.
+supported). In the emulated-CUDA mode (``primitives/emulation.py``) the reference stands in (FLA's
+kernel itself, through Triton's interpreter, with ``real_kernels``).
 
 Legend: B batch, T tokens, H heads, K key dim, V value dim, S = B*T, N documents.
 """
@@ -65,7 +66,9 @@ def _kernel(x):
 
     if is_fake(x) or x.device.type == "meta":
         return _shapes_only
-    if emulation.active():  # the CUDA branch on CPU: the kernel's contract in plain PyTorch
+    # the CUDA branch on CPU: the kernel's contract in plain PyTorch (FLA's own kernel, through
+    # Triton's interpreter, under emulate_cuda(real_kernels=True))
+    if emulation.active() and not emulation.real_kernels():
         return reference_chunk_kda
     from fla.ops.kda import chunk_kda
 
