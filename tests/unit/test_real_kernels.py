@@ -6,9 +6,10 @@ and the one without states), ``chunk_kda`` (per-channel gates) and ``causal_conv
 window, SiLU). Each case runs the same glue twice inside the emulated-CUDA mode: with
 ``real_kernels`` (FLA's kernel) and without (``reference_chunk_gated_delta_rule``,
 ``reference_chunk_kda``, ``reference_fla_causal_conv1d``: token by token in fp32), and compares
-the outputs, final states and every input gradient (carried state included): fp32 to 2e-5 of each
-tensor's largest value, bf16 inputs to 2e-2 (measured <= ~8e-3: the kernels round intermediates
-to bf16 where the references keep fp32).
+the outputs, final states and every input gradient (carried state included) to a fraction of each
+tensor's largest value: fp32 1e-5 (measured <= 5e-7), bf16 inputs 1e-2 (measured <= 7.6e-3: the
+kernels round intermediates to bf16 where the references keep fp32; with the interpreter's fp32 ->
+bf16 casts truncating instead of rounding to nearest even, up to 1.8e-2).
 
 Skipped without ``triton`` and ``fla-core`` (CI's torch-2.11 environment has both)."""
 
@@ -28,7 +29,7 @@ MISSING = triton_interpreter.missing()
 needs_kernels = pytest.mark.skipif(MISSING is not None, reason=f"real kernels: {MISSING}")
 
 # max |real - reference| / max |reference|, per output and gradient
-BUDGET = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+BUDGET = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
