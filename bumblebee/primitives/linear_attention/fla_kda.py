@@ -8,8 +8,8 @@ sequence [N, H, K, V], ``use_qk_l2norm_in_kernel`` and packed sequences as ``cu_
 [N + 1]) with its host copy ``cu_seqlens_cpu`` (so the kernel derives its chunk list without
 reading the device), and returns o and (``output_final_state``) one final state per sequence.
 This adapter is written from that documented signature and is exercised on CPU against
-``reference_chunk_kda``, the same contract in plain PyTorch: fla-core was not installed where
-it was written, so the real kernel has not been run through it.
+``reference_chunk_kda``, the same contract in plain PyTorch, and with FLA's ``chunk_kda`` itself
+run through Triton's interpreter (``tests/unit/test_real_kernels.py``).
 
 The glue mirrors ``fla.py``'s for the scalar gate: rows laid back to back, a row's carried state
 placed on its first document, the final state of its last document picked out, and the
