@@ -132,8 +132,10 @@ class TrainConfig:
         False  # CPU: count live tensors on every step (slower), not only on the first
     )
     # tests: take the CUDA code paths on CPU tensors, each CUDA kernel replaced by its reference, every
-    # collective and point-to-point call checked (primitives/emulation.py); CPU only, slow
-    emulate_cuda: bool = False
+    # collective and point-to-point call checked (primitives/emulation.py); CPU only, slow.
+    # "real_kernels": the same with FLA's own Triton kernels run through Triton's interpreter in
+    # place of their references (needs triton and fla-core; slower still)
+    emulate_cuda: bool | str = False
     save_every: int = 0  # checkpoint every N steps and at the end (0: no checkpoints)
     keep_last: int = 2  # complete checkpoints kept in out_dir/checkpoints (0: all)
     resume: str = (

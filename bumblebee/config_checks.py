@@ -7,6 +7,7 @@ primitives or the world size are in runtime/resolve.py. ``cfg`` is a ``bumblebee
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 
@@ -51,6 +52,27 @@ def validate(cfg) -> None:
         lambda: _check_synthetic(cfg),
         lambda: _check_primitives(cfg),
     )
+
+
+# the packages train.emulate_cuda = "real_kernels" runs (FLA's Triton kernels, Triton's interpreter)
+REAL_KERNEL_PACKAGES = {"triton": "triton", "fla": "fla-core"}
+
+
+def _check_emulate_cuda(value) -> None:
+    if isinstance(value, bool):
+        return
+    if value != "real_kernels":
+        raise ConfigError(
+            f"train.emulate_cuda must be true, false or 'real_kernels', got {value!r}"
+        )
+    absent = [
+        pip for mod, pip in REAL_KERNEL_PACKAGES.items() if importlib.util.find_spec(mod) is None
+    ]
+    if absent:
+        raise ConfigError(
+            f"train.emulate_cuda = 'real_kernels' runs FLA's Triton kernels on CPU: "
+            f"{' and '.join(absent)} not installed (pip install triton fla-core)"
+        )
 
 
 def _check_eval_every(cfg) -> None:
@@ -113,6 +135,7 @@ def _check_train(t) -> None:
             f"train.eps must be > 0 and train.weight_decay >= 0 (got eps={t.eps}, "
             f"weight_decay={t.weight_decay})"
         )
+    _check_emulate_cuda(t.emulate_cuda)
     if not t.out_dir.strip():
         raise ConfigError("train.out_dir is empty; give the directory the run writes to")
     if t.clip_grad < 0:

@@ -12,8 +12,15 @@ events become no-op stand-ins with the same calls. Every collective and point-to
 goes through ``CheckedComm`` (comm_check.py): NCCL moves bytes in memory order without
 checking layout, shape or dtype, so the emulation does.
 
+With ``real_kernels`` (``train.emulate_cuda = "real_kernels"``) FLA's own Triton kernels run in
+place of their references (``chunk_gated_delta_rule`` in the op, ``chunk_kda``, ``causal_conv1d``),
+on the CPU tensors, through Triton's interpreter (``triton_interpreter.py``: needs ``triton`` and
+``fla-core``; seconds per kernel call at tiny shapes). The flash kernels keep their references:
+they are CUDA code, not Triton.
+
 The switch is a context (a ``ContextVar``), entered once per rank process by the runtime; the
-primitives ask ``active()`` / ``kind(tensor)`` at call time. Nothing changes outside it.
+primitives ask ``active()`` / ``real_kernels()`` / ``kind(tensor)`` at call time. Nothing changes
+outside it.
 """
 
 from __future__ import annotations
@@ -24,11 +31,20 @@ import contextvars
 import torch
 
 _ACTIVE = contextvars.ContextVar("bumblebee_emulate_cuda", default=False)
+_REAL = contextvars.ContextVar("bumblebee_emulate_real_kernels", default=False)
+
+# the ``train.emulate_cuda`` value that runs FLA's Triton kernels instead of their references
+REAL_KERNELS = "real_kernels"
 
 
 def active() -> bool:
     """True inside ``emulate_cuda()``."""
     return _ACTIVE.get()
+
+
+def real_kernels() -> bool:
+    """True inside ``emulate_cuda(real_kernels=True)``: FLA's kernels run, not their references."""
+    return _ACTIVE.get() and _REAL.get()
 
 
 def kind(x: torch.Tensor) -> str:
@@ -37,15 +53,22 @@ def kind(x: torch.Tensor) -> str:
 
 
 @contextlib.contextmanager
-def emulate_cuda(check_comm: bool = True):
-    """Run the CUDA branches on CPU with reference kernels (and checked communication)."""
+def emulate_cuda(check_comm: bool = True, real_kernels: bool = False):
+    """Run the CUDA branches on CPU with reference kernels (``real_kernels``: FLA's Triton kernels
+    through Triton's interpreter) and checked communication."""
     from bumblebee.primitives.comm_check import CheckedComm
 
-    token = _ACTIVE.set(True)
+    kernels = contextlib.nullcontext()
+    if real_kernels:
+        from bumblebee.primitives import triton_interpreter
+
+        kernels = triton_interpreter.interpreted()
+    token, real = _ACTIVE.set(True), _REAL.set(real_kernels)
     try:
-        with CheckedComm() if check_comm else contextlib.nullcontext():
+        with CheckedComm() if check_comm else contextlib.nullcontext(), kernels:
             yield
     finally:
+        _REAL.reset(real)
         _ACTIVE.reset(token)
 
 
@@ -58,9 +81,12 @@ def nccl_branch(group) -> bool:
     return active() or dist.get_backend(group) != "gloo"
 
 
-def maybe(enabled: bool):
-    """``emulate_cuda()`` when ``enabled`` and not on already; otherwise nothing."""
-    return emulate_cuda() if enabled and not active() else contextlib.nullcontext()
+def maybe(enabled: bool | str):
+    """``emulate_cuda()`` when ``enabled`` (``train.emulate_cuda``: true, or ``REAL_KERNELS``) and
+    not on already; otherwise nothing."""
+    if not enabled or active():
+        return contextlib.nullcontext()
+    return emulate_cuda(real_kernels=enabled == REAL_KERNELS)
 
 
 class _Event:

@@ -40,7 +40,8 @@ own PyTorch code everywhere. Under the emulated-CUDA mode (``emulation.py``, ``t
 the implementations pass ``emulation.kind(tensor)`` ("cuda" for CPU tensors too) and the table
 answers its CUDA, bf16, fla-present column for any dtype. The flash kernels take only half
 precision (flash-attention's constraint); FLA's Triton kernels need a GPU (``pip install -e
-".[gpu]"`` adds ``fla-core``).
+".[gpu]"`` adds ``fla-core``), or Triton's interpreter on CPU under the real-kernel emulation
+(``train.emulate_cuda = "real_kernels"``, ``triton_interpreter.py``).
 
 Inside ``assume("cuda", fla=True)`` (the planner's dry run on fake CPU tensors) the table answers
 for that device whatever the tensors' device and nothing else changes: the chosen kernels run as

@@ -112,7 +112,12 @@ class Trainer:
                     f"bumblebee: {ctx.layout.describe()}; sharding {cfg.primitives.sharding}\n"
                 )
             kernels = describe_kernels(plan.kernels)
-            emulated = " (emulated CUDA: CPU tensors, reference kernels, checked communication)"
+            stand_ins = (
+                "FLA's Triton kernels through Triton's interpreter, the other kernels' references"
+                if t.emulate_cuda == emulation.REAL_KERNELS
+                else "reference kernels"
+            )
+            emulated = f" (emulated CUDA: CPU tensors, {stand_ins}, checked communication)"
             stream.write(
                 "bumblebee: kernels " + kernels + (emulated if t.emulate_cuda else "") + "\n"
             )

@@ -134,7 +134,8 @@ def _conv_plan(layout: DocLayout, device):
 def fla_causal_conv1d(x_BTC, weight_CW, layout: DocLayout, initial_BPC, activation, kernel=None):
     """``causal_conv1d`` (+ ``activation``: None or "silu", applied in fp32 before the cast) through
     FLA's kernel (``kernel``: a callable with ``fla.modules.causal_conv1d``'s signature; None:
-    FLA's, or its reference under the emulated-CUDA mode) -> (y [B, T, C], final [B, P, C]).
+    FLA's, or its reference under the emulated-CUDA mode, FLA's again with ``real_kernels``) ->
+    (y [B, T, C], final [B, P, C]).
     Rows back to back as documents; FLA's state per document is its last W inputs [N, C, W]
     (column W - 1 the newest; column 0 unread): the row's window goes to its first document,
     the final window is read off its last."""
@@ -148,12 +149,15 @@ def fla_causal_conv1d(x_BTC, weight_CW, layout: DocLayout, initial_BPC, activati
     args = dict(bias=None, initial_state=h0, output_final_state=True, activation=activation)
     args.update(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, chunk_indices=idx)
     x = x_BTC.reshape(1, B * T, C)
+    fake = is_fake(x) or x.device.type == "meta"
+    if kernel is None and emulation.real_kernels() and not fake:
+        kernel = _fla_conv()  # on the CPU tensors, through Triton's interpreter
     if kernel is not None:
         y, hT = kernel(x, weight_CW, **args)
     elif emulation.active() or not x.is_cuda:
         # the CUDA branch on CPU (emulated, or the planner's dry run on fake CPU tensors): the
         # contract, counted as FLA's kernels
-        ref = _shapes_only if is_fake(x) or x.device.type == "meta" else reference_fla_causal_conv1d
+        ref = _shapes_only if fake else reference_fla_causal_conv1d
         y, hT = standin(
             lambda x, w, h0: ref(x, w, **{**args, "initial_state": h0}),
             FLA_CONV_FWD,
@@ -163,10 +167,14 @@ def fla_causal_conv1d(x_BTC, weight_CW, layout: DocLayout, initial_BPC, activati
             h0,
         )
     else:
-        from fla.modules import causal_conv1d as fla_conv
-
-        y, hT = fla_conv(x, weight_CW, **args)
+        y, hT = _fla_conv()(x, weight_CW, **args)
     return y.view(B, T, C), hT.index_select(0, last)[:, :, 1:].transpose(1, 2)
+
+
+def _fla_conv():
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d
 
 
 def _shapes_only(x, weight, cu_seqlens=None, **unused):

@@ -63,7 +63,9 @@ def doc_plan(layout: DocLayout) -> tuple[list[int], list[int], list[int]]:
 def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, chunk_idx, scale, final_state):
     from bumblebee.primitives import emulation
 
-    if emulation.active():  # the CUDA branch on CPU: the kernel's contract in plain PyTorch
+    # the CUDA branch on CPU: the kernel's contract in plain PyTorch (FLA's own kernel, on the CPU
+    # tensors through Triton's interpreter, under emulate_cuda(real_kernels=True))
+    if emulation.active() and not emulation.real_kernels():
         chunk_gated_delta_rule = reference_chunk_gated_delta_rule
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule

@@ -8,15 +8,16 @@ sequence [N, H, K, V], ``use_qk_l2norm_in_kernel`` and packed sequences as ``cu_
 [N + 1]) with its host copy ``cu_seqlens_cpu`` (so the kernel derives its chunk list without
 reading the device), and returns o and (``output_final_state``) one final state per sequence.
 This adapter is written from that documented signature and is exercised on CPU against
-``reference_chunk_kda``, the same contract in plain PyTorch: fla-core was not installed where
-it was written, so the real kernel has not been run through it.
+``reference_chunk_kda``, the same contract in plain PyTorch, and with FLA's ``chunk_kda`` itself
+run through Triton's interpreter (``tests/unit/test_real_kernels.py``).
 
 The glue mirrors ``fla.py``'s for the scalar gate: rows laid back to back, a row's carried state
 placed on its first document, the final state of its last document picked out, and the
 documents that need no state run in a second call without any (no per-document [H, K, V]
 fp32 state for many short documents). FLA's chunk_kda is an ``autograd.Function`` and is
 called directly (no custom op around it: fake-tensor rehearsals of this path are not
-supported). In the emulated-CUDA mode (``primitives/emulation.py``) the reference stands in.
+supported). In the emulated-CUDA mode (``primitives/emulation.py``) the reference stands in (FLA's
+kernel itself, through Triton's interpreter, with ``real_kernels``).
 
 Legend: B batch, T tokens, H heads, K key dim, V value dim, S = B*T, N documents.
 """
@@ -65,7 +66,9 @@ def _kernel(x):
 
     if is_fake(x) or x.device.type == "meta":
         return _shapes_only
-    if emulation.active():  # the CUDA branch on CPU: the kernel's contract in plain PyTorch
+    # the CUDA branch on CPU: the kernel's contract in plain PyTorch (FLA's own kernel, through
+    # Triton's interpreter, under emulate_cuda(real_kernels=True))
+    if emulation.active() and not emulation.real_kernels():
         return reference_chunk_kda
     from fla.ops.kda import chunk_kda
 
