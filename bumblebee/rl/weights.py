@@ -341,29 +341,19 @@ class EngineWeights:
         check_export_target(out_dir, self.cfg.model.hf_path)  # every rank, before the collective
         named = self.named_weights(hf_names=False)
         if self.ctx.rank == 0:
-            import shutil
-
             from bumblebee.models import build_model
-            from bumblebee.runtime.checkpoint.export_dir import (
-                export_lock,
-                publish_export,
-                temporary,
-            )
+            from bumblebee.runtime.checkpoint.export_dir import export_lock
 
             whole = build_model(self.arch, self.cfg.primitives, device="meta")
             shapes = [
                 (n, tuple(p.shape)) for n, p in _state(whole)
             ]  # the stream's order: parameters, buffers
-            # written beside out_dir and moved in whole: a killed export leaves no partial model
+            # staged beside out_dir and moved in (write_hf): a killed export leaves no partial
+            # model; the lock keeps two exports from mixing
             with export_lock(out_dir):
-                tmp = temporary(out_dir)
-                try:
-                    write_hf(
-                        tmp, self.arch, shapes, named, dtype=dtype, source=self.cfg.model.hf_path
-                    )
-                    publish_export(tmp, out_dir)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                write_hf(
+                    out_dir, self.arch, shapes, named, dtype=dtype, source=self.cfg.model.hf_path
+                )
         else:
             for _ in named:
                 pass
