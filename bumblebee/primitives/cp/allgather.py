@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.options import explicit_attention, window_allows
+from bumblebee.primitives.collectives import reduce_scatter_single
 from bumblebee.primitives.cp.zigzag import CPShards
 from bumblebee.registry import register
 
@@ -51,7 +52,7 @@ class GatherSequence(torch.autograd.Function):
         ).contiguous()
         if _supports_reduce_scatter(L.group):
             mine = torch.empty_like(per_rank[0])
-            dist.reduce_scatter_single(mine, per_rank, group=L.group)
+            reduce_scatter_single(mine, per_rank, group=L.group)
         else:
             dist.all_reduce(per_rank, group=L.group)
             mine = per_rank[L.rank]
