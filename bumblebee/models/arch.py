@@ -213,12 +213,14 @@ def check_rope_type(rope: dict, allowed: tuple[str, ...]) -> None:
 
 def flatten_rope(d: dict[str, Any], allowed: tuple[str, ...] = ("default",)) -> None:
     """For a family whose arch keeps RoPE as flat fields: HF's RoPE dict in ``d`` (checked
-    against ``allowed``) lends ``rope_theta`` and ``partial_rotary_factor`` to ``d`` where ``d``
-    has no such top-level key."""
+    against ``allowed``) sets ``rope_theta`` and ``partial_rotary_factor`` in ``d``; a top-level
+    key stays only where the RoPE dict has none (older configs)."""
     rope = hf_rope(d)
     check_rope_type(rope, allowed)
+    # The RoPE dict wins: it is what transformers' models read, and some transformers releases
+    # (5.17) also save the config class's default as a stale top-level key beside it.
     for key in ("rope_theta", "partial_rotary_factor"):
-        if key not in d and key in rope:
+        if key in rope:
             d[key] = rope[key]
 
 

@@ -16,6 +16,7 @@ positional arguments (weights included, so their gradients flow through the stan
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -29,8 +30,33 @@ FWD, BWD, BWD_WEIGHT = 1, 1, 2
 
 
 @functools.cache
-def _compiled(fn):
-    return torch.compile(fn, fullgraph=True, dynamic=None)
+def _compiled(fn, backend: str = "inductor"):
+    """``fn`` compiled whole (``fullgraph``). Each new variant of its inputs (row counts, dtypes,
+    grad mode: eval, MTP and RL each bring their own) is a recompile; past torch's per-function
+    limit (``torch._dynamo.config.recompile_limit``) a fullgraph compile raises instead of running.
+    From then on the function's new variants run eagerly, its compiled ones as before, after one
+    warning naming it."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=None, backend=backend)
+    full = False
+
+    def call(*args):
+        nonlocal full
+        if not full:
+            try:
+                return compiled(*args)
+            except FailOnRecompileLimitHit:
+                full = True
+                warnings.warn(
+                    f"fused.py: {fn.__qualname__} reached torch's recompile limit "
+                    f"({torch._dynamo.config.recompile_limit}); its new input variants run eagerly",
+                    stacklevel=2,
+                )
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return compiled(*args)
+
+    return call
 
 
 def fused(name: str, fn, *args, weight: bool = False, bwd: int | None = None):

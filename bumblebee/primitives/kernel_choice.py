@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from bumblebee.primitives import emulation
+from bumblebee.primitives.external_calls import ACTIVATE_FLASH_IMPL, LIST_FLASH_IMPLS
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -108,10 +109,10 @@ def fa3_present() -> bool:
     """FA3 can serve torch's flash ops here: the registry lists it, its package imports, the GPU
     is Hopper (FA3's kernels are sm90 only)."""
     try:
-        from torch.nn.attention import list_flash_attention_impls
-    except ImportError:
+        impls = LIST_FLASH_IMPLS.call(LIST_FLASH_IMPLS.load())
+    except (ImportError, AttributeError):
         return False
-    if "FA3" not in list_flash_attention_impls() or not package_present("flash_attn_interface"):
+    if "FA3" not in impls or not package_present("flash_attn_interface"):
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -126,9 +127,7 @@ def use_flash_impl() -> str:
     """Activate FA3 in torch's dispatcher when present (once per process); the impl in use."""
     impl = flash_impl()
     if impl == "FA3":
-        from torch.nn.attention import activate_flash_attention_impl
-
-        activate_flash_attention_impl("FA3")
+        ACTIVATE_FLASH_IMPL.call(ACTIVATE_FLASH_IMPL.load(), "FA3")
     return impl
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from bumblebee.primitives.collectives import all_gather_single, reduce_scatter_single
 from bumblebee.primitives.sharding.fsdp_comm import InPlaceAllGather, UnitReduceScatter
 from tests.dist_utils import run_distributed
 
@@ -37,8 +38,8 @@ def _collectives(rank, world):
 
     ref_rs, ref_ag = torch.empty(SLOT), torch.empty(world * SLOT)
     x = grads.clone()
-    default_rs = _growth(lambda: dist.reduce_scatter_single(ref_rs, x))
-    default_ag = _growth(lambda: dist.all_gather_single(ref_ag, shard))
+    default_rs = _growth(lambda: reduce_scatter_single(ref_rs, x))
+    default_ag = _growth(lambda: all_gather_single(ref_ag, shard))
 
     out, x = torch.empty(SLOT), grads.clone()
     ours_rs = _growth(

@@ -49,3 +49,20 @@ def test_rope_kinds_load_or_are_refused(family):
         rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
         with pytest.raises(ConfigError, match="original_max_position_embeddings"):
             arch_from_hf_dict(with_rope(family, "rope_parameters", rope))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2"])
+def test_the_rope_dict_wins_over_a_stale_top_level_key(family):
+    """transformers 5.17 saves the config class's default ``partial_rotary_factor`` at the top level
+    beside ``rope_parameters``; its models read the dict, so bumblebee does too. A top-level key
+    still counts where the dict has none (older configs)."""
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}
+    d = {**with_rope(family, "rope_parameters", rope), "partial_rotary_factor": 0.5}
+    d["rope_theta"] = 5e5
+    arch = arch_from_hf_dict(d)
+    assert (arch.partial_rotary_factor, arch.rope_theta) == (0.25, 1e4)
+    del rope["partial_rotary_factor"]
+    arch = arch_from_hf_dict(
+        {**with_rope(family, "rope_parameters", rope), "partial_rotary_factor": 0.5}
+    )
+    assert arch.partial_rotary_factor == 0.5

@@ -93,3 +93,32 @@ def test_compiled_matches_reference(dtype):
             else:
                 rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
                 assert rel < 1e-2, (name, rel)
+
+
+def _rms_variants(x, w, eps: float):
+    """``rms_norm`` under a code object of this test's own (dynamo counts recompiles per code)."""
+    return rms_norm(x, w, eps)
+
+
+def test_more_input_variants_than_the_recompile_limit_still_run():
+    """Row counts from training, eval, MTP and RL, in two dtypes, with and without grad: more
+    variants than dynamo compiles one function for (8). The ninth on would be a hard error under
+    ``fullgraph``; they run eagerly after one warning, with the reference's values and gradients
+    (dynamo's "eager" backend: the recompile rule is dynamo's, whichever backend compiles)."""
+    fn = fz._compiled(_rms_variants, backend="eager")
+    w = torch.randn(8)
+    # 12 row counts (batch x tokens), single rows and single tokens among them
+    rows = [(2, 5), (2, 7), (1, 9), (1, 1), (3, 1), (4, 2), (5, 3), (1, 4), (6, 6), (7, 1), (2, 3)]
+    rows.append((3, 9))
+    with pytest.warns(UserWarning, match="recompile limit") as caught:
+        for B, T in rows:
+            for dtype in (torch.float32, torch.bfloat16):
+                for grad in (False, True):
+                    x = torch.randn(B, T, 8).to(dtype).requires_grad_(grad)
+                    want = rms_norm(x, w.to(dtype), 1e-6)
+                    got = fn(x, w.to(dtype), 1e-6)
+                    assert torch.equal(got, want), (B, T, dtype, grad)
+                    if grad:
+                        (g,) = torch.autograd.grad(got.sum(), x)
+                        assert torch.equal(g, torch.autograd.grad(want.sum(), x)[0])
+    assert len([w for w in caught if "recompile limit" in str(w.message)]) == 1

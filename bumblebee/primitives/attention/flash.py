@@ -3,7 +3,8 @@
 ``torch.nn.attention.varlen.varlen_attn`` (PyTorch >= 2.10; flash-attention kernels, CUDA
 and half precision only) takes the tokens of all documents back to back, [total, heads,
 dim], with cumulative document boundaries ``cu_seq`` [docs + 1] (int32), and runs causal
-attention inside each document (``window_size=(-1, 0)``), GQA included (``enable_gqa``).
+attention inside each document (``window_size=(-1, 0)``), GQA included (``enable_gqa`` where
+the installed torch takes it: ``varlen_api.py``).
 No mask is built and cross-document tiles are never visited.
 
 This file is the glue: [B, N, T, D] -> packed [B*T, N, D], the boundaries from the
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from bumblebee.primitives.attention.varlen_api import gqa_keyword
+from bumblebee.primitives.external_calls import VARLEN_ATTN
 from bumblebee.primitives.kernel_region import standin
 from bumblebee.primitives.packed import DocLayout, to_device
 
@@ -48,13 +51,11 @@ def cuda_varlen_attn():
 
     if emulation.active():
         return emulated_varlen_attn
-    from torch.nn.attention.varlen import varlen_attn
-
     from bumblebee.primitives.kernel_choice import use_flash_impl
 
     use_flash_impl()  # FA3 in torch's dispatcher when present (once)
 
-    return varlen_attn
+    return VARLEN_ATTN.load()
 
 
 def flash_varlen(
@@ -69,7 +70,8 @@ def flash_varlen(
     q_SND, k_SKD, v_SKD = (
         x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (q_BNTD, k_BKTD, v_BKTD)
     )
-    o_SND = kernel(
+    o_SND = VARLEN_ATTN.call(
+        kernel,
         q_SND,
         k_SKD,
         v_SKD,
@@ -79,7 +81,7 @@ def flash_varlen(
         longest,
         scale=scale,
         window_size=(window - 1 if window else -1, 0),
-        enable_gqa=N != K,
+        **gqa_keyword(N, K),
     )
     return o_SND.view(B, T, N, D).transpose(1, 2)
 
@@ -88,9 +90,7 @@ def emulated_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
     """``reference_varlen_attn`` counted as the flash kernels it stands for, forward and backward
     (fake tensors: torch's op, whose fake kernels give the shapes)."""
     if is_fake(q) or q.device.type == "meta":
-        from torch.nn.attention.varlen import varlen_attn
-
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+        return VARLEN_ATTN.load()(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
     def run(q, k, v, cu_q, cu_k):
         return reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)

@@ -6,8 +6,8 @@ attention (``options.py``): with the kernel's (o, lse), ``lse' = logaddexp(lse, 
 from the (output, LSE) it is handed, so handing it (o', lse') gives exactly the sink attention's
 dQ, dK, dV (the sink column has no value); the sinks' own gradient is
 ``-sum_rows exp(sink - lse') Delta``. ``varlen_attn``'s public wrapper drops the LSE gradient,
-so this calls the ops behind it (``torch.ops.torch_attn._varlen_attn`` / ``_varlen_attn_backward``)
-from its own autograd function, as the flash ring does.
+so this calls the ops behind it (``torch.ops.torch_attn._varlen_attn`` / ``_varlen_attn_backward``,
+through ``varlen_api.py``) from its own autograd function, as the flash ring does.
 
 The kernel pair is a parameter: ``cuda_kernel()`` (the ops; their references under the
 emulated-CUDA mode) or ``reference_kernel()``, the same contract in fp32 PyTorch, which is how
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from bumblebee.primitives import emulation
+from bumblebee.primitives.attention import varlen_api
 from bumblebee.primitives.attention.flash import (
     FLASH_BWD,
     FLASH_FWD,
@@ -61,18 +62,14 @@ def cuda_kernel() -> WindowKernel:
     use_flash_impl()
 
     def fwd(q, k, v, cu, longest, window_size, scale):
-        o, lse, _ = torch.ops.torch_attn._varlen_attn(
-            q, k, v, cu, cu, longest, longest, tuple(window_size) == (-1, 0), scale,
-            list(window_size), k.shape[1] != q.shape[1],
-        )  # fmt: skip
-        return o, lse
+        causal = tuple(window_size) == (-1, 0)
+        return varlen_api.forward(q, k, v, cu, cu, longest, longest, causal, scale, window_size)
 
     def bwd(do, q, k, v, o, lse, cu, longest, window_size, scale):
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        return torch.ops.torch_attn._varlen_attn_backward(
-            do, q, k, v, o, lse, cu, cu, longest, longest, tuple(window_size) == (-1, 0), rng,
-            scale, list(window_size),
-        )  # fmt: skip
+        causal = tuple(window_size) == (-1, 0)
+        return varlen_api.backward(
+            do, q, k, v, o, lse, cu, cu, longest, longest, causal, scale, window_size
+        )
 
     return WindowKernel(fwd, bwd)
 

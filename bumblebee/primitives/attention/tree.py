@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.flash import cuda_varlen_attn
+from bumblebee.primitives.attention.varlen_api import gqa_keyword
+from bumblebee.primitives.external_calls import VARLEN_ATTN
 from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.prefix_tree import TreeLayout, gather_index
 from bumblebee.primitives.recompute import lean
@@ -87,7 +89,8 @@ def gathered_varlen(q_BNTD, k_BKTD, v_BKTD, layout: TreeLayout, scale: float, ke
     idx, cu_q, cu_k, max_q, max_k = gather_index(layout, q_BNTD.device)
     q_SND = q_BNTD.transpose(1, 2).reshape(B * T, N, D)
     k_SKD, v_SKD = (x.transpose(1, 2).reshape(B * T, K, D)[idx] for x in (k_BKTD, v_BKTD))
-    o_SND = kernel(
+    o_SND = VARLEN_ATTN.call(
+        kernel,
         q_SND,
         k_SKD,
         v_SKD,
@@ -97,6 +100,6 @@ def gathered_varlen(q_BNTD, k_BKTD, v_BKTD, layout: TreeLayout, scale: float, ke
         max_k,
         scale=scale,
         window_size=(-1, 0),
-        enable_gqa=N != K,
+        **gqa_keyword(N, K),
     )
     return o_SND.view(B, T, N, D).transpose(1, 2)

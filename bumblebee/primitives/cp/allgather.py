@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from bumblebee.primitives import emulation
 from bumblebee.primitives.attention.options import explicit_attention, window_allows
+from bumblebee.primitives.collectives import reduce_scatter_single
 from bumblebee.primitives.cp.zigzag import CPShards
 from bumblebee.registry import register
 
@@ -53,7 +54,7 @@ class GatherSequence(torch.autograd.Function):
             mine = torch.empty_like(per_rank[0])
             # the ranks' parts one after another along dim 0: the input shape gloo checks
             # against the output's ([C x B, ...] for [B, ...]); NCCL reads the same bytes
-            dist.reduce_scatter_single(mine, per_rank.flatten(0, 1), group=L.group)
+            reduce_scatter_single(mine, per_rank.flatten(0, 1), group=L.group)
         else:
             dist.all_reduce(per_rank, group=L.group)
             mine = per_rank[L.rank]

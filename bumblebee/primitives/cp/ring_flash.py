@@ -25,9 +25,9 @@ own precision in both.
 
 The block kernel is a parameter ``BlockKernel(forward, backward)``: ``cuda_block_kernel()``
 calls PyTorch's flash ops (``torch.ops.torch_attn._varlen_attn`` / ``_varlen_attn_backward``,
-the ops behind ``varlen_attn``; their public wrapper ignores the LSE gradient, so the ring
-calls forward and backward itself); ``reference_block_kernel()`` is the same contract in
-fp32 PyTorch, which is how the glue is tested on CPU.
+the ops behind ``varlen_attn``, through ``attention/varlen_api.py``; their public wrapper ignores
+the LSE gradient, so the ring calls forward and backward itself); ``reference_block_kernel()``
+is the same contract in fp32 PyTorch, which is how the glue is tested on CPU.
 
 Legend: B batch, N query heads, K kv heads, L local tokens (2n), D head dim, S packed tokens.
 """
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from bumblebee.primitives import emulation
+from bumblebee.primitives.attention import varlen_api
 from bumblebee.primitives.attention.flash import FLASH_BWD, FLASH_FWD, reference_varlen_attn
 from bumblebee.primitives.cp.ring_comm import backward_hop
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
@@ -65,38 +66,13 @@ def cuda_block_kernel() -> BlockKernel:
     use_flash_impl()  # FA3 in torch's dispatcher when present (once)
 
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-        o, lse, _ = torch.ops.torch_attn._varlen_attn(
-            q,
-            k,
-            v,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            causal,
-            scale,
-            [-1, 0] if causal else [-1, -1],
-            k.shape[1] != q.shape[1],
-        )
-        return o, lse
+        window = [-1, 0] if causal else [-1, -1]
+        return varlen_api.forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window)
 
     def bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        return torch.ops.torch_attn._varlen_attn_backward(
-            do,
-            q,
-            k,
-            v,
-            o,
-            lse,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            causal,
-            rng,
-            scale,
-            [-1, 0] if causal else [-1, -1],
+        window = [-1, 0] if causal else [-1, -1]
+        return varlen_api.backward(
+            do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, window
         )
 
     return BlockKernel(fwd, bwd)

@@ -34,6 +34,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from bumblebee.primitives import emulation
+from bumblebee.primitives.external_calls import CAUSAL_CONV1D
 from bumblebee.primitives.kernel_choice import select
 from bumblebee.primitives.kernel_region import standin
 from bumblebee.primitives.linear_attention.fla import doc_plan, fla_chunk_indices
@@ -133,9 +134,9 @@ def _conv_plan(layout: DocLayout, device):
 
 def fla_causal_conv1d(x_BTC, weight_CW, layout: DocLayout, initial_BPC, activation, kernel=None):
     """``causal_conv1d`` (+ ``activation``: None or "silu", applied in fp32 before the cast) through
-    FLA's kernel (``kernel``: a callable with ``fla.modules.causal_conv1d``'s signature; None:
-    FLA's, or its reference under the emulated-CUDA mode, FLA's again with ``real_kernels``) ->
-    (y [B, T, C], final [B, P, C]).
+    FLA's kernel (``kernel``: a callable with the signature of
+    ``fla.modules.causal_conv1d.causal_conv1d``; None: FLA's, or its reference under the
+    emulated-CUDA mode, FLA's again with ``real_kernels``) -> (y [B, T, C], final [B, P, C]).
     Rows back to back as documents; FLA's state per document is its last W inputs [N, C, W]
     (column W - 1 the newest; column 0 unread): the row's window goes to its first document,
     the final window is read off its last."""
@@ -151,15 +152,15 @@ def fla_causal_conv1d(x_BTC, weight_CW, layout: DocLayout, initial_BPC, activati
     x = x_BTC.reshape(1, B * T, C)
     fake = is_fake(x) or x.device.type == "meta"
     if kernel is None and emulation.real_kernels() and not fake:
-        kernel = _fla_conv()  # on the CPU tensors, through Triton's interpreter
+        kernel = CAUSAL_CONV1D.load()  # on the CPU tensors, through Triton's interpreter
     if kernel is not None:
-        y, hT = kernel(x, weight_CW, **args)
+        y, hT = CAUSAL_CONV1D.call(kernel, x, weight_CW, **args)
     elif emulation.active() or not x.is_cuda:
         # the CUDA branch on CPU (emulated, or the planner's dry run on fake CPU tensors): the
         # contract, counted as FLA's kernels
         ref = _shapes_only if fake else reference_fla_causal_conv1d
         y, hT = standin(
-            lambda x, w, h0: ref(x, w, **{**args, "initial_state": h0}),
+            lambda x, w, h0: CAUSAL_CONV1D.call(ref, x, w, **{**args, "initial_state": h0}),
             FLA_CONV_FWD,
             FLA_CONV_BWD,
             x,
@@ -167,14 +168,8 @@ def fla_causal_conv1d(x_BTC, weight_CW, layout: DocLayout, initial_BPC, activati
             h0,
         )
     else:
-        y, hT = _fla_conv()(x, weight_CW, **args)
+        y, hT = CAUSAL_CONV1D.call(CAUSAL_CONV1D.load(), x, weight_CW, **args)
     return y.view(B, T, C), hT.index_select(0, last)[:, :, 1:].transpose(1, 2)
-
-
-def _fla_conv():
-    from fla.modules.causal_conv1d import causal_conv1d
-
-    return causal_conv1d
 
 
 def _shapes_only(x, weight, cu_seqlens=None, **unused):
@@ -194,8 +189,8 @@ def reference_fla_causal_conv1d(
     chunk_indices=None,
     **unused,
 ):
-    """``fla.modules.causal_conv1d``'s contract (x [1, S, C], weight [C, W], per-document states
-    [N, C, W]) in plain fp32 PyTorch, for the glue's tests and the emulated-CUDA mode;
+    """``fla.modules.causal_conv1d.causal_conv1d``'s contract (x [1, S, C], weight [C, W],
+    per-document states [N, C, W]) in plain fp32 PyTorch, for the glue's tests and the emulated-CUDA mode;
     ``chunk_indices``, when given, must be what FLA derives from ``cu_seqlens`` (checked)."""
     S, C = x.shape[1:]
     W = weight.shape[1]

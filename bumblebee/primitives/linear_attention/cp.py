@@ -73,6 +73,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
+from bumblebee.primitives.collectives import reduce_scatter_single
 from bumblebee.primitives.cp.relayout import (
     contiguous_to_zigzag,
     exchange,
@@ -195,7 +196,7 @@ class GatherTransitions(torch.autograd.Function):
         grad_CL = grad_CL.contiguous()
         if emulation.nccl_branch(lay.group):
             mine = grad_CL.new_empty(grad_CL.shape[1:])
-            dist.reduce_scatter_single(mine, grad_CL.flatten(0, 1), group=lay.group)
+            reduce_scatter_single(mine, grad_CL.flatten(0, 1), group=lay.group)
             return mine, None
         dist.all_reduce(grad_CL, group=lay.group)
         return grad_CL[lay.rank], None

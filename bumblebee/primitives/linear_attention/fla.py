@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from bumblebee.primitives.external_calls import CHUNK_GATED_DELTA_RULE
 from bumblebee.primitives.kernel_region import kernel as region
 from bumblebee.primitives.packed import DocLayout, to_device
 from bumblebee.primitives.recompute_scope import in_recompute
@@ -68,10 +69,11 @@ def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, chunk_idx, scale, f
     if emulation.active() and not emulation.real_kernels():
         chunk_gated_delta_rule = reference_chunk_gated_delta_rule
     else:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        chunk_gated_delta_rule = CHUNK_GATED_DELTA_RULE.load()
 
     with region(*FLA_FWD):  # counted as FLA's kernels, whatever stands in for them
-        return chunk_gated_delta_rule(
+        return CHUNK_GATED_DELTA_RULE.call(
+            chunk_gated_delta_rule,
             q,
             k,
             v,

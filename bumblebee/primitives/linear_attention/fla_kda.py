@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from bumblebee.primitives.external_calls import CHUNK_KDA
 from bumblebee.primitives.kernel_region import kernel as region
 from bumblebee.primitives.linear_attention.fla import _groups
 from bumblebee.primitives.packed import DocLayout, to_device
@@ -70,9 +71,7 @@ def _kernel(x):
     # Triton's interpreter, under emulate_cuda(real_kernels=True))
     if emulation.active() and not emulation.real_kernels():
         return reference_chunk_kda
-    from fla.ops.kda import chunk_kda
-
-    return chunk_kda
+    return CHUNK_KDA.load()
 
 
 class _Plan:
@@ -112,7 +111,7 @@ def fla_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, layout: DocLayout, initial
 
     def run(xs, h0, cu, cu_cpu, final):
         with region(*FLA_KDA_FWD):
-            return kernel(*xs, scale=K**-0.5, initial_state=h0, output_final_state=final,
+            return CHUNK_KDA.call(kernel, *xs, scale=K**-0.5, initial_state=h0, output_final_state=final,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # fmt: skip
 
     h0, one_doc = None, plan.edge_docs == B  # one_doc: each row one document, states as given

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from bumblebee.primitives import emulation
+from bumblebee.primitives.collectives import reduce_scatter_single
 
 
 class UnitReduceScatter(ReduceScatter):
@@ -93,7 +94,7 @@ class UnitReduceScatter(ReduceScatter):
             # FSDP adds the output into .grad on this (reduce-scatter) stream after recording the
             # event it frees the input on: keep the input's memory from reuse until that add ran
             emulation.record_stream(input_tensor)
-        return dist.reduce_scatter_single(
+        return reduce_scatter_single(
             output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
         )
 

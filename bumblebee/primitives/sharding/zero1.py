@@ -23,6 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from bumblebee.primitives.collectives import all_gather_single
 from bumblebee.primitives.sharding.common import clip_grad_norm
 from bumblebee.primitives.sharding.costs import ShardingCosts
 from bumblebee.primitives.sharding.none import NoSharding
@@ -153,7 +154,7 @@ class Zero1(NoSharding):
             [torch.nn.functional.pad(s.master.detach(), (0, s.s - (s.hi - s.lo))) for s in slices]
         )
         gathered = mine.new_empty(w * mine.numel())
-        dist.all_gather_single(gathered, mine, group=slices[0].group)
+        all_gather_single(gathered, mine, group=slices[0].group)
         gathered = gathered.view(w, -1)
         offset = 0
         for s in slices:
