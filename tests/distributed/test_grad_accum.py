@@ -81,6 +81,13 @@ def test_gradients_are_sharded_after_each_micro_batch(tmp_path):
     )
 
 
+def _param_group(unit):
+    """A unit's FSDP2 parameter group (torch 2.11 keeps one, 2.13 a list)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    return groups[0] if groups is not None else state._fsdp_param_group
+
+
 def _two_micro_batches(rank, world, out_dir, reduce_dtype, comm):
     """comm: "default" (FSDP2's reduce-scatter), "gloo" (ours, the in-place all-reduce this group
     gets) or "collective" (ours as on NCCL: a reduce-scatter whose output may be its input's chunk)."""
@@ -97,8 +104,7 @@ def _two_micro_batches(rank, world, out_dir, reduce_dtype, comm):
     trainer = Trainer(cfg, stream=io.StringIO())
     assert (
         all(
-            getattr(u._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm, "gloo", None)
-            == (comm == "gloo")
+            getattr(_param_group(u)._reduce_scatter_comm, "gloo", None) == (comm == "gloo")
             for u in trainer.sharding.units
         )
         or comm == "default"
