@@ -3,9 +3,9 @@
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes with
 the ``spawn`` start method, joins them in a gloo process group, calls
 ``fn(rank, world_size, *args)`` and returns the per-rank results (anything
-picklable). A rank that raises fails the test with that rank's traceback; a hang
-fails after ``timeout`` seconds. ``fn`` must be a module-level function (it is
-pickled by name).
+picklable). A rank that raises fails the test with that rank's traceback, one that dies
+without reporting (a signal) with its exit code; a hang fails after ``timeout`` seconds.
+``fn`` must be a module-level function (it is pickled by name).
 
 Rendezvous without a port race: the parent process opens the c10d ``TCPStore``
 itself on port 0 (the kernel picks a free port and the store keeps it bound for
@@ -19,7 +19,9 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -85,9 +87,25 @@ def run_distributed(
     for p in procs:
         p.start()
     results, errors = {}, {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+        while len(results) < world_size:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except Empty:
+                # a rank killed by a signal (a segfault) reports nothing: fail now, not at the deadline
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results
+                ]
+                if dead:
+                    code = procs[dead[0]].exitcode
+                    errors[dead[0]] = f"exited with code {code} before reporting (negative: signal)"
+                    break
+                if time.monotonic() > deadline:
+                    raise
+                continue
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:

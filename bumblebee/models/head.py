@@ -121,3 +121,10 @@ class LossTerms:
     # token losses (detached, for logs) and valid-label counts; empty without MTP
     mtp_sums: list = field(default_factory=list)
     mtp_tokens: list = field(default_factory=list)
+
+
+# FSDP2 gathers the root unit (final norm, tied embedding) again for each forward's backward
+# through a hook on that forward's output tensors. Some torch versions (2.11) find them with
+# pytree, which sees an unregistered dataclass as one opaque leaf: no hook, so the second of two
+# forwards-then-backwards (the step-wide balance loss) reads the root's freed weights.
+torch.export.register_dataclass(LossTerms, serialized_type_name="bumblebee.LossTerms")

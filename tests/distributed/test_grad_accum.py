@@ -81,6 +81,13 @@ def test_gradients_are_sharded_after_each_micro_batch(tmp_path):
     )
 
 
+def _param_group(unit):
+    """A unit's FSDP2 parameter group (torch 2.11 keeps one, 2.13 a list)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    return groups[0] if groups is not None else state._fsdp_param_group
+
+
 def _two_micro_batches(rank, world, out_dir, reduce_dtype, comm):
     """comm: "default" (FSDP2's reduce-scatter), "gloo" (ours, the in-place all-reduce this group
     gets) or "collective" (ours as on NCCL: a reduce-scatter whose output may be its input's chunk)."""
@@ -97,8 +104,7 @@ def _two_micro_batches(rank, world, out_dir, reduce_dtype, comm):
     trainer = Trainer(cfg, stream=io.StringIO())
     assert (
         all(
-            getattr(u._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm, "gloo", None)
-            == (comm == "gloo")
+            getattr(_param_group(u)._reduce_scatter_comm, "gloo", None) == (comm == "gloo")
             for u in trainer.sharding.units
         )
         or comm == "default"
@@ -185,3 +191,52 @@ def test_pipeline_stages_reduce_every_micro_batch_when_sharded(tmp_path):
     unsharded = run_distributed(_pipeline_reductions, 4, str(tmp_path), "unsharded")
     for (n_sharded, micro), (n_once, _) in zip(sharded, unsharded):
         assert micro == 4 and n_once > 0 and n_sharded == micro * n_once, (n_sharded, n_once, micro)
+
+
+def _forwards_then_backwards(rank, world, out_dir):
+    """Sharded gradients of two micro-batches, each forward followed by its backward, then (from
+    zero) both forwards before either backward, as the step-wide balance loss runs them."""
+    cfg = load_config(None, BASE + [f"train.out_dir={out_dir}/{rank}"])
+    trainer = Trainer(cfg, stream=io.StringIO())
+    batch = trainer.source.global_batch_at(0)
+    parts = [batch.rows(rank * 2 + i, rank * 2 + i + 1) for i in range(2)]
+
+    def forward(part):
+        with trainer.autocast:
+            return trainer.model.loss_terms(part.input_ids, part.labels, part.position_ids)
+
+    def backward(i, terms):
+        trainer.sharding.set_grad_sync(i == 1)
+        terms.loss_sum.backward()
+
+    for i, part in enumerate(parts):
+        backward(i, forward(part))
+    interleaved = {n: p.grad.to_local().clone() for n, p in trainer.model.named_parameters()}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    for i, terms in enumerate([forward(part) for part in parts]):
+        backward(i, terms)
+    grouped = {n: p.grad.to_local().clone() for n, p in trainer.model.named_parameters()}
+    return interleaved, grouped
+
+
+def test_every_forward_regathers_the_root_for_its_backward(tmp_path):
+    """Two forwards, then two backwards: the second backward reads the root unit's parameters
+    (the final norm) after the first backward resharded them, so FSDP2 must gather them again
+    from the hook it put on that forward's ``LossTerms``. The gradients equal the interleaved
+    order bit for bit (a missed gather reads freed storage: a segfault or a wrong gradient)."""
+    for interleaved, grouped in run_distributed(_forwards_then_backwards, 2, str(tmp_path)):
+        assert interleaved.keys() == grouped.keys()
+        for name, g in grouped.items():
+            assert torch.equal(g, interleaved[name]), name
+
+
+def test_fsdp_sees_the_loss_terms_tensors():
+    """FSDP2 finds a forward's output tensors with pytree on some torch versions (2.11): the
+    dataclass must be a pytree node, not one opaque leaf."""
+    from torch.utils._pytree import tree_leaves
+
+    from bumblebee.models.head import LossTerms
+
+    loss, stats = torch.ones((), requires_grad=True) * 2, torch.ones(2, 3, requires_grad=True) * 3
+    leaves = tree_leaves(LossTerms(loss, torch.tensor(4), torch.zeros(()), stats))
+    assert any(t is loss for t in leaves) and any(t is stats for t in leaves)
