@@ -121,14 +121,17 @@ class CausalLM(RoutingProtocol, Placement, WeightInit, CachedDecoding, nn.Module
         )
         self.main_moe_layers = sum(int(layer.is_moe) for layer in self.model.layers)
         self.num_moe_layers = max(self.main_moe_layers, 1)
-        for j, layer in enumerate(layer for layer in self.model.layers if layer.is_moe):
+        moe_layers = [(i, layer) for i, layer in enumerate(self.model.layers) if layer.is_moe]
+        for j, (i, layer) in enumerate(moe_layers):
             layer.mlp.moe_index = j  # its slot in router stats and routing replay ids
+            layer.mlp.label = f"layer {i}"
             if hasattr(dispatch, "for_layer"):  # a dispatcher with per-layer settings
                 layer.mlp.dispatch = dispatch.for_layer(j, self.main_moe_layers)
         self.mtp = self.make_mtp(parts)  # multi-token prediction modules (models/mtp.py) or None
         # the MTP part's router stats rows follow the decoder's MoE layers
         for k, block in enumerate(self.mtp_moe_blocks()):
             block.moe_index = self.main_moe_layers + k
+            block.label = f"MTP MoE block {k}"
         # counted once: a pipeline stage without the last layers drops the MTP part (keep_stages)
         self.mtp_held, self.mtp_moe_held = self.mtp_modules(), len(self.mtp_moe_blocks())
         self.mtp_depth = self.mtp_held  # depths trained (``set_mtp``)

@@ -16,6 +16,7 @@ from torch import nn
 
 from bumblebee import registry
 from bumblebee.errors import ConfigError
+from bumblebee.primitives import replay_check
 from bumblebee.primitives.fused import swiglu
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.moe.balance import router_stats
@@ -157,6 +158,7 @@ class MoE(nn.Module):
             prims = dataclasses.replace(prims, router=router)
         self.gate = build_router(prims.router, arch)
         self.moe_index = -1  # position among the model's MoE layers (set by CausalLM)
+        self.label = "a MoE layer"  # what errors call it, "layer 3" (set by CausalLM)
         self.num_experts = arch.num_experts
         self.capacity_factor = (
             0.0  # > 0: expert capacity with token dropping (CausalLM.set_capacity)
@@ -189,6 +191,10 @@ class MoE(nn.Module):
 
     def routed(self, x_BTH):
         """The routed experts alone: (output, router stats)."""
+        with replay_check.labelled(self.label):  # names this block in a recompute's check
+            return self._routed(x_BTH)
+
+    def _routed(self, x_BTH):
         B, T, H = x_BTH.shape
         x_TH = x_BTH.reshape(-1, H)
         scope = routing_replay.current()  # routing replay / recording (primitives/moe/replay.py)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from bumblebee.primitives import replay_check
 from bumblebee.primitives.moe import replay as routing_replay
 from bumblebee.primitives.offload import LayerInputStore
 from bumblebee.primitives.recompute_scope import _RECOMPUTING, HostReads, host_reads
@@ -93,7 +94,7 @@ def _checkpoint(fn: Callable, *args):
     scope = routing_replay.current()
 
     def contexts():  # one HostReads per checkpointed call, filled by its forward
-        reads = HostReads()
+        reads = HostReads(replay_check.current())
         return host_reads("record", reads), _recomputing(scope, reads)
 
     return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable
+
+import torch
+
+from bumblebee.primitives.replay_check import ReplayCheck
 
 # Dynamic scope, not configuration: True only on the thread re-running a checkpointed function.
 _RECOMPUTING = contextvars.ContextVar("bumblebee_recomputing", default=False)
@@ -22,11 +25,14 @@ def in_recompute() -> bool:
 class HostReads:
     """The device-to-host reads of one checkpointed forward, in order, for its recompute: the
     re-run routes alike (a checkpoint already requires it: its saved tensors' shapes follow the
-    routing), so it takes the forward's values instead of draining the stream again."""
+    routing), so it takes the forward's values instead of draining the stream again. Each kept
+    value is (host copy, the device tensor read); ``check``: the step's ``ReplayCheck``, current
+    at the forward, that the recompute's comparisons go to (None: not compared)."""
 
-    def __init__(self):
-        self.values: list = []
+    def __init__(self, check: ReplayCheck | None = None):
+        self.values: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.next = 0
+        self.check = check
 
 
 # Dynamic scope, not configuration: ("record" | "replay", HostReads) inside a policy's checkpoint.
@@ -44,17 +50,20 @@ def host_reads(mode: str, reads: HostReads):
         _HOST_READS.reset(token)
 
 
-def host_read(read: Callable):
-    """``read()`` (a device-to-host read: MoE split sizes); inside a checkpointed forward its
-    value is kept, and inside the recompute of that forward the kept value is returned instead."""
+def host_read(value: torch.Tensor) -> torch.Tensor:
+    """``value.cpu()`` (a device-to-host read: MoE split sizes); inside a checkpointed forward the
+    read is kept, and inside the recompute of that forward the kept host copy is returned instead,
+    ``value`` (the recompute's) compared on the device with the forward's (``replay_check.py``)."""
     scope = _HOST_READS.get()
     if scope is None:
-        return read()
+        return value.cpu()
     mode, reads = scope
     if mode == "record":
-        value = read()
-        reads.values.append(value)
-        return value
-    value = reads.values[reads.next]
+        host = value.cpu()
+        reads.values.append((host, value))
+        return host
+    host, recorded = reads.values[reads.next]
     reads.next += 1
-    return value
+    if reads.check is not None:
+        reads.check.compare(value, recorded)
+    return host

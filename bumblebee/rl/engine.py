@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from bumblebee.config import Config, ConfigError
+from bumblebee.primitives.replay_check import ReplayCheck
 from bumblebee.rl.adapters import EngineAdapters
 from bumblebee.rl.checkpoint import EngineCheckpoints
 from bumblebee.rl.forward import EngineForward, ForwardOutput  # noqa: F401 (ForwardOutput: public)
@@ -140,6 +141,8 @@ class Engine(EngineForward, EngineSplitBatch, EngineWeights, EngineAdapters, Eng
         self.expert_load = ExpertLoad(
             self.model
         )  # expert counts of the training forwards, for sigmoid_bias routers
+        # the recomputes' routing checks of the forwards since the last update (replay_check.py)
+        self.replay_check = ReplayCheck()
         self.hf_prefixes = self._source_prefixes(cfg.model.hf_path)
 
     # ------------------------------------------------------------------ data parallelism
@@ -194,6 +197,7 @@ class Engine(EngineForward, EngineSplitBatch, EngineWeights, EngineAdapters, Eng
             loss=self.step_loss,
             pp_group=self.ctx.pp_group if pp else None,
             params=self.model.parameters() if pp else None,
+            replay=self.replay_check,
         )
         self.step_loss = 0.0
         # routers with a selection bias move it by the step's global expert load (as the Trainer)

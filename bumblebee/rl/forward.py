@@ -23,6 +23,7 @@ from bumblebee.primitives.cp.zigzag import shard_sequence, unshard_sequence
 from bumblebee.primitives.moe.replay import RoutingScope, check_routing
 from bumblebee.primitives.packed import assume_documents
 from bumblebee.primitives.prefix_tree import tree_layout
+from bumblebee.primitives.replay_check import checking
 from bumblebee.rl import microbatch as mbs
 from bumblebee.rl.batch import (
     LOSS_INPUTS,
@@ -173,15 +174,16 @@ class EngineForward:
             )
         if self.pipeline is not None:  # the schedule runs every micro-batch (rl/pipeline.py)
             dp_max = lambda t: self._dp_sum(t, dist.ReduceOp.MAX)  # noqa: E731
-            sums, kept = self.pipeline.run(
-                P,
-                loss_fn,
-                forward_only,
-                with_entropy,
-                dp_max,
-                self.arch.router_aux_loss_coef,
-                None if forward_only else self.expert_load,
-            )
+            with checking(self.replay_check):  # its recomputes' routing, read at the update
+                sums, kept = self.pipeline.run(
+                    P,
+                    loss_fn,
+                    forward_only,
+                    with_entropy,
+                    dp_max,
+                    self.arch.router_aux_loss_coef,
+                    None if forward_only else self.expert_load,
+                )
             out = self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
             if not forward_only:
                 self.step_loss += out.loss
@@ -227,7 +229,9 @@ class EngineForward:
                     for k, v in forward(mb)[1].items():
                         add_stat(sums, k, v)
         else:
-            with self._step_tokens(sum(mb["input_ids"].numel() for mb in shards)):
+            tokens = sum(mb["input_ids"].numel() for mb in shards)
+            # its recomputes' routing checks, read at the update (replay_check.py)
+            with self._step_tokens(tokens), checking(self.replay_check):
                 sums = accumulate(shards, self.sharding, forward)
         out = self._finish(batch, sums, totals, loss_fn, forward_only, kept, entropy)
         if not forward_only:  # checked with the gradients at the next optimizer_step

@@ -39,6 +39,7 @@ from bumblebee.primitives.layer_tape import LayerTape, recording
 from bumblebee.primitives.moe import balance
 from bumblebee.primitives.moe.balance import split_stats
 from bumblebee.primitives.moe.overlap_mb import Pair, SlotStreams, backward_part, forward_done
+from bumblebee.primitives.replay_check import ReplayCheck
 from bumblebee.runtime.nonfinite import check_finite
 from bumblebee.runtime.optim import lr_at, set_lr
 
@@ -266,13 +267,16 @@ def optimizer_tail(
     loss=None,
     pp_group=None,
     params=None,
+    replay: ReplayCheck | None = None,
 ) -> tuple[torch.Tensor, float, bool]:
     """Reduce gradients, clip on the global norm, check they are finite, set the scheduled LR,
     update, zero. With pipeline parallelism (``pp_group``) the norm covers every stage's
     gradients: each stage's squared norm is summed over the pipeline group before clipping
     ``params``. ``loss`` (the global loss, identical on every rank) and the norm are checked
     under ``train.on_nonfinite`` (runtime/nonfinite.py): "stop" raises before the update,
-    "skip" drops it. Returns (grad norm, lr, whether the update was applied)."""
+    "skip" drops it. ``replay``: the check of the step's recomputes (primitives/replay_check.py),
+    read with the loss and the norm; a recompute that routed unlike its forward raises here,
+    before the update. Returns (grad norm, lr, whether the update was applied)."""
     sharding.reduce_grads()
     max_norm = train_cfg.clip_grad if train_cfg.clip_grad > 0 else float("inf")
     if pp_group is None:
@@ -281,7 +285,7 @@ def optimizer_tail(
         grad_norm = _clip_over_stages(sharding, params, max_norm, pp_group)
     lr = lr_at(step, train_cfg) if lr is None else lr
     applied = check_finite(
-        step + 1, 0.0 if loss is None else loss, grad_norm, train_cfg.on_nonfinite
+        step + 1, 0.0 if loss is None else loss, grad_norm, train_cfg.on_nonfinite, replay
     )
     if applied:
         set_lr(optimizer, lr)

@@ -33,6 +33,7 @@ from bumblebee.primitives import emulation
 from bumblebee.primitives.kernel_choice import configured as configured_dispatch
 from bumblebee.primitives.kernel_choice import describe as describe_kernels
 from bumblebee.primitives.moe.balance import load_summary
+from bumblebee.primitives.replay_check import ReplayCheck, checking
 from bumblebee.runtime.build import build_run, check_world, pick_device
 from bumblebee.runtime.checkpoint.checkpointer import Checkpointer
 from bumblebee.runtime.checkpoint.export import export_checkpoint, run_tokenizer
@@ -226,7 +227,63 @@ class Trainer:
         global_valid = self.source.num_valid_at(self.step)
         global_tokens = max(global_valid, 1)
         local = self.rank_batch()
-        counts = None  # this rank's expert counts [L, E] (global after the all-reduce below)
+        # this rank's expert counts [L, E] (global after the all-reduce below); the step's
+        # recomputes compare their routing with their forwards' into ``replay``
+        replay = ReplayCheck()
+        with checking(replay):
+            loss_sum, aux, counts, dropped = self._forward_backward(local, global_tokens)
+        if (
+            self.ctx.distributed
+        ):  # the logged loss covers the whole global batch (so every rank checks the same)
+            # (pipeline: over every rank, each layer's counts coming from the ranks of its stage)
+            extra = [] if counts is None else [dropped.reshape(1), counts.flatten()]
+            stats = torch.cat([torch.stack([loss_sum, aux])] + extra)
+            dist.all_reduce(
+                stats, group=None if self.pipeline is not None else self.ctx.dp_cp_group
+            )
+            loss_sum, aux = stats[0], stats[1]
+            if counts is not None:
+                dropped, counts = stats[2], stats[3:].view_as(counts)
+        grad_norm, lr, applied = optimizer_tail(
+            self.sharding,
+            self.optimizer,
+            t,
+            self.step,
+            loss=loss_sum / global_tokens,
+            pp_group=self.ctx.pp_group if self.pipeline is not None else None,
+            params=self.model.parameters(),
+            replay=replay,
+        )
+        if applied and counts is not None:  # sigmoid_bias routers follow the step's global load
+            self.model.update_router_bias(counts, self.cfg.moe.bias_update_rate)
+        self.skipped += not applied
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens = self.plan.tokens_per_step
+        record = {
+            "step": self.step,
+            "loss": float(loss_sum) / global_tokens,
+            "aux_loss": float(aux),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens": tokens,
+            "valid_tokens": global_valid,
+            "tokens_per_s": tokens / elapsed,
+            **self.throughput.fields(tokens, elapsed),
+            "step_time_s": elapsed,
+            "skipped_steps": self.skipped,
+        }
+        if counts is not None:
+            record.update(load_summary(counts), dropped_tokens=int(dropped))
+            every = self.cfg.moe.load_histogram_every
+            if every and self.step % every == 0:  # per-layer per-expert token counts of this step
+                record["expert_load"] = counts.round().long().tolist()
+        return record
+
+    def _forward_backward(self, local: Batch, global_tokens: int) -> tuple:
+        """Every micro-batch's forward and backward: (loss_sum, aux, counts, dropped) of this rank
+        (counts / dropped: None without MoE layers)."""
+        t = self.cfg.train
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             loss_sum, aux, counts, dropped = self.pipeline.run(
                 local, global_tokens
@@ -258,52 +315,7 @@ class Trainer:
                 sums = accumulate(parts, self.sharding, forward, paired=self.plan.paired)
             loss_sum, aux = sums["loss_sum"], sums["aux"] / (self.dp_size * self.cp)
             counts, dropped = sums.get("router_counts"), sums.get("router_dropped")
-        if (
-            self.ctx.distributed
-        ):  # the logged loss covers the whole global batch (so every rank checks the same)
-            # (pipeline: over every rank, each layer's counts coming from the ranks of its stage)
-            extra = [] if counts is None else [dropped.reshape(1), counts.flatten()]
-            stats = torch.cat([torch.stack([loss_sum, aux])] + extra)
-            dist.all_reduce(
-                stats, group=None if self.pipeline is not None else self.ctx.dp_cp_group
-            )
-            loss_sum, aux = stats[0], stats[1]
-            if counts is not None:
-                dropped, counts = stats[2], stats[3:].view_as(counts)
-        grad_norm, lr, applied = optimizer_tail(
-            self.sharding,
-            self.optimizer,
-            t,
-            self.step,
-            loss=loss_sum / global_tokens,
-            pp_group=self.ctx.pp_group if self.pipeline is not None else None,
-            params=self.model.parameters(),
-        )
-        if applied and counts is not None:  # sigmoid_bias routers follow the step's global load
-            self.model.update_router_bias(counts, self.cfg.moe.bias_update_rate)
-        self.skipped += not applied
-        self.step += 1
-        elapsed = time.perf_counter() - start
-        tokens = self.plan.tokens_per_step
-        record = {
-            "step": self.step,
-            "loss": float(loss_sum) / global_tokens,
-            "aux_loss": float(aux),
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "tokens": tokens,
-            "valid_tokens": global_valid,
-            "tokens_per_s": tokens / elapsed,
-            **self.throughput.fields(tokens, elapsed),
-            "step_time_s": elapsed,
-            "skipped_steps": self.skipped,
-        }
-        if counts is not None:
-            record.update(load_summary(counts), dropped_tokens=int(dropped))
-            every = self.cfg.moe.load_histogram_every
-            if every and self.step % every == 0:  # per-layer per-expert token counts of this step
-                record["expert_load"] = counts.round().long().tolist()
-        return record
+        return loss_sum, aux, counts, dropped
 
     def _skip_step(self) -> dict:
         """A global batch without a single loss token (all loss_mask false, one-token documents)

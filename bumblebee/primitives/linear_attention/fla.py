@@ -71,7 +71,12 @@ def _fla_kernel(q, k, v, g, beta, initial_state, cu_seqlens, chunk_idx, scale, f
     else:
         chunk_gated_delta_rule = CHUNK_GATED_DELTA_RULE.load()
 
-    with region(*FLA_FWD):  # counted as FLA's kernels, whatever stands in for them
+    # autocast off: the op's body runs with autocast excluded when a dispatch mode (the memory
+    # tracker) handles the op, and enabled when a checkpoint's recompute calls it directly
+    # (_Recomputed); a pinned state makes the forward, the recompute and the backward's re-run one
+    # computation, so the recompute routes the MoE after it as the forward did
+    off = torch.autocast(q.device.type, enabled=False)
+    with region(*FLA_FWD), off:  # counted as FLA's kernels, whatever stands in for them
         return CHUNK_GATED_DELTA_RULE.call(
             chunk_gated_delta_rule,
             q,

@@ -109,9 +109,7 @@ class AllToAllDispatch:
             return unpermute(expert_fn(x_NH, counts_E), order_N, weight_TK)
         recv_RL = self.exchange_counts(counts_E)
         # one device-to-host read for both split lists; the recompute takes the forward's
-        host = host_read(
-            lambda: torch.cat([counts_E.view(self.ep, -1).sum(1), recv_RL.sum(1)]).cpu()
-        )
+        host = host_read(torch.cat([counts_E.view(self.ep, -1).sum(1), recv_RL.sum(1)]))
         send_splits, recv_splits = host[: self.ep].tolist(), host[self.ep :].tolist()
         x_recv = self.exchange_rows(x_NH, send_splits, recv_splits)
         by_expert = regroup_by_expert(recv_RL, sum(recv_splits))

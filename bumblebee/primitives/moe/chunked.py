@@ -148,7 +148,7 @@ class _ChunkedExperts(torch.autograd.Function):
         sent_CRL = torch.stack([c[3] for c in chunks]).view(n, ep, L)
         recv_RCL = s.comm.a2a(sent_CRL.transpose(0, 1).reshape(ep * n, L)).wait()
         # the recompute takes the forward's read (recompute_scope.host_read): one sync per layer
-        host = host_read(lambda: torch.cat([sent_CRL.flatten(), recv_RCL.flatten()]).cpu())
+        host = host_read(torch.cat([sent_CRL.flatten(), recv_RCL.flatten()]))
         sent_CRL, recv_RCL = host[: n * ep * L].view(n, ep, L), host[n * ep * L :].view(ep, n, L)
         pending_x = []
         for i, c in enumerate(chunks):  # host-side splits of chunk i, then issue its dispatch
