@@ -236,10 +236,11 @@ def test_train_saves_adapters_and_exports_merged_weights(tmp_path, capsys):
     sets += ["model.arch.num_hidden_layers=2", "train.export_hf=true", "train.eval_every=0"]
     sets += ["train.lr=0.05", f"train.out_dir={tmp_path}"]
     assert main(["train"] + [x for s in sets for x in ("--set", s)]) == 0
+    from bumblebee.runtime.checkpoint.directory import read_marker
     from bumblebee.runtime.checkpoint.state import read_dcp_metadata
 
     ckpt = str(tmp_path / "checkpoints" / "step_00000002")
-    keys = list(read_dcp_metadata(ckpt).state_dict_metadata)
+    keys = list(read_dcp_metadata(ckpt, read_marker(ckpt)).state_dict_metadata)
     optim = {k.split("/")[1] for k in keys if k.startswith("optim/")}
     assert optim and all(".lora_" in n for n in optim)  # the frozen base has no optimizer state
     trained = load_model(ckpt).eval()

@@ -197,7 +197,7 @@ class Checkpointer:
             for k, s in md.state_dict_metadata.items()
             if k.startswith(f"rng/{self.ctx.rank}/")
         }
-        load_pieces(path, {**pieces, **rng}, self.group, info)
+        load_pieces(path, {**pieces, **rng}, self.group, info=info)
         self.sharding.after_load()  # e.g. zero1 refreshes its fp32 masters from the parameters
         set_rng_states({k: p.local for k, p in rng.items()})
         self._note_changes(path, info)

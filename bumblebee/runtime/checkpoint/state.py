@@ -277,13 +277,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_dcp_metadata(path: str, info: dict | None = None) -> Metadata:
-    """The DCP ``.metadata`` of checkpoint directory ``path`` (``info``: its marker, read here when
-    None), through the allow-list unpickler, checked by ``check_metadata``."""
-    if info is None:
-        from bumblebee.runtime.checkpoint.directory import read_marker
-
-        info = read_marker(path)
+def read_dcp_metadata(path: str, info: dict) -> Metadata:
+    """The DCP ``.metadata`` of checkpoint directory ``path`` (``info``: its marker, as
+    directory.read_marker validated it), through the allow-list unpickler, checked by
+    ``check_metadata``."""
     files = info.get("files", {})
     if ".metadata" not in files:
         raise CheckpointError(f"{path}: its marker does not list .metadata (not a DCP checkpoint)")
@@ -461,15 +458,10 @@ def save_pieces(path: str, pieces: dict[str, Piece], process_group=None) -> None
         )
 
 
-def load_pieces(
-    path: str, pieces: dict[str, Piece], process_group=None, info: dict | None = None
-) -> None:
+def load_pieces(path: str, pieces: dict[str, Piece], process_group=None, *, info: dict) -> None:
     """Fill ``pieces`` in place from checkpoint ``path`` (collective over ``process_group``;
-    ``None`` with no process group: this process alone); ``info``: its marker (read when None)."""
-    if info is None:
-        from bumblebee.runtime.checkpoint.directory import read_marker
-
-        info = read_marker(path)
+    ``None`` with no process group: this process alone); ``info``: its marker, as
+    directory.read_marker validated it (the files DCP may open and their sizes)."""
     with warnings.catch_warnings(), _unwrapped(path, "read"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(
