@@ -41,7 +41,7 @@ import torch.distributed as dist
 from bumblebee import safe_write
 from bumblebee.config import PrimitivesConfig
 from bumblebee.config_parse import dump_toml
-from bumblebee.errors import disk_full, out_of_room
+from bumblebee.errors import ConfigError, disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
@@ -238,8 +238,13 @@ class Checkpointer:
             if self.ctx.rank == 0:
                 try:
                     # a link planted for checkpoints/ or the step would take the save outside
-                    safe_write.make_dirs(self.root, root=self.cfg.train.out_dir)
-                    safe_write.refuse_links(tmp, final)
+                    try:
+                        safe_write.make_dirs(self.root, root=self.cfg.train.out_dir)
+                        safe_write.refuse_links(tmp, final)
+                    except ConfigError as e:  # e.g. checkpoints/ replaced by a file meanwhile
+                        raise CheckpointError(
+                            f"{self.root}: cannot write a checkpoint ({e})"
+                        ) from None
                     lock.acquire()  # another process saving here: wait for it to finish
                     sweep(self.root)  # left by a killed save (nobody else is saving now)
                     os.makedirs(tmp)
