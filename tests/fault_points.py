@@ -4,8 +4,10 @@
 imported and built is there already: no interpreter start per point) with the filesystem calls
 that change something counted: each ``os`` call that creates, renames or removes an entry
 (``rename``, ``replace``, ``unlink``, ``remove``, ``rmdir``, ``mkdir``, ``link``), each file opened
-for writing (``open`` / ``io.open`` / ``os.open`` with a write flag) and the first write into each
-such file (torch's zip writer calls it back from C++). Just before step ``at`` the child sends
+for writing (``open`` / ``io.open`` / ``os.open`` with a write flag), the first write into each
+such file, and a write into it from the middle of a ``torch.save`` (its second: torch's zip
+writer calls the file back from C++, and an exception raised there after the first write comes
+out as ``RuntimeError: ... unexpected pos``, which reads like a full disk). Just before step ``at`` the child sends
 itself ``signum``: SIGKILL is a kill at that point (nothing of the process's own cleanup runs),
 SIGINT / SIGTERM reach its Python handlers there, as a Ctrl-C or a scheduler's signal would.
 ``at = 0`` runs to the end and returns the list of steps, which names the points.
@@ -33,6 +35,7 @@ class Outcome:
     code: int | None  # its exit code (None: killed by a signal)
     steps: list[str] = field(default_factory=list)  # with at = 0: every step taken
     error: str = ""  # a traceback the child reported (fn raised)
+    stderr: str = ""  # what the child wrote to sys.stderr
 
 
 def _name(path) -> str:
@@ -44,6 +47,7 @@ def _name(path) -> str:
 class _Counter:
     def __init__(self, at: int, signum: int | None, active: bool):
         self.at, self.signum, self.steps, self.active = at, signum, [], active
+        self.in_torch_save = False
 
     def tick(self, what: str) -> None:
         if not self.active:
@@ -57,12 +61,17 @@ class _Written:
     """A file opened for writing whose first ``write`` is a step."""
 
     def __init__(self, f, counter: _Counter, name: str):
-        self._f, self._counter, self._name, self._first = f, counter, name, True
+        self._f, self._counter, self._name = f, counter, name
+        self._first, self._zip_writes = True, 0
 
     def write(self, data):
         if self._first:
             self._first = False
             self._counter.tick(f"first write into {self._name}")
+        if self._counter.in_torch_save and self._zip_writes < 2:
+            self._zip_writes += 1
+            if self._zip_writes == 2:
+                self._counter.tick(f"a write of torch's zip writer into {self._name}")
         return self._f.write(data)
 
     def __enter__(self):
@@ -105,6 +114,18 @@ def _install(counter: _Counter) -> None:
         return _Written(real_open(file, mode, *args, **kwargs), counter, _name(file))
 
     io.open = builtins.open = opened
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        real_save = torch.save
+
+        def save(*args, **kwargs):
+            counter.in_torch_save = True
+            try:
+                return real_save(*args, **kwargs)
+            finally:
+                counter.in_torch_save = False
+
+        torch.save = save
 
 
 def _count_within(counter: _Counter, owner, method: str) -> None:
@@ -127,9 +148,12 @@ def run_stopped(
     (0: never); ``fn`` returns the child's exit code (anything but an int: 0). ``within``:
     (class or module, name): count only the steps taken inside calls of that function."""
     r, w = os.pipe()
+    err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the test
         os.close(r)
+        os.close(err_r)
+        sys.stderr = os.fdopen(err_w, "w", buffering=1)  # before the counting starts
         counter, code, error = _Counter(at, signum, active=within is None), 0, ""
         try:
             if "torch" in sys.modules:  # the parent's OpenMP workers are not in the child
@@ -144,14 +168,17 @@ def run_stopped(
         os.write(w, json.dumps({"steps": counter.steps, "error": error}).encode())
         os._exit(code)
     os.close(w)
-    os.set_blocking(r, False)  # read while waiting: a long report must not block the child
-    chunks, deadline = [], time.monotonic() + timeout
+    os.close(err_w)
+    chunks, errs, deadline = [], [], time.monotonic() + timeout
+    for fd in (r, err_r):
+        os.set_blocking(fd, False)  # read while waiting: a long report must not block the child
     while True:
-        try:
-            while data := os.read(r, 1 << 16):
-                chunks.append(data)
-        except BlockingIOError:
-            pass
+        for fd, into in ((r, chunks), (err_r, errs)):
+            try:
+                while data := os.read(fd, 1 << 16):
+                    into.append(data)
+            except BlockingIOError:
+                pass
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
@@ -160,11 +187,13 @@ def run_stopped(
             os.waitpid(pid, 0)
             raise TimeoutError(f"the child did not end within {timeout} s (stopped at {at})")
         time.sleep(0.01)
-    os.set_blocking(r, True)
-    while data := os.read(r, 1 << 16):
-        chunks.append(data)
-    os.close(r)
+    for fd, into in ((r, chunks), (err_r, errs)):
+        os.set_blocking(fd, True)
+        while data := os.read(fd, 1 << 16):
+            into.append(data)
+        os.close(fd)
     report = json.loads(b"".join(chunks) or b'{"steps": [], "error": ""}')
+    err = b"".join(errs).decode(errors="replace")
     if os.WIFSIGNALED(status):
-        return Outcome(os.WTERMSIG(status), None, report["steps"], report["error"])
-    return Outcome(None, os.WEXITSTATUS(status), report["steps"], report["error"])
+        return Outcome(os.WTERMSIG(status), None, report["steps"], report["error"], err)
+    return Outcome(None, os.WEXITSTATUS(status), report["steps"], report["error"], err)

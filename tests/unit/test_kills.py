@@ -91,13 +91,19 @@ def hidden(root) -> list[str]:
 
 
 def distinct(points: list[str]) -> list[tuple[int, str]]:
-    """(step number, step) of ``points`` without the repeats inside one deletion: of a run of
-    ``unlink`` steps (shutil.rmtree removing a directory's files) the first stands for all."""
-    return [
-        (i, p)
-        for i, p in enumerate(points, 1)
-        if not (p.startswith("unlink ") and i > 1 and points[i - 2].startswith("unlink "))
-    ]
+    """(step number, step) of ``points`` without the steps that leave the same state as the one
+    before: of a run of ``unlink`` steps (shutil.rmtree removing a directory's files) the first
+    stands for all, and a file's first write for the open just before it."""
+
+    def same(i: int) -> bool:
+        if i == 1:
+            return False
+        p, q = points[i - 1], points[i - 2]
+        return (p.startswith("unlink ") and q.startswith("unlink ")) or (
+            p.startswith("first write into ") and q == "open " + p[len("first write into ") :]
+        )
+
+    return [(i, p) for i, p in enumerate(points, 1) if not same(i)]
 
 
 # ------------------------------------------------------------------------------ kill a save
@@ -298,11 +304,8 @@ def test_two_converts_into_one_target(three, exports, tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ signals: exit codes
-def _train_main(out, *extra, stderr: int | None = None) -> int:
-    """``bumblebee train`` as the program runs it (its own signal handling); in a forked child,
-    its stderr into file descriptor ``stderr``."""
-    if stderr is not None:
-        sys.stderr = os.fdopen(stderr, "w", buffering=1)
+def _train_main(out, *extra) -> int:
+    """``bumblebee train`` as the program runs it (its own signal handling)."""
     sys.argv = ["bumblebee", "train", *sets(TINY + [f"train.out_dir={out}", *extra])]
     return main()
 
@@ -338,11 +341,8 @@ def test_a_signal_at_every_step_of_the_final_save_exits_128_plus_it(tmp_path, si
     failed = []
     for at, point in distinct(points):
         out = tmp_path / f"at{at}"
-        r, w = os.pipe()
-        stopped = run_stopped(lambda: _train_main(out, *args, stderr=w), at, signum, within=within)
-        os.close(w)
-        with os.fdopen(r) as f:
-            err = f.read()
+        stopped = run_stopped(lambda: _train_main(out, *args), at, signum, within=within)
+        err = stopped.stderr
         problems = _stopped_cleanly(stopped, signum, out)
         last = err.strip().splitlines()[-1] if err.strip() else ""
         if signum == signal.SIGINT and last != "bumblebee: interrupted":
@@ -476,7 +476,10 @@ def test_a_zombie_owner_is_not_running(tmp_path):
         os._exit(0)
     try:
         deadline = time.monotonic() + 30
-        while not outdir._zombie(pid) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # until it has exited (state Z)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
             time.sleep(0.01)
         _lock(tmp_path, (pid, outdir._start_time(pid)))
         with OutDirLock(str(tmp_path), stream=io.StringIO()) as held:
@@ -563,3 +566,93 @@ def test_resume_auto_does_not_restore_a_record_of_another_run(tmp_path, monkeypa
     assert main(["train", *sets(run + ["train.lr=5e-3"]), "--resume", "auto"]) == 0
     assert "no complete checkpoint" in capsys.readouterr().out
     assert record.PREVIOUS in os.listdir(out) and len(os.listdir(out / "previous")) == 2
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_at_every_step_of_a_convert(three, exports, tmp_path, signum):
+    """Exit 130 / 143 with one line; the target is absent or the whole export (a signal after it
+    was moved in), and nothing is left beside it."""
+    _, base = three
+    src = base / "checkpoints" / "step_00000003"
+
+    def convert(target):
+        sys.argv = ["bumblebee", "convert", "--to", "hf", str(src), str(target)]
+        return main()
+
+    points = run_stopped(lambda: convert(tmp_path / "dry" / "hf")).steps
+    assert len(points) >= 5, points
+    failed = []
+    for at, point in distinct(points):
+        target = tmp_path / f"at{at}" / "hf"
+        stopped = run_stopped(lambda: convert(target), at, signum)
+        err = stopped.stderr.strip().splitlines()
+        problems = []
+        if stopped.code != 128 + signum:
+            problems.append(f"exit {stopped.code} (signal {stopped.signal}) {stopped.error}")
+        if err[-1:] != [
+            f"bumblebee: {'interrupted' if signum == signal.SIGINT else 'stopped by SIGTERM'}"
+        ]:
+            problems.append(f"said {err[-2:]}")
+        left = sorted(os.listdir(target.parent)) if target.parent.is_dir() else []
+        if left not in ([], ["hf"]) or snapshot(target) not in ({}, exports[0]):
+            problems.append(f"left {left}: {sorted(snapshot(target))}")
+        if problems:
+            failed.append(f"{signal.Signals(signum).name} before step {at} ({point}): {problems}")
+    assert not failed, "\n".join(failed)
+
+
+# ------------------------------------------------------------------------------ data prepare
+@pytest.fixture(scope="module")
+def tokens_input(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prep") / "docs.jsonl"
+    path.write_text(
+        "".join(json.dumps({"input_ids": list(range(3, 3 + n))}) + "\n" for n in (5, 9, 7))
+    )
+    return path
+
+
+def _prepare(src, out) -> int:
+    sys.argv = [
+        "bumblebee",
+        "data",
+        "prepare",
+        str(src),
+        str(out),
+        "--source",
+        "tokens",
+        "--no-progress",
+    ]
+    return main()
+
+
+def test_a_kill_or_sigterm_at_every_step_of_data_prepare(tokens_input, tmp_path, capsys):
+    """SIGTERM: exit 143, and the OUT it created is gone (no partial corpus, no lock); SIGKILL:
+    whatever is left, the same prepare run again works and writes the same corpus (or, killed
+    once the corpus was whole, is refused as for any finished OUT)."""
+    points = run_stopped(lambda: _prepare(tokens_input, tmp_path / "dry" / "out")).steps
+    want = {k: v for k, v in snapshot(tmp_path / "dry" / "out").items() if k != "meta.json"}
+    assert want and len(points) >= 5, points
+    failed = []
+    for at, point in distinct(points):
+        out = tmp_path / f"term{at}" / "out"
+        stopped = run_stopped(lambda: _prepare(tokens_input, out), at, signal.SIGTERM)
+        last = stopped.stderr.strip().splitlines()[-1:]
+        left = sorted(os.listdir(out.parent)) if out.parent.is_dir() else []
+        if stopped.code != 143 or last != ["bumblebee: stopped by SIGTERM"] or left:
+            failed.append(
+                f"SIGTERM before step {at} ({point}): exit {stopped.code}, {last}, {left}"
+            )
+        out = tmp_path / f"kill{at}" / "out"
+        assert run_stopped(lambda: _prepare(tokens_input, out), at, signal.SIGKILL).signal == 9
+        finished = (out / "meta.json").exists()  # killed once the corpus was whole
+        argv = ["data", "prepare", str(tokens_input), str(out), "--source", "tokens"]
+        code = main(argv + ["--no-progress"])
+        err = capsys.readouterr().err
+        data = {k: v for k, v in snapshot(out).items() if k != "meta.json"} if out.is_dir() else {}
+        ok = (code == 2 and "already holds prepared data" in err) if finished else code == 0
+        if not ok or data != want:
+            failed.append(
+                f"re-run after SIGKILL before step {at} ({point}): exit {code}, "
+                f"{sorted(set(data) ^ set(want))} {err[-300:]}"
+            )
+    assert not failed, "\n".join(failed)

@@ -214,6 +214,10 @@ class OutDirLock:
             guard.release()
 
     def _take(self, me: dict) -> OutDirLock:
+        folder = os.path.dirname(self.path) or "."
+        for name in os.listdir(folder):  # left by a taker killed while creating the lock
+            if name.startswith(f".{LOCK_NAME}.") and name.endswith(".tmp"):
+                _remove(os.path.join(folder, name))
         for _ in range(3):
             try:
                 created = self._create(me)
