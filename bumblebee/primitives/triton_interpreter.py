@@ -259,13 +259,13 @@ def _patch_bf16(patches: list) -> None:
 
     def encode(x, nearest: bool = True):
         """fp32 -> bf16 bits, rounding to nearest even (or truncating); NaN stays NaN."""
-        u = np.ascontiguousarray(np.asarray(x, dtype=np.float32)).view(np.uint32)
+        x = np.asarray(x, dtype=np.float32)
+        u = x.view(np.uint32)  # same item size: any shape and strides, 0-d kept 0-d
         if nearest:
             r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
         else:
             r = u >> np.uint32(16)
-        nan = np.isnan(np.asarray(x, dtype=np.float32))
-        r = np.where(nan, (u >> np.uint32(16)) | np.uint32(0x40), r)
+        r = np.where(np.isnan(x), (u >> np.uint32(16)) | np.uint32(0x40), r)
         return r.astype(np.uint16)
 
     def as_f32(h):
