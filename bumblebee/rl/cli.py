@@ -20,6 +20,7 @@ from typing import get_type_hints
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+import bumblebee.outputs as outputs
 from bumblebee.config import ConfigError
 from bumblebee.config_parse import parse_override, read_toml
 from bumblebee.console import SetOverride
@@ -176,8 +177,9 @@ def run(args) -> int:
     cfg, rl = configs_from_args(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.plot:
-        image_format(args.plot)  # fail before training, not after (matplotlib, the format)
+    if args.plot:  # fail before training, not after: the path, matplotlib, the format
+        outputs.check_target(args.plot, "rl --plot", kind="file")
+        image_format(args.plot)
     if launch.started_by_torchrun():
         launch.init_distributed()
         _run_and_plot(cfg, rl, args.plot)
