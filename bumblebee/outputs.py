@@ -1,13 +1,15 @@
 """The one writer guard every command that writes runs before it writes: ``train`` (out_dir),
-``data prepare`` (OUT), ``convert`` (OUT_DIR) and ``report`` (-o).
+``data prepare`` (OUT), ``convert`` (OUT_DIR), ``report`` (-o), ``plan --plot`` and
+``rl --plot``; the writes themselves go through safe_write.py.
 
-``check_target`` refuses, each with one line naming the path: an empty path; a target of the
-wrong kind (a file where a directory goes, a directory where a file goes); a target that is
-one of the command's inputs or lies inside an input directory (writing there would destroy
-or mix with what is being read); and a place that cannot be written (checked by creating a
-probe file in the nearest existing directory, so a read-only filesystem fails as well as a
-permission). ``writing`` turns a write that runs out of room into errors.disk_full's line.
-Whatever a command adds on top (convert's "an earlier export", train's lock) stays its own.
+``check_target`` refuses, each with one line naming the path: an empty path; a file target
+that is a symbolic link; a target of the wrong kind (a file where a directory goes, a
+directory where a file goes); a target that is one of the command's inputs or lies inside an
+input directory (writing there would destroy or mix with what is being read); and a place
+that cannot be written (checked by creating a probe file in the nearest existing directory,
+so a read-only filesystem fails as well as a permission). ``writing`` turns a write that
+runs out of room into errors.disk_full's line. Whatever a command adds on top (convert's
+"an earlier export", train's lock) stays its own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import secrets
 from contextlib import contextmanager
 
+from bumblebee import safe_write
 from bumblebee.errors import ConfigError, disk_full, out_of_room
 
 
@@ -34,6 +37,8 @@ def check_target(
     if not str(path).strip():
         raise ConfigError(f"{what} is empty; give the path to write to")
     label = f"{what} {path}"
+    if kind == "file":  # a directory given may be the user's link; a file written is never one
+        safe_write.refuse_links(path)
     if os.path.exists(path):
         if kind == "dir" and not os.path.isdir(path):
             raise ConfigError(f"{label}: exists and is not a directory")

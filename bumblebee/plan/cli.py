@@ -13,6 +13,7 @@ import json
 import math
 import sys
 
+import bumblebee.outputs as outputs
 from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.console import Progress, SetOverride
 from bumblebee.plan import report
@@ -178,8 +179,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seq must be >= 1, got {args.seq}")
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
-    if args.plot:
-        image_format(args.plot)  # matplotlib and the format, before the search
+    if args.plot:  # the path, matplotlib and the format, before the search
+        outputs.check_target(args.plot, "--plot", kind="file")
+        image_format(args.plot)
     spec, hf = load_spec(args.model)
     gpu = get_gpu(args.gpu)
     batch = args.global_batch if args.global_batch is not None else args.gpus

@@ -176,8 +176,8 @@ def run(args) -> int:
     cfg, rl = configs_from_args(args)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.plot:  # fail before training, not after (matplotlib, the format, the target)
-        check_plot_target(args.plot, "--plot")
+    if args.plot:  # fail before training, not after: the path, matplotlib, the format
+        check_plot_target(args.plot, "rl --plot")
     if launch.started_by_torchrun():
         import torch.distributed as dist
 
