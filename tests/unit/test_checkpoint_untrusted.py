@@ -5,13 +5,13 @@ Generated the way test_bad_formats.py generates file variants: crafted names (a 
 an absolute path, ``/dev/zero``, ``..``, NUL, a control character, a 300-byte name, a link inside
 the checkpoint pointing out, a link to ``/dev/zero``, a fifo, a file the marker does not list, a
 byte range past the end of its file) in each place a checkpoint names a file (``complete.json``'s
-``files`` and ``checksums``, ``.metadata``'s storage entries), and each real file of a checkpoint
-replaced by a link pointing out (to an identical copy, so only the link rule stops it), a link to
-``/dev/zero``, a fifo, or a file whose size lies. Each through each reader (``checkpoint verify``,
-``convert``, ``train --resume``; ``Engine.load`` and unpickling in their own tests): one line
-naming the checkpoint (exit 1 for ``verify``, whose code for a checkpoint that is not intact is
-1; exit 2 for the others), no traceback, never a file outside the checkpoint opened (an audit
-hook sees every open), never a hang (an alarm), no export written.
+``files`` and ``checksums``, ``.metadata``'s storage entries), a marker claiming 10^12 layers,
+and each real file of a checkpoint replaced by a link pointing out (to an identical copy, so only
+the link rule stops it), a link to ``/dev/zero``, a fifo, or a file whose size lies. Each through
+each reader (``checkpoint verify``, ``convert``, ``train --resume``; ``Engine.load`` and unpickling
+in their own tests): one line naming the checkpoint (exit 1 for ``verify``, whose code for a
+checkpoint that is not intact is 1; exit 2 for the others), no traceback, never a file outside the
+checkpoint opened (an audit hook sees every open), never a hang (an alarm), no export written.
 """
 
 from __future__ import annotations
@@ -234,6 +234,7 @@ def _cases():
         if (slot, kind) != ("files", "unlisted")  # listed there, it is a file of the checkpoint
     ]
     out.append(("storage:past-end", ("past-end", None, None)))
+    out.append(("marker:1e12-layers", ("huge-arch", None, None)))
     out += [(f"{f}:{kind}", ("member", f, kind)) for f in FILES for kind, _ in MEMBERS]
     return out
 
@@ -254,6 +255,10 @@ def _craft(saved, tmp_path, case):
         dict(SLOTS)[slot](d, name, outside)
     elif what == "past-end":
         _past_end(d, outside)
+    elif what == "huge-arch":  # a size claim no reader may act on (it would hang building)
+        info = _marker(d)
+        info["arch"]["num_hidden_layers"] = 10**12
+        _write_marker(d, info)
     else:
         dict(MEMBERS)[kind](d, outside, slot)
     return d, outside
@@ -271,9 +276,9 @@ def _argv(entry, d, tmp_path):
 
 @pytest.mark.parametrize("entry", ["verify", "convert", "resume"])
 def test_crafted_checkpoints_are_refused_by_every_reader(saved, tmp_path, capsys, entry):
-    """11 names x 3 places (less an unlisted file listed) + a byte range past the end + 4 files x 4
-    replacements = 49 variants per reader."""
-    assert len(CASES) == 49
+    """11 names x 3 places (less an unlisted file listed) + a byte range past the end + a marker
+    claiming 1e12 layers + 4 files x 4 replacements = 50 variants per reader."""
+    assert len(CASES) == 50
     for i, (label, case) in enumerate(CASES):
         root = tmp_path / f"v{i}"
         root.mkdir()

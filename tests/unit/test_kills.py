@@ -272,13 +272,13 @@ def test_two_converts_into_one_target(three, exports, tmp_path, monkeypatch):
     new = exports[0]
     import bumblebee.runtime.checkpoint.export as export
 
-    inner = export.write_hf
+    inner = export.write_hf_files
 
     def slow(*args, **kwargs):
         time.sleep(1.0)
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(export, "write_hf", slow)
+    monkeypatch.setattr(export, "write_hf_files", slow)
     target = tmp_path / "hf"
     pids = []
     for step in (3, 1):  # the second one exports another checkpoint: a mix would show

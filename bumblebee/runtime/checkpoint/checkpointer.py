@@ -41,8 +41,13 @@ import torch.distributed as dist
 from bumblebee import safe_write
 from bumblebee.config import PrimitivesConfig
 from bumblebee.config_parse import dump_toml
+<<<<<<< HEAD
 from bumblebee.errors import ConfigError, disk_full, out_of_room
 from bumblebee.models import arch_from_hf_dict, build_model
+=======
+from bumblebee.errors import disk_full, out_of_room
+from bumblebee.models import build_model
+>>>>>>> ckptsec
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.checkpoint.directory import (
@@ -54,6 +59,7 @@ from bumblebee.runtime.checkpoint.directory import (
     checkpoint_root,
     find_checkpoint,
     read_marker,
+    saved_arch,
     saved_config,
 )
 from bumblebee.runtime.checkpoint.integrity import (
@@ -370,7 +376,7 @@ def load_model(path: str) -> torch.nn.Module:
     # a router with a selection bias saved its buffer: build that router to receive it
     biased = any(k.endswith("mlp.gate.e_score_correction_bias") for k in info.get("shapes", {}))
     model = build_model(
-        arch_from_hf_dict(info["arch"]),
+        saved_arch(path, info),
         PrimitivesConfig(router="sigmoid_bias") if biased else None,
         lora=saved_lora(path, info),
     )

@@ -13,6 +13,8 @@ import re
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from bumblebee.config_parse import tomllib
+from bumblebee.errors import ConfigError
+from bumblebee.models import arch_from_hf_dict
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.checkpoint.reader import (
     check_name,
@@ -97,6 +99,16 @@ def read_marker(path: str) -> dict:
                 "list (a checkpoint's files are listed with their sizes)"
             )
     return info
+
+
+def saved_arch(path: str, info: dict):
+    """The architecture checkpoint ``path``'s marker ``info`` records, checked like any model
+    config (sizes included: a crafted marker cannot make a reader build an absurd model); a
+    one-line ``CheckpointError`` naming the checkpoint otherwise."""
+    try:
+        return arch_from_hf_dict(info["arch"])
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {MARKER} 'arch': {e}") from None
 
 
 def saved_config(path: str, info: dict) -> dict:

@@ -35,7 +35,7 @@ from bumblebee import safe_write
 from bumblebee.config import PrimitivesConfig
 from bumblebee.console import Progress
 from bumblebee.errors import DiskFullError, disk_full, out_of_room
-from bumblebee.models import arch_from_hf_dict, build_model
+from bumblebee.models import build_model
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 from bumblebee.models.hf_read import checkpoint_block_size
@@ -48,6 +48,7 @@ from bumblebee.runtime.checkpoint.directory import (
     check_fits,
     named_checkpoint,
     read_marker,
+    saved_arch,
     saved_config,
 )
 from bumblebee.runtime.checkpoint.export_dir import (
@@ -238,7 +239,7 @@ def stream_checkpoint(path: str, bucket_bytes: int = BUCKET_BYTES):
     (checksums verified, shapes checked): the iterator reads ``bucket_bytes`` of tensors at a time."""
     info = read_marker(path)
     verify_checksums(path, info)
-    arch = arch_from_hf_dict(info["arch"])
+    arch = saved_arch(path, info)
     # a router with a selection bias saved its buffer: build that router to receive it
     biased = any(k.endswith("mlp.gate.e_score_correction_bias") for k in info.get("shapes", {}))
     lora = saved_lora(path, info)

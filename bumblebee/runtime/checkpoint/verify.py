@@ -9,7 +9,13 @@ import os
 import sys
 
 from bumblebee.errors import CheckpointError
-from bumblebee.runtime.checkpoint.directory import MARKER, STEP_DIR, checkpoints_in, read_marker
+from bumblebee.runtime.checkpoint.directory import (
+    MARKER,
+    STEP_DIR,
+    checkpoints_in,
+    read_marker,
+    saved_arch,
+)
 from bumblebee.runtime.checkpoint.integrity import HASH, verify_checksums
 from bumblebee.runtime.checkpoint.reader import subdirectory
 from bumblebee.runtime.checkpoint.state import read_dcp_metadata
@@ -32,6 +38,7 @@ def verify_command(spec: str) -> int:
             if d != spec:
                 subdirectory(os.path.dirname(d), os.path.basename(d))  # not a link
             info = read_marker(d)
+            saved_arch(d, info)  # a model the readers can build
             verify_checksums(d, info)
             read_dcp_metadata(d, info)
         except CheckpointError as e:
