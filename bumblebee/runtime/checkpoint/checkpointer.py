@@ -41,13 +41,8 @@ import torch.distributed as dist
 from bumblebee import safe_write
 from bumblebee.config import PrimitivesConfig
 from bumblebee.config_parse import dump_toml
-<<<<<<< HEAD
 from bumblebee.errors import ConfigError, disk_full, out_of_room
-from bumblebee.models import arch_from_hf_dict, build_model
-=======
-from bumblebee.errors import disk_full, out_of_room
 from bumblebee.models import build_model
->>>>>>> ckptsec
 from bumblebee.models.base import persistent_buffers
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.checkpoint.directory import (
