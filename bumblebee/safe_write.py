@@ -169,6 +169,32 @@ def _new_temp(dir_fd: int, name: str) -> tuple[str, int]:
             continue
 
 
+def sweep_temporaries(directory: str, names: Iterable[str]) -> list[str]:
+    """Remove the temporaries ``AtomicFile`` left in ``directory`` for ``names`` when its writer
+    was killed (``.<name>.tmp-<8 hex>``); returns the names removed. Only for a writer that holds
+    the directory (its lock): a live writer's temporaries look the same. Unlinking never follows
+    a link, and nothing but those exact names is touched."""
+    wanted = {f".{n[:200]}.tmp-" for n in names}
+    removed = []
+    try:
+        entries = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        head, _, tail = entry.rpartition(".tmp-")
+        if (
+            f"{head}.tmp-" in wanted
+            and len(tail) == 8
+            and all(c in "0123456789abcdef" for c in tail)
+        ):
+            try:
+                os.remove(os.path.join(directory, entry))
+                removed.append(entry)
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
+                pass
+    return removed
+
+
 class AtomicFile:
     """``path`` written in pieces: ``write`` (bytes or str) appends to a temporary beside it,
     ``commit`` renames it over ``path``, ``discard`` removes it. As a context manager it commits

@@ -95,6 +95,9 @@ class StoreWriter:
             )
         self._created = not os.path.isdir(out_dir)
         safe_write.make_dirs(out_dir)
+        # an earlier prepare killed here (SIGKILL, power loss) left its temporaries; the caller
+        # holds OUT's lock, so none of them is a live writer's
+        safe_write.sweep_temporaries(out_dir, NAMES)
         self.out_dir = out_dir
         self._tokens = self._mask = None
         self._tokens = self._file("tokens")

@@ -94,13 +94,25 @@ def test_convert_and_report_refuse_bad_targets(capsys, tmp_path):
 
 
 def test_a_full_disk_at_the_guard_is_one_line(tmp_path, monkeypatch):
-    real_open = open
+    """The probe's write fails for want of room on either path it takes (an unnamed O_TMPFILE
+    written with os.write, or a named probe file where the filesystem has no O_TMPFILE)."""
+    real_open, real_write = open, os.write
 
-    def full(path, *args, **kwargs):
+    def full_open(path, *args, **kwargs):
         if ".bumblebee-write-test" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr("builtins.open", full)
+    def full_write(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("builtins.open", full_open)
+    monkeypatch.setattr(outputs.os, "write", full_write)
     with pytest.raises(DiskFullError, match="no room"):
         outputs.check_target(str(tmp_path / "out"), "data prepare OUT")
+    monkeypatch.setattr(outputs.os, "write", real_write)
+    if hasattr(os, "O_TMPFILE"):
+        monkeypatch.delattr(outputs.os, "O_TMPFILE")
+    with pytest.raises(DiskFullError, match="no room"):
+        outputs.check_target(str(tmp_path / "out"), "data prepare OUT")
+    assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == []

@@ -181,7 +181,7 @@ def _stopped(report_dir: str, message: str, exit_code: int) -> None:
     except FileExistsError:
         return
     with os.fdopen(fd, "w") as f:
-        json.dump({"message": message, "exit_code": exit_code}, f)
+        json.dump({"message": message, "exit_code": exit_code, "time_ns": time.time_ns()}, f)
 
 
 @record  # also writes torch elastic's own error file for the agent's log
@@ -297,14 +297,20 @@ class _ForwardPreemption:
         timer.start()
 
 
-def _report_stop(report_dir: str) -> int:
+def _report_stop(report_dir: str, failures_after: int | None = None) -> int:
     """The exit code of a recorded clean stop (its line printed; Ctrl-C raised as
-    ``KeyboardInterrupt`` for the CLI's own line), 0 if none."""
+    ``KeyboardInterrupt`` for the CLI's own line), 0 if none. ``failures_after``: an attempt
+    whose failure reports, when one precedes the stop, make it no stop at all: torch elastic
+    SIGTERMs the surviving ranks after one failed, and that teardown is not the cause."""
     preempted = os.path.join(report_dir, PREEMPTED)
     if not os.path.exists(preempted):
         return 0
     with open(preempted) as f:
         info = json.load(f)
+    if failures_after is not None and "time_ns" in info:
+        reports = read_reports(report_dir, failures_after)
+        if any(r.get("time_ns", 0) < info["time_ns"] for r in reports.values()):
+            return 0
     if int(info["exit_code"]) == 128 + signal.SIGINT:
         raise KeyboardInterrupt
     print(f"bumblebee: {info['message']}", file=sys.stderr)
@@ -367,7 +373,10 @@ def launch_local(
     except ChildFailedError as e:
         # a rank stopped by a signal (the others then failed for its absence), or the launcher
         # was: 128 + the signal, not a failure
-        if code := _report_stop(report_dir):
+        if forward.signum:
+            if code := _report_stop(report_dir):
+                return code
+        elif code := _report_stop(report_dir, failures_after=max_restarts):
             return code
         if forward.signum:
             print(f"bumblebee: stopped by {signal.Signals(forward.signum).name}", file=sys.stderr)
