@@ -224,9 +224,12 @@ def _entry(
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised
             # before the group is torn down, so a cause is stamped before its echoes on other ranks
             if write_report(report_dir, attempt, rank, e, log=log) != "error":
-                time.sleep(
-                    1.0
-                )  # an echo lingers: the agent then sees (and gives the exit code of) the cause's death first
+                # an echo lingers: the agent then sees (and gives the exit code of) the cause's
+                # death first; its SIGTERM meanwhile ends the linger, not the report
+                try:
+                    time.sleep(1.0)
+                except (KeyboardInterrupt, Terminated):
+                    pass
             raise
         finally:
             if dist.is_initialized():
