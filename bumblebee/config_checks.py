@@ -251,16 +251,18 @@ def _check_primitives(cfg) -> None:
     for name in ("moe_chunks", "pp_microbatches", "pp_virtual_stages"):
         if getattr(pr, name) < 0:
             raise ConfigError(f"primitives.{name} must be >= 0, got {getattr(pr, name)}")
-    if cfg.primitives.moe_comm == "chunked" and cfg.primitives.moe_chunks not in (2, 3, 4):
-        raise ConfigError(
-            f"primitives.moe_chunks must be 2, 3 or 4 with moe_comm = 'chunked', "
-            f"got {cfg.primitives.moe_chunks}"
-        )
-    if pr.moe_chunk_weights and pr.moe_comm != "chunked":
-        raise ConfigError(
-            f"primitives.moe_chunk_weights = {pr.moe_chunk_weights} needs moe_comm = 'chunked' "
-            f"(got {pr.moe_comm!r})"
-        )
+    _check_contracts(pr)
+
+
+def _check_contracts(pr) -> None:
+    """What the chosen implementations declare they need of the config alone (registry.Need),
+    and their own options set for another one; the layout's needs are checked at launch. Every
+    caller has registered the implementations (runtime/resolve.py imports bumblebee.primitives)."""
+    from bumblebee import registry
+
+    defaults = type(pr)()
+    if unmet := registry.unmet(registry.RunFacts(prims=pr, moe_bias=None), defaults):
+        raise ConfigError("\n".join(unmet))
 
 
 def _check_data(d, t) -> None:

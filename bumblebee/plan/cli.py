@@ -22,8 +22,15 @@ from bumblebee.plan.cp_rules import check_cp_rules
 from bumblebee.plan.cp_rules import text as cp_rules_text
 from bumblebee.plan.hardware import GPUS, MEMORY_MARGIN, get_gpu
 from bumblebee.plan.kernels import assumptions, kernels_note
-from bumblebee.plan.layout import Workload, apply_overrides, check, parse_layout, prims_label
-from bumblebee.plan.memory import local_tokens
+from bumblebee.plan.layout import (
+    Workload,
+    apply_overrides,
+    check,
+    parse_layout,
+    prims_label,
+    without_exchange,
+)
+from bumblebee.plan.memory import local_tokens, moe_costs
 from bumblebee.plan.recipe import Recommendation, evaluate, recipe, recipe_primitives, search
 from bumblebee.plan.runnable import emit_toml, run_config, runtime_problem
 from bumblebee.plan.spec import GDN, load_spec, preset_names
@@ -121,7 +128,7 @@ def _one_layout(args, spec, gpu, work, base: PrimitivesConfig, fixed: set[str]) 
     lay = parse_layout(args.layout, args.gpus)
     prims = base
     if lay.ep == 1 and "moe_comm" not in fixed:
-        prims = dataclasses.replace(prims, moe_comm="local")
+        prims = without_exchange(prims)
     why = check(spec, lay, prims, work, args.gpus)
     if why:
         raise ConfigError(f"--layout {args.layout!r}: {why}")
@@ -146,7 +153,7 @@ def _choose_chunks(args, spec, gpu, work, rec: Recommendation) -> ChunkChoice | 
     else:
         skews = [args.skew] if args.skew > 1 else None
     rec.candidate = c
-    if skews is None or c.prims.moe_comm != "chunked" or c.layout.ep == 1:
+    if skews is None or moe_costs(c.prims).overlap != "chunks" or c.layout.ep == 1:
         return None
     choice = choose(spec, c.layout, c.prims.recompute, c.prims.moe_chunks, work, gpu, skews)
     w = choice.config_weights()

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from bumblebee.plan.hardware import GB, GPU, Efficiency
-from bumblebee.plan.layout import Layout, Workload, prims_label
+from bumblebee.plan.layout import Layout, Workload, fallback, prims_label, without_exchange
 from bumblebee.plan.recipe import LOCAL_SEQ_MAX, Candidate, evaluate
 from bumblebee.plan.spec import ModelSpec
 
@@ -81,10 +81,9 @@ def check_cp_rules(
         else:
             # the rule comes with selective recompute; the chunked EP overlap is validated
             # under full recompute only, so the comparison uses the plain all-to-all there
-            comm = "alltoall" if p.moe_comm == "chunked" else p.moe_comm
-            comm = "local" if alt_lay.ep == 1 else comm
-            sel = dataclasses.replace(p, recompute="selective", moe_comm=comm)
-            same = dataclasses.replace(p, moe_comm="local" if alt_lay.ep == 1 else p.moe_comm)
+            at_ep = without_exchange(p) if alt_lay.ep == 1 else p
+            sel = fallback(spec, alt_lay, dataclasses.replace(at_ep, recompute="selective"), work)
+            same = at_ep
             a_sel = evaluate(spec, alt_lay, sel, work, gpu, eff)
             a_same = evaluate(spec, alt_lay, same, work, gpu, eff)
             why = (

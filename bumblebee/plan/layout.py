@@ -14,23 +14,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import bumblebee.primitives  # noqa: F401  (registers every implementation, its costs and needs)
 from bumblebee import registry
 from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.config_aliases import canonical
 from bumblebee.config_parse import parse_override
 from bumblebee.plan.spec import ModelSpec
-from bumblebee.primitives import loss as _loss  # noqa: F401  (registers the losses, their costs)
-from bumblebee.primitives import sharding as _sharding  # noqa: F401  (and the shardings)
 from bumblebee.runtime.resolve import Layout  # noqa: F401  (one meaning of "layout" in bumblebee)
 
-# the recompute policies and MoE exchanges the planner models (by name: plan/memory.py, routed_bytes.py, perf_layer.py)
+# the recompute policies the planner models (by name: plan/memory.py, perf_layer.py)
 RECOMPUTE = ("none", "selective", "full", "offload")
-MOE_COMM = ("local", "alltoall", "chunked", "overlap_mb")
 
 
 def planned_choices() -> dict[str, tuple[str, ...]]:
-    """Slot -> the implementations ``--set`` may fix: every registered loss and sharding that
-    declares its costs (primitives/loss/costs.py, primitives/sharding/costs.py), and the above."""
+    """Slot -> the implementations ``--set`` may fix: every registered loss, sharding and MoE
+    exchange that declares its costs (primitives/{loss,sharding,moe}/costs.py), and the above."""
 
     def costed(slot):
         return tuple(n for n, i in registry.implementations(slot).items() if i.costs is not None)
@@ -39,15 +37,28 @@ def planned_choices() -> dict[str, tuple[str, ...]]:
         "sharding": costed("sharding"),
         "loss": costed("loss"),
         "recompute": RECOMPUTE,
-        "moe_comm": MOE_COMM,
+        "moe_comm": costed("moe_comm"),
     }
 
 
 def prims_label(prims: PrimitivesConfig) -> str:
     """The planned primitives in one cell: ``fsdp2 linear_ce full chunkedx2``."""
     p = prims
-    comm = f"{p.moe_comm}x{p.moe_chunks}" if p.moe_comm == "chunked" else p.moe_comm
-    return f"{p.sharding} {p.loss} {p.recompute} {comm}"
+    label = registry.get("moe_comm", p.moe_comm).costs.label
+    return f"{p.sharding} {p.loss} {p.recompute} {label(p) if label else p.moe_comm}"
+
+
+def without_exchange(prims: PrimitivesConfig) -> PrimitivesConfig:
+    """``prims`` with the MoE exchange that moves no tokens (what runs at ep = 1): the first
+    registered one whose costs say so, when the chosen one exchanges."""
+    if not registry.get("moe_comm", prims.moe_comm).costs.exchanges:
+        return prims
+    name = next(
+        n
+        for n, i in registry.implementations("moe_comm").items()
+        if i.costs and not i.costs.exchanges
+    )
+    return dataclasses.replace(prims, moe_comm=name)
 
 
 def prims_json(prims: PrimitivesConfig) -> dict:
@@ -153,12 +164,28 @@ def check(
         return f"seq {work.seq} must be divisible by 2*cp*tp = {2 * lay.cp * lay.tp} (load-balanced shards)"
     if work.global_batch % (lay.dp_shard * work.micro_batch):
         return f"global batch {work.global_batch} not divisible by dp*micro_batch = {lay.dp_shard * work.micro_batch}"
-    if lay.ep == 1 and prims.moe_comm != "local":
-        return "moe_comm alltoall/chunked needs ep > 1"
-    if lay.ep > 1 and prims.moe_comm == "local":
-        return "moe_comm local needs ep = 1"
-    if prims.moe_comm == "chunked" and spec.moe_bias:
-        return "moe_comm chunked runs plain SwiGLU experts (these have biases and another GLU)"
-    if prims.moe_comm == "chunked" and prims.recompute == "selective":
-        return "chunked EP overlap is validated under full (or no) recompute only"
-    return ""
+    # what the chosen implementations declare they need, as the launch checks it, and the
+    # planner's own preferences among them (registry.Need.plan_only)
+    facts = registry.RunFacts(
+        prims=prims,
+        moe_bias=spec.moe_bias,
+        world=gpus,
+        ep=lay.ep,
+        pp=lay.pp,
+        cp=lay.cp,
+        micro_batches=work.global_batch // (lay.dp_shard * work.micro_batch),
+        planning=True,
+    )
+    unmet = registry.unmet(facts)
+    return unmet[0] if unmet else ""
+
+
+def fallback(
+    spec: ModelSpec, layout: Layout, prims: PrimitivesConfig, work: Workload
+) -> PrimitivesConfig:
+    """``prims`` for a comparison the recipe prints: where its MoE exchange's needs are not met
+    (``check``), that exchange's declared baseline instead (``MoeCommCosts.baseline``)."""
+    base = registry.get("moe_comm", prims.moe_comm).costs.baseline
+    if base and check(spec, layout, prims, work, layout.world):
+        return dataclasses.replace(prims, moe_comm=base)
+    return prims

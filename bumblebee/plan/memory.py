@@ -53,6 +53,7 @@ from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 from bumblebee.primitives import loss as _losses  # noqa: F401  (registers their costs)
 from bumblebee.primitives import sharding as _shardings  # noqa: F401  (registers their costs)
 from bumblebee.primitives.loss.costs import LossCosts
+from bumblebee.primitives.moe.costs import MoeCommCosts
 from bumblebee.primitives.sharding.costs import ShardingCosts
 
 BF16, FP32 = 2, 4
@@ -111,9 +112,10 @@ def in_flight(
 
 
 def pair_factor(prims: PrimitivesConfig | None) -> int:
-    """Micro-batches inside a layer at once: 2 under ``moe_comm = overlap_mb`` (each one's
-    all-to-alls run under the other's compute, so both hold a layer's working set), else 1."""
-    return 2 if prims is not None and prims.moe_comm == "overlap_mb" else 1
+    """Micro-batches inside a layer at once: 2 under a paired exchange (``moe_comm =
+    overlap_mb``: each one's all-to-alls run under the other's compute, so both hold a layer's
+    working set), else 1."""
+    return 2 if prims is not None and registry.paired(prims) else 1
 
 
 # ------------------------------------------------------------------------ static state (bytes)
@@ -276,6 +278,11 @@ def mlp_act(spec: ModelSpec, kind: str, tp: int) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------ loss (bytes)
+
+
+def moe_costs(prims: PrimitivesConfig) -> MoeCommCosts:
+    """The chosen MoE exchange's declared costs (primitives/moe/costs.py)."""
+    return registry.get("moe_comm", prims.moe_comm).costs
 
 
 def loss_costs(prims: PrimitivesConfig) -> LossCosts:

@@ -13,7 +13,8 @@ One micro-batch on one GPU costs, per decoder layer (``perf.py`` assembles the s
   parallel), CP K/V exchange or DeltaNet state hand-off, EP all-to-all (fully
   exposed for ``alltoall``; ``chunked`` pipelines c chunks of dispatch/combine
   against the expert GEMMs: max(comm, gemm) + min(comm, gemm) / c; ``overlap_mb`` runs them
-  under the other micro-batch of a pair: what the partner's layer pass does not cover).
+  under the other micro-batch of a pair: what the partner's layer pass does not cover; each
+  exchange declares which: ``MoeCommCosts.overlap``, primitives/moe/costs.py).
 
 Backward is 2x the forward GEMM work (attention 2.5x); ``full`` recompute adds a
 forward (under chunked EP without the combine all-to-all), ``selective`` the
@@ -26,7 +27,7 @@ from bumblebee.config import PrimitivesConfig
 from bumblebee.plan.dsa_terms import COLLECTIVES, dsa_cp_traffic
 from bumblebee.plan.hardware import GPU, Efficiency
 from bumblebee.plan.layout import Layout, Workload
-from bumblebee.plan.memory import BF16, FP32, local_tokens, mixer_act, mlp_act
+from bumblebee.plan.memory import BF16, FP32, local_tokens, mixer_act, mlp_act, moe_costs
 from bumblebee.plan.routed_bytes import routed_units
 from bumblebee.plan.spec import ATTN, MOE, ModelSpec
 from bumblebee.primitives.moe import chunk_plan
@@ -129,9 +130,10 @@ def layer_time(
         experts, a2a = moe_times(spec, lay, work, gpu, eff, skew)
         # passes: (expert GEMM share, number of all-to-alls) for forward, recompute, backward
         passes = [(1.0, 2), (2.0, 2)]
+        comm = moe_costs(prims)
         if rc == "full":
-            passes.append((1.0, 1 if prims.moe_comm == "chunked" else 2))
-        if prims.moe_comm == "chunked" and a2a > 0:
+            passes.append((1.0, comm.recompute_exchanges))
+        if comm.overlap == "chunks" and a2a > 0:
             # even chunks: the calibrated per-pass estimate; uneven chunks scale it by what the
             # timeline of the schedule (chunk_plan.py) says they change
             weights = chunk_weight_lists(prims)
@@ -149,7 +151,7 @@ def layer_time(
                     clock.add(
                         "launch", (n - 1) * KERNELS["chunk"] * eff.kernel_us * 1e-6 / len(weights)
                     )
-        elif prims.moe_comm == "overlap_mb" and a2a > 0:
+        elif comm.overlap == "partner" and a2a > 0:
             # each exchange runs under the partner micro-batch's compute of the same pass: what
             # that whole layer pass (mixer, dense GEMMs, experts) cannot cover stays exposed
             others = {1.0: proj + dense + core, 2.0: 2 * (proj + dense) + core_b}

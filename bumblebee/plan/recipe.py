@@ -15,9 +15,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from bumblebee import registry
 from bumblebee.config import ConfigError, PrimitivesConfig
 from bumblebee.plan.hardware import GB, GPU, MEMORY_MARGIN, Efficiency
-from bumblebee.plan.layout import Layout, Workload, check, prims_json
+from bumblebee.plan.layout import (
+    Layout,
+    Workload,
+    check,
+    fallback,
+    prims_json,
+    without_exchange,
+)
 from bumblebee.plan.memory import local_tokens
 from bumblebee.plan.perf import PerfEstimate, estimate
 from bumblebee.plan.spec import ModelSpec
@@ -137,11 +145,18 @@ def primitive_choices(ep: int, base: PrimitivesConfig, fixed: set[str]) -> list[
     def opts(name, values):
         return [getattr(base, name)] if name in fixed else values
 
-    comms = (
-        [("local", base.moe_chunks)]
-        if ep == 1
-        else [("chunked", 2), ("chunked", 4), ("alltoall", 2)]
-    )
+    # each exchange's declared variants (MoeCommCosts.searched): at ep = 1 the ones that move no
+    # tokens, at ep > 1 the ones that do; ``check`` then applies the rest of their needs
+    searched = [
+        impl
+        for impl in registry.implementations("moe_comm").values()
+        if impl.costs is not None and impl.costs.exchanges == (ep > 1)
+    ]
+    comms = [
+        (impl.name, variant.get("moe_chunks", base.moe_chunks))
+        for impl in sorted(searched, key=lambda i: -i.costs.preference)
+        for variant in impl.costs.searched
+    ]
     if "moe_comm" in fixed or "moe_chunks" in fixed:
         comms = [(base.moe_comm, base.moe_chunks)]
     return [
@@ -233,14 +248,21 @@ def recipe(
             continue
         dp = gpus // (pp * cp)
         ep = _largest_divisor_pow2(min(ep_rule, gpus // pp), spec.experts, cp * dp)
-        p = prims if ep > 1 else dataclasses.replace(prims, moe_comm="local")
-        cand = evaluate(
-            spec, Layout(tp=1, pp=pp, ep=ep, cp=cp, dp_shard=dp), p, work, gpu, eff, skew
-        )
+        p = prims if ep > 1 else without_exchange(prims)
+        lay = Layout(tp=1, pp=pp, ep=ep, cp=cp, dp_shard=dp)
+        if "moe_comm" not in fixed:  # e.g. selective recompute fixed: chunked's baseline
+            p = fallback(spec, lay, p, work)
+        cand = evaluate(spec, lay, p, work, gpu, eff, skew)
         tried.append(cand)
         if cand.feasible:
             break
-    best = next((c for c in tried if c.feasible), tried[0] if tried else None)
+    valid = [c for c in tried if c.memory is not None]
+    if tried and not valid:  # --set fixed a primitive that none of the recipe's layouts can run
+        raise ConfigError(
+            f"the recipe's layouts cannot run the fixed primitives: {tried[0].reason}; fix the "
+            "others it needs too (--set) or pass --layout"
+        )
+    best = next((c for c in tried if c.feasible), valid[0] if valid else None)
     if best is None:  # no (pp, cp) the recipe tries divides the GPU count
         raise ConfigError(
             f"--gpus {gpus}: the recipe needs a GPU count divisible by its context-parallel "
@@ -307,9 +329,8 @@ def explain(
     else:
         r["loss"] = f"{p.loss}: set by --set"
     if p.recompute == "full":
-        s = alt(
-            recompute="selective", moe_comm="alltoall" if p.moe_comm == "chunked" else p.moe_comm
-        )
+        sel = fallback(spec, lay, dataclasses.replace(p, recompute="selective"), work)
+        s = evaluate(spec, lay, sel, work, gpu, eff)
         tail = (
             f"; selective would fit ({s.memory.total / GB:.1f} GB, {s.tokens_per_s / cand.tokens_per_s - 1:+.0%} tok/s)"
             if s.feasible
@@ -320,15 +341,13 @@ def explain(
         r["recompute"] = "full: activations independent of depth, ~30% extra compute" + tail
     else:
         r["recompute"] = f"{p.recompute}: set by --set"
-    if p.moe_comm == "chunked":
-        a = alt(moe_comm="alltoall")
+    comm = registry.get("moe_comm", p.moe_comm).costs
+    gain = 0.0
+    if comm.baseline:
+        a = alt(moe_comm=comm.baseline)
         gain = cand.tokens_per_s / a.tokens_per_s - 1 if a.perf else 0.0
-        r["moe_comm"] = (
-            f"chunked x{p.moe_chunks}: hides dispatch/combine under expert GEMMs "
-            f"({gain:+.1%} tok/s vs plain all-to-all)"
-        )
-    elif p.moe_comm == "local":
-        r["moe_comm"] = "local: ep = 1, no token exchange"
+    if comm.explain:
+        r["moe_comm"] = comm.explain.format(prims=p, gain=gain)
     else:
         r["moe_comm"] = f"{p.moe_comm}: set by --set"
     return r

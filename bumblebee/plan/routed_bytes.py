@@ -1,4 +1,5 @@
-"""MoE routed buffers, per local token: the planner's counts of the [k*t, .] tensors of each ``moe_comm``.
+"""MoE routed buffers, per local token: the planner's counts of the [k*t, .] tensors of each ``moe_comm``
+(declared by each implementation: ``MoeCommCosts.routed``, primitives/moe/costs.py).
 
 Every [k*t, .] tensor of the dispatch / expert / combine code at its
 largest moment, in units X = one bf16 [k*t, H] row tensor and A = one bf16 [k*t, F]
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from bumblebee.config import PrimitivesConfig
 from bumblebee.plan.layout import Layout
-from bumblebee.plan.memory import BF16
+from bumblebee.plan.memory import BF16, moe_costs
 from bumblebee.plan.spec import ModelSpec
 
 
@@ -49,33 +50,15 @@ def routed_buffers(
     # a recompute stops at the layer's last op that saves a tensor (torch's early stop), before that op
     # allocates its output: without a shared expert after it, the combine's weighted product is never made
     last = 0 if spec.shared_ffn else 1
-    f = skew if prims.moe_comm != "local" else 1.0
-    # phase -> (home, expert side), in units of X and A: (x, a) pairs
-    table = {
-        "local": {
-            "fwd": max(((0, 0), (2, 4)), ((0, 0), (3, 0)), key=lambda v: v[1][0] * X + v[1][1] * A),
-            "recompute": ((0, 0), (4 - last, 4)),
-            "bwd": ((0, 0), (4, 5)),
-        },
-        "alltoall": {
-            "fwd": max(
-                ((1, 0), (3, 4)),
-                ((4, 0), (3, 0)),
-                key=lambda v: (v[0][0] + v[1][0]) * X + v[1][1] * A,
-            ),
-            "recompute": ((4 - last, 0), (4, 4)),
-            "bwd": ((2, 0), (2, 5)),
-        },
-        # backward: its peak is the first delayed wgrad (every chunk's g and dh, the last chunk's dgrad
-        # locals, dx sent and received; fc1's weight gradient); "bwd_wgrad": the second one (the first
-        # chunk's g and dh freed; fc1's gradient summed: dw1 + new -> sum, fc2's)
-        "chunked": {
-            "fwd": ((1 + 1 / c, 0), (2 + 2 / c, 2)),
-            "recompute": ((1, 0), (1, 2 / c)),
-            "bwd": ((1, 0), (3 + 1 / c, 4 + 5 / c)),
-            "bwd_wgrad": ((1, 0), (3, 4 + 2 / c)),
-        },
-    }["alltoall" if prims.moe_comm == "overlap_mb" else prims.moe_comm]  # the same ops
+    costs = moe_costs(prims)
+    f = skew if costs.exchanges else 1.0
+
+    def total(v):  # unskewed bytes of one candidate moment
+        (hx, ha), (ex, ea) = v
+        return (hx + ex) * X + (ha + ea) * A
+
+    # phase -> (home, expert side), in units of X and A: (x, a) pairs; the largest moment
+    table = {ph: max(alts, key=total) for ph, alts in costs.routed(c, last).items()}
     out = {}
     for phase, ((hx, ha), (ex, ea)) in table.items():
         v = hx * X + ha * A + f * (ex * X + ea * A)
@@ -94,9 +77,7 @@ def expert_grad_bytes(
     chunks (dw + new -> sum: 3 x fc1) beside fc2's; the others fc1's and fc2's."""
     w1 = spec.experts / lay.ep * 2 * spec.expert_ffn * spec.hidden * BF16
     w2 = spec.experts / lay.ep * spec.expert_ffn * spec.hidden * BF16
-    if prims.moe_comm == "chunked":
-        return w1 if phase == "bwd" else 3 * w1 + w2
-    return w1 + w2
+    return moe_costs(prims).expert_grads(w1, w2, phase)
 
 
 def routed_saved(spec: ModelSpec, prims: PrimitivesConfig, tp: int) -> float:

@@ -53,7 +53,7 @@ class RunPlan:
     device: str  # the device kind the kernels are for ("cuda" under train.emulate_cuda)
     kernels: dict[str, Kernel]  # slot -> the kernel its implementation runs there
     # micro-batches run two at a time, each one's all-to-alls under the other's compute
-    # (moe_comm = overlap_mb: runtime/step.py run_micro_batches)
+    # (an implementation declaring ``paired``: runtime/step.py run_micro_batches)
     paired: bool = False
 
     def on_device(self, cfg: Config, device: str) -> RunPlan:
@@ -130,11 +130,11 @@ def validate_run(cfg: Config):
         router and cfg.primitives.router == "softmax_topk"
     ):  # the default: the architecture's router instead
         cfg.primitives.router = router  # (the resolved config.toml of the run shows it)
-    if cfg.primitives.moe_comm == "chunked" and arch.to_spec().moe_bias:
-        raise ConfigError(
-            "primitives.moe_comm = 'chunked' runs plain SwiGLU experts; this model's experts have "
-            "biases and another GLU: use 'alltoall' (ep > 1) or 'local'"
-        )
+    unmet = registry.unmet(
+        registry.RunFacts(prims=cfg.primitives, moe_bias=arch.to_spec().moe_bias)
+    )
+    if unmet:
+        raise ConfigError("\n".join(unmet))
     mtp_depth(cfg, arch)
     return arch
 
@@ -183,21 +183,13 @@ def check_run(
     layout = resolve_layout(cfg.parallel, world, arch)
     p, t = cfg.primitives, cfg.train
 
-    def sharding():
-        if world > 1 and p.sharding == "none":
-            raise ConfigError(
-                f"primitives.sharding = 'none' needs a single process (world size is {world}); "
-                "use 'fsdp2' or 'zero1'"
-            )
-
-    def moe_comm():
-        if layout.ep > 1 and p.moe_comm == "local":
-            raise ConfigError(
-                "primitives.moe_comm = 'local' keeps all experts on one rank; with ep > 1 use "
-                "'alltoall'"
-            )
-        if p.moe_comm == "overlap_mb":
-            check_paired(p, layout, micro)
+    def contracts():
+        # what each chosen implementation declares it needs of the layout (registry.Need)
+        facts = registry.RunFacts(
+            prims=p, world=world, ep=layout.ep, pp=layout.pp, cp=layout.cp, micro_batches=micro
+        )
+        if unmet := registry.unmet(facts):
+            raise ConfigError("\n".join(unmet))
 
     def cp():
         if layout.cp > 1 and t.seq_len % (2 * layout.cp):
@@ -231,7 +223,7 @@ def check_run(
             )
 
     hint = rows_per_rank is None  # train.global_batch is what to change
-    gather(sharding, moe_comm, cp, batch, lambda: check_pipeline(cfg, layout, arch, rows, hint))
+    gather(contracts, cp, batch, lambda: check_pipeline(cfg, layout, arch, rows, hint))
     device = device or device_kind(cfg)
     pp_micro = (p.pp_microbatches or micro) if layout.pp > 1 else 1
     return RunPlan(
@@ -246,31 +238,8 @@ def check_run(
         mtp_depth=mtp_depth(cfg, arch),
         device=device,
         kernels=run_kernels(cfg, arch, layout, device),
-        paired=p.moe_comm == "overlap_mb",
+        paired=registry.paired(p),
     )
-
-
-def check_paired(p, layout, micro: int) -> None:
-    """Where two micro-batches in flight (moe_comm = overlap_mb) cannot run: one line why."""
-    why = None
-    if layout.pp > 1:
-        why = (
-            "pp = 1 only (with pp > 1 the pipeline schedule already keeps micro-batches in flight)"
-        )
-    elif layout.ep == 1:
-        why = "parallel.ep > 1 (with ep = 1 there is no all-to-all to hide; use 'local')"
-    elif micro < 2:
-        why = (
-            f"at least two micro-batches per rank and step (got {micro}: "
-            "train.global_batch / (dp_shard x train.micro_batch))"
-        )
-    elif p.sharding == "fsdp2":
-        why = (
-            "sharding = 'zero1' (FSDP2 reshards a layer when one micro-batch leaves it, under the "
-            "other one still inside it)"
-        )
-    if why:
-        raise ConfigError(f"primitives.moe_comm = 'overlap_mb' needs {why}")
 
 
 def check_pipeline(cfg, layout, arch, rows_per_rank: int, hint: bool = True) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from bumblebee.primitives.moe.costs import MoeCommCosts
 from bumblebee.primitives.moe.local import (
     ExpertFn,
     dispatch_rows,
@@ -35,6 +36,7 @@ from bumblebee.primitives.moe.local import (
     permute,
     unpermute,
 )
+from bumblebee.primitives.moe.needs import EXCHANGES
 from bumblebee.primitives.recompute_scope import host_read
 from bumblebee.registry import register
 
@@ -81,8 +83,24 @@ def regroup_by_expert(recv_RL: torch.Tensor, total: int | None = None) -> torch.
     return starts_LR[block_of_row] + offset_in_block
 
 
+def plain_routed(last: int) -> dict:
+    """The routed units of a dispatch with plain all-to-alls (plan/routed_bytes.py counts them)."""
+    return {
+        "fwd": (((1, 0), (3, 4)), ((4, 0), (3, 0))),
+        "recompute": (((4 - last, 0), (4, 4)),),
+        "bwd": (((2, 0), (2, 5)),),
+    }
+
+
 @register(
-    "moe_comm", "alltoall", summary="uneven all_to_all_single dispatch/combine over the ep group"
+    "moe_comm",
+    "alltoall",
+    summary="uneven all_to_all_single dispatch/combine over the ep group",
+    needs=(EXCHANGES,),
+    costs=MoeCommCosts(
+        routed=lambda c, last: plain_routed(last),
+        explain="alltoall: plain all-to-all dispatch and combine, not overlapped",
+    ),
 )
 class AllToAllDispatch:
     def __init__(self, num_experts: int, ep_group=None, ep_size: int | None = None, **_unused):

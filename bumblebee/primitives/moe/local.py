@@ -19,6 +19,8 @@ import torch.distributed
 from bumblebee.primitives import emulation
 from bumblebee.primitives.fused import compiled_call
 from bumblebee.primitives.kernel_choice import select
+from bumblebee.primitives.moe.costs import MoeCommCosts
+from bumblebee.primitives.moe.needs import ONE_RANK
 from bumblebee.registry import register
 
 ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x_NH sorted, counts_E) -> y_NH
@@ -168,7 +170,20 @@ def unpermute(y_NH: torch.Tensor, order_N: torch.Tensor, weight_TK: torch.Tensor
 
 
 @register(
-    "moe_comm", "local", reference=True, summary="all experts on this rank: permute, FFN, unpermute"
+    "moe_comm",
+    "local",
+    reference=True,
+    summary="all experts on this rank: permute, FFN, unpermute",
+    needs=(ONE_RANK,),
+    costs=MoeCommCosts(
+        routed=lambda c, last: {
+            "fwd": (((0, 0), (2, 4)), ((0, 0), (3, 0))),
+            "recompute": (((0, 0), (4 - last, 4)),),
+            "bwd": (((0, 0), (4, 5)),),
+        },
+        exchanges=False,
+        explain="local: ep = 1, no token exchange",
+    ),
 )
 class LocalDispatch:
     def __init__(self, num_experts: int, ep_group=None, ep_size: int | None = None, **_unused):

@@ -52,9 +52,10 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.moe.alltoall import AllToAllDispatch
+from bumblebee.primitives.moe.alltoall import AllToAllDispatch, plain_routed
 from bumblebee.primitives.moe.chunked import _Comm
-from bumblebee.registry import register
+from bumblebee.primitives.moe.costs import MoeCommCosts
+from bumblebee.registry import Need, register
 
 # Dynamic scope, not configuration: (pair, slot, thread id) on a thread a ``Pair`` runs.
 _SLOT = contextvars.ContextVar("bumblebee_mb_pair_slot", default=None)
@@ -245,6 +246,29 @@ class _Exchange(torch.autograd.Function):
     "moe_comm",
     "overlap_mb",
     summary="alltoall with each exchange hidden under a second micro-batch (pairs, pp = 1)",
+    needs=(
+        Need(
+            "pp = 1 only (with pp > 1 the pipeline schedule already keeps micro-batches in flight)",
+            lambda f: f.pp == 1,
+        ),
+        Need(
+            "parallel.ep > 1 (with ep = 1 there is no all-to-all to hide; use 'local')",
+            lambda f: f.ep > 1,
+        ),
+        Need(
+            "at least two micro-batches per rank and step (got {micro_batches}: "
+            "train.global_batch / (dp_shard x train.micro_batch))",
+            lambda f: f.micro_batches is None or f.micro_batches >= 2,
+        ),
+        Need(
+            "sharding = 'zero1' (FSDP2 reshards a layer when one micro-batch leaves it, under the "
+            "other one still inside it)",
+            lambda f: f.prims.sharding != "fsdp2",
+        ),
+    ),
+    paired=True,
+    # the same ops as alltoall's, for each of the two micro-batches inside a layer at once
+    costs=MoeCommCosts(routed=lambda c, last: plain_routed(last), overlap="partner", searched=()),
 )
 class OverlapMBDispatch(AllToAllDispatch):
     """``alltoall``'s ops in its order (its ``__call__``); only the two exchanges differ: issued

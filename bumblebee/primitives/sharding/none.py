@@ -14,7 +14,7 @@ import torch
 from bumblebee.primitives.parallel import ParallelState
 from bumblebee.primitives.sharding.common import state_bytes
 from bumblebee.primitives.sharding.costs import ShardingCosts
-from bumblebee.registry import register
+from bumblebee.registry import Need, register
 
 
 def decay_groups(named_params, weight_decay: float) -> list[dict]:
@@ -45,7 +45,17 @@ COSTS = ShardingCosts(
 
 
 @register(
-    "sharding", "none", reference=True, summary="single process: nothing sharded", costs=COSTS
+    "sharding",
+    "none",
+    reference=True,
+    summary="single process: nothing sharded",
+    costs=COSTS,
+    needs=(
+        Need(
+            "a single process (world size is {world}); use 'fsdp2' or 'zero1'",
+            lambda f: f.world == 1,
+        ),
+    ),
 )
 class NoSharding:
     def __init__(self, groups: ParallelState, train_cfg):

@@ -133,7 +133,9 @@ def check_kernels(cfg: Config, arch, cuda: bool, kernels: dict | None = None) ->
     kernel = (kernels or {}).get("linear_attention") or select(
         "linear_attention", cfg.primitives.linear_attention, "cuda", cfg.train.dtype
     )
-    if cfg.primitives.linear_attention == "chunked" and not kernel.fused:
+    # a reference runs its own PyTorch code by design; an optimized one on its fallback is refused
+    impl = registry.get("linear_attention", cfg.primitives.linear_attention)
+    if not impl.reference and not kernel.fused:
         raise ConfigError(
             "Gated DeltaNet on CUDA needs flash-linear-attention's kernel: pip install -e '.[gpu]' "
             "(or set primitives.allow_fallback = true to run the slow pure-PyTorch chunk loop)"
