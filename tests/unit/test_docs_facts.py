@@ -301,3 +301,35 @@ def test_readme_commands_pin_the_torch_ci_installs():
         ), f"{ci} does not install {pin}"
     assert "pip install -e . && bumblebee train" in text
     assert 'pip install -e ".[test]" && python -m pytest' in text
+
+
+# -- links ----------------------------------------------------------------------------------------
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a page's headings (lower case, punctuation but - and _ dropped)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    return {
+        re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in text.splitlines()
+        if re.match(r"^#{1,6} ", line)
+    }
+
+
+def test_relative_links_resolve():
+    """Every relative link (and its #anchor) of README.md, docs/, skills/ and benchmarks/README.md
+    names a file (and heading) that exists: the pages moved out of the README link each other."""
+    pages = [README, ROOT / "benchmarks" / "README.md", *DOCS, *sorted(SKILLS.rglob("*.md"))]
+    bad = []
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                bad.append(f"{rel(page)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
+                bad.append(f"{rel(page)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
