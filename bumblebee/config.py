@@ -191,9 +191,7 @@ class DataConfig:
     min_doc_len: int = 16
     max_doc_len: int = 2048
     ramp_steps: int = 200
-    value_len: int = (
-        2  # answer digits (the default run learns 2 within its 400 steps, not 3: see README)
-    )
+    value_len: int = 2  # answer digits (the default run learns 2 within its 400 steps, not 3: see docs/commands.md)
     eval_min_distance: int = (
         1024  # held-out queries ask about records at least this many tokens back
     )

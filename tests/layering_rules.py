@@ -1,4 +1,4 @@
-"""The layering's rules (README, "Architecture"): which layer each module is in, and what each
+"""The layering's rules (docs/architecture.md, "Package layout"): which layer each module is in, and what each
 layer may import. ``tests/unit/test_layering.py`` checks every import against them;
 ``benchmarks/global_batch_walk.py`` ranks the layers from them (``rank``).
 """

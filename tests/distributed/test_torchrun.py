@@ -59,7 +59,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
 
 
 def test_two_agents_nnodes_2_on_one_host(tmp_path):
-    """The multi-node launch as the README gives it (two torchrun agents with a c10d rendezvous),
+    """The multi-node launch as docs/commands.md gives it (two torchrun agents with a c10d rendezvous),
     both on this host: the run trains, and a second attempt of the same job (same --rdzv-id) may take
     over the out_dir lock its first attempt left (a restart can put rank 0 on another host)."""
     import socket

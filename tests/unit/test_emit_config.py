@@ -117,7 +117,7 @@ def test_deepseek_config_names_no_router(tmp_path):
 
 
 def test_tiny_preset_keeps_the_demo_config(tmp_path):
-    """The laptop flow (README): plan a tiny model, train it as emitted."""
+    """The laptop flow (docs/planner.md): plan a tiny model, train it as emitted."""
     text = emit("--model", "qwen3_moe/tiny", "--gpus", "2", "--seq", "512")
     assert "REQUIRED" not in text
     path = tmp_path / "run.toml"

@@ -1,4 +1,4 @@
-"""Layering (README, "Architecture"): dependencies point downward only, and no cycles.
+"""Layering (docs/architecture.md, "Package layout"): dependencies point downward only, and no cycles.
 
 Every module under bumblebee/ is parsed with ``ast``; every import of a bumblebee
 module -- at the top or inside a function (a lazy import is still a dependency) --
@@ -90,13 +90,13 @@ def test_every_module_belongs_to_a_layer():
         - set(LAYER_OF)
     )
     assert not unknown, (
-        f"bumblebee/{unknown[0]} is in no layer (README, Architecture): add it to LAYER_OF / ALLOWED"
+        f"bumblebee/{unknown[0]} is in no layer (docs/architecture.md): add it to LAYER_OF / ALLOWED"
     )
 
 
 def test_imports_follow_the_layering():
     found = [v for p in sources() for v in violations(p, p.read_text())]
-    assert not found, "imports across the layering (README, Architecture):\n" + "\n".join(found)
+    assert not found, "imports across the layering (docs/architecture.md):\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize(

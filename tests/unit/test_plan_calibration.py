@@ -4,7 +4,7 @@ published behaviour it is checked against out of sample.
 Source of every GPU figure below: published measurements of Qwen3.5-35B-A3B training on
 32 x H100 80GB at a 128K sequence (full recompute in both rows, Megatron-style
 distributed optimizer), and the published memory and overlap figures from the same
-long-context MoE practice (the project records them without a URL; see README).
+long-context MoE practice (the project records them without a URL; see docs/planner.md, "Calibration").
 
 FITTED (in-sample). Four constants were tuned on the two points ``FIT_POINTS``:
 ``Efficiency.attn_fwd`` / ``attn_bwd`` (throughput) and ``FIXED_OVERHEAD_GB`` /

@@ -6,7 +6,7 @@ updated log-probs equal bumblebee's own ``train_step`` with a token NLL on the s
 On 2 gloo ranks (fsdp2, dp = 2) each rank passes its own samples, as verl's workers do: the
 figures equal one process on all samples (verl's losses scale by dp_size for a dp mean, bumblebee
 sums gradients over ranks: the adapter divides). Skipped without verl (an optional extra, in its own
-environment: see pyproject.toml) -- and so skipped in CI, where verl is not installed (README says so)."""
+environment: see pyproject.toml) -- and so skipped in CI, where verl is not installed (docs/rl.md says so)."""
 
 from __future__ import annotations
 

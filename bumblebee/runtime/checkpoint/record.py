@@ -3,7 +3,7 @@
 The record is everything ``bumblebee train`` writes there: ``config.toml``, ``metrics.jsonl``,
 ``tensorboard/``, ``hf/`` and ``checkpoints/step_*``. Runs default to one ``out_dir``
 (``runs/default``), so a second run meeting a first run's record is the common case, and a
-run must never destroy another run's record. The rule (the README says why):
+run must never destroy another run's record. The rule (docs/checkpoints.md says why):
 
 - a run that **continues** the run recorded in ``out_dir`` (resumed from one of its own
   checkpoints, at step S) keeps that record: ``metrics.jsonl`` keeps its lines up to S and the
