@@ -82,6 +82,11 @@ class Impl:
     # micro-batches run two at a time, each one's exchanges under the other's compute
     # (the step protocol: runtime/step.py run_micro_batches)
     paired: bool = False
+    # the kernel it runs where (primitives/kernel_choice.KernelQuery -> Kernel); None: its own
+    # PyTorch code everywhere. ``kernel_axes``: what that choice depends on ("fla", "fa3",
+    # "sinks"), the rows `bumblebee primitives` prints
+    kernel: Callable[[Any], Any] | None = None
+    kernel_axes: tuple[str, ...] = ()
 
 
 _IMPLS: dict[str, dict[str, Impl]] = {slot: {} for slot in SLOTS}
@@ -97,6 +102,8 @@ def register(
     needs: tuple[Need, ...] = (),
     options: tuple[str, ...] = (),
     paired: bool = False,
+    kernel: Callable[[Any], Any] | None = None,
+    kernel_axes: tuple[str, ...] = (),
 ):
     """Decorator: register ``factory`` as implementation ``name`` of ``slot``, with the facts it
     declares about itself (see ``Impl``)."""
@@ -111,7 +118,17 @@ def register(
         doc = (factory.__doc__ or "").strip().splitlines()
         summary_ = summary or (doc[0] if doc else "")
         impls[name] = Impl(
-            slot, name, factory, reference, summary_, costs, tuple(needs), tuple(options), paired
+            slot,
+            name,
+            factory,
+            reference,
+            summary_,
+            costs,
+            tuple(needs),
+            tuple(options),
+            paired,
+            kernel,
+            tuple(kernel_axes),
         )
         return factory
 

@@ -1,7 +1,10 @@
 """Kernel choice: which kernel an implementation runs, from (device, dtype, package present).
 
 A slot implementation chosen in config (``attention = "varlen"``) names an algorithm; the
-kernel that executes it depends on where it runs. This table says which, so the same
+kernel that executes it depends on where it runs. Each implementation declares that choice
+beside its factory (``register(kernel=, kernel_axes=)``: a function of a ``KernelQuery``); this
+module only asks it, and holds the two choices beside the slots (the GDN conv, the glue). The
+table they make says which, so the same
 answer is printed at the start of a run, listed by ``bumblebee primitives``, used by the
 implementations at call time (``select`` on the tensors' device and dtype) and read by the
 planner (``plan_kernels``), whose efficiencies and activation memory follow it.
@@ -60,6 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bumblebee import registry
 from bumblebee.primitives import emulation
 from bumblebee.primitives.external_calls import ACTIVATE_FLASH_IMPL, LIST_FLASH_IMPLS
 
@@ -157,6 +161,25 @@ def _dtype(dtype) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+@dataclass(frozen=True)
+class KernelQuery:
+    """Where an implementation runs, as its declared kernel function (``register(kernel=)``)
+    reads it: a CUDA device, half precision, FLA present, the attention options, the fused
+    paths switched off (``unfused``; the planner's dry run too)."""
+
+    cuda: bool
+    half: bool
+    fla: bool
+    sinks: bool = False
+    window: bool = False
+    unfused: bool = False
+    fa3: bool | None = None  # overrides the FA3 check (the planner asks "what if")
+
+    def flash(self) -> str:
+        """ "FA3" or "FA2": what torch's flash ops run here."""
+        return flash_impl(self.fa3)
+
+
 def select(
     slot: str,
     impl: str,
@@ -168,7 +191,8 @@ def select(
     sinks: bool = False,
     window: bool = False,
 ) -> Kernel:
-    """The kernel ``slot``/``impl`` runs on ``device`` ("cuda", "cpu", ...) for ``dtype``.
+    """The kernel ``slot``/``impl`` runs on ``device`` ("cuda", "cpu", ...) for ``dtype``: what
+    the implementation declares (``register(kernel=)``), else its own PyTorch code.
     ``fla`` / ``fa3`` override the package checks (the planner asks "what if it were installed");
     ``sinks``: the attention has per-head sink logits (merged through the LSE on CUDA);
     ``window``: a sliding window (the flash ring takes none)."""
@@ -178,73 +202,41 @@ def select(
     fla = package_present("fla") if fla is None else fla
     if cuda and emulation.active():  # every CUDA branch, its kernels replaced by their references
         dtype, fla = torch.bfloat16, True
-    if sinks and (slot, impl) == ("attention", "varlen"):
-        if cuda and dtype in HALF:
-            label = f"varlen_attn + sink merge through the LSE (flash, {flash_impl(fa3)})"
-            return Kernel("varlen_attn_sinks", label, True)
-        return Kernel(
-            "sink_per_doc",
-            "fp32 scores per document (attention sinks)",
-            False,
-            "flash kernels take bf16/fp16 only" if cuda else "",
-        )
-    if (sinks or window) and (slot, impl) == ("cp_attention", "ring"):
-        why = "sink logits" if sinks else "a sliding window"
-        return Kernel(
-            "ring_tiles",
-            f"ring, fp32 score tiles ({'attention sinks' if sinks else 'sliding window'})",
-            False,
-            f"the flash ring takes no {why}" if cuda else "",  # (ring_flash.py: causal pairs only)
-        )
-    if (slot, impl) == ("attention", "varlen"):
-        if cuda and dtype in HALF:
-            return Kernel("varlen_attn", f"varlen_attn (flash, {flash_impl(fa3)})", True)
-        return Kernel(
-            "sdpa_per_doc",
-            "SDPA per document",
-            cuda,
-            "flash kernels take bf16/fp16 only" if cuda else "",
-        )
-    if (slot, impl) == ("cp_attention", "ring"):
-        if cuda and dtype in HALF:
-            return Kernel(
-                "ring_varlen_attn", f"ring of varlen_attn steps (flash, {flash_impl(fa3)})", True
-            )
-        return Kernel(
-            "ring_tiles",
-            "ring, fp32 score tiles",
-            False,
-            "flash kernels take bf16/fp16 only" if cuda else "",
-        )
-    if (slot, impl) == ("linear_attention", "chunked"):
-        if cuda and fla:
-            return Kernel(
-                "fla_chunk", "fla chunk_gated_delta_rule", True
-            )  # chunk_kda: per-channel g
-        return Kernel(
-            "torch_chunked",
-            "chunked PyTorch (64-token chunks; 16 with per-channel gates)",
-            False,
-            "fla not installed (pip install -e '.[gpu]')" if cuda else "",
-        )
     # the planner's dry run (``assume``) keeps the unfused glue: its activation-memory model does
     unfused = _UNFUSED.get() or _ASSUMED.get() is not None
-    if (slot, impl) == ("conv", "causal"):  # Gated DeltaNet's short conv (linear_attention/conv.py)
-        if cuda and fla and not unfused:
-            return Kernel("fla_causal_conv1d", "fla causal_conv1d (fused, varlen)", True)
-        why = "fused paths off" if fla else "fla not installed (pip install -e '.[gpu]')"
-        return Kernel(
-            "conv_blocks", "fp32 channel blocks x taps (PyTorch)", False, why if cuda else ""
-        )
-    if (slot, impl) == ("glue", "fused"):  # norms, gated norm, SwiGLU product, RoPE (fused.py)
-        if cuda and not unfused:
-            return Kernel("compiled", "torch.compile per function (inductor)", True)
-        return Kernel("eager", "eager PyTorch ops", False)
-    if (slot, impl) == ("loss", "linear_ce"):  # the LM head + CE tile loop (loss/linear_ce*.py)
-        if cuda and not unfused:
-            return Kernel("compiled_tiles", "linear CE, torch.compile per 4096 x 16384 tile", True)
-        return Kernel("eager_tiles", "linear CE, eager ops per tile", False)
+    query = KernelQuery(cuda, dtype in HALF, fla, sinks, window, unfused, fa3)
+    declared = EXTRA_KERNEL_FNS.get((slot, impl)) or _declared(slot, impl)
+    if declared is not None:
+        return declared(query)
     return Kernel(impl, f"{impl} (PyTorch)", False)
+
+
+def _declared(slot: str, impl: str):
+    if slot not in registry.SLOTS:
+        return None
+    found = registry.implementations(slot).get(impl)
+    return None if found is None else found.kernel
+
+
+def conv_kernel(q: KernelQuery) -> Kernel:
+    """Gated DeltaNet's short conv (linear_attention/conv.py)."""
+    if q.cuda and q.fla and not q.unfused:
+        return Kernel("fla_causal_conv1d", "fla causal_conv1d (fused, varlen)", True)
+    why = "fused paths off" if q.fla else "fla not installed (pip install -e '.[gpu]')"
+    return Kernel(
+        "conv_blocks", "fp32 channel blocks x taps (PyTorch)", False, why if q.cuda else ""
+    )
+
+
+def glue_kernel(q: KernelQuery) -> Kernel:
+    """Norms, gated norm, SwiGLU product, RoPE (fused.py)."""
+    if q.cuda and not q.unfused:
+        return Kernel("compiled", "torch.compile per function (inductor)", True)
+    return Kernel("eager", "eager PyTorch ops", False)
+
+
+# kernels chosen beside the registry's slots: (pseudo-slot, name) -> kernel function
+EXTRA_KERNEL_FNS = {("conv", "causal"): conv_kernel, ("glue", "fused"): glue_kernel}
 
 
 KERNEL_SLOTS = ("attention", "cp_attention", "linear_attention")
@@ -285,8 +277,8 @@ def kernel_table(
     )
     out["conv"] = select("conv", "causal", device, dtype, fla=fla)  # GDN layers only
     out["glue"] = select("glue", "fused", device, dtype)
-    if prims.loss == "linear_ce":
-        out["loss"] = select("loss", "linear_ce", device, dtype)
+    if _declared("loss", prims.loss) is not None:  # a loss that chooses a kernel of its own
+        out["loss"] = select("loss", prims.loss, device, dtype)
     return out
 
 
@@ -299,40 +291,38 @@ def describe(table: dict[str, Kernel]) -> str:
 
 
 def rows(slot: str, impl: str) -> list[tuple[str, str, str]]:
-    """(device, dtype, kernel label) rows for ``bumblebee primitives``; one row when the kernel
-    never changes."""
-    if (slot, impl) not in (
-        ("attention", "varlen"),
-        ("cp_attention", "ring"),
-        ("linear_attention", "chunked"),
-        ("conv", "causal"),
-        ("glue", "fused"),
-        ("loss", "linear_ce"),
-    ):
+    """(device, dtype, kernel label) rows for ``bumblebee primitives``; none when the
+    implementation declares no kernel (it runs its own PyTorch code everywhere). The rows split
+    by what the implementation declares its kernel depends on (``kernel_axes``: "fla", "fa3",
+    "sinks")."""
+    if (slot, impl) in EXTRA_KERNEL_FNS:
+        axes = EXTRA_KERNEL_AXES[(slot, impl)]
+    elif _declared(slot, impl) is not None:
+        axes = registry.implementations(slot)[impl].kernel_axes
+    else:
         return []
     out = []
     for device, dtype in (("cuda", "bfloat16"), ("cuda", "float32"), ("cpu", "any")):
         dt = torch.float32 if dtype == "any" else dtype
-        if slot in ("linear_attention", "conv") and device == "cuda":
+        if "fla" in axes and device == "cuda":
             for present in (True, False):
                 k = select(slot, impl, device, dt, fla=present)
                 out.append((device, f"{dtype}, fla {'present' if present else 'absent'}", k.label))
-        elif slot in ("attention", "cp_attention") and (device, dtype) == ("cuda", "bfloat16"):
+        elif "fa3" in axes and (device, dtype) == ("cuda", "bfloat16"):
             for present in (True, False):
                 k = select(slot, impl, device, dt, fa3=present)
                 out.append((device, f"{dtype}, FA3 {'present' if present else 'absent'}", k.label))
         else:
             out.append((device, dtype, select(slot, impl, device, dt).label))
-    if slot in (
-        "attention",
-        "cp_attention",
-    ):  # the attention options (sinks; the ring: also a window)
+    if "sinks" in axes:  # the attention options (sinks; the ring: also a window)
         for device, dtype in (("cuda", "bfloat16"), ("cpu", "any")):
             dt = torch.float32 if dtype == "any" else dtype
             k = select(slot, impl, device, dt, sinks=True)
             out.append((device, f"{dtype}, sinks", k.label))
     return out
 
+
+EXTRA_KERNEL_AXES = {("conv", "causal"): ("fla",), ("glue", "fused"): ()}
 
 # kernels chosen beside the registry's slots, listed by ``bumblebee primitives``
 EXTRA_KERNELS = {

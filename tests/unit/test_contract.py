@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from bumblebee import registry
 from bumblebee.cli import main
 from bumblebee.errors import ConfigError
+from bumblebee.primitives.kernel_choice import Kernel, KernelQuery
 from bumblebee.primitives.loss.ce import COSTS as CE_COSTS
 from bumblebee.primitives.loss.ce import check_loss_args, reduce_loss
 from bumblebee.primitives.moe.costs import MoeCommCosts
@@ -91,6 +92,10 @@ def blocked_ce(
     return (loss, torch.cat([p[1] for p in parts])) if with_entropy else loss
 
 
+def blocked_kernel(q: KernelQuery) -> Kernel:
+    return Kernel("blocks", f"16-row blocks ({'CUDA' if q.cuda else 'CPU'} eager)", False)
+
+
 BLOCKED_COSTS = CE_COSTS.__class__(
     **{**vars(CE_COSTS), "kept_per_logit": 0, "work_per_logit": 10, "workspace": 0}
 )
@@ -105,7 +110,7 @@ def stand_ins():
         costs=SORTED_COSTS,
         needs=SORTED_NEEDS,
     )(SortedDispatch)
-    registry.register("loss", "blocked_ce", costs=BLOCKED_COSTS)(blocked_ce)
+    registry.register("loss", "blocked_ce", costs=BLOCKED_COSTS, kernel=blocked_kernel)(blocked_ce)
     yield
     registry.unregister("moe_comm", "sorted")
     registry.unregister("loss", "blocked_ce")
@@ -174,6 +179,9 @@ def test_listed_and_paired(stand_ins, tmp_path, capsys):
     listing = capsys.readouterr().out
     assert re.search(r"^\s+sorted\s+argsort-grouped rows, one rank", listing, re.M)
     assert re.search(r"^\s+blocked_ce\s+The LM head and CE over blocks", listing, re.M)
+    assert re.search(r"cuda, bfloat16\s+-> 16-row blocks \(CUDA eager\)", listing)
+    cfg = load_config(None, TINY + ["primitives.loss=blocked_ce"])
+    assert check_run(cfg, 1, device="cuda").kernels["loss"].name == "blocks"
     sets = [x for s in TINY + [f"train.out_dir={tmp_path}"] for x in ("--set", s)]
     argv = ["pair", "--slot", "loss", "--a", "ce", "--b", "blocked_ce", "--steps", "2"]
     assert main(argv + sets) == 0, capsys.readouterr().out

@@ -36,7 +36,7 @@ from bumblebee.primitives.attention.flash import flash_varlen
 from bumblebee.primitives.attention.flash_sinks import flash_varlen_sinks
 from bumblebee.primitives.attention.options import explicit_attention, window_allows
 from bumblebee.primitives.attention.tree import refuse_options, tree_varlen
-from bumblebee.primitives.kernel_choice import select
+from bumblebee.primitives.kernel_choice import Kernel, KernelQuery, select
 from bumblebee.primitives.packed import DocLayout
 from bumblebee.primitives.prefix_tree import TreeLayout
 from bumblebee.registry import register
@@ -59,10 +59,35 @@ def sdpa_masked(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float, *, wind
     return explicit_attention(q_BNTD, k_BKTD, v_BKTD, mask, scale, sinks)
 
 
+def varlen_kernel(q: KernelQuery) -> Kernel:
+    """Flash ``varlen_attn`` on CUDA in half precision (sinks merged through its LSE), else SDPA
+    per document (fp32 scores per document with sinks)."""
+    if q.sinks:
+        if q.cuda and q.half:
+            label = f"varlen_attn + sink merge through the LSE (flash, {q.flash()})"
+            return Kernel("varlen_attn_sinks", label, True)
+        return Kernel(
+            "sink_per_doc",
+            "fp32 scores per document (attention sinks)",
+            False,
+            "flash kernels take bf16/fp16 only" if q.cuda else "",
+        )
+    if q.cuda and q.half:
+        return Kernel("varlen_attn", f"varlen_attn (flash, {q.flash()})", True)
+    return Kernel(
+        "sdpa_per_doc",
+        "SDPA per document",
+        q.cuda,
+        "flash kernels take bf16/fp16 only" if q.cuda else "",
+    )
+
+
 @register(
     "attention",
     "varlen",
     summary="packed documents, no mask: varlen_attn (CUDA, half) or SDPA per document",
+    kernel=varlen_kernel,
+    kernel_axes=("fa3", "sinks"),
 )
 def sdpa_varlen(q_BNTD, k_BKTD, v_BKTD, layout: DocLayout, scale: float, *, window=0, sinks=None):
     if isinstance(layout, TreeLayout):

@@ -50,7 +50,7 @@ from bumblebee.primitives.cp.ring_comm import backward_hop, exchange
 from bumblebee.primitives.cp.ring_comm import ring_pass as _ring_pass
 from bumblebee.primitives.cp.ring_flash import ring_flash_attention
 from bumblebee.primitives.cp.zigzag import CPShards
-from bumblebee.primitives.kernel_choice import select
+from bumblebee.primitives.kernel_choice import Kernel, KernelQuery, select
 from bumblebee.primitives.packed import DeviceCache
 from bumblebee.registry import register
 
@@ -242,7 +242,34 @@ class RingAttention(torch.autograd.Function):
         )
 
 
-@register("cp_attention", "ring", summary="K/V blocks around the CP ring, online log-sum-exp merge")
+def ring_kernel(q: KernelQuery) -> Kernel:
+    """A ring of flash ``varlen_attn`` steps on CUDA in half precision, else fp32 score tiles
+    (always with sinks or a sliding window: ring_flash.py takes causal pairs only)."""
+    if q.sinks or q.window:
+        why = "sink logits" if q.sinks else "a sliding window"
+        return Kernel(
+            "ring_tiles",
+            f"ring, fp32 score tiles ({'attention sinks' if q.sinks else 'sliding window'})",
+            False,
+            f"the flash ring takes no {why}" if q.cuda else "",
+        )
+    if q.cuda and q.half:
+        return Kernel("ring_varlen_attn", f"ring of varlen_attn steps (flash, {q.flash()})", True)
+    return Kernel(
+        "ring_tiles",
+        "ring, fp32 score tiles",
+        False,
+        "flash kernels take bf16/fp16 only" if q.cuda else "",
+    )
+
+
+@register(
+    "cp_attention",
+    "ring",
+    summary="K/V blocks around the CP ring, online log-sum-exp merge",
+    kernel=ring_kernel,
+    kernel_axes=("fa3", "sinks"),
+)
 def ring_attention(q_BNLD, k_BKLD, v_BKLD, layout: CPShards, scale: float, *, window=0, sinks=None):
     kernel = select(
         "cp_attention", "ring", emulation.kind(q_BNLD), q_BNLD.dtype, sinks=sinks is not None,

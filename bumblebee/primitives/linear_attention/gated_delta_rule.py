@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from bumblebee.primitives import emulation
-from bumblebee.primitives.kernel_choice import select
+from bumblebee.primitives.kernel_choice import Kernel, KernelQuery, select
 from bumblebee.primitives.linear_attention.fla import fla_gated_delta_rule
 from bumblebee.primitives.linear_attention.fla_kda import fla_kda
 from bumblebee.primitives.packed import DocLayout
@@ -141,8 +141,25 @@ def gated_delta_rule_recurrent(
     return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S_BHKV
 
 
+def chunked_kernel(q: KernelQuery) -> Kernel:
+    """FLA's chunk kernel on CUDA when fla imports (``chunk_kda`` for per-channel gates), else
+    the PyTorch chunk loop."""
+    if q.cuda and q.fla:
+        return Kernel("fla_chunk", "fla chunk_gated_delta_rule", True)
+    return Kernel(
+        "torch_chunked",
+        "chunked PyTorch (64-token chunks; 16 with per-channel gates)",
+        False,
+        "fla not installed (pip install -e '.[gpu]')" if q.cuda else "",
+    )
+
+
 @register(
-    "linear_attention", "chunked", summary="WY/UT-transform chunks of 64, one loop step per chunk"
+    "linear_attention",
+    "chunked",
+    summary="WY/UT-transform chunks of 64, one loop step per chunk",
+    kernel=chunked_kernel,
+    kernel_axes=("fla",),
 )
 def gated_delta_rule_chunked(
     q_BTGK,

@@ -291,11 +291,20 @@ COSTS = LossCosts(
 )
 
 
+def linear_ce_kernel(q: kernel_choice.KernelQuery) -> kernel_choice.Kernel:
+    """The LM head + CE tile loop: compiled per tile on CUDA, eager tiles elsewhere."""
+    if q.cuda and not q.unfused:
+        label = "linear CE, torch.compile per 4096 x 16384 tile"
+        return kernel_choice.Kernel("compiled_tiles", label, True)
+    return kernel_choice.Kernel("eager_tiles", "linear CE, eager ops per tile", False)
+
+
 @register(
     "loss",
     "linear_ce",
     summary="tiled LM head + CE: online log-sum-exp, no [tokens, vocab] logits",
     costs=COSTS,
+    kernel=linear_ce_kernel,
 )
 def linear_cross_entropy(
     hidden_TH,
