@@ -164,9 +164,10 @@ def _check_train(t) -> None:
         raise ConfigError(
             f"train.reduce_dtype must be 'float32' or 'bfloat16', got {t.reduce_dtype!r}"
         )
-    if t.balance not in ("auto", "step", "micro_batch", "hf"):
+    if t.balance not in ("auto", "step", "micro_batch_global", "micro_batch", "hf"):
         raise ConfigError(
-            f"train.balance must be 'auto', 'step', 'micro_batch' or 'hf', got {t.balance!r}"
+            "train.balance must be 'auto', 'step', 'micro_batch_global', 'micro_batch' or 'hf', "
+            f"got {t.balance!r}"
         )
 
 

@@ -221,7 +221,8 @@ def _draw(rng: random.Random, pins: dict[str, str]) -> tuple[int, list[str]]:
     if recompute == "selective":
         modules = rng.sample(MODULE_NAMES, rng.randint(1, 3))
         out += [f"primitives.recompute_modules={modules}"]
-    out += [f"train.balance={pick('train.balance', ['auto', 'step', 'micro_batch', 'hf'])}"]
+    balances = ["auto", "step", "micro_batch_global", "micro_batch", "hf"]
+    out += [f"train.balance={pick('train.balance', balances)}"]
     out += [f"primitives.fused={pick('primitives.fused', ['auto', 'off'])}"]
     # the other slots: mostly the defaults (what a run takes), now and then another registered one
     for slot in ("attention", "experts", "loss"):

@@ -4,8 +4,10 @@
     sums = accumulate(micro_batches, ...)    2. forward + backward per micro-batch; the sharding
                                                 syncs gradients on the last one (fsdp2: on every
                                                 one by default, train.grad_accum)
-       or accumulate_global_balance(...)        train.balance = "step": every forward, one
-                                                all-reduce of the router stats, every backward
+       or accumulate_global_balance(...)        train.balance = "micro_batch_global" (default)
+                                                per micro-batch, or "step" over all of them:
+                                                forwards, one all-reduce of the router stats,
+                                                backwards
     (or the pipeline schedule runs step 2 when pp > 1: runtime/pipeline.py)
     optimizer_tail(...)                      3. reduce -> clip (global norm, pp-aware) -> finite? ->
                                                 LR -> update -> zero
@@ -17,13 +19,14 @@ by the valid tokens of the *global* batch, so gradients are summed across ranks,
 averaged (primitives/sharding/common.py). The balance loss is a mean over every
 micro-batch of the global batch: its coefficient is divided by ``balance_denominator``
 (micro-batches x dp ranks x cp ranks; cp ranks hold identical copies of it), for the
-per-micro-batch definitions (``train.balance`` = "micro_batch" | "hf"). The default,
-"step", takes the expert frequencies of every layer over the whole optimizer step
-(primitives/moe/balance.py): ``accumulate_global_balance`` runs every micro-batch's forward
-first, sums the router stats over micro-batches and over the dp x cp group in one all-reduce,
-then gives each micro-batch its exact share of the global loss and runs the backwards. The
-price is that every micro-batch's autograd graph lives until the backward phase (under full
-recompute: the layer inputs), as one larger micro-batch would.
+per-micro-batch definitions (``train.balance`` = "micro_batch" | "hf"). "step" takes the
+expert frequencies of every layer over the whole optimizer step (primitives/moe/balance.py):
+``accumulate_global_balance`` runs every micro-batch's forward first, sums the router stats over
+micro-batches and over the dp x cp group in one all-reduce, then gives each micro-batch its
+exact share of the global loss and runs the backwards. The price is that every micro-batch's
+autograd graph lives until the backward phase (under full recompute: the layer inputs), as one
+larger micro-batch would; so the default, "micro_batch_global", pools each micro-batch over the
+dp x cp group on its own (a window of one) and averages over the micro-batches.
 """
 
 from __future__ import annotations
@@ -197,6 +200,11 @@ def lm_forward(
     return forward
 
 
+# train.balance definitions reduced over the dp x cp group -> micro-batches pooled per window
+# (None: the whole optimizer step)
+GROUP_BALANCE: dict[str, int | None] = {"step": None, "micro_batch_global": 1}
+
+
 def accumulate_global_balance(
     parts: list,
     sharding,
@@ -206,15 +214,55 @@ def accumulate_global_balance(
     autocast,
     group,
     paired: bool = False,
+    window: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``accumulate`` with the global-batch balance loss: forward every micro-batch of ``parts``,
-    sum their router stats and all-reduce them over ``group`` (the dp x cp ranks: every token of
-    the global batch), then backward each micro-batch's token-loss share plus its share of the
-    global balance loss (``balance.step_loss_share``). Returns ``loss_sum`` (this rank's),
-    ``aux`` (the global balance loss, identical on every rank), ``router_counts`` (this
-    rank's counts [L, E], summed over its micro-batches) and ``router_dropped``. ``paired``:
-    the forwards two at a time, then the backwards two at a time (``run_micro_batches``)."""
+    """``accumulate`` with a balance loss over the dp x cp group: forward the micro-batches of a
+    window, sum their router stats and all-reduce them over ``group`` (every token of the
+    window's micro-batches on every rank), then backward each micro-batch's token-loss share
+    plus its share of that window's balance loss (``balance.step_loss_share``). ``window``: the
+    micro-batches pooled, None: all of ``parts`` (``train.balance = "step"``: the optimizer
+    step's frequencies); 1 (2 when ``paired``): each one on its own ("micro_batch_global": one
+    micro-batch's graph alive at a time); each window's loss weighted by its share of the
+    step's micro-batches. Returns ``loss_sum`` (this rank's), ``aux`` (the balance loss, the
+    windows' weighted mean, identical on every rank), ``router_counts`` (this rank's counts
+    [L, E], summed over its micro-batches) and ``router_dropped``. ``paired``: the forwards two
+    at a time, then the backwards two at a time (``run_micro_batches``)."""
+    size = len(parts) if window is None else max(window, 2 if paired else 1)
+    windows = [parts[i : i + size] for i in range(0, len(parts), size)]
+    out: dict[str, torch.Tensor] = {}
+    for n, chunk in enumerate(windows):
+        last = n == len(windows) - 1
+        if not last and sharding is not None:
+            sharding.set_grad_sync(False)
+        weight = len(chunk) / len(parts)
+        sums = _window_balance(
+            chunk,
+            sharding if last else None,
+            model,
+            global_tokens,
+            balance_coef * weight if weight != 1 else balance_coef,
+            autocast,
+            group,
+            paired,
+        )
+        if "router_counts" in sums and weight != 1:
+            sums["aux"] = sums["aux"] * weight
+        for k, v in sums.items():
+            out[k] = v if k not in out else out[k] + v
+    return out
 
+
+def _window_balance(
+    parts: list,
+    sharding,
+    model,
+    global_tokens: int,
+    balance_coef: float,
+    autocast,
+    group,
+    paired: bool,
+) -> dict[str, torch.Tensor]:
+    """One window of ``accumulate_global_balance``: its forwards, one all-reduce, its backwards."""
     tapes = [_tape(paired) for _ in parts]
     streams = _streams(parts, paired)
 

@@ -45,6 +45,7 @@ from bumblebee.runtime.optim import lr_at, static_state_bytes
 from bumblebee.runtime.pipeline import Pipeline
 from bumblebee.runtime.resolve import RunPlan
 from bumblebee.runtime.step import (
+    GROUP_BALANCE,
     accumulate,
     accumulate_global_balance,
     lm_forward,
@@ -290,7 +291,9 @@ class Trainer:
             )  # counts: this rank's layers
         else:
             coef, parts = self.model.arch.router_aux_loss_coef, micro_batches(local, t.micro_batch)
-            if self.plan.balance == "step":
+            # the balance definitions over the dp x cp group: one window of the whole step, or
+            # one per micro-batch (runtime/step.py)
+            if self.plan.balance in GROUP_BALANCE:
                 sums = accumulate_global_balance(
                     parts,
                     self.sharding,
@@ -300,6 +303,7 @@ class Trainer:
                     self.autocast,
                     self.ctx.dp_cp_group,
                     paired=self.plan.paired,
+                    window=GROUP_BALANCE[self.plan.balance],
                 )
             else:
                 forward = lm_forward(

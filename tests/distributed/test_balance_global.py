@@ -35,6 +35,7 @@ BASE = [
     "data.max_records=4",
     "train.lr=1e-2",
     "train.warmup_steps=1",
+    "train.balance=step",
 ]
 ROUTERS = {
     "softmax": [],
