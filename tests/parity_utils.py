@@ -133,3 +133,23 @@ def assert_packed_rows(bb, hf, lengths) -> None:
         packed = bb(ids, position_ids=pos)
         ref = torch.cat([hf(doc).logits for doc in ids.split(lengths, dim=1)], dim=1)
     assert_logits_close(packed, ref)
+
+
+def mtp_step(mtp, j, h, pos, ids):
+    """HF's MTP depth ``j`` once: ``MtpModel.forward_layer`` where it exists; transformers 5.17's
+    ``MtpModel`` has none (only ``forward``, which drafts tokens), so there the body of its
+    ``forward`` loop for depth ``j``: embed, rotary, masks, ``layers[j]``, the shared post norm.
+    (5.17's multimodal rotary (``mrope_section``: Qwen3.5) indexes [3, B, T] positions where
+    later releases broadcast [B, T] text positions themselves: given them broadcast.)"""
+    if hasattr(mtp, "forward_layer"):
+        return mtp.forward_layer(j, h, pos, None, input_ids=ids)
+    embeds, rotary = mtp.embed_tokens(ids), mtp.rotary_emb
+    rope = None
+    if rotary is not None:
+        grid = pos[None].expand(3, -1, -1) if hasattr(rotary, "mrope_section") else pos
+        rope = rotary(embeds, position_ids=grid)
+    masks = mtp.create_masks_for_mtp_layer(j, embeds, None, pos)
+    h = mtp.layers[j](
+        embeds, h, position_embeddings=rope, position_ids=pos, past_key_values=None, **masks
+    )
+    return mtp.shared_post_norm(h) if mtp.use_shared_post_norm else h

@@ -9,7 +9,8 @@ functions bumblebee and FSDP2 call and, on every call, checks
 - that every tensor handed over is contiguous (send, receive and output buffers alike);
 - that the ranks agree: collectives exchange a fingerprint (operation, dtype, shape, split
   sizes) over their group and compare; each point-to-point send first passes its dtype and
-  shape to the receiver, which compares them with its buffer.
+  shape to the receiver, which compares them with its buffer (a 0-d scalar and a one-element
+  [1] buffer agree: torch's pipeline warm-up sends one into the other).
 
 A failed check raises ``CommCheckError`` naming the call, the ranks and what differs. Used by
 the emulated-CUDA mode (emulation.py) and by tests; the extra exchanges make every call
@@ -88,6 +89,23 @@ def _describe(m: torch.Tensor) -> str:
     return f"{dtype}{m[2 : 2 + m[1]]}"
 
 
+def _fits(sent: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """The sender's metadata ``sent`` matches the receive buffer's: equal dtype and shape, or
+    equal dtype and one element each as a 0-d scalar and a [1] vector (the same bytes; torch
+    2.11's pipeline schedules warm their P2P links up sending ``torch.tensor(stage_index)`` into
+    ``torch.zeros(1)``, ``PipelineStage._get_init_p2p_neighbors_ops``)."""
+    if torch.equal(sent, buffer):
+        return True
+    (dtype_a, shape_a), (dtype_b, shape_b) = _unpack(sent), _unpack(buffer)
+    return dtype_a == dtype_b and {shape_a, shape_b} == {(), (1,)}
+
+
+def _unpack(m: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    """``_meta``'s (dtype code, shape)."""
+    m = m.tolist()
+    return m[0], tuple(m[2 : 2 + m[1]])
+
+
 def _check_p2p(ops: list, send, recv, batch) -> None:
     """``ops``: [(is_send, tensor, peer, group)]: contiguity, then sender metadata vs receiver buffer."""
     meta = []
@@ -103,7 +121,7 @@ def _check_p2p(ops: list, send, recv, batch) -> None:
     for w in works:
         w.wait()
     for (is_send, t, peer, _), m in zip(ops, meta):
-        if not is_send and not torch.equal(m, _meta(t)):
+        if not is_send and not _fits(m, _meta(t)):
             raise CommCheckError(
                 f"irecv from rank {peer}: the sender sends {_describe(m)}, the receive buffer "
                 f"is {_describe(_meta(t))}"

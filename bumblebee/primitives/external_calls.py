@@ -44,7 +44,9 @@ class ExternalCall:
 
     def load(self) -> Any:
         """The callee (an ``OpOverloadPacket`` for an operator); ``TypeError`` when what is there
-        is not callable (a subpackage of that name, say)."""
+        is not callable (a subpackage of that name, say). Looked up in its module on every call
+        (an attribute read once the module is imported), as an import at the call site would be:
+        what the module holds now runs (a test's spy patched in after an earlier call, say)."""
         return _load(self)
 
     def parameters(self) -> dict[str, bool]:
@@ -76,7 +78,6 @@ class ExternalCall:
         return fn(*args, **kwargs)
 
 
-@functools.cache
 def _load(call: ExternalCall) -> Any:
     if call.is_op:
         import torch

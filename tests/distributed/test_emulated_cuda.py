@@ -192,6 +192,12 @@ def _planted(rank, world, what):
                     dist.P2POp(dist.irecv, torch.empty(4, dtype=torch.int32), (rank - 1) % world),
                 ]
                 [w.wait() for w in dist.batch_isend_irecv(ops)]
+            elif what == "p2p shape":  # same element count, other shape
+                ops = [
+                    dist.P2POp(dist.isend, torch.ones(2, 2), (rank + 1) % world),
+                    dist.P2POp(dist.irecv, torch.empty(4), (rank - 1) % world),
+                ]
+                [w.wait() for w in dist.batch_isend_irecv(ops)]
             elif what == "shape":
                 dist.all_reduce(torch.ones(3 + rank))
             elif what == "splits":
@@ -203,10 +209,28 @@ def _planted(rank, world, what):
     return None
 
 
-@pytest.mark.parametrize("what", ["strided send", "dtype", "shape", "splits"])
+@pytest.mark.parametrize("what", ["strided send", "dtype", "p2p shape", "shape", "splits"])
 def test_checked_comm_catches_what_nccl_would_not(what):
     errors = run_distributed(_planted, 2, what)
     assert any(errors), errors
     assert all(
         e is None or ("not contiguous" in e or "disagree" in e or "sends" in e) for e in errors
     ), errors
+
+
+def _scalar_into_one(rank, world):
+    """torch 2.11's pipeline warm-up (``PipelineStage._get_init_p2p_neighbors_ops``): a 0-d
+    tensor sent into a [1] buffer, and back."""
+    with CheckedComm():
+        recv = torch.zeros(()) if rank == 0 else torch.zeros(1)
+        send = torch.tensor(float(rank + 1)) if rank == 0 else torch.ones(1) * (rank + 1)
+        ops = [
+            dist.P2POp(dist.isend, send, (rank + 1) % world),
+            dist.P2POp(dist.irecv, recv, (rank - 1) % world),
+        ]
+        [w.wait() for w in dist.batch_isend_irecv(ops)]
+    return recv.item()
+
+
+def test_checked_comm_takes_a_scalar_into_one_element():
+    assert run_distributed(_scalar_into_one, 2) == [2.0, 1.0]

@@ -72,10 +72,31 @@ def perturb(model):
                 p.mul_(20.0)  # pre-activations beyond the clamp
 
 
+def config_clamp(hf):
+    """``hf``'s experts clamped as its config says. transformers 5.17's ``GptOssExperts`` fixes
+    ``alpha = 1.702`` and ``limit = 7.0`` (its ``GptOssConfig`` has no ``swiglu_limit``), later
+    releases read ``config.swiglu_limit`` / ``swiglu_alpha``, as bumblebee does (gpt-oss's
+    config.json carries them): the experts take the config's values, as those releases set them
+    (a no-op there)."""
+    for layer in hf.model.layers:
+        experts = layer.mlp.experts
+        experts.limit = getattr(hf.config, "swiglu_limit", experts.limit)
+        experts.alpha = getattr(hf.config, "swiglu_alpha", experts.alpha)
+    return hf
+
+
+class GptOssLoader:
+    """``GptOssForCausalLM.from_pretrained`` with the config's clamp (``config_clamp``)."""
+
+    @staticmethod
+    def from_pretrained(path):
+        return config_clamp(transformers.GptOssForCausalLM.from_pretrained(path))
+
+
 def hf_model(seed: int, **overrides):
     cfg = transformers.GptOssConfig(**{**BASE, **overrides})
     cfg._attn_implementation = "eager"
-    return pu.hf_model(transformers.GptOssForCausalLM, cfg, seed, perturb)
+    return config_clamp(pu.hf_model(transformers.GptOssForCausalLM, cfg, seed, perturb))
 
 
 def grads(bb, hf):
@@ -108,8 +129,7 @@ def test_to_hf_round_trip_and_packed_rows(tmp_path):
     hf = hf_model(1)
     prims = PrimitivesConfig(attention="varlen")
     bb = pu.load(hf, tmp_path / "src", "gpt_oss", prims=prims)
-    model_cls = transformers.GptOssForCausalLM
-    pu.assert_to_hf_loads(bb, model_cls, tmp_path / "out", T, src=tmp_path / "src")
+    pu.assert_to_hf_loads(bb, GptOssLoader, tmp_path / "out", T, src=tmp_path / "src")
     pu.assert_packed_rows(bb, hf, [13, 20, 2, 5])
 
 

@@ -64,9 +64,23 @@ CONFIGS = {
 }
 
 
+def hf_config(**overrides):
+    """``MiniMaxM2Config`` of ``BASE`` with ``overrides``, its rotated fraction from the legacy
+    ``rotary_dim`` where given. transformers 5.17's config ignores that key (HF then rotates the
+    whole head); later releases derive ``rope_parameters["partial_rotary_factor"] = rotary_dim /
+    head_dim`` from it (``MiniMaxM2Config.convert_rope_params_to_dict``), as bumblebee does and as
+    the released model computes: where the config did not, the test does, as those releases do."""
+    cfg = transformers.MiniMaxM2Config(
+        **{k: v for k, v in {**BASE, **overrides}.items() if v is not None}
+    )
+    rotary_dim, rope = getattr(cfg, "rotary_dim", None), cfg.rope_parameters
+    if rotary_dim is not None and "partial_rotary_factor" not in rope:
+        rope["partial_rotary_factor"] = rotary_dim / cfg.head_dim
+    return cfg
+
+
 def hf_model(seed: int, **overrides):
-    cfg = {k: v for k, v in {**BASE, **overrides}.items() if v is not None}
-    return pu.hf_model(transformers.MiniMaxM2ForCausalLM, transformers.MiniMaxM2Config(**cfg), seed)
+    return pu.hf_model(transformers.MiniMaxM2ForCausalLM, hf_config(**overrides), seed)
 
 
 def to_bumblebee_name(name: str) -> str:

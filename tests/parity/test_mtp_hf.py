@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 
+import parity_utils as pu
 import pytest
 import torch
 import torch.nn.functional as F
@@ -170,7 +171,7 @@ def hf_loss(main, mtp, ids, depth):
     pos = torch.arange(T)[None].expand(ids.shape[0], T)
     for j in range(depth):
         n = T - (j + 1)
-        h = mtp.forward_layer(j, h[:, :n], pos[:, :n], None, input_ids=ids[:, j + 1 : j + 1 + n])
+        h = pu.mtp_step(mtp, j, h[:, :n], pos[:, :n], ids[:, j + 1 : j + 1 + n])
         logits = mtp.shared_head(h)[:, : n - 1]
         loss = loss + F.cross_entropy(
             logits.reshape(-1, VOCAB), ids[:, j + 2 :].reshape(-1), reduction="sum"
