@@ -183,3 +183,66 @@ def test_a_bad_id_in_a_prepared_directory_names_that_directory():
     store = dataclasses.replace(store, location="runs/prep")
     with pytest.raises(DataError, match=r"^runs/prep \(prepared from chats.jsonl\): token id 300"):
         TokenSource(store, seq_len=8, global_batch=1, seed=0, vocab_size=272)
+
+
+def _emptied_tokenizer(tmp_path, name, keep_special: bool):
+    """A tokenizer directory whose vocabulary is empty (``keep_special``: but for its EOS)."""
+    import json
+
+    from data_helpers import make_tokenizer
+
+    d = tmp_path / name
+    make_tokenizer(d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    tj["model"]["vocab"], tj["model"]["merges"] = {}, []
+    if not keep_special:
+        tj["added_tokens"] = []
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        cfg = {k: v for k, v in cfg.items() if k not in ("eos_token", "pad_token")}
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+        (d / "special_tokens_map.json").write_text("{}")
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    return d
+
+
+@pytest.mark.parametrize("keep_special", [True, False], ids=["eos-only", "nothing"])
+@pytest.mark.parametrize("source", ["text", "chat"])
+def test_a_tokenizer_with_an_empty_vocabulary_is_one_line(tmp_path, capsys, source, keep_special):
+    """The probe's case: ``data prepare`` with such a tokenizer ended in an ``IndexError``
+    traceback from a worker (a text encoded to no ids)."""
+    import json
+
+    from cli_helpers import one_line_error
+
+    tok = _emptied_tokenizer(tmp_path, "tok", keep_special)
+    src = tmp_path / "in.jsonl"
+    record = {"text": "the quick brown fox"}
+    if source == "chat":
+        record = {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]
+        }
+    src.write_text(json.dumps(record) + "\n")
+    argv = ["data", "prepare", str(src), str(tmp_path / "out"), "--source", source]
+    line = one_line_error(capsys, argv + ["--tokenizer", str(tok), "--no-progress"], str(tok))
+    assert "encodes text to no tokens" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_jinja_sandbox_refusal_says_so(tmp_path, capsys):
+    """A chat template reaching for Python internals: the sandbox refuses it, and the one line
+    says that (it surfaced as an unrelated message before), naming no record as the culprit."""
+    import json
+
+    from cli_helpers import one_line_error
+    from data_helpers import make_tokenizer
+
+    tok = make_tokenizer(
+        tmp_path / "tok", template="{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    )
+    src = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    src.write_text(json.dumps({"messages": turns}) + "\n")
+    argv = ["data", "prepare", str(src), str(tmp_path / "out"), "--source", "chat"]
+    line = one_line_error(capsys, argv + ["--tokenizer", tok, "--no-progress"], "sandbox refuses")
+    assert "__class__" in line and "chat template" in line, line
+    assert not (tmp_path / "out").exists()
