@@ -209,6 +209,102 @@ def test_two_saves_of_one_step_into_one_directory(three, tmp_path, monkeypatch):
     assert steps_in(out / "checkpoints") == [1, 2, 3] and not hidden(out / "checkpoints")
 
 
+def _forked(fn) -> tuple[int, int]:
+    """Start ``fn()`` in a forked child whose stderr goes to a pipe: (pid, read end)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        sys.stderr = os.fdopen(w, "w", buffering=1)
+        signal.alarm(120)  # a child that hangs dies instead of blocking the test
+        try:
+            if "torch" in sys.modules:  # the parent's OpenMP workers are not in the child
+                sys.modules["torch"].set_num_threads(1)
+            code = fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            sys.stderr.write(f"{type(e).__name__}: {e}\n")
+            code = 99
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 0)
+    os.close(w)
+    return pid, r
+
+
+def _results(children) -> list[tuple[int, str]]:
+    out = []
+    for pid, r in children:
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        with os.fdopen(r) as f:
+            out.append((code, f.read()))
+    return out
+
+
+def test_two_engine_saves_of_one_step_through_the_python_api(tmp_path, monkeypatch):
+    """The probe's form: two ``Engine.save(dir, step=1)`` at once into one directory (one raised
+    ``FileNotFoundError``, the other published a checkpoint ``verify`` called corrupt): both
+    succeed, one after the other, and the checkpoint verifies and loads."""
+    from bumblebee.rl.engine import Engine
+
+    engine = Engine(load_config(None, TINY + [f"train.out_dir={tmp_path / 'e'}"]))
+    inner = checkpointer.save_pieces
+
+    def slow(*args, **kwargs):  # both saves are writing at once
+        time.sleep(1.0)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "save_pieces", slow)
+    out = tmp_path / "out"
+    children = [_forked(lambda: engine.save(str(out), step=1) and 0) for _ in range(2)]
+    results = _results(children)
+    assert [code for code, _ in results] == [0, 0], results
+    code, err = verified(out)
+    assert code == 0, err
+    assert steps_in(out / "checkpoints") == [1] and not hidden(out / "checkpoints")
+    assert engine.load(str(out)) == 1
+
+
+@pytest.mark.parametrize("first", ["resume", "fresh"])
+def test_a_fresh_run_racing_a_resume_on_one_out_dir_loses_nothing(tmp_path, monkeypatch, first):
+    """A fresh run and a ``--resume auto`` run started at once on one out_dir (the probe lost
+    the earlier run's checkpoint): one holds the out_dir, the other is refused with one line,
+    and the earlier checkpoint is whole, in ``checkpoints/`` or set aside in ``previous/``."""
+    out = tmp_path / "run"
+    run = TINY + ["train.save_every=2", "train.keep_last=0", f"train.out_dir={out}"]
+    assert main(["train", *sets(run + ["train.steps=2"])]) == 0
+    earlier = snapshot(out / "checkpoints" / "step_00000002")
+    inner = Trainer.train_step
+
+    def slow(self):  # the runs overlap
+        time.sleep(0.5)
+        return inner(self)
+
+    monkeypatch.setattr(Trainer, "train_step", slow)
+    argv = {
+        "resume": ["train", *sets(run + ["train.steps=5"]), "--resume", "auto"],
+        "fresh": ["train", *sets(run + ["train.steps=5"])],
+    }
+    order = [first, "fresh" if first == "resume" else "resume"]
+    children = []
+    for name in order:
+        children.append(_forked(lambda name=name: main(argv[name])))
+        time.sleep(0.3)
+    results = _results(children)
+    codes = sorted(code for code, _ in results)
+    refused = [err for code, err in results if code == 2]
+    assert codes == [0, 2] and len(refused) == 1, results
+    assert "in use by another run" in refused[0] and refused[0].count("bumblebee: error:") == 1
+    kept = [out / "checkpoints" / "step_00000002"]
+    if (out / "previous").is_dir():
+        kept += [
+            out / "previous" / s / "checkpoints" / "step_00000002"
+            for s in os.listdir(out / "previous")
+        ]
+    whole = [d for d in kept if d.is_dir() and snapshot(d) == earlier]
+    assert whole, f"the earlier step 2 is gone: {[str(d) for d in kept]}"
+    code, err = verified(whole[0])
+    assert code == 0, err
+
+
 # ------------------------------------------------------------------------------ kill a convert
 @pytest.fixture(scope="module")
 def exports(three, tmp_path_factory):
