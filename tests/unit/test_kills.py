@@ -361,6 +361,76 @@ def test_a_kill_at_every_step_of_a_convert_leaves_a_whole_export_and_a_rerun_wor
     assert not failed, "\n".join(failed)
 
 
+@pytest.fixture(scope="module")
+def exporters(tmp_path_factory):
+    """The Python API's exporters: ``(name, write(target, version))``; version 0 is the earlier
+    export (bfloat16), 1 the new one (float32)."""
+    import torch
+
+    import bumblebee
+    from bumblebee.models import build_model, resolve_arch
+    from bumblebee.rl.engine import Engine
+
+    root = tmp_path_factory.mktemp("exporters")  # bumblebee.to_hf: under the export lock
+    engine = Engine(load_config(None, TINY + [f"train.out_dir={root / 'e'}"]))
+    model = build_model(resolve_arch(load_config(None, TINY).model), seed=0)
+    dtypes = (torch.bfloat16, torch.float32)
+    return {
+        "Engine.export_hf": lambda d, v: engine.export_hf(str(d), dtype=dtypes[v]),
+        "to_hf": lambda d, v: bumblebee.to_hf(model, str(d), dtype=dtypes[v]),
+        "to_hf sharded": lambda d, v: bumblebee.to_hf(
+            model, str(d), dtype=dtypes[v], max_shard_bytes=20_000
+        ),
+    }
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new target", "over an earlier export"])
+@pytest.mark.parametrize("exporter", ["Engine.export_hf", "to_hf", "to_hf sharded"])
+def test_a_kill_at_every_step_of_an_api_export(exporters, tmp_path, exporter, overwrite):
+    """SIGKILL at every filesystem step of ``Engine.export_hf`` / ``bumblebee.to_hf`` (the probe:
+    a killed export_hf left temporaries and a partial model): the target holds the earlier
+    export or the new one, whole, and the same export run again works and leaves nothing beside
+    the target."""
+    write = exporters[exporter]
+    ref = tmp_path / "ref"
+    write(ref / "old", 0)
+    (ref / "old" / "README.md").write_text("mine")
+    write(ref / "new", 1)
+    shutil.copytree(ref / "old", ref / "over")
+    write(ref / "over", 1)  # over the earlier one: its weight files replaced, README.md kept
+    old, new, over = snapshot(ref / "old"), snapshot(ref / "new"), snapshot(ref / "over")
+    after = over if overwrite else new
+    assert (
+        over["README.md"] == b"mine" and {k: v for k, v in over.items() if k != "README.md"} == new
+    )
+
+    def target(name):
+        d = tmp_path / name / "hf"
+        if overwrite:
+            shutil.copytree(ref / "old", d)
+        else:
+            d.parent.mkdir()
+        return d
+
+    dry = target("dry")
+    points = run_stopped(lambda: write(dry, 1)).steps
+    assert len(points) >= 4, points
+    failed = []
+    for at, point in distinct(points):
+        d = target(f"at{at}")
+        killed = run_stopped(lambda: write(d, 1), at, signal.SIGKILL)
+        assert killed.signal == signal.SIGKILL, (point, killed)
+        now = snapshot(d) if d.is_dir() else {}
+        if now not in ({}, after) and not (overwrite and now == old):
+            failed.append(f"killed before step {at} ({point}): a partial export {sorted(now)}")
+        write(d, 1)
+        leftovers = [n for n in os.listdir(d.parent) if n != "hf"]
+        if snapshot(d) != after or leftovers:
+            failed.append(f"re-run after a kill before step {at} ({point}): {leftovers}")
+        shutil.rmtree(d.parent)
+    assert not failed, "\n".join(failed)
+
+
 def test_two_converts_into_one_target(three, exports, tmp_path, monkeypatch):
     """Two converts into one target at once: one writes it, the other is refused with one line;
     the target is one export, not a mix."""
