@@ -822,3 +822,66 @@ def test_a_kill_or_sigterm_at_every_step_of_data_prepare(tokens_input, tmp_path,
                 f"{sorted(set(data) ^ set(want))} {err[-300:]}"
             )
     assert not failed, "\n".join(failed)
+
+
+# ------------------------------------------------------------------------------ rl
+RL_TINY = [
+    "model.arch.hidden_size=32",
+    "rl.steps=1",
+    "rl.warmup_steps=1",
+    "rl.eval_problems=2",
+    "rl.prompts_per_step=2",
+    "rl.group_size=2",
+]
+
+
+def _rl_main(out) -> int:
+    sys.argv = ["bumblebee", "rl", *sets(RL_TINY + [f"train.out_dir={out}"])]
+    return main()
+
+
+def _left_by_rl(out) -> list[str]:
+    """What a stopped ``rl`` must not leave: its lock, a temporary, a partial reference export."""
+    problems = []
+    if not out.is_dir():
+        return problems
+    names = sorted(os.listdir(out))
+    if LOCK_NAME in names:
+        problems.append("the out_dir lock was left behind")
+    if hidden(out):
+        problems.append(f"left {hidden(out)}")
+    ref = out / "reference"
+    if ref.is_dir() and sorted(os.listdir(ref)) not in ([], ["config.json", "model.safetensors"]):
+        problems.append(f"a partial reference export {sorted(os.listdir(ref))}")
+    return problems
+
+
+@pytest.mark.parametrize(
+    "signum", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["SIGKILL", "SIGINT", "SIGTERM"]
+)
+def test_a_signal_at_every_step_of_rl(tmp_path, signum):
+    """``bumblebee rl`` stopped before each of its filesystem steps (the probe: a killed ``rl``
+    left temporaries, a partial output or a lock): Ctrl-C / SIGTERM exit 130 / 143 leaving no
+    lock, temporary or partial reference export; after SIGKILL the same ``rl`` run again works
+    and leaves none of those either."""
+    points = run_stopped(lambda: _rl_main(tmp_path / "dry")).steps
+    assert len(points) >= 15, points
+    failed = []
+    for at, point in distinct(points):
+        out = tmp_path / f"at{at}"
+        stopped = run_stopped(lambda: _rl_main(out), at, signum)
+        problems = []
+        if signum == signal.SIGKILL:
+            assert stopped.signal == signal.SIGKILL, (point, stopped)
+            again = run_stopped(lambda: _rl_main(out))
+            if again.code != 0:
+                problems.append(f"re-run: exit {again.code} {again.stderr.strip()[-300:]}")
+        else:
+            last = stopped.stderr.strip().splitlines()[-1:]
+            if stopped.code != 128 + signum or not last or not last[0].startswith("bumblebee: "):
+                problems.append(f"exit {stopped.code} (signal {stopped.signal}), said {last}")
+        problems += _left_by_rl(out)
+        if problems:
+            failed.append(f"{signal.Signals(signum).name} before step {at} ({point}): {problems}")
+        shutil.rmtree(out, ignore_errors=True)
+    assert not failed, "\n".join(failed)
