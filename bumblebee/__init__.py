@@ -45,8 +45,8 @@ def __getattr__(name: str):
         from bumblebee.models import build_model as value
     elif name == "from_hf":
         from bumblebee.models.hf import from_hf as value
-    elif name == "to_hf":
-        from bumblebee.models.hf import to_hf as value
+    elif name == "to_hf":  # under the target's export lock (runtime/checkpoint/export_dir.py)
+        from bumblebee.runtime.checkpoint.export_dir import to_hf as value
     elif name == "load_config":
         from bumblebee.runtime.resolve import load_config as value
     elif name == "Engine":  # the RL actor pulls in the runtime

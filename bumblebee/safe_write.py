@@ -346,10 +346,14 @@ def staged_dir(
     """A ``Stage``: a new hidden directory beside ``out_dir`` (``root``: see the module doc;
     default ``out_dir`` itself, which may be the user's link). When the block ends normally its
     files are moved into ``out_dir``: the whole directory at once when ``out_dir`` is missing or
-    empty, else file by file (each replacing its namesake, no link followed), the files named
-    in ``last`` (an entry point such as ``model.safetensors``) after the others, and then the
-    stage's ``removed`` files deleted. On any failure the stage is removed and ``out_dir`` is as
-    it was."""
+    empty; over an earlier directory, the stage is given what that one holds besides the
+    stage's files and its ``removed`` ones (hard links) and the two are swapped in one step
+    (``_exchange``), so a reader or a kill at any moment sees the earlier directory or the new
+    one, never a mix; where no swap can be made (not Linux, a filesystem without it, an
+    ``out_dir`` that is the user's link) file by file (each replacing its namesake, no link
+    followed), the files named in ``last`` (an entry point such as ``model.safetensors``) after
+    the others, and then the stage's ``removed`` files deleted. On any failure the stage is
+    removed and ``out_dir`` is as it was."""
     out = os.path.abspath(out_dir)
     parent, base = os.path.split(out)
     make_dirs(parent, root=None if root is None or root == out else root)
@@ -372,6 +376,62 @@ def staged_dir(
             shutil.rmtree(stage.path, ignore_errors=True)  # a no-op once moved in whole
     finally:
         os.close(pfd)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_renameat2 = None
+
+
+def _exchange(dir_fd: int, a: str, b: str) -> bool:
+    """Swap entries ``a`` and ``b`` of directory ``dir_fd`` in one step (Linux ``renameat2``
+    with ``RENAME_EXCHANGE``): a reader of either name sees the one or the other, never neither.
+    False where the kernel, the C library or the filesystem cannot (nothing was changed)."""
+    global _renameat2
+    if _renameat2 is None:
+        _renameat2 = False
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+            fn.argtypes += [ctypes.c_uint]
+            _renameat2 = fn
+        except (OSError, AttributeError):  # not Linux, or a C library without it
+            pass
+    if not _renameat2:
+        return False
+    import ctypes
+
+    if _renameat2(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False  # this filesystem cannot swap: the file-by-file move
+    raise OSError(err, os.strerror(err))
+
+
+def _link_into(src_fd: int, dst_fd: int, n: str, src: str, dst: str) -> None:
+    """Entry ``n`` of directory ``src_fd`` also in ``dst_fd``: a hard link (a link is copied as
+    a link, a directory as a tree of hard links), a copy where no hard link can be made."""
+    st = os.stat(n, dir_fd=src_fd, follow_symlinks=False)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.copytree(src, dst, symlinks=True, copy_function=_hard_link_or_copy)
+        return
+    try:
+        os.link(n, n, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
+    except OSError:  # no hard links here (another filesystem, a special file)
+        _hard_link_or_copy(src, dst)
+
+
+def _hard_link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def _move_in(stage: Stage, out: str, name: str, pfd: int, root, last, doing) -> None:
@@ -397,6 +457,16 @@ def _move_in(stage: Stage, out: str, name: str, pfd: int, root, last, doing) -> 
             names = sorted(os.listdir(sfd), key=lambda n: n in last)
             for n in names + stage.removed:
                 _check_target(ofd, n, os.path.join(out, n))
+            if not stat.S_ISLNK(st.st_mode):  # out_dir is a directory here: swap it whole
+                keep = set(names) | set(stage.removed)
+                for n in sorted(os.listdir(ofd)):  # what else it holds (a user's files) stays
+                    if n not in keep:
+                        _link_into(ofd, sfd, n, os.path.join(out, n), os.path.join(stage.path, n))
+                os.chmod(name, stat.S_IMODE(st.st_mode), dir_fd=pfd)  # the earlier one's mode
+                os.fsync(sfd)
+                if _exchange(pfd, name, base):  # the stage now holds the earlier directory
+                    os.fsync(pfd)
+                    return
             for n in stage.removed:
                 if n not in names:
                     try:

@@ -47,7 +47,7 @@ def load_tokenizer(path: str):
         tok.decode(
             tok("bumblebee tokenizer probe")["input_ids"]
         )  # a wrong-typed setting fails here, not mid-run
-        return tok
+        probe = tok("bumblebee tokenizer probe", add_special_tokens=False)["input_ids"]
     except (KeyboardInterrupt, SystemExit, MemoryError):
         raise
     except BaseException as e:  # noqa: BLE001 - a broken directory surfaces as any of a dozen types (a Rust panic too)
@@ -55,6 +55,12 @@ def load_tokenizer(path: str):
         raise DataError(
             f"{path}: not a loadable tokenizer directory ({type(e).__name__}: {why})"
         ) from None
+    if not probe:  # an empty vocabulary (or one of special tokens only): every text is no tokens
+        raise DataError(
+            f"{path}: the tokenizer encodes text to no tokens (its vocabulary has {len(tok)} "
+            "entries); not a usable tokenizer"
+        )
+    return tok
 
 
 TOKENIZER_JSON = (
@@ -184,6 +190,8 @@ class Encoder:
         if not isinstance(text, str) or not text.strip():
             raise BadRecord("'text' must be a non-empty string")
         ids = list(self.tok(text, add_special_tokens=True)["input_ids"])
+        if not ids:
+            raise BadRecord("the text encodes to no tokens")
         eos = self.tok.eos_token_id
         if eos is not None and ids[-1] != eos:
             ids.append(eos)

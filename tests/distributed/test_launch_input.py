@@ -79,3 +79,66 @@ def test_ctrl_c_with_nproc_exits_130_with_one_line(tmp_path):
     assert (
         find_checkpoint("auto", str(tmp_path)) is not None
     )  # every published checkpoint is complete
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (a zombie no one reaped yet has ended too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_ranks_die_with_a_sigkilled_launcher_and_the_lock_named_them(tmp_path):
+    """SIGKILL of ``bumblebee train --nproc 2``'s launcher alone (the OOM killer's way): its
+    ranks, which the lock named while they ran, die with it instead of training on as orphans,
+    and the lock is then stale: a second run may take the out_dir over."""
+    import io
+    import json
+    import time
+
+    from bumblebee.runtime.launch.outdir import LOCK_NAME, OutDirLock
+
+    argv = [sys.executable, "-m", "bumblebee.cli", "train", "--nproc", "2"]
+    argv += [
+        a
+        for s in SMALL + ["train.steps=1000", "train.save_every=0", f"train.out_dir={tmp_path}"]
+        for a in ("--set", s)
+    ]
+    p = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    ranks: list[int] = []
+    try:
+        for line in p.stdout:  # wait until the ranks are training
+            if "step 2/1000" in line:
+                break
+        lock = [json.loads(x) for x in (tmp_path / LOCK_NAME).read_text().splitlines()]
+        assert lock[0]["pid"] == p.pid, lock
+        ranks = [x["pid"] for x in lock[1:] if "rank" in x]
+        assert sorted(x["rank"] for x in lock[1:]) == [0, 1], lock
+        os.kill(p.pid, signal.SIGKILL)  # the launcher only, not its process group
+        p.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(_gone(r) for r in ranks):
+            time.sleep(0.2)
+        alive = [r for r in ranks if not _gone(r)]
+        assert not alive, f"ranks {alive} outlived their launcher"
+        with OutDirLock(str(tmp_path), stream=io.StringIO()) as held:  # stale now
+            assert held.owned
+    finally:
+        for pid in [p.pid, *ranks]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

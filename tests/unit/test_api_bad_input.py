@@ -5,6 +5,8 @@ line break, min_doc_len > max_doc_len, an eval distance the rows cannot hold).""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -183,3 +185,163 @@ def test_a_bad_id_in_a_prepared_directory_names_that_directory():
     store = dataclasses.replace(store, location="runs/prep")
     with pytest.raises(DataError, match=r"^runs/prep \(prepared from chats.jsonl\): token id 300"):
         TokenSource(store, seq_len=8, global_batch=1, seed=0, vocab_size=272)
+
+
+def _emptied_tokenizer(tmp_path, name, keep_special: bool):
+    """A tokenizer directory whose vocabulary is empty (``keep_special``: but for its EOS)."""
+    import json
+
+    from data_helpers import make_tokenizer
+
+    d = tmp_path / name
+    make_tokenizer(d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    tj["model"]["vocab"], tj["model"]["merges"] = {}, []
+    if not keep_special:
+        tj["added_tokens"] = []
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        cfg = {k: v for k, v in cfg.items() if k not in ("eos_token", "pad_token")}
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+        (d / "special_tokens_map.json").write_text("{}")
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    return d
+
+
+@pytest.mark.parametrize("keep_special", [True, False], ids=["eos-only", "nothing"])
+@pytest.mark.parametrize("source", ["text", "chat"])
+def test_a_tokenizer_with_an_empty_vocabulary_is_one_line(tmp_path, capsys, source, keep_special):
+    """The probe's case: ``data prepare`` with such a tokenizer ended in an ``IndexError``
+    traceback from a worker (a text encoded to no ids)."""
+    import json
+
+    from cli_helpers import one_line_error
+
+    tok = _emptied_tokenizer(tmp_path, "tok", keep_special)
+    src = tmp_path / "in.jsonl"
+    record = {"text": "the quick brown fox"}
+    if source == "chat":
+        record = {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]
+        }
+    src.write_text(json.dumps(record) + "\n")
+    argv = ["data", "prepare", str(src), str(tmp_path / "out"), "--source", source]
+    line = one_line_error(capsys, argv + ["--tokenizer", str(tok), "--no-progress"], str(tok))
+    assert "encodes text to no tokens" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_jinja_sandbox_refusal_says_so(tmp_path, capsys):
+    """A chat template reaching for Python internals: the sandbox refuses it, and the one line
+    says that (it surfaced as an unrelated message before), naming no record as the culprit."""
+    import json
+
+    from cli_helpers import one_line_error
+    from data_helpers import make_tokenizer
+
+    tok = make_tokenizer(
+        tmp_path / "tok", template="{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    )
+    src = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    src.write_text(json.dumps({"messages": turns}) + "\n")
+    argv = ["data", "prepare", str(src), str(tmp_path / "out"), "--source", "chat"]
+    line = one_line_error(capsys, argv + ["--tokenizer", tok, "--no-progress"], "sandbox refuses")
+    assert "__class__" in line and "chat template" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ the same cases through the CLI
+CLI_TINY = [
+    "model.arch.num_hidden_layers=1",
+    "model.arch.hidden_size=32",
+    "model.arch.head_dim=8",
+    "model.arch.moe_intermediate_size=16",
+    "model.arch.num_experts=2",
+    "model.arch.num_experts_per_tok=1",
+    "primitives.loss=ce",
+    "primitives.recompute=none",
+    "train.seq_len=32",
+    "train.global_batch=1",
+    "train.steps=1",
+    "train.warmup_steps=0",
+    "data.min_records=1",
+    "data.max_records=2",
+]
+
+
+def _train_argv(tmp_path, *items):
+    from cli_helpers import sets
+
+    return ["train"] + sets(CLI_TINY + [f"train.out_dir={tmp_path / 'run'}", *items])
+
+
+@pytest.mark.parametrize(
+    "items, fragment",
+    [
+        (
+            ["data.min_doc_len=600", "data.max_doc_len=500"],
+            "data.min_doc_len = 600 > data.max_doc_len",
+        ),
+        (["model.arch.vocab_size=1e12"], "vocab_size must be an integer, got 1000000000000.0"),
+        (["model.arch.vocab_size=1000000000000"], "for its fp32 weights alone"),
+        (['train.out_dir="runs/a\\u0000b"'], "holds a NUL character"),
+    ],
+)
+def test_config_mistakes_through_train_are_one_line(tmp_path, capsys, items, fragment):
+    """The previous round's CLI tracebacks (an allocator error for a 1e12 vocabulary) and a NUL
+    in ``--set``: one line, before anything is written."""
+    from cli_helpers import one_line_error
+
+    one_line_error(capsys, _train_argv(tmp_path, *items), fragment)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["train.out_dir", "data.path"])
+def test_a_nul_in_a_toml_config_names_the_file(tmp_path, capsys, key):
+    from cli_helpers import one_line_error
+
+    section, name = key.split(".")
+    config = tmp_path / "run.toml"
+    config.write_text(f'[{section}]\n{name} = "runs/a\\u0000b"\n')
+    line = one_line_error(capsys, ["train", "--config", str(config)], "holds a NUL character")
+    assert str(config) in line and key in line, line
+
+
+def test_an_unmeetable_eval_distance_is_said_on_the_command_line(tmp_path, capsys):
+    """``data.eval_min_distance=100000`` was accepted silently (the evaluation ran at distance
+    58): the run says so in a warning before it starts."""
+    from bumblebee.cli import main
+
+    items = ["data.eval_min_distance=100000", "train.eval_every=1"]
+    assert main(_train_argv(tmp_path, *items)) == 0
+    err = capsys.readouterr().err
+    assert "bumblebee: warning: data.eval_min_distance = 100000 cannot be met" in err, err
+
+
+def test_a_lone_surrogate_through_data_prepare_names_the_line(tmp_path, capsys):
+    import json
+
+    from cli_helpers import one_line_error
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(
+        json.dumps({"input_ids": [3, 4, 5]}) + "\n" + '{"input_ids": [3], "x": "\\ud800"}\n'
+    )
+    argv = ["data", "prepare", str(src), str(tmp_path / "out"), "--source", "tokens"]
+    line = one_line_error(capsys, argv + ["--no-progress"], f"{src}:2: a string holds a lone")
+    assert "surrogate" in line and not (tmp_path / "out").exists()
+
+
+def test_rl_plot_and_pair_json_targets_are_refused_before_the_run(tmp_path, capsys):
+    """``rl --plot out.txt`` (matplotlib's ValueError after the run finished) and ``pair --json
+    DIR`` (IsADirectoryError): one line, before any training (no out_dir written)."""
+    from cli_helpers import one_line_error
+
+    argv = ["rl", "--plot", str(tmp_path / "out.txt"), "--set", f"train.out_dir={tmp_path / 'rl'}"]
+    one_line_error(capsys, argv, "not an image format matplotlib writes")
+    assert not (tmp_path / "rl").exists()
+    (tmp_path / "dir").mkdir()
+    argv = ["pair", "--slot", "loss", "--a", "ce", "--b", "linear_ce", "--steps", "1"]
+    argv += ["--json", str(tmp_path / "dir"), "--set", f"train.out_dir={tmp_path / 'pair'}"]
+    one_line_error(capsys, argv, "is a directory; give a file name")
+    assert not (tmp_path / "pair").exists() and os.listdir(tmp_path / "dir") == []

@@ -133,6 +133,8 @@ CONFIGS = [
     (drop_key("num_experts"), "missing num_experts"),
     (retype("hidden_size", "32"), "hidden_size must be an integer, got '32'"),
     (retype("tie_word_embeddings", "false"), "tie_word_embeddings must be true or false"),
+    # the probe's 10^12 layers: refused from its number, before anything is built (it hung)
+    (retype("num_hidden_layers", 10**12), "num_hidden_layers = 1000000000000 is beyond any model"),
 ]
 
 
@@ -160,6 +162,25 @@ def garbage_header(d):
     (d / "model.safetensors").write_bytes(b"\xff" * 64)
 
 
+def non_finite_weight(value):
+    def edit(d):
+        tensors = load_file(d / "model.safetensors")
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].clone()
+        tensors["model.norm.weight"][0] = value
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+    return edit
+
+
+def stored_twice(d):
+    """A second shard holding a tensor the first one holds, both named by the index."""
+    tensors = load_file(d / "model.safetensors")
+    name = "model.norm.weight"
+    save_file({name: tensors[name]}, d / "extra.safetensors", metadata={"format": "pt"})
+    weight_map = {n: "model.safetensors" for n in tensors} | {name: "extra.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 def integer_weight(d):
     tensors = load_file(d / "model.safetensors")
     name = "model.norm.weight"
@@ -175,6 +196,10 @@ WEIGHTS = [
     (truncate, "unreadable safetensors file"),
     (garbage_header, "unreadable safetensors file"),
     (integer_weight, "model.norm.weight is stored as torch.int32"),
+    # st-nan / st-inf exited 1 (a failed run) instead of 2; a duplicate was accepted silently
+    (non_finite_weight(math.nan), "tensor model.norm.weight holds NaN or infinite values"),
+    (non_finite_weight(math.inf), "tensor model.norm.weight holds NaN or infinite values"),
+    (stored_twice, "tensor model.norm.weight is stored twice"),
 ]
 
 

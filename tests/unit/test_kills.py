@@ -209,6 +209,102 @@ def test_two_saves_of_one_step_into_one_directory(three, tmp_path, monkeypatch):
     assert steps_in(out / "checkpoints") == [1, 2, 3] and not hidden(out / "checkpoints")
 
 
+def _forked(fn) -> tuple[int, int]:
+    """Start ``fn()`` in a forked child whose stderr goes to a pipe: (pid, read end)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        sys.stderr = os.fdopen(w, "w", buffering=1)
+        signal.alarm(120)  # a child that hangs dies instead of blocking the test
+        try:
+            if "torch" in sys.modules:  # the parent's OpenMP workers are not in the child
+                sys.modules["torch"].set_num_threads(1)
+            code = fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            sys.stderr.write(f"{type(e).__name__}: {e}\n")
+            code = 99
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 0)
+    os.close(w)
+    return pid, r
+
+
+def _results(children) -> list[tuple[int, str]]:
+    out = []
+    for pid, r in children:
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        with os.fdopen(r) as f:
+            out.append((code, f.read()))
+    return out
+
+
+def test_two_engine_saves_of_one_step_through_the_python_api(tmp_path, monkeypatch):
+    """The probe's form: two ``Engine.save(dir, step=1)`` at once into one directory (one raised
+    ``FileNotFoundError``, the other published a checkpoint ``verify`` called corrupt): both
+    succeed, one after the other, and the checkpoint verifies and loads."""
+    from bumblebee.rl.engine import Engine
+
+    engine = Engine(load_config(None, TINY + [f"train.out_dir={tmp_path / 'e'}"]))
+    inner = checkpointer.save_pieces
+
+    def slow(*args, **kwargs):  # both saves are writing at once
+        time.sleep(1.0)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "save_pieces", slow)
+    out = tmp_path / "out"
+    children = [_forked(lambda: engine.save(str(out), step=1) and 0) for _ in range(2)]
+    results = _results(children)
+    assert [code for code, _ in results] == [0, 0], results
+    code, err = verified(out)
+    assert code == 0, err
+    assert steps_in(out / "checkpoints") == [1] and not hidden(out / "checkpoints")
+    assert engine.load(str(out)) == 1
+
+
+@pytest.mark.parametrize("first", ["resume", "fresh"])
+def test_a_fresh_run_racing_a_resume_on_one_out_dir_loses_nothing(tmp_path, monkeypatch, first):
+    """A fresh run and a ``--resume auto`` run started at once on one out_dir (the probe lost
+    the earlier run's checkpoint): one holds the out_dir, the other is refused with one line,
+    and the earlier checkpoint is whole, in ``checkpoints/`` or set aside in ``previous/``."""
+    out = tmp_path / "run"
+    run = TINY + ["train.save_every=2", "train.keep_last=0", f"train.out_dir={out}"]
+    assert main(["train", *sets(run + ["train.steps=2"])]) == 0
+    earlier = snapshot(out / "checkpoints" / "step_00000002")
+    inner = Trainer.train_step
+
+    def slow(self):  # the runs overlap
+        time.sleep(0.5)
+        return inner(self)
+
+    monkeypatch.setattr(Trainer, "train_step", slow)
+    argv = {
+        "resume": ["train", *sets(run + ["train.steps=5"]), "--resume", "auto"],
+        "fresh": ["train", *sets(run + ["train.steps=5"])],
+    }
+    order = [first, "fresh" if first == "resume" else "resume"]
+    children = []
+    for name in order:
+        children.append(_forked(lambda name=name: main(argv[name])))
+        time.sleep(0.3)
+    results = _results(children)
+    codes = sorted(code for code, _ in results)
+    refused = [err for code, err in results if code == 2]
+    assert codes == [0, 2] and len(refused) == 1, results
+    assert "in use by another run" in refused[0] and refused[0].count("bumblebee: error:") == 1
+    kept = [out / "checkpoints" / "step_00000002"]
+    if (out / "previous").is_dir():
+        kept += [
+            out / "previous" / s / "checkpoints" / "step_00000002"
+            for s in os.listdir(out / "previous")
+        ]
+    whole = [d for d in kept if d.is_dir() and snapshot(d) == earlier]
+    assert whole, f"the earlier step 2 is gone: {[str(d) for d in kept]}"
+    code, err = verified(whole[0])
+    assert code == 0, err
+
+
 # ------------------------------------------------------------------------------ kill a convert
 @pytest.fixture(scope="module")
 def exports(three, tmp_path_factory):
@@ -261,6 +357,76 @@ def test_a_kill_at_every_step_of_a_convert_leaves_a_whole_export_and_a_rerun_wor
             failed.append(
                 f"re-run after a kill before step {at} ({point}): exit {code}, {leftovers}"
             )
+        shutil.rmtree(d.parent)
+    assert not failed, "\n".join(failed)
+
+
+@pytest.fixture(scope="module")
+def exporters(tmp_path_factory):
+    """The Python API's exporters: ``(name, write(target, version))``; version 0 is the earlier
+    export (bfloat16), 1 the new one (float32)."""
+    import torch
+
+    import bumblebee
+    from bumblebee.models import build_model, resolve_arch
+    from bumblebee.rl.engine import Engine
+
+    root = tmp_path_factory.mktemp("exporters")  # bumblebee.to_hf: under the export lock
+    engine = Engine(load_config(None, TINY + [f"train.out_dir={root / 'e'}"]))
+    model = build_model(resolve_arch(load_config(None, TINY).model), seed=0)
+    dtypes = (torch.bfloat16, torch.float32)
+    return {
+        "Engine.export_hf": lambda d, v: engine.export_hf(str(d), dtype=dtypes[v]),
+        "to_hf": lambda d, v: bumblebee.to_hf(model, str(d), dtype=dtypes[v]),
+        "to_hf sharded": lambda d, v: bumblebee.to_hf(
+            model, str(d), dtype=dtypes[v], max_shard_bytes=20_000
+        ),
+    }
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new target", "over an earlier export"])
+@pytest.mark.parametrize("exporter", ["Engine.export_hf", "to_hf", "to_hf sharded"])
+def test_a_kill_at_every_step_of_an_api_export(exporters, tmp_path, exporter, overwrite):
+    """SIGKILL at every filesystem step of ``Engine.export_hf`` / ``bumblebee.to_hf`` (the probe:
+    a killed export_hf left temporaries and a partial model): the target holds the earlier
+    export or the new one, whole, and the same export run again works and leaves nothing beside
+    the target."""
+    write = exporters[exporter]
+    ref = tmp_path / "ref"
+    write(ref / "old", 0)
+    (ref / "old" / "README.md").write_text("mine")
+    write(ref / "new", 1)
+    shutil.copytree(ref / "old", ref / "over")
+    write(ref / "over", 1)  # over the earlier one: its weight files replaced, README.md kept
+    old, new, over = snapshot(ref / "old"), snapshot(ref / "new"), snapshot(ref / "over")
+    after = over if overwrite else new
+    assert (
+        over["README.md"] == b"mine" and {k: v for k, v in over.items() if k != "README.md"} == new
+    )
+
+    def target(name):
+        d = tmp_path / name / "hf"
+        if overwrite:
+            shutil.copytree(ref / "old", d)
+        else:
+            d.parent.mkdir()
+        return d
+
+    dry = target("dry")
+    points = run_stopped(lambda: write(dry, 1)).steps
+    assert len(points) >= 4, points
+    failed = []
+    for at, point in distinct(points):
+        d = target(f"at{at}")
+        killed = run_stopped(lambda: write(d, 1), at, signal.SIGKILL)
+        assert killed.signal == signal.SIGKILL, (point, killed)
+        now = snapshot(d) if d.is_dir() else {}
+        if now not in ({}, after) and not (overwrite and now == old):
+            failed.append(f"killed before step {at} ({point}): a partial export {sorted(now)}")
+        write(d, 1)
+        leftovers = [n for n in os.listdir(d.parent) if n != "hf"]
+        if snapshot(d) != after or leftovers:
+            failed.append(f"re-run after a kill before step {at} ({point}): {leftovers}")
         shutil.rmtree(d.parent)
     assert not failed, "\n".join(failed)
 
@@ -655,4 +821,67 @@ def test_a_kill_or_sigterm_at_every_step_of_data_prepare(tokens_input, tmp_path,
                 f"re-run after SIGKILL before step {at} ({point}): exit {code}, "
                 f"{sorted(set(data) ^ set(want))} {err[-300:]}"
             )
+    assert not failed, "\n".join(failed)
+
+
+# ------------------------------------------------------------------------------ rl
+RL_TINY = [
+    "model.arch.hidden_size=32",
+    "rl.steps=1",
+    "rl.warmup_steps=1",
+    "rl.eval_problems=2",
+    "rl.prompts_per_step=2",
+    "rl.group_size=2",
+]
+
+
+def _rl_main(out) -> int:
+    sys.argv = ["bumblebee", "rl", *sets(RL_TINY + [f"train.out_dir={out}"])]
+    return main()
+
+
+def _left_by_rl(out) -> list[str]:
+    """What a stopped ``rl`` must not leave: its lock, a temporary, a partial reference export."""
+    problems = []
+    if not out.is_dir():
+        return problems
+    names = sorted(os.listdir(out))
+    if LOCK_NAME in names:
+        problems.append("the out_dir lock was left behind")
+    if hidden(out):
+        problems.append(f"left {hidden(out)}")
+    ref = out / "reference"
+    if ref.is_dir() and sorted(os.listdir(ref)) not in ([], ["config.json", "model.safetensors"]):
+        problems.append(f"a partial reference export {sorted(os.listdir(ref))}")
+    return problems
+
+
+@pytest.mark.parametrize(
+    "signum", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["SIGKILL", "SIGINT", "SIGTERM"]
+)
+def test_a_signal_at_every_step_of_rl(tmp_path, signum):
+    """``bumblebee rl`` stopped before each of its filesystem steps (the probe: a killed ``rl``
+    left temporaries, a partial output or a lock): Ctrl-C / SIGTERM exit 130 / 143 leaving no
+    lock, temporary or partial reference export; after SIGKILL the same ``rl`` run again works
+    and leaves none of those either."""
+    points = run_stopped(lambda: _rl_main(tmp_path / "dry")).steps
+    assert len(points) >= 15, points
+    failed = []
+    for at, point in distinct(points):
+        out = tmp_path / f"at{at}"
+        stopped = run_stopped(lambda: _rl_main(out), at, signum)
+        problems = []
+        if signum == signal.SIGKILL:
+            assert stopped.signal == signal.SIGKILL, (point, stopped)
+            again = run_stopped(lambda: _rl_main(out))
+            if again.code != 0:
+                problems.append(f"re-run: exit {again.code} {again.stderr.strip()[-300:]}")
+        else:
+            last = stopped.stderr.strip().splitlines()[-1:]
+            if stopped.code != 128 + signum or not last or not last[0].startswith("bumblebee: "):
+                problems.append(f"exit {stopped.code} (signal {stopped.signal}), said {last}")
+        problems += _left_by_rl(out)
+        if problems:
+            failed.append(f"{signal.Signals(signum).name} before step {at} ({point}): {problems}")
+        shutil.rmtree(out, ignore_errors=True)
     assert not failed, "\n".join(failed)

@@ -75,3 +75,49 @@ def test_master_port_in_use_is_one_line(tmp_path):
         r = _cli({**FULL, "WORLD_SIZE": "1", "MASTER_PORT": str(port)}, tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"MASTER_PORT={port} is already in use" in r.stderr and "Traceback" not in r.stderr
+
+
+CLI_CASES = [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
+    ({"LOCAL_RANK": "abc"}, "LOCAL_RANK='abc' is not an integer"),
+    ({"TORCHELASTIC_RESTART_COUNT": "abc"}, "TORCHELASTIC_RESTART_COUNT='abc' is not an integer"),
+    ({"TORCHELASTIC_RUN_ID": "x"}, "TORCHELASTIC_RUN_ID set but RANK, WORLD_SIZE, MASTER_ADDR"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "set but MASTER_ADDR not"),
+    ({**FULL, "RANK": "-1"}, "RANK='-1' must be >= 0"),
+    ({"RANK": "-1"}, "RANK='-1' must be >= 0"),
+    ({**FULL, "RANK": "2"}, "RANK=2 must be < WORLD_SIZE=2"),
+]
+
+
+@pytest.mark.parametrize("command", ["train", "rl"])
+@pytest.mark.parametrize("env, message", CLI_CASES, ids=[m for _, m in CLI_CASES])
+def test_each_bad_variable_through_the_cli(tmp_path, capsys, monkeypatch, command, env, message):
+    """The probe's forms through ``bumblebee train`` / ``rl`` in this process: exit 2 with one
+    line naming the variable, before any collective (an alarm stands in for the hang a rank
+    outside the world used to be)."""
+    import signal
+
+    from bumblebee.cli import main
+
+    for name in [*FULL, "LOCAL_RANK", "LOCAL_WORLD_SIZE"]:
+        monkeypatch.delenv(name, raising=False)
+    for name in [k for k in os.environ if "TORCHELASTIC" in k]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def hung(*_):
+        raise TimeoutError("no answer within 60 s: a collective waited for peers")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        code = main([command, "--set", f"train.out_dir={tmp_path / 'run'}"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("bumblebee: error: ") and message in lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

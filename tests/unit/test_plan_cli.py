@@ -337,3 +337,22 @@ def test_plot(tmp_path, capsys):
     else:
         code, _, _ = _run(argv, capsys)
         assert code == 0 and out_png.stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "layers, needle",
+    [
+        (10**12, "num_hidden_layers = 1000000000000 is beyond any model (at most 10000)"),
+        (2**63, "is beyond a 64-bit integer"),
+        (0, "num_hidden_layers must be positive"),
+        (1.5, "num_hidden_layers must be an integer"),
+    ],
+)
+def test_absurd_layer_counts_in_a_config_json(tmp_path, capsys, layers, needle):
+    """``plan --model config.json`` with a layer count no model has: one line before any search
+    (the probe's 10^12 layers ended in a traceback)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**SMALL_QWEN3, "num_hidden_layers": layers}))
+    code, out, err = _run(["--model", str(path), "--gpus", "8", "--seq", "4096"], capsys)
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err

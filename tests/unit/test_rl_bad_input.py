@@ -69,6 +69,8 @@ def test_rl_batch_rejects_float_ids_negative_positions_and_non_finite_inputs():
         RLBatch(ids.float(), pos, mask)
     with pytest.raises(ValueError, match="position_ids must be >= 0"):
         RLBatch(ids, torch.tensor([[0, 1, -2, 3]]), mask)
+    with pytest.raises(TypeError, match="RLBatch.position_ids must be an integer tensor"):
+        RLBatch(ids, pos.float() + 0.5, mask)  # float positions would be truncated
     ref = torch.zeros(1, 4)
     ref[0, 2] = -math.inf
     with pytest.raises(ValueError, match=r"ref_logprobs is not finite at trained token \(0, 2\)"):

@@ -23,9 +23,13 @@ import os
 import re
 import shutil
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from bumblebee.models.hf import CheckpointError
 from bumblebee.runtime.process_lock import ProcessLock
+
+if TYPE_CHECKING:
+    import torch
 
 # what an export writes itself (models/hf_write.py WEIGHT_FILE, and config.json)
 EXPORT_FILE = re.compile(
@@ -64,6 +68,24 @@ def export_lock(out_dir: str):
         yield
     finally:
         lock.release()
+
+
+def to_hf(
+    model,
+    out_dir: str,
+    max_shard_bytes: int = 5 * 2**30,
+    *,
+    dtype: torch.dtype | None = None,
+    source: str = "",
+) -> None:
+    """``bumblebee.to_hf``: ``models.hf.to_hf`` (``model`` as a HF directory, in ``dtype``,
+    sharded at ``max_shard_bytes``, ``source``'s extra tensors carried over) under ``out_dir``'s
+    export lock, as every export: one at a time per target, and what a killed one left beside
+    the target is tidied first."""
+    from bumblebee.models.hf import to_hf as write
+
+    with export_lock(out_dir):
+        write(model, out_dir, max_shard_bytes, dtype=dtype, source=source)
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -19,6 +19,11 @@ one stale lock never both take it. A lock taken by an earlier attempt of the sam
 (same rendezvous id) is taken over: a restart may put rank 0 on another host, where the old
 owner cannot be checked.
 
+Taking the lock is whole: a Ctrl-C or SIGTERM meanwhile waits for its end and then releases it
+(it left the lock, and the lock's temporary, behind). The taker then removes what a killed
+run's writes left (``.metrics.jsonl.tmp-...``, ``.config.toml.tmp-...``): nobody else writes
+there now.
+
 ``LockWatch`` lets a run notice that its lock is gone (its ``out_dir`` was deleted, and
 another run may now start there): the run stops with one line instead of writing into a
 directory that is no longer its own. Releasing removes the lock only while it is still this
@@ -37,7 +42,7 @@ from contextlib import contextmanager
 import bumblebee.outputs as outputs
 from bumblebee import safe_write
 from bumblebee.config import ConfigError
-from bumblebee.runtime.checkpoint.record import PREVIOUS, RECORD
+from bumblebee.runtime.checkpoint.record import FILES, PREVIOUS, RECORD
 from bumblebee.runtime.launch.interrupts import signals_held
 from bumblebee.runtime.process_lock import ProcessLock
 
@@ -199,6 +204,17 @@ class OutDirLock:
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "job": _elastic_job(),
         }
+        try:
+            # taking the lock is whole: a Ctrl-C / SIGTERM meanwhile waits for its end, and then
+            # (the block has not started) releases the lock it took before it stops the run
+            with signals_held():
+                self._enter(me)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _enter(self, me: dict) -> None:
         try:  # one taker at a time decides (and takes over a stale lock); see the module doc
             guard = ProcessLock(
                 f"{os.path.join(os.path.dirname(self.path), '.' + LOCK_NAME)}.guard"
@@ -209,9 +225,11 @@ class OutDirLock:
                 f"{self.what}: cannot create {self.path} ({e.strerror or e})"
             ) from None
         try:
-            return self._take(me)
+            self._take(me)
         finally:
             guard.release()
+        if self.owned:  # what a killed run's writes left (nobody else writes here now)
+            safe_write.sweep_temporaries(os.path.dirname(self.path) or ".", FILES)
 
     def _take(self, me: dict) -> OutDirLock:
         folder = os.path.dirname(self.path) or "."
