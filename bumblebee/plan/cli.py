@@ -28,6 +28,7 @@ from bumblebee.plan.layout import (
     check,
     parse_layout,
     prims_label,
+    split_train_overrides,
     without_exchange,
 )
 from bumblebee.plan.memory import local_tokens, moe_costs
@@ -63,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         dest="overrides",
         action=SetOverride,
         metavar="primitives.KEY=VALUE",
-        help="fix a primitive (sharding, loss, recompute, moe_comm, moe_chunks); repeatable",
+        help="fix a primitive (sharding, loss, recompute, moe_comm, moe_chunks) or train.balance / "
+        "train.micro_batch; repeatable",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument(
@@ -194,8 +196,9 @@ def run(args: argparse.Namespace) -> int:
     batch = args.global_batch if args.global_batch is not None else args.gpus
     if batch < 1:
         raise ConfigError(f"--global-batch must be >= 1, got {batch}")
-    work = Workload(seq=args.seq, global_batch=batch)
-    base, fixed = apply_overrides(recipe_primitives(), args.overrides)
+    prim_items, train = split_train_overrides(args.overrides)
+    work = Workload(seq=args.seq, global_batch=batch, **train)
+    base, fixed = apply_overrides(recipe_primitives(), prim_items)
     notes: list[str] = []
     counts = None
     if args.layout:

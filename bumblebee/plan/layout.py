@@ -74,8 +74,38 @@ class Workload:
     seq: int
     global_batch: int
     micro_batch: int = 1
-    # train.balance: "auto" / "step" keep every micro-batch in flight at pp = 1
+    # train.balance: "step" keeps every micro-batch in flight at pp = 1 ("auto" does not)
     balance: str = "auto"
+
+
+# the train.* keys ``--set`` may fix in a plan (what changes memory), and how each is checked
+PLANNED_TRAIN = ("balance", "micro_batch")
+
+
+def split_train_overrides(items: list[str]) -> tuple[list[str], dict]:
+    """``--set`` items -> (the primitives.* ones, the train.* fields they fix, checked as the
+    config checks them)."""
+    from bumblebee.config import Config
+    from bumblebee.config_checks import validate
+
+    rest, train = [], {}
+    for item in items:
+        keys, value = parse_override(item)
+        if len(keys) == 2 and keys[0] == "train":
+            if keys[1] not in PLANNED_TRAIN:
+                raise ConfigError(
+                    f"--set {item!r}: the planner takes primitives.KEY=VALUE and train.KEY=VALUE "
+                    f"for KEY in {', '.join(PLANNED_TRAIN)}"
+                )
+            train[keys[1]] = value
+        else:
+            rest.append(item)
+    if train:
+        cfg = Config()
+        for key, value in train.items():
+            setattr(cfg.train, key, value)
+        validate(cfg)  # one line per bad value, as `bumblebee train` says it
+    return rest, train
 
 
 def parse_layout(text: str, gpus: int) -> Layout:

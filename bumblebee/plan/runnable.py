@@ -45,6 +45,7 @@ def run_config(model: str, family: str, cand, work) -> Config:
         work.global_batch,
         work.micro_batch,
     )
+    cfg.train.balance = work.balance
     cfg.train.dtype = "bfloat16"
     return cfg
 
@@ -112,7 +113,9 @@ def emit_toml(cfg: Config, header: str) -> str:
             if cfg.primitives.moe_chunk_weights
             else {}
         ),
-        "train": {k: getattr(t, k) for k in ("seq_len", "global_batch", "micro_batch", "dtype")},
+        "train": {k: getattr(t, k) for k in ("seq_len", "global_batch", "micro_batch", "dtype")}
+        # a balance the plan was asked for (--set train.balance); the default goes unwritten
+        | ({"balance": t.balance} if t.balance != "auto" else {}),
         "data": {},
     }
     if cfg.model.hf_path:  # --model named a Hugging Face directory: decided

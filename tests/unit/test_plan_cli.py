@@ -356,3 +356,26 @@ def test_absurd_layer_counts_in_a_config_json(tmp_path, capsys, layers, needle):
     code, out, err = _run(["--model", str(path), "--gpus", "8", "--seq", "4096"], capsys)
     assert code == 2 and out == "" and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_set_train_keys_that_change_memory(capsys):
+    """``--set train.balance`` / ``train.micro_batch`` are planned: the step balance loss keeps
+    every micro-batch's saved inputs (the default, micro_batch_global, one micro-batch's), the
+    emitted config carries the balance asked for; other train keys and bad values are refused."""
+
+    def peak(*sets):
+        argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--seq", "16384"]
+        argv += ["--layout", "tp=1 pp=1 ep=8 cp=1", "--global-batch", "32", "--json"]
+        assert top_cli.main(argv + [x for s in sets for x in ("--set", s)]) == 0
+        rec = json.loads(capsys.readouterr().out)["recommended"]
+        return rec["memory_gb"]["total"], rec["config"]
+
+    default, cfg = peak()
+    step, step_cfg = peak("train.balance=step")
+    pairs, _ = peak("train.micro_batch=2")
+    assert step > default + 5 and pairs > default + 1
+    assert 'balance = "step"' in step_cfg and "balance" not in cfg
+    for bad, needle in (("train.lr=3", "train.KEY=VALUE"), ("train.balance=x", "train.balance")):
+        argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--seq", "16384", "--set", bad]
+        assert top_cli.main(argv) == 2
+        assert needle in capsys.readouterr().err
