@@ -159,11 +159,11 @@ class TrainConfig:
         600.0  # every process group: a rank that hangs ends the job after this
     )
     on_nonfinite: str = "stop"  # NaN/Inf loss or grad norm: "stop" the run | "skip" the update
-    # balance loss (weight: model.arch.router_aux_loss_coef): "micro_batch_global" (each
-    # micro-batch's expert frequencies over the dp x cp group) | "step" (over the whole optimizer
-    # step; keeps every micro-batch's graph until the backwards) | "micro_batch" (per micro-batch,
-    # this rank) | "hf" (transformers' aux_loss) | "auto": micro_batch_global at pp = 1,
-    # micro_batch with pp > 1
+    # balance loss (weight: model.arch.router_aux_loss_coef): "step" (expert frequencies over the
+    # whole optimizer step; keeps every micro-batch's graph until the backwards) |
+    # "micro_batch_global" (each micro-batch's over the dp x cp group; one micro-batch in flight) |
+    # "micro_batch" (per micro-batch, this rank) | "hf" (transformers' aux_loss) | "auto": step at
+    # pp = 1, micro_batch with pp > 1
     balance: str = "auto"
 
 
@@ -242,15 +242,15 @@ class Config:
 
 
 def balance_mode(cfg: Config, pp: int) -> str:
-    """The balance-loss definition a run computes: ``train.balance``, where "auto" is
-    "micro_batch_global" (each micro-batch's router statistics over the dp x cp group: one
-    micro-batch in flight, no memory beyond it) unless a pipeline schedule (pp > 1), whose stages
-    run the loss inside the schedule, makes the group reduction unavailable: then "micro_batch".
-    "step" (the whole optimizer step's statistics) keeps every micro-batch's graph until the
-    backward phase, so it is opt-in."""
+    """The balance-loss definition a run computes: ``train.balance``, where "auto" is "step"
+    (needs every micro-batch's router counts before the first backward; the loss does not depend
+    on the layout) unless a pipeline schedule (pp > 1), which backs micro-batches up one by one,
+    makes that impossible: then "micro_batch". "micro_batch_global" (each micro-batch's statistics
+    over the dp x cp group) keeps one micro-batch in flight instead, at the price of a loss that
+    depends on how the global batch is split into micro-batches."""
     if cfg.train.balance != "auto":
         return cfg.train.balance
-    return "micro_batch" if pp > 1 else "micro_batch_global"
+    return "micro_batch" if pp > 1 else "step"
 
 
 def eval_interval(cfg: Config) -> int:

@@ -74,7 +74,7 @@ class Workload:
     seq: int
     global_batch: int
     micro_batch: int = 1
-    # train.balance: "step" keeps every micro-batch in flight at pp = 1 ("auto" does not)
+    # train.balance: "auto" / "step" keep every micro-batch in flight at pp = 1
     balance: str = "auto"
 
 

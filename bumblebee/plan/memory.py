@@ -102,11 +102,11 @@ def in_flight(
     work: Workload, lay: Layout, stage: int, prims: PrimitivesConfig | None = None
 ) -> int:
     """Micro-batches whose saved inputs are alive at once on ``stage``: 1F1B's ``min(pp - s, m)``;
-    at pp = 1 the step balance loss (``train.balance = "step"``, opt-in) runs every
+    at pp = 1 the step balance loss (``train.balance`` "auto" or "step") runs every
     micro-batch's forward before the first backward (runtime/step.py), so all ``m`` are; with
     ``moe_comm = overlap_mb`` two run at once (``pair_factor``), so at least two are."""
     m = micro_batches(work, lay)
-    if lay.pp == 1 and work.balance == "step":
+    if lay.pp == 1 and work.balance in ("auto", "step"):
         return m
     return max(min(lay.pp - stage, m), min(pair_factor(prims), m))
 

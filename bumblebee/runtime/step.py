@@ -4,8 +4,8 @@
     sums = accumulate(micro_batches, ...)    2. forward + backward per micro-batch; the sharding
                                                 syncs gradients on the last one (fsdp2: on every
                                                 one by default, train.grad_accum)
-       or accumulate_global_balance(...)        train.balance = "micro_batch_global" (default)
-                                                per micro-batch, or "step" over all of them:
+       or accumulate_global_balance(...)        train.balance = "step" (default) over all the
+                                                micro-batches, or "micro_batch_global" per one:
                                                 forwards, one all-reduce of the router stats,
                                                 backwards
     (or the pipeline schedule runs step 2 when pp > 1: runtime/pipeline.py)
@@ -25,8 +25,9 @@ expert frequencies of every layer over the whole optimizer step (primitives/moe/
 micro-batches and over the dp x cp group in one all-reduce, then gives each micro-batch its
 exact share of the global loss and runs the backwards. The price is that every micro-batch's
 autograd graph lives until the backward phase (under full recompute: the layer inputs), as one
-larger micro-batch would; so the default, "micro_batch_global", pools each micro-batch over the
-dp x cp group on its own (a window of one) and averages over the micro-batches.
+larger micro-batch would; "micro_batch_global" pools each micro-batch over the dp x cp group on
+its own (a window of one) and averages over the micro-batches, at the price of a loss that
+depends on the split into micro-batches.
 """
 
 from __future__ import annotations

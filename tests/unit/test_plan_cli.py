@@ -359,8 +359,8 @@ def test_absurd_layer_counts_in_a_config_json(tmp_path, capsys, layers, needle):
 
 
 def test_set_train_keys_that_change_memory(capsys):
-    """``--set train.balance`` / ``train.micro_batch`` are planned: the step balance loss keeps
-    every micro-batch's saved inputs (the default, micro_batch_global, one micro-batch's), the
+    """``--set train.balance`` / ``train.micro_batch`` are planned: the step balance loss (the
+    default) keeps every micro-batch's saved inputs, micro_batch_global one micro-batch's; the
     emitted config carries the balance asked for; other train keys and bad values are refused."""
 
     def peak(*sets):
@@ -370,11 +370,12 @@ def test_set_train_keys_that_change_memory(capsys):
         rec = json.loads(capsys.readouterr().out)["recommended"]
         return rec["memory_gb"]["total"], rec["config"]
 
-    default, cfg = peak()
+    one, one_cfg = peak("train.balance=micro_batch_global")
     step, step_cfg = peak("train.balance=step")
-    pairs, _ = peak("train.micro_batch=2")
-    assert step > default + 5 and pairs > default + 1
-    assert 'balance = "step"' in step_cfg and "balance" not in cfg
+    default, cfg = peak()
+    pairs, _ = peak("train.balance=micro_batch_global", "train.micro_batch=2")
+    assert step > one + 5 and default == step and pairs > one + 1
+    assert 'balance = "micro_batch_global"' in one_cfg and "balance" not in cfg
     for bad, needle in (("train.lr=3", "train.KEY=VALUE"), ("train.balance=x", "train.balance")):
         argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--seq", "16384", "--set", bad]
         assert top_cli.main(argv) == 2
