@@ -363,6 +363,22 @@ def pair_json(d, v):
         pair_run.execute = real
 
 
+def rl_plot_setup(d):
+    for v in (0, 1):
+        lines = [{"phase": "grpo", "step": s, "reward": v / 4 + s / 100} for s in range(1, 30)]
+        lines += [
+            {"phase": "eval", "step": 0, "reward": 0.4},
+            {"phase": "eval", "step": 29, "reward": 0.6},
+        ]
+        (d / f"m{v}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def rl_plot(d, v):
+    from bumblebee.report import plot_rewards
+
+    plot_rewards(str(d / f"m{v}.jsonl"), str(d / "rewards.png"))
+
+
 def rank_log(d, v):
     from bumblebee.runtime.launch.rank_logs import rank_log
 
@@ -448,6 +464,7 @@ def writers(shared) -> dict[str, Writer]:
             full_disk=False,
         ),
         "pair --json": Writer(pair_json, files=("pair.json",), cuts=(5,)),
+        "rl --plot": Writer(rl_plot, files=("rewards.png",), setup=rl_plot_setup, cuts=(5,)),
         # a rank's log never hides the failure it records: a link or a full disk, no log
         "rank log": Writer(
             rank_log, files=("logs/rank0.log",), dirs=("logs",), full_disk="quiet", cuts=(0, 5)
@@ -489,6 +506,7 @@ NAMES = [
     "train.out_dir check",
     "rl",
     "pair --json",
+    "rl --plot",
     "rank log",
     "out_dir lock",
     "writer guard",
