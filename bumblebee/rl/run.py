@@ -204,6 +204,9 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
     base_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig()))
     engine = Engine(base_cfg, temperature=rl.temperature)
     ctx, out_dir = engine.ctx, cfg.train.out_dir
+    ref_dir = os.path.join(out_dir, "reference")
+    if ctx.rank == 0:  # before the warm-up: a link planted where the reference goes is refused
+        safe_write.refuse_links(ref_dir)
     log = _Log(out_dir, ctx.rank == 0, stream)
     if ctx.rank == 0:
         safe_write.write_file(
@@ -238,8 +241,7 @@ def run(cfg: Config, rl: RLConfig, *, stream: IO | None = None) -> dict:
             if step % 10 == 0 or step == 1
             else None,
         )
-    ref_dir = os.path.join(out_dir, "reference")
-    engine.export_hf(ref_dir)
+    engine.export_hf(ref_dir, root=out_dir)  # a link planted at reference/ is refused
     reference = Engine(
         base_cfg, hf_path=ref_dir, temperature=rl.temperature
     )  # KL is tracked even at kl_coef = 0

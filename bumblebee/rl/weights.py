@@ -332,10 +332,14 @@ class EngineWeights:
             transport.finish(self.weight_version)
         return self.weight_version
 
-    def export_hf(self, out_dir: str, dtype: torch.dtype = torch.float32) -> None:
+    def export_hf(
+        self, out_dir: str, dtype: torch.dtype = torch.float32, *, root: str | None = None
+    ) -> None:
         """Write a HF directory (config.json + safetensors) from rank 0, one tensor at a time: each
         full tensor is gathered when it is reached and written (models/hf_write.py); the tensors of
-        ``model.hf_path`` outside the language model (vision tower, MTP) are carried over. Collective."""
+        ``model.hf_path`` outside the language model (vision tower, MTP) are carried over. ``root``:
+        a directory above ``out_dir`` below which no link is followed (``safe_write``: a link
+        planted at ``out_dir`` inside a run directory is refused, not written through). Collective."""
         from bumblebee.models.hf_write import check_export_target
 
         check_export_target(out_dir, self.cfg.model.hf_path)  # every rank, before the collective
@@ -352,7 +356,13 @@ class EngineWeights:
             # model; the lock keeps two exports from mixing
             with export_lock(out_dir):
                 write_hf(
-                    out_dir, self.arch, shapes, named, dtype=dtype, source=self.cfg.model.hf_path
+                    out_dir,
+                    self.arch,
+                    shapes,
+                    named,
+                    dtype=dtype,
+                    source=self.cfg.model.hf_path,
+                    root=root,
                 )
         else:
             for _ in named:

@@ -634,6 +634,41 @@ def test_a_lock_is_live_while_any_of_its_ranks_is(tmp_path):
     assert "stale lock" in note.getvalue()
 
 
+@pytest.mark.parametrize("planted", ["fifo", "dev-zero link", "directory"])
+def test_a_lock_that_is_no_file_is_never_waited_on(tmp_path, planted):
+    """Something other than a lock file planted at ``bumblebee.lock`` in a shared out_dir: a fifo
+    (reading it blocked the run forever) or a link to ``/dev/zero`` is a stale lock, replaced;
+    a directory is one line. An alarm stands in for the hang."""
+    lock = tmp_path / LOCK_NAME
+    if planted == "fifo":
+        os.mkfifo(lock)
+    elif planted == "directory":
+        lock.mkdir()
+    else:
+        os.symlink("/dev/zero", lock)
+
+    class Hung(BaseException):  # no OSError (TimeoutError is one): nothing may swallow it
+        pass
+
+    def hung(*_):
+        raise Hung("the lock was waited on")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        if planted == "directory":
+            with pytest.raises(outdir.ConfigError, match="is a directory, not bumblebee's lock"):
+                OutDirLock(str(tmp_path), stream=io.StringIO()).__enter__()
+            assert lock.is_dir()
+            return
+        with OutDirLock(str(tmp_path), stream=io.StringIO()) as held:
+            assert held.owned and lock.is_file() and not lock.is_symlink()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    assert not os.path.lexists(lock)
+
+
 def test_a_zombie_owner_is_not_running(tmp_path):
     """An owner that died and was never reaped (an orphan under a parent that does not reap):
     ``kill(pid, 0)`` still succeeds, but the lock is stale."""

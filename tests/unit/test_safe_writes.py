@@ -334,6 +334,65 @@ def train(d, v):
     return main(argv + sets(["train.export_hf=true", f"train.out_dir={d / 'run'}"]))
 
 
+RL_TINY = [
+    "model.arch.hidden_size=32",
+    "rl.steps=1",
+    "rl.warmup_steps=1",
+    "rl.eval_problems=2",
+    "rl.prompts_per_step=2",
+    "rl.group_size=2",
+]
+
+
+def rl_run(d, v):
+    return main(["rl", *sets(RL_TINY + [f"train.out_dir={d / 'rl'}", f"train.seed={v}"])])
+
+
+def pair_json(d, v):
+    """``pair --json``: the command's own writer, with the paired runs replaced by a result (the
+    runs' out_dir lies outside ``d``; their writers are the other entries here)."""
+    from bumblebee.runtime.pair import run as pair_run
+
+    rows = [{"step": s, "quantity": "loss", "a": 1.0 / s + v, "b": 1.0 / s} for s in range(1, 200)]
+    real, pair_run.execute = pair_run.execute, lambda job, out: {"passed": True, "rows": rows}
+    try:
+        argv = ["pair", "--slot", "loss", "--a", "ce", "--b", "linear_ce", "--steps", "1"]
+        argv += sets(TINY + [f"train.out_dir={d.parent / 'pair-runs'}"])
+        return main(argv + ["--json", str(d / "pair.json")])
+    finally:
+        pair_run.execute = real
+
+
+def rl_plot_setup(d):
+    for v in (0, 1):
+        lines = [{"phase": "grpo", "step": s, "reward": v / 4 + s / 100} for s in range(1, 30)]
+        lines += [
+            {"phase": "eval", "step": 0, "reward": 0.4},
+            {"phase": "eval", "step": 29, "reward": 0.6},
+        ]
+        (d / f"m{v}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def rl_plot(d, v):
+    from bumblebee.report import plot_rewards
+
+    plot_rewards(str(d / f"m{v}.jsonl"), str(d / "rewards.png"))
+
+
+def rank_log(d, v):
+    from bumblebee.runtime.launch.rank_logs import rank_log
+
+    with rank_log(str(d / "logs"), 0, v):
+        pass
+
+
+def out_dir_lock(d, v):
+    from bumblebee.runtime.launch.outdir import OutDirLock
+
+    with OutDirLock(str(d / "run"), stream=io.StringIO()):
+        pass
+
+
 PID = os.getpid()
 ST, IDX = "model.safetensors", "model.safetensors.index.json"
 
@@ -396,6 +455,29 @@ def writers(shared) -> dict[str, Writer]:
             previous=False,
             full_disk=False,
         ),
+        # refused up front (links); a full disk: its files' writers above (as for train)
+        "rl": Writer(
+            rl_run,
+            files=("rl/metrics.jsonl", "rl/config.toml"),
+            dirs=("rl/reference",),
+            previous=False,
+            full_disk=False,
+        ),
+        "pair --json": Writer(pair_json, files=("pair.json",), cuts=(5,)),
+        "rl --plot": Writer(rl_plot, files=("rewards.png",), setup=rl_plot_setup, cuts=(5,)),
+        # a rank's log never hides the failure it records: a link or a full disk, no log
+        "rank log": Writer(
+            rank_log, files=("logs/rank0.log",), dirs=("logs",), full_disk="quiet", cuts=(0, 5)
+        ),
+        # a link at the lock itself (or its temporary) is a stale lock: replaced, not followed
+        "out_dir lock": Writer(
+            out_dir_lock,
+            files=("run/.bumblebee.lock.guard",),
+            temps=("run/bumblebee.lock", f"run/.bumblebee.lock.{PID}.tmp"),
+            setup=lambda d: (d / "run").mkdir(),
+            previous=False,
+            full_disk=False,
+        ),
         "writer guard": Writer(
             writer_guard,
             temps=(f".bumblebee-write-test-{PID}",),
@@ -422,6 +504,11 @@ NAMES = [
     "rank report",
     "train",
     "train.out_dir check",
+    "rl",
+    "pair --json",
+    "rl --plot",
+    "rank log",
+    "out_dir lock",
     "writer guard",
 ]
 

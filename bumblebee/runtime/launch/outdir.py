@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -133,13 +134,22 @@ def read_lock(path: str) -> dict | None:
     """The lock at ``path``: its owner's record (its first line) with ``members``, the records
     the owner's ranks added (lines after the first); None if there is no lock. A lock that does
     not parse (foreign, or torn by a crash of an older bumblebee) has pid -1: stale."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read(1 << 20).decode("utf-8", "replace")
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    try:  # a link, a fifo or a device planted there is never followed, waited on or read
+        fd = os.open(path, flags)
     except FileNotFoundError:
         return None
     except OSError:
-        text = ""
+        fd = None
+    text = ""
+    if fd is not None:
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                text = os.read(fd, 1 << 20).decode("utf-8", "replace")
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     lines = [line for line in text.splitlines() if line.strip()]
     holder = None
     for candidate in (lines[0] if lines else "", text):
@@ -328,6 +338,10 @@ def _remove(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+    except IsADirectoryError:
+        raise ConfigError(
+            f"{path}: is a directory, not bumblebee's lock; remove it, or use another directory"
+        ) from None
 
 
 class OutDirLost(ConfigError):

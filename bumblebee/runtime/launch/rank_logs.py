@@ -5,18 +5,24 @@ the traceback behind that line would otherwise be lost with the rank's process, 
 multi-rank failure could not be reported. Each rank therefore appends, to its own file,
 a header (attempt, time, pid) and the Python traceback of the exception that ended it;
 ``faulthandler`` writes into the same file, so a segfault or an abort in a kernel still
-leaves the rank's stacks behind. The file is opened without following a planted link.
+leaves the rank's stacks behind. Neither ``logs/`` nor the file is followed when it is a link
+(planted in a shared out_dir): the rank then keeps no log, and says so.
 A log that cannot be written never hides the failure it was meant to record.
 """
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import os
+import sys
 import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from bumblebee import safe_write
+from bumblebee.errors import ConfigError
 
 LOGS = "logs"
 # lines of the traceback kept in the failure report, printed when no log file could be written
@@ -62,16 +68,23 @@ def rank_log(log_dir: str | None, rank: int, attempt: int = 0) -> Iterator[str |
     ``log_dir/rank<rank>.log``; yields the file's path, or None when there is no log to write."""
     f = None
     if log_dir:
-        try:
-            os.makedirs(log_dir, exist_ok=True)
+        try:  # neither logs/ nor the file is followed when a link (a link planted there)
+            safe_write.make_dirs(log_dir, root=os.path.dirname(os.path.abspath(log_dir)))
             f = _open_append(log_path(log_dir, rank))
             f.write(
                 f"{_HEADER}{rank} attempt {attempt} pid {os.getpid()} "
                 f"started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
             )
             faulthandler.enable(file=f, all_threads=True)
-        except OSError:
+        except (OSError, ConfigError) as e:
+            if f is not None:  # e.g. a full disk at the header: the file goes quietly
+                try:
+                    f.close()
+                except OSError:
+                    pass
             f = None
+            if isinstance(e, ConfigError) or getattr(e, "errno", None) == errno.ELOOP:
+                print(f"bumblebee: note: rank {rank} keeps no log: {e}", file=sys.stderr)
     try:
         yield None if f is None else log_path(log_dir, rank)
     except BaseException as e:
